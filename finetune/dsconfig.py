@@ -1,0 +1,166 @@
+"""Recipe -> DeepSpeed JSON and the HF TrainingArguments it implies.
+
+Values the recipe knows are written out; `"auto"` is used only where the HF DeepSpeed integration
+fills it (transformers/integrations/deepspeed.py):
+- `train_batch_size` when the world size is only known at launch (micro x accumulation x world),
+- `zero_optimization.reduce_bucket_size` (hidden^2), `stage3_prefetch_bucket_size` (0.9 x hidden^2),
+  `stage3_param_persistence_threshold` (10 x hidden): they need the model's hidden size.
+Everything else is concrete, so a rendered file also means the same thing outside the Trainer.
+
+Output is deterministic: keys are emitted in a fixed order, so a diff of a rendered file in a pull
+request shows exactly what changed.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import Any, Optional
+
+from finetune.recipe import Recipe
+
+# DeepSpeed builds these optimizers itself (and offloads them to its CPU implementations).
+DS_OPTIMIZERS = {"adamw": "AdamW", "adam": "Adam", "lion": "Lion", "adagrad": "Adagrad"}
+# These come from the HF Trainer (DeepSpeed wraps a client optimizer it cannot offload).
+HF_OPTIMIZERS = {"sgd": "sgd", "adamw_bnb_8bit": "adamw_bnb_8bit"}
+
+# DeepSpeed prints every N steps; the Trainer already logs, so keep DeepSpeed quiet.
+_STEPS_PER_PRINT = 1_000_000
+
+
+def render_deepspeed(recipe: Recipe, world_size: Optional[int] = None) -> dict[str, Any]:
+    """The DeepSpeed config for `recipe`. `world_size` overrides what the recipe implies."""
+    t, ds = recipe.training, recipe.deepspeed
+    world = world_size if world_size is not None else recipe.world_size
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": t.micro_batch_size,
+        "gradient_accumulation_steps": t.gradient_accumulation_steps,
+        "train_batch_size": t.micro_batch_size * t.gradient_accumulation_steps * world if world else "auto",
+        "gradient_clipping": t.max_grad_norm,
+        "bf16": {"enabled": recipe.model.dtype == "bfloat16"},
+        "fp16": _fp16_block(recipe.model.dtype == "float16"),
+    }
+    optimizer = _optimizer_block(recipe)
+    if optimizer is not None:
+        config["optimizer"] = optimizer
+    config["zero_optimization"] = _zero_block(recipe)
+    if t.optimizer in HF_OPTIMIZERS and ds.offload_optimizer != "none":
+        # DeepSpeed refuses a client optimizer with offload unless told it may (lint flags this).
+        config["zero_force_ds_cpu_optimizer"] = False
+    config["steps_per_print"] = _STEPS_PER_PRINT
+    config["wall_clock_breakdown"] = False
+    return deep_merge(config, ds.overrides)
+
+
+def _fp16_block(enabled: bool) -> dict[str, Any]:
+    if not enabled:
+        return {"enabled": False}
+    # DeepSpeed's documented dynamic loss scaling defaults, written out so the file says what runs.
+    return {"enabled": True, "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16,
+            "hysteresis": 2, "min_loss_scale": 1}
+
+
+def _optimizer_block(recipe: Recipe) -> Optional[dict[str, Any]]:
+    t = recipe.training
+    name = DS_OPTIMIZERS.get(t.optimizer)
+    if name is None:
+        return None
+    params: dict[str, Any] = {"lr": t.learning_rate, "weight_decay": t.weight_decay}
+    if name in ("AdamW", "Adam", "Lion"):
+        params["betas"] = [t.adam_beta1, t.adam_beta2]
+    if name in ("AdamW", "Adam", "Adagrad"):
+        params["eps"] = t.adam_epsilon
+    return {"type": name, "params": dict(sorted(params.items()))}
+
+
+def _offload(device: str, nvme_path: Optional[str]) -> dict[str, Any]:
+    block: dict[str, Any] = {"device": device, "pin_memory": True}
+    if device == "nvme":
+        block["nvme_path"] = nvme_path or "/local_nvme"
+    return block
+
+
+def _zero_block(recipe: Recipe) -> dict[str, Any]:
+    ds = recipe.deepspeed
+    zero: dict[str, Any] = {"stage": ds.stage}
+    if ds.stage == 0:
+        return zero
+    if ds.offload_optimizer != "none":
+        zero["offload_optimizer"] = _offload(ds.offload_optimizer, ds.nvme_path)
+    if ds.stage == 3 and ds.offload_param != "none":
+        zero["offload_param"] = _offload(ds.offload_param, ds.nvme_path)
+    if ds.overlap_comm is not None:
+        zero["overlap_comm"] = ds.overlap_comm
+    zero["contiguous_gradients"] = ds.contiguous_gradients
+    zero["reduce_bucket_size"] = ds.reduce_bucket_size
+    if ds.stage in (1, 2) and ds.allgather_bucket_size is not None:
+        zero["allgather_bucket_size"] = ds.allgather_bucket_size
+    if ds.stage == 3:
+        zero["stage3_prefetch_bucket_size"] = ds.stage3_prefetch_bucket_size
+        zero["stage3_param_persistence_threshold"] = ds.stage3_param_persistence_threshold
+        if ds.stage3_max_live_parameters is not None:
+            zero["stage3_max_live_parameters"] = ds.stage3_max_live_parameters
+        zero["stage3_gather_16bit_weights_on_model_save"] = ds.gather_16bit_weights_on_model_save
+    return zero
+
+
+def render_training_args(recipe: Recipe, output_dir: Optional[str] = None) -> dict[str, Any]:
+    """Keyword arguments for transformers.TrainingArguments (the `deepspeed` key is filled at launch)."""
+    t, d = recipe.training, recipe.data
+    args: dict[str, Any] = {
+        "output_dir": output_dir or resolved_output_dir(recipe),
+        "per_device_train_batch_size": t.micro_batch_size,
+        "per_device_eval_batch_size": t.micro_batch_size,
+        "gradient_accumulation_steps": t.gradient_accumulation_steps,
+        "num_train_epochs": t.epochs,
+        "max_steps": t.max_steps if t.max_steps is not None else -1,
+        "learning_rate": t.learning_rate,
+        "lr_scheduler_type": t.lr_scheduler,
+        # transformers >= 5 reads a float below 1 as a ratio of the total steps (warmup_ratio is gone).
+        "warmup_steps": t.warmup_steps if t.warmup_steps > 0 else t.warmup_ratio,
+        "weight_decay": t.weight_decay,
+        "adam_beta1": t.adam_beta1,
+        "adam_beta2": t.adam_beta2,
+        "adam_epsilon": t.adam_epsilon,
+        "max_grad_norm": t.max_grad_norm,
+        "bf16": recipe.model.dtype == "bfloat16",
+        "fp16": recipe.model.dtype == "float16",
+        "gradient_checkpointing": t.gradient_checkpointing,
+        "gradient_checkpointing_kwargs": {"use_reentrant": t.gradient_checkpointing_reentrant} if t.gradient_checkpointing else None,
+        "seed": t.seed,
+        "data_seed": t.seed,
+        "logging_steps": t.logging_steps,
+        "logging_first_step": True,
+        "eval_strategy": "steps" if d.validation_split > 0 else "no",
+        "eval_steps": (t.eval_steps or t.logging_steps) if d.validation_split > 0 else None,
+        "save_strategy": "steps" if t.save_steps else "no",
+        "save_steps": t.save_steps,
+        "save_total_limit": t.save_total_limit,
+        "report_to": [r for r in t.report_to if r != "none"] or "none",
+        "dataloader_num_workers": t.dataloader_num_workers,
+        "remove_unused_columns": False,
+        "ddp_timeout": 1800,
+    }
+    if t.optimizer in HF_OPTIMIZERS:
+        args["optim"] = HF_OPTIMIZERS[t.optimizer]
+    return args
+
+
+def resolved_output_dir(recipe: Recipe) -> str:
+    return recipe.output_dir.replace("{name}", recipe.name or "run")
+
+
+def deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    """`top` wins key by key; nested dicts merge. Neither input is modified."""
+    out = copy.deepcopy(base)
+    for key, value in top.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def dumps(config: dict[str, Any]) -> str:
+    """Stable JSON text: two-space indent, insertion order (render's order is fixed), final newline."""
+    return json.dumps(config, indent=2) + "\n"

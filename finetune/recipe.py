@@ -1,0 +1,447 @@
+"""The recipe: one YAML file that is the single source of truth for a fine-tuning run.
+
+This module holds the schema (pydantic: defaults, types, docs and validation in one place) and
+loading: YAML with line numbers, `extends:` chains, `--set a.b=value` overrides, and error
+reports that name the file, line and key. It never imports torch.
+
+A minimal recipe:
+
+    model: {name_or_path: meta-llama/Meta-Llama-3-8B-Instruct}
+    method: qlora
+    data: {path: data/alpaca.jsonl, format: alpaca}
+    deepspeed: {stage: 3}
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from finetune.yamlio import Document, DocumentError, load_yaml, read_text
+
+Dtype = Literal["bfloat16", "float16", "float32"]
+Offload = Literal["none", "cpu", "nvme"]
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(value: Union[str, int, float]) -> int:
+    """'24GiB' -> 25769803776; '12GB' -> 12e9; a bare number is bytes."""
+    if isinstance(value, bool):
+        raise ValueError("expected a size such as 24GiB")
+    if isinstance(value, (int, float)):
+        return int(value)
+    match = _SIZE_RE.match(str(value))
+    if not match:
+        raise ValueError(f"expected a size such as 24GiB or 12GB, got {value!r}")
+    number, unit = match.groups()
+    return int(float(number) * _UNITS[(unit or "B").lower()])
+
+
+class _Section(BaseModel):
+    # extra="forbid": a misspelled key is an error, never silently dropped (axolotl's `lora_rr`).
+    model_config = ConfigDict(extra="forbid", validate_default=True, use_attribute_docstrings=True)
+
+
+class ModelSection(_Section):
+    name_or_path: str = Field(min_length=1, description="Hub id or local directory of the base model.")
+    revision: Optional[str] = Field(None, description="Git revision (branch, tag or commit) of a hub model.")
+    dtype: Dtype = Field("bfloat16", description="Dtype the weights are loaded and trained in (mixed precision follows it).")
+    attn_implementation: Literal["eager", "sdpa", "flash_attention_2", "flash_attention_3"] = Field(
+        "sdpa", description="Attention kernel passed to from_pretrained.")
+    trust_remote_code: bool = Field(False, description="Run modelling code shipped with the checkpoint. Off by default: it executes code from the hub.")
+    tokenizer: Optional[str] = Field(None, description="Tokenizer location when it differs from the model's.")
+
+
+class LoraSection(_Section):
+    r: int = Field(16, ge=1, le=4096, description="LoRA rank.")
+    alpha: float = Field(32, gt=0, description="lora_alpha; the update is scaled by alpha / r (alpha / sqrt(r) with rslora).")
+    dropout: float = Field(0.05, ge=0, lt=1, description="Dropout on the LoRA input.")
+    target_modules: Union[Literal["all-linear"], list[str]] = Field(
+        "all-linear", description="Module names to adapt, or `all-linear` for every linear layer except the output head.")
+    modules_to_save: Optional[list[str]] = Field(None, description="Modules trained in full and saved with the adapter (e.g. embed_tokens, lm_head).")
+    rslora: bool = Field(False, description="Rank-stabilised LoRA: scale by alpha / sqrt(r).")
+    dora: bool = Field(False, description="Weight-decomposed LoRA (DoRA).")
+    bias: Literal["none", "all", "lora_only"] = Field("none", description="Which biases are trained.")
+
+
+class QuantizationSection(_Section):
+    quant_type: Literal["nf4", "fp4"] = Field("nf4", description="4-bit data type.")
+    double_quant: bool = Field(True, description="Quantize the quantization constants too (saves ~0.4 bit/param).")
+    compute_dtype: Dtype = Field("bfloat16", description="Dtype of the matmuls on dequantized weights.")
+    storage_dtype: Dtype = Field("bfloat16", description="bnb_4bit_quant_storage. ZeRO-3 shards it like any tensor, so it must equal compute_dtype (and the model dtype) under ZeRO-3.")
+
+
+class DataSection(_Section):
+    path: str = Field(min_length=1, description="Local .json/.jsonl/.parquet/.csv file (relative to the recipe) or a hub dataset id.")
+    format: Literal["alpaca", "messages", "text"] = Field("alpaca", description="alpaca: instruction/input/output columns; messages: a list of {role, content}; text: one `text` column.")
+    split: str = Field("train", description="Split to read from a hub dataset.")
+    chat_template: Optional[str] = Field(None, description="Jinja chat template for `messages` (default: the tokenizer's own).")
+    max_length: int = Field(2048, ge=8, le=1_048_576, description="Sequences are truncated to this many tokens.")
+    packing: bool = Field(False, description="Concatenate examples into max_length blocks (no padding waste).")
+    validation_split: float = Field(0.0, ge=0, lt=1, description="Fraction of examples held out for evaluation (0 = no eval).")
+    mask_prompt: bool = Field(True, description="Exclude prompt tokens from the loss (train on responses only).")
+
+
+class TrainingSection(_Section):
+    epochs: float = Field(1.0, gt=0, description="Passes over the data (ignored when max_steps is set).")
+    max_steps: Optional[int] = Field(None, ge=1, description="Stop after this many optimizer steps.")
+    micro_batch_size: int = Field(1, ge=1, description="Sequences per GPU per forward pass (train_micro_batch_size_per_gpu).")
+    gradient_accumulation_steps: int = Field(1, ge=1, description="Micro batches per optimizer step.")
+    learning_rate: float = Field(2e-4, gt=0, le=1, description="Peak learning rate.")
+    lr_scheduler: Literal["linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup", "inverse_sqrt"] = Field(
+        "cosine", description="HF scheduler type.")
+    warmup_ratio: float = Field(0.03, ge=0, lt=1, description="Fraction of steps spent warming up (ignored when warmup_steps > 0).")
+    warmup_steps: int = Field(0, ge=0, description="Warm-up steps.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    adam_beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1.")
+    adam_beta2: float = Field(0.999, ge=0, lt=1, description="AdamW beta2.")
+    adam_epsilon: float = Field(1e-8, gt=0, description="AdamW epsilon.")
+    max_grad_norm: float = Field(1.0, ge=0, description="Gradient clipping (0 disables it).")
+    optimizer: Literal["adamw", "adam", "lion", "adagrad", "sgd", "adamw_bnb_8bit"] = Field(
+        "adamw", description="Optimizer. DeepSpeed builds adamw/adam/lion/adagrad itself (CPU-offloadable); sgd and adamw_bnb_8bit come from the HF Trainer and cannot be offloaded.")
+    gradient_checkpointing: bool = Field(True, description="Recompute activations in backward (less memory, ~30% more compute).")
+    gradient_checkpointing_reentrant: bool = Field(False, description="Reentrant checkpointing; breaks gradients with frozen inputs (LoRA), keep false.")
+    seed: int = Field(42, ge=0, description="Seed for init, data order and dropout.")
+    logging_steps: int = Field(10, ge=1, description="Log loss and learning rate every N steps.")
+    eval_steps: Optional[int] = Field(None, ge=1, description="Evaluate every N steps (needs data.validation_split).")
+    save_steps: Optional[int] = Field(None, ge=1, description="Checkpoint every N steps (default: at the end only).")
+    save_total_limit: Optional[int] = Field(2, ge=1, description="Keep at most this many checkpoints.")
+    report_to: list[Literal["tensorboard", "wandb", "mlflow", "none"]] = Field(
+        ["tensorboard"], description="Where metrics go.")
+    dataloader_num_workers: int = Field(0, ge=0, description="Data loader worker processes per rank.")
+
+
+class DeepSpeedSection(_Section):
+    stage: Literal[0, 1, 2, 3] = Field(2, description="ZeRO stage: 0 plain data parallel, 1 optimizer states, 2 + gradients, 3 + parameters.")
+    offload_optimizer: Offload = Field("none", description="Where optimizer states (and the Adam step) live. Needs stage >= 1.")
+    offload_param: Offload = Field("none", description="Where parameters live between uses. Needs stage 3.")
+    nvme_path: Optional[str] = Field(None, description="Directory on a fast local NVMe disk, for nvme offload.")
+    overlap_comm: Optional[bool] = Field(None, description="Overlap reduction with backward (default: DeepSpeed's, true for stage 3). Doubles the gradient bucket memory.")
+    contiguous_gradients: bool = Field(True, description="Copy gradients into one contiguous buffer as they are produced (less fragmentation).")
+    reduce_bucket_size: Union[int, Literal["auto"]] = Field("auto", description="Elements per gradient reduction bucket (auto: hidden_size^2).")
+    allgather_bucket_size: Optional[int] = Field(None, ge=1, description="Elements per all-gather bucket in stages 1-2 (DeepSpeed default 5e8).")
+    stage3_prefetch_bucket_size: Union[int, Literal["auto"]] = Field("auto", description="Elements prefetched ahead in stage 3 (auto: 0.9 x hidden_size^2).")
+    stage3_param_persistence_threshold: Union[int, Literal["auto"]] = Field("auto", description="Parameters smaller than this stay unpartitioned in stage 3 (auto: 10 x hidden_size).")
+    stage3_max_live_parameters: Optional[int] = Field(None, ge=1, description="Upper bound of gathered parameters in stage 3 (DeepSpeed default 1e9).")
+    gather_16bit_weights_on_model_save: bool = Field(True, description="Stage 3: gather the full 16-bit weights when saving, so the run directory holds usable weights.")
+    overrides: dict[str, Any] = Field(default_factory=dict, description="Raw DeepSpeed JSON merged last, key by key (linted like any config).")
+
+
+class LaunchSection(_Section):
+    procs_per_node: Union[int, Literal["auto"]] = Field("auto", description="Processes per machine (auto: one per visible GPU).")
+    nodes: int = Field(1, ge=1, description="Number of machines.")
+    node_rank: int = Field(0, ge=0, description="Rank of this machine (torchrun rendezvous).")
+    hostfile: Optional[str] = Field(None, description="DeepSpeed hostfile (`host slots=N` lines); launches through the deepspeed launcher.")
+    master_addr: str = Field("127.0.0.1", description="Address of node 0.")
+    master_port: int = Field(29500, ge=1, le=65535, description="Rendezvous port on node 0.")
+    launcher: Literal["auto", "torchrun", "deepspeed"] = Field("auto", description="auto: deepspeed with a hostfile, torchrun otherwise.")
+
+    @field_validator("procs_per_node")
+    @classmethod
+    def _positive(cls, value: Any) -> Any:
+        if isinstance(value, int) and value < 1:
+            raise ValueError("must be >= 1 or 'auto'")
+        return value
+
+
+class HardwareSection(_Section):
+    gpus: int = Field(1, ge=1, description="GPUs per node the recipe is meant for.")
+    gpu_memory: Optional[str] = Field(None, description="Memory per GPU, e.g. 24GiB.")
+    gpu_type: Optional[str] = Field(None, description="GPU model, e.g. A100, RTX 4070, P40 (enables bf16/feature checks).")
+    cpu_memory: Optional[str] = Field(None, description="RAM per node, e.g. 256GiB (checks offload).")
+
+    @field_validator("gpu_memory", "cpu_memory")
+    @classmethod
+    def _size(cls, value: Optional[str]) -> Optional[str]:
+        if value is not None:
+            parse_size(value)
+        return value
+
+
+class Recipe(_Section):
+    """A fine-tuning recipe."""
+
+    extends: Optional[str] = Field(None, description="Path of a recipe this one starts from (relative to this file); keys here win.")
+    name: Optional[str] = Field(None, description="Run name (default: the recipe's file name).")
+    model: ModelSection
+    method: Literal["full", "lora", "qlora"] = Field("lora", description="full: every weight; lora: adapters on a frozen 16-bit base; qlora: adapters on a frozen 4-bit base.")
+    lora: LoraSection = Field(default_factory=LoraSection)
+    quantization: QuantizationSection = Field(default_factory=QuantizationSection)
+    data: DataSection
+    training: TrainingSection = Field(default_factory=TrainingSection)
+    deepspeed: DeepSpeedSection = Field(default_factory=DeepSpeedSection)
+    launch: LaunchSection = Field(default_factory=LaunchSection)
+    hardware: Optional[HardwareSection] = Field(None, description="The machines the recipe is meant for (used by lint and plan).")
+    output_dir: str = Field("runs/{name}", description="Run directory ({name} is replaced by the run name); relative to the current directory.")
+
+    @property
+    def world_size(self) -> Optional[int]:
+        """Total processes, or None when it depends on the GPUs found at launch."""
+        if isinstance(self.launch.procs_per_node, int):
+            return self.launch.procs_per_node * self.launch.nodes
+        if self.hardware is not None:
+            return self.hardware.gpus * self.launch.nodes
+        return None
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading
+
+
+class RecipeProblem(Exception):
+    """One or more problems in a recipe, each with file, line, column and key."""
+
+    def __init__(self, problems: list["Problem"]):
+        super().__init__("\n".join(p.render() for p in problems))
+        self.problems = problems
+
+
+class Problem:
+    __slots__ = ("path", "line", "col", "key", "message", "fix")
+
+    def __init__(self, path: str, line: int, col: int, key: Optional[str], message: str, fix: Optional[str] = None):
+        self.path, self.line, self.col, self.key, self.message, self.fix = path, line, col, key, message, fix
+
+    def render(self) -> str:
+        where = f"{self.path}:{self.line}:{self.col}"
+        key = f" `{self.key}`" if self.key else ""
+        fix = f" ({self.fix})" if self.fix else ""
+        return f"{where}:{key} {self.message}{fix}"
+
+
+class LoadedRecipe:
+    """A validated recipe plus the merged raw data and where every key came from."""
+
+    def __init__(self, recipe: Recipe, raw: dict, origin: dict, path: Path):
+        self.recipe = recipe
+        self.raw = raw  # merged data after extends and --set
+        self.origin = origin  # key path -> (file, line, col)
+        self.path = path
+
+    def where(self, key_path: tuple) -> tuple[str, int, int]:
+        key_path = tuple(key_path)
+        while key_path:
+            if key_path in self.origin:
+                return self.origin[key_path]
+            key_path = key_path[:-1]
+        return self.origin.get((), (str(self.path), 1, 1))
+
+
+MAX_EXTENDS = 16
+
+
+def load_recipe(path: Union[str, Path], overrides: Optional[list[str]] = None) -> LoadedRecipe:
+    """Read, merge (`extends`), override (`--set`) and validate a recipe. Raises RecipeProblem."""
+    path = Path(path)
+    raw, origin = _load_chain(path, [])
+    for item in overrides or []:
+        _apply_set(raw, origin, item)
+    # Relative data/model/hostfile paths are relative to the file that wrote them.
+    recipe = validate(raw, origin, str(path))
+    if recipe.name is None:
+        recipe.name = path.stem
+    return LoadedRecipe(recipe, raw, origin, path)
+
+
+def _problem_at(path: str, exc: DocumentError) -> RecipeProblem:
+    return RecipeProblem([Problem(path, exc.line, exc.col, exc.key, exc.message)])
+
+
+def _load_chain(path: Path, seen: list[Path]) -> tuple[dict, dict]:
+    shown = str(path)
+    try:
+        resolved = path.resolve()
+    except (OSError, RuntimeError):
+        resolved = path
+    if resolved in seen:
+        chain = " -> ".join(str(p) for p in seen + [resolved])
+        raise RecipeProblem([Problem(shown, 1, 1, "extends", f"`extends` loop: {chain}")])
+    if len(seen) >= MAX_EXTENDS:
+        raise RecipeProblem([Problem(shown, 1, 1, "extends", f"`extends` chain longer than {MAX_EXTENDS} files")])
+    if not path.is_file():
+        what = "is a directory, not a recipe file" if path.is_dir() else "does not exist"
+        raise RecipeProblem([Problem(shown, 1, 1, None, f"recipe file {what}")])
+    try:
+        doc = load_yaml(read_text(path), shown)
+    except DocumentError as exc:
+        raise _problem_at(shown, exc) from None
+    data = doc.data
+    if data is None:
+        raise RecipeProblem([Problem(shown, 1, 1, None, "recipe is empty", "start from recipes/demo.yaml")])
+    if not isinstance(data, dict):
+        raise RecipeProblem([Problem(shown, *doc.pos(()), None, f"a recipe is a mapping of keys, not a {type(data).__name__}")])
+    origin = {kp: (shown, line, col) for kp, (line, col) in doc.positions.items()}
+    _rebase_paths(data, path.parent)
+    parent = data.get("extends")
+    if parent is None:
+        return data, origin
+    if not isinstance(parent, str) or not parent:
+        line, col = doc.pos(("extends",))
+        raise RecipeProblem([Problem(shown, line, col, "extends", "`extends` takes the path of another recipe file")])
+    parent_path = Path(parent) if Path(parent).is_absolute() else path.parent / parent
+    if not parent_path.is_file():
+        line, col = doc.pos(("extends",))
+        raise RecipeProblem([Problem(shown, line, col, "extends", f"extended recipe {parent_path} does not exist")])
+    base, base_origin = _load_chain(parent_path, seen + [resolved])
+    merged = _deep_merge(base, data)
+    merged.pop("extends", None)
+    base_origin.update(origin)
+    base_origin.pop(("extends",), None)
+    return merged, base_origin
+
+
+# Keys whose string value is a filesystem path, resolved against the recipe that wrote it.
+_PATH_KEYS = (("data", "path"), ("model", "name_or_path"), ("model", "tokenizer"), ("launch", "hostfile"))
+
+
+def _rebase_paths(data: dict, base: Path) -> None:
+    """Make relative local paths relative to the recipe's folder (hub ids are left alone)."""
+    for section, key in _PATH_KEYS:
+        block = data.get(section)
+        if not isinstance(block, dict):
+            continue
+        value = block.get(key)
+        if not isinstance(value, str) or not value or Path(value).is_absolute():
+            continue
+        if value.startswith(("./", "../")) or (base / value).exists() or key == "hostfile":
+            block[key] = str((base / value))
+
+
+def _deep_merge(base: dict, top: dict) -> dict:
+    """`top` wins key by key; sections (and deepspeed.overrides) merge recursively."""
+    out = dict(base)
+    for key, value in top.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def _apply_set(raw: dict, origin: dict, item: str) -> None:
+    """`--set deepspeed.stage=3`: the value is read as YAML (numbers, booleans, lists)."""
+    where = "--set"
+    if "=" not in item:
+        raise RecipeProblem([Problem(where, 1, 1, None, f"`--set {item}` needs the form key.path=value")])
+    dotted, _, text = item.partition("=")
+    keys = [k for k in dotted.strip().split(".")]
+    if not all(keys):
+        raise RecipeProblem([Problem(where, 1, 1, dotted, f"`--set {item}`: empty key in `{dotted}`")])
+    try:
+        value = load_yaml(text, where).data if text.strip() else ""
+    except DocumentError as exc:
+        raise RecipeProblem([Problem(where, 1, 1, dotted, f"cannot read value: {exc.message}")]) from None
+    node = raw
+    for i, key in enumerate(keys[:-1]):
+        child = node.get(key)
+        if child is None:
+            child = node[key] = {}
+        if not isinstance(child, dict):
+            raise RecipeProblem([Problem(where, 1, 1, dotted, f"`{'.'.join(keys[:i + 1])}` is not a section")])
+        node = child
+    node[keys[-1]] = value
+    origin[tuple(keys)] = (f"--set {item}", 1, 1)
+
+
+def validate(raw: dict, origin: dict, path: str) -> Recipe:
+    """Validate merged data; every pydantic error becomes a Problem with a position."""
+    try:
+        return Recipe.model_validate(raw)
+    except ValidationError as exc:
+        problems = [_to_problem(err, raw, origin, path) for err in exc.errors(include_url=False)]
+        raise RecipeProblem(_dedupe(problems)) from None
+
+
+def _dedupe(problems: list[Problem]) -> list[Problem]:
+    seen, out = set(), []
+    for p in problems:
+        k = (p.path, p.line, p.col, p.key, p.message)
+        if k not in seen:
+            seen.add(k)
+            out.append(p)
+    return sorted(out, key=lambda p: (p.path, p.line, p.col))
+
+
+def _to_problem(err: dict, raw: dict, origin: dict, path: str) -> Problem:
+    # pydantic inserts union-member and literal names into loc; keep only real keys and indexes.
+    loc = tuple(part for part in err["loc"] if _is_real_key(raw, err["loc"], part))
+    key = ".".join(str(p) for p in loc)
+    file, line, col = _where(origin, loc, path)
+    kind = err["type"]
+    if kind == "extra_forbidden":
+        options = _known_keys(loc[:-1])
+        guess = difflib.get_close_matches(str(loc[-1]), options, n=1, cutoff=0.6)
+        fix = f"did you mean `{guess[0]}`?" if guess else (f"known keys: {', '.join(sorted(options))}" if options else None)
+        return Problem(file, line, col, key, "unknown key", fix)
+    if kind == "missing":
+        return Problem(file, line, col, key, "required key is missing")
+    value = err.get("input")
+    shown = repr(value) if not isinstance(value, (dict, list)) else type(value).__name__
+    message = err["msg"]
+    if kind == "literal_error":
+        expected = err.get("ctx", {}).get("expected", "")
+        message = f"expected one of {expected}"
+        guess = difflib.get_close_matches(str(value), re.findall(r"'([^']*)'", expected), n=1, cutoff=0.6)
+        if guess:
+            return Problem(file, line, col, key, f"{message}, got {shown}", f"did you mean `{guess[0]}`?")
+    return Problem(file, line, col, key, f"{message}, got {shown}")
+
+
+def _is_real_key(raw: Any, full_loc: tuple, part: Any) -> bool:
+    node = raw
+    for p in full_loc:
+        if p is part:
+            break
+        if isinstance(node, dict) and p in node:
+            node = node[p]
+        elif isinstance(node, list) and isinstance(p, int) and p < len(node):
+            node = node[p]
+    if isinstance(part, int):
+        return isinstance(node, list)
+    return isinstance(node, dict) or node is None or not isinstance(node, (list,))
+
+
+def _where(origin: dict, loc: tuple, path: str) -> tuple[str, int, int]:
+    loc = tuple(loc)
+    while loc:
+        if loc in origin:
+            return origin[loc]
+        loc = loc[:-1]
+    return origin.get((), (path, 1, 1))
+
+
+def _known_keys(section_loc: tuple) -> list[str]:
+    model: Any = Recipe
+    for part in section_loc:
+        if isinstance(part, int):
+            return []
+        field = getattr(model, "model_fields", {}).get(part)
+        if field is None:
+            return []
+        model = _section_model(field.annotation)
+        if model is None:
+            return []
+    return list(getattr(model, "model_fields", {}).keys())
+
+
+def _section_model(annotation: Any) -> Any:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in getattr(annotation, "__args__", ()) or ():
+        if isinstance(arg, type) and issubclass(arg, BaseModel):
+            return arg
+    return None
+
+
+def json_schema() -> dict:
+    """JSON Schema of the recipe, for YAML language servers (`# yaml-language-server: $schema=...`)."""
+    schema = Recipe.model_json_schema()
+    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    schema["title"] = "finetune recipe"
+    return schema

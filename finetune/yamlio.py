@@ -1,0 +1,198 @@
+"""YAML and JSON reading that keeps line numbers and refuses anything that is not plain data.
+
+Both recipes and raw DeepSpeed JSON come through here so that every finding can point at
+`file:line:col`. The loader composes the YAML node graph itself (ruamel.yaml's composer) instead
+of constructing Python objects, which gives us, in one pass:
+
+- positions for every key and value (1-based line and column),
+- duplicate keys as errors (DeepSpeed rejects them in JSON; HF silently keeps the last),
+- no object-constructing tags (`!!python/object`, custom `!tags`),
+- bounds on size, nesting depth and alias expansion ("billion laughs"), so bad input never hangs.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+Path_ = tuple  # a key path inside a document: ("deepspeed", "stage") or ("lora", "target_modules", 0)
+
+MAX_BYTES = 2 * 1024 * 1024  # a recipe is a few KB; a 2 MB "recipe" is a mistake
+MAX_DEPTH = 64
+MAX_NODES = 200_000  # counts alias expansions too
+
+_STD = "tag:yaml.org,2002:"
+_SCALAR_TAGS = {_STD + t for t in ("str", "int", "float", "bool", "null", "timestamp", "binary")}
+
+
+class DocumentError(Exception):
+    """A document could not be read at all. Carries a position for the report."""
+
+    def __init__(self, message: str, line: int = 1, col: int = 1, key: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.line = line
+        self.col = col
+        self.key = key
+
+
+@dataclass
+class Document:
+    """Plain data (dicts, lists, str, int, float, bool, None) plus where each piece came from."""
+
+    path: str
+    data: Any
+    positions: dict[Path_, tuple[int, int]] = field(default_factory=dict)
+    duplicates: list[tuple[Path_, int, int]] = field(default_factory=list)
+
+    def pos(self, key_path: Path_) -> tuple[int, int]:
+        """Best position for `key_path`: the key itself, else its nearest parent, else 1:1."""
+        key_path = tuple(key_path)
+        while key_path:
+            if key_path in self.positions:
+                return self.positions[key_path]
+            key_path = key_path[:-1]
+        return self.positions.get((), (1, 1))
+
+
+def read_text(path: Path) -> str:
+    try:
+        size = path.stat().st_size
+    except OSError as exc:
+        raise DocumentError(f"cannot read file: {exc.strerror or exc}") from None
+    if size > MAX_BYTES:
+        raise DocumentError(f"file is {size:,} bytes; a recipe or DeepSpeed config over {MAX_BYTES:,} bytes is refused")
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise DocumentError(f"cannot read file: {exc.strerror or exc}") from None
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise DocumentError(f"file is not UTF-8 text (byte {exc.start})") from None
+
+
+def load_yaml(text: str, path: str = "<string>", allow_duplicates: bool = False) -> Document:
+    """Parse one YAML document into plain data with positions. Raises DocumentError."""
+    from ruamel.yaml import YAML
+    from ruamel.yaml.error import MarkedYAMLError, YAMLError
+
+    if len(text.encode("utf-8", "surrogatepass")) > MAX_BYTES:
+        raise DocumentError(f"document is larger than {MAX_BYTES:,} bytes")
+    yaml = YAML(typ="safe", pure=True)
+    try:
+        nodes = list(yaml.compose_all(text))
+    except MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        line, col = (mark.line + 1, mark.column + 1) if mark else (1, 1)
+        problem = exc.problem or exc.context or "invalid YAML"
+        raise DocumentError(f"invalid YAML: {problem}", line, col) from None
+    except (YAMLError, RecursionError, ValueError) as exc:
+        raise DocumentError(f"invalid YAML: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
+    if len(nodes) > 1:
+        mark = nodes[1].start_mark
+        raise DocumentError("file holds more than one YAML document (`---`); put one recipe per file", mark.line + 1, mark.column + 1)
+    doc = Document(path=path, data=None)
+    if not nodes or nodes[0] is None:
+        return doc
+    builder = _Builder(doc, yaml, allow_duplicates)
+    doc.data = builder.build(nodes[0], (), 0)
+    return doc
+
+
+class _Builder:
+    def __init__(self, doc: Document, yaml: Any, allow_duplicates: bool):
+        self.doc = doc
+        self.yaml = yaml
+        self.allow_duplicates = allow_duplicates
+        self.count = 0
+
+    def build(self, node: Any, key_path: Path_, depth: int) -> Any:
+        from ruamel.yaml.nodes import MappingNode, ScalarNode, SequenceNode
+
+        self.count += 1
+        if self.count > MAX_NODES:
+            raise DocumentError(f"document expands to more than {MAX_NODES:,} values (alias bomb?)", *_mark(node))
+        if depth > MAX_DEPTH:
+            raise DocumentError(f"document is nested deeper than {MAX_DEPTH} levels", *_mark(node))
+        if key_path not in self.doc.positions:
+            self.doc.positions[key_path] = _mark(node)
+        if isinstance(node, ScalarNode):
+            return self.scalar(node)
+        if isinstance(node, SequenceNode):
+            self.check_tag(node, _STD + "seq")
+            return [self.build(item, key_path + (i,), depth + 1) for i, item in enumerate(node.value)]
+        if isinstance(node, MappingNode):
+            self.check_tag(node, _STD + "map")
+            out: dict[Any, Any] = {}
+            for key_node, value_node in node.value:
+                if isinstance(key_node, ScalarNode) and key_node.tag == _STD + "merge":
+                    raise DocumentError("YAML merge keys (`<<:`) are not supported; use `extends:` instead", *_mark(key_node))
+                if not isinstance(key_node, ScalarNode):
+                    raise DocumentError("mapping keys must be plain strings", *_mark(key_node))
+                key = self.scalar(key_node)
+                if not isinstance(key, (str, int, float, bool)) or key is None:
+                    raise DocumentError("mapping keys must be plain strings", *_mark(key_node))
+                key = key if isinstance(key, str) else str(key)
+                child = key_path + (key,)
+                if key in out:
+                    line, col = _mark(key_node)
+                    if not self.allow_duplicates:
+                        raise DocumentError(f"duplicate key `{key}` (first at line {self.doc.positions[child][0]})", line, col, key=".".join(map(str, child)))
+                    self.doc.duplicates.append((child, line, col))
+                self.doc.positions[child] = _mark(key_node)
+                out[key] = self.build(value_node, child, depth + 1)
+            return out
+        raise DocumentError("unsupported YAML node", *_mark(node))
+
+    def check_tag(self, node: Any, expected: str) -> None:
+        if node.tag != expected:
+            raise DocumentError(f"YAML tag `{node.tag}` is not allowed: recipes hold plain data only", *_mark(node))
+
+    def scalar(self, node: Any) -> Any:
+        tag = node.tag
+        if tag not in _SCALAR_TAGS:
+            raise DocumentError(f"YAML tag `{tag}` is not allowed: recipes hold plain data only", *_mark(node))
+        if tag in (_STD + "timestamp", _STD + "binary"):
+            return str(node.value)
+        try:
+            return self.yaml.constructor.construct_object(node, deep=True)
+        except Exception as exc:  # ruamel raises several types for odd scalars; report, don't crash
+            raise DocumentError(f"cannot read value {node.value!r}: {exc}", *_mark(node)) from None
+
+
+def _mark(node: Any) -> tuple[int, int]:
+    mark = getattr(node, "start_mark", None)
+    return (mark.line + 1, mark.column + 1) if mark is not None else (1, 1)
+
+
+def load_json(text: str, path: str = "<string>") -> Document:
+    """Parse JSON the way DeepSpeed and HF do (Python's json), with positions from the YAML composer.
+
+    Duplicate keys are recorded (not raised): DeepSpeed rejects them, HF keeps the last, and lint
+    reports the disagreement.
+    """
+    if len(text.encode("utf-8", "surrogatepass")) > MAX_BYTES:
+        raise DocumentError(f"document is larger than {MAX_BYTES:,} bytes")
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        hint = ""
+        stripped = text.lstrip()
+        if "//" in text or "/*" in text or stripped.startswith("#"):
+            hint = " (comments are not allowed in DeepSpeed JSON: HF and accelerate read it with json.load)"
+        elif exc.msg.startswith("Expecting property name") or exc.msg.startswith("Expecting value"):
+            hint = " (trailing comma?)"
+        raise DocumentError(f"invalid JSON: {exc.msg}{hint}", exc.lineno, exc.colno) from None
+    except RecursionError:
+        raise DocumentError(f"JSON is nested too deeply") from None
+    doc = Document(path=path, data=data)
+    try:
+        positioned = load_yaml(text, path, allow_duplicates=True)
+        doc.positions = positioned.positions
+        doc.duplicates = positioned.duplicates
+    except DocumentError:
+        pass  # valid JSON that YAML can't read (tabs, odd escapes): keep the data, lose positions
+    return doc
