@@ -164,3 +164,44 @@ def deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
 def dumps(config: dict[str, Any]) -> str:
     """Stable JSON text: two-space indent, insertion order (render's order is fixed), final newline."""
     return json.dumps(config, indent=2) + "\n"
+
+
+# Curated templates in ds_configs/ (for plain `Trainer(args=TrainingArguments(deepspeed=...))` users):
+# rendered from the same code as recipes, with every value the HF integration fills set to "auto",
+# because a template cannot know the TrainingArguments it will be used with.
+TEMPLATES: dict[str, tuple[int, str, str]] = {
+    "zero0": (0, "none", "none"),
+    "zero1": (1, "none", "none"),
+    "zero2": (2, "none", "none"),
+    "zero2_offload_optimizer": (2, "cpu", "none"),
+    "zero3": (3, "none", "none"),
+    "zero3_offload_optimizer": (3, "cpu", "none"),
+    "zero3_offload_all": (3, "cpu", "cpu"),
+}
+
+_HF_FILLED = {
+    ("train_micro_batch_size_per_gpu",), ("gradient_accumulation_steps",), ("train_batch_size",),
+    ("gradient_clipping",), ("bf16", "enabled"), ("fp16", "enabled"),
+    ("optimizer", "params", "lr"), ("optimizer", "params", "betas"), ("optimizer", "params", "eps"),
+    ("optimizer", "params", "weight_decay"),
+}
+
+
+def render_template(name: str) -> dict[str, Any]:
+    from finetune.recipe import Recipe
+
+    stage, offload_optimizer, offload_param = TEMPLATES[name]
+    recipe = Recipe.model_validate({
+        "model": {"name_or_path": "template"},
+        "data": {"path": "template"},
+        "deepspeed": {"stage": stage, "offload_optimizer": offload_optimizer, "offload_param": offload_param},
+    })
+    config = render_deepspeed(recipe)
+    for key in _HF_FILLED:
+        node = config
+        for part in key[:-1]:
+            node = node.get(part, {})
+        if key[-1] in node:
+            node[key[-1]] = "auto"
+    config["fp16"] = {"enabled": "auto"}  # HF fills fp16.enabled from --fp16; the loss-scale defaults apply
+    return config

@@ -203,10 +203,14 @@ class RecipeProblem(Exception):
 
 
 class Problem:
-    __slots__ = ("path", "line", "col", "key", "message", "fix")
+    """One finding while loading: `rule` is the stable lint id (R001 document, R002 unknown key, ...)."""
 
-    def __init__(self, path: str, line: int, col: int, key: Optional[str], message: str, fix: Optional[str] = None):
+    __slots__ = ("path", "line", "col", "key", "message", "fix", "rule")
+
+    def __init__(self, path: str, line: int, col: int, key: Optional[str], message: str,
+                 fix: Optional[str] = None, rule: str = "R001"):
         self.path, self.line, self.col, self.key, self.message, self.fix = path, line, col, key, message, fix
+        self.rule = rule
 
     def render(self) -> str:
         where = f"{self.path}:{self.line}:{self.col}"
@@ -261,9 +265,9 @@ def _load_chain(path: Path, seen: list[Path]) -> tuple[dict, dict]:
         resolved = path
     if resolved in seen:
         chain = " -> ".join(str(p) for p in seen + [resolved])
-        raise RecipeProblem([Problem(shown, 1, 1, "extends", f"`extends` loop: {chain}")])
+        raise RecipeProblem([Problem(shown, 1, 1, "extends", f"`extends` loop: {chain}", rule="R003")])
     if len(seen) >= MAX_EXTENDS:
-        raise RecipeProblem([Problem(shown, 1, 1, "extends", f"`extends` chain longer than {MAX_EXTENDS} files")])
+        raise RecipeProblem([Problem(shown, 1, 1, "extends", f"`extends` chain longer than {MAX_EXTENDS} files", rule="R003")])
     if not path.is_file():
         what = "is a directory, not a recipe file" if path.is_dir() else "does not exist"
         raise RecipeProblem([Problem(shown, 1, 1, None, f"recipe file {what}")])
@@ -283,11 +287,11 @@ def _load_chain(path: Path, seen: list[Path]) -> tuple[dict, dict]:
         return data, origin
     if not isinstance(parent, str) or not parent:
         line, col = doc.pos(("extends",))
-        raise RecipeProblem([Problem(shown, line, col, "extends", "`extends` takes the path of another recipe file")])
+        raise RecipeProblem([Problem(shown, line, col, "extends", "`extends` takes the path of another recipe file", rule="R003")])
     parent_path = Path(parent) if Path(parent).is_absolute() else path.parent / parent
     if not parent_path.is_file():
         line, col = doc.pos(("extends",))
-        raise RecipeProblem([Problem(shown, line, col, "extends", f"extended recipe {parent_path} does not exist")])
+        raise RecipeProblem([Problem(shown, line, col, "extends", f"extended recipe {parent_path} does not exist", rule="R003")])
     base, base_origin = _load_chain(parent_path, seen + [resolved])
     merged = _deep_merge(base, data)
     merged.pop("extends", None)
@@ -328,22 +332,22 @@ def _apply_set(raw: dict, origin: dict, item: str) -> None:
     """`--set deepspeed.stage=3`: the value is read as YAML (numbers, booleans, lists)."""
     where = "--set"
     if "=" not in item:
-        raise RecipeProblem([Problem(where, 1, 1, None, f"`--set {item}` needs the form key.path=value")])
+        raise RecipeProblem([Problem(where, 1, 1, None, f"`--set {item}` needs the form key.path=value", rule="R006")])
     dotted, _, text = item.partition("=")
     keys = [k for k in dotted.strip().split(".")]
     if not all(keys):
-        raise RecipeProblem([Problem(where, 1, 1, dotted, f"`--set {item}`: empty key in `{dotted}`")])
+        raise RecipeProblem([Problem(where, 1, 1, dotted, f"`--set {item}`: empty key in `{dotted}`", rule="R006")])
     try:
         value = load_yaml(text, where).data if text.strip() else ""
     except DocumentError as exc:
-        raise RecipeProblem([Problem(where, 1, 1, dotted, f"cannot read value: {exc.message}")]) from None
+        raise RecipeProblem([Problem(where, 1, 1, dotted, f"cannot read value: {exc.message}", rule="R006")]) from None
     node = raw
     for i, key in enumerate(keys[:-1]):
         child = node.get(key)
         if child is None:
             child = node[key] = {}
         if not isinstance(child, dict):
-            raise RecipeProblem([Problem(where, 1, 1, dotted, f"`{'.'.join(keys[:i + 1])}` is not a section")])
+            raise RecipeProblem([Problem(where, 1, 1, dotted, f"`{'.'.join(keys[:i + 1])}` is not a section", rule="R006")])
         node = child
     node[keys[-1]] = value
     origin[tuple(keys)] = (f"--set {item}", 1, 1)
@@ -378,9 +382,9 @@ def _to_problem(err: dict, raw: dict, origin: dict, path: str) -> Problem:
         options = _known_keys(loc[:-1])
         guess = difflib.get_close_matches(str(loc[-1]), options, n=1, cutoff=0.6)
         fix = f"did you mean `{guess[0]}`?" if guess else (f"known keys: {', '.join(sorted(options))}" if options else None)
-        return Problem(file, line, col, key, "unknown key", fix)
+        return Problem(file, line, col, key, "unknown key", fix, rule="R002")
     if kind == "missing":
-        return Problem(file, line, col, key, "required key is missing")
+        return Problem(file, line, col, key, "required key is missing", rule="R005")
     value = err.get("input")
     shown = repr(value) if not isinstance(value, (dict, list)) else type(value).__name__
     message = err["msg"]
@@ -389,8 +393,8 @@ def _to_problem(err: dict, raw: dict, origin: dict, path: str) -> Problem:
         message = f"expected one of {expected}"
         guess = difflib.get_close_matches(str(value), re.findall(r"'([^']*)'", expected), n=1, cutoff=0.6)
         if guess:
-            return Problem(file, line, col, key, f"{message}, got {shown}", f"did you mean `{guess[0]}`?")
-    return Problem(file, line, col, key, f"{message}, got {shown}")
+            return Problem(file, line, col, key, f"{message}, got {shown}", f"did you mean `{guess[0]}`?", rule="R004")
+    return Problem(file, line, col, key, f"{message}, got {shown}", rule="R004")
 
 
 def _is_real_key(raw: Any, full_loc: tuple, part: Any) -> bool:

@@ -1,0 +1,248 @@
+"""Recipe rules (R1xx): combinations that validate fine but fail, or silently misbehave, at run time.
+
+Each rule is one small function taking the loaded recipe and yielding RawFindings whose `key` is a
+recipe key path (the engine turns it into file:line:col).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator, Optional
+
+from finetune.recipe import LoadedRecipe
+
+RULES: dict[str, str] = {
+    "R001": "The file is not a readable YAML recipe (syntax, tags, duplicate keys, size, nesting).",
+    "R002": "Unknown key (with a did-you-mean suggestion).",
+    "R003": "Broken `extends` (missing file, loop, too long a chain).",
+    "R004": "Wrong type or value for a key.",
+    "R005": "Required key missing.",
+    "R006": "Malformed `--set` override.",
+    "R101": "QLoRA + ZeRO-3: the 4-bit storage dtype must equal the compute dtype and the model dtype.",
+    "R102": "ZeRO-3 without stage3_gather_16bit_weights_on_model_save saves no usable weights.",
+    "R103": "bf16 (or FlashAttention) on a declared GPU that lacks it.",
+    "R104": "Reentrant gradient checkpointing with LoRA/QLoRA.",
+    "R105": "Optimizer offload with an optimizer DeepSpeed cannot offload.",
+    "R106": "trust_remote_code runs code from the model repository.",
+    "R107": "Offload requested at a ZeRO stage that ignores it.",
+    "R108": "NVMe offload without nvme_path.",
+    "R109": "Dataset file missing or of an unsupported type.",
+    "R110": "Evaluation configured without a validation split.",
+    "R111": "A section that the chosen method ignores.",
+    "R112": "More processes per node than the declared GPUs.",
+    "R113": "Launch settings that cannot work (hostfile missing, multi-node on loopback).",
+}
+
+DATA_SUFFIXES = (".json", ".jsonl", ".parquet", ".csv")
+
+# GPUs before Ampere (compute capability < 8.0) have no bf16 and no FlashAttention-2.
+_PRE_AMPERE = re.compile(
+    r"\b(v100|t4|p40|p100|p4|p6|k80|k40|m40|m60|titan\s*(v|xp?|rtx)|quadro\s*rtx|gtx\s*\d+|rtx\s*20\d\d|tesla\s*[kmp]\d*)\b",
+    re.IGNORECASE,
+)
+
+
+@dataclass
+class RawFinding:
+    rule: str
+    severity: str
+    key: tuple
+    message: str
+    fix: Optional[str] = None
+
+
+Rule = Callable[[LoadedRecipe], Iterator[RawFinding]]
+_RULES: list[Rule] = []
+
+
+def rule(fn: Rule) -> Rule:
+    _RULES.append(fn)
+    return fn
+
+
+def check_recipe(loaded: LoadedRecipe) -> list[RawFinding]:
+    return [finding for fn in _RULES for finding in fn(loaded)]
+
+
+def _written(loaded: LoadedRecipe, *key: str) -> bool:
+    """Whether the user wrote `key` (in the recipe, an extended one, or --set), not a default."""
+    node = loaded.raw
+    for part in key:
+        if not isinstance(node, dict) or part not in node:
+            return False
+        node = node[part]
+    return True
+
+
+@rule
+def qlora_zero3_storage(loaded: LoadedRecipe) -> Iterator[RawFinding]:
+    r = loaded.recipe
+    if r.method != "qlora" or r.deepspeed.stage != 3:
+        return
+    q = r.quantization
+    # ZeRO-3 flattens and partitions every parameter tensor of one dtype; packed 4-bit weights stored as
+    # uint8 (or a dtype unlike the rest) fail with "Cannot copy out of meta tensor" / dtype mismatches.
+    if q.storage_dtype != q.compute_dtype:
+        yield RawFinding("R101", "error", ("quantization", "storage_dtype"),
+                         f"QLoRA with ZeRO-3 needs storage_dtype equal to compute_dtype ({q.storage_dtype} != {q.compute_dtype})",
+                         f"set quantization.storage_dtype: {q.compute_dtype}")
+    if q.storage_dtype != r.model.dtype:
+        yield RawFinding("R101", "error", ("quantization", "storage_dtype"),
+                         f"QLoRA with ZeRO-3 needs storage_dtype equal to model.dtype ({q.storage_dtype} != {r.model.dtype}): "
+                         "ZeRO-3 partitions all parameters as one dtype",
+                         f"set quantization.storage_dtype: {r.model.dtype} (and compute_dtype to match)")
+
+
+@rule
+def zero3_gather_on_save(loaded: LoadedRecipe) -> Iterator[RawFinding]:
+    from finetune.dsconfig import render_deepspeed
+
+    r = loaded.recipe
+    # Read the rendered config so that a raw `overrides` value counts as much as the recipe key.
+    zero = render_deepspeed(r).get("zero_optimization", {})
+    gather = zero.get("stage3_gather_16bit_weights_on_model_save", False) if isinstance(zero, dict) else False
+    if r.deepspeed.stage != 3 or gather is True:
+        return
+    if r.method == "full":
+        yield RawFinding("R102", "error", ("deepspeed", "gather_16bit_weights_on_model_save"),
+                         "ZeRO-3 without gathering 16-bit weights on save writes no model weights for a full fine-tune "
+                         "(only sharded optimizer checkpoints)", "set deepspeed.gather_16bit_weights_on_model_save: true")
+    else:
+        yield RawFinding("R102", "warning", ("deepspeed", "gather_16bit_weights_on_model_save"),
+                         "ZeRO-3 without gathering 16-bit weights on save: older transformers/peft write empty LoRA adapters",
+                         "set deepspeed.gather_16bit_weights_on_model_save: true")
+
+
+@rule
+def pre_ampere_features(loaded: LoadedRecipe) -> Iterator[RawFinding]:
+    r = loaded.recipe
+    gpu = r.hardware.gpu_type if r.hardware else None
+    if not gpu or not _PRE_AMPERE.search(gpu):
+        return
+    if r.model.dtype == "bfloat16":
+        yield RawFinding("R103", "error", ("model", "dtype"), f"{gpu} has no bf16 support (needs compute capability 8.0+)",
+                         "set model.dtype: float16 (or float32)")
+    if r.method == "qlora" and r.quantization.compute_dtype == "bfloat16":
+        yield RawFinding("R103", "error", ("quantization", "compute_dtype"), f"{gpu} has no bf16 support for the 4-bit matmuls",
+                         "set quantization.compute_dtype: float16")
+    if r.model.attn_implementation.startswith("flash_attention"):
+        yield RawFinding("R103", "error", ("model", "attn_implementation"),
+                         f"FlashAttention needs an Ampere or newer GPU; {gpu} is older", "set model.attn_implementation: sdpa")
+
+
+@rule
+def reentrant_checkpointing(loaded: LoadedRecipe) -> Iterator[RawFinding]:
+    r = loaded.recipe
+    t = r.training
+    if r.method == "full" or not (t.gradient_checkpointing and t.gradient_checkpointing_reentrant):
+        return
+    # Reentrant checkpointing drops gradients when no input of a checkpointed block requires grad (frozen
+    # embeddings under LoRA): "element 0 of tensors does not require grad", or silently zero LoRA grads.
+    severity = "error" if r.deepspeed.stage == 3 else "warning"
+    yield RawFinding("R104", severity, ("training", "gradient_checkpointing_reentrant"),
+                     f"reentrant gradient checkpointing with {r.method}: frozen inputs get no gradients"
+                     + (" and ZeRO-3 re-gathers parameters inconsistently" if severity == "error" else ""),
+                     "set training.gradient_checkpointing_reentrant: false")
+
+
+@rule
+def offload_optimizer_kind(loaded: LoadedRecipe) -> Iterator[RawFinding]:
+    from finetune.dsconfig import DS_OPTIMIZERS
+
+    r = loaded.recipe
+    if r.deepspeed.offload_optimizer == "none" or r.training.optimizer in DS_OPTIMIZERS:
+        return
+    yield RawFinding("R105", "error", ("training", "optimizer"),
+                     f"optimizer offload runs the optimizer step on the CPU with DeepSpeed's own CPU optimizers; "
+                     f"`{r.training.optimizer}` is a client optimizer it cannot offload",
+                     f"use one of {', '.join(sorted(DS_OPTIMIZERS))}, or deepspeed.offload_optimizer: none")
+
+
+@rule
+def remote_code(loaded: LoadedRecipe) -> Iterator[RawFinding]:
+    if loaded.recipe.model.trust_remote_code:
+        yield RawFinding("R106", "warning", ("model", "trust_remote_code"),
+                         "trust_remote_code runs Python code from the model repository on every rank",
+                         "pin model.revision to a reviewed commit")
+
+
+@rule
+def ignored_offload(loaded: LoadedRecipe) -> Iterator[RawFinding]:
+    ds = loaded.recipe.deepspeed
+    if ds.offload_optimizer != "none" and ds.stage == 0:
+        yield RawFinding("R107", "error", ("deepspeed", "offload_optimizer"),
+                         "optimizer offload needs ZeRO stage 1, 2 or 3; at stage 0 nothing is offloaded",
+                         "set deepspeed.stage: 2 (or remove the offload)")
+    if ds.offload_param != "none" and ds.stage != 3:
+        yield RawFinding("R107", "error", ("deepspeed", "offload_param"),
+                         f"parameter offload needs ZeRO-3; at stage {ds.stage} DeepSpeed ignores it and runs without offloading",
+                         "set deepspeed.stage: 3 (or offload_param: none)")
+
+
+@rule
+def nvme_path(loaded: LoadedRecipe) -> Iterator[RawFinding]:
+    ds = loaded.recipe.deepspeed
+    if "nvme" in (ds.offload_optimizer, ds.offload_param) and not ds.nvme_path:
+        key = "offload_optimizer" if ds.offload_optimizer == "nvme" else "offload_param"
+        yield RawFinding("R108", "error", ("deepspeed", key), "NVMe offload needs a directory on a local NVMe disk",
+                         "set deepspeed.nvme_path: /local_nvme")
+
+
+def looks_local(path: str) -> bool:
+    """A data or model reference that is a local path rather than a hub id."""
+    p = Path(path)
+    return p.is_absolute() or path.startswith(("./", "../", "~")) or p.suffix in DATA_SUFFIXES or p.exists()
+
+
+@rule
+def dataset_file(loaded: LoadedRecipe) -> Iterator[RawFinding]:
+    path = loaded.recipe.data.path
+    if not looks_local(path):
+        return
+    p = Path(path).expanduser()
+    if p.suffix and p.suffix not in DATA_SUFFIXES and not p.is_dir():
+        yield RawFinding("R109", "error", ("data", "path"), f"unsupported data file type `{p.suffix}`",
+                         f"use one of {', '.join(DATA_SUFFIXES)}")
+    elif not p.exists():
+        # A warning, not an error: CI often lints recipes whose data lives only on the training box.
+        yield RawFinding("R109", "warning", ("data", "path"), f"dataset {p} not found here (`finetune train` will refuse to start)")
+
+
+@rule
+def eval_without_split(loaded: LoadedRecipe) -> Iterator[RawFinding]:
+    r = loaded.recipe
+    if r.training.eval_steps is not None and r.data.validation_split == 0:
+        yield RawFinding("R110", "warning", ("training", "eval_steps"), "eval_steps is set but there is no validation split",
+                         "set data.validation_split, e.g. 0.05")
+
+
+@rule
+def ignored_sections(loaded: LoadedRecipe) -> Iterator[RawFinding]:
+    method = loaded.recipe.method
+    if method != "qlora" and _written(loaded, "quantization"):
+        yield RawFinding("R111", "warning", ("quantization",), f"`quantization` is ignored with method: {method}",
+                         "remove it, or set method: qlora")
+    if method == "full" and _written(loaded, "lora"):
+        yield RawFinding("R111", "warning", ("lora",), "`lora` is ignored with method: full", "remove it, or set method: lora")
+
+
+@rule
+def procs_vs_gpus(loaded: LoadedRecipe) -> Iterator[RawFinding]:
+    r = loaded.recipe
+    procs = r.launch.procs_per_node
+    if r.hardware and isinstance(procs, int) and procs > r.hardware.gpus:
+        yield RawFinding("R112", "error", ("launch", "procs_per_node"),
+                         f"{procs} processes per node but hardware.gpus is {r.hardware.gpus}",
+                         f"set launch.procs_per_node: {r.hardware.gpus} (or auto)")
+
+
+@rule
+def launch_settings(loaded: LoadedRecipe) -> Iterator[RawFinding]:
+    launch = loaded.recipe.launch
+    if launch.hostfile and not Path(launch.hostfile).expanduser().exists():
+        yield RawFinding("R113", "warning", ("launch", "hostfile"), f"hostfile {launch.hostfile} not found here")
+    if launch.node_rank >= launch.nodes:
+        yield RawFinding("R113", "error", ("launch", "node_rank"),
+                         f"node_rank {launch.node_rank} with only {launch.nodes} node(s)", "node ranks run 0..nodes-1")
