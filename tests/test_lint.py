@@ -1,0 +1,184 @@
+"""`finetune lint` end to end: recipe rules, positions, reporters, exit codes, the shipped gallery."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+from finetune.lint import LintOptions, lint_paths
+from finetune.lint.recipe_rules import RULES as RECIPE_RULES
+from tests.conftest import MINIMAL, REPO, run_cli
+
+
+def rules_of(path, **options):
+    result = lint_paths([path], LintOptions(**options))
+    return [(f.rule, f.severity, f.key) for f in result.findings]
+
+
+def test_shipped_recipes_and_templates_lint_clean():
+    result = run_cli("lint", "--strict", "recipes", "ds_configs")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "0 errors, 0 warnings" in result.stdout
+
+
+def test_clean_minimal_recipe(write_recipe):
+    assert rules_of(write_recipe()) == []
+
+
+def test_qlora_zero3_storage_dtype(write_recipe):
+    path = write_recipe(MINIMAL + "method: qlora\nquantization:\n  storage_dtype: float32\ndeepspeed:\n  stage: 3\n")
+    found = rules_of(path)
+    assert ("R101", "error", "quantization.storage_dtype") in found
+    result = lint_paths([path])
+    r101 = next(f for f in result.findings if f.rule == "R101")
+    assert (r101.line, r101.col) == (7, 3)  # points at the storage_dtype line
+
+
+def test_qlora_zero3_matching_dtypes_is_clean(write_recipe):
+    path = write_recipe(MINIMAL + "method: qlora\ndeepspeed:\n  stage: 3\n")
+    assert [r for r in rules_of(path) if r[0] == "R101"] == []
+
+
+@pytest.mark.parametrize("method,severity", [("full", "error"), ("lora", "warning")])
+def test_zero3_without_gather_on_save(write_recipe, method, severity):
+    path = write_recipe(MINIMAL + f"method: {method}\ndeepspeed:\n  stage: 3\n  gather_16bit_weights_on_model_save: false\n")
+    assert ("R102", severity, "deepspeed.gather_16bit_weights_on_model_save") in rules_of(path)
+
+
+def test_zero3_gather_disabled_through_overrides(write_recipe):
+    path = write_recipe(MINIMAL + "method: full\ndeepspeed:\n  stage: 3\n  overrides:\n"
+                        "    zero_optimization:\n      stage3_gather_16bit_weights_on_model_save: false\n")
+    assert any(r[0] == "R102" and r[1] == "error" for r in rules_of(path))
+
+
+@pytest.mark.parametrize("gpu", ["P40", "Tesla V100-SXM2-32GB", "T4", "RTX 2080 Ti"])
+def test_bf16_on_gpu_without_bf16(write_recipe, gpu):
+    path = write_recipe(MINIMAL + f"hardware:\n  gpus: 1\n  gpu_type: {gpu}\n")
+    assert ("R103", "error", "model.dtype") in rules_of(path)
+
+
+@pytest.mark.parametrize("gpu", ["A100", "H100", "RTX 4070", "L40S"])
+def test_bf16_on_ampere_or_newer_is_fine(write_recipe, gpu):
+    path = write_recipe(MINIMAL + f"hardware:\n  gpus: 1\n  gpu_type: {gpu}\n")
+    assert not any(r[0] == "R103" for r in rules_of(path))
+
+
+def test_reentrant_checkpointing_with_lora(write_recipe):
+    base = MINIMAL + "training:\n  gradient_checkpointing_reentrant: true\n"
+    assert ("R104", "warning", "training.gradient_checkpointing_reentrant") in rules_of(write_recipe(base))
+    z3 = write_recipe(base + "deepspeed:\n  stage: 3\n", name="z3.yaml")
+    assert ("R104", "error", "training.gradient_checkpointing_reentrant") in rules_of(z3)
+
+
+def test_offload_with_client_optimizer(write_recipe):
+    path = write_recipe(MINIMAL + "training:\n  optimizer: adamw_bnb_8bit\ndeepspeed:\n  offload_optimizer: cpu\n")
+    assert ("R105", "error", "training.optimizer") in rules_of(path)
+
+
+def test_trust_remote_code_warns(write_recipe):
+    path = write_recipe(MINIMAL.replace("org/some-model", "org/some-model\n  trust_remote_code: true"))
+    assert ("R106", "warning", "model.trust_remote_code") in rules_of(path)
+    result = run_cli("lint", path)
+    assert result.returncode == 0  # warnings pass...
+    assert run_cli("lint", "--strict", path).returncode == 1  # ...unless --strict
+
+
+def test_offload_at_wrong_stage(write_recipe):
+    assert ("R107", "error", "deepspeed.offload_optimizer") in rules_of(
+        write_recipe(MINIMAL + "deepspeed:\n  stage: 0\n  offload_optimizer: cpu\n"))
+    assert ("R107", "error", "deepspeed.offload_param") in rules_of(
+        write_recipe(MINIMAL + "deepspeed:\n  stage: 2\n  offload_param: cpu\n", name="b.yaml"))
+
+
+def test_nvme_without_path(write_recipe):
+    path = write_recipe(MINIMAL + "deepspeed:\n  stage: 3\n  offload_param: nvme\n")
+    assert ("R108", "error", "deepspeed.offload_param") in rules_of(path)
+
+
+def test_local_dataset_checks(write_recipe, tmp_path):
+    missing = write_recipe("model: {name_or_path: org/m}\ndata: {path: ./nope.jsonl}\n")
+    assert ("R109", "warning", "data.path") in rules_of(missing)
+    (tmp_path / "d.txt").write_text("x")
+    wrong = write_recipe("model: {name_or_path: org/m}\ndata: {path: ./d.txt}\n", name="w.yaml")
+    assert ("R109", "error", "data.path") in rules_of(wrong)
+
+
+def test_eval_without_split_and_ignored_sections(write_recipe):
+    path = write_recipe(MINIMAL + "method: full\nlora:\n  r: 8\nquantization:\n  quant_type: fp4\ntraining:\n  eval_steps: 10\n")
+    found = rules_of(path)
+    assert ("R110", "warning", "training.eval_steps") in found
+    assert ("R111", "warning", "lora") in found and ("R111", "warning", "quantization") in found
+
+
+def test_procs_exceed_declared_gpus(write_recipe):
+    path = write_recipe(MINIMAL + "launch:\n  procs_per_node: 4\nhardware:\n  gpus: 2\n")
+    assert ("R112", "error", "launch.procs_per_node") in rules_of(path)
+
+
+def test_every_recipe_rule_is_documented():
+    source = (REPO / "finetune" / "lint" / "recipe_rules.py").read_text()
+    used = set(re.findall(r'"(R1\d\d)"', source))
+    assert used <= set(RECIPE_RULES)
+
+
+def test_schema_errors_become_findings_with_positions(write_recipe):
+    path = write_recipe(MINIMAL + "lora:\n  rr: 16\n")
+    result = lint_paths([path])
+    assert [(f.rule, f.line, f.col, f.fix) for f in result.findings] == [("R002", 6, 3, "did you mean `r`?")]
+
+
+def test_rendered_config_findings_point_into_the_recipe(write_recipe):
+    # A DeepSpeed problem reached through `overrides` is reported at the override's line.
+    path = write_recipe(MINIMAL + "deepspeed:\n  overrides:\n    zero_optimization:\n      reduce_bucket_sise: 1000\n")
+    result = lint_paths([path])
+    found = [f for f in result.findings if f.rule.startswith("DS")]
+    assert found, result.findings
+    assert found[0].line == 8 and found[0].key.startswith("deepspeed.overrides.zero_optimization")
+
+
+def test_directories_are_searched_recursively(tmp_path):
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    (tmp_path / "a" / "b" / "deep.yaml").write_text("model: {name_or_path: x}\n")  # data missing
+    (tmp_path / "a" / "ok.json").write_text('{"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": 1}')
+    (tmp_path / "a" / "notes.txt").write_text("ignored")
+    result = lint_paths([tmp_path])
+    assert sorted(p.rsplit("/", 1)[-1] for p in result.files) == ["deep.yaml", "ok.json"]
+    assert any(f.rule == "R005" for f in result.findings)
+
+
+def test_json_and_github_formats(write_recipe):
+    path = write_recipe(MINIMAL + "lora:\n  rr: 16\n")
+    out = run_cli("lint", "--format", "json", path)
+    assert out.returncode == 1
+    payload = json.loads(out.stdout)
+    assert payload["errors"] == 1 and payload["findings"][0]["rule"] == "R002"
+    assert payload["findings"][0]["line"] == 6
+    gh = run_cli("lint", "--format", "github", path)
+    assert gh.stdout.startswith(f"::error file={path},line=6,col=3,title=R002::")
+
+
+def test_usage_errors_exit_2(tmp_path):
+    assert run_cli("lint", tmp_path / "nope.yaml").returncode == 2
+    assert run_cli("lint", "--format", "xml", REPO / "recipes").returncode == 2
+    assert run_cli("lint", "--gpu-memory", "lots", REPO / "recipes").returncode == 2
+
+
+def test_no_traceback_on_bad_input(write_recipe):
+    path = write_recipe("model: [unclosed\n")
+    result = run_cli("lint", path)
+    assert result.returncode == 1
+    assert "Traceback" not in result.stdout + result.stderr
+    assert f"{path}:1:" in result.stdout
+
+
+def test_lint_never_imports_heavy_libraries():
+    code = ("import sys, runpy; sys.argv = ['finetune', 'lint', 'recipes', 'ds_configs'];\n"
+            "try:\n    runpy.run_module('finetune.cli', run_name='__main__')\nexcept SystemExit:\n    pass\n"
+            "heavy = [m for m in ('torch', 'deepspeed', 'transformers', 'peft', 'bitsandbytes') if m in sys.modules]\n"
+            "print('HEAVY', heavy)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert "HEAVY []" in out.stdout, out.stdout + out.stderr
