@@ -169,14 +169,14 @@ class Recipe(_Section):
 
     extends: Optional[str] = Field(None, description="Path of a recipe this one starts from (relative to this file); keys here win.")
     name: Optional[str] = Field(None, description="Run name (default: the recipe's file name).")
-    model: ModelSection
+    model: ModelSection = Field(description="The base model.")
     method: Literal["full", "lora", "qlora"] = Field("lora", description="full: every weight; lora: adapters on a frozen 16-bit base; qlora: adapters on a frozen 4-bit base.")
-    lora: LoraSection = Field(default_factory=LoraSection)
-    quantization: QuantizationSection = Field(default_factory=QuantizationSection)
-    data: DataSection
-    training: TrainingSection = Field(default_factory=TrainingSection)
-    deepspeed: DeepSpeedSection = Field(default_factory=DeepSpeedSection)
-    launch: LaunchSection = Field(default_factory=LaunchSection)
+    lora: LoraSection = Field(default_factory=LoraSection, description="LoRA adapter settings (lora and qlora).")
+    quantization: QuantizationSection = Field(default_factory=QuantizationSection, description="4-bit quantization of the frozen base (qlora).")
+    data: DataSection = Field(description="The training data.")
+    training: TrainingSection = Field(default_factory=TrainingSection, description="Optimisation hyper-parameters (HF TrainingArguments).")
+    deepspeed: DeepSpeedSection = Field(default_factory=DeepSpeedSection, description="ZeRO stage, offload and buckets (rendered to DeepSpeed JSON).")
+    launch: LaunchSection = Field(default_factory=LaunchSection, description="Processes and machines.")
     hardware: Optional[HardwareSection] = Field(None, description="The machines the recipe is meant for (used by lint and plan).")
     output_dir: str = Field("runs/{name}", description="Run directory ({name} is replaced by the run name); relative to the current directory.")
 

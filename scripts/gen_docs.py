@@ -1,0 +1,101 @@
+"""Regenerate the generated parts of README.md from the code: the recipe reference (from the
+pydantic schema) and the lint rule table (from the rule modules).
+
+    python scripts/gen_docs.py           # rewrite README.md between the markers
+    python scripts/gen_docs.py --check   # exit 1 if README.md is stale
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel
+
+from finetune.recipe import Recipe
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def _type_name(annotation: Any) -> str:
+    text = str(annotation).replace("typing.", "").replace("NoneType", "null")
+    for prefix in ("<class '", "'>"):
+        text = text.replace(prefix, "")
+    return text.replace("Literal", "one of ").replace("Optional", "optional ").replace("Union", "")
+
+
+def _default(field: Any) -> str:
+    if field.is_required():
+        return "**required**"
+    value = field.get_default(call_default_factory=True)
+    if isinstance(value, BaseModel):
+        return ""
+    return "`" + json.dumps(value) + "`"
+
+
+def recipe_reference() -> str:
+    lines = ["| key | type | default | meaning |", "|---|---|---|---|"]
+    for name, field in Recipe.model_fields.items():
+        section = _section(field.annotation)
+        if section is None:
+            lines.append(f"| `{name}` | {_type_name(field.annotation)} | {_default(field)} | {field.description or ''} |")
+            continue
+        lines.append(f"| **`{name}`** | section | | {field.description or ''} |")
+        for sub, subfield in section.model_fields.items():
+            lines.append(f"| `{name}.{sub}` | {_type_name(subfield.annotation)} | {_default(subfield)} | {subfield.description or ''} |")
+    return "\n".join(lines)
+
+
+def _section(annotation: Any):
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in getattr(annotation, "__args__", ()) or ():
+        if isinstance(arg, type) and issubclass(arg, BaseModel):
+            return arg
+    return None
+
+
+def rule_table() -> str:
+    from finetune.lint import deepspeed_rules, recipe_rules
+
+    rules = {**recipe_rules.RULES, **deepspeed_rules.RULES}
+    try:
+        from finetune.plan import RULES as plan_rules  # noqa: N811
+        rules.update(plan_rules)
+    except ImportError:
+        pass
+    lines = ["| id | what it catches |", "|---|---|"]
+    lines += [f"| {rule} | {text} |" for rule, text in sorted(rules.items())]
+    return "\n".join(lines)
+
+
+SECTIONS = {"recipe-reference": recipe_reference, "lint-rules": rule_table}
+
+
+def render(text: str) -> str:
+    for name, build in SECTIONS.items():
+        start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
+        if start not in text or end not in text:
+            continue
+        head, rest = text.split(start, 1)
+        _, tail = rest.split(end, 1)
+        text = f"{head}{start}\n{build()}\n{end}{tail}"
+    return text
+
+
+def main(argv: list[str]) -> int:
+    current = README.read_text()
+    fresh = render(current)
+    if "--check" in argv:
+        if fresh != current:
+            print("README.md is stale: run python scripts/gen_docs.py")
+            return 1
+        return 0
+    README.write_text(fresh)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
