@@ -136,6 +136,153 @@ def schema(output: Optional[Path] = typer.Option(None, "-o", "--output", help="W
         write_atomic(output, text)
 
 
+@app.command()
+def merge(
+    run_dir: Optional[Path] = typer.Argument(None, help="Run directory (recipe.yaml + adapter/); gives --base and --adapter."),
+    output: Path = typer.Option(..., "-o", "--output", help="Directory for the merged model (written beside it, renamed at the end)."),
+    base: Optional[Path] = typer.Option(None, "--base", help="Local base model directory (safetensors); overrides the run's."),
+    adapter: Optional[Path] = typer.Option(None, "--adapter", help="PEFT LoRA adapter directory; overrides the run's."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="bfloat16, float16 or float32 (default: the base's)."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output directory."),
+    verify: bool = typer.Option(False, "--verify", help="Then compare logits with base + adapter (loads both; for models that fit in RAM)."),
+    max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="Largest output shard, e.g. 5GB or 500MB."),
+) -> None:
+    """Merge a LoRA adapter into its base model, streaming one tensor at a time (RAM need: one tensor, not the model).
+
+    Example:
+
+    \b
+        $ finetune merge runs/llama3-8b-qlora -o merged/llama3-8b
+        wrote model-00001-of-00004.safetensors (4.98 GB)
+        ...
+        merged 224 LoRA layers into merged/llama3-8b (4 shards, 16.06 GB) in 141.2 s
+    """
+    from finetune.merge import MergeError, merge as run_merge, resolve_inputs, verify as run_verify
+    from finetune.recipe import parse_size
+
+    if run_dir is None and (base is None or adapter is None):
+        raise fail("give a run directory, or both --base and --adapter", 2)
+    try:
+        shard_bytes = parse_size(max_shard_size)
+    except ValueError as exc:
+        raise fail(f"--max-shard-size: {exc}", 2) from None
+    try:
+        base_dir, adapter_dir = resolve_inputs(run_dir, base, adapter)
+        result = run_merge(base_dir, adapter_dir, output, dtype=dtype, overwrite=overwrite,
+                           max_shard_size=shard_bytes, log=lambda line: typer.echo(line, err=True),
+                           source_dirs=(run_dir,) if run_dir is not None else ())
+    except (MergeError, FileExistsError) as exc:
+        raise fail(str(exc)) from None
+    except OSError as exc:
+        raise fail(f"cannot write {output}: {exc.strerror or exc}") from None
+    size = f"{result.total_bytes / 1e9:.2f} GB"
+    typer.echo(f"merged {result.merged_layers} LoRA layers into {output} ({result.shards} shard"
+               f"{'s' if result.shards > 1 else ''}, {size}) in {result.seconds:.1f} s")
+    if verify:
+        check = run_verify(output, base_dir, adapter_dir)
+        typer.echo(f"verify: max |logits merged - logits base+adapter| = {check.max_abs_diff:.3g} "
+                   f"(tolerance {check.tolerance:.3g}; the adapter moves logits by up to {check.adapter_effect:.3g})")
+        if not check.ok:
+            raise fail("verify: the merged model does not reproduce base + adapter")
+
+
+@app.command()
+def train(
+    recipe: Path = typer.Argument(..., help="Recipe file."),
+    overrides: Optional[List[str]] = typer.Option(None, "--set", help=SET_HELP),
+    output_dir: Optional[Path] = typer.Option(None, "--output-dir", help="Run directory (default: the recipe's output_dir)."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Run the preflight, print the command and the DeepSpeed config; write and start nothing."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace a previous run directory at the same place."),
+) -> None:
+    """Check everything (lint, environment, dataset, model, output directory), then train on every GPU here.
+
+    Nothing is started or written when a check fails. Rank 0 prints to the console; every rank's
+    output is in RUN/logs/rank<K>/. Ctrl-C (or SIGTERM) stops all ranks.
+
+    Example:
+
+    \b
+        $ finetune train recipes/demo.yaml --output-dir runs/demo
+        note: dataset data/demo.jsonl: alpaca format, first 20 row(s) look right
+        launching 2 process(es): python -m torch.distributed.run --nnodes 1 --nproc-per-node 2 ...
+        ...
+        finished: runs/demo (adapter in runs/demo/adapter)
+    """
+    from finetune.launch import LaunchError, prepare, start_run, tail_of
+
+    loaded = load_or_exit(recipe, overrides)
+    prepared = prepare(loaded, output_dir, overwrite)
+    report = prepared.preflight
+    if report.lint_report:
+        typer.echo(report.lint_report, err=True, nl=False)
+    for note in report.notes + (prepared.plan.notes if prepared.plan else []):
+        typer.echo(f"note: {note}", err=True)
+    for warning in report.warnings:
+        typer.echo(f"warning: {warning}", err=True)
+    if not report.ok:
+        for error in report.errors:
+            typer.echo(f"error: {error}", err=True)
+        count = len(report.errors) + len(report.lint_errors)
+        raise fail(f"preflight failed ({count} problem{'s' if count != 1 else ''}); nothing was started or written")
+    plan = prepared.plan
+    if dry_run:
+        from finetune.dsconfig import dumps, render_deepspeed
+
+        typer.echo(f"# command ({plan.world_size} process{'es' if plan.world_size != 1 else ''}, run directory {prepared.run_dir})")
+        typer.echo(plan.display())
+        typer.echo("# deepspeed.json")
+        typer.echo(dumps(render_deepspeed(loaded.recipe, plan.world_size)), nl=False)
+        return
+    typer.echo(f"launching {plan.world_size} process{'es' if plan.world_size != 1 else ''} ({plan.device}): {plan.display()}", err=True)
+    try:
+        outcome = start_run(prepared)
+    except (LaunchError, FileExistsError) as exc:
+        raise fail(str(exc)) from None
+    except OSError as exc:
+        raise fail(f"cannot write the run directory {prepared.run_dir}: {exc.strerror or exc}") from None
+    if outcome.ok:
+        saved = [name for name in ("adapter", "model") if (prepared.run_dir / name).is_dir()]
+        where = f" ({' and '.join(saved)} in {', '.join(str(prepared.run_dir / s) for s in saved)})" if saved else ""
+        typer.echo(f"finished: {prepared.run_dir}{where}", err=True)
+        return
+    for log in outcome.logs:
+        if outcome.failures and outcome.failures[0].local_rank == 0 and plan.launcher == "torchrun":
+            break  # local rank 0's output is already on the console
+        typer.echo(f"--- last lines of {log} ---", err=True)
+        typer.echo(tail_of(log), err=True)
+    raise fail(f"training failed: {outcome.message} (run directory: {prepared.run_dir})", outcome.returncode)
+
+
+@app.command()
+def doctor(
+    fmt: str = typer.Option("text", "--format", help="text or json."),
+    recipe: Optional[Path] = typer.Option(None, "--recipe", help="Also run the checks this recipe needs (what `finetune train` checks)."),
+) -> None:
+    """Python, torch, CUDA, GPUs, NCCL and library versions, checked against known-bad combinations. Exit 1 if a check fails.
+
+    Example:
+
+    \b
+        $ finetune doctor
+        torch         2.5.1+cu124 (CUDA 12.4, NCCL 2.21.5; GPU available: yes)
+        GPU 0         NVIDIA GeForce RTX 4070, 12.0 GiB, sm_89, bf16
+        ...
+        fail  qlora-zero3.bitsandbytes: bitsandbytes 0.43.1 is too old for QLoRA + ZeRO-3: needs >=0.43.3
+              fix: pip install -U 'bitsandbytes>=0.43.3'
+    """
+    from finetune.doctor import failed, render_text, report, run_doctor
+
+    if fmt not in ("text", "json"):
+        raise fail("--format must be text or json", 2)
+    loaded = load_or_exit(recipe, None) if recipe is not None else None
+    facts, checks = run_doctor(recipe=loaded.recipe if loaded else None)
+    if fmt == "json":
+        typer.echo(json.dumps(report(facts, checks), indent=2))
+    else:
+        typer.echo(render_text(facts, checks), nl=False)
+    raise typer.Exit(1 if failed(checks) else 0)
+
+
 def main() -> None:
     try:
         app()
