@@ -392,6 +392,7 @@ class OutTensor:
 class Plan:
     tensors: list[OutTensor]
     shards: list[list[OutTensor]] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
 
     @property
     def total_bytes(self) -> int:
@@ -405,6 +406,7 @@ _ITEMSIZE = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 
 def plan_merge(base: BaseModel, adapter: Adapter, dtype: Optional[torch.dtype]) -> Plan:
     """Match every adapter tensor to a base tensor, check shapes, and fix each output's dtype and size."""
     problems: list[str] = []
+    warnings: list[str] = []
     targets: dict[str, LoraUpdate] = {}
     for module, update in adapter.updates.items():
         name = _target_name(base, module + ".weight")
@@ -419,6 +421,11 @@ def plan_merge(base: BaseModel, adapter: Adapter, dtype: Optional[torch.dtype]) 
             problems.append(f"LoRA layers {targets[name].module} and {module} both update {name} "
                             "(tied embeddings: untie them before training)")
             continue
+        if name == _tied_embedding(base):
+            # PEFT merges into the shared tensor too (with its own warning): the update reaches both the input
+            # embeddings and the output head, while training applied it to one of them only.
+            warnings.append(f"LoRA layer {module} updates {name}, which the base shares between the input "
+                            "embeddings and the output head: the merged update changes both (as PEFT's merge does)")
         targets[name] = update
     biases: dict[str, LoraUpdate] = {}
     for update in adapter.updates.values():
@@ -469,7 +476,7 @@ def plan_merge(base: BaseModel, adapter: Adapter, dtype: Optional[torch.dtype]) 
         if (t.update or t.bias_of or t.replacement is not None) and t.source.dtype not in ("F32", "F16", "BF16"):
             raise MergeError(f"{t.source.file}: {t.name} is {t.source.dtype}; merge needs a float base "
                              "(a quantized checkpoint cannot take a LoRA update)")
-    return Plan(tensors)
+    return Plan(tensors, warnings=warnings)
 
 
 # Input embeddings by architecture family, for checkpoints that tie the output head to them.
@@ -673,6 +680,8 @@ def merge(base_path: Path, adapter_path: Path, output: Path, *, dtype: Optional[
     base = read_base(base_path)
     adapter = read_adapter(adapter_path)
     plan = plan_merge(base, adapter, out_dtype)
+    for line in plan.warnings:
+        log(f"warning: {line}")
     assign_shards(plan, max_shard_size)
     check_disk_space(output, plan.total_bytes)
     names = shard_names(len(plan.shards))
@@ -794,7 +803,9 @@ def _sigterm_as_interrupt() -> Iterator[None]:
 
 
 def _gb(n: int) -> str:
-    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
+    if n >= 1e8:
+        return f"{n / 1e9:.2f} GB"
+    return f"{n / 1e6:.1f} MB" if n >= 1e5 else f"{n / 1e3:.1f} kB"
 
 
 # ------------------------------------------------------------------------------------------------

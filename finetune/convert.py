@@ -1,0 +1,342 @@
+"""DeepSpeed ZeRO checkpoint -> PEFT adapter (LoRA/QLoRA runs) or sharded safetensors (full fine-tunes).
+
+The HF Trainer under DeepSpeed writes `checkpoint-N/global_stepN/` with one optimizer-state file per
+rank: the float32 master weights, cut into ZeRO partitions. With ZeRO-3 and
+`stage3_gather_16bit_weights_on_model_save: false` (or after a crash between saves) that is the only
+copy of the trained weights. This module stitches them back with DeepSpeed's own
+`zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint` (lazy mode: one tensor at a time, the
+partition files memory-mapped), casts them to the model's training dtype (what trainer.save_model
+would have written) and saves them in the format the next step reads:
+
+    $ finetune convert runs/x/checkpoint-500 -o runs/x/adapter-500        # LoRA: adapter_model.safetensors
+    $ finetune merge --base BASE --adapter runs/x/adapter-500 -o merged/x
+    $ finetune convert runs/full/checkpoint-500 -o exported/full          # full: model-0000N-of-0000M.safetensors
+
+CPU only; nothing here needs a GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import re
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+from finetune.merge import (CONFIG_FILES, DEFAULT_MAX_SHARD_SIZE, DTYPES, INDEX_NAME, PEFT_PREFIX, TOKENIZER_DIRS,
+                            TOKENIZER_FILES, MergeError, ShardWriter, _gb, _sigterm_as_interrupt, check_disk_space)
+
+# Parameter names PEFT gives LoRA weights in the model (before the adapter name is stripped for saving).
+_LORA_PARAM = re.compile(r"\.(lora_A|lora_B|lora_embedding_A|lora_embedding_B|lora_magnitude_vector)\.([^.]+)(\.|$)")
+_STEP_DIR = re.compile(r"^global_step\d+$")
+
+
+class ConvertError(MergeError):
+    """A problem with the checkpoint or the output, worded for the user."""
+
+
+@dataclass
+class Checkpoint:
+    root: Path  # the directory holding `latest` (checkpoint-N)
+    tag: str  # global_stepN
+    model_states: dict  # rank 0's *_model_states.pt, loaded memory-mapped
+
+    @property
+    def step_dir(self) -> Path:
+        return self.root / self.tag
+
+    @property
+    def trainable(self) -> dict[str, tuple]:
+        """name -> shape of every parameter the optimizer trained, in the model's order."""
+        return {name: tuple(shape) for group in self.model_states["param_shapes"] for name, shape in group.items()}
+
+    def dtype_of(self, name: str):
+        """The parameter's dtype during training: ZeRO keeps a (maybe empty, partitioned) 16-bit copy in `module`."""
+        import torch
+
+        tensor = (self.model_states.get("module") or {}).get(name)
+        if tensor is not None and tensor.is_floating_point():
+            return tensor.dtype
+        config = self.model_states.get("ds_config") or {}
+        for key, dtype in (("bf16", torch.bfloat16), ("bfloat16", torch.bfloat16), ("fp16", torch.float16)):
+            if str((config.get(key) or {}).get("enabled", False)).lower() == "true":
+                return dtype
+        return torch.float32
+
+    @property
+    def is_lora(self) -> bool:
+        return any(_LORA_PARAM.search(name) for name in self.trainable)
+
+
+def find_checkpoint(path: Path) -> Checkpoint:
+    """Accept checkpoint-N/ (with `latest`), global_stepN/ itself, or a folder with exactly one global_step*."""
+    if not path.is_dir():
+        raise ConvertError(f"{path}: no such checkpoint directory")
+    if _STEP_DIR.match(path.name) or any(path.glob("*_model_states.pt")):
+        root, tag = path.parent, path.name
+    elif (path / "latest").is_file():
+        root, tag = path, (path / "latest").read_text(encoding="utf-8").strip()
+    else:
+        steps = sorted(p.name for p in path.glob("global_step*") if p.is_dir())
+        if len(steps) != 1:
+            found = f"several ({', '.join(steps)}): pass one of them" if steps else "no global_step* directory"
+            raise ConvertError(f"{path}: not a DeepSpeed checkpoint (no `latest` file; {found})")
+        root, tag = path, steps[0]
+    step_dir = root / tag
+    if not step_dir.is_dir():
+        raise ConvertError(f"{root / 'latest'} names {tag}, but {step_dir} does not exist")
+    model_files = sorted(step_dir.glob("*_model_states.pt"))
+    optim_files = sorted(step_dir.glob("*_optim_states.pt"))
+    if not model_files or not optim_files:
+        raise ConvertError(f"{step_dir}: no *_model_states.pt / *_optim_states.pt (an incomplete checkpoint?)")
+    rank0 = next((f for f in model_files if f.name in ("mp_rank_00_model_states.pt",
+                                                        "zero_pp_rank_0_mp_rank_00_model_states.pt")), model_files[0])
+    return Checkpoint(root, tag, _load_model_states(rank0))
+
+
+def _load_model_states(path: Path) -> dict:
+    import torch
+
+    try:
+        # DeepSpeed pickles its own objects here (as its zero_to_fp32 does, weights_only=False); mmap keeps a
+        # ZeRO-1/2 checkpoint's full 16-bit module copy on disk instead of in RAM.
+        states = torch.load(str(path), map_location="cpu", mmap=True, weights_only=False)
+    except Exception as exc:
+        raise ConvertError(f"{path}: cannot read ({exc})") from None
+    if not isinstance(states, dict) or "param_shapes" not in states:
+        raise ConvertError(f"{path}: not a DeepSpeed ZeRO model-states file (no param_shapes)")
+    return states
+
+
+def fp32_state_dict(ckpt: Checkpoint, exclude_frozen: bool) -> dict:
+    """DeepSpeed's reconstruction, lazily: values are tensors or GatheredTensor (call .contiguous())."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # conversion is CPU work even on a GPU box
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    try:
+        # zero_to_fp32 prints progress to stdout; keep stdout for our own report.
+        with contextlib.redirect_stdout(sys.stderr):
+            return get_fp32_state_dict_from_zero_checkpoint(str(ckpt.root), tag=ckpt.tag,
+                                                            exclude_frozen_parameters=exclude_frozen, lazy_mode=True)
+    except (ValueError, FileNotFoundError, NotImplementedError, KeyError) as exc:
+        raise ConvertError(f"{ckpt.step_dir}: DeepSpeed cannot reconstruct the weights: {exc}") from None
+
+
+# ------------------------------------------------------------------------------------------------
+# LoRA: PEFT's saved format
+
+
+def adapter_name_of(names) -> str:
+    found = {m.group(2) for name in names if (m := _LORA_PARAM.search(name))}
+    if len(found) != 1:
+        raise ConvertError(f"the checkpoint holds adapters {sorted(found)}; convert handles one adapter")
+    return found.pop()
+
+
+def peft_key(name: str, adapter: str) -> str:
+    """The key PEFT's save_pretrained writes for a model parameter (get_peft_model_state_dict):
+    modules_to_save copies lose `modules_to_save.<adapter>`, DoRA magnitudes lose `.<adapter>.weight`,
+    every other key loses the adapter name before its last part (lora_A.default.weight -> lora_A.weight)."""
+    if not name.startswith(PEFT_PREFIX):
+        name = PEFT_PREFIX + name  # a checkpoint of the bare LoraModel rather than the PeftModel
+    marker = f".modules_to_save.{adapter}."
+    if marker in name:
+        return name.replace(marker, ".", 1)
+    dora = f".lora_magnitude_vector.{adapter}.weight"
+    if name.endswith(dora):
+        return name[: -len(dora)] + ".lora_magnitude_vector"
+    if name.endswith(f".{adapter}"):
+        return name[: -len(adapter) - 1]
+    head, _, last = name.rpartition(".")
+    if head.endswith(f".{adapter}"):
+        head = head[: -len(adapter) - 1]
+    return f"{head}.{last}"
+
+
+def find_adapter_config(ckpt: Checkpoint, explicit: Optional[Path]) -> Path:
+    """The HF Trainer saves adapter_config.json in checkpoint-N; a run directory has adapter/ beside it."""
+    if explicit is not None:
+        if explicit.is_dir():
+            explicit = explicit / "adapter_config.json"
+        if not explicit.is_file():
+            raise ConvertError(f"--adapter-config {explicit}: no such file")
+        return explicit
+    for candidate in (ckpt.root / "adapter_config.json", ckpt.root.parent / "adapter" / "adapter_config.json",
+                      ckpt.root.parent / "adapter_config.json"):
+        if candidate.is_file():
+            return candidate
+    raise ConvertError(f"{ckpt.root}: a LoRA checkpoint, but no adapter_config.json in it or in "
+                       f"{ckpt.root.parent / 'adapter'}; pass --adapter-config")
+
+
+def convert_lora(ckpt: Checkpoint, output: Path, dtype, adapter_config: Optional[Path],
+                 overwrite: bool, log: Callable[[str], None]) -> "ConvertResult":
+    import torch
+    from safetensors.torch import save_file
+
+    from finetune.fsutil import atomic_dir
+
+    config_path = find_adapter_config(ckpt, adapter_config)
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    if config.get("peft_type") != "LORA":
+        raise ConvertError(f"{config_path}: peft_type {config.get('peft_type')!r}, expected LORA")
+    trainable = ckpt.trainable
+    adapter = adapter_name_of(trainable)
+    state = fp32_state_dict(ckpt, exclude_frozen=True)
+    tensors = {}
+    for name in trainable:
+        if name not in state:
+            raise ConvertError(f"{ckpt.step_dir}: trained parameter {name} is missing from the optimizer states")
+        tensor = state[name].contiguous()
+        target = dtype or ckpt.dtype_of(name)
+        tensors[peft_key(name, adapter)] = tensor.to(target) if tensor.is_floating_point() else tensor
+    _check_rank(tensors, config, config_path)
+    size = sum(t.numel() * t.element_size() for t in tensors.values())
+    check_disk_space(output, size)
+    with _sigterm_as_interrupt(), atomic_dir(output, overwrite=overwrite) as tmp:
+        save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
+        shutil.copy2(config_path, tmp / "adapter_config.json")
+        _copy_tokenizer(ckpt.root, tmp)
+    log(f"wrote {output / 'adapter_model.safetensors'} ({len(tensors)} tensors, {_gb(size)})")
+    return ConvertResult(output, "lora", len(tensors), size, 1, str(next(iter(tensors.values())).dtype))
+
+
+def _check_rank(tensors: dict, config: dict, where: Path) -> None:
+    """Catch an adapter_config.json from another run: its r must match the weights' rank."""
+    from finetune.merge import lora_scaling
+
+    for key, tensor in tensors.items():
+        if key.endswith(".lora_A.weight"):
+            module = key[len(PEFT_PREFIX):-len(".lora_A.weight")]
+            r, _ = lora_scaling(config, module)
+            if tensor.shape[0] != r:
+                raise ConvertError(f"{where}: gives {module} r={r}, but the checkpoint's weights have rank "
+                                   f"{tensor.shape[0]} (an adapter_config.json from another run?)")
+
+
+# ------------------------------------------------------------------------------------------------
+# Full fine-tunes: sharded safetensors like save_pretrained
+
+
+def convert_full(ckpt: Checkpoint, output: Path, dtype, overwrite: bool, max_shard_size: int,
+                 log: Callable[[str], None]) -> "ConvertResult":
+    import torch
+
+    from finetune.fsutil import atomic_dir, write_atomic
+    from finetune.merge import _TORCH_TO_ST, BaseTensor, OutTensor, Plan, assign_shards, shard_names
+
+    if ckpt.model_states.get("frozen_param_shapes") is None and ckpt.model_states.get("module") is not None:
+        log("warning: the checkpoint was saved without frozen parameters; the output holds the trained ones only")
+    state = fp32_state_dict(ckpt, exclude_frozen=False)
+    aliases = {alias for alias, _ in ckpt.model_states.get("shared_params", {}).items()}
+    seen: set[int] = set()
+    plan = Plan([])
+    for name, tensor in state.items():
+        # Tied weights (lm_head = embed_tokens) come back under both names; save_pretrained writes one.
+        if name in aliases or id(tensor) in seen:
+            continue
+        seen.add(id(tensor))
+        target = (dtype or ckpt.dtype_of(name)) if tensor.dtype.is_floating_point else tensor.dtype
+        shape = tuple(tensor.shape)
+        nbytes = math.prod(shape) * torch.empty(0, dtype=target).element_size()
+        plan.tensors.append(OutTensor(name, BaseTensor(name, ckpt.step_dir, _TORCH_TO_ST[target], shape),
+                                      _TORCH_TO_ST[target], nbytes))
+    assign_shards(plan, max_shard_size)
+    check_disk_space(output, plan.total_bytes)
+    names = shard_names(len(plan.shards))
+    with _sigterm_as_interrupt(), atomic_dir(output, overwrite=overwrite) as tmp:
+        for shard_name, shard in zip(names, plan.shards):
+            writer = ShardWriter(tmp / shard_name, shard)
+            try:
+                for t in shard:
+                    tensor = state[t.name].contiguous()
+                    writer.write(t.name, tensor.to(_st_dtype(t.dtype)))
+                    del tensor
+                writer.close()
+            finally:
+                writer.handle.close()
+            log(f"wrote {shard_name} ({_gb(sum(t.nbytes for t in shard))})")
+        if len(names) > 1:
+            weight_map = {t.name: n for n, shard in zip(names, plan.shards) for t in shard}
+            index = {"metadata": {"total_parameters": sum(math.prod(t.source.shape) for t in plan.tensors),
+                                  "total_size": plan.total_bytes},
+                     "weight_map": dict(sorted(weight_map.items()))}
+            write_atomic(tmp / INDEX_NAME, json.dumps(index, indent=2) + "\n")
+        for name in CONFIG_FILES:
+            if (ckpt.root / name).is_file():
+                shutil.copy2(ckpt.root / name, tmp / name)
+        if dtype is not None and (tmp / "config.json").is_file():
+            _set_config_dtype(tmp / "config.json", dtype)
+        _copy_tokenizer(ckpt.root, tmp)
+    if not (output / "config.json").is_file():
+        log(f"warning: no config.json in {ckpt.root}; copy the model's config.json into {output} to load it")
+    return ConvertResult(output, "full", len(plan.tensors), plan.total_bytes, len(names),
+                         str(_st_dtype(plan.tensors[0].dtype)) if plan.tensors else "-")
+
+
+def _st_dtype(name: str):
+    from finetune.merge import _ST_TO_TORCH
+
+    return _ST_TO_TORCH[name]
+
+
+def _set_config_dtype(path: Path, dtype) -> None:
+    from finetune.fsutil import write_atomic
+
+    config = json.loads(path.read_text(encoding="utf-8"))
+    name = str(dtype).removeprefix("torch.")
+    for key in ("dtype", "torch_dtype"):
+        if key in config:
+            config[key] = name
+    write_atomic(path, json.dumps(config, indent=2) + "\n")
+
+
+def _copy_tokenizer(source: Path, out: Path) -> None:
+    for name in TOKENIZER_FILES:
+        if (source / name).is_file():
+            shutil.copy2(source / name, out / name)
+    for name in TOKENIZER_DIRS:
+        if (source / name).is_dir():
+            shutil.copytree(source / name, out / name)
+
+
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ConvertResult:
+    output: Path
+    kind: str  # "lora" or "full"
+    tensors: int
+    total_bytes: int
+    shards: int
+    dtype: str
+
+
+def convert(checkpoint: Path, output: Path, *, dtype: Optional[str] = None, overwrite: bool = False,
+            adapter_config: Optional[Path] = None, max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
+            log: Callable[[str], None] = lambda s: None) -> ConvertResult:
+    """Convert a DeepSpeed checkpoint directory; LoRA or full is read from the parameter names."""
+    checkpoint, output = Path(checkpoint), Path(output)
+    if dtype is not None and dtype not in DTYPES:
+        raise ConvertError(f"--dtype must be one of bfloat16, float16, float32, got {dtype!r}")
+    if output.exists() and not overwrite:
+        raise ConvertError(f"{output} already exists (use --overwrite to replace it)")
+    ckpt = find_checkpoint(checkpoint)
+    out = output.resolve()
+    if out == ckpt.root.resolve() or ckpt.root.resolve() in out.parents or out in ckpt.root.resolve().parents:
+        raise ConvertError(f"-o {output} overlaps the checkpoint {ckpt.root}; write somewhere else")
+    start = time.perf_counter()
+    target = DTYPES[dtype] if dtype else None
+    if ckpt.is_lora:
+        result = convert_lora(ckpt, output, target, adapter_config, overwrite, log)
+    else:
+        result = convert_full(ckpt, output, target, overwrite, max_shard_size, log)
+    log(f"converted in {time.perf_counter() - start:.1f} s")
+    return result
