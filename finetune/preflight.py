@@ -1,0 +1,388 @@
+"""Checks `finetune train` runs before any process starts: each failed launch costs rented GPU time.
+
+Every check adds to one `Preflight` (all problems are reported at once, torchtune-style):
+
+- lint: the same rules as `finetune lint` (errors stop the run, warnings are shown),
+- environment: finetune.doctor.checks_for_recipe (versions, bitsandbytes, GPU count, bf16),
+- dataset: the file exists and its first rows have the columns `data.format` needs,
+- model: a local directory with config.json, a `builtin:` tiny model, or a hub id (a warning:
+  it is downloaded at launch),
+- output directory: never a non-empty directory unless --overwrite, and --overwrite only replaces
+  a previous run directory (one holding recipe.yaml), never an arbitrary folder.
+
+Nothing here writes into the run directory; launch happens only when `Preflight.ok`.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+from finetune.recipe import LoadedRecipe, Recipe
+
+DATA_SUFFIXES = (".json", ".jsonl", ".csv", ".parquet")
+SAMPLE_ROWS = 20  # enough to catch a wrong format, cheap on a 100 GB file
+# A .json array is read only up to here to find its first rows (raw_decode needs whole objects).
+JSON_PREFIX_BYTES = 4 * 2**20
+BUILTIN_PREFIX = "builtin:"
+RUN_MARKER = "recipe.yaml"  # a directory holding this is a finetune run directory
+
+
+@dataclass
+class Preflight:
+    errors: list[str] = field(default_factory=list)
+    lint_errors: list[str] = field(default_factory=list)  # also in lint_report, with file:line:col
+    warnings: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    lint_report: str = ""  # the lint findings, rendered as `finetune lint` does
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors and not self.lint_errors
+
+
+class DataProblem(Exception):
+    """The dataset cannot be used as configured (message names the file and row)."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Entry point
+
+
+def run_preflight(loaded: LoadedRecipe, run_dir: Path, overwrite: bool = False, facts=None,
+                  world_size: Optional[int] = None) -> Preflight:
+    """All checks for training `loaded` into `run_dir`. `facts`: finetune.doctor.Facts (tests fake them)."""
+    from finetune.doctor import checks_for_recipe
+
+    result = Preflight()
+    recipe = loaded.recipe
+    lint_step(loaded, result, world_size)
+    for check in checks_for_recipe(recipe, facts):
+        fix = f" (fix: {check.fix})" if check.fix else ""
+        if check.status == "fail":
+            result.errors.append(f"environment: {check.message}{fix}")
+        elif check.status == "warn":
+            result.warnings.append(f"environment: {check.message}{fix}")
+        elif check.status == "info":
+            result.notes.append(check.message)
+    dataset_step(recipe, result)
+    model_step(recipe, result)
+    hostfile_step(recipe, result)
+    output_dir_step(run_dir, overwrite, result)
+    return result
+
+
+def lint_step(loaded: LoadedRecipe, result: Preflight, world_size: Optional[int]) -> None:
+    from finetune.lint import LintOptions, LintResult, lint_loaded
+    from finetune.lint.report import render
+
+    lint = lint_loaded(loaded, LintOptions(world_size=world_size))
+    shown = [f for f in lint.findings if f.severity in ("error", "warning")]
+    if shown:
+        result.lint_report = render(LintResult(findings=shown, files=lint.files), "text")
+    for finding in lint.errors:
+        result.lint_errors.append(f"lint {finding.rule} `{finding.key}`: {finding.message}" if finding.key
+                             else f"lint {finding.rule}: {finding.message}")
+    if lint.warnings:
+        result.notes.append(f"lint: {len(lint.warnings)} warning(s), shown above")
+
+
+# ----------------------------------------------------------------------------------------------
+# Dataset
+
+
+def dataset_step(recipe: Recipe, result: Preflight) -> None:
+    path = recipe.data.path
+    if not is_local(path):
+        result.notes.append(f"dataset {path}: a hub id, not checked here (read at launch; needs network)")
+        return
+    try:
+        files = data_files(Path(path).expanduser())
+        rows = 0
+        for file in files[:1]:  # the first file speaks for a directory of shards
+            rows = check_rows(file, recipe.data.format)
+        result.notes.append(f"dataset {path}: {recipe.data.format} format, first {rows} row(s) look right")
+    except DataProblem as exc:
+        result.errors.append(f"dataset {exc}")
+
+
+def is_local(reference: str) -> bool:
+    """A local path rather than a hub id (`org/name`). The recipe loader made existing relative paths absolute."""
+    p = Path(reference).expanduser()
+    return p.is_absolute() or reference.startswith(("./", "../", "~")) or p.suffix in DATA_SUFFIXES or p.exists()
+
+
+def data_files(path: Path) -> list[Path]:
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in DATA_SUFFIXES and not p.name.startswith("."))
+        if not files:
+            raise DataProblem(f"{path}: directory holds no {'/'.join(DATA_SUFFIXES)} files")
+        return files
+    if not path.exists():
+        raise DataProblem(f"{path}: file does not exist")
+    if path.suffix not in DATA_SUFFIXES:
+        raise DataProblem(f"{path}: unsupported file type `{path.suffix}` (use {', '.join(DATA_SUFFIXES)})")
+    return [path]
+
+
+def check_rows(path: Path, fmt: str) -> int:
+    """Read the first rows of `path` and check them against `fmt`. Returns how many were checked."""
+    count = 0
+    for number, row in first_rows(path):
+        check_row(row, fmt, f"{path}: row {number}")
+        count += 1
+    if count == 0:
+        raise DataProblem(f"{path}: no rows")
+    return count
+
+
+def first_rows(path: Path, limit: int = SAMPLE_ROWS) -> Iterator[tuple[int, Any]]:
+    readers = {".jsonl": _jsonl_rows, ".json": _json_rows, ".csv": _csv_rows, ".parquet": _parquet_rows}
+    try:
+        yield from readers[path.suffix](path, limit)
+    except UnicodeDecodeError as exc:
+        raise DataProblem(f"{path}: not UTF-8 text (byte {exc.start})") from None
+    except OSError as exc:
+        raise DataProblem(f"{path}: cannot read: {exc.strerror or exc}") from None
+
+
+def _jsonl_rows(path: Path, limit: int) -> Iterator[tuple[int, Any]]:
+    with path.open(encoding="utf-8") as handle:
+        seen = 0
+        for line_no, line in enumerate(handle, 1):
+            if not line.strip():
+                continue
+            try:
+                yield line_no, json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DataProblem(f"{path}:{line_no}: not valid JSON ({exc.msg})") from None
+            seen += 1
+            if seen >= limit:
+                return
+
+
+def _json_rows(path: Path, limit: int) -> Iterator[tuple[int, Any]]:
+    """A JSON array of rows, or JSON lines in a .json file (both are what `datasets` reads)."""
+    with path.open(encoding="utf-8") as handle:
+        text = handle.read(JSON_PREFIX_BYTES)
+    start = len(text) - len(text.lstrip())
+    if text[start:start + 1] != "[":
+        yield from _jsonl_rows(path, limit)
+        return
+    decoder, pos, seen = json.JSONDecoder(), start + 1, 0
+    while seen < limit:
+        pos = _skip(text, pos, ",")
+        if pos >= len(text) or text[pos] == "]":
+            return
+        try:
+            row, pos = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError as exc:
+            if len(text) == JSON_PREFIX_BYTES and exc.pos >= len(text) - 1:
+                return  # the row runs past the prefix we read: the rows before it were fine
+            line = text.count("\n", 0, exc.pos) + 1
+            raise DataProblem(f"{path}:{line}: not valid JSON ({exc.msg})") from None
+        seen += 1
+        yield seen, row
+
+
+def _skip(text: str, pos: int, separators: str) -> int:
+    while pos < len(text) and (text[pos].isspace() or text[pos] in separators):
+        pos += 1
+    return pos
+
+
+def _csv_rows(path: Path, limit: int) -> Iterator[tuple[int, Any]]:
+    with path.open(encoding="utf-8", newline="") as handle:
+        reader = csv.DictReader(handle)
+        if not reader.fieldnames:
+            return
+        for number, row in enumerate(reader, 1):
+            yield number, row
+            if number >= limit:
+                return
+
+
+def _parquet_rows(path: Path, limit: int) -> Iterator[tuple[int, Any]]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise DataProblem(f"{path}: reading parquet needs pyarrow (pip install pyarrow)") from None
+    try:
+        parquet = pq.ParquetFile(path)
+        batch = next(parquet.iter_batches(batch_size=limit), None)
+    except Exception as exc:  # pyarrow raises ArrowInvalid and friends for a damaged file
+        raise DataProblem(f"{path}: not a readable parquet file ({exc})") from None
+    for number, row in enumerate(batch.to_pylist() if batch is not None else [], 1):
+        yield number, row
+
+
+def check_row(row: Any, fmt: str, where: str) -> None:
+    if not isinstance(row, dict):
+        raise DataProblem(f"{where}: expected an object with named columns, got {type(row).__name__}")
+    if fmt == "alpaca":
+        _need_text(row, ("instruction", "output"), where, fmt)
+        if row.get("input") is not None and not isinstance(row["input"], str):
+            raise DataProblem(f"{where}: `input` must be text, got {type(row['input']).__name__}")
+    elif fmt == "text":
+        _need_text(row, ("text",), where, fmt)
+    elif fmt == "messages":
+        _check_messages(row, where)
+
+
+_FORMAT_COLUMNS = {"alpaca": {"instruction", "output"}, "text": {"text"}, "messages": {"messages"}}
+
+
+def _need_text(row: dict, columns: tuple[str, ...], where: str, fmt: str) -> None:
+    missing = [c for c in columns if c not in row or row[c] is None]
+    if missing:
+        found = ", ".join(f"`{k}`" for k in row) or "none"
+        raise DataProblem(f"{where}: no {' or '.join(f'`{c}`' for c in missing)} column "
+                          f"(data.format: {fmt} needs {', '.join(f'`{c}`' for c in columns)}; found {found})"
+                          f"{_format_hint(row, fmt)}")
+    for column in columns:
+        if not isinstance(row[column], str):
+            raise DataProblem(f"{where}: `{column}` must be text, got {type(row[column]).__name__}")
+
+
+def _format_hint(row: dict, fmt: str) -> str:
+    for other, columns in _FORMAT_COLUMNS.items():
+        if other != fmt and columns <= set(row):
+            return f"; did you mean data.format: {other}?"
+    return ""
+
+
+def _check_messages(row: dict, where: str) -> None:
+    messages = row.get("messages")
+    if messages is None:
+        found = ", ".join(f"`{k}`" for k in row) or "none"
+        raise DataProblem(f"{where}: no `messages` column (data.format: messages needs a list of "
+                          f"{{role, content}}; found {found}){_format_hint(row, 'messages')}")
+    if isinstance(messages, str):
+        # CSV cells are text; a JSON-encoded list in a cell is what people put there.
+        try:
+            messages = json.loads(messages)
+        except json.JSONDecodeError:
+            raise DataProblem(f"{where}: `messages` must be a list of {{role, content}}, got text") from None
+    if not isinstance(messages, list) or not messages:
+        raise DataProblem(f"{where}: `messages` must be a non-empty list of {{role, content}}")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str) or "content" not in message:
+            raise DataProblem(f"{where}: messages[{i}] must be an object with `role` and `content`")
+
+
+# ----------------------------------------------------------------------------------------------
+# Model
+
+
+def model_step(recipe: Recipe, result: Preflight) -> None:
+    reference = recipe.model.name_or_path
+    if reference.startswith(BUILTIN_PREFIX):
+        _builtin_model(reference[len(BUILTIN_PREFIX):], result)
+    elif is_model_path(reference):
+        _local_model(Path(reference).expanduser(), "model.name_or_path", result)
+    else:
+        result.warnings.append(f"model {reference}: {_hub_note(reference, recipe.model.revision)}")
+    tokenizer = recipe.model.tokenizer
+    if tokenizer and is_model_path(tokenizer) and not Path(tokenizer).expanduser().is_dir():
+        result.errors.append(f"model.tokenizer {tokenizer}: directory does not exist")
+
+
+def is_model_path(reference: str) -> bool:
+    p = Path(reference).expanduser()
+    return p.is_absolute() or reference.startswith(("./", "../", "~")) or p.exists()
+
+
+def _builtin_model(name: str, result: Preflight) -> None:
+    from finetune.tiny import BuiltinModelError, builtin_name, ensure_builtin_model
+
+    try:
+        builtin_name(BUILTIN_PREFIX + name)
+    except BuiltinModelError as exc:
+        result.errors.append(f"model.name_or_path: {exc}")
+        return
+    # Built once into a cache outside the run directory (seconds, CPU), so the ranks do not race to build it.
+    path = ensure_builtin_model(BUILTIN_PREFIX + name)
+    result.notes.append(f"model {BUILTIN_PREFIX}{name}: built-in tiny model at {path}")
+
+
+def _local_model(path: Path, key: str, result: Preflight) -> None:
+    if not path.exists():
+        result.errors.append(f"{key} {path}: directory does not exist")
+    elif not path.is_dir():
+        result.errors.append(f"{key} {path}: expected a model directory (with config.json), got a file")
+    elif not (path / "config.json").is_file():
+        result.errors.append(f"{key} {path}: no config.json in this directory (is it a Hugging Face model folder?)")
+    else:
+        result.notes.append(f"model {path}: local")
+
+
+def _hub_note(repo_id: str, revision: Optional[str]) -> str:
+    """Hub ids are downloaded at launch; say whether the local HF cache already has the config."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(repo_id, "config.json", revision=revision)
+    except Exception:  # not a valid repo id, or huggingface_hub missing: the download will tell
+        cached = None
+    if isinstance(cached, str):
+        return "a hub id, found in the local Hugging Face cache"
+    return "a hub id, not in the local cache: it will be downloaded at launch (needs network, and HF_TOKEN for gated models)"
+
+
+# ----------------------------------------------------------------------------------------------
+# Hostfile and output directory
+
+
+def hostfile_step(recipe: Recipe, result: Preflight) -> None:
+    from finetune.launch import HostfileError, read_hostfile
+
+    if not recipe.launch.hostfile:
+        return
+    try:
+        hosts = read_hostfile(Path(recipe.launch.hostfile).expanduser())
+    except HostfileError as exc:
+        result.errors.append(f"launch.hostfile {exc}")
+        return
+    nodes = recipe.launch.nodes
+    if len(hosts) < nodes:
+        result.errors.append(f"launch.hostfile {recipe.launch.hostfile}: {len(hosts)} host(s) but launch.nodes is {nodes}")
+    elif len(hosts) > nodes:
+        result.warnings.append(f"launch.hostfile lists {len(hosts)} hosts; only the first {nodes} are used (launch.nodes: {nodes})")
+
+
+def output_dir_step(run_dir: Path, overwrite: bool, result: Preflight) -> None:
+    problem = output_dir_problem(run_dir, overwrite)
+    if problem:
+        result.errors.append(problem)
+    elif overwrite and run_dir.exists() and any(run_dir.iterdir()):
+        result.warnings.append(f"output directory {run_dir}: the previous run there will be replaced (--overwrite)")
+
+
+def output_dir_problem(run_dir: Path, overwrite: bool) -> Optional[str]:
+    if run_dir.exists() and not run_dir.is_dir():
+        return f"output directory {run_dir}: exists and is not a directory"
+    if run_dir.is_dir():
+        entries = sorted(p.name for p in run_dir.iterdir())
+        if entries and not overwrite:
+            shown = ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")
+            return (f"output directory {run_dir} is not empty ({shown}); "
+                    f"pass --overwrite to replace it, or choose another --output-dir")
+        if entries and not (run_dir / RUN_MARKER).is_file():
+            # --overwrite deletes the directory: only ever a previous run's, never a user's folder.
+            return (f"output directory {run_dir} is not empty and is not a finetune run directory "
+                    f"(no {RUN_MARKER}); --overwrite only replaces run directories: choose another --output-dir")
+    parent = _existing_ancestor(run_dir)
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"output directory {run_dir}: cannot create it ({parent} is not writable)"
+    return None
+
+
+def _existing_ancestor(path: Path) -> Path:
+    path = path.absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path

@@ -1,0 +1,96 @@
+"""The run directory `finetune train` writes before launch: everything the ranks (and later `convert`,
+`merge` and resume) read about the run, so it describes itself.
+
+    RUN/recipe.yaml          the resolved recipe (extends and --set applied, local paths absolute)
+    RUN/deepspeed.json       finetune.dsconfig.render_deepspeed(recipe, real world size)
+    RUN/training_args.json   finetune.dsconfig.render_training_args(recipe, output_dir=RUN)
+    RUN/logs/                launcher output, per-rank logs
+
+The runner adds env.json, adapter/ or model/, tokenizer/ and summary.json.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from pathlib import Path
+from typing import Any
+
+from finetune.fsutil import atomic_dir
+from finetune.recipe import LoadedRecipe, Recipe
+
+RECIPE_FILE = "recipe.yaml"
+DEEPSPEED_FILE = "deepspeed.json"
+TRAINING_ARGS_FILE = "training_args.json"
+
+
+def resolved_recipe(recipe: Recipe, run_dir: Path) -> dict[str, Any]:
+    """The recipe as plain data, as the run sees it: local paths absolute, output_dir = the run dir."""
+    from finetune.preflight import BUILTIN_PREFIX, is_local, is_model_path
+
+    data = recipe.model_dump(mode="json")
+    data.pop("extends", None)  # already applied
+    data["output_dir"] = str(Path(run_dir).absolute())
+    if is_local(data["data"]["path"]):
+        data["data"]["path"] = str(Path(data["data"]["path"]).expanduser().absolute())
+    for key in ("name_or_path", "tokenizer"):
+        value = data["model"].get(key)
+        if value and not value.startswith(BUILTIN_PREFIX) and is_model_path(value):
+            data["model"][key] = str(Path(value).expanduser().absolute())
+    if data["launch"].get("hostfile"):
+        data["launch"]["hostfile"] = str(Path(data["launch"]["hostfile"]).expanduser().absolute())
+    return data
+
+
+def dump_yaml(data: dict[str, Any], header: str = "") -> str:
+    from ruamel.yaml import YAML
+
+    yaml = YAML(typ="safe", pure=True)
+    yaml.default_flow_style = False
+    yaml.sort_base_mapping_type_on_output = False  # keep the schema's order: model, method, lora, ...
+    buffer = io.StringIO()
+    yaml.dump(data, buffer)
+    return header + buffer.getvalue()
+
+
+def run_files(loaded: LoadedRecipe, run_dir: Path, world_size: int) -> dict[str, str]:
+    """File name -> text of everything written before launch."""
+    from finetune.dsconfig import dumps, render_deepspeed, render_training_args
+
+    recipe = loaded.recipe
+    run_dir = Path(run_dir).absolute()
+    header = (f"# The recipe this run trained, written by `finetune train` from {Path(loaded.path).absolute()}\n"
+              f"# (extends and --set applied, every default written out, local paths absolute).\n")
+    return {
+        RECIPE_FILE: dump_yaml(resolved_recipe(recipe, run_dir), header),
+        DEEPSPEED_FILE: dumps(render_deepspeed(recipe, world_size)),
+        TRAINING_ARGS_FILE: dumps(render_training_args(recipe, output_dir=str(run_dir))),
+    }
+
+
+def write_run_dir(loaded: LoadedRecipe, run_dir: Path, world_size: int, overwrite: bool = False) -> Path:
+    """Create RUN with the files above, all at once: a failure leaves no half-written run directory.
+
+    An existing directory is replaced only with `overwrite` (preflight has checked it is a run dir)."""
+    run_dir = Path(run_dir).absolute()
+    files = run_files(loaded, run_dir, world_size)
+    # An empty directory (made by hand, or a mount point) is filled in place rather than replaced.
+    if run_dir.is_dir() and not any(run_dir.iterdir()):
+        _write_into(run_dir, files)
+        return run_dir
+    with atomic_dir(run_dir, overwrite=overwrite) as tmp:
+        _write_into(tmp, files)
+    return run_dir
+
+
+def _write_into(directory: Path, files: dict[str, str]) -> None:
+    from finetune.fsutil import write_atomic
+
+    # mkdtemp/mkstemp create 0700/0600; a run directory is for the whole team on a shared box: use the umask.
+    umask = os.umask(0)
+    os.umask(umask)
+    directory.chmod(0o777 & ~umask)
+    for name, text in files.items():
+        write_atomic(directory / name, text)
+        (directory / name).chmod(0o666 & ~umask)
+    (directory / "logs").mkdir(exist_ok=True)
