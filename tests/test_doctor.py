@@ -1,0 +1,157 @@
+"""finetune.doctor: version floors and recipe checks on fake machines, and the real `finetune doctor`."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from finetune.doctor import (
+    Facts, Gpu, checks_for_recipe, failed, machine_checks, report, run_doctor, satisfies,
+)
+from finetune.recipe import Recipe
+from tests.conftest import run_cli
+
+GOOD = {"torch": "2.5.1+cu124", "deepspeed": "0.16.2", "transformers": "4.46.3", "peft": "0.14.0",
+        "bitsandbytes": "0.45.0", "accelerate": "1.2.1", "datasets": "3.2.0", "trl": None, "flash-attn": None}
+# transformers 5 is the runner's floor; 4.46 is fine for QLoRA + ZeRO-3 but not for `finetune train`.
+GOOD["transformers"] = "5.0.0"
+RTX_4070 = Gpu(0, "NVIDIA GeForce RTX 4070", 12 * 2**30, (8, 9))
+P40 = Gpu(0, "Tesla P40", 24 * 2**30, (6, 1))
+
+
+def facts(gpus=(RTX_4070, RTX_4070), **versions) -> Facts:
+    packages = dict(GOOD)
+    packages.update({k.replace("_", "-"): v for k, v in versions.items()})
+    gpus = [Gpu(i, g.name, g.memory_bytes, g.capability) for i, g in enumerate(gpus)]
+    return Facts(python="3.11.9", platform="Linux", packages=packages, torch_cuda="12.4" if gpus else None,
+                 cuda_available=bool(gpus), nccl="2.21.5" if gpus else None, gpus=gpus)
+
+
+def recipe(**sections) -> Recipe:
+    data = {"model": {"name_or_path": "org/m"}, "data": {"path": "org/d"}}
+    for key, value in sections.items():
+        data[key] = value
+    return Recipe.model_validate(data)
+
+
+def by_name(checks):
+    return {c.name: c for c in checks}
+
+
+QLORA_Z3 = dict(method="qlora", deepspeed={"stage": 3})
+
+
+@pytest.mark.parametrize("version,spec,ok", [
+    ("0.43.3", ">=0.43.3", True), ("0.43.2", ">=0.43.3", False), ("0.44.0", ">=0.43.3", True),
+    ("4.44.2", ">4.44.2", False), ("4.45.0.dev0", ">4.44.2", True), ("4.44.2.post1", ">4.44.2", True),
+    ("2.5.1+cu124", ">=2.3", True), ("1.0.1", ">=1.0.1", True), ("1.0.1rc1", ">=1.0.1", False),
+    ("0.13.0", ">0.13.0", False), ("0.13.1", ">0.13.0", True),
+])
+def test_version_floors(version, spec, ok):
+    assert satisfies(version, spec) is ok
+
+
+def test_qlora_zero3_floors_fail_with_the_pip_command():
+    checks = by_name(checks_for_recipe(recipe(**QLORA_Z3), facts(bitsandbytes="0.43.1", peft="0.13.0")))
+    bnb, peft = checks["qlora-zero3.bitsandbytes"], checks["qlora-zero3.peft"]
+    assert bnb.status == "fail" and "0.43.1" in bnb.message and bnb.fix == "pip install -U 'bitsandbytes>=0.43.3'"
+    assert peft.status == "fail" and peft.fix == "pip install -U 'peft>0.13.0'"
+    assert checks["qlora-zero3.accelerate"].status == "ok"
+    assert "qlora-zero3.trl" not in checks  # trl is not installed: not needed
+
+
+def test_trl_counts_only_when_installed():
+    assert by_name(checks_for_recipe(recipe(**QLORA_Z3), facts(trl="0.11.4")))["qlora-zero3.trl"].status == "fail"
+    assert by_name(checks_for_recipe(recipe(**QLORA_Z3), facts(trl="0.12.0")))["qlora-zero3.trl"].status == "ok"
+
+
+def test_old_bitsandbytes_is_fine_without_zero3():
+    checks = checks_for_recipe(recipe(method="qlora", deepspeed={"stage": 2}), facts(bitsandbytes="0.43.1"))
+    assert not failed(checks)
+
+
+def test_qlora_needs_an_importable_bitsandbytes():
+    missing = by_name(checks_for_recipe(recipe(method="qlora"), facts(bitsandbytes=None)))
+    assert missing["qlora.bitsandbytes"].status == "fail"
+    broken_facts = facts()
+    broken_facts.import_errors["bitsandbytes"] = "OSError: libcudart.so.12: cannot open shared object file"
+    broken = by_name(checks_for_recipe(recipe(method="qlora"), broken_facts))["qlora.bitsandbytes"]
+    assert broken.status == "fail" and "libcudart" in broken.message
+    assert not failed(checks_for_recipe(recipe(method="lora"), facts(bitsandbytes=None)))
+
+
+def test_missing_deepspeed_fails_the_recipe():
+    check = by_name(checks_for_recipe(recipe(), facts(deepspeed=None)))["train.deepspeed"]
+    assert check.status == "fail" and check.fix.startswith("pip install")
+
+
+def test_more_processes_than_gpus():
+    check = by_name(checks_for_recipe(recipe(launch={"procs_per_node": 4}), facts()))["device"]
+    assert check.status == "fail" and "4" in check.message and "2 GPU" in check.message
+
+
+def test_bf16_on_a_gpu_without_it():
+    checks = by_name(checks_for_recipe(recipe(), facts(gpus=(P40, P40))))
+    assert checks["device.bf16"].status == "fail" and "Tesla P40" in checks["device.bf16"].message
+    assert "float16" in checks["device.bf16"].fix
+    assert "device.bf16" not in by_name(checks_for_recipe(recipe(model={"name_or_path": "m", "dtype": "float16"}),
+                                                          facts(gpus=(P40,))))
+
+
+def test_no_gpu_means_cpu_processes():
+    auto = by_name(checks_for_recipe(recipe(), facts(gpus=())))["device"]
+    assert auto.status == "info" and "1 CPU process " in auto.message
+    two = by_name(checks_for_recipe(recipe(launch={"procs_per_node": 2}), facts(gpus=())))["device"]
+    assert "2 CPU processes" in two.message
+
+
+def test_flash_attention_needs_the_package_and_ampere():
+    r = recipe(model={"name_or_path": "m", "attn_implementation": "flash_attention_2", "dtype": "float16"})
+    checks = by_name(checks_for_recipe(r, facts(gpus=(P40,))))
+    assert checks["flash-attn"].status == "fail" and checks["flash-attn.gpu"].status == "fail"
+    assert not failed(checks_for_recipe(r.model_copy(update={"model": r.model.model_copy(update={"dtype": "bfloat16"})}),
+                                        facts(flash_attn="2.7.0")))
+
+
+def test_machine_checks_warn_on_qlora_zero3_floors_and_fail_on_missing_libraries():
+    checks = by_name(machine_checks(facts(bitsandbytes="0.42.0")))
+    assert checks["qlora-zero3.bitsandbytes"].status == "warn"
+    assert not failed(list(checks.values()))
+    assert by_name(machine_checks(facts(transformers=None)))["train.transformers"].status == "fail"
+    assert by_name(machine_checks(facts(torch=None)))["torch"].status == "fail"
+    no_gpu = by_name(machine_checks(facts(gpus=())))["gpu"]
+    assert no_gpu.status == "warn" and no_gpu.fix
+
+
+def test_a_recipe_turns_the_machine_warning_into_a_failure():
+    _, checks = run_doctor(facts(bitsandbytes="0.42.0"), recipe=recipe(**QLORA_Z3))
+    names = [c.name for c in checks]
+    assert names.count("qlora-zero3.bitsandbytes") == 1
+    assert by_name(checks)["qlora-zero3.bitsandbytes"].status == "fail"
+
+
+def test_report_shape():
+    f = facts()
+    data = report(f, machine_checks(f))
+    assert data["ok"] is True
+    assert data["gpus"][0] == {"index": 0, "name": "NVIDIA GeForce RTX 4070", "memory_bytes": 12 * 2**30,
+                               "memory_gib": 12.0, "compute_capability": "8.9", "bf16": True}
+    assert data["torch"] == {"version": "2.5.1+cu124", "cuda": "12.4", "cuda_available": True, "nccl": "2.21.5"}
+
+
+def test_cli_doctor_json():
+    done = run_cli("doctor", "--format", "json")
+    data = json.loads(done.stdout)
+    assert set(data) >= {"python", "platform", "torch", "gpus", "packages", "checks", "ok"}
+    assert set(data["packages"]) >= {"torch", "deepspeed", "transformers", "peft", "bitsandbytes", "accelerate", "datasets"}
+    for check in data["checks"]:
+        assert set(check) == {"name", "status", "message", "fix"}
+        assert check["status"] in ("ok", "info", "warn", "fail")
+    assert done.returncode == (0 if data["ok"] else 1)
+    assert done.returncode == int(any(c["status"] == "fail" for c in data["checks"]))
+
+
+def test_cli_doctor_rejects_unknown_format():
+    done = run_cli("doctor", "--format", "xml")
+    assert done.returncode == 2 and "--format" in done.stderr

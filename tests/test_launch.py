@@ -1,0 +1,318 @@
+"""finetune.launch: argv for torchrun and deepspeed, and supervision of real launchers with fake runners.
+
+The fake runners are tiny modules written to tmp_path (no torch, start in milliseconds); the
+launchers are the real torchrun and DeepSpeed launcher on CPU.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from finetune.launch import (
+    HostfileError, free_port, parse_torchrun_failures, plan_launch, procs_per_node, read_hostfile, supervise,
+)
+from finetune.recipe import Recipe
+from finetune.rundir import write_run_dir
+from finetune.recipe import load_recipe
+
+RUN = Path("/runs/demo")
+
+
+def recipe(**launch) -> Recipe:
+    return Recipe.model_validate({"model": {"name_or_path": "org/m"}, "data": {"path": "org/d"}, "launch": launch})
+
+
+# ----------------------------------------------------------------------------------------------
+# argv
+
+
+def test_torchrun_argv():
+    plan = plan_launch(recipe(), RUN, gpu_count=2, python="python", environ={})
+    assert plan.argv == [
+        "python", "-m", "torch.distributed.run",
+        "--nnodes", "1", "--nproc-per-node", "2", "--node-rank", "0",
+        "--master-addr", "127.0.0.1", "--master-port", "29500",
+        "--log-dir", "/runs/demo/logs/torchrun", "--redirects", "3", "--tee", "0:3",
+        "-m", "finetune.train.runner", "--run-dir", "/runs/demo",
+    ]
+    assert (plan.launcher, plan.world_size, plan.device) == ("torchrun", 2, "cuda")
+    assert "DS_ACCELERATOR" not in plan.env
+
+
+def test_torchrun_argv_multi_node():
+    r = recipe(nodes=2, node_rank=1, master_addr="10.0.0.1", master_port=29600, procs_per_node=8)
+    plan = plan_launch(r, RUN, gpu_count=8, python="python", environ={})
+    assert plan.argv[3:13] == ["--nnodes", "2", "--nproc-per-node", "8", "--node-rank", "1",
+                               "--master-addr", "10.0.0.1", "--master-port", "29600"]
+    assert plan.world_size == 16
+
+
+def test_deepspeed_argv_single_node():
+    plan = plan_launch(recipe(launcher="deepspeed"), RUN, gpu_count=2, python="python", environ={})
+    assert plan.argv == [
+        "python", "-m", "deepspeed.launcher.runner",
+        "--num_gpus", "2", "--master_addr", "127.0.0.1", "--master_port", "29500",
+        "--no_local_rank", "--enable_each_rank_log", "/runs/demo/logs",
+        "--module", "finetune.train.runner", "--run-dir", "/runs/demo",
+    ]
+    assert plan.world_size == 2
+
+
+def test_deepspeed_keeps_the_gpus_the_user_picked():
+    plan = plan_launch(recipe(launcher="deepspeed", procs_per_node=2), RUN, gpu_count=3, python="python",
+                       environ={"CUDA_VISIBLE_DEVICES": "1,2,3"})
+    assert plan.argv[3:5] == ["--include", "localhost:1,2"]
+
+
+def test_deepspeed_argv_with_hostfile(tmp_path):
+    one = tmp_path / "one"
+    one.write_text("localhost slots=4\n")
+    plan = plan_launch(recipe(hostfile=str(one)), RUN, gpu_count=4, python="python", environ={})
+    assert plan.launcher == "deepspeed"  # auto picks deepspeed for a hostfile
+    assert plan.argv[:11] == ["python", "-m", "deepspeed.launcher.runner", "--hostfile", str(one), "--num_nodes", "1",
+                              "--no_ssh_check", "--master_addr", "127.0.0.1", "--master_port"]
+    assert plan.world_size == 4
+    two = tmp_path / "two"
+    two.write_text("# two boxes\nworker-0 slots=8\nworker-1 slots=8\n")
+    plan = plan_launch(recipe(hostfile=str(two), nodes=2), RUN, gpu_count=8, python="python", environ={})
+    # several hosts with the default address: DeepSpeed asks node 0 for its address over ssh
+    assert "--master_addr" not in plan.argv and "--no_ssh_check" not in plan.argv
+    assert plan.world_size == 16
+    plan = plan_launch(recipe(hostfile=str(two), nodes=2, procs_per_node=2), RUN, gpu_count=8, python="python", environ={})
+    assert plan.argv[plan.argv.index("--num_gpus") + 1] == "2" and plan.world_size == 4
+
+
+def test_procs_per_node():
+    assert procs_per_node(recipe(), gpu_count=4) == 4
+    assert procs_per_node(recipe(), gpu_count=0) == 1  # no GPU: one CPU process
+    assert procs_per_node(recipe(procs_per_node=2), gpu_count=0) == 2
+
+
+def test_cpu_runs_use_deepspeeds_cpu_accelerator():
+    plan = plan_launch(recipe(procs_per_node=2), RUN, gpu_count=0, python="python", environ={})
+    assert plan.env["DS_ACCELERATOR"] == "cpu" and plan.device == "cpu" and plan.world_size == 2
+    assert "DS_ACCELERATOR" not in plan_launch(recipe(), RUN, 0, python="python", environ={"DS_ACCELERATOR": "cpu"}).env
+
+
+def test_display_is_a_shell_line():
+    plan = plan_launch(recipe(), Path("/runs/my run"), gpu_count=1, python="python", environ={})
+    assert plan.display().endswith("--run-dir '/runs/my run'")
+
+
+def test_hostfile_errors(tmp_path):
+    bad = tmp_path / "hosts"
+    bad.write_text("worker-0 slots=8\nworker-1\n")
+    with pytest.raises(HostfileError, match=r"hosts:2: expected `hostname slots=N`"):
+        read_hostfile(bad)
+    bad.write_text("a slots=1\na slots=2\n")
+    with pytest.raises(HostfileError, match="listed twice"):
+        read_hostfile(bad)
+    with pytest.raises(HostfileError, match="cannot read"):
+        read_hostfile(tmp_path / "missing")
+
+
+def test_free_port_moves_off_a_busy_port():
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        busy = sock.getsockname()[1]
+        assert free_port(busy) != busy
+
+
+REPORT = """\
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+============================================================
+fake FAILED
+------------------------------------------------------------
+Failures:
+[1]:
+  time      : 2026-01-01_00:00:01
+  host      : box
+  rank      : 0 (local_rank: 0)
+  exitcode  : -15 (pid: 11)  (SIGTERM)
+  error_file: <N/A>
+  traceback : Signal 15 (SIGTERM) received by PID 11
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-01-01_00:00:00
+  host      : box
+  rank      : 3 (local_rank: 1)
+  exitcode  : 3 (pid: 12)
+  error_file: /runs/x/error.json
+  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html
+============================================================
+"""
+
+
+def test_parse_torchrun_failures_root_cause_first():
+    failures = parse_torchrun_failures(REPORT)
+    assert [(f.rank, f.local_rank, f.exitcode) for f in failures] == [(3, 1, 3), (0, 0, -15)]
+    assert failures[0].error_file == "/runs/x/error.json" and failures[1].error_file is None
+    assert failures[1].describe() == "rank 0 (local rank 0) was killed by SIGTERM"
+    assert parse_torchrun_failures("all fine\n") == []
+
+
+# ----------------------------------------------------------------------------------------------
+# Supervision with fake runners
+
+FAKE_RUNNER = '''
+import os, signal, sys, time
+from pathlib import Path
+from torch.distributed.elastic.multiprocessing.errors import record
+
+rank = int(os.environ["RANK"])
+run_dir = Path(sys.argv[sys.argv.index("--run-dir") + 1])
+mode = os.environ["FAKE_MODE"]
+
+def on_signal(signum, frame):
+    (run_dir / f"got_{signal.Signals(signum).name}_rank{rank}").write_text("")
+    sys.exit(0)
+
+@record
+def main():
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    print(f"rank {rank} of {os.environ['WORLD_SIZE']} up", flush=True)
+    if mode == "exit3" and rank == 1:
+        print("rank 1 gives up", file=sys.stderr, flush=True)
+        sys.exit(3)
+    if mode == "raise" and rank == 1:
+        raise RuntimeError("bad batch on rank 1")
+    if mode == "hang":
+        (run_dir / f"ready{rank}").write_text("")
+        time.sleep(30)
+    time.sleep(0.5)
+    (run_dir / f"done{rank}").write_text("")
+
+main()
+'''
+# `record` is imported from torch only for the "raise" mode's error file; the import costs ~1 s per rank.
+FAKE_RUNNER_NO_TORCH = FAKE_RUNNER.replace("from torch.distributed.elastic.multiprocessing.errors import record\n",
+                                           "record = lambda f: f\n")
+
+
+@pytest.fixture
+def fake(tmp_path):
+    """fake(mode, launcher) -> (plan, run_dir): a 2-process CPU launch of a fake runner module."""
+
+    def make(mode: str, launcher: str = "torchrun", with_torch: bool = False):
+        package = tmp_path / "fakes"
+        package.mkdir(exist_ok=True)
+        (package / "fake_runner.py").write_text(FAKE_RUNNER if with_torch else FAKE_RUNNER_NO_TORCH)
+        r = recipe(procs_per_node=2, launcher=launcher)
+        run_dir = tmp_path / "run"
+        loaded = _loaded(r, tmp_path)
+        write_run_dir(loaded, run_dir, world_size=2)
+        plan = plan_launch(r, run_dir, gpu_count=0, module="fake_runner", master_port=free_port(29500))
+        plan.env.update({"PYTHONPATH": os.pathsep.join([str(package), os.environ.get("PYTHONPATH", "")]), "FAKE_MODE": mode})
+        return plan, run_dir
+
+    return make
+
+
+def _loaded(r: Recipe, tmp_path: Path):
+    path = tmp_path / "r.yaml"
+    path.write_text("model: {name_or_path: org/m}\ndata: {path: org/d}\n")
+    loaded = load_recipe(path)
+    loaded.recipe = r
+    return loaded
+
+
+class Sink:
+    """Stands in for the console (bytes)."""
+
+    def __init__(self):
+        self.data = b""
+
+    def write(self, data):
+        self.data += data
+
+    def flush(self):
+        pass
+
+
+def test_success_runs_every_rank(fake):
+    plan, run_dir = fake("ok")
+    console = Sink()
+    outcome = supervise(plan, console)
+    assert outcome.ok and outcome.returncode == 0
+    assert (run_dir / "done0").exists() and (run_dir / "done1").exists()
+    assert b"[rank0]: rank 0 of 2 up" in console.data
+    assert b"rank 1 of 2 up" not in console.data  # other ranks go to their log files only
+    assert "rank 1 of 2 up" in (run_dir / "logs" / "rank1" / "stdout.log").read_text()
+    assert (run_dir / "logs" / "launcher.log").read_bytes() == console.data
+
+
+def test_a_failing_rank_is_named(fake):
+    plan, run_dir = fake("exit3")
+    console = Sink()
+    outcome = supervise(plan, console)
+    assert outcome.returncode == 1
+    root = outcome.failures[0]
+    assert (root.rank, root.exitcode) == (1, 3)
+    assert outcome.message == "rank 1 (local rank 1) exited with code 3"
+    assert any("rank 1 gives up" in log.read_text() for log in outcome.logs)
+    # torchrun's own traceback is kept out of the console (it reads like a crash of finetune) ...
+    assert b'File "' not in console.data and b"Root Cause" in console.data
+    # ... but stays in the launcher log
+    assert b"Traceback (most recent call last)" in (run_dir / "logs" / "launcher.log").read_bytes()
+
+
+def test_an_exception_in_a_rank_is_reported_with_its_message(fake):
+    plan, _ = fake("raise", with_torch=True)
+    outcome = supervise(plan, Sink())
+    assert outcome.failures[0].rank == 1
+    assert outcome.message == "rank 1 (local rank 1) exited with code 1: RuntimeError: bad batch on rank 1"
+
+
+def test_deepspeed_launcher_names_the_rank_that_raised(fake):
+    plan, run_dir = fake("raise", launcher="deepspeed")
+    console = Sink()
+    outcome = supervise(plan, console)
+    assert outcome.returncode == 1 and [f.rank for f in outcome.failures] == [1]
+    assert b"rank 0 of 2 up" in console.data  # rank 0's log file is followed onto the console
+    assert "bad batch on rank 1" in outcome.logs[0].read_text()
+
+
+DRIVER = '''
+import os, sys, json
+from pathlib import Path
+from finetune.launch import LaunchPlan, supervise
+plan = LaunchPlan(**{**json.loads(sys.argv[1]), "run_dir": Path(json.loads(sys.argv[1])["run_dir"])})
+outcome = supervise(plan)
+sys.exit(outcome.returncode)
+'''
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signals_are_forwarded_to_every_rank(fake, sig):
+    import json
+
+    plan, run_dir = fake("hang")
+    fields = {k: (str(v) if isinstance(v, Path) else v) for k, v in plan.__dict__.items()}
+    proc = subprocess.Popen([sys.executable, "-c", DRIVER, json.dumps(fields)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, cwd=Path(__file__).parent.parent)
+    try:
+        deadline = time.monotonic() + 60
+        while not ((run_dir / "ready0").exists() and (run_dir / "ready1").exists()):
+            assert time.monotonic() < deadline and proc.poll() is None, "fake ranks did not start"
+            time.sleep(0.1)
+        proc.send_signal(sig)
+        assert proc.wait(timeout=60) == 128 + sig
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    name = signal.Signals(sig).name  # each rank gets the signal that was sent (torchrun passes it on)
+    assert (run_dir / f"got_{name}_rank0").exists() and (run_dir / f"got_{name}_rank1").exists()
+    assert not (run_dir / "done0").exists() and not (run_dir / "done1").exists()
