@@ -1,0 +1,235 @@
+"""Decoder architectures the planner knows without downloading anything.
+
+The numbers are the public `config.json` values of each model (hidden_size, intermediate_size,
+num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim, vocab_size,
+tie_word_embeddings). Every model here is a Llama-style decoder: per layer an attention block
+(q, k, v, o projections) and a gated MLP (gate, up, down), RMS norms, a token embedding and an
+output head (tied to the embedding or not). Pure Python: no torch, no transformers.
+
+    >>> arch = match_hub_id("meta-llama/Meta-Llama-3-8B-Instruct")
+    >>> arch.name, f"{arch.total_params:,}"
+    ('llama-3-8b', '8,030,261,248')
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Optional
+
+# Projections of one decoder layer, in forward order; LoRA `target_modules` names refer to these.
+LAYER_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class Linear:
+    name: str
+    in_features: int
+    out_features: int
+    bias: bool = False
+
+    @property
+    def weight_numel(self) -> int:
+        return self.in_features * self.out_features
+
+
+@dataclass(frozen=True)
+class Arch:
+    """Shapes of a Llama-style decoder."""
+
+    name: str
+    model_type: str
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    tied: bool
+    head_dim: int = 0  # 0: hidden // heads (Gemma 2 sets it explicitly)
+    qkv_bias: bool = False  # Qwen2 has biases on q, k and v
+    norms_per_layer: int = 2  # Gemma 2 adds pre/post feed-forward norms: 4
+    attn_softcap: bool = False  # Gemma 2: tanh soft-capping of attention scores (eager keeps one more s^2 tensor)
+    logit_softcap: bool = False  # Gemma 2: tanh soft-capping of the logits (one more vocab-sized tensor)
+    source: str = "built-in table"
+    patterns: tuple[str, ...] = field(default=(), compare=False, repr=False)
+
+    @property
+    def dim_head(self) -> int:
+        return self.head_dim or self.hidden // self.heads
+
+    @property
+    def q_dim(self) -> int:
+        """Width of the attention output (heads x head_dim); differs from hidden for Gemma 2."""
+        return self.heads * self.dim_head
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.dim_head
+
+    def layer_linears(self) -> tuple[Linear, ...]:
+        h, i = self.hidden, self.intermediate
+        return (
+            Linear("q_proj", h, self.q_dim, self.qkv_bias),
+            Linear("k_proj", h, self.kv_dim, self.qkv_bias),
+            Linear("v_proj", h, self.kv_dim, self.qkv_bias),
+            Linear("o_proj", self.q_dim, h),
+            Linear("gate_proj", h, i),
+            Linear("up_proj", h, i),
+            Linear("down_proj", i, h),
+        )
+
+    @property
+    def embed_params(self) -> int:
+        return self.vocab * self.hidden
+
+    @property
+    def layer_params(self) -> int:
+        linear = sum(l.weight_numel + (l.out_features if l.bias else 0) for l in self.layer_linears())
+        return linear + self.norms_per_layer * self.hidden
+
+    @property
+    def total_params(self) -> int:
+        """Unique parameters (a tied head is the embedding, counted once), as model.num_parameters()."""
+        head = 0 if self.tied else self.embed_params
+        return self.embed_params + self.layers * self.layer_params + self.hidden + head
+
+    @property
+    def largest_module_params(self) -> int:
+        """Largest number of parameters held directly by one module (DeepSpeed's `largest_layer_params`):
+        the embedding or the output head for every model here."""
+        biggest_linear = max(l.weight_numel + (l.out_features if l.bias else 0) for l in self.layer_linears())
+        return max(self.embed_params, biggest_linear)
+
+    def describe(self) -> str:
+        return (f"{self.name} ({self.total_params / 1e9:.2f}B params, hidden {self.hidden}, {self.layers} layers, "
+                f"{self.heads}/{self.kv_heads} heads, vocab {self.vocab}{', tied head' if self.tied else ''})")
+
+    def hf_config(self) -> dict:
+        """A transformers config dict with these shapes (used by tests to build the real model)."""
+        cfg = {"model_type": self.model_type, "hidden_size": self.hidden, "intermediate_size": self.intermediate,
+               "num_hidden_layers": self.layers, "num_attention_heads": self.heads,
+               "num_key_value_heads": self.kv_heads, "vocab_size": self.vocab,
+               "tie_word_embeddings": self.tied}
+        if self.head_dim:
+            cfg["head_dim"] = self.head_dim
+        return cfg
+
+
+def _arch(name: str, model_type: str, hidden: int, intermediate: int, layers: int, heads: int, kv: int, vocab: int,
+          tied: bool, *patterns: str, **extra) -> Arch:
+    return Arch(name, model_type, hidden, intermediate, layers, heads, kv, vocab, tied,
+                patterns=patterns or (re.escape(name),), **extra)
+
+
+_QWEN2 = {"qkv_bias": True}
+_GEMMA2 = {"norms_per_layer": 4, "attn_softcap": True, "logit_softcap": True}
+
+# Patterns are searched in a lower-cased hub id with `_` read as `-`; a size is never followed by
+# another digit, so `llama-2-7b` does not match `llama-2-70b`.
+BUILTIN: tuple[Arch, ...] = (
+    _arch("llama-2-7b", "llama", 4096, 11008, 32, 32, 32, 32000, False, r"llama-?2-7b"),
+    _arch("llama-2-13b", "llama", 5120, 13824, 40, 40, 40, 32000, False, r"llama-?2-13b"),
+    _arch("llama-2-70b", "llama", 8192, 28672, 80, 64, 8, 32000, False, r"llama-?2-70b"),
+    _arch("llama-3-8b", "llama", 4096, 14336, 32, 32, 8, 128256, False, r"llama-?3-8b"),
+    _arch("llama-3-70b", "llama", 8192, 28672, 80, 64, 8, 128256, False, r"llama-?3-70b"),
+    _arch("llama-3.1-8b", "llama", 4096, 14336, 32, 32, 8, 128256, False, r"llama-?3\.1-8b"),
+    _arch("llama-3.1-70b", "llama", 8192, 28672, 80, 64, 8, 128256, False, r"llama-?3\.1-70b"),
+    _arch("qwen2.5-0.5b", "qwen2", 896, 4864, 24, 14, 2, 151936, True, r"qwen2\.5-0\.5b", **_QWEN2),
+    _arch("qwen2.5-1.5b", "qwen2", 1536, 8960, 28, 12, 2, 151936, True, r"qwen2\.5-1\.5b", **_QWEN2),
+    _arch("qwen2.5-3b", "qwen2", 2048, 11008, 36, 16, 2, 151936, True, r"qwen2\.5-3b", **_QWEN2),
+    _arch("qwen2.5-7b", "qwen2", 3584, 18944, 28, 28, 4, 152064, False, r"qwen2\.5-7b", **_QWEN2),
+    _arch("qwen2.5-14b", "qwen2", 5120, 13824, 48, 40, 8, 152064, False, r"qwen2\.5-14b", **_QWEN2),
+    _arch("qwen2.5-32b", "qwen2", 5120, 27648, 64, 40, 8, 152064, False, r"qwen2\.5-32b", **_QWEN2),
+    _arch("qwen2.5-72b", "qwen2", 8192, 29568, 80, 64, 8, 152064, False, r"qwen2\.5-72b", **_QWEN2),
+    # v0.3 extended the vocabulary to 32768; v0.1/v0.2 have 32000. Check v0.3 first.
+    _arch("mistral-7b-v0.3", "mistral", 4096, 14336, 32, 32, 8, 32768, False, r"mistral-7b(-instruct)?-v0\.3"),
+    _arch("mistral-7b", "mistral", 4096, 14336, 32, 32, 8, 32000, False, r"mistral-7b"),
+    _arch("gemma-2-2b", "gemma2", 2304, 9216, 26, 8, 4, 256000, True, r"gemma-?2-2b", head_dim=256, **_GEMMA2),
+    _arch("gemma-2-9b", "gemma2", 3584, 14336, 42, 16, 8, 256000, True, r"gemma-?2-9b", head_dim=256, **_GEMMA2),
+    _arch("gemma-2-27b", "gemma2", 4608, 36864, 46, 32, 16, 256000, True, r"gemma-?2-27b", head_dim=128, **_GEMMA2),
+)
+BY_NAME = {a.name: a for a in BUILTIN}
+
+
+def match_hub_id(name: str) -> Optional[Arch]:
+    """The built-in architecture a hub id (or a table name) refers to, or None.
+
+    `meta-llama/Meta-Llama-3-8B-Instruct` -> llama-3-8b; `Qwen/Qwen2.5-7B-Instruct` -> qwen2.5-7b.
+    """
+    text = name.strip().lower().replace("_", "-")
+    if text in BY_NAME:
+        return BY_NAME[text]
+    for arch in BUILTIN:
+        for pattern in arch.patterns:
+            if re.search(rf"(?<![a-z0-9.]){pattern}(?![0-9.])", text.rsplit("/", 1)[-1]) or \
+               re.search(rf"(?<![a-z0-9.]){pattern}(?![0-9.])", text):
+                return arch
+    return None
+
+
+class ArchError(ValueError):
+    """A config.json the planner cannot read."""
+
+
+# Keys every Llama-style config.json has; text_config covers multimodal wrappers.
+_REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+
+
+def arch_from_config(config: dict, source: str) -> Arch:
+    """Shapes from a transformers config.json dict (Llama, Mistral, Qwen2, Gemma 2 and look-alikes)."""
+    if "text_config" in config and "hidden_size" not in config:
+        config = {**config["text_config"], "tie_word_embeddings": config.get("tie_word_embeddings",
+                                                                            config["text_config"].get("tie_word_embeddings"))}
+    missing = [k for k in _REQUIRED if not isinstance(config.get(k), int)]
+    if missing:
+        raise ArchError(f"{source}: not a decoder config the planner understands (missing {', '.join(missing)})")
+    model_type = str(config.get("model_type", "llama"))
+    heads = config["num_attention_heads"]
+    gemma2 = model_type in ("gemma2", "gemma3_text")
+    tied_default = model_type in ("gemma", "gemma2", "gemma3_text")
+    tied = config.get("tie_word_embeddings")
+    if tied is None:
+        tied = tied_default
+    head_dim = config.get("head_dim") or 0
+    if head_dim and head_dim * heads == config["hidden_size"]:
+        head_dim = 0  # the default; keep the Arch minimal
+    return Arch(
+        name=str(config.get("_name_or_path") or Path(source).parent.name or model_type),
+        model_type=model_type,
+        hidden=config["hidden_size"],
+        intermediate=config["intermediate_size"],
+        layers=config["num_hidden_layers"],
+        heads=heads,
+        kv_heads=config.get("num_key_value_heads") or heads,
+        vocab=config["vocab_size"],
+        tied=bool(tied),
+        head_dim=head_dim,
+        # Qwen2 always has q/k/v biases; Llama-style configs say so with attention_bias.
+        qkv_bias=model_type == "qwen2" or bool(config.get("attention_bias", False)),
+        norms_per_layer=4 if gemma2 else 2,
+        attn_softcap=bool(config.get("attn_logit_softcapping")) if gemma2 else False,
+        logit_softcap=bool(config.get("final_logit_softcapping")) if gemma2 else False,
+        source=source,
+    )
+
+
+def load_config_json(path: Path) -> Arch:
+    """Read `path` (a config.json, or a directory holding one)."""
+    file = path / "config.json" if path.is_dir() else path
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ArchError(f"{file}: cannot read ({exc.strerror or exc})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ArchError(f"{file}: not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise ArchError(f"{file}: expected a JSON object")
+    arch = arch_from_config(data, str(file))
+    return replace(arch, name=path.name if path.is_dir() else path.parent.name or arch.name)
+
+
+def names() -> list[str]:
+    return [a.name for a in BUILTIN]
