@@ -283,7 +283,7 @@ def model_step(recipe: Recipe, result: Preflight) -> None:
     if reference.startswith(BUILTIN_PREFIX):
         _builtin_model(reference[len(BUILTIN_PREFIX):], result)
     elif is_model_path(reference):
-        _local_model(Path(reference).expanduser(), "model.name_or_path", result)
+        _local_model(reference, "model.name_or_path", result)
     else:
         result.warnings.append(f"model {reference}: {_hub_note(reference, recipe.model.revision)}")
     tokenizer = recipe.model.tokenizer
@@ -309,15 +309,16 @@ def _builtin_model(name: str, result: Preflight) -> None:
     result.notes.append(f"model {BUILTIN_PREFIX}{name}: built-in tiny model at {path}")
 
 
-def _local_model(path: Path, key: str, result: Preflight) -> None:
+def _local_model(reference: str, key: str, result: Preflight) -> None:
+    path = Path(reference).expanduser()
     if not path.exists():
-        result.errors.append(f"{key} {path}: directory does not exist")
+        result.errors.append(f"{key} {reference}: directory does not exist")
     elif not path.is_dir():
-        result.errors.append(f"{key} {path}: expected a model directory (with config.json), got a file")
+        result.errors.append(f"{key} {reference}: expected a model directory (with config.json), got a file")
     elif not (path / "config.json").is_file():
-        result.errors.append(f"{key} {path}: no config.json in this directory (is it a Hugging Face model folder?)")
+        result.errors.append(f"{key} {reference}: no config.json in this directory (is it a Hugging Face model folder?)")
     else:
-        result.notes.append(f"model {path}: local")
+        result.notes.append(f"model {reference}: local directory")
 
 
 def _hub_note(repo_id: str, revision: Optional[str]) -> str:

@@ -314,7 +314,15 @@ def _rebase_paths(data: dict, base: Path) -> None:
         if not isinstance(value, str) or not value or Path(value).is_absolute():
             continue
         if value.startswith(("./", "../")) or (base / value).exists() or key == "hostfile":
-            block[key] = str((base / value))
+            block[key] = _rebased(base, value)
+
+
+def _rebased(base: Path, value: str) -> str:
+    joined = str(base / value)
+    # Keep a relative result recognisably a path: "./weights", not "weights", which reads as a hub id.
+    if not Path(joined).is_absolute() and not joined.startswith(("./", "../")) and joined != "..":
+        joined = "./" + joined
+    return joined
 
 
 def _deep_merge(base: dict, top: dict) -> dict:

@@ -1,0 +1,241 @@
+"""`finetune train`'s preflight: every failure has a clear message, starts no process and writes nothing.
+
+The CLI runs in-process (typer's CliRunner) with `finetune.launch.spawn` replaced, so a test would
+notice any launch attempt; the dataset readers are tested directly on small files of each kind.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+import finetune.launch
+from finetune.cli import app
+from finetune.preflight import DataProblem, Preflight, check_rows, model_step, output_dir_problem
+from finetune.recipe import Recipe, load_recipe
+from finetune.rundir import write_run_dir
+
+ALPACA = [{"instruction": "Add 2 and 3.", "input": "", "output": "5"},
+          {"instruction": "Capital of France?", "output": "Paris"}]
+MESSAGES = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}]
+
+
+@pytest.fixture
+def no_launch(monkeypatch):
+    """Fails the test if anything tries to start the launcher."""
+    started = []
+
+    def spawn(plan):
+        started.append(plan)
+        raise AssertionError("preflight should have stopped before launching")
+
+    monkeypatch.setattr(finetune.launch, "spawn", spawn)
+    return started
+
+
+@pytest.fixture
+def workspace(tmp_path, monkeypatch):
+    """A folder with a good dataset, a local model directory and a recipe using both."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text('{"model_type": "llama"}')
+    write_jsonl(tmp_path / "data.jsonl", ALPACA)
+    return tmp_path
+
+
+def write_jsonl(path: Path, rows) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def recipe_file(folder: Path, extra: str = "", data: str = "data.jsonl", model: str = "./model") -> Path:
+    path = folder / "r.yaml"
+    path.write_text(f"model: {{name_or_path: {model}, dtype: float32}}\ndata: {{path: {data}}}\n{extra}")
+    return path
+
+
+def train(*args: str):
+    return CliRunner().invoke(app, ["train", *map(str, args)])
+
+
+def assert_refused(result, out: Path, *needles: str) -> None:
+    assert result.exit_code == 1, result.output
+    assert "nothing was started or written" in result.stderr
+    for needle in needles:
+        assert needle in result.stderr, result.stderr
+    assert "Traceback" not in result.output
+    assert not out.exists()
+
+
+# ----------------------------------------------------------------------------------------------
+# Through the CLI
+
+
+def test_missing_dataset(workspace, no_launch):
+    result = train(recipe_file(workspace, data="./nope.jsonl"), "--output-dir", workspace / "out")
+    assert_refused(result, workspace / "out", "nope.jsonl: file does not exist")
+    assert not no_launch
+
+
+def test_wrong_columns(workspace, no_launch):
+    write_jsonl(workspace / "chat.jsonl", MESSAGES)
+    result = train(recipe_file(workspace, data="chat.jsonl"), "--output-dir", workspace / "out")
+    assert_refused(result, workspace / "out", "row 1: no `instruction` or `output` column",
+                   "did you mean data.format: messages?")
+
+
+def test_missing_model(workspace, no_launch):
+    result = train(recipe_file(workspace, model="./weights"), "--output-dir", workspace / "out")
+    assert_refused(result, workspace / "out", "model.name_or_path", "weights: directory does not exist")
+
+
+def test_model_directory_without_config(workspace, no_launch):
+    (workspace / "empty_model").mkdir()
+    result = train(recipe_file(workspace, model="./empty_model"), "--output-dir", workspace / "out")
+    assert_refused(result, workspace / "out", "no config.json")
+
+
+def test_occupied_output_directory(workspace, no_launch):
+    out = workspace / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    result = train(recipe_file(workspace), "--output-dir", out)
+    assert result.exit_code == 1
+    assert "is not empty (notes.txt); pass --overwrite" in result.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+    # --overwrite never deletes a folder that is not a run directory
+    result = train(recipe_file(workspace), "--output-dir", out, "--overwrite")
+    assert result.exit_code == 1 and "not a finetune run directory" in result.stderr
+    assert (out / "notes.txt").read_text() == "mine"
+    assert not no_launch
+
+
+def test_invalid_recipe(workspace, no_launch):
+    result = train(recipe_file(workspace, extra="lora: {rr: 8}\n"), "--output-dir", workspace / "out")
+    assert result.exit_code == 1
+    assert "r.yaml:3:8: `lora.rr` unknown key (did you mean `r`?)" in result.stderr
+    assert not (workspace / "out").exists() and not no_launch
+
+
+def test_lint_error_stops_the_run(workspace, no_launch):
+    result = train(recipe_file(workspace, extra="launch: {nodes: 1, node_rank: 1}\n"), "--output-dir", workspace / "out")
+    assert_refused(result, workspace / "out", "node_rank 1 with only 1 node(s)")
+    assert "r.yaml:3:" in result.stderr  # the lint report points at the line
+
+
+def test_every_problem_is_reported_at_once(workspace, no_launch):
+    out = workspace / "out"
+    out.mkdir()
+    (out / "x").write_text("")
+    result = train(recipe_file(workspace, data="./nope.jsonl", model="./weights"), "--output-dir", out)
+    assert result.exit_code == 1
+    assert "nope.jsonl" in result.stderr and "weights" in result.stderr and "is not empty" in result.stderr
+    assert "(3 problems)" in result.stderr
+
+
+def test_dry_run_prints_the_command_and_config_and_writes_nothing(workspace, no_launch):
+    out = workspace / "out"
+    result = train(recipe_file(workspace, extra="launch: {procs_per_node: 2, master_port: 29555}\n"),
+                   "--output-dir", out, "--dry-run", "--set", "training.micro_batch_size=3")
+    assert result.exit_code == 0, result.output
+    command, _, config = result.stdout.partition("# deepspeed.json\n")
+    assert "-m torch.distributed.run --nnodes 1 --nproc-per-node 2" in command
+    assert f"-m finetune.train.runner --run-dir {out}" in command
+    assert json.loads(config)["train_batch_size"] == 6  # 3 per process x 2 processes
+    assert not out.exists() and not no_launch
+
+
+def test_hub_model_is_a_warning_not_an_error(workspace, no_launch):
+    result = train(recipe_file(workspace, model="org/never-downloaded-model"), "--output-dir", workspace / "out", "--dry-run")
+    assert result.exit_code == 0, result.output
+    assert "warning: model org/never-downloaded-model: a hub id, not in the local cache" in result.stderr
+
+
+# ----------------------------------------------------------------------------------------------
+# Dataset readers
+
+
+@pytest.mark.parametrize("fmt,rows", [("alpaca", ALPACA), ("messages", MESSAGES), ("text", [{"text": "hello"}])])
+def test_formats_in_jsonl_json_and_parquet(tmp_path, fmt, rows):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    write_jsonl(tmp_path / "d.jsonl", rows)
+    (tmp_path / "d.json").write_text(json.dumps(rows, indent=2))
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "d.parquet")
+    for suffix in ("jsonl", "json", "parquet"):
+        assert check_rows(tmp_path / f"d.{suffix}", fmt) == len(rows)
+
+
+def test_csv(tmp_path):
+    (tmp_path / "d.csv").write_text("instruction,input,output\nAdd 1 and 1.,,2\n")
+    assert check_rows(tmp_path / "d.csv", "alpaca") == 1
+    (tmp_path / "q.csv").write_text("question,answer\nwhy,because\n")
+    with pytest.raises(DataProblem, match=r"row 1: no `instruction` or `output` column .*found `question`, `answer`"):
+        check_rows(tmp_path / "q.csv", "alpaca")
+
+
+def test_json_lines_in_a_json_file(tmp_path):
+    write_jsonl(tmp_path / "d.json", ALPACA)
+    assert check_rows(tmp_path / "d.json", "alpaca") == 2
+
+
+def test_bad_rows(tmp_path):
+    (tmp_path / "broken.jsonl").write_text('{"text": "a"}\n{"text": \n')
+    with pytest.raises(DataProblem, match=r"broken.jsonl:2: not valid JSON"):
+        check_rows(tmp_path / "broken.jsonl", "text")
+    (tmp_path / "empty.jsonl").write_text("\n")
+    with pytest.raises(DataProblem, match="no rows"):
+        check_rows(tmp_path / "empty.jsonl", "text")
+    write_jsonl(tmp_path / "roles.jsonl", [{"messages": [{"content": "no role"}]}])
+    with pytest.raises(DataProblem, match=r"messages\[0\] must be an object with `role` and `content`"):
+        check_rows(tmp_path / "roles.jsonl", "messages")
+    write_jsonl(tmp_path / "num.jsonl", [{"text": 3}])
+    with pytest.raises(DataProblem, match="`text` must be text, got int"):
+        check_rows(tmp_path / "num.jsonl", "text")
+
+
+def test_only_the_first_rows_are_read(tmp_path):
+    # A bad row far down is the tokenizer's business at launch; the preflight stays cheap on big files.
+    write_jsonl(tmp_path / "d.jsonl", [{"text": "ok"}] * 50 + [{"oops": 1}])
+    assert check_rows(tmp_path / "d.jsonl", "text") == 20
+
+
+# ----------------------------------------------------------------------------------------------
+# Model and output directory
+
+
+def test_unknown_builtin_model():
+    result = Preflight()
+    recipe = Recipe.model_validate({"model": {"name_or_path": "builtin:huge-llama"}, "data": {"path": "org/d"}})
+    model_step(recipe, result)
+    assert "unknown built-in model `builtin:huge-llama`" in result.errors[0]
+
+
+def test_output_directory_policy(tmp_path):
+    assert output_dir_problem(tmp_path / "new", overwrite=False) is None
+    (tmp_path / "empty").mkdir()
+    assert output_dir_problem(tmp_path / "empty", overwrite=False) is None
+    (tmp_path / "file").write_text("")
+    assert "not a directory" in output_dir_problem(tmp_path / "file", overwrite=True)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "recipe.yaml").write_text("")
+    assert "pass --overwrite" in output_dir_problem(run, overwrite=False)
+    assert output_dir_problem(run, overwrite=True) is None
+
+
+def test_run_directory_contents(workspace):
+    loaded = load_recipe(recipe_file(workspace, extra="training: {micro_batch_size: 2}\n"))
+    run = write_run_dir(loaded, workspace / "runs" / "one", world_size=4)
+    assert sorted(p.name for p in run.iterdir()) == ["deepspeed.json", "logs", "recipe.yaml", "training_args.json"]
+    again = load_recipe(run / "recipe.yaml").recipe
+    assert again.data.path == str(workspace / "data.jsonl") and again.model.name_or_path == str(workspace / "model")
+    assert again.output_dir == str(run)
+    assert again.model_dump(exclude={"data", "model", "output_dir", "extends"}) == \
+        loaded.recipe.model_dump(exclude={"data", "model", "output_dir", "extends"})
+    assert json.loads((run / "deepspeed.json").read_text())["train_batch_size"] == 8  # 2 x 1 x 4
+    assert json.loads((run / "training_args.json").read_text())["output_dir"] == str(run)
