@@ -245,6 +245,8 @@ def train(
         where = f" ({' and '.join(saved)} in {', '.join(str(prepared.run_dir / s) for s in saved)})" if saved else ""
         typer.echo(f"finished: {prepared.run_dir}{where}", err=True)
         return
+    if outcome.signal is not None:
+        raise fail(f"{outcome.message}; the run directory {prepared.run_dir} holds what was saved", outcome.returncode)
     for log in outcome.logs:
         if outcome.failures and outcome.failures[0].local_rank == 0 and plan.launcher == "torchrun":
             break  # local rank 0's output is already on the console

@@ -81,7 +81,7 @@ class LaunchPlan:
 
 
 # Set for every run; not worth showing in the printed command.
-_QUIET_ENV = {"PYTHONUNBUFFERED", "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"}
+_QUIET_ENV = {"PYTHONUNBUFFERED", "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", "TQDM_DISABLE"}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -136,6 +136,10 @@ def plan_launch(recipe: Recipe, run_dir: Path, gpu_count: int, module: str = RUN
     procs = procs_per_node(recipe, gpu_count)
     port = master_port if master_port is not None else launch.master_port
     env = {"PYTHONUNBUFFERED": "1"}  # rank output reaches the log files (and the console) as it is printed
+    if "TQDM_DISABLE" not in environ:
+        # Rank output reaches the console through log files read line by line (torchrun's tee), where a
+        # redrawn progress bar turns into a new line per redraw; the loss lines are printed anyway.
+        env["TQDM_DISABLE"] = "1"
     device = "cuda" if gpu_count > 0 else "cpu"
     if device == "cpu" and "DS_ACCELERATOR" not in environ:
         env["DS_ACCELERATOR"] = "cpu"  # skip DeepSpeed's accelerator probing (and its warning)

@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 
 import pytest
+from typer.testing import CliRunner
+
+from finetune.cli import app
 
 from finetune.doctor import (
     Facts, Gpu, checks_for_recipe, failed, machine_checks, report, run_doctor, satisfies,
@@ -141,15 +144,15 @@ def test_report_shape():
 
 
 def test_cli_doctor_json():
-    done = run_cli("doctor", "--format", "json")
+    done = CliRunner().invoke(app, ["doctor", "--format", "json"])  # in-process: torch is imported once per session
     data = json.loads(done.stdout)
     assert set(data) >= {"python", "platform", "torch", "gpus", "packages", "checks", "ok"}
     assert set(data["packages"]) >= {"torch", "deepspeed", "transformers", "peft", "bitsandbytes", "accelerate", "datasets"}
     for check in data["checks"]:
         assert set(check) == {"name", "status", "message", "fix"}
         assert check["status"] in ("ok", "info", "warn", "fail")
-    assert done.returncode == (0 if data["ok"] else 1)
-    assert done.returncode == int(any(c["status"] == "fail" for c in data["checks"]))
+    assert done.exit_code == (0 if data["ok"] else 1)
+    assert done.exit_code == int(any(c["status"] == "fail" for c in data["checks"]))
 
 
 def test_cli_doctor_rejects_unknown_format():

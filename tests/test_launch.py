@@ -6,11 +6,11 @@ launchers are the real torchrun and DeepSpeed launcher on CPU.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
@@ -19,9 +19,8 @@ import pytest
 from finetune.launch import (
     HostfileError, free_port, parse_torchrun_failures, plan_launch, procs_per_node, read_hostfile, supervise,
 )
-from finetune.recipe import Recipe
+from finetune.recipe import Recipe, load_recipe
 from finetune.rundir import write_run_dir
-from finetune.recipe import load_recipe
 
 RUN = Path("/runs/demo")
 
@@ -297,8 +296,6 @@ sys.exit(outcome.returncode)
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signals_are_forwarded_to_every_rank(fake, sig):
-    import json
-
     plan, run_dir = fake("hang")
     fields = {k: (str(v) if isinstance(v, Path) else v) for k, v in plan.__dict__.items()}
     proc = subprocess.Popen([sys.executable, "-c", DRIVER, json.dumps(fields)], stdout=subprocess.DEVNULL,
@@ -316,3 +313,26 @@ def test_signals_are_forwarded_to_every_rank(fake, sig):
     name = signal.Signals(sig).name  # each rank gets the signal that was sent (torchrun passes it on)
     assert (run_dir / f"got_{name}_rank0").exists() and (run_dir / f"got_{name}_rank1").exists()
     assert not (run_dir / "done0").exists() and not (run_dir / "done1").exists()
+
+
+# ----------------------------------------------------------------------------------------------
+# End to end: the real CLI, the real runner, two CPU processes
+
+
+@pytest.mark.slow
+def test_finetune_train_demo(tmp_path):
+    from tests.conftest import REPO, run_cli
+
+    demo = REPO / "recipes" / "demo.yaml"
+    out = tmp_path / "run"
+    done = run_cli("train", demo, "--output-dir", out, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"finished: {out}" in done.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["train_loss_last"] < summary["train_loss_first"]
+    assert (out / "adapter" / "adapter_config.json").is_file()
+    assert (out / "adapter" / "adapter_model.safetensors").is_file()
+    for name in ("recipe.yaml", "deepspeed.json", "training_args.json", "env.json"):
+        assert (out / name).is_file(), name
+    if summary["world_size"] > 1:
+        assert (out / "logs" / "rank1" / "stderr.log").is_file()  # the other rank's output, beside rank 0's
