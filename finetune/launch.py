@@ -273,35 +273,56 @@ def supervise(plan: LaunchPlan, console: Optional[IO[bytes]] = None) -> Outcome:
     console = console or sys.stdout.buffer
     logs = plan.run_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    proc = spawn(plan)
-    relay = Relay(proc.stdout, console, logs / "launcher.log")
-    relay.start()
     forwarded: list[int] = []
+    running: list[subprocess.Popen] = []
 
     def forward(signum, _frame):
         forwarded.append(signum)
-        try:
-            os.killpg(proc.pid, signum)
-        except ProcessLookupError:
-            pass
+        if running:
+            _signal_group(running[0], signum)
 
+    # Handlers go in before the launcher starts: a Ctrl-C in between must not orphan it.
     previous = _install_handlers(forward)
     try:
-        rank0 = Follower(logs, "*_rank0.log", console) if plan.launcher == "deepspeed" and plan.node_rank == 0 else None
-        linked = False
-        while proc.poll() is None:
-            time.sleep(POLL_SECONDS)
-            if rank0:
-                rank0.poll()
-            if not linked:
-                linked = link_rank_logs(plan)  # as soon as torchrun made the folders: tail -f works during the run
-        if rank0:
-            rank0.poll()
+        proc = spawn(plan)
+        running.append(proc)
+        if forwarded:
+            _signal_group(proc, forwarded[0])
+        relay = Relay(proc.stdout, console, logs / "launcher.log")
+        relay.start()
+        try:
+            wait(plan, proc, console)
+        except BaseException:
+            _signal_group(proc, signal.SIGTERM)  # never leave ranks running behind a crashed supervisor
+            raise
+        finally:
+            relay.join()
     finally:
         _restore_handlers(previous)
-        relay.join()
     link_rank_logs(plan)
     return judge(plan, proc.returncode, relay.tail(), forwarded[0] if forwarded else None)
+
+
+def wait(plan: LaunchPlan, proc: subprocess.Popen, console: IO[bytes]) -> None:
+    """Until the launcher exits: follow rank 0's log for the deepspeed launcher, link the rank logs."""
+    logs = plan.run_dir / "logs"
+    rank0 = Follower(logs, "*_rank0.log", console) if plan.launcher == "deepspeed" and plan.node_rank == 0 else None
+    linked = False
+    while proc.poll() is None:
+        time.sleep(POLL_SECONDS)
+        if rank0:
+            rank0.poll()
+        if not linked:
+            linked = link_rank_logs(plan)  # as soon as torchrun made the folders: tail -f works during the run
+    if rank0:
+        rank0.poll()
+
+
+def _signal_group(proc: subprocess.Popen, signum: int) -> None:
+    try:
+        os.killpg(proc.pid, signum)  # the launcher leads its own process group (start_new_session)
+    except ProcessLookupError:
+        pass
 
 
 def _install_handlers(handler) -> dict[int, object]:
