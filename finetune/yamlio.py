@@ -88,6 +88,10 @@ def load_yaml(text: str, path: str = "<string>", allow_duplicates: bool = False)
         mark = exc.problem_mark or exc.context_mark
         line, col = (mark.line + 1, mark.column + 1) if mark else (1, 1)
         problem = exc.problem or exc.context or "invalid YAML"
+        context = exc.context_mark
+        if exc.context and context is not None and exc.problem and (context.line, context.column) != (line - 1, col - 1):
+            # e.g. an unclosed `[`: the error is at the end of the file, the cause where the `[` opened
+            problem += f" ({exc.context} started at line {context.line + 1}, column {context.column + 1})"
         raise DocumentError(f"invalid YAML: {problem}", line, col) from None
     except (YAMLError, RecursionError, ValueError) as exc:
         raise DocumentError(f"invalid YAML: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None

@@ -172,7 +172,8 @@ def test_no_traceback_on_bad_input(write_recipe):
     result = run_cli("lint", path)
     assert result.returncode == 1
     assert "Traceback" not in result.stdout + result.stderr
-    assert f"{path}:1:" in result.stdout
+    assert f"{path}:2:1: error R001: invalid YAML" in result.stdout
+    assert "started at line 1, column 8" in result.stdout
 
 
 def test_lint_never_imports_heavy_libraries():

@@ -218,13 +218,20 @@ def eval_without_split(loaded: LoadedRecipe) -> Iterator[RawFinding]:
                          "set data.validation_split, e.g. 0.05")
 
 
+def _written_here(loaded: LoadedRecipe, *key: str) -> bool:
+    """Written by this very file (or --set), not inherited through `extends`: a shared base may
+    legitimately hold a `lora` section that a full fine-tune extending it does not use."""
+    source = loaded.where(key)[0]
+    return _written(loaded, *key) and (source == str(loaded.path) or source.startswith("--set"))
+
+
 @rule
 def ignored_sections(loaded: LoadedRecipe) -> Iterator[RawFinding]:
     method = loaded.recipe.method
-    if method != "qlora" and _written(loaded, "quantization"):
+    if method != "qlora" and _written_here(loaded, "quantization"):
         yield RawFinding("R111", "warning", ("quantization",), f"`quantization` is ignored with method: {method}",
                          "remove it, or set method: qlora")
-    if method == "full" and _written(loaded, "lora"):
+    if method == "full" and _written_here(loaded, "lora"):
         yield RawFinding("R111", "warning", ("lora",), "`lora` is ignored with method: full", "remove it, or set method: lora")
 
 
