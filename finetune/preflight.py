@@ -171,7 +171,10 @@ def _json_rows(path: Path, limit: int) -> Iterator[tuple[int, Any]]:
         text = handle.read(JSON_PREFIX_BYTES)
     start = len(text) - len(text.lstrip())
     if text[start:start + 1] != "[":
-        yield from _jsonl_rows(path, limit)
+        if len(text) < JSON_PREFIX_BYTES and "\n" in text.strip() and _is_one_object(text):
+            yield from _column_rows(path, json.loads(text), limit)  # one pretty-printed object
+        else:
+            yield from _jsonl_rows(path, limit)
         return
     decoder, pos, seen = json.JSONDecoder(), start + 1, 0
     while seen < limit:
@@ -187,6 +190,23 @@ def _json_rows(path: Path, limit: int) -> Iterator[tuple[int, Any]]:
             raise DataProblem(f"{path}:{line}: not valid JSON ({exc.msg})") from None
         seen += 1
         yield seen, row
+
+
+def _column_rows(path: Path, data: dict, limit: int) -> Iterator[tuple[int, Any]]:
+    """`{"instruction": [...], "output": [...]}`: columns, which `datasets` reads as rows."""
+    columns = list(data.values())
+    if not columns or not all(isinstance(c, list) for c in columns) or len({len(c) for c in columns}) != 1:
+        raise DataProblem(f"{path}: one JSON object that is not a table of equal-length columns "
+                          f"(expected JSON lines, an array of rows, or {{column: [values]}})")
+    for number in range(min(len(columns[0]), limit)):
+        yield number + 1, {key: values[number] for key, values in data.items()}
+
+
+def _is_one_object(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except json.JSONDecodeError:
+        return False
 
 
 def _skip(text: str, pos: int, separators: str) -> int:

@@ -183,6 +183,14 @@ def test_json_lines_in_a_json_file(tmp_path):
     assert check_rows(tmp_path / "d.json", "alpaca") == 2
 
 
+def test_a_json_object_of_columns(tmp_path):
+    (tmp_path / "cols.json").write_text(json.dumps({"instruction": ["a", "b"], "output": ["1", "2"]}, indent=2))
+    assert check_rows(tmp_path / "cols.json", "alpaca") == 2
+    (tmp_path / "one.json").write_text(json.dumps({"instruction": "a", "output": "1"}, indent=2))
+    with pytest.raises(DataProblem, match="not a table of equal-length columns"):
+        check_rows(tmp_path / "one.json", "alpaca")
+
+
 def test_bad_rows(tmp_path):
     (tmp_path / "broken.jsonl").write_text('{"text": "a"}\n{"text": \n')
     with pytest.raises(DataProblem, match=r"broken.jsonl:2: not valid JSON"):
