@@ -345,14 +345,19 @@ def device_checks(recipe: "Recipe", facts: Facts) -> list[Check]:
     """GPU count against launch.procs_per_node, and bf16 on the GPUs that will be used."""
     procs = recipe.launch.procs_per_node
     gpus = facts.gpus if facts.cuda_available else []
+    checks = []
+    if recipe.hardware is not None and recipe.hardware.gpus != len(gpus):
+        # Not an error (a recipe may run on other boxes), but usually the wrong machine or CUDA_VISIBLE_DEVICES.
+        checks.append(Check("device.hardware", "warn", f"the recipe is meant for {recipe.hardware.gpus} GPU(s) per node "
+                            f"(hardware.gpus) but {len(gpus)} are visible here"))
     if not gpus:
         n = procs if isinstance(procs, int) else 1
-        return [Check("device", "info", f"no GPU: {n} CPU process{'es' if n != 1 else ''} on DeepSpeed's CPU accelerator (slow; meant for tests)")]
+        return checks + [Check("device", "info", f"no GPU: {n} CPU process{'es' if n != 1 else ''} on DeepSpeed's CPU accelerator (slow; meant for tests)")]
     if isinstance(procs, int) and procs > len(gpus):
-        return [Check("device", "fail", f"launch.procs_per_node is {procs} but only {len(gpus)} GPU(s) are visible",
+        return checks + [Check("device", "fail", f"launch.procs_per_node is {procs} but only {len(gpus)} GPU(s) are visible",
                       f"set launch.procs_per_node: {len(gpus)} (or auto), or check CUDA_VISIBLE_DEVICES")]
     used = gpus[:procs] if isinstance(procs, int) else gpus
-    checks = [Check("device", "ok", f"{len(used)} process(es) on {len(used)} of {len(gpus)} GPU(s)")]
+    checks.append(Check("device", "ok", f"{len(used)} process(es) on {len(used)} of {len(gpus)} GPU(s)"))
     bf16_dtypes = {recipe.model.dtype} | ({recipe.quantization.compute_dtype} if recipe.method == "qlora" else set())
     no_bf16 = [g for g in used if not g.bf16]
     if "bfloat16" in bf16_dtypes and no_bf16:

@@ -102,6 +102,12 @@ def test_bf16_on_a_gpu_without_it():
                                                           facts(gpus=(P40,))))
 
 
+def test_a_recipe_for_other_hardware_warns():
+    check = by_name(checks_for_recipe(recipe(hardware={"gpus": 2}), facts(gpus=())))["device.hardware"]
+    assert check.status == "warn" and "meant for 2 GPU(s)" in check.message and "0 are visible" in check.message
+    assert "device.hardware" not in by_name(checks_for_recipe(recipe(hardware={"gpus": 2}), facts()))
+
+
 def test_no_gpu_means_cpu_processes():
     auto = by_name(checks_for_recipe(recipe(), facts(gpus=())))["device"]
     assert auto.status == "info" and "1 CPU process " in auto.message
