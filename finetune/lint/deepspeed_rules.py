@@ -153,7 +153,7 @@ SECTIONS: dict[str, dict[str, Field]] = {
         "zero_quantized_gradients": B, "memory_efficient_linear": B, "pipeline_loading_checkpoint": B,
         "override_module_apply": B, "log_trace_cache_warnings": B, "enable_sanity_checks": B,
         "save_muon_momentum_buffer_in_memory": B,
-        "leaf_module": _f("section", section="leaf_module"),
+        "leaf_module": _f("section", optional=True, section="leaf_module"),  # its validator maps null to {}
     },
     "offload_param": {
         "device": _f("enum", choices=OFFLOAD_DEVICES), "nvme_path": P, "buffer_count": I_GE0,
@@ -365,7 +365,6 @@ HF_FILLED = {
     # hidden_size based (HF for stage 3, accelerate for any stage)
     ("zero_optimization", "reduce_bucket_size"), ("zero_optimization", "stage3_prefetch_bucket_size"),
     ("zero_optimization", "stage3_param_persistence_threshold"),
-    ("zero_optimization", "stage3_gather_16bit_weights_on_model_save"),  # accelerate: false
 }
 # Filled by accelerate's DeepSpeedPlugin from its own defaults (ACCELERATE_* environment variables).
 ACCELERATE_DEFAULTS = {
@@ -374,6 +373,7 @@ ACCELERATE_DEFAULTS = {
     ("zero_optimization", "offload_param", "device"): ("none", "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE"),
     ("zero_optimization", "offload_optimizer", "nvme_path"): ("none", "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_NVME_PATH"),
     ("zero_optimization", "offload_param", "nvme_path"): ("none", "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_NVME_PATH"),
+    ("zero_optimization", "stage3_gather_16bit_weights_on_model_save"): (False, "ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL"),
 }
 
 # TrainingArguments defaults (transformers 5) for keys a partial training_args dict may lack.
@@ -526,8 +526,8 @@ class _Checker:
             ("fp16", "enabled"): (bool(ta["fp16"] or ta["fp16_full_eval"]), "fp16|fp16_full_eval"),
             ("bf16", "enabled"): (bool(ta["bf16"] or ta["bf16_full_eval"]), "bf16|bf16_full_eval"),
         }
-        if world:
-            micro, gas = ta["per_device_train_batch_size"], ta["gradient_accumulation_steps"]
+        micro, gas = _as_int(ta["per_device_train_batch_size"]), _as_int(ta["gradient_accumulation_steps"])
+        if world and micro is not None and gas is not None:
             expected[("train_batch_size",)] = (world * micro * gas, "train_batch_size (calculated)")
         steps = _as_int(ta["max_steps"])
         if steps is not None and steps > 0:  # the Trainer's num_training_steps is max_steps when that is set
@@ -542,7 +542,8 @@ class _Checker:
 
     def duplicates(self) -> None:
         for entry in self.ctx.duplicates or ():
-            path = tuple(entry[0]) if isinstance(entry, (tuple, list)) and entry else ()
+            first = entry[0] if isinstance(entry, (tuple, list)) and entry else ()
+            path = tuple(first) if isinstance(first, (tuple, list)) else ()
             shown = _dotted(path)
             self.findings.append(RawFinding(
                 "DS101", "error", path,
@@ -897,7 +898,9 @@ class _Checker:
         if _as_bool(self.config.get("zero_force_ds_cpu_optimizer", True)) is False:
             return
         optim = "" if self.ta is None else str(self.ctx.training_args.get("optim", "adamw_torch"))
-        severity = "error" if optim and "adamw" not in optim and optim != "adam" else "warning"
+        # accelerate keeps AdamW semantics only for torch's AdamW (and 32-bit bitsandbytes AdamW)
+        torch_adamw = optim.startswith("adamw_torch") or optim in ("adamw_hf", "")
+        severity = "warning" if torch_adamw else "error"
         self.add("DS155", severity, ("zero_optimization", "offload_optimizer"),
                  "optimizer offload without an `optimizer` block: the HF Trainer builds its own optimizer"
                  + (f" ({optim})" if optim else "") + ", and accelerate replaces it with DeepSpeedCPUAdam, keeping "
@@ -1114,8 +1117,8 @@ class _Checker:
                      'add "type": "AdamW", or delete the block to use the Trainer\'s optimizer' if self.hf else
                      'add "type": "AdamW"')
             return
-        if not isinstance(name, str):
-            return  # DS110 from structure()
+        if not isinstance(name, str) or name == "auto":
+            return  # DS110 / DS170 already
         lower = name.lower()
         if lower in DEEPSPEED_OPTIMIZERS:
             kind = lower
@@ -1187,8 +1190,8 @@ class _Checker:
                      'add "type": "WarmupDecayLR", or delete the block to use the Trainer\'s scheduler' if self.hf else
                      'add "type": "WarmupLR"')
             return
-        if not isinstance(name, str):
-            return
+        if not isinstance(name, str) or name == "auto":
+            return  # DS110 / DS170 already
         if name not in DEEPSPEED_SCHEDULERS and name not in TORCH_SCHEDULERS:
             suggestion = _suggest(name, [*DEEPSPEED_SCHEDULERS, *TORCH_SCHEDULERS], case_insensitive=True)
             self.add("DS160", "error", ("scheduler", "type"), f"unknown scheduler type {_show(name)}: DeepSpeed "
@@ -1275,6 +1278,12 @@ class _Checker:
             default, env = ACCELERATE_DEFAULTS[path]
             if path[-1] == "nvme_path":
                 return  # DS133 judges it when the device is nvme; otherwise it is unused
+            if path[-1] == "stage3_gather_16bit_weights_on_model_save":
+                if self.stage == 3:
+                    self.add("DS172", "warning", path, "`stage3_gather_16bit_weights_on_model_save` \"auto\" becomes "
+                             f"accelerate's default false (or ${env}): at ZeRO-3 the Trainer then saves no "
+                             "usable model weights, only the sharded checkpoint", "write true")
+                return
             self.add("DS172", "warning", path, f"`{_dotted(path)}` \"auto\" is not taken from TrainingArguments: "
                      f"accelerate fills it with its own default {_show(default)} (or ${env})",
                      f"write the value you want, e.g. {_show(default)}")
