@@ -45,7 +45,7 @@ def parse_size(value: Union[str, int, float]) -> int:
 
 class _Section(BaseModel):
     # extra="forbid": a misspelled key is an error, never silently dropped (axolotl's `lora_rr`).
-    model_config = ConfigDict(extra="forbid", validate_default=True, use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", validate_default=True)
 
 
 class ModelSection(_Section):
