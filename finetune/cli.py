@@ -167,10 +167,10 @@ def merge(
     except ValueError as exc:
         raise fail(f"--max-shard-size: {exc}", 2) from None
     try:
-        base_dir, adapter_dir = resolve_inputs(run_dir, base, adapter)
-        result = run_merge(base_dir, adapter_dir, output, dtype=dtype, overwrite=overwrite,
+        inputs = resolve_inputs(run_dir, base, adapter)
+        result = run_merge(inputs.base, inputs.adapter, output, dtype=dtype, overwrite=overwrite,
                            max_shard_size=shard_bytes, log=lambda line: typer.echo(line, err=True),
-                           source_dirs=(run_dir,) if run_dir is not None else ())
+                           source_dirs=inputs.tokenizer_dirs)
     except (MergeError, FileExistsError) as exc:
         raise fail(str(exc)) from None
     except OSError as exc:
@@ -179,7 +179,7 @@ def merge(
     typer.echo(f"merged {result.merged_layers} LoRA layers into {output} ({result.shards} shard"
                f"{'s' if result.shards > 1 else ''}, {size}) in {result.seconds:.1f} s")
     if verify:
-        check = run_verify(output, base_dir, adapter_dir)
+        check = run_verify(output, inputs.base, inputs.adapter)
         typer.echo(f"verify: max |logits merged - logits base+adapter| = {check.max_abs_diff:.3g} "
                    f"(tolerance {check.tolerance:.3g}; the adapter moves logits by up to {check.adapter_effect:.3g})")
         if not check.ok:

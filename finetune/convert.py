@@ -202,7 +202,7 @@ def convert_lora(ckpt: Checkpoint, output: Path, dtype, adapter_config: Optional
     with _sigterm_as_interrupt(), atomic_dir(output, overwrite=overwrite) as tmp:
         save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
         shutil.copy2(config_path, tmp / "adapter_config.json")
-        _copy_tokenizer(ckpt.root, tmp)
+        _copy_tokenizer(ckpt, tmp)
     log(f"wrote {output / 'adapter_model.safetensors'} ({len(tensors)} tensors, {_gb(size)})")
     return ConvertResult(output, "lora", len(tensors), size, 1, str(next(iter(tensors.values())).dtype))
 
@@ -269,11 +269,13 @@ def convert_full(ckpt: Checkpoint, output: Path, dtype, overwrite: bool, max_sha
                      "weight_map": dict(sorted(weight_map.items()))}
             write_atomic(tmp / INDEX_NAME, json.dumps(index, indent=2) + "\n")
         for name in CONFIG_FILES:
-            if (ckpt.root / name).is_file():
-                shutil.copy2(ckpt.root / name, tmp / name)
+            # checkpoint-N/ has them when the Trainer saved the model there; a run's final model/ does too
+            source = next((d / name for d in (ckpt.root, ckpt.root.parent / "model") if (d / name).is_file()), None)
+            if source is not None:
+                shutil.copy2(source, tmp / name)
         if dtype is not None and (tmp / "config.json").is_file():
             _set_config_dtype(tmp / "config.json", dtype)
-        _copy_tokenizer(ckpt.root, tmp)
+        _copy_tokenizer(ckpt, tmp)
     if not (output / "config.json").is_file():
         log(f"warning: no config.json in {ckpt.root}; copy the model's config.json into {output} to load it")
     return ConvertResult(output, "full", len(plan.tensors), plan.total_bytes, len(names),
@@ -297,13 +299,17 @@ def _set_config_dtype(path: Path, dtype) -> None:
     write_atomic(path, json.dumps(config, indent=2) + "\n")
 
 
-def _copy_tokenizer(source: Path, out: Path) -> None:
-    for name in TOKENIZER_FILES:
-        if (source / name).is_file():
-            shutil.copy2(source / name, out / name)
-    for name in TOKENIZER_DIRS:
-        if (source / name).is_dir():
-            shutil.copytree(source / name, out / name)
+def _copy_tokenizer(ckpt: Checkpoint, out: Path) -> None:
+    """From the checkpoint (the Trainer saves its processing_class there), else the run's tokenizer/."""
+    for source in (ckpt.root, ckpt.root.parent / "tokenizer"):
+        if (source / "tokenizer_config.json").is_file() or (source / "tokenizer.json").is_file():
+            for name in TOKENIZER_FILES:
+                if (source / name).is_file():
+                    shutil.copy2(source / name, out / name)
+            for name in TOKENIZER_DIRS:
+                if (source / name).is_dir():
+                    shutil.copytree(source / name, out / name)
+            return
 
 
 # ------------------------------------------------------------------------------------------------

@@ -1,0 +1,228 @@
+"""Benchmark `finetune merge` against PEFT's merge_and_unload on a synthetic 1.1B Llama (TinyLlama's shape).
+
+    $ .venv/bin/python scripts/bench_merge.py            # ~7 GB of temporary files under /tmp, removed at the end
+
+What it does, all in one run so both sides see the same machine state:
+  1. writes a random bf16 LlamaForCausalLM checkpoint (hidden 2048, intermediate 5632, 22 layers,
+     vocab 32000, untied head: 1.1B parameters, 2.2 GB) as 5 safetensors shards, and a rank-16 LoRA
+     adapter on every linear layer of the decoder (q/k/v/o/gate/up/down, float32 like PEFT saves it);
+  2. times a plain copy of the base shards (the floor for any merge that reads and writes them);
+  3. runs `finetune merge --base ... --adapter ... -o ...` as a subprocess;
+  4. runs PEFT as a subprocess: from_pretrained(bf16) -> PeftModel.from_pretrained -> merge_and_unload ->
+     save_pretrained;
+  5. checks the two outputs are bit-identical, tensor by tensor, and prints wall time and peak memory ratios.
+
+Memory is anonymous memory: RssAnon from /proc/PID/status, sampled every 20 ms. Pages of memory-mapped
+files (safetensors maps the shards it reads) count in RSS too, but they are clean page cache that the
+kernel drops under pressure, so they do not decide whether a merge fits in RAM; what the process
+allocates (tensors, Python, libraries) does. ru_maxrss (peak RSS, file pages included) is printed too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+# TinyLlama-1.1B's shape (config.json of TinyLlama/TinyLlama-1.1B-Chat-v1.0).
+SHAPE = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
+             num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048, tie_word_embeddings=False)
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+NEEDED_BYTES = 10 * 10**9  # base 2.2 GB + two merged copies + a plain copy, with room to spare
+SHARDS = 5
+
+PEFT_SCRIPT = """
+import sys, torch
+from transformers import AutoModelForCausalLM
+from peft import PeftModel
+base, adapter, out = sys.argv[1:4]
+model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.bfloat16)
+model = PeftModel.from_pretrained(model, adapter).merge_and_unload()
+model.save_pretrained(out)
+"""
+
+
+def build_base(path: Path) -> int:
+    """Random bf16 weights with LlamaForCausalLM's names and shapes, in SHARDS safetensors files."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**SHAPE)
+    with torch.device("meta"):
+        names = {k: tuple(v.shape) for k, v in LlamaForCausalLM(config).state_dict().items()}
+    config.dtype = torch.bfloat16
+    path.mkdir(parents=True)
+    config.save_pretrained(str(path))
+    total = sum(_numel(s) * 2 for s in names.values())
+    per_shard = total / SHARDS
+    generator = torch.Generator().manual_seed(0)
+    shard: dict = {}
+    shard_bytes, files, weight_map = 0, [], {}
+
+    def flush() -> None:
+        nonlocal shard, shard_bytes
+        name = f"model-{len(files) + 1:05d}-of-{SHARDS:05d}.safetensors"
+        save_file(shard, str(path / name), metadata={"format": "pt"})
+        weight_map.update({k: name for k in shard})
+        files.append(name)
+        shard, shard_bytes = {}, 0
+
+    for name, shape in names.items():
+        if "norm" in name:
+            tensor = torch.ones(shape, dtype=torch.bfloat16)
+        else:
+            tensor = (torch.randn(shape, generator=generator) * 0.02).to(torch.bfloat16)
+        shard[name] = tensor
+        shard_bytes += tensor.numel() * 2
+        if shard_bytes >= per_shard and len(files) < SHARDS - 1:
+            flush()
+    flush()
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    return total
+
+
+def build_adapter(path: Path, base: Path, r: int = 16) -> None:
+    """A rank-r LoRA on every decoder linear layer, saved in PEFT's format with non-zero B."""
+    import torch
+    from peft import LoraConfig
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(LlamaConfig(**SHAPE))
+    generator = torch.Generator().manual_seed(1)
+    tensors = {}
+    for name, module in model.named_modules():
+        if name.split(".")[-1] in TARGETS:
+            out_features, in_features = module.weight.shape
+            key = f"base_model.model.{name}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(r, in_features, generator=generator) / in_features ** 0.5
+            tensors[f"{key}.lora_B.weight"] = torch.randn(out_features, r, generator=generator) * 0.01
+    path.mkdir(parents=True)
+    save_file(tensors, str(path / "adapter_model.safetensors"), metadata={"format": "pt"})
+    LoraConfig(r=r, lora_alpha=2 * r, target_modules=TARGETS, base_model_name_or_path=str(base)).save_pretrained(str(path))
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def run_measured(argv: list[str], label: str) -> dict:
+    """Run a command; sample its RssAnon every 20 ms; return wall time and peaks (bytes)."""
+    start = time.perf_counter()
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    peak = {"anon": 0, "hwm": 0}
+    done = threading.Event()
+
+    def sample() -> None:
+        status = Path(f"/proc/{proc.pid}/status")
+        while not done.is_set():
+            try:
+                fields = dict(line.split(":", 1) for line in status.read_text().splitlines() if ":" in line)
+                peak["anon"] = max(peak["anon"], int(fields["RssAnon"].split()[0]) * 1024)
+                peak["hwm"] = max(peak["hwm"], int(fields["VmHWM"].split()[0]) * 1024)
+            except (OSError, KeyError, ValueError):
+                pass
+            done.wait(0.02)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - start
+    done.set()
+    sampler.join()
+    output = proc.stdout.read() if proc.stdout else ""
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode != 0:
+        print(output[-3000:])
+        raise SystemExit(f"{label} failed with exit code {proc.returncode}")
+    return {"wall": wall, "anon": peak["anon"], "maxrss": usage.ru_maxrss * 1024, "output": output}
+
+
+def compare(ours: Path, theirs: Path) -> int:
+    """Tensor-by-tensor torch.equal of two sharded safetensors directories; returns the tensor count."""
+    import torch
+    from safetensors import safe_open
+
+    def where(path: Path) -> dict:
+        index = path / "model.safetensors.index.json"
+        if index.exists():
+            return {k: path / v for k, v in json.loads(index.read_text())["weight_map"].items()}
+        with safe_open(str(path / "model.safetensors"), "pt") as f:
+            return {k: path / "model.safetensors" for k in f.keys()}
+
+    a, b = where(ours), where(theirs)
+    if set(a) != set(b):
+        raise SystemExit(f"different tensor names: {sorted(set(a) ^ set(b))[:5]}")
+    for name in a:
+        with safe_open(str(a[name]), "pt") as fa, safe_open(str(b[name]), "pt") as fb:
+            x, y = fa.get_tensor(name), fb.get_tensor(name)
+            if x.dtype != y.dtype or not torch.equal(x, y):
+                raise SystemExit(f"{name} differs between finetune and PEFT")
+    return len(a)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tmp", type=Path, default=Path("/tmp"), help="Where the temporary files go.")
+    parser.add_argument("--keep", action="store_true", help="Keep the temporary directory (prints its path).")
+    args = parser.parse_args()
+
+    free = shutil.disk_usage(args.tmp).free
+    if free < NEEDED_BYTES:
+        raise SystemExit(f"need {NEEDED_BYTES / 1e9:.0f} GB free in {args.tmp}, have {free / 1e9:.1f} GB")
+    work = Path(tempfile.mkdtemp(prefix="bench_merge.", dir=args.tmp))
+    try:
+        t0 = time.perf_counter()
+        size = build_base(work / "base")
+        build_adapter(work / "adapter", work / "base")
+        print(f"built base ({size / 1e9:.2f} GB, {SHARDS} shards) and rank-16 adapter in {time.perf_counter() - t0:.0f} s")
+
+        t0 = time.perf_counter()
+        (work / "copy").mkdir()
+        for shard in sorted((work / "base").glob("*.safetensors")):
+            shutil.copyfile(shard, work / "copy" / shard.name)
+            with open(work / "copy" / shard.name, "rb+") as handle:
+                os.fsync(handle.fileno())  # merge fsyncs its shards too
+        copy_time = time.perf_counter() - t0
+        shutil.rmtree(work / "copy")
+
+        finetune_bin = Path(sys.executable).with_name("finetune")
+        finetune_cmd = [str(finetune_bin)] if finetune_bin.exists() else [sys.executable, "-m", "finetune.cli"]
+        ours = run_measured(finetune_cmd + ["merge", "--base", str(work / "base"), "--adapter", str(work / "adapter"),
+                                            "-o", str(work / "merged-finetune")], "finetune merge")
+        theirs = run_measured([sys.executable, "-c", PEFT_SCRIPT, str(work / "base"), str(work / "adapter"),
+                               str(work / "merged-peft")], "PEFT merge_and_unload")
+        count = compare(work / "merged-finetune", work / "merged-peft")
+
+        gib = 2**30
+        print(f"outputs bit-identical: {count} tensors (torch.equal)")
+        print(f"{'':28}{'wall s':>9}{'peak RssAnon GiB':>18}{'ru_maxrss GiB':>15}")
+        print(f"{'plain copy of the shards':28}{copy_time:9.1f}")
+        for label, r in (("finetune merge", ours), ("PEFT merge_and_unload", theirs)):
+            print(f"{label:28}{r['wall']:9.1f}{r['anon'] / gib:18.2f}{r['maxrss'] / gib:15.2f}")
+        print(f"ratios finetune / PEFT: time {ours['wall'] / theirs['wall']:.2f}x (target <= 0.3), "
+              f"peak anonymous memory {ours['anon'] / theirs['anon']:.2f}x (target <= 0.2), "
+              f"plain copy {copy_time / theirs['wall']:.2f}x")
+    finally:
+        if args.keep:
+            print(f"kept {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,340 @@
+"""`finetune merge`: bit-identical to PEFT's merge_and_unload, and safe with bad inputs.
+
+Every equality test builds a tiny random model and adapter (tests/merge_fixtures.py), merges it with
+the streaming merge and with PEFT (from_pretrained -> PeftModel -> merge_and_unload -> save_pretrained),
+and compares every saved tensor with torch.equal.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("peft")
+from safetensors.torch import load_file, save_file  # noqa: E402
+from typer.testing import CliRunner  # noqa: E402
+
+import finetune.merge as merge_mod  # noqa: E402
+from finetune.cli import app  # noqa: E402
+from finetune.merge import MergeError, merge, resolve_inputs, verify  # noqa: E402
+from tests.merge_fixtures import build_adapter, build_gpt2, build_llama, peft_merged_state_dict  # noqa: E402
+
+runner = CliRunner()
+
+
+def load_dir(path: Path) -> dict:
+    tensors: dict = {}
+    for file in sorted(glob.glob(str(path / "*.safetensors"))):
+        tensors.update(load_file(file))
+    return tensors
+
+
+def assert_same(ours: dict, reference: dict) -> None:
+    assert sorted(ours) == sorted(reference)
+    for name, expected in reference.items():
+        assert ours[name].dtype == expected.dtype, name
+        assert torch.equal(ours[name], expected), f"{name} differs from PEFT's merge"
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """Base models shared by the tests of this module (built once: ~1 s each)."""
+    root = tmp_path_factory.mktemp("bases")
+    return {
+        "bf16": build_llama(root / "bf16"),
+        "fp32": build_llama(root / "fp32", dtype="float32"),
+        "fp16": build_llama(root / "fp16", dtype="float16"),
+        "tied": build_llama(root / "tied", tie=True),
+        "bias": build_llama(root / "bias", attention_bias=True, tokenizer=False),
+        "wide": build_llama(root / "wide", hidden_size=96, tokenizer=False),
+        "gpt2": build_gpt2(root / "gpt2"),
+    }
+
+
+@pytest.fixture(scope="module")
+def bf16_adapter(models, tmp_path_factory):
+    return build_adapter(models["bf16"], tmp_path_factory.mktemp("adapters") / "plain")
+
+
+CASES = {
+    "plain-bf16": ("bf16", {}),
+    "plain-fp32": ("fp32", {}),
+    "plain-fp16": ("fp16", {}),
+    "rslora": ("bf16", {"use_rslora": True, "lora_alpha": 16}),
+    # Patterns as PEFT matches them: a suffix at a dot boundary, first match wins, regexes allowed.
+    "rank-alpha-patterns": ("bf16", {"rank_pattern": {"q_proj": 2, r"layers\.1\.mlp\.down_proj": 8},
+                                     "alpha_pattern": {"layers.1.self_attn.v_proj": 3, "o_proj": 32}}),
+    "modules-to-save": ("bf16", {"modules_to_save": ["lm_head", "embed_tokens"]}),
+    "tied-embeddings": ("tied", {}),
+    "tied-lora-on-embeddings": ("tied", {"target_modules": ["q_proj", "embed_tokens"]}),
+    "tied-lora-on-head": ("tied", {"target_modules": ["v_proj", "lm_head"]}),
+    "embedding-lora": ("bf16", {"target_modules": ["q_proj", "embed_tokens", "lm_head"]}),
+    "dora": ("bf16", {"use_dora": True}),
+    "lora-bias": ("bias", {"lora_bias": True, "bias": "lora_only", "target_modules": ["q_proj", "k_proj"]}),
+    "bias-all": ("bias", {"bias": "all", "target_modules": ["q_proj", "v_proj"]}),
+    "gpt2-fan-in-fan-out": ("gpt2", {"target_modules": ["c_attn", "c_proj", "c_fc"], "fan_in_fan_out": True}),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bit_identical_to_peft(case, models, tmp_path):
+    base_kind, lora = CASES[case]
+    base = models[base_kind]
+    adapter = build_adapter(base, tmp_path / "adapter", **lora)
+    merge(base, adapter, tmp_path / "out")
+    assert_same(load_dir(tmp_path / "out"), peft_merged_state_dict(base, adapter))
+
+
+def test_sharded_output_and_index(models, bf16_adapter, tmp_path):
+    out = tmp_path / "out"
+    result = merge(models["bf16"], bf16_adapter, out, max_shard_size=60_000)
+    files = sorted(p.name for p in out.glob("*.safetensors"))
+    assert result.shards == len(files) > 2
+    assert files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    tensors = load_dir(out)
+    assert set(index["weight_map"]) == set(tensors)
+    assert set(index["weight_map"].values()) == set(files)
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in tensors.values())
+    assert_same(tensors, peft_merged_state_dict(models["bf16"], bf16_adapter))
+    # The merged directory is a complete model: config, generation config, tokenizer, chat template.
+    for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        assert (out / name).is_file(), name
+
+
+def test_dtype_float32_equals_peft_on_a_float32_base(models, bf16_adapter, tmp_path):
+    # --dtype float32 keeps float32(W) + delta unrounded: what PEFT computes on a base loaded in float32.
+    merge(models["bf16"], bf16_adapter, tmp_path / "out", dtype="float32")
+    assert_same(load_dir(tmp_path / "out"), peft_merged_state_dict(models["bf16"], bf16_adapter, dtype="float32"))
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["dtype"] == "float32"
+
+
+def test_base_and_adapter_are_never_written(models, bf16_adapter, tmp_path):
+    def digest(folder: Path) -> dict:
+        return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir()) if p.is_file()}
+
+    before = digest(models["bf16"]), digest(bf16_adapter)
+    merge(models["bf16"], bf16_adapter, tmp_path / "out")
+    assert (digest(models["bf16"]), digest(bf16_adapter)) == before
+
+
+def test_merge_path_imports_neither_transformers_nor_peft():
+    code = ("import sys, finetune.merge; "
+            "print(sorted(m for m in ('transformers', 'peft', 'deepspeed') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+# ------------------------------------------------------------------------------------------------
+# Run directories
+
+
+def make_run(tmp_path: Path, base: Path, adapter: Path, recipe_base: str | None) -> Path:
+    import shutil
+
+    run = tmp_path / "run"
+    run.mkdir()
+    shutil.copytree(adapter, run / "adapter")
+    if recipe_base is not None:
+        (run / "recipe.yaml").write_text(f"model:\n  name_or_path: {recipe_base}\nmethod: lora\ndata:\n  path: d.jsonl\n")
+    return run
+
+
+def test_run_dir_reads_base_from_recipe(models, bf16_adapter, tmp_path):
+    run = make_run(tmp_path, models["bf16"], bf16_adapter, str(models["bf16"]))
+    config = json.loads((run / "adapter" / "adapter_config.json").read_text())
+    config["base_model_name_or_path"] = "/nonexistent"  # the recipe wins
+    (run / "adapter" / "adapter_config.json").write_text(json.dumps(config))
+    result = runner.invoke(app, ["merge", str(run), "-o", str(tmp_path / "out")])
+    assert result.exit_code == 0, result.output
+    assert "merged 14 LoRA layers" in result.output
+    assert_same(load_dir(tmp_path / "out"), peft_merged_state_dict(models["bf16"], bf16_adapter))
+
+
+def test_run_dir_falls_back_to_adapter_config(models, bf16_adapter, tmp_path):
+    run = make_run(tmp_path, models["bf16"], bf16_adapter, None)
+    inputs = resolve_inputs(run, None, None)
+    assert inputs.base == models["bf16"] and inputs.adapter == run / "adapter"
+
+
+def test_run_dir_with_hub_base_says_download(models, bf16_adapter, tmp_path):
+    run = make_run(tmp_path, models["bf16"], bf16_adapter, "meta-llama/Meta-Llama-3-8B")
+    config = json.loads((run / "adapter" / "adapter_config.json").read_text())
+    config["base_model_name_or_path"] = "meta-llama/Meta-Llama-3-8B"
+    (run / "adapter" / "adapter_config.json").write_text(json.dumps(config))
+    result = runner.invoke(app, ["merge", str(run), "-o", str(tmp_path / "out")])
+    assert result.exit_code == 1
+    assert "not found locally" in result.output and "--base" in result.output
+
+
+# ------------------------------------------------------------------------------------------------
+# Bad inputs: a clear one-line reason, exit 1, and no output directory (nor leftovers beside it)
+
+
+def cli_fails(tmp_path: Path, *args: str, code: int = 1) -> str:
+    result = runner.invoke(app, ["merge", *args, "-o", str(tmp_path / "out")])
+    assert result.exit_code == code, result.output
+    assert "Traceback" not in result.output
+    assert not (tmp_path / "out").exists()
+    assert not list(tmp_path.glob(".out.*"))  # no temporary directory left behind
+    return result.output
+
+
+def test_adapter_of_another_architecture(models, tmp_path):
+    gpt2_adapter = build_adapter(models["gpt2"], tmp_path / "gpt2-adapter", target_modules=["c_attn"])
+    out = cli_fails(tmp_path, "--base", str(models["bf16"]), "--adapter", str(gpt2_adapter))
+    assert "matches no base tensor" in out and "GPT2LMHeadModel" in out
+
+
+def test_adapter_of_another_shape(models, tmp_path):
+    wide_adapter = build_adapter(models["wide"], tmp_path / "wide-adapter")
+    out = cli_fails(tmp_path, "--base", str(models["bf16"]), "--adapter", str(wide_adapter))
+    assert "does not fit" in out and "update but the base" in out
+
+
+def test_adapter_weights_missing(models, bf16_adapter, tmp_path):
+    import shutil
+
+    adapter = tmp_path / "adapter"
+    shutil.copytree(bf16_adapter, adapter)
+    (adapter / "adapter_model.safetensors").unlink()
+    assert "no adapter_model.safetensors" in cli_fails(tmp_path, "--base", str(models["bf16"]), "--adapter", str(adapter))
+
+
+def test_adapter_config_missing(models, tmp_path):
+    (tmp_path / "adapter").mkdir()
+    assert "no adapter_config.json" in cli_fails(tmp_path, "--base", str(models["bf16"]), "--adapter", str(tmp_path / "adapter"))
+
+
+def test_base_shard_missing(models, bf16_adapter, tmp_path):
+    import shutil
+
+    base = tmp_path / "base"
+    shutil.copytree(models["bf16"], base)
+    index = {"metadata": {"total_size": 1}, "weight_map": {"model.embed_tokens.weight": "model-00002-of-00002.safetensors"}}
+    (base / "model.safetensors.index.json").write_text(json.dumps(index))
+    out = cli_fails(tmp_path, "--base", str(base), "--adapter", str(bf16_adapter))
+    assert "model-00002-of-00002.safetensors: listed in model.safetensors.index.json but missing" in out
+
+
+def test_base_without_safetensors(bf16_adapter, tmp_path):
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "config.json").write_text("{}")
+    (base / "pytorch_model.bin").write_bytes(b"")
+    out = cli_fails(tmp_path, "--base", str(base), "--adapter", str(bf16_adapter))
+    assert "no model.safetensors" in out and "pytorch_model.bin" in out
+
+
+def test_hub_id_base(bf16_adapter, tmp_path):
+    out = cli_fails(tmp_path, "--base", "meta-llama/Meta-Llama-3-8B", "--adapter", str(bf16_adapter))
+    assert "hub id" in out and "huggingface-cli download" in out
+
+
+def test_not_enough_disk_space(models, bf16_adapter, tmp_path, monkeypatch):
+    import shutil
+
+    monkeypatch.setattr(merge_mod.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**12, 10**12 - 1000, 1000))
+    out = cli_fails(tmp_path, "--base", str(models["bf16"]), "--adapter", str(bf16_adapter))
+    assert "not enough disk space" in out
+
+
+def test_existing_output_needs_overwrite(models, bf16_adapter, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("x")
+    args = ["merge", "--base", str(models["bf16"]), "--adapter", str(bf16_adapter), "-o", str(out)]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 1 and "already exists" in result.output and "--overwrite" in result.output
+    assert (out / "keep.txt").exists()
+    result = runner.invoke(app, args + ["--overwrite"])
+    assert result.exit_code == 0, result.output
+    assert not (out / "keep.txt").exists() and (out / "model.safetensors").is_file()
+
+
+def test_output_inside_an_input_is_refused(models, bf16_adapter, tmp_path):
+    result = runner.invoke(app, ["merge", "--base", str(models["bf16"]), "--adapter", str(bf16_adapter),
+                                 "-o", str(bf16_adapter / "merged")])
+    assert result.exit_code == 1 and "never writes into its inputs" in result.output
+    assert not (bf16_adapter / "merged").exists()
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"peft_type": "IA3"}, "peft_type 'IA3' is not supported"),
+    ({"init_lora_weights": "pissa"}, "changes the base weights"),
+    ({"use_qalora": True}, "`use_qalora` is set"),
+    ({"r": 8}, "has rank 4 but adapter_config.json gives it r=8"),
+])
+def test_unsupported_or_inconsistent_adapter_config(models, bf16_adapter, tmp_path, change, message):
+    import shutil
+
+    adapter = tmp_path / "adapter"
+    shutil.copytree(bf16_adapter, adapter)
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    config.update(change)
+    (adapter / "adapter_config.json").write_text(json.dumps(config))
+    assert message in cli_fails(tmp_path, "--base", str(models["bf16"]), "--adapter", str(adapter))
+
+
+def test_non_finite_result_is_refused(models, bf16_adapter, tmp_path):
+    import shutil
+
+    adapter = tmp_path / "adapter"
+    shutil.copytree(bf16_adapter, adapter)
+    tensors = load_file(str(adapter / "adapter_model.safetensors"))
+    key = "base_model.model.model.layers.1.mlp.up_proj.lora_B.weight"
+    tensors[key][0, 0] = float("inf")
+    save_file(tensors, str(adapter / "adapter_model.safetensors"))
+    out = cli_fails(tmp_path, "--base", str(models["bf16"]), "--adapter", str(adapter))
+    assert "model.layers.1.mlp.up_proj has inf/NaN" in out
+
+
+def test_interrupted_merge_leaves_nothing(models, bf16_adapter, tmp_path, monkeypatch):
+    calls = []
+    real = merge_mod.output_tensor
+
+    def interrupt_midway(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 5:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(merge_mod, "output_tensor", interrupt_midway)
+    with pytest.raises(KeyboardInterrupt):
+        merge(models["bf16"], bf16_adapter, tmp_path / "out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_missing_arguments_are_usage_errors(tmp_path):
+    result = runner.invoke(app, ["merge", "-o", str(tmp_path / "out")])
+    assert result.exit_code == 2 and "--base and --adapter" in result.output
+
+
+# ------------------------------------------------------------------------------------------------
+# --verify
+
+
+def test_verify_passes_for_a_correct_merge(models, bf16_adapter, tmp_path):
+    result = runner.invoke(app, ["merge", "--base", str(models["bf16"]), "--adapter", str(bf16_adapter),
+                                 "-o", str(tmp_path / "out"), "--verify"])
+    assert result.exit_code == 0, result.output
+    assert "verify: max |logits merged - logits base+adapter|" in result.output
+
+
+def test_verify_fails_for_a_wrong_merge(models, bf16_adapter, tmp_path):
+    other = build_adapter(models["bf16"], tmp_path / "other", seed=7)
+    merge(models["bf16"], other, tmp_path / "out")
+    check = verify(tmp_path / "out", models["bf16"], bf16_adapter)
+    assert not check.ok and check.max_abs_diff > check.tolerance
+
+
+def test_merge_error_is_an_exception_with_a_message(models, tmp_path):
+    with pytest.raises(MergeError, match="no such adapter directory"):
+        merge(models["bf16"], tmp_path / "missing", tmp_path / "out")
