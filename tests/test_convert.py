@@ -1,0 +1,164 @@
+"""`finetune convert`: real 2-process ZeRO checkpoints become the adapter (or model) the Trainer saved.
+
+The slow tests train a tiny Llama for 3 steps with the HF Trainer + DeepSpeed on CPU (torchrun, 2
+processes; tests/merge_fixtures.py), saving a checkpoint AND the final weights through
+trainer.save_model (ZeRO-3 gathers the 16-bit weights). The checkpoint's float32 master weights, cast
+to the training dtype, must equal what save_model wrote, bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("deepspeed")
+from safetensors.torch import load_file  # noqa: E402
+from typer.testing import CliRunner  # noqa: E402
+
+from finetune.cli import app  # noqa: E402
+from finetune.convert import ConvertError, convert, peft_key  # noqa: E402
+from finetune.merge import merge  # noqa: E402
+from tests.merge_fixtures import build_llama, peft_merged_state_dict  # noqa: E402
+
+FIXTURES = Path(__file__).with_name("merge_fixtures.py")
+runner = CliRunner()
+
+
+def train(base: Path, out: Path, stage: int, method: str) -> Path:
+    """torchrun --nproc_per_node 2: Trainer + DeepSpeed on CPU, 3 steps, checkpoint-3/ and final/."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(FIXTURES.parent.parent)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(FIXTURES),
+           "train", "--base", str(base), "--out", str(out), "--stage", str(stage), "--method", method]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("zero")
+    base = build_llama(root / "base")
+    return {
+        "base": base,
+        "lora-zero3": train(base, root / "lora-zero3", 3, "lora"),
+        "lora-zero2": train(base, root / "lora-zero2", 2, "lora"),
+        "full-zero3": train(base, root / "full-zero3", 3, "full"),
+    }
+
+
+def assert_same(ours: dict, reference: dict) -> None:
+    assert sorted(ours) == sorted(reference)
+    for name, expected in reference.items():
+        assert ours[name].dtype == expected.dtype, name
+        assert torch.equal(ours[name], expected), name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("run", ["lora-zero3", "lora-zero2"])
+def test_lora_checkpoint_becomes_the_saved_adapter(runs, run, tmp_path):
+    result = runner.invoke(app, ["convert", str(runs[run] / "checkpoint-3"), "-o", str(tmp_path / "adapter")])
+    assert result.exit_code == 0, result.output
+    assert "LoRA adapter, bfloat16" in result.output
+    ours = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
+    saved = load_file(str(runs[run] / "final" / "adapter_model.safetensors"))
+    assert_same(ours, saved)
+    # Training happened: B started at zero, the saved head (modules_to_save) is there under PEFT's name.
+    assert any(k.endswith("lora_B.weight") and v.abs().max() > 0 for k, v in ours.items())
+    assert "base_model.model.lm_head.weight" in ours
+    assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["peft_type"] == "LORA"
+
+
+@pytest.mark.slow
+def test_global_step_dir_and_float32(runs, tmp_path):
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    step = runs["lora-zero3"] / "checkpoint-3" / "global_step3"
+    convert(step, tmp_path / "adapter", dtype="float32")
+    ours = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
+    masters = get_fp32_state_dict_from_zero_checkpoint(str(runs["lora-zero3"] / "checkpoint-3"), exclude_frozen_parameters=True)
+    assert_same(ours, {peft_key(k, "default"): v for k, v in masters.items()})
+
+
+@pytest.mark.slow
+def test_full_checkpoint_becomes_the_saved_model(runs, tmp_path):
+    out = tmp_path / "model"
+    result = convert(runs["full-zero3"] / "checkpoint-3", out, max_shard_size=100_000)
+    assert result.kind == "full" and result.shards > 1
+    ours = {}
+    for shard in sorted(out.glob("*.safetensors")):
+        ours.update(load_file(str(shard)))
+    assert_same(ours, load_file(str(runs["full-zero3"] / "final" / "model.safetensors")))
+    assert (out / "config.json").is_file() and (out / "model.safetensors.index.json").is_file()
+
+
+@pytest.mark.slow
+def test_convert_then_merge_equals_peft_merge_of_the_saved_adapter(runs, tmp_path):
+    convert(runs["lora-zero3"] / "checkpoint-3", tmp_path / "adapter")
+    merge(runs["base"], tmp_path / "adapter", tmp_path / "merged")
+    reference = peft_merged_state_dict(runs["base"], runs["lora-zero3"] / "final")
+    assert_same(load_file(str(tmp_path / "merged" / "model.safetensors")), reference)
+
+
+@pytest.mark.slow
+def test_lora_checkpoint_without_adapter_config(runs, tmp_path):
+    ckpt = tmp_path / "checkpoint-3"
+    shutil.copytree(runs["lora-zero2"] / "checkpoint-3", ckpt)
+    (ckpt / "adapter_config.json").unlink()
+    result = runner.invoke(app, ["convert", str(ckpt), "-o", str(tmp_path / "out")])
+    assert result.exit_code == 1 and "no adapter_config.json" in result.output and "--adapter-config" in result.output
+    assert not (tmp_path / "out").exists()
+    result = runner.invoke(app, ["convert", str(ckpt), "-o", str(tmp_path / "out"),
+                                 "--adapter-config", str(runs["lora-zero2"] / "final")])
+    assert result.exit_code == 0, result.output
+
+
+# ------------------------------------------------------------------------------------------------
+# Fast: bad inputs and PEFT's key names
+
+
+def test_peft_key_names():
+    p = "base_model.model.model.layers.0.self_attn.q_proj"
+    assert peft_key(f"{p}.lora_A.default.weight", "default") == f"{p}.lora_A.weight"
+    assert peft_key(f"{p}.lora_magnitude_vector.default.weight", "default") == f"{p}.lora_magnitude_vector"
+    assert peft_key("base_model.model.lm_head.modules_to_save.default.weight", "default") == "base_model.model.lm_head.weight"
+    assert peft_key(f"{p}.base_layer.bias", "default") == f"{p}.base_layer.bias"
+    assert peft_key("base_model.model.model.embed_tokens.lora_embedding_A.default", "default") == \
+        "base_model.model.model.embed_tokens.lora_embedding_A"
+    # An adapter named like a module is only stripped where PEFT strips it.
+    assert peft_key("base_model.model.default.lora_A.default.weight", "default") == "base_model.model.default.lora_A.weight"
+
+
+@pytest.mark.parametrize("layout, message", [
+    ("empty", "not a DeepSpeed checkpoint"),
+    ("dangling-latest", "names global_step7, but"),
+    ("no-states", "no *_model_states.pt"),
+    ("missing", "no such checkpoint directory"),
+])
+def test_not_a_checkpoint(tmp_path, layout, message):
+    ckpt = tmp_path / "checkpoint-7"
+    if layout != "missing":
+        ckpt.mkdir()
+    if layout == "dangling-latest":
+        (ckpt / "latest").write_text("global_step7")
+    if layout == "no-states":
+        (ckpt / "global_step7").mkdir()
+        (ckpt / "latest").write_text("global_step7")
+    result = runner.invoke(app, ["convert", str(ckpt), "-o", str(tmp_path / "out")])
+    assert result.exit_code == 1, result.output
+    assert message in result.output and "Traceback" not in result.output
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(ConvertError):
+        convert(ckpt, tmp_path / "out")
+
+
+def test_existing_output_is_refused(tmp_path):
+    (tmp_path / "out").mkdir()
+    result = runner.invoke(app, ["convert", str(tmp_path), "-o", str(tmp_path / "out")])
+    assert result.exit_code == 1 and "already exists" in result.output
