@@ -15,8 +15,8 @@ The launcher runs in its own process group; SIGINT/SIGTERM sent to `finetune tra
 it, and it forwards them to the ranks (torchrun waits 30 s, then SIGKILLs). A failing rank is named
 from torchrun's failure report (the "Root Cause" block of its ChildFailedError).
 
-With no GPU, `procs_per_node: auto` means one CPU process and an explicit number that many, on
-DeepSpeed's CPU accelerator (gloo), so the whole path runs in CI.
+With no GPU, `procs_per_node: auto` means `launch.cpu_procs` CPU processes (default 1) and an
+explicit number that many, on DeepSpeed's CPU accelerator (gloo), so the whole path runs in CI.
 
 The supervision is split in two places on purpose: `spawn()` starts the launcher, `supervise()`
 waits, relays output, forwards signals and reports. Resume/preemption builds on these.
@@ -96,11 +96,11 @@ def choose_launcher(recipe: Recipe) -> str:
 
 
 def procs_per_node(recipe: Recipe, gpu_count: int) -> int:
-    """auto: one process per visible GPU; with no GPU, one CPU process."""
+    """auto: one process per visible GPU; with no GPU, `launch.cpu_procs` CPU processes."""
     procs = recipe.launch.procs_per_node
     if isinstance(procs, int):
         return procs
-    return gpu_count if gpu_count > 0 else 1
+    return gpu_count if gpu_count > 0 else recipe.launch.cpu_procs
 
 
 def read_hostfile(path: Path) -> dict[str, int]:

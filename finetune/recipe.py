@@ -134,7 +134,8 @@ class DeepSpeedSection(_Section):
 
 
 class LaunchSection(_Section):
-    procs_per_node: Union[int, Literal["auto"]] = Field("auto", description="Processes per machine (auto: one per visible GPU).")
+    procs_per_node: Union[int, Literal["auto"]] = Field("auto", description="Processes per machine (auto: one per visible GPU, or cpu_procs without a GPU).")
+    cpu_procs: int = Field(1, ge=1, description="With procs_per_node: auto and no GPU visible: CPU processes on DeepSpeed's CPU accelerator (CI, demos).")
     nodes: int = Field(1, ge=1, description="Number of machines.")
     node_rank: int = Field(0, ge=0, description="Rank of this machine (torchrun rendezvous).")
     hostfile: Optional[str] = Field(None, description="DeepSpeed hostfile (`host slots=N` lines); launches through the deepspeed launcher.")
