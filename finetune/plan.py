@@ -679,42 +679,98 @@ def _live_cached(trace: tuple, prefetch: int, max_live: int, reuse: int) -> int:
 
 
 def _module_trace(setup: Setup, groups: list[ParamGroup]) -> list[tuple[str, int, int]]:
-    """[(module key, elements gathered, elements traversed)] for every module use in one step.
-
-    A LoRA-wrapped projection counts as one module with its adapter (they run back to back).
+    """[(module key, elements gathered, elements traversed)] for every module DeepSpeed's hooks see in
+    one step, containers and parameter-free modules included (each of their pre-forward/backward
+    hooks calls fetch_sub_module, which prefetches further). Forward runs in call order; backward
+    visits modules in the reverse order of their forward completion; gradient checkpointing re-runs
+    each decoder layer's forward just before its backward. peft's LoRA layer runs its base layer, its
+    dropout, lora_A and lora_B, each a module with its own hooks.
     """
     arch = setup.arch
     if arch is None:
         return []
     thr = setup.param_persistence_threshold
-    layer_units: dict[str, list[ParamGroup]] = {}
-    other_units: dict[str, list[ParamGroup]] = {}
+    units: dict[str, list[ParamGroup]] = {}
     for g in groups:
-        base = g.unit.split(".")[0]  # q_proj.lora_A runs with q_proj; embed_tokens.copy replaces embed_tokens
-        (layer_units if g.per_layer else other_units).setdefault(base, []).append(g)
+        units.setdefault(g.unit, []).append(g)
 
-    def step(key: str, members: list[ParamGroup]) -> tuple[str, int, int]:
+    def leaf(key: str, members: list[ParamGroup]) -> tuple[str, int, int]:
         gathered = sum(g.storage_numel for g in members if g.storage_numel > thr)
         return key, gathered, sum(g.storage_numel for g in members)
 
-    embed_members = other_units.get("embed_tokens", [])
-    head_members = embed_members if arch.tied else other_units.get("lm_head", [])
+    def container(key: str, children: list) -> tuple:
+        return ("call", (key, 0, 0), children)
+
+    def module(prefix: str, unit: str) -> tuple:
+        """A projection (with its LoRA modules when it has them), as a call tree."""
+        base = leaf(f"{prefix}{unit}", units.get(unit, []))
+        if f"{unit}.lora_A" not in units:
+            return ("call", base, [])
+        return container(f"{prefix}{unit}.wrapper", [
+            ("call", base, []), ("call", (f"{prefix}{unit}.dropout", 0, 0), []),
+            ("call", leaf(f"{prefix}{unit}.lora_A", units[f"{unit}.lora_A"]), []),
+            ("call", leaf(f"{prefix}{unit}.lora_B", units[f"{unit}.lora_B"]), [])])
+
+    def layer(i: int) -> tuple:
+        p = f"{i}."
+        attn = container(p + "attn", [module(p, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")])
+        mlp = container(p + "mlp", [module(p, "gate_proj"), ("call", (p + "act", 0, 0), []),
+                                     module(p, "up_proj"), module(p, "down_proj")])
+        norms = [module(p, f"norm{k + 1}") for k in range(arch.norms_per_layer)]
+        # Gemma 2 wraps attention and MLP in pre/post norms; Llama-style models have one norm before each.
+        body = [norms[0], attn] + norms[1:-1] + [mlp] + norms[-1:] if arch.norms_per_layer == 4 else \
+            [norms[0], attn, norms[1], mlp]
+        return container(p + "layer", body)
+
+    # modules_to_save: the trainable copy runs instead of the original.
+    embed = ("call", leaf("embed_tokens", units.get("embed_tokens.copy") or units.get("embed_tokens", [])), [])
     if arch.tied:
-        head_members = head_members + other_units.get("lm_head", [])  # LoRA on a tied head
-    embed = step("embed_tokens", embed_members)
-    head = step("embed_tokens" if arch.tied else "lm_head", head_members)
-    final_norm = step("final_norm", other_units.get("final_norm", []))
-    order = [u for u in ("norm1", "q_proj", "k_proj", "v_proj", "o_proj", "norm2", "norm3", "gate_proj",
-                         "up_proj", "down_proj", "norm4") if u in layer_units]
-    layers = [[step(f"{i}.{u}", layer_units[u]) for u in order] for i in range(arch.layers)]
-    forward = [embed] + [m for layer in layers for m in layer] + [final_norm, head]
-    backward = [head, final_norm]
-    for layer in reversed(layers):
-        if setup.gradient_checkpointing:
-            backward += layer  # the layer's forward is recomputed before its backward
-        backward += list(reversed(layer))
-    backward.append(embed)
-    return forward + backward
+        head_base = embed[1]  # one Parameter: gathering it for the head is gathering the embedding
+    else:
+        head_base = leaf("lm_head", units.get("lm_head.copy") or units.get("lm_head", []))
+    if "lm_head.lora_A" in units:
+        head = container("lm_head.wrapper", [("call", head_base, []), ("call", ("lm_head.dropout", 0, 0), []),
+                                             ("call", leaf("lm_head.lora_A", units["lm_head.lora_A"]), []),
+                                             ("call", leaf("lm_head.lora_B", units["lm_head.lora_B"]), [])])
+    else:
+        head = ("call", head_base, [])
+    layers = [layer(i) for i in range(arch.layers)]
+    model = container("model", [embed, ("call", ("rotary", 0, 0), [])] + layers
+                      + [("call", leaf("final_norm", units.get("final_norm", [])), [])])
+    top = container("causal_lm", [model, head])
+    if setup.method != "full":
+        top = container("peft_model", [top])  # PeftModel (LoraModel calls the model's forward directly)
+
+    def forward(node: tuple, out: list) -> None:
+        out.append(node[1])
+        for child in node[2]:
+            forward(child, out)
+
+    def completion(node: tuple, out: list) -> None:
+        for child in node[2]:
+            completion(child, out)
+        out.append(node)
+
+    trace: list[tuple[str, int, int]] = []
+    forward(top, trace)
+    finished: list[tuple] = []
+    completion(top, finished)
+    layer_keys = {lay[1][0] for lay in layers}
+    # With a frozen embedding no gradient flows into it, nor into layer 0's first norm and the frozen
+    # q/k/v base layers that read its output: their backward hooks never fire.
+    no_grad = set()
+    if setup.method != "full" and "embed_tokens.copy" not in units:
+        no_grad = {"embed_tokens", "0.norm1"} | {f"0.{n}{x}" for n in ("q_proj", "k_proj", "v_proj")
+                                                  for x in ("", ".dropout")}
+    for node in reversed(finished):
+        if setup.gradient_checkpointing and node[1][0] in layer_keys:
+            recompute: list = []
+            for child in node[2]:
+                forward(child, recompute)  # the checkpointed forward runs the layer's children again
+            trace += recompute
+        if node[1][0] not in no_grad:
+            trace.append(node[1])
+    return trace
 
 
 def _replay_zero3(trace: list[tuple[str, int, int]], prefetch: int, max_live: int, reuse: int) -> int:
@@ -792,12 +848,12 @@ def _activations(setup: Setup) -> list[Term]:
         terms.append(Term("activations", "attention mask", mask, phase="backward",
                           note="4D mask, batch x seq^2"))
     logits = logits_bytes(setup)
-    if setup.gradient_checkpointing:
-        # Backward recomputes one layer at a time; that happens after the loss buffers are freed,
-        # so only the part that exceeds them raises the peak.
-        extra = max(0, per_layer + recompute_grad_bytes(setup) - logits)
-        terms.append(Term("activations", "one layer recomputed", extra, phase="backward",
-                          note=f"{per_layer / MiB:,.0f} MiB beyond the loss buffers" if extra else ""))
+    # Backward's own peak comes after the loss buffers are freed (they do not coexist), so only the
+    # part above them raises the total.
+    extra = max(0, backward_working_bytes(setup, per_layer) - logits)
+    what = "one layer recomputed + its gradients" if setup.gradient_checkpointing else "backward temporaries"
+    terms.append(Term("activations", what, extra, phase="backward",
+                      note="beyond the loss buffers" if extra else "smaller than the loss buffers"))
     terms.append(Term("logits", "loss working set", logits, phase="backward",
                       note=f"{tokens:,} tokens x vocab {arch.vocab:,} x 12 B (fp32 log-probs + 2 grads)"))
     return terms
@@ -856,13 +912,18 @@ def layer_activation_bytes(setup: Setup) -> int:
     return setup.micro_batch * s * (per_token + scores)
 
 
-def recompute_grad_bytes(setup: Setup) -> int:
-    """Gradient temporaries while one layer runs backward: the incoming and outgoing residual-stream
-    gradients and the MLP's widest gradients (2 x intermediate), in the 16-bit dtype."""
+def backward_working_bytes(setup: Setup, per_layer: int) -> int:
+    """What backward allocates beyond the saved activations, at its own peak (fitted to torch's CPU
+    allocations of tiny Llamas, tests/test_plan.py): with checkpointing, one layer's recomputed
+    activations plus the MLP's gradients, about (2.5 x intermediate - 2 x hidden) 16-bit elements per
+    token; without, the final norm's fp32 gradient temporaries, about 20 x hidden bytes per token."""
     arch = setup.arch
     assert arch is not None
-    e = setup.element_bytes
-    return setup.micro_batch * setup.seq_len * e * (2 * arch.hidden + 2 * arch.intermediate)
+    tokens = setup.micro_batch * setup.seq_len
+    if setup.gradient_checkpointing:
+        grads = max(0, (5 * arch.intermediate - 4 * arch.hidden) // 2) * setup.element_bytes
+        return per_layer + tokens * grads
+    return tokens * 20 * arch.hidden
 
 
 def attention_mask_bytes(setup: Setup) -> int:
