@@ -1,6 +1,7 @@
 """Benchmark `finetune merge` against PEFT's merge_and_unload on a synthetic 1.1B Llama (TinyLlama's shape).
 
     $ .venv/bin/python scripts/bench_merge.py            # ~7 GB of temporary files under /tmp, removed at the end
+    $ .venv/bin/python scripts/bench_merge.py --repeat 1 # one run per side (default 3, median reported)
 
 What it does, all in one run so both sides see the same machine state:
   1. writes a random bf16 LlamaForCausalLM checkpoint (hidden 2048, intermediate 5632, 22 layers,
@@ -9,7 +10,7 @@ What it does, all in one run so both sides see the same machine state:
   2. times a plain copy of the base shards (the floor for any merge that reads and writes them);
   3. runs `finetune merge --base ... --adapter ... -o ...` as a subprocess;
   4. runs PEFT as a subprocess: from_pretrained(bf16) -> PeftModel.from_pretrained -> merge_and_unload ->
-     save_pretrained;
+     save_pretrained (3 and 4 alternate, --repeat times each; both read the base from the page cache);
   5. checks the two outputs are bit-identical, tensor by tensor, and prints wall time and peak memory ratios.
 
 Memory is anonymous memory: RssAnon from /proc/PID/status, sampled every 20 ms. Pages of memory-mapped
@@ -152,6 +153,13 @@ def run_measured(argv: list[str], label: str) -> dict:
     return {"wall": wall, "anon": peak["anon"], "maxrss": usage.ru_maxrss * 1024, "output": output}
 
 
+def _summary(runs: list[dict]) -> dict:
+    """Median wall time (the machine may be shared), highest memory peaks."""
+    walls = sorted(r["wall"] for r in runs)
+    return {"wall": walls[len(walls) // 2], "walls": walls, "anon": max(r["anon"] for r in runs),
+            "maxrss": max(r["maxrss"] for r in runs)}
+
+
 def compare(ours: Path, theirs: Path) -> int:
     """Tensor-by-tensor torch.equal of two sharded safetensors directories; returns the tensor count."""
     import torch
@@ -179,6 +187,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tmp", type=Path, default=Path("/tmp"), help="Where the temporary files go.")
     parser.add_argument("--keep", action="store_true", help="Keep the temporary directory (prints its path).")
+    parser.add_argument("--repeat", type=int, default=3, help="Runs per side; the median wall time is reported.")
     args = parser.parse_args()
 
     free = shutil.disk_usage(args.tmp).free
@@ -202,10 +211,19 @@ def main() -> None:
 
         finetune_bin = Path(sys.executable).with_name("finetune")
         finetune_cmd = [str(finetune_bin)] if finetune_bin.exists() else [sys.executable, "-m", "finetune.cli"]
-        ours = run_measured(finetune_cmd + ["merge", "--base", str(work / "base"), "--adapter", str(work / "adapter"),
-                                            "-o", str(work / "merged-finetune")], "finetune merge")
-        theirs = run_measured([sys.executable, "-c", PEFT_SCRIPT, str(work / "base"), str(work / "adapter"),
-                               str(work / "merged-peft")], "PEFT merge_and_unload")
+        ours_runs, theirs_runs = [], []
+        for i in range(args.repeat):
+            # Alternate which side goes first, and start each from the same state (no output yet).
+            for side in (("finetune", "peft") if i % 2 == 0 else ("peft", "finetune")):
+                shutil.rmtree(work / f"merged-{side}", ignore_errors=True)
+                if side == "finetune":
+                    ours_runs.append(run_measured(finetune_cmd + [
+                        "merge", "--base", str(work / "base"), "--adapter", str(work / "adapter"),
+                        "-o", str(work / "merged-finetune")], "finetune merge"))
+                else:
+                    theirs_runs.append(run_measured([sys.executable, "-c", PEFT_SCRIPT, str(work / "base"),
+                                                     str(work / "adapter"), str(work / "merged-peft")], "PEFT"))
+        ours, theirs = _summary(ours_runs), _summary(theirs_runs)
         count = compare(work / "merged-finetune", work / "merged-peft")
 
         gib = 2**30
@@ -213,7 +231,8 @@ def main() -> None:
         print(f"{'':28}{'wall s':>9}{'peak RssAnon GiB':>18}{'ru_maxrss GiB':>15}")
         print(f"{'plain copy of the shards':28}{copy_time:9.1f}")
         for label, r in (("finetune merge", ours), ("PEFT merge_and_unload", theirs)):
-            print(f"{label:28}{r['wall']:9.1f}{r['anon'] / gib:18.2f}{r['maxrss'] / gib:15.2f}")
+            runs = ", ".join(f"{w:.1f}" for w in r["walls"])
+            print(f"{label:28}{r['wall']:9.1f}{r['anon'] / gib:18.2f}{r['maxrss'] / gib:15.2f}   runs: {runs}")
         print(f"ratios finetune / PEFT: time {ours['wall'] / theirs['wall']:.2f}x (target <= 0.3), "
               f"peak anonymous memory {ours['anon'] / theirs['anon']:.2f}x (target <= 0.2), "
               f"plain copy {copy_time / theirs['wall']:.2f}x")

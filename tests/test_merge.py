@@ -235,7 +235,7 @@ def test_base_without_safetensors(bf16_adapter, tmp_path):
 
 def test_hub_id_base(bf16_adapter, tmp_path):
     out = cli_fails(tmp_path, "--base", "meta-llama/Meta-Llama-3-8B", "--adapter", str(bf16_adapter))
-    assert "hub id" in out and "huggingface-cli download" in out
+    assert "hub id" in out and "huggingface-cli download" in out and "local files only" in out
 
 
 def test_not_enough_disk_space(models, bf16_adapter, tmp_path, monkeypatch):
