@@ -1,0 +1,149 @@
+"""Tokenizer, base model (dtype, attention, 4-bit) and the LoRA adapter, as a recipe describes them.
+
+Order matters under ZeRO-3: the runner creates TrainingArguments(deepspeed=...) before calling
+`load_model`, so from_pretrained sees the DeepSpeed config (a weak reference transformers keeps) and
+builds the model inside deepspeed.zero.Init, each rank holding only its shard. A 4-bit model is not
+built under zero.Init (transformers skips it for quantized models); the DeepSpeed engine partitions
+it later, which is why the 4-bit storage dtype must equal the dtype of the other weights (lint R101).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from finetune.recipe import Recipe
+from finetune.tiny import resolve_model_path
+
+
+def torch_dtype(name: str):
+    import torch
+
+    return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[name]
+
+
+def load_tokenizer(recipe: Recipe, model_path: str):
+    """The model's tokenizer (or `model.tokenizer`), with a pad token and the recipe's chat template."""
+    from transformers import AutoTokenizer
+
+    m = recipe.model
+    source = resolve_model_path(m.tokenizer) if m.tokenizer else model_path
+    revision = m.revision if not m.tokenizer else None
+    tokenizer = AutoTokenizer.from_pretrained(source, revision=revision, trust_remote_code=m.trust_remote_code)
+    if recipe.data.chat_template:
+        tokenizer.chat_template = recipe.data.chat_template
+    if tokenizer.pad_token_id is None:
+        # Llama-3 and others ship no pad token. Adding one would grow the embedding matrix (and, with
+        # LoRA, need embed_tokens trained and saved); padding with EOS is safe because padded
+        # positions are masked out of attention and of the loss.
+        tokenizer.pad_token = tokenizer.eos_token
+    if recipe.data.format == "messages" and not tokenizer.chat_template:
+        from finetune.train.data import DataError
+
+        raise DataError(f"{source}: the tokenizer has no chat template; set data.chat_template for format: messages")
+    return tokenizer
+
+
+def quantization_config(recipe: Recipe):
+    """BitsAndBytesConfig for method: qlora (None otherwise)."""
+    if recipe.method != "qlora":
+        return None
+    from transformers import BitsAndBytesConfig
+
+    q = recipe.quantization
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type=q.quant_type,
+        bnb_4bit_use_double_quant=q.double_quant,
+        bnb_4bit_compute_dtype=torch_dtype(q.compute_dtype),
+        # The packed 4-bit weights are stored in tensors of this dtype; ZeRO-3 flattens and shards
+        # them together with the other weights, so it must be the model dtype there.
+        bnb_4bit_quant_storage=torch_dtype(q.storage_dtype),
+    )
+
+
+def load_model(recipe: Recipe, model_path: str):
+    """The base causal LM in the recipe's dtype and attention kernel (4-bit for qlora)."""
+    from transformers import AutoModelForCausalLM
+
+    m = recipe.model
+    kwargs: dict[str, Any] = {
+        "dtype": torch_dtype(m.dtype),
+        "attn_implementation": m.attn_implementation,
+        "trust_remote_code": m.trust_remote_code,
+    }
+    if m.revision:
+        kwargs["revision"] = m.revision
+    quant = quantization_config(recipe)
+    if quant is not None:
+        # No device_map: bitsandbytes' quantizer places the model on the current CUDA device (set
+        # per rank by TrainingArguments) or on the CPU.
+        kwargs["quantization_config"] = quant
+    model = AutoModelForCausalLM.from_pretrained(model_path, **kwargs)
+    # The KV cache is for generation; with gradient checkpointing transformers turns it off anyway.
+    model.config.use_cache = False
+    return model
+
+
+def lora_config(recipe: Recipe):
+    from peft import LoraConfig
+
+    lora = recipe.lora
+    return LoraConfig(
+        task_type="CAUSAL_LM",
+        r=lora.r,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        # peft expands "all-linear" to every nn.Linear (and 4-bit Linear) except the output head.
+        target_modules=lora.target_modules,
+        modules_to_save=lora.modules_to_save,
+        use_rslora=lora.rslora,
+        use_dora=lora.dora,
+        bias=lora.bias,
+    )
+
+
+def prepare_model(model, recipe: Recipe):
+    """Gradient checkpointing, then (lora/qlora) the PEFT adapter. Returns the model to train."""
+    t = recipe.training
+    if t.gradient_checkpointing:
+        kwargs = {"use_reentrant": t.gradient_checkpointing_reentrant}
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x renamed it
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    if recipe.method == "full":
+        return model
+    from peft import get_peft_model
+
+    if t.gradient_checkpointing:
+        # With a frozen base the embeddings' output does not require grad; checkpointed blocks then
+        # see inputs without grad. This hook makes the embedding output require grad so gradients
+        # reach the adapters inside the checkpointed blocks (needed for reentrant checkpointing,
+        # harmless for non-reentrant).
+        model.enable_input_require_grads()
+    # No peft.prepare_model_for_kbit_training: it casts every non-4-bit weight to float32, which
+    # breaks ZeRO-3's uniform dtype; the 4-bit path here needs only the hook above.
+    return get_peft_model(model, lora_config(recipe))
+
+
+def count_parameters(model) -> tuple[int, int]:
+    """(trainable, total); under ZeRO-3 a partitioned parameter reports its full size as ds_numel."""
+    trainable = total = 0
+    for param in model.parameters():
+        n = getattr(param, "ds_numel", None) or param.numel()
+        if param.__class__.__name__ == "Params4bit":
+            n *= param.element_size() * 2  # packed: two 4-bit weights per byte of the storage dtype
+        total += n
+        if param.requires_grad:
+            trainable += n
+    return trainable, total
+
+
+def base_model_path(recipe: Recipe) -> str:
+    """Absolute local directory of the base model when it is local (what adapter_config records)."""
+    from pathlib import Path
+
+    path = resolve_model_path(recipe.model.name_or_path)
+    local = Path(path).expanduser()
+    return str(local.resolve()) if local.exists() else path
+

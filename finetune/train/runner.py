@@ -1,0 +1,431 @@
+"""The per-rank training process: one per GPU (or CPU process), started by `finetune train`.
+
+    torchrun --nproc-per-node 2 -m finetune.train.runner --run-dir runs/demo
+    deepspeed --num_gpus 2 --no_local_rank --module finetune.train.runner --run-dir runs/demo
+
+The run directory is written before launch (finetune.launch) and holds:
+    recipe.yaml          the resolved recipe (absolute paths)
+    deepspeed.json       finetune.dsconfig.render_deepspeed(recipe, world_size)
+    training_args.json   finetune.dsconfig.render_training_args(recipe, output_dir=run_dir)
+The runner adds (rank 0 writes; every final output appears under its name only once complete):
+    env.json                  library versions, devices, world size
+    deepspeed.effective.json  the DeepSpeed config as run ("auto" filled, CPU adjustments)
+    adapter/ or model/        PEFT adapter (lora, qlora) or full weights (safetensors)
+    tokenizer/                the tokenizer, with the chat template used
+    final_logits.safetensors  logits of a fixed batch at the end of training (for verification)
+    summary.json              steps, losses, tokens/s, wall time, peak memory per rank, loss history
+    tensorboard/              loss and learning rate (report_to: tensorboard)
+
+The order below is DeepSpeed's: distributed init, then TrainingArguments(deepspeed=...) (transformers
+keeps a reference to the config, so from_pretrained builds a ZeRO-3 model partitioned), then the
+model. Creating the model first would make zero.Init see a world of one and fail its batch-size check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import platform
+import resource
+import shutil
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Optional
+
+from finetune.recipe import Recipe
+
+RUN_INPUTS = ("recipe.yaml", "deepspeed.json", "training_args.json")
+LOGITS_FILE = "final_logits.safetensors"
+LOGITS_BATCH = 4  # sequences in the fixed verification batch (the first training sequences)
+LIBRARIES = ("torch", "deepspeed", "transformers", "peft", "bitsandbytes", "accelerate", "datasets",
+             "safetensors", "tokenizers")
+
+
+class RunDirError(Exception):
+    """The run directory is missing a file or holds one the runner cannot read."""
+
+
+# ------------------------------------------------------------------------------------------------
+# Reading the run directory
+
+
+def read_run_dir(run_dir: Path) -> tuple[Recipe, dict[str, Any], dict[str, Any]]:
+    """(recipe, DeepSpeed config, TrainingArguments kwargs) written by the launcher."""
+    from pydantic import ValidationError
+
+    from finetune.yamlio import DocumentError, load_yaml
+
+    missing = [name for name in RUN_INPUTS if not (run_dir / name).is_file()]
+    if missing:
+        raise RunDirError(f"{run_dir}: missing {', '.join(missing)} (start runs with `finetune train RECIPE`)")
+    try:
+        raw = load_yaml((run_dir / "recipe.yaml").read_text(encoding="utf-8"), str(run_dir / "recipe.yaml")).data
+        recipe = Recipe.model_validate(raw)
+        ds_config = json.loads((run_dir / "deepspeed.json").read_text(encoding="utf-8"))
+        training_args = json.loads((run_dir / "training_args.json").read_text(encoding="utf-8"))
+    except (DocumentError, ValidationError, json.JSONDecodeError, OSError) as exc:
+        raise RunDirError(f"{run_dir}: cannot read the run inputs: {exc}") from None
+    return recipe, ds_config, training_args
+
+
+def adapt_deepspeed_config(config: dict[str, Any], on_cpu: bool) -> dict[str, Any]:
+    """Adjustments for the accelerator found at run time (recorded in deepspeed.effective.json).
+
+    On DeepSpeed's CPU accelerator, Adam/AdamW run as torch.optim (torch_adam): FusedAdam is a CUDA
+    kernel, and DeepSpeedCPUAdam would first compile a C++ op for a few dozen tensors.
+    """
+    config = json.loads(json.dumps(config))
+    optimizer = config.get("optimizer")
+    if on_cpu and isinstance(optimizer, dict) and str(optimizer.get("type", "")).lower() in ("adam", "adamw"):
+        optimizer.setdefault("params", {})["torch_adam"] = True
+    return config
+
+
+def training_arguments_kwargs(kwargs: dict[str, Any], field_names: set[str]) -> dict[str, Any]:
+    """training_args.json as this transformers' TrainingArguments spells it.
+
+    Newer transformers renamed gradient_checkpointing* to activation_checkpointing* (the old names
+    still work, with a FutureWarning on every rank); the rendered file keeps the names every
+    supported version reads.
+    """
+    out = dict(kwargs)
+    for old, new in (("gradient_checkpointing", "activation_checkpointing"),
+                     ("gradient_checkpointing_kwargs", "activation_checkpointing_kwargs")):
+        if old in out and new in field_names and old in field_names and new not in out:
+            out[new] = out.pop(old)
+    return out
+
+
+def json_safe(value: Any) -> Any:
+    """Replace inf/nan (accelerate sets steps_per_print to inf) by strings: strict JSON has neither."""
+    if isinstance(value, float) and (value != value or value in (float("inf"), float("-inf"))):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [json_safe(v) for v in value]
+    return value
+
+
+# ------------------------------------------------------------------------------------------------
+# Small distributed helpers (torch imported lazily: `--help` stays fast)
+
+
+def _is_cpu_accelerator() -> bool:
+    from deepspeed.accelerator import get_accelerator
+
+    return get_accelerator().device_name() == "cpu"
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def _gather(value: Any) -> list[Any]:
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return [value]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def peak_memory() -> tuple[int, str]:
+    """(bytes, kind): CUDA max_memory_allocated on a GPU, else this process's peak RSS."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return int(torch.cuda.max_memory_allocated()), "cuda_max_memory_allocated"
+    # Linux reports ru_maxrss in KiB (macOS in bytes).
+    scale = 1 if sys.platform == "darwin" else 1024
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * scale, "cpu_peak_rss"
+
+
+# ------------------------------------------------------------------------------------------------
+# Outputs
+
+
+def environment(world_size: int) -> dict[str, Any]:
+    import importlib.metadata as md
+
+    import torch
+
+    versions = {"python": platform.python_version()}
+    for name in LIBRARIES:
+        try:
+            versions[name] = md.version(name)
+        except md.PackageNotFoundError:
+            versions[name] = None
+    if torch.cuda.is_available():
+        devices: Any = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    else:
+        devices = "cpu"
+    return {"versions": versions, "devices": devices, "cuda": torch.version.cuda, "world_size": world_size,
+            "hostname": platform.node(), "platform": platform.platform()}
+
+
+def _write_json(path: Path, data: Any) -> None:
+    from finetune.fsutil import write_atomic
+
+    write_atomic(path, json.dumps(data, indent=2) + "\n")
+
+
+def _replace_dir(tmp: Path, target: Path) -> None:
+    """Move a finished directory into place; an older one with that name is removed after."""
+    if target.exists():
+        old = target.with_name(f".{target.name}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(target, old)
+        os.replace(tmp, target)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, target)
+
+
+def save_weights(trainer, recipe: Recipe, ds_config: dict[str, Any], run_dir: Path, is_main: bool) -> str:
+    """adapter/ (lora, qlora) or model/ (full), through Trainer.save_model on every rank.
+
+    Under ZeRO-3 save_model gathers the partitioned weights (stage3_gather_16bit_weights_on_model_save;
+    for PEFT only the trainable ones), so every rank must call it. It writes into a temporary folder
+    that rank 0 then renames: a crash never leaves half an adapter under the final name. Without the
+    gather, save_model writes a ZeRO checkpoint instead: it goes to zero_checkpoint/ for `finetune convert`.
+    Returns the name of the folder written.
+    """
+    from finetune.train.model import base_model_path
+
+    zero = ds_config.get("zero_optimization", {})
+    gathered = zero.get("stage", 0) != 3 or bool(zero.get("stage3_gather_16bit_weights_on_model_save", False))
+    name = ("model" if recipe.method == "full" else "adapter") if gathered else "zero_checkpoint"
+    tmp = run_dir / f".{name}.partial"
+    if is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+    _barrier()
+    processing_class, trainer.processing_class = trainer.processing_class, None  # tokenizer/ holds it
+    try:
+        trainer.save_model(str(tmp))
+    finally:
+        trainer.processing_class = processing_class
+    _barrier()  # a ZeRO checkpoint is written by every rank
+    if is_main:
+        (tmp / "training_args.bin").unlink(missing_ok=True)  # a pickle; training_args.json says the same
+        if name == "adapter":
+            _record_base_model(tmp / "adapter_config.json", base_model_path(recipe))
+        if gathered and not any(tmp.glob("*.safetensors")):
+            raise RuntimeError(f"saving {name}/ wrote no safetensors weights")
+        _replace_dir(tmp, run_dir / name)
+    _barrier()
+    return name
+
+
+def _record_base_model(config_path: Path, base: str) -> None:
+    """adapter_config.json names the absolute local base model, so `merge` needs no flag."""
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    config["base_model_name_or_path"] = base
+    _write_json(config_path, config)
+
+
+def fixed_batch(dataset, collator) -> dict[str, Any]:
+    rows = [dataset[i] for i in range(min(LOGITS_BATCH, len(dataset)))]
+    return collator(rows)
+
+
+def save_final_logits(model, batch: dict[str, Any], device, path: Optional[Path]) -> None:
+    """Forward the fixed batch in eval mode (every rank: ZeRO-3 gathers weights collectively)."""
+    import torch
+    from safetensors.torch import save_file
+
+    inputs = {k: v.to(device) for k, v in batch.items() if k != "labels"}
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        logits = model(**inputs).logits.float().cpu()
+    model.train(was_training)
+    if path is not None:
+        tensors = {"logits": logits.contiguous(), **{k: v.cpu().contiguous() for k, v in inputs.items()}}
+        tmp = path.with_name(f".{path.name}.tmp")
+        save_file(tensors, str(tmp))
+        os.replace(tmp, path)
+
+
+def summarize(trainer, clock, world_size: int, memory: list[tuple[int, str]], extra: dict[str, Any]) -> dict[str, Any]:
+    state = trainer.state
+    history = state.log_history
+    losses = [{k: entry[k] for k in ("step", "epoch", "loss", "learning_rate", "grad_norm") if k in entry}
+              for entry in history if "loss" in entry]
+    evals = [{k: entry[k] for k in ("step", "epoch", "eval_loss") if k in entry} for entry in history if "eval_loss" in entry]
+    tokens = int(state.num_input_tokens_seen or 0)
+    seconds = clock.seconds
+    summary: dict[str, Any] = {
+        "steps": state.global_step,
+        "epochs": state.epoch,
+        "train_loss_first": losses[0]["loss"] if losses else None,
+        "train_loss_last": losses[-1]["loss"] if losses else None,
+        "eval_loss_last": evals[-1]["eval_loss"] if evals else None,
+        "tokens_trained": tokens,
+        "tokens_per_second": tokens / seconds if seconds > 0 else None,
+        "wall_seconds": seconds,
+        "world_size": world_size,
+        "peak_memory_bytes": [m[0] for m in memory],
+        "peak_memory_kind": memory[0][1] if memory else None,
+    }
+    summary.update(extra)
+    summary["loss_history"] = losses
+    summary["eval_history"] = evals
+    return summary
+
+
+# ------------------------------------------------------------------------------------------------
+# The run
+
+
+def run(run_dir: Path, resume: bool = False) -> None:
+    recipe, ds_config, args_kwargs = read_run_dir(run_dir)
+    started = time.perf_counter()
+    _quiet_libraries()
+
+    import deepspeed
+    import transformers
+    from transformers import Trainer, TrainingArguments
+
+    from finetune.tiny import cache_root, ensure_builtin_model, is_builtin
+    from finetune.train.callbacks import EffectiveDeepSpeedConfig, TrainClock
+    from finetune.train.data import Collator, split_eval, tokenize_for_training
+    from finetune.train.model import count_parameters, load_model, load_tokenizer, prepare_model
+
+    on_cpu = _is_cpu_accelerator()
+    ds_config = adapt_deepspeed_config(ds_config, on_cpu)
+    # 1. Process group first: TrainingArguments reads the world size from it, and zero.Init in
+    #    from_pretrained computes the batch size from that.
+    deepspeed.init_distributed()
+    args_kwargs = {**args_kwargs, "output_dir": str(run_dir), "deepspeed": ds_config,
+                   "include_num_input_tokens_seen": "non_padding"}
+    args_kwargs = training_arguments_kwargs(args_kwargs, {f.name for f in dataclasses.fields(TrainingArguments)})
+    if on_cpu:
+        args_kwargs["use_cpu"] = True
+    os.environ.setdefault("TENSORBOARD_LOGGING_DIR", str(run_dir / "tensorboard"))
+    # 2. The DeepSpeed config, registered with transformers (before the model is created).
+    training_args = TrainingArguments(**args_kwargs)
+    _ = training_args.device  # sets the CUDA device of this rank (bitsandbytes quantizes onto it)
+    is_main = training_args.process_index == 0
+    world_size = training_args.world_size
+    transformers.set_seed(recipe.training.seed)
+    if is_main:
+        _write_json(run_dir / "env.json", environment(world_size))
+
+    # 3. Model files (the built-in tiny model is created by preflight; this is a no-op then), tokenizer, data.
+    with training_args.main_process_first(local=True, desc="built-in model"):
+        model_path = str(ensure_builtin_model(recipe.model.name_or_path)) if is_builtin(recipe.model.name_or_path) \
+            else recipe.model.name_or_path
+    tokenizer = load_tokenizer(recipe, model_path)
+    with training_args.main_process_first(local=True, desc="tokenize"):
+        dataset = tokenize_for_training(recipe.data.model_dump(mode="json"), tokenizer, cache_root() / "tokenized",
+                                        log=_log_main(is_main))
+    train_set, eval_set = split_eval(dataset, recipe.data.validation_split, recipe.training.seed)
+    collator = Collator(tokenizer.pad_token_id)
+
+    # 4. The model, built partitioned under ZeRO-3, then LoRA and gradient checkpointing.
+    model = prepare_model(load_model(recipe, model_path), recipe)
+    trainable, total = count_parameters(model)
+    _log_main(is_main)(f"parameters: {trainable:,} trainable of {total:,} ({recipe.method})")
+
+    clock = TrainClock()
+    trainer = Trainer(model=model, args=training_args, train_dataset=train_set, eval_dataset=eval_set,
+                      data_collator=collator, processing_class=tokenizer,
+                      callbacks=[clock, EffectiveDeepSpeedConfig(run_dir)])
+    checkpoint = _last_checkpoint(run_dir) if resume else None
+    trainer.train(resume_from_checkpoint=checkpoint)
+
+    # 5. Outputs.
+    save_final_logits(trainer.model, fixed_batch(train_set, collator), training_args.device,
+                      run_dir / LOGITS_FILE if is_main else None)
+    saved = save_weights(trainer, recipe, ds_config, run_dir, is_main)
+    memory = _gather(peak_memory())
+    if is_main:
+        tmp_tok = run_dir / ".tokenizer.partial"
+        shutil.rmtree(tmp_tok, ignore_errors=True)
+        tokenizer.save_pretrained(str(tmp_tok))
+        _replace_dir(tmp_tok, run_dir / "tokenizer")
+        extra = {"method": recipe.method, "zero_stage": recipe.deepspeed.stage, "output": saved,
+                 "trainable_parameters": trainable, "total_parameters": total,
+                 "train_sequences": len(train_set), "eval_sequences": len(eval_set) if eval_set is not None else 0,
+                 "resumed_from": checkpoint, "total_seconds": time.perf_counter() - started}
+        summary = summarize(trainer, clock, world_size, memory, extra)
+        _write_json(run_dir / "summary.json", summary)
+        _log_main(True)(f"done: {summary['steps']} steps, loss {_fmt(summary['train_loss_first'])} -> "
+                        f"{_fmt(summary['train_loss_last'])}, {summary['tokens_per_second'] or 0:.0f} tokens/s; "
+                        f"{saved}/ in {run_dir}")
+        if saved == "zero_checkpoint":
+            _log_main(True)("the weights are a ZeRO checkpoint (gather_16bit_weights_on_model_save is false): "
+                            f"run `finetune convert {run_dir}` for an adapter or model")
+    _barrier()
+
+
+def _fmt(value: Optional[float]) -> str:
+    return "n/a" if value is None else f"{value:.3f}"
+
+
+def _last_checkpoint(run_dir: Path) -> Optional[str]:
+    from transformers.trainer_utils import get_last_checkpoint
+
+    return get_last_checkpoint(str(run_dir))
+
+
+def _log_main(is_main: bool):
+    def log(message: str) -> None:
+        if is_main:
+            print(f"[finetune] {message}", flush=True)
+
+    return log
+
+
+def _quiet_libraries() -> None:
+    """Rank 0 keeps transformers' warnings; the others only report errors (N copies help nobody)."""
+    rank = int(os.environ.get("RANK", "0"))
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # Deprecations raised by one library calling another, once per step and rank; nothing to act on here.
+    warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor. is deprecated", category=FutureWarning)
+    warnings.filterwarnings("ignore", message=r".*is_gradient_checkpointing. is deprecated", category=FutureWarning)
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    if rank != 0:
+        import datasets
+        import transformers
+
+        transformers.utils.logging.set_verbosity_error()
+        datasets.utils.logging.set_verbosity_error()
+        datasets.disable_progress_bars()
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m finetune.train.runner", description=__doc__.splitlines()[0])
+    parser.add_argument("--run-dir", required=True, type=Path, help="Run directory written by `finetune train`.")
+    parser.add_argument("--resume", action="store_true", help="Continue from the last checkpoint-N in the run directory.")
+    # The deepspeed launcher appends --local_rank=N unless given --no_local_rank; LOCAL_RANK is in the environment.
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(argv)
+    from finetune.tiny import BuiltinModelError
+    from finetune.train.data import DataError
+
+    try:
+        run(args.run_dir.resolve(), resume=args.resume)
+    except (RunDirError, DataError, BuiltinModelError) as exc:
+        # The launcher shows rank 0's console; one line, no traceback, for problems in the inputs.
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,102 @@
+"""Helpers for the training tests: a run directory written as `finetune train` writes it, the real
+runner under torchrun (2 CPU processes), and reloading the saved artifacts in this process.
+
+    run_dir = write_run_dir(REPO / "recipes/tiny/lora_zero3.yaml", tmp_path / "run")
+    result = launch_runner(run_dir, procs=2, cache=cache)
+    expected, reloaded, untrained = reload_logits(run_dir)
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Optional
+
+REPO = Path(__file__).resolve().parent.parent
+TINY_RECIPES = REPO / "recipes" / "tiny"
+
+
+def cache_dir(tmp_path_factory) -> Path:
+    """One FINETUNE_CACHE per pytest session: the tiny model and tokenized data are built once."""
+    return tmp_path_factory.getbasetemp() / "finetune-cache"
+
+
+def write_run_dir(recipe_path: Path, run_dir: Path, world_size: int = 2, overrides: tuple[str, ...] = ()):
+    """recipe.yaml, deepspeed.json and training_args.json, the inputs the launcher writes. Returns the recipe."""
+    from ruamel.yaml import YAML
+
+    from finetune.dsconfig import dumps, render_deepspeed, render_training_args
+    from finetune.recipe import load_recipe
+
+    recipe = load_recipe(recipe_path, list(overrides)).recipe
+    recipe.data.path = str(Path(recipe.data.path).resolve())  # the launcher writes absolute paths
+    run_dir = Path(run_dir).resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    yaml = YAML(typ="safe", pure=True)
+    yaml.default_flow_style = False
+    with open(run_dir / "recipe.yaml", "w", encoding="utf-8") as handle:
+        yaml.dump(recipe.model_dump(mode="json"), handle)
+    (run_dir / "deepspeed.json").write_text(dumps(render_deepspeed(recipe, world_size)))
+    (run_dir / "training_args.json").write_text(dumps(render_training_args(recipe, output_dir=str(run_dir))))
+    return recipe
+
+
+def runner_env(cache: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update({"FINETUNE_CACHE": str(cache), "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
+                "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"})
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    return env
+
+
+def launch_runner(run_dir: Path, cache: Path, procs: int = 2, timeout: float = 300,
+                  extra: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    """`torchrun --standalone` (a free port of its own) running the real runner module."""
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(procs),
+            "-m", "finetune.train.runner", "--run-dir", str(run_dir), *extra]
+    return subprocess.run(argv, cwd=REPO, env=runner_env(cache), capture_output=True, text=True, timeout=timeout)
+
+
+def load_trained(run_dir: Path):
+    """The trained model rebuilt from the run directory's adapter/ or model/ alone (eval mode)."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    from finetune.train.model import quantization_config, torch_dtype
+    from finetune.train.runner import read_run_dir
+
+    recipe, _, _ = read_run_dir(run_dir)
+    dtype = torch_dtype(recipe.model.dtype)
+    if (run_dir / "model").is_dir():
+        return AutoModelForCausalLM.from_pretrained(str(run_dir / "model"), dtype=dtype).eval()
+    from peft import PeftModel
+
+    base_path = json.loads((run_dir / "adapter" / "adapter_config.json").read_text())["base_model_name_or_path"]
+    kwargs = {"dtype": dtype}
+    quant = quantization_config(recipe)
+    if quant is not None:
+        kwargs["quantization_config"] = quant
+    base = AutoModelForCausalLM.from_pretrained(base_path, **kwargs)
+    return PeftModel.from_pretrained(base, str(run_dir / "adapter")).eval()
+
+
+def reload_logits(run_dir: Path, base: Optional[Path] = None):
+    """(logits saved by the runner, logits of the reloaded artifacts, logits of the untrained base)."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    saved = load_file(str(run_dir / "final_logits.safetensors"))
+    inputs = {k: v for k, v in saved.items() if k != "logits"}
+    model = load_trained(run_dir)
+    with torch.no_grad():
+        reloaded = model(**inputs).logits.float()
+        if hasattr(model, "disable_adapter"):
+            with model.disable_adapter():
+                untrained = model(**inputs).logits.float()
+        else:
+            untrained = AutoModelForCausalLM.from_pretrained(str(base), dtype=model.dtype).eval()(**inputs).logits.float()
+    return saved["logits"], reloaded, untrained
