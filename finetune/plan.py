@@ -172,6 +172,7 @@ class Term:
     bytes: int
     phase: str = "both"  # both | backward | step
     note: str = ""
+    live: Optional[int] = None  # bytes allocated at once, when less than `bytes` (ZeRO-3 sub-groups)
 
 
 @dataclass
@@ -190,7 +191,7 @@ class PlanResult:
         return sum(t.bytes for t in self.terms if t.field == name)
 
     def phase_bytes(self, phase: str) -> int:
-        return sum(t.bytes for t in self.terms if t.phase in ("both", phase))
+        return sum(t.bytes if t.live is None else t.live for t in self.terms if t.phase in ("both", phase))
 
     @property
     def peak_phase(self) -> str:
@@ -420,6 +421,8 @@ def largest_module_numel(groups: list[ParamGroup], trainable_only: bool = False)
     stage3.py model_to_params, `m.parameters(recurse=False)`): the embedding or the head here."""
     per_unit: dict[str, int] = {}
     for g in groups:
+        if g.unit == "model":
+            continue  # a bare parameter count: module sizes unknown (counted as 0, like the ZeRO paper)
         if trainable_only and not g.trainable:
             continue
         per_unit[g.unit] = per_unit.get(g.unit, 0) + g.storage_numel
@@ -556,11 +559,16 @@ def _gradients_and_optimizer(setup: Setup, groups: list[ParamGroup], trainable: 
     terms: list[Term] = []
     # Stage 1 keeps full 16-bit gradients through backward (reduced at the boundary); stage 2 copies
     # each gradient into its owner's partition (stage_1_and_2.py: grads_in_partition, 1/N) and frees
-    # the rest; stage 3 keeps a flat 16-bit partition buffer (stage3.py: grad_partitions_flat_buffer).
+    # the rest; stage 3 keeps a flat 16-bit partition buffer for them (stage3.py:
+    # grad_partitions_flat_buffer), which estimate_zero3_model_states_mem_needs leaves out of its
+    # 18 bytes per parameter: it is listed with the buffers so that model_states stays DeepSpeed's number.
     if setup.stage == 1:
         terms.append(Term("gradients", "16-bit gradients", trainable * e, note="stage 1 keeps them whole"))
-    elif not offload:
+    elif setup.stage == 2 and not offload:
         terms.append(Term("gradients", f"16-bit gradient partition 1/{n}", part * e))
+    elif setup.stage == 3 and not offload:
+        terms.append(Term("buffers", f"contiguous gradient partition 1/{n}", part * e,
+                          note="grad_partitions_flat_buffer (not in DeepSpeed's ZeRO-3 estimator)"))
     if setup.stage == 3:
         # The module being computed has its whole 16-bit gradient before the reduce-scatter
         # (estimate_zero3_model_states_mem_needs: the other 2 x largest_layer_params).
@@ -582,14 +590,14 @@ def _gradients_and_optimizer(setup: Setup, groups: list[ParamGroup], trainable: 
                             note="NVMe offload: buffer_count x sub-group, fp32"))
             notes.append(f"optimizer states on NVMe: {gib(per_rank * setup.gpus_per_node)} GiB per node on disk")
         return terms
-    # fp32 gradient partition for the step: stage 1/2 build it in step() from the 16-bit partition
-    # (stage_1_and_2.py: single_grad_partition) and drop it after; stage 3 allocates it once per
-    # sub-group at init (stage3.py: initialize_optimizer_states, gradient_buffer) and keeps it.
-    fp32_grad_phase = "both" if setup.stage == 3 else "step"
-    fp32_part = min(part, setup.sub_group_size) if setup.stage == 3 else part
+    # fp32 gradient partition for the step, built in step() from the 16-bit partition and dropped
+    # after it: stage_1_and_2.py single_grad_partition; stage3.py _prepare_fp32_grad_for_sub_group,
+    # one sub-group (sub_group_size elements) at a time.
+    at_once = min(part, setup.sub_group_size) * 4 if setup.stage == 3 and part > setup.sub_group_size else None
     terms += [
-        Term("gradients", f"fp32 gradient partition 1/{n}", fp32_part * 4, phase=fp32_grad_phase,
-             note="not in the ZeRO paper's 2+2+12 bytes"),
+        Term("gradients", f"fp32 gradient partition 1/{n}", part * 4, phase="step",
+             note="not in the ZeRO paper's 2+2+12 bytes"
+                  + (f"; {gib(at_once)} GiB at once (one sub_group_size)" if at_once else ""), live=at_once),
         Term("optimizer", f"fp32 master weights 1/{n}", part * MASTER_BYTES),
         Term("optimizer", f"{opt_name} 1/{n}", part * states),
     ]

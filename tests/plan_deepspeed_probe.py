@@ -1,0 +1,113 @@
+"""Measure what DeepSpeed really allocates for tiny Llamas, in one CPU process (gloo), for tests/test_plan.py.
+
+    python tests/plan_deepspeed_probe.py '[{"kind": "zero3_live", ...}, ...]'
+
+Prints one line `RESULT <json>` with, per case:
+- kind "zero3_live": the peak of the ZeRO-3 parameter coordinator's available-parameter count
+  (n_available_params) after every fetch, per step (steady state from the second step);
+- kind "buffers": element counts of DeepSpeed's buffers seen during backward (reduce bucket buffers,
+  gradient partitions) and of the optimizer's fp32 partition and states after the step.
+"""
+
+import json
+import os
+import sys
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+os.environ.update(MASTER_ADDR="127.0.0.1", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+os.environ.setdefault("MASTER_PORT", "29561")
+
+import deepspeed  # noqa: E402
+import torch  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+
+def build(case, ds):
+    cfg = LlamaConfig(**case["config"])
+    torch.manual_seed(0)
+    if ds["zero_optimization"]["stage"] == 3:
+        with deepspeed.zero.Init(config_dict_or_path=ds):
+            model = LlamaForCausalLM(cfg)
+    else:
+        model = LlamaForCausalLM(cfg)
+    if case.get("ckpt"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if case.get("lora"):
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=case["lora"], lora_alpha=16, lora_dropout=0.0,
+                                                 target_modules="all-linear"))
+    params = [p for p in model.parameters() if p.requires_grad]
+    engine, opt, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=ds)
+    return cfg, engine, opt
+
+
+def zero3_live(case):
+    ds = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "bf16": {"enabled": True},
+          "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+          "zero_optimization": {"stage": 3, **case["zero"]}}
+    cfg, engine, opt = build(case, ds)
+    coord = opt.parameter_offload.get_param_coordinator()
+    fetch = coord.fetch_sub_module
+    peak = [0]
+
+    def counting_fetch(*args, **kwargs):
+        out = fetch(*args, **kwargs)
+        peak[0] = max(peak[0], coord._PartitionedParameterCoordinator__n_available_params)
+        return out
+
+    coord.fetch_sub_module = counting_fetch
+    ids = torch.randint(0, cfg.vocab_size, (2, 16))
+    peaks = []
+    for _ in range(3):
+        peak[0] = 0
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        engine.step()
+        peaks.append(peak[0])
+    engine.destroy()
+    return peaks
+
+
+def buffers(case):
+    zero = {"stage": case["stage"], **case["zero"]}
+    ds = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "bf16": {"enabled": True},
+          "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": zero}
+    cfg, engine, opt = build(case, ds)
+    seen = {}
+
+    def during_backward(grad):
+        # The embedding output's gradient arrives last: every bucket buffer exists by now.
+        if case["stage"] == 3:
+            seen["bucket_buffers"] = [b.buffer.numel() for b in opt.ipg_buckets.values()
+                                      if getattr(b, "buffer", None) is not None]
+            seen["grad_partition"] = opt.grad_partitions_flat_buffer.numel()
+        else:
+            seen["bucket_buffers"] = [t.numel() for b in opt.ipg_buckets.values() for t in b.buffer]
+        return grad
+
+    def watch(module, inputs, output):
+        if output.requires_grad:
+            output.register_hook(during_backward)
+
+    engine.module.get_input_embeddings().register_forward_hook(watch)
+    ids = torch.randint(0, cfg.vocab_size, (2, 16))
+    engine.backward(engine(input_ids=ids, labels=ids).loss)
+    if case["stage"] in (1, 2):
+        seen["grads_in_partition"] = None if opt.grads_in_partition is None else opt.grads_in_partition.numel()
+    engine.step()
+    if case["stage"] == 3:
+        seen["fp32_partition"] = sum(t.numel() for t in opt.fp32_partitioned_groups_flat)
+        states = [s for s in opt.optimizer.state.values()]
+    else:
+        seen["fp32_partition"] = sum(t.numel() for t in opt.single_partition_of_fp32_groups)
+        states = [s for s in opt.optimizer.state.values()]
+    seen["optimizer_state_elements"] = sum(v.numel() for s in states for k, v in s.items()
+                                           if torch.is_tensor(v) and v.dim() > 0)
+    engine.destroy()
+    return seen
+
+
+if __name__ == "__main__":
+    deepspeed.init_distributed(dist_backend="gloo")
+    results = [zero3_live(c) if c["kind"] == "zero3_live" else buffers(c) for c in json.loads(sys.argv[1])]
+    print("RESULT " + json.dumps(results))
