@@ -93,10 +93,10 @@ def reload_logits(run_dir: Path, base: Optional[Path] = None):
     inputs = {k: v for k, v in saved.items() if k != "logits"}
     model = load_trained(run_dir)
     with torch.no_grad():
-        reloaded = model(**inputs).logits.float()
+        reloaded = model(**inputs, use_cache=False).logits.float()
         if hasattr(model, "disable_adapter"):
             with model.disable_adapter():
-                untrained = model(**inputs).logits.float()
+                untrained = model(**inputs, use_cache=False).logits.float()
         else:
-            untrained = AutoModelForCausalLM.from_pretrained(str(base), dtype=model.dtype).eval()(**inputs).logits.float()
+            untrained = AutoModelForCausalLM.from_pretrained(str(base), dtype=model.dtype).eval()(**inputs, use_cache=False).logits.float()
     return saved["logits"], reloaded, untrained

@@ -78,10 +78,7 @@ def load_model(recipe: Recipe, model_path: str):
         # No device_map: bitsandbytes' quantizer places the model on the current CUDA device (set
         # per rank by TrainingArguments) or on the CPU.
         kwargs["quantization_config"] = quant
-    model = AutoModelForCausalLM.from_pretrained(model_path, **kwargs)
-    # The KV cache is for generation; with gradient checkpointing transformers turns it off anyway.
-    model.config.use_cache = False
-    return model
+    return AutoModelForCausalLM.from_pretrained(model_path, **kwargs)
 
 
 def lora_config(recipe: Recipe):

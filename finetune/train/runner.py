@@ -247,7 +247,7 @@ def save_final_logits(model, batch: dict[str, Any], device, path: Optional[Path]
     was_training = model.training
     model.eval()
     with torch.no_grad():
-        logits = model(**inputs).logits.float().cpu()
+        logits = model(**inputs, use_cache=False).logits.float().cpu()
     model.train(was_training)
     if path is not None:
         tensors = {"logits": logits.contiguous(), **{k: v.cpu().contiguous() for k, v in inputs.items()}}
@@ -333,7 +333,11 @@ def run(run_dir: Path, resume: bool = False) -> None:
     collator = Collator(tokenizer.pad_token_id)
 
     # 4. The model, built partitioned under ZeRO-3, then LoRA and gradient checkpointing.
-    model = prepare_model(load_model(recipe, model_path), recipe)
+    model = load_model(recipe, model_path)
+    # No KV cache while training: it is for generation, and with one transformers skips the packed-
+    # sequence mask (masking_utils). Restored before saving, so model/ generates with a cache.
+    use_cache, model.config.use_cache = getattr(model.config, "use_cache", True), False
+    model = prepare_model(model, recipe)
     trainable, total = count_parameters(model)
     _log_main(is_main)(f"parameters: {trainable:,} trainable of {total:,} ({recipe.method})")
 
@@ -347,6 +351,7 @@ def run(run_dir: Path, resume: bool = False) -> None:
     # 5. Outputs.
     save_final_logits(trainer.model, fixed_batch(train_set, collator), training_args.device,
                       run_dir / LOGITS_FILE if is_main else None)
+    trainer.model.config.use_cache = use_cache
     saved = save_weights(trainer, recipe, ds_config, run_dir, is_main)
     memory = _gather(peak_memory())
     if is_main:
