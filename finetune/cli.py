@@ -146,6 +146,7 @@ def merge(
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output directory."),
     verify: bool = typer.Option(False, "--verify", help="Then compare logits with base + adapter (loads both; for models that fit in RAM)."),
     max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="Largest output shard, e.g. 5GB or 500MB."),
+    fsync: bool = typer.Option(False, "--fsync", help="Wait until the shards are on disk before publishing the output (as slow as the disk)."),
 ) -> None:
     """Merge a LoRA adapter into its base model, streaming one tensor at a time (RAM need: one tensor, not the model).
 
@@ -170,7 +171,7 @@ def merge(
         inputs = resolve_inputs(run_dir, base, adapter)
         result = run_merge(inputs.base, inputs.adapter, output, dtype=dtype, overwrite=overwrite,
                            max_shard_size=shard_bytes, log=lambda line: typer.echo(line, err=True),
-                           source_dirs=inputs.tokenizer_dirs)
+                           source_dirs=inputs.tokenizer_dirs, fsync=fsync)
     except (MergeError, FileExistsError) as exc:
         raise fail(str(exc)) from None
     except OSError as exc:

@@ -703,7 +703,7 @@ class ShardWriter:
     each tensor's bytes as it is produced. The format: 8-byte little-endian header length, the JSON
     header padded with spaces to a multiple of 8, then the tensors' bytes back to back."""
 
-    def __init__(self, path: Path, tensors: list[OutTensor]):
+    def __init__(self, path: Path, tensors: list[OutTensor], early_writeback: bool = False):
         if sys.byteorder != "little":
             raise MergeError("safetensors files are little-endian; this machine is not")
         header: dict = {"__metadata__": {"format": "pt"}}
@@ -716,6 +716,7 @@ class ShardWriter:
         self.path = path
         self.expected = [(t.name, t.nbytes) for t in tensors]
         self.position = 0
+        self.early_writeback = early_writeback and hasattr(os, "posix_fadvise")
         self.handle = open(path, "wb")
         self.handle.write(struct.pack("<Q", len(raw)))
         self.handle.write(raw)
@@ -727,10 +728,10 @@ class ShardWriter:
             raise RuntimeError(f"internal error: wrote {name} ({data.numel()} bytes), header says {want_name} ({want_bytes})")
         self.handle.write(data.numpy().data)  # the tensor's own memory, no bytes copy
         self.position += 1
-        if want_bytes >= _WRITEBACK_BYTES and hasattr(os, "posix_fadvise"):
+        if self.early_writeback and want_bytes >= _WRITEBACK_BYTES:
             # Start writing this tensor to disk now (Linux starts writeback of dirty pages on DONTNEED, and
-            # drops them from the page cache once clean), so the fsync at the end has little left to wait
-            # for, and a 140 GB merge does not push everything else out of the page cache.
+            # drops them from the page cache once clean), so that the disk works while the next tensors are
+            # computed and the fsync at the end has little left to wait for.
             self.handle.flush()
             end = self.handle.tell()
             os.posix_fadvise(self.handle.fileno(), end - want_bytes, want_bytes, os.POSIX_FADV_DONTNEED)
@@ -764,10 +765,10 @@ class _Reader:
         self.handle, self.file = None, None
 
 
-def write_shards(plan: Plan, names: list[str], folder: Path, log: Callable[[str], None]) -> None:
-    """Compute each output tensor and write it, the arithmetic of one tensor overlapping the disk write of
-    the previous one (a second thread; torch and file writes release the GIL). Each shard is fsynced on a
-    third thread while the next one is produced, so the rename at the end publishes data that is on disk."""
+def write_shards(plan: Plan, names: list[str], folder: Path, log: Callable[[str], None], fsync: bool = False) -> None:
+    """Compute each output tensor and write it, the arithmetic of one tensor overlapping the write of the
+    previous one (a second thread; torch and file writes release the GIL). With fsync, each shard is
+    flushed to disk on a third thread while the next one is produced, and all of them before returning."""
     from concurrent.futures import Future, ThreadPoolExecutor
 
     ws = Workspace()
@@ -785,7 +786,7 @@ def write_shards(plan: Plan, names: list[str], folder: Path, log: Callable[[str]
     slot = 0
     try:
         for shard_name, shard in zip(names, plan.shards):
-            writer = ShardWriter(folder / shard_name, shard)
+            writer = ShardWriter(folder / shard_name, shard, early_writeback=fsync)
             writers.append(writer)
             for t in shard:
                 if t.source.file != reader.file and pending is not None:
@@ -798,7 +799,8 @@ def write_shards(plan: Plan, names: list[str], folder: Path, log: Callable[[str]
             pending.result()
             pending = None
             writer.close(sync=False)
-            closing.append(syncs.submit(_fsync, writer.path))
+            if fsync:
+                closing.append(syncs.submit(_fsync, writer.path))
             log(f"wrote {shard_name} ({_gb(sum(t.nbytes for t in shard))})")
         for future in closing:
             future.result()
@@ -842,10 +844,13 @@ class MergeResult:
 
 def merge(base_path: Path, adapter_path: Path, output: Path, *, dtype: Optional[str] = None, overwrite: bool = False,
           max_shard_size: int = DEFAULT_MAX_SHARD_SIZE, log: Callable[[str], None] = lambda s: None,
-          source_dirs: tuple = ()) -> MergeResult:
+          source_dirs: tuple = (), fsync: bool = False) -> MergeResult:
     """Merge `adapter_path` into `base_path`, writing `output`. Raises MergeError for bad inputs.
 
-    source_dirs: extra directories (e.g. the run directory) searched for tokenizer files after the adapter's."""
+    source_dirs: extra directories (e.g. the run directory) searched for tokenizer files after the adapter's.
+    fsync: wait until the shards are on disk before publishing `output` (a power cut then cannot leave a
+    truncated model behind). Off by default, like save_pretrained: it makes the merge as slow as the disk
+    (1.1B model here: 3.5 s without, 7.5 s with)."""
     start = time.perf_counter()
     base_path, adapter_path, output = Path(base_path), Path(adapter_path), Path(output)
     out_dtype = _parse_dtype(dtype)
@@ -859,7 +864,7 @@ def merge(base_path: Path, adapter_path: Path, output: Path, *, dtype: Optional[
     check_disk_space(output, plan.total_bytes)
     names = shard_names(len(plan.shards))
     with _sigterm_as_interrupt(), atomic_dir(output, overwrite=overwrite) as tmp:
-        write_shards(plan, names, tmp, log)
+        write_shards(plan, names, tmp, log, fsync=fsync)
         if len(names) > 1:
             _write_index(tmp, plan, names)
         copy_side_files(base_path, [adapter_path, *source_dirs], tmp, out_dtype)

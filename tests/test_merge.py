@@ -94,7 +94,7 @@ def test_bit_identical_to_peft(case, models, tmp_path):
 
 def test_sharded_output_and_index(models, bf16_adapter, tmp_path):
     out = tmp_path / "out"
-    result = merge(models["bf16"], bf16_adapter, out, max_shard_size=60_000)
+    result = merge(models["bf16"], bf16_adapter, out, max_shard_size=60_000, fsync=True)
     files = sorted(p.name for p in out.glob("*.safetensors"))
     assert result.shards == len(files) > 2
     assert files[0] == f"model-00001-of-{len(files):05d}.safetensors"
