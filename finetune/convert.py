@@ -29,8 +29,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from finetune.merge import (CONFIG_FILES, DEFAULT_MAX_SHARD_SIZE, DTYPES, INDEX_NAME, PEFT_PREFIX, TOKENIZER_DIRS,
-                            TOKENIZER_FILES, MergeError, ShardWriter, _gb, _sigterm_as_interrupt, check_disk_space)
+import torch
+
+from finetune.fsutil import atomic_dir, write_atomic
+from finetune.merge import (CONFIG_FILES, DEFAULT_MAX_SHARD_SIZE, DTYPES, PEFT_PREFIX, ST_TO_TORCH, TORCH_TO_ST,
+                            TOKENIZER_DIRS, TOKENIZER_FILES, BaseTensor, MergeError, OutTensor, Plan,
+                            ShardWriter, assign_shards, check_disk_space, human_size, lora_scaling, shard_names,
+                            sigterm_as_interrupt, write_index)
 
 # Parameter names PEFT gives LoRA weights in the model (before the adapter name is stripped for saving).
 _LORA_PARAM = re.compile(r"\.(lora_A|lora_B|lora_embedding_A|lora_embedding_B|lora_magnitude_vector)\.([^.]+)(\.|$)")
@@ -56,10 +61,8 @@ class Checkpoint:
         """name -> shape of every parameter the optimizer trained, in the model's order."""
         return {name: tuple(shape) for group in self.model_states["param_shapes"] for name, shape in group.items()}
 
-    def dtype_of(self, name: str):
+    def dtype_of(self, name: str) -> torch.dtype:
         """The parameter's dtype during training: ZeRO keeps a (maybe empty, partitioned) 16-bit copy in `module`."""
-        import torch
-
         tensor = (self.model_states.get("module") or {}).get(name)
         if tensor is not None and tensor.is_floating_point():
             return tensor.dtype
@@ -101,8 +104,6 @@ def find_checkpoint(path: Path) -> Checkpoint:
 
 
 def _load_model_states(path: Path) -> dict:
-    import torch
-
     try:
         # DeepSpeed pickles its own objects here (as its zero_to_fp32 does, weights_only=False); mmap keeps a
         # ZeRO-1/2 checkpoint's full 16-bit module copy on disk instead of in RAM.
@@ -177,10 +178,7 @@ def find_adapter_config(ckpt: Checkpoint, explicit: Optional[Path]) -> Path:
 
 def convert_lora(ckpt: Checkpoint, output: Path, dtype, adapter_config: Optional[Path],
                  overwrite: bool, log: Callable[[str], None]) -> "ConvertResult":
-    import torch
     from safetensors.torch import save_file
-
-    from finetune.fsutil import atomic_dir
 
     config_path = find_adapter_config(ckpt, adapter_config)
     config = json.loads(config_path.read_text(encoding="utf-8"))
@@ -199,18 +197,16 @@ def convert_lora(ckpt: Checkpoint, output: Path, dtype, adapter_config: Optional
     _check_rank(tensors, config, config_path)
     size = sum(t.numel() * t.element_size() for t in tensors.values())
     check_disk_space(output, size)
-    with _sigterm_as_interrupt(), atomic_dir(output, overwrite=overwrite) as tmp:
+    with sigterm_as_interrupt(), atomic_dir(output, overwrite=overwrite) as tmp:
         save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
         shutil.copy2(config_path, tmp / "adapter_config.json")
         _copy_tokenizer(ckpt, tmp)
-    log(f"wrote {output / 'adapter_model.safetensors'} ({len(tensors)} tensors, {_gb(size)})")
+    log(f"wrote {output / 'adapter_model.safetensors'} ({len(tensors)} tensors, {human_size(size)})")
     return ConvertResult(output, "lora", len(tensors), size, 1, str(next(iter(tensors.values())).dtype))
 
 
 def _check_rank(tensors: dict, config: dict, where: Path) -> None:
     """Catch an adapter_config.json from another run: its r must match the weights' rank."""
-    from finetune.merge import lora_scaling
-
     for key, tensor in tensors.items():
         if key.endswith(".lora_A.weight"):
             module = key[len(PEFT_PREFIX):-len(".lora_A.weight")]
@@ -226,13 +222,9 @@ def _check_rank(tensors: dict, config: dict, where: Path) -> None:
 
 def convert_full(ckpt: Checkpoint, output: Path, dtype, overwrite: bool, max_shard_size: int,
                  log: Callable[[str], None]) -> "ConvertResult":
-    import torch
-
-    from finetune.fsutil import atomic_dir, write_atomic
-    from finetune.merge import _TORCH_TO_ST, BaseTensor, OutTensor, Plan, assign_shards, shard_names
-
-    if ckpt.model_states.get("frozen_param_shapes") is None and ckpt.model_states.get("module") is not None:
-        log("warning: the checkpoint was saved without frozen parameters; the output holds the trained ones only")
+    if ckpt.model_states.get("frozen_param_shapes") is None:
+        # save_checkpoint(exclude_frozen_parameters=True): parameters that were not trained are not in it
+        log("warning: the checkpoint was saved without frozen parameters; any the model had are missing from the output")
     state = fp32_state_dict(ckpt, exclude_frozen=False)
     aliases = {alias for alias, _ in ckpt.model_states.get("shared_params", {}).items()}
     seen: set[int] = set()
@@ -245,29 +237,25 @@ def convert_full(ckpt: Checkpoint, output: Path, dtype, overwrite: bool, max_sha
         target = (dtype or ckpt.dtype_of(name)) if tensor.dtype.is_floating_point else tensor.dtype
         shape = tuple(tensor.shape)
         nbytes = math.prod(shape) * torch.empty(0, dtype=target).element_size()
-        plan.tensors.append(OutTensor(name, BaseTensor(name, ckpt.step_dir, _TORCH_TO_ST[target], shape),
-                                      _TORCH_TO_ST[target], nbytes))
+        plan.tensors.append(OutTensor(name, BaseTensor(name, ckpt.step_dir, TORCH_TO_ST[target], shape),
+                                      TORCH_TO_ST[target], nbytes))
     assign_shards(plan, max_shard_size)
     check_disk_space(output, plan.total_bytes)
     names = shard_names(len(plan.shards))
-    with _sigterm_as_interrupt(), atomic_dir(output, overwrite=overwrite) as tmp:
+    with sigterm_as_interrupt(), atomic_dir(output, overwrite=overwrite) as tmp:
         for shard_name, shard in zip(names, plan.shards):
             writer = ShardWriter(tmp / shard_name, shard)
             try:
                 for t in shard:
                     tensor = state[t.name].contiguous()
-                    writer.write(t.name, tensor.to(_st_dtype(t.dtype)))
+                    writer.write(t.name, tensor.to(ST_TO_TORCH[t.dtype]))
                     del tensor
                 writer.close()
             finally:
                 writer.handle.close()
-            log(f"wrote {shard_name} ({_gb(sum(t.nbytes for t in shard))})")
+            log(f"wrote {shard_name} ({human_size(sum(t.nbytes for t in shard))})")
         if len(names) > 1:
-            weight_map = {t.name: n for n, shard in zip(names, plan.shards) for t in shard}
-            index = {"metadata": {"total_parameters": sum(math.prod(t.source.shape) for t in plan.tensors),
-                                  "total_size": plan.total_bytes},
-                     "weight_map": dict(sorted(weight_map.items()))}
-            write_atomic(tmp / INDEX_NAME, json.dumps(index, indent=2) + "\n")
+            write_index(tmp, plan, names)
         for name in CONFIG_FILES:
             # checkpoint-N/ has them when the Trainer saved the model there; a run's final model/ does too
             source = next((d / name for d in (ckpt.root, ckpt.root.parent / "model") if (d / name).is_file()), None)
@@ -279,18 +267,10 @@ def convert_full(ckpt: Checkpoint, output: Path, dtype, overwrite: bool, max_sha
     if not (output / "config.json").is_file():
         log(f"warning: no config.json in {ckpt.root}; copy the model's config.json into {output} to load it")
     return ConvertResult(output, "full", len(plan.tensors), plan.total_bytes, len(names),
-                         str(_st_dtype(plan.tensors[0].dtype)) if plan.tensors else "-")
+                         str(ST_TO_TORCH[plan.tensors[0].dtype]) if plan.tensors else "-")
 
 
-def _st_dtype(name: str):
-    from finetune.merge import _ST_TO_TORCH
-
-    return _ST_TO_TORCH[name]
-
-
-def _set_config_dtype(path: Path, dtype) -> None:
-    from finetune.fsutil import write_atomic
-
+def _set_config_dtype(path: Path, dtype: torch.dtype) -> None:
     config = json.loads(path.read_text(encoding="utf-8"))
     name = str(dtype).removeprefix("torch.")
     for key in ("dtype", "torch_dtype"):

@@ -56,7 +56,7 @@ DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.f
           "float32": torch.float32, "fp32": torch.float32}
 
 # safetensors dtype names <-> torch (the subset a language model checkpoint holds).
-_ST_TO_TORCH = {
+ST_TO_TORCH = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
     "BOOL": torch.bool,
@@ -64,8 +64,8 @@ _ST_TO_TORCH = {
 for _name, _attr in (("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2"), ("U16", "uint16"),
                      ("U32", "uint32"), ("U64", "uint64")):
     if hasattr(torch, _attr):
-        _ST_TO_TORCH[_name] = getattr(torch, _attr)
-_TORCH_TO_ST = {v: k for k, v in _ST_TO_TORCH.items()}
+        ST_TO_TORCH[_name] = getattr(torch, _attr)
+TORCH_TO_ST = {v: k for k, v in ST_TO_TORCH.items()}
 
 # LoRA variants (PEFT's LoraConfig fields tagged is_lora_variant) whose merge is not W + s * B @ A.
 # DoRA is the exception: merge_lora() implements it.
@@ -483,7 +483,7 @@ def plan_merge(base: BaseModel, adapter: Adapter, dtype: Optional[torch.dtype]) 
             raise MergeError(f"{info.file}: tensor {name} has dtype {info.dtype}, which merge does not handle")
         out_dtype = info.dtype
         if dtype is not None and info.dtype in ("F32", "F16", "BF16"):
-            out_dtype = _TORCH_TO_ST[dtype]
+            out_dtype = TORCH_TO_ST[dtype]
         nbytes = math.prod(info.shape) * _ITEMSIZE[out_dtype]
         tensors.append(OutTensor(name, info, out_dtype, nbytes, targets.get(name), biases.get(name),
                                  replacements.get(name)))
@@ -676,7 +676,7 @@ def merge_bias(bias: torch.Tensor, update: LoraUpdate, out_dtype: torch.dtype) -
 def output_tensor(t: OutTensor, tensor: torch.Tensor, ws: Optional[Workspace] = None, slot: str = "out0") -> torch.Tensor:
     """The tensor to write for one base tensor, with replacement, LoRA update and dtype applied.
     With a workspace the result may live in its `slot` buffer, valid until that slot is used again."""
-    out_dtype = _ST_TO_TORCH[t.dtype]
+    out_dtype = ST_TO_TORCH[t.dtype]
     if t.replacement is not None:
         # ModulesToSaveWrapper copies the base module and loads the saved weight into it: a cast to the base dtype.
         tensor = t.replacement.to(tensor.dtype)
@@ -801,7 +801,7 @@ def write_shards(plan: Plan, names: list[str], folder: Path, log: Callable[[str]
             writer.close(sync=False)
             if fsync:
                 closing.append(syncs.submit(_fsync, writer.path))
-            log(f"wrote {shard_name} ({_gb(sum(t.nbytes for t in shard))})")
+            log(f"wrote {shard_name} ({human_size(sum(t.nbytes for t in shard))})")
         for future in closing:
             future.result()
     finally:
@@ -863,10 +863,10 @@ def merge(base_path: Path, adapter_path: Path, output: Path, *, dtype: Optional[
     assign_shards(plan, max_shard_size)
     check_disk_space(output, plan.total_bytes)
     names = shard_names(len(plan.shards))
-    with _sigterm_as_interrupt(), atomic_dir(output, overwrite=overwrite) as tmp:
+    with sigterm_as_interrupt(), atomic_dir(output, overwrite=overwrite) as tmp:
         write_shards(plan, names, tmp, log, fsync=fsync)
         if len(names) > 1:
-            _write_index(tmp, plan, names)
+            write_index(tmp, plan, names)
         copy_side_files(base_path, [adapter_path, *source_dirs], tmp, out_dtype)
     merged = sum(1 for t in plan.tensors if t.update is not None)
     replaced = sum(1 for t in plan.tensors if t.replacement is not None)
@@ -903,10 +903,10 @@ def check_disk_space(output: Path, need: int) -> None:
     free = shutil.disk_usage(probe).free
     need = int(need * 1.01) + 64 * 2**20  # headers, config and tokenizer files, some slack
     if free < need:
-        raise MergeError(f"not enough disk space in {probe}: the merged model needs {_gb(need)}, {_gb(free)} free")
+        raise MergeError(f"not enough disk space in {probe}: the merged model needs {human_size(need)}, {human_size(free)} free")
 
 
-def _write_index(tmp: Path, plan: Plan, names: list[str]) -> None:
+def write_index(tmp: Path, plan: Plan, names: list[str]) -> None:
     weight_map = {t.name: name for name, shard in zip(names, plan.shards) for t in shard}
     index = {
         "metadata": {"total_parameters": sum(math.prod(t.source.shape) for t in plan.tensors),
@@ -943,7 +943,7 @@ def copy_side_files(base: Path, tokenizer_sources: list[Path], out: Path, dtype:
 
 
 @contextmanager
-def _sigterm_as_interrupt() -> Iterator[None]:
+def sigterm_as_interrupt() -> Iterator[None]:
     """SIGTERM (a scheduler or `kill`) unwinds like Ctrl-C, so the partial output is removed."""
     def handler(signum, frame):
         raise KeyboardInterrupt
@@ -959,7 +959,7 @@ def _sigterm_as_interrupt() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def _gb(n: int) -> str:
+def human_size(n: int) -> str:
     if n >= 1e8:
         return f"{n / 1e9:.2f} GB"
     return f"{n / 1e6:.1f} MB" if n >= 1e5 else f"{n / 1e3:.1f} kB"
@@ -1026,7 +1026,7 @@ def _stored_dtype(model_dir: Path) -> torch.dtype:
     files = sorted(model_dir.glob("*.safetensors"))
     with safe_open(str(files[0]), framework="pt") as handle:
         for key in handle.keys():
-            dtype = _ST_TO_TORCH.get(handle.get_slice(key).get_dtype())
+            dtype = ST_TO_TORCH.get(handle.get_slice(key).get_dtype())
             if dtype in _VERIFY_RTOL:
                 return dtype
     return torch.float32

@@ -24,8 +24,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -123,9 +123,10 @@ def _numel(shape) -> int:
 
 def run_measured(argv: list[str], label: str) -> dict:
     """Run a command; sample its RssAnon every 20 ms; return wall time and peaks (bytes)."""
+    log = tempfile.TemporaryFile(mode="w+")  # a file, not a pipe: a chatty child cannot fill it and stall
     start = time.perf_counter()
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    peak = {"anon": 0, "hwm": 0}
+    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, text=True)
+    peak = {"anon": 0}
     done = threading.Event()
 
     def sample() -> None:
@@ -134,7 +135,6 @@ def run_measured(argv: list[str], label: str) -> dict:
             try:
                 fields = dict(line.split(":", 1) for line in status.read_text().splitlines() if ":" in line)
                 peak["anon"] = max(peak["anon"], int(fields["RssAnon"].split()[0]) * 1024)
-                peak["hwm"] = max(peak["hwm"], int(fields["VmHWM"].split()[0]) * 1024)
             except (OSError, KeyError, ValueError):
                 pass
             done.wait(0.02)
@@ -145,7 +145,9 @@ def run_measured(argv: list[str], label: str) -> dict:
     wall = time.perf_counter() - start
     done.set()
     sampler.join()
-    output = proc.stdout.read() if proc.stdout else ""
+    log.seek(0)
+    output = log.read()
+    log.close()
     proc.returncode = os.waitstatus_to_exitcode(status)
     if proc.returncode != 0:
         print(output[-3000:])
@@ -190,6 +192,8 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3, help="Runs per side; the median wall time is reported.")
     args = parser.parse_args()
 
+    # Ctrl-C and SIGTERM both unwind through the `finally` below, which removes the gigabytes written.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(143))
     free = shutil.disk_usage(args.tmp).free
     if free < NEEDED_BYTES:
         raise SystemExit(f"need {NEEDED_BYTES / 1e9:.0f} GB free in {args.tmp}, have {free / 1e9:.1f} GB")
