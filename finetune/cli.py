@@ -158,7 +158,7 @@ def merge(
         ...
         merged 224 LoRA layers into merged/llama3-8b (4 shards, 16.06 GB) in 141.2 s
     """
-    from finetune.merge import MergeError, merge as run_merge, resolve_inputs, verify as run_verify
+    from finetune.merge import MergeError, human_size, merge as run_merge, resolve_inputs, verify as run_verify
     from finetune.recipe import parse_size
 
     if run_dir is None and (base is None or adapter is None):
@@ -176,9 +176,8 @@ def merge(
         raise fail(str(exc)) from None
     except OSError as exc:
         raise fail(f"cannot write {output}: {exc.strerror or exc}") from None
-    size = f"{result.total_bytes / 1e9:.2f} GB"
     typer.echo(f"merged {result.merged_layers} LoRA layers into {output} ({result.shards} shard"
-               f"{'s' if result.shards > 1 else ''}, {size}) in {result.seconds:.1f} s")
+               f"{'s' if result.shards > 1 else ''}, {human_size(result.total_bytes)}) in {result.seconds:.1f} s")
     if verify:
         check = run_verify(output, inputs.base, inputs.adapter)
         typer.echo(f"verify: max |logits merged - logits base+adapter| = {check.max_abs_diff:.3g} "

@@ -250,6 +250,8 @@ def read_base(path: Path) -> BaseModel:
             raise
         except Exception as exc:  # safetensors raises its own error types for truncated or corrupt files
             raise MergeError(f"{file}: not a readable safetensors file ({exc})") from None
+    if not tensors:
+        raise MergeError(f"{path}: the safetensors files hold no tensors")
     return BaseModel(path, config, tensors)
 
 
@@ -987,11 +989,18 @@ _VERIFY_RTOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3, torch.float32: 1e-4}
 
 def verify(output: Path, base: Path, adapter: Path, prompt: str = "The quick brown fox jumps over the lazy dog.") -> VerifyResult:
     """Logits of the merged model vs. base + adapter (unmerged), both computed in float32 on CPU."""
+    import warnings
+
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    # Loading progress bars and PEFT's notes would bury the one line verify prints.
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
     ids = _prompt_ids(output, prompt)
-    with torch.no_grad():
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
         model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
         ids = ids % model.config.get_text_config().vocab_size
         peft_model = PeftModel.from_pretrained(model, str(adapter))
