@@ -193,11 +193,28 @@ def train(
     output_dir: Optional[Path] = typer.Option(None, "--output-dir", help="Run directory (default: the recipe's output_dir)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Run the preflight, print the command and the DeepSpeed config; write and start nothing."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace a previous run directory at the same place."),
+    resume: Optional[bool] = typer.Option(None, "--resume/--no-resume", help="Continue from the newest complete checkpoint in the run directory (default: training.resume, true)."),
+    force_resume: bool = typer.Option(False, "--force-resume", help="Resume even though the recipe changed in a way that breaks resumption (or the run had finished)."),
+    nnodes: Optional[int] = typer.Option(None, "--nnodes", min=1, help="Machines in the run (launch.nodes); run this command on each one."),
+    node_rank: Optional[int] = typer.Option(None, "--node-rank", min=0, help="This machine's index, 0 to nnodes-1 (launch.node_rank)."),
+    master_addr: Optional[str] = typer.Option(None, "--master-addr", help="Address of node 0, reachable from every node (launch.master_addr)."),
+    master_port: Optional[int] = typer.Option(None, "--master-port", min=1, max=65535, help="Rendezvous port on node 0 (launch.master_port)."),
 ) -> None:
     """Check everything (lint, environment, dataset, model, output directory), then train on every GPU here.
 
     Nothing is started or written when a check fails. Rank 0 prints to the console; every rank's
-    output is in RUN/logs/rank<K>/. Ctrl-C (or SIGTERM) stops all ranks.
+    output is in RUN/logs/rank<K>/. Ctrl-C or SIGTERM: every rank saves a checkpoint at the end of
+    its step and the command exits 75 (run it again to resume); a second signal stops at once.
+    A run directory with a complete checkpoint is resumed (same step, LR schedule, RNG, data order);
+    it is refused when the recipe changed in a way that breaks resuming (--force-resume).
+
+    Exit codes: 0 finished, 1 failed, 2 usage, 75 stopped by a signal with a checkpoint saved.
+
+    Several machines (torchrun rendezvous; the same command on each, with its --node-rank):
+
+    \b
+        node0$ finetune train r.yaml --nnodes 2 --node-rank 0 --master-addr 10.0.0.1
+        node1$ finetune train r.yaml --nnodes 2 --node-rank 1 --master-addr 10.0.0.1
 
     Example:
 
@@ -208,10 +225,13 @@ def train(
         ...
         finished: runs/demo (adapter in runs/demo/adapter)
     """
-    from finetune.launch import LaunchError, prepare, start_run, tail_of
+    from finetune.checkpoint import EXIT_PREEMPTED
+    from finetune.launch import LaunchError, commands_per_node, prepare, start_run, tail_of
 
+    launch_flags = {"nodes": nnodes, "node_rank": node_rank, "master_addr": master_addr, "master_port": master_port}
+    overrides = list(overrides or []) + [f"launch.{key}={json.dumps(value)}" for key, value in launch_flags.items() if value is not None]
     loaded = load_or_exit(recipe, overrides)
-    prepared = prepare(loaded, output_dir, overwrite)
+    prepared = prepare(loaded, output_dir, overwrite, resume=resume, force_resume=force_resume)
     report = prepared.preflight
     if report.lint_report:
         typer.echo(report.lint_report, err=True, nl=False)
@@ -229,7 +249,11 @@ def train(
         from finetune.dsconfig import dumps, render_deepspeed
 
         typer.echo(f"# command ({plan.world_size} process{'es' if plan.world_size != 1 else ''}, run directory {prepared.run_dir})")
-        typer.echo(plan.display())
+        commands = commands_per_node(plan)
+        for label, line in commands:
+            if len(commands) > 1:
+                typer.echo(f"# {label}")
+            typer.echo(line)
         typer.echo("# deepspeed.json")
         typer.echo(dumps(render_deepspeed(loaded.recipe, plan.world_size)), nl=False)
         return
@@ -245,6 +269,9 @@ def train(
         where = f" ({' and '.join(saved)} in {', '.join(str(prepared.run_dir / s) for s in saved)})" if saved else ""
         typer.echo(f"finished: {prepared.run_dir}{where}", err=True)
         return
+    if outcome.returncode == EXIT_PREEMPTED:
+        typer.echo(f"stopped: {outcome.message} (run directory: {prepared.run_dir})", err=True)
+        raise typer.Exit(EXIT_PREEMPTED)
     if outcome.signal is not None:
         raise fail(f"{outcome.message}; the run directory {prepared.run_dir} holds what was saved", outcome.returncode)
     for log in outcome.logs:

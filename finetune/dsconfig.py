@@ -139,7 +139,7 @@ def render_training_args(recipe: Recipe, output_dir: Optional[str] = None) -> di
         "report_to": [r for r in t.report_to if r != "none"] or "none",
         "dataloader_num_workers": t.dataloader_num_workers,
         "remove_unused_columns": False,
-        "ddp_timeout": 1800,
+        "ddp_timeout": recipe.launch.nccl_timeout,
     }
     if t.optimizer in HF_OPTIMIZERS:
         args["optim"] = HF_OPTIMIZERS[t.optimizer]

@@ -12,8 +12,18 @@ Two launchers, chosen by `launch.launcher` (auto: deepspeed when a hostfile is s
         --no_local_rank --enable_each_rank_log RUN/logs --module finetune.train.runner --run-dir RUN
 
 The launcher runs in its own process group; SIGINT/SIGTERM sent to `finetune train` are forwarded to
-it, and it forwards them to the ranks (torchrun waits 30 s, then SIGKILLs). A failing rank is named
-from torchrun's failure report (the "Root Cause" block of its ChildFailedError).
+it, and it forwards them to the ranks, which save a checkpoint at the next step end and exit
+(finetune.train.preemption); torchrun waits `launch.stop_timeout` seconds for them (its
+TORCH_ELASTIC_SHUTDOWN_TIMEOUT), DeepSpeed's launcher 30 s, then they are killed. `finetune train`
+then exits 75 (finetune.checkpoint.EXIT_PREEMPTED) when the checkpoint was saved. A second signal
+kills every process of the run at once. `finetune train` never returns while a rank it started is
+still alive. A failing rank is named, with its host, from torchrun's failure report (the "Root
+Cause" block of its ChildFailedError).
+
+Several machines: with torchrun, `finetune train` runs on every machine with its --node-rank
+(static rendezvous at master_addr:master_port; `finetune slurm` writes that for SLURM); with a
+hostfile, DeepSpeed's launcher on node 0 starts the others over pdsh/ssh. --dry-run prints the
+command of every node (`commands_per_node`).
 
 With no GPU, `procs_per_node: auto` means `launch.cpu_procs` CPU processes (default 1) and an
 explicit number that many, on DeepSpeed's CPU accelerator (gloo), so the whole path runs in CI.
@@ -51,6 +61,12 @@ LOG_LINE_PREFIX = "[rank${rank}]: "
 TAIL_LINES = 400  # launcher output kept in memory to read the failure report from
 POLL_SECONDS = 0.2
 LOCAL_HOSTS = {"localhost", "127.0.0.1", "::1"}
+DEEPSPEED_ENV_FILE = "deepspeed.env"
+# Passed to the other nodes of a hostfile launch (DeepSpeed itself exports NCCL*, PYTHON*, UCX*, ...).
+# Never tokens: the file sits in the run directory, readable by the team; put HF_TOKEN in ~/.deepspeed_env.
+PROPAGATED_ENV = ("TQDM_DISABLE", "DS_ACCELERATOR", "FINETUNE_CACHE", "HF_HOME", "HF_HUB_CACHE", "HF_HUB_OFFLINE",
+                  "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE", "TOKENIZERS_PARALLELISM", "OMP_NUM_THREADS",
+                  "CUDA_DEVICE_ORDER", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT")
 
 
 class HostfileError(Exception):
@@ -73,6 +89,10 @@ class LaunchPlan:
     world_size: int
     device: str  # cuda or cpu
     notes: list[str] = field(default_factory=list)
+    master_addr: str = "127.0.0.1"
+    master_port: int = DEFAULT_MASTER_PORT
+    stop_timeout: int = 300  # seconds the ranks get to save a checkpoint after a signal
+    hosts: Optional[dict[str, int]] = None  # the hostfile's hosts used (deepspeed launcher)
 
     def display(self) -> str:
         """The command as a shell line (for --dry-run and the log)."""
@@ -143,16 +163,26 @@ def plan_launch(recipe: Recipe, run_dir: Path, gpu_count: int, module: str = RUN
     device = "cuda" if gpu_count > 0 else "cpu"
     if device == "cpu" and "DS_ACCELERATOR" not in environ:
         env["DS_ACCELERATOR"] = "cpu"  # skip DeepSpeed's accelerator probing (and its warning)
+    hosts = None
     if choose_launcher(recipe) == "deepspeed":
         argv, world = deepspeed_argv(recipe, run_dir, procs, port, module, python, environ)
         launcher = "deepspeed"
+        if launch.hostfile:
+            hosts = dict(list(read_hostfile(Path(launch.hostfile).expanduser()).items())[:launch.nodes])
+            if len(hosts) > 1:
+                # pdsh starts the other nodes with DeepSpeed's list of exports (NCCL*, PYTHON*, ...) plus
+                # the lines of this file (DS_ENV_FILE; an absolute name wins over DeepSpeed's folders).
+                env["DS_ENV_FILE"] = str(run_dir / DEEPSPEED_ENV_FILE)
     else:
         env["TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"] = LOG_LINE_PREFIX
+        # torchrun's grace period between forwarding a signal to the ranks and SIGKILL (default 30 s).
+        env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] = str(launch.stop_timeout)
         argv = torchrun_argv(run_dir, procs, launch.nodes, launch.node_rank, launch.master_addr, port, module, python)
         world = procs * launch.nodes
         launcher = "torchrun"
     return LaunchPlan(argv=argv, env=env, run_dir=run_dir, launcher=launcher, procs_per_node=procs,
-                      nodes=launch.nodes, node_rank=launch.node_rank, world_size=world, device=device)
+                      nodes=launch.nodes, node_rank=launch.node_rank, world_size=world, device=device,
+                      master_addr=launch.master_addr, master_port=port, stop_timeout=launch.stop_timeout, hosts=hosts)
 
 
 def torchrun_argv(run_dir: Path, procs: int, nodes: int, node_rank: int, master_addr: str, master_port: int,
@@ -232,6 +262,7 @@ class RankFailure:
     exitcode: int
     error_file: Optional[str] = None
     message: Optional[str] = None
+    host: Optional[str] = None
 
     def describe(self) -> str:
         if self.exitcode < 0:
@@ -241,7 +272,8 @@ class RankFailure:
                 how = f"was killed by signal {-self.exitcode}"
         else:
             how = f"exited with code {self.exitcode}"
-        return f"rank {self.rank} (local rank {self.local_rank}) {how}"
+        where = f" on {self.host}" if self.host else ""
+        return f"rank {self.rank} (local rank {self.local_rank}){where} {how}"
 
 
 @dataclass
@@ -270,16 +302,24 @@ def spawn(plan: LaunchPlan) -> subprocess.Popen:
 
 def supervise(plan: LaunchPlan, console: Optional[IO[bytes]] = None) -> Outcome:
     """Run `plan` to the end: relay output, forward SIGINT/SIGTERM, and say which rank failed."""
+    from finetune.checkpoint import clear_stop_record
+
     console = console or sys.stdout.buffer
     logs = plan.run_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
+    clear_stop_record(plan.run_dir)
     forwarded: list[int] = []
     running: list[subprocess.Popen] = []
+    tracker = ProcessTree()
 
     def forward(signum, _frame):
         forwarded.append(signum)
-        if running:
-            _signal_group(running[0], signum)
+        if not running:
+            return
+        if len(forwarded) == 1:
+            _signal_group(running[0], signum)  # the ranks save a checkpoint and stop
+        else:
+            tracker.kill(running[0])  # a second signal: abort at once
 
     # Handlers go in before the launcher starts: a Ctrl-C in between must not orphan it.
     previous = _install_handlers(forward)
@@ -291,11 +331,15 @@ def supervise(plan: LaunchPlan, console: Optional[IO[bytes]] = None) -> Outcome:
         relay = Relay(proc.stdout, console, logs / "launcher.log")
         relay.start()
         try:
-            wait(plan, proc, console)
+            wait(plan, proc, console, tracker)
+            # torchrun starts each rank in a session of its own, and a launcher that was signalled can
+            # exit before its ranks: wait for them (they may be writing a checkpoint), then kill.
+            tracker.wait_gone(plan.stop_timeout + 30 if forwarded else 30)
         except BaseException:
             _signal_group(proc, signal.SIGTERM)  # never leave ranks running behind a crashed supervisor
             raise
         finally:
+            tracker.kill(proc)
             relay.join()
     finally:
         _restore_handlers(previous)
@@ -303,13 +347,65 @@ def supervise(plan: LaunchPlan, console: Optional[IO[bytes]] = None) -> Outcome:
     return judge(plan, proc.returncode, relay.tail(), forwarded[0] if forwarded else None)
 
 
-def wait(plan: LaunchPlan, proc: subprocess.Popen, console: IO[bytes]) -> None:
+class ProcessTree:
+    """The launcher's descendants (the ranks), remembered while they run.
+
+    torchrun puts every rank in a new session, out of reach of a signal to the launcher's group.
+    psutil (a DeepSpeed dependency) lists them; without it only the group is reached."""
+
+    def __init__(self) -> None:
+        self.known: dict[int, object] = {}
+        try:
+            import psutil
+        except ImportError:
+            psutil = None
+        self._psutil = psutil
+
+    def poll(self, proc: subprocess.Popen) -> None:
+        if self._psutil is None or proc.poll() is not None:
+            return
+        try:
+            for child in self._psutil.Process(proc.pid).children(recursive=True):
+                self.known.setdefault(child.pid, child)
+        except self._psutil.Error:
+            pass
+
+    def alive(self) -> list:
+        if self._psutil is None:
+            return []
+        return [p for p in self.known.values() if self._is_running(p)]
+
+    def _is_running(self, process) -> bool:
+        try:
+            return process.is_running() and process.status() != self._psutil.STATUS_ZOMBIE
+        except self._psutil.Error:
+            return False
+
+    def wait_gone(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while self.alive() and time.monotonic() < deadline:
+            time.sleep(POLL_SECONDS)
+
+    def kill(self, proc: subprocess.Popen) -> None:
+        """SIGKILL the launcher's group and every descendant seen (no-op once all are gone)."""
+        self.poll(proc)
+        _signal_group(proc, signal.SIGKILL)
+        for process in self.alive():
+            try:
+                process.kill()
+            except self._psutil.Error:
+                pass
+
+
+def wait(plan: LaunchPlan, proc: subprocess.Popen, console: IO[bytes], tracker: Optional[ProcessTree] = None) -> None:
     """Until the launcher exits: follow rank 0's log for the deepspeed launcher, link the rank logs."""
     logs = plan.run_dir / "logs"
     rank0 = Follower(logs, "*_rank0.log", console) if plan.launcher == "deepspeed" and plan.node_rank == 0 else None
     linked = False
     while proc.poll() is None:
         time.sleep(POLL_SECONDS)
+        if tracker is not None:
+            tracker.poll(proc)
         if rank0:
             rank0.poll()
         if not linked:
@@ -422,6 +518,7 @@ class Follower:
 
 _ROOT_CAUSE = "Root Cause (first observed failure):"
 _FAILURE_RE = re.compile(
+    r"(?:host\s*:\s*(?P<host>\S+)[^\n]*\n\s*)?"
     r"rank\s*:\s*(?P<rank>-?\d+)\s*\(local_rank:\s*(?P<local>\d+)\)\s*\n"
     r"\s*exitcode\s*:\s*(?P<code>-?\d+)[^\n]*\n"
     r"\s*error_file\s*:\s*(?P<file>[^\n]*)")
@@ -443,16 +540,25 @@ def parse_torchrun_failures(text: str) -> list[RankFailure]:
         for match in _FAILURE_RE.finditer(block):
             error_file = match.group("file").strip()
             failures.append(RankFailure(int(match.group("rank")), int(match.group("local")), int(match.group("code")),
-                                        None if error_file in ("", "<N/A>") else error_file))
+                                        None if error_file in ("", "<N/A>") else error_file, host=match.group("host")))
     return failures
 
 
 def judge(plan: LaunchPlan, returncode: int, output: str, forwarded: Optional[int]) -> Outcome:
+    from finetune.checkpoint import EXIT_PREEMPTED, latest_complete, read_stop_record
+
     if returncode == 0:
         return Outcome(0, message="all ranks finished")
+    stopped = read_stop_record(plan.run_dir)  # written by the ranks once the checkpoint is complete
+    if stopped is not None:
+        return Outcome(EXIT_PREEMPTED, signal=forwarded,
+                       message=f"{stopped.get('signal')} at step {stopped.get('step')}: "
+                               f"{stopped.get('checkpoint')} is complete; run the same command again to resume")
     if forwarded is not None:
         name = signal.Signals(forwarded).name
-        return Outcome(128 + forwarded, signal=forwarded, message=f"stopped by {name} (forwarded to all ranks)")
+        latest = latest_complete(plan.run_dir)
+        saved = f"the newest complete checkpoint is {latest.name}" if latest else "no checkpoint was saved"
+        return Outcome(128 + forwarded, signal=forwarded, message=f"stopped by {name} (forwarded to all ranks); {saved}")
     failures = parse_torchrun_failures(output) if plan.launcher == "torchrun" else []
     if failures:
         root = failures[0]
@@ -493,7 +599,9 @@ def _judge_deepspeed(plan: LaunchPlan, returncode: int, output: str) -> Outcome:
         match = re.search(r"_rank(\d+)\.log$", path.name)
         if match and "Traceback (most recent call last)" in _read_tail(path, 200):
             rank = int(match.group(1))
-            failures.append(RankFailure(rank, rank % max(plan.procs_per_node, 1), exitcode))
+            # Rank logs under this run directory come from this machine's launch (other nodes write theirs).
+            host = socket.gethostname() if not plan.hosts or len(plan.hosts) == 1 else None
+            failures.append(RankFailure(rank, rank % max(plan.procs_per_node, 1), exitcode, host=host))
             logs.append(path)
     if failures:
         return Outcome(1, failures=failures, message=failures[0].describe(), logs=logs)
@@ -575,6 +683,11 @@ class Prepared:
     plan: Optional[LaunchPlan]
     overwrite: bool = False
 
+    @property
+    def resume_from(self):
+        """The finetune.checkpoint.Checkpoint the run continues from, or None."""
+        return self.preflight.resume_from
+
 
 def run_dir_for(recipe: Recipe, output_dir: Optional[Path]) -> Path:
     from finetune.dsconfig import resolved_output_dir
@@ -583,8 +696,11 @@ def run_dir_for(recipe: Recipe, output_dir: Optional[Path]) -> Path:
 
 
 def prepare(loaded: "LoadedRecipe", output_dir: Optional[Path] = None, overwrite: bool = False,
-            module: str = RUNNER_MODULE, facts=None) -> Prepared:
-    """Preflight and launch plan for `loaded` on this machine (facts: finetune.doctor.Facts, faked in tests)."""
+            module: str = RUNNER_MODULE, facts=None, resume: Optional[bool] = None,
+            force_resume: bool = False) -> Prepared:
+    """Preflight and launch plan for `loaded` on this machine (facts: finetune.doctor.Facts, faked in tests).
+
+    `resume`: continue from the newest complete checkpoint in the run directory (None: training.resume)."""
     from finetune.doctor import collect_facts, recipe_imports
     from finetune.preflight import run_preflight
 
@@ -604,7 +720,9 @@ def prepare(loaded: "LoadedRecipe", output_dir: Optional[Path] = None, overwrite
     except HostfileError:
         pass  # preflight reports it
     preflight = run_preflight(loaded, run_dir, overwrite=overwrite, facts=facts,
-                              world_size=plan.world_size if plan else None)
+                              world_size=plan.world_size if plan else None, resume=resume, force_resume=force_resume)
+    if plan is not None and preflight.resume_from is not None:
+        plan.argv.append("--resume")  # the runner's argument, last on both launchers' command lines
     return Prepared(loaded, run_dir, preflight, plan, overwrite)
 
 
@@ -614,5 +732,56 @@ def start_run(prepared: Prepared, console: Optional[IO[bytes]] = None) -> Outcom
 
     if not prepared.preflight.ok or prepared.plan is None:
         raise LaunchError("preflight failed; nothing was launched")
-    write_run_dir(prepared.loaded, prepared.run_dir, prepared.plan.world_size, overwrite=prepared.overwrite)
-    return supervise(prepared.plan, console)
+    plan = prepared.plan
+    # Resuming keeps the checkpoints; the nodes of one run may share (and all write) one directory.
+    in_place = prepared.resume_from is not None or prepared.preflight.join or plan.nodes > 1
+    write_run_dir(prepared.loaded, prepared.run_dir, plan.world_size, overwrite=prepared.overwrite, in_place=in_place)
+    if "DS_ENV_FILE" in plan.env:
+        from finetune.fsutil import write_atomic
+
+        write_atomic(Path(plan.env["DS_ENV_FILE"]), deepspeed_env_text({**os.environ, **plan.env}))
+    return supervise(plan, console)
+
+
+def deepspeed_env_text(environ: dict[str, str]) -> str:
+    """`.deepspeed_env` lines (KEY=value) for the other nodes of a hostfile launch."""
+    return "".join(f"{key}={environ[key]}\n" for key in PROPAGATED_ENV if environ.get(key))
+
+
+# ----------------------------------------------------------------------------------------------
+# The command of every node (--dry-run)
+
+
+def commands_per_node(plan: LaunchPlan) -> list[tuple[str, str]]:
+    """(label, shell line) for every machine of the run, this one first.
+
+    torchrun: the same command on each machine, with its --node-rank. DeepSpeed with a hostfile: the
+    launcher runs on node 0 only; what it starts on each host over pdsh is computed by DeepSpeed's
+    own functions (the --world_info it passes)."""
+    if plan.launcher == "torchrun":
+        out = []
+        for rank in range(plan.nodes):
+            argv = list(plan.argv)
+            argv[argv.index("--node-rank") + 1] = str(rank)
+            line = LaunchPlan(**{**plan.__dict__, "argv": argv}).display()
+            label = f"node {rank}" + (" (this machine)" if rank == plan.node_rank else "")
+            out.append((label, line))
+        return out
+    out = [("node 0 (this machine)", plan.display())]
+    if plan.hosts and len(plan.hosts) > 1:
+        from deepspeed.launcher.runner import apply_num_nodes_and_gpus, encode_world_info
+
+        argv = plan.argv
+        gpus = int(argv[argv.index("--num_gpus") + 1]) if "--num_gpus" in argv else -1
+        resources = {host: list(range(slots)) for host, slots in plan.hosts.items()}
+        world_info = encode_world_info(apply_num_nodes_and_gpus(resources, len(plan.hosts), gpus))
+        # Without --master_addr DeepSpeed asks node 0 over ssh (`hostname -I`, first address).
+        master = plan.master_addr if "--master_addr" in argv else f"<first address of `hostname -I` on {next(iter(plan.hosts))}>"
+        runner_args = argv[argv.index("--module") + 1:]
+        python = argv[0]
+        for index, host in enumerate(plan.hosts):
+            remote = [python, "-u", "-m", "deepspeed.launcher.launch", f"--world_info={world_info}",
+                      f"--node_rank={index}", f"--master_addr={master}", f"--master_port={plan.master_port}",
+                      "--module", "--no_local_rank", f"--enable_each_rank_log={plan.run_dir / 'logs'}", *runner_args]
+            out.append((f"{host} (started by DeepSpeed over pdsh, in the same directory)", shlex.join(remote)))
+    return out

@@ -8,7 +8,9 @@ Every check adds to one `Preflight` (all problems are reported at once, torchtun
 - model: a local directory with config.json, a `builtin:` tiny model, or a hub id (a warning:
   it is downloaded at launch),
 - output directory: never a non-empty directory unless --overwrite, and --overwrite only replaces
-  a previous run directory (one holding recipe.yaml), never an arbitrary folder.
+  a previous run directory (one holding recipe.yaml), never an arbitrary folder. A run directory
+  with a complete checkpoint is resumed (finetune.checkpoint.plan_resume decides, or refuses when
+  the recipe changed); another node's copy of the same multi-node run is joined.
 
 Nothing here writes into the run directory; launch happens only when `Preflight.ok`.
 """
@@ -39,6 +41,8 @@ class Preflight:
     warnings: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     lint_report: str = ""  # the lint findings, rendered as `finetune lint` does
+    resume_from: Optional[Any] = None  # finetune.checkpoint.Checkpoint to resume from
+    join: bool = False  # the run directory was written by another node of this run
 
     @property
     def ok(self) -> bool:
@@ -54,8 +58,11 @@ class DataProblem(Exception):
 
 
 def run_preflight(loaded: LoadedRecipe, run_dir: Path, overwrite: bool = False, facts=None,
-                  world_size: Optional[int] = None) -> Preflight:
-    """All checks for training `loaded` into `run_dir`. `facts`: finetune.doctor.Facts (tests fake them)."""
+                  world_size: Optional[int] = None, resume: Optional[bool] = None,
+                  force_resume: bool = False) -> Preflight:
+    """All checks for training `loaded` into `run_dir`. `facts`: finetune.doctor.Facts (tests fake them).
+
+    `resume` None follows training.resume."""
     from finetune.doctor import checks_for_recipe
 
     result = Preflight()
@@ -72,7 +79,9 @@ def run_preflight(loaded: LoadedRecipe, run_dir: Path, overwrite: bool = False, 
     dataset_step(recipe, result)
     model_step(recipe, result)
     hostfile_step(recipe, result)
-    output_dir_step(run_dir, overwrite, result)
+    if resume is None:
+        resume = recipe.training.resume
+    output_dir_step(run_dir, overwrite, result, loaded, world_size, resume, force_resume)
     return result
 
 
@@ -375,12 +384,32 @@ def hostfile_step(recipe: Recipe, result: Preflight) -> None:
         result.warnings.append(f"launch.hostfile lists {len(hosts)} hosts; only the first {nodes} are used (launch.nodes: {nodes})")
 
 
-def output_dir_step(run_dir: Path, overwrite: bool, result: Preflight) -> None:
+def output_dir_step(run_dir: Path, overwrite: bool, result: Preflight, loaded: Optional[LoadedRecipe] = None,
+                    world_size: Optional[int] = None, resume: bool = False, force_resume: bool = False) -> None:
+    if loaded is not None and not overwrite and (run_dir / RUN_MARKER).is_file():
+        resume_step(run_dir, loaded.recipe, world_size, resume, force_resume, result)
+        return
     problem = output_dir_problem(run_dir, overwrite)
     if problem:
         result.errors.append(problem)
     elif overwrite and run_dir.exists() and any(run_dir.iterdir()):
         result.warnings.append(f"output directory {run_dir}: the previous run there will be replaced (--overwrite)")
+
+
+def resume_step(run_dir: Path, recipe: Recipe, world_size: Optional[int], resume: bool, force: bool,
+                result: Preflight) -> None:
+    """A previous run directory: resume from its newest complete checkpoint, join it, or refuse."""
+    from finetune.checkpoint import plan_resume
+    from finetune.rundir import resolved_recipe
+
+    plan = plan_resume(run_dir, resolved_recipe(recipe, run_dir), world_size, recipe.launch.nodes, resume, force)
+    if plan.error:
+        result.errors.append(plan.error)
+    result.notes.extend(plan.notes)
+    result.warnings.extend(plan.warnings)
+    result.resume_from, result.join = plan.checkpoint, plan.join
+    if not plan.error and not os.access(run_dir, os.W_OK | os.X_OK):
+        result.errors.append(f"output directory {run_dir}: not writable")
 
 
 def output_dir_problem(run_dir: Path, overwrite: bool) -> Optional[str]:

@@ -111,7 +111,8 @@ class TrainingSection(_Section):
     logging_steps: int = Field(10, ge=1, description="Log loss and learning rate every N steps.")
     eval_steps: Optional[int] = Field(None, ge=1, description="Evaluate every N steps (needs data.validation_split).")
     save_steps: Optional[int] = Field(None, ge=1, description="Checkpoint every N steps (default: at the end only).")
-    save_total_limit: Optional[int] = Field(2, ge=1, description="Keep at most this many checkpoints.")
+    save_total_limit: Optional[int] = Field(2, ge=1, description="Keep the newest N complete checkpoints (older ones are removed once a newer one is complete; null keeps all).")
+    resume: bool = Field(True, description="When the run directory holds a complete checkpoint, continue from the newest one (--resume/--no-resume override).")
     report_to: list[Literal["tensorboard", "wandb", "mlflow", "none"]] = Field(
         ["tensorboard"], description="Where metrics go.")
     dataloader_num_workers: int = Field(0, ge=0, description="Data loader worker processes per rank.")
@@ -142,6 +143,8 @@ class LaunchSection(_Section):
     master_addr: str = Field("127.0.0.1", description="Address of node 0.")
     master_port: int = Field(29500, ge=1, le=65535, description="Rendezvous port on node 0.")
     launcher: Literal["auto", "torchrun", "deepspeed"] = Field("auto", description="auto: deepspeed with a hostfile, torchrun otherwise.")
+    nccl_timeout: int = Field(1800, ge=60, description="Seconds a collective (NCCL/gloo) may wait for the other ranks before the run fails instead of hanging (ddp_timeout; deepspeed.init_distributed).")
+    stop_timeout: int = Field(300, ge=10, description="Seconds the ranks get after SIGTERM/SIGINT to save a checkpoint before the launcher kills them (torchrun; DeepSpeed's launcher always waits 30).")
 
     @field_validator("procs_per_node")
     @classmethod

@@ -4,6 +4,7 @@
     RUN/recipe.yaml          the resolved recipe (extends and --set applied, local paths absolute)
     RUN/deepspeed.json       finetune.dsconfig.render_deepspeed(recipe, real world size)
     RUN/training_args.json   finetune.dsconfig.render_training_args(recipe, output_dir=RUN)
+    RUN/resume_key.json      what a resumed run must share with this one (finetune.checkpoint)
     RUN/logs/                launcher output, per-rank logs
 
 The runner adds env.json, adapter/ or model/, tokenizer/ and summary.json.
@@ -61,21 +62,28 @@ def run_files(loaded: LoadedRecipe, run_dir: Path, world_size: int) -> dict[str,
     run_dir = Path(run_dir).absolute()
     header = (f"# The recipe this run trained, written by `finetune train` from {Path(loaded.path).absolute()}\n"
               f"# (extends and --set applied, every default written out, local paths absolute).\n")
+    from finetune.checkpoint import RESUME_KEY_FILE, resume_fields, resume_key_text
+
+    resolved = resolved_recipe(recipe, run_dir)
     return {
-        RECIPE_FILE: dump_yaml(resolved_recipe(recipe, run_dir), header),
+        RECIPE_FILE: dump_yaml(resolved, header),
         DEEPSPEED_FILE: dumps(render_deepspeed(recipe, world_size)),
         TRAINING_ARGS_FILE: dumps(render_training_args(recipe, output_dir=str(run_dir))),
+        RESUME_KEY_FILE: resume_key_text(resume_fields(resolved, world_size)),
     }
 
 
-def write_run_dir(loaded: LoadedRecipe, run_dir: Path, world_size: int, overwrite: bool = False) -> Path:
+def write_run_dir(loaded: LoadedRecipe, run_dir: Path, world_size: int, overwrite: bool = False,
+                  in_place: bool = False) -> Path:
     """Create RUN with the files above, all at once: a failure leaves no half-written run directory.
 
-    An existing directory is replaced only with `overwrite` (preflight has checked it is a run dir)."""
+    An existing directory is replaced only with `overwrite` (preflight has checked it is a run dir).
+    `in_place` (resuming, or another node of the same run wrote it): rewrite the files one by one,
+    each atomically, and keep everything else (checkpoints, logs)."""
     run_dir = Path(run_dir).absolute()
     files = run_files(loaded, run_dir, world_size)
     # An empty directory (made by hand, or a mount point) is filled in place rather than replaced.
-    if run_dir.is_dir() and not any(run_dir.iterdir()):
+    if run_dir.is_dir() and (in_place and not overwrite or not any(run_dir.iterdir())):
         _write_into(run_dir, files)
         return run_dir
     with atomic_dir(run_dir, overwrite=overwrite) as tmp:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -158,7 +159,8 @@ def test_parse_torchrun_failures_root_cause_first():
     failures = parse_torchrun_failures(REPORT)
     assert [(f.rank, f.local_rank, f.exitcode) for f in failures] == [(3, 1, 3), (0, 0, -15)]
     assert failures[0].error_file == "/runs/x/error.json" and failures[1].error_file is None
-    assert failures[1].describe() == "rank 0 (local rank 0) was killed by SIGTERM"
+    assert failures[1].describe() == "rank 0 (local rank 0) on box was killed by SIGTERM"
+    assert failures[0].host == "box"
     assert parse_torchrun_failures("all fine\n") == []
 
 
@@ -260,7 +262,7 @@ def test_a_failing_rank_is_named(fake):
     assert outcome.returncode == 1
     root = outcome.failures[0]
     assert (root.rank, root.exitcode) == (1, 3)
-    assert outcome.message == "rank 1 (local rank 1) exited with code 3"
+    assert re.fullmatch(r"rank 1 \(local rank 1\) on \S+ exited with code 3", outcome.message), outcome.message
     assert any("rank 1 gives up" in log.read_text() for log in outcome.logs)
     # torchrun's own traceback is kept out of the console (it reads like a crash of finetune) ...
     assert b'File "' not in console.data and b"Root Cause" in console.data
@@ -272,7 +274,8 @@ def test_an_exception_in_a_rank_is_reported_with_its_message(fake):
     plan, _ = fake("raise", with_torch=True)
     outcome = supervise(plan, Sink())
     assert outcome.failures[0].rank == 1
-    assert outcome.message == "rank 1 (local rank 1) exited with code 1: RuntimeError: bad batch on rank 1"
+    assert re.fullmatch(r"rank 1 \(local rank 1\) on \S+ exited with code 1: RuntimeError: bad batch on rank 1",
+                        outcome.message), outcome.message
 
 
 def test_deepspeed_launcher_names_the_rank_that_raised(fake):

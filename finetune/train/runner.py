@@ -305,7 +305,12 @@ def run(run_dir: Path, resume: bool = False) -> None:
     ds_config = adapt_deepspeed_config(ds_config, on_cpu)
     # 1. Process group first: TrainingArguments reads the world size from it, and zero.Init in
     #    from_pretrained computes the batch size from that.
-    deepspeed.init_distributed()
+    from finetune.train import preemption
+
+    deepspeed.init_distributed(timeout=preemption.nccl_timeout(recipe))
+    # Checkpoints that are published only when complete, resume, SIGTERM -> checkpoint (preemption.py).
+    resilience = preemption.setup(run_dir, recipe, ds_config, args_kwargs, resume)
+    ds_config, args_kwargs = resilience.ds_config, resilience.args_kwargs
     args_kwargs = {**args_kwargs, "output_dir": str(run_dir), "deepspeed": ds_config,
                    "include_num_input_tokens_seen": "non_padding"}
     args_kwargs = training_arguments_kwargs(args_kwargs, {f.name for f in dataclasses.fields(TrainingArguments)})
@@ -344,9 +349,10 @@ def run(run_dir: Path, resume: bool = False) -> None:
     clock = TrainClock()
     trainer = Trainer(model=model, args=training_args, train_dataset=train_set, eval_dataset=eval_set,
                       data_collator=collator, processing_class=tokenizer,
-                      callbacks=[clock, EffectiveDeepSpeedConfig(run_dir)])
-    checkpoint = _last_checkpoint(run_dir) if resume else None
+                      callbacks=[clock, EffectiveDeepSpeedConfig(run_dir), resilience.callback])
+    checkpoint = resilience.checkpoint
     trainer.train(resume_from_checkpoint=checkpoint)
+    resilience.raise_if_stopped()  # stopped by a signal: the checkpoint is complete; no final outputs
 
     # 5. Outputs.
     save_final_logits(trainer.model, fixed_batch(train_set, collator), training_args.device,
@@ -378,12 +384,6 @@ def _fmt(value: Optional[float]) -> str:
     return "n/a" if value is None else f"{value:.3f}"
 
 
-def _last_checkpoint(run_dir: Path) -> Optional[str]:
-    from transformers.trainer_utils import get_last_checkpoint
-
-    return get_last_checkpoint(str(run_dir))
-
-
 def _log_main(is_main: bool):
     def log(message: str) -> None:
         if is_main:
@@ -412,7 +412,7 @@ def _quiet_libraries() -> None:
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m finetune.train.runner", description=__doc__.splitlines()[0])
     parser.add_argument("--run-dir", required=True, type=Path, help="Run directory written by `finetune train`.")
-    parser.add_argument("--resume", action="store_true", help="Continue from the last checkpoint-N in the run directory.")
+    parser.add_argument("--resume", action="store_true", help="Continue from the newest complete checkpoint-N in the run directory.")
     # The deepspeed launcher appends --local_rank=N unless given --no_local_rank; LOCAL_RANK is in the environment.
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
@@ -429,6 +429,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         # The launcher shows rank 0's console; one line, no traceback, for problems in the inputs.
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 1
+    except Exception as exc:  # preempted (exit 75), or a full / read-only disk: one line, no traceback
+        from finetune.train.preemption import exit_code_for
+
+        code = exit_code_for(exc, args.run_dir.resolve())
+        if code is None:
+            raise
+        return code
     return 0
 
 

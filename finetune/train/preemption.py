@@ -1,0 +1,316 @@
+"""Stopping cleanly and starting again: the runner's side of preemption and resume.
+
+    resilience = setup(run_dir, recipe, ds_config, args_kwargs, resume)   # after init_distributed
+    trainer = Trainer(..., callbacks=[..., resilience.callback])
+    trainer.train(resume_from_checkpoint=resilience.checkpoint)
+    resilience.raise_if_stopped()                                        # Preempted -> exit 75
+
+What happens on SIGTERM or SIGINT (sent by `finetune train`, torchrun, DeepSpeed's launcher,
+SLURM or systemd, to one rank or to all):
+1. the rank's handler only sets a flag; the step in progress finishes;
+2. at every step end all ranks all-reduce (MAX) their flags, so every rank makes the same decision
+   at the same step, even when only one rank was signalled;
+3. the Trainer saves `checkpoint-<step>` (control.should_save) and stops (should_training_stop);
+4. after a barrier (every rank's shards written) the checkpoint is published with its COMPLETE
+   marker (finetune.checkpoint), older ones are rotated out, `stopped.json` is written;
+5. the ranks exit with 75 and no final outputs; the next `finetune train` resumes.
+Launchers relay a signal that the system often also sent to every process itself (systemd, SLURM
+step cgroups), so a second signal within DUPLICATE_WINDOW seconds is the same request; a later one
+aborts at once.
+
+Before each checkpoint the ranks also check the free space (estimate: the previous checkpoint's
+size, or the model's for the first one) and stop with one clear error rather than crash half-way.
+
+Run directories on disks the nodes do not share (each machine its own local disk) are found by a
+probe file at start; then DeepSpeed writes model states per node (checkpoint.use_node_local_storage)
+and the Trainer its state on each node (save_on_each_node), so every node can resume on its own.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import secrets
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Optional
+
+from transformers import TrainerCallback
+
+from finetune import checkpoint as ckpt
+from finetune.recipe import Recipe
+
+DUPLICATE_WINDOW = 5.0  # seconds; see the module docstring
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+class Preempted(Exception):
+    """Training stopped on a signal after saving a checkpoint: exit EXIT_PREEMPTED."""
+
+    def __init__(self, step: int, checkpoint: Optional[str], signal_name: str):
+        super().__init__(f"stopped by {signal_name} at step {step}; {checkpoint} is complete: "
+                         f"run the same command again to resume")
+        self.step, self.checkpoint, self.signal_name = step, checkpoint, signal_name
+
+
+def nccl_timeout(recipe: Recipe) -> timedelta:
+    """How long a collective may wait before the process group gives up (launch.nccl_timeout)."""
+    return timedelta(seconds=recipe.launch.nccl_timeout)
+
+
+# ------------------------------------------------------------------------------------------------
+# Distributed helpers (every rank calls them, or none)
+
+
+def _dist():
+    import torch.distributed as dist
+
+    return dist if dist.is_available() and dist.is_initialized() else None
+
+
+def _all_gather(value: Any) -> list[Any]:
+    dist = _dist()
+    if dist is None:
+        return [value]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def _barrier() -> None:
+    dist = _dist()
+    if dist is not None:
+        dist.barrier()
+
+
+def _local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def _log(message: str) -> None:
+    if _rank() == 0:
+        print(f"[finetune] {message}", flush=True)
+
+
+# ------------------------------------------------------------------------------------------------
+# Setup before the Trainer exists
+
+
+@dataclass
+class Resilience:
+    ds_config: dict[str, Any]
+    args_kwargs: dict[str, Any]
+    checkpoint: Optional[str]  # what to pass as resume_from_checkpoint
+    callback: "PreemptionCallback"
+
+    def raise_if_stopped(self) -> None:
+        if self.callback.stopped_at is not None:
+            raise Preempted(self.callback.stopped_at, self.callback.saved, self.callback.signal_name or "a signal")
+
+
+def setup(run_dir: Path, recipe: Recipe, ds_config: dict[str, Any], args_kwargs: dict[str, Any],
+          resume: bool) -> Resilience:
+    """Adjust the configs for checkpointing and choose the checkpoint to resume from (collective)."""
+    run_dir = Path(run_dir)
+    ds_config = dict(ds_config)
+    args_kwargs = dict(args_kwargs)
+    # Rotation is ours (finetune.checkpoint.rotate): HF's deletes old checkpoints before the new one is complete.
+    args_kwargs["save_total_limit"] = None
+    args_kwargs["ddp_timeout"] = recipe.launch.nccl_timeout
+    shared = run_dir_is_shared(run_dir)
+    if not shared:
+        ds_config["checkpoint"] = {**ds_config.get("checkpoint", {}), "use_node_local_storage": True}
+        args_kwargs["save_on_each_node"] = True
+        _log("the nodes do not share the run directory: each node keeps its own copy of the checkpoints")
+    checkpoint = agreed_checkpoint(run_dir, resume)
+    key = ckpt.read_resume_key(run_dir)
+    callback = PreemptionCallback(run_dir, keep=recipe.training.save_total_limit,
+                                  dtype_bytes=_DTYPE_BYTES.get(recipe.model.dtype, 4), full=recipe.method == "full",
+                                  resume_hash=ckpt.resume_hash(key) if key else None, node_local=not shared)
+    return Resilience(ds_config, args_kwargs, checkpoint, callback)
+
+
+def run_dir_is_shared(run_dir: Path) -> bool:
+    """Whether every rank sees the same run directory: rank 0 writes a probe file, all look for it."""
+    dist = _dist()
+    if dist is None or int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())) == dist.get_world_size():
+        return True  # one machine: one directory
+    token = _all_gather(secrets.token_hex(8) if _rank() == 0 else None)[0]
+    probe = run_dir / f".probe-{token}"
+    if _rank() == 0:
+        probe.write_text(platform.node(), encoding="utf-8")
+    _barrier()
+    seen = _all_gather(probe.exists())
+    _barrier()
+    if _rank() == 0:
+        probe.unlink(missing_ok=True)
+    return all(seen)
+
+
+def agreed_checkpoint(run_dir: Path, resume: bool) -> Optional[str]:
+    """The newest checkpoint complete on every rank's view of the run directory, or None.
+
+    Each node may have its own disk; every rank must load the same step."""
+    mine = {"host": platform.node(), "resume": resume,
+            "steps": [c.step for c in ckpt.complete_checkpoints(run_dir)] if resume else []}
+    views = _all_gather(mine)
+    if not any(v["resume"] for v in views):
+        return None
+    common = set(views[0]["steps"]).intersection(*(set(v["steps"]) for v in views[1:]))
+    if not common:
+        shown = "; ".join(f"rank {i} on {v['host']}: {v['steps'] or 'none'}" for i, v in enumerate(views))
+        raise ckpt.CheckpointError(f"no checkpoint is complete on every node, cannot resume ({shown}); "
+                                   f"copy the newest checkpoint-N to every node's run directory, or start over with --overwrite")
+    step = max(common)
+    path = run_dir / f"{ckpt.CHECKPOINT_PREFIX}{step}"
+    _log(f"resuming from {path.name} (step {step})")
+    return str(path)
+
+
+# ------------------------------------------------------------------------------------------------
+# The callback
+
+
+class PreemptionCallback(TrainerCallback):
+    """Signal -> checkpoint at the next step end on every rank -> publish -> stop (module docstring)."""
+
+    def __init__(self, run_dir: Path, keep: Optional[int], dtype_bytes: int, full: bool,
+                 resume_hash: Optional[str] = None, node_local: bool = False):
+        self.run_dir = Path(run_dir)
+        self.keep, self.dtype_bytes, self.full = keep, dtype_bytes, full
+        self.resume_hash, self.node_local = resume_hash, node_local
+        self.signal_at: Optional[float] = None
+        self.signal_name: Optional[str] = None
+        self.stopped_at: Optional[int] = None  # the step we stopped at, after a signal
+        self.saved: Optional[str] = None  # the last checkpoint published
+        self.first_estimate = 0
+        self._previous: dict[int, Any] = {}
+
+    # -- signals
+
+    def install(self) -> None:
+        if self._previous:
+            return
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._previous[sig] = signal.signal(sig, self._on_signal)
+
+    def uninstall(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
+
+    def _on_signal(self, signum: int, _frame) -> None:
+        now = time.monotonic()
+        name = signal.Signals(signum).name
+        if self.signal_at is None:
+            self.signal_at, self.signal_name = now, name
+            print(f"[finetune] rank {_rank()}: {name}: saving a checkpoint at the end of this step, then stopping "
+                  f"(a second signal aborts)", file=sys.stderr, flush=True)
+        elif now - self.signal_at > DUPLICATE_WINDOW:
+            print(f"[finetune] rank {_rank()}: second {name}: aborting without a checkpoint", file=sys.stderr, flush=True)
+            self.uninstall()
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+
+    # -- the Trainer's hooks
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        self.install()
+        if _local_rank() == 0:
+            removed = ckpt.discard_incomplete(self.run_dir)
+            if removed:
+                _log(f"removed incomplete checkpoint(s) left by an interrupted save: {', '.join(p.name for p in removed)}")
+        if model is not None:
+            self.first_estimate = self._model_estimate(model)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        saving = bool(control.should_save)
+        requested = self.signal_at is not None
+        short = None
+        if (saving or requested) and _local_rank() == 0:
+            short = ckpt.space_problem(self.run_dir, self._estimate())
+        # One collective for both decisions, at every step: cheap (two numbers), and all ranks agree.
+        stop, no_space = self._agree(args, requested, short is not None)
+        if no_space:
+            reason = short or "another node has not enough free space for the next checkpoint"
+            raise ckpt.CheckpointError(f"{reason} (host {platform.node()}, step {state.global_step})")
+        if stop:
+            control.should_save = True
+            control.should_training_stop = True
+            self.stopped_at = state.global_step
+            if self.signal_name is None:
+                self.signal_name = "a signal to another rank"
+        return control
+
+    def on_save(self, args, state, control, **kwargs):
+        step = state.global_step
+        path = self.run_dir / f"{ckpt.CHECKPOINT_PREFIX}{step}"
+        _barrier()  # every rank's shards, RNG state and (rank 0) trainer state are written
+        if _local_rank() == 0 and (self.node_local or _rank() == 0):
+            record = ckpt.publish(path, step, {"world_size": args.world_size, "resume_hash": self.resume_hash,
+                                               "host": platform.node()})
+            ckpt.rotate(self.run_dir, self.keep)
+            size = sum(record["files"].values())
+            _log(f"{path.name} complete ({size / 2**20:.1f} MiB)")
+            if self.stopped_at is not None:
+                ckpt.write_stop_record(self.run_dir, step, path.name, self.signal_name or "a signal")
+        _barrier()  # nobody stops (or writes more) before the marker is down
+        self.saved = path.name
+        return control
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.uninstall()
+        # The final adapter/ or model/ is written once, by rank 0 (finetune.train.runner.save_weights).
+        args.save_on_each_node = False
+
+    # -- helpers
+
+    @staticmethod
+    def _agree(args, requested: bool, short: bool) -> tuple[bool, bool]:
+        dist = _dist()
+        if dist is None:
+            return requested, short
+        import torch
+
+        flags = torch.tensor([float(requested), float(short)], device=args.device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        return bool(flags[0].item()), bool(flags[1].item())
+
+    def _estimate(self) -> int:
+        latest = ckpt.latest_complete(self.run_dir)
+        return ckpt.folder_size(latest.path) if latest is not None else self.first_estimate
+
+    def _model_estimate(self, model) -> int:
+        def numel(p) -> int:
+            return int(getattr(p, "ds_numel", 0) or p.numel())  # ZeRO-3 leaves empty tensors behind
+
+        params = list(model.parameters())
+        trainable = sum(numel(p) for p in params if p.requires_grad)
+        total = sum(numel(p) for p in params)
+        return ckpt.model_checkpoint_bytes(total if self.full else trainable, trainable, self.dtype_bytes)
+
+
+# ------------------------------------------------------------------------------------------------
+# Exit codes of the runner
+
+
+def exit_code_for(exc: BaseException, run_dir: Path) -> Optional[int]:
+    """The runner's exit code for `exc` after printing one line, or None to let it raise.
+
+    Preempted -> 75 (EX_TEMPFAIL: checkpoint saved, run again); a checkpoint or disk problem -> 1."""
+    if isinstance(exc, Preempted):
+        _log(str(exc))
+        return ckpt.EXIT_PREEMPTED
+    message = str(exc) if isinstance(exc, ckpt.CheckpointError) else ckpt.disk_error_message(exc, run_dir)
+    if message is None:
+        return None
+    print(f"error: rank {_rank()} on {platform.node()}: {message}", file=sys.stderr, flush=True)
+    return 1
