@@ -702,8 +702,12 @@ def _module_trace(setup: Setup, groups: list[ParamGroup]) -> list[tuple[str, int
     for g in groups:
         units.setdefault(g.unit, []).append(g)
 
+    frozen: set[str] = set()
+
     def leaf(key: str, members: list[ParamGroup]) -> tuple[str, int, int]:
         gathered = sum(g.storage_numel for g in members if g.storage_numel > thr)
+        if gathered and not any(g.trainable for g in members):
+            frozen.add(key)
         return key, gathered, sum(g.storage_numel for g in members)
 
     def container(key: str, children: list) -> tuple:
@@ -759,31 +763,50 @@ def _module_trace(setup: Setup, groups: list[ParamGroup]) -> list[tuple[str, int
             completion(child, out)
         out.append(node)
 
-    trace: list[tuple[str, int, int]] = []
-    forward(top, trace)
+    trace: list[tuple] = [(*step, False) for step in _walk(top, forward)]
     finished: list[tuple] = []
     completion(top, finished)
     layer_keys = {lay[1][0] for lay in layers}
     # With a frozen embedding no gradient flows into it, nor into layer 0's first norm and the frozen
-    # q/k/v base layers that read its output: their backward hooks never fire.
+    # q/k/v base layers that read its output: their backward hooks never fire. Not so with gradient
+    # checkpointing: peft (and prepare_model_for_kbit_training) then make the embedding's output
+    # require grad (enable_input_require_grads), so every module runs backward.
     no_grad = set()
-    if setup.method != "full" and "embed_tokens.copy" not in units:
+    if setup.method != "full" and "embed_tokens.copy" not in units and not setup.gradient_checkpointing:
         no_grad = {"embed_tokens", "0.norm1"} | {f"0.{n}{x}" for n in ("q_proj", "k_proj", "v_proj")
                                                   for x in ("", ".dropout")}
+    pending = None
     for node in reversed(finished):
-        if setup.gradient_checkpointing and node[1][0] in layer_keys:
-            recompute: list = []
-            for child in node[2]:
-                forward(child, recompute)  # the checkpointed forward runs the layer's children again
-            trace += recompute
-        if node[1][0] not in no_grad:
-            trace.append(node[1])
+        key = node[1][0]
+        if key in no_grad:
+            continue
+        trace.append((*node[1], False))
+        if setup.gradient_checkpointing and key in layer_keys:
+            pending = node
+        elif pending is not None and not node[2]:
+            # The first leaf of a checkpointed layer to run backward needs its saved tensors: the
+            # layer's forward runs again. Frozen parameters gathered for it stay until that leaf's
+            # backward is done (partitioned_param_coordinator.py: ds_recompute_parameters).
+            for step in _walk(pending, forward, children_only=True):
+                trace.append((*step, step[0] in frozen))
+            trace.append(RELEASE_HELD)
+            pending = None
     return trace
 
 
-def _replay_zero3(trace: list[tuple[str, int, int]], prefetch: int, max_live: int, reuse: int) -> int:
+RELEASE_HELD = ("<release recompute params>", 0, 0, False)
+
+
+def _walk(node: tuple, forward, children_only: bool = False) -> list:
+    out: list = []
+    for child in (node[2] if children_only else [node]):
+        forward(child, out)
+    return out
+
+
+def _replay_zero3(trace: list[tuple], prefetch: int, max_live: int, reuse: int) -> int:
     n = len(trace)
-    size = {key: numel for key, numel, _ in trace}
+    size = {step[0]: step[1] for step in trace}
     # Where each step's parameters are used next, and the elements of trace before each step.
     next_use = [n] * n
     last_seen: dict[str, int] = {}
@@ -792,33 +815,43 @@ def _replay_zero3(trace: list[tuple[str, int, int]], prefetch: int, max_live: in
         next_use[i] = last_seen.get(key, n)
         last_seen[key] = i
     before = [0]
-    for _, _, numel in trace:
-        before.append(before[-1] + numel)
+    for step in trace:
+        before.append(before[-1] + step[2])
     available: set[str] = set()
+    held: set[str] = set()
     live = 0
     fetched_for: dict[str, int] = {}  # most recent step a parameter was (pre)fetched for
     queue = 0  # the prefetch queue walks the trace in order
     peak = 0
-    for step, (key, numel, _) in enumerate(trace):
+    for index, (key, numel, _, hold) in enumerate(trace):
+        if key == RELEASE_HELD[0]:
+            for k in held & available:
+                available.discard(k)
+                live -= size[k]
+            held.clear()
+            continue
         if key not in available:
             available.add(key)
             live += numel
-        fetched_for[key] = max(fetched_for.get(key, step), step)
-        queue = max(queue, step + 1)
+        fetched_for[key] = max(fetched_for.get(key, index), index)
+        queue = max(queue, index + 1)
         budget = min(max(0, max_live - live), prefetch)
         prefetched = 0
         while queue < n and prefetched < budget:
             ahead = trace[queue][0]
-            if ahead not in available:
+            if ahead not in available and ahead != RELEASE_HELD[0]:
                 available.add(ahead)
                 live += size[ahead]
                 prefetched += size[ahead]
             fetched_for[ahead] = max(fetched_for.get(ahead, queue), queue)
             queue += 1
         peak = max(peak, live)
-        nxt = next_use[step]
-        reused = nxt < n and before[nxt] - before[step + 1] < reuse
-        if not reused and fetched_for[key] <= step:
+        if hold:
+            held.add(key)
+            continue
+        nxt = next_use[index]
+        reused = nxt < n and before[nxt] - before[index + 1] < reuse
+        if not reused and fetched_for[key] <= index:
             available.discard(key)
             live -= numel
     return peak
