@@ -149,6 +149,10 @@ def train(base: Path, out: Path, stage: int, method: str, steps: int = 3) -> Non
                                                  modules_to_save=["lm_head"], lora_dropout=0.0),
                                # One dtype for every trainable tensor: ZeRO-3 flattens them into one buffer.
                                autocast_adapter_dtype=False)
+    else:
+        # A frozen tensor in a full fine-tune: DeepSpeed checkpoints it apart from the optimizer's partitions
+        # (frozen_param_fragments), and conversion has to find it there.
+        model.model.embed_tokens.weight.requires_grad_(False)
     generator = torch.Generator().manual_seed(0)
     data = torch.randint(3, TINY["vocab_size"], (16, 16), generator=generator)
     dataset = [{"input_ids": row, "labels": row} for row in data]

@@ -3,7 +3,8 @@
 The slow tests train a tiny Llama for 3 steps with the HF Trainer + DeepSpeed on CPU (torchrun, 2
 processes; tests/merge_fixtures.py), saving a checkpoint AND the final weights through
 trainer.save_model (ZeRO-3 gathers the 16-bit weights). The checkpoint's float32 master weights, cast
-to the training dtype, must equal what save_model wrote, bit for bit.
+to the training dtype, must equal what save_model wrote, bit for bit. The LoRA checkpoints hold no
+frozen parameters (the Trainer excludes them for PEFT models); the full one has a frozen embedding.
 """
 
 from __future__ import annotations
@@ -96,6 +97,10 @@ def test_full_checkpoint_becomes_the_saved_model(runs, tmp_path):
         ours.update(load_file(str(shard)))
     assert_same(ours, load_file(str(runs["full-zero3"] / "final" / "model.safetensors")))
     assert (out / "config.json").is_file() and (out / "model.safetensors.index.json").is_file()
+    # The frozen embedding came from DeepSpeed's frozen_param_fragments, untouched by training.
+    base = load_file(str(runs["base"] / "model.safetensors"))
+    assert torch.equal(ours["model.embed_tokens.weight"], base["model.embed_tokens.weight"])
+    assert not torch.equal(ours["model.layers.0.mlp.up_proj.weight"], base["model.layers.0.mlp.up_proj.weight"])
 
 
 @pytest.mark.slow
