@@ -295,34 +295,34 @@ class PlanResult:
         lines.append(f"method   {_method_line(self)}")
         lines.append(f"setup    {s.describe()}")
         lines.append("")
-        lines.append(f"per GPU{'':31}GiB")
+        lines.append(f"per GPU{'':35}GiB")
         g = self.per_gpu
         for name in FIELDS:
             terms = [t for t in self.terms if t.field == name and t.bytes]
-            lines.append(f"  {name:<32}{gib(g[name]):>7}")
+            lines.append(f"  {name:<36}{gib(g[name]):>7}")
             for t in terms:
                 when = "" if t.phase == "both" else f" [{t.phase} only]"
                 note = f"  {t.note}" if t.note else ""
-                lines.append(f"    {t.name:<30}{gib(t.bytes):>7}{when}{note}")
+                lines.append(f"    {t.name:<34}{gib(t.bytes):>7}{when}{note}")
             if name == "optimizer":
-                lines.append(f"  {'= model states':<32}{gib(g['model_states']):>7}")
-        total = f"  {'total (peak, ' + self.peak_phase + ')':<32}{gib(g['total']):>7}"
+                lines.append(f"  {'= model states':<36}{gib(g['model_states']):>7}")
+        total = f"  {'total (peak, ' + self.peak_phase + ')':<36}{gib(g['total']):>7}"
         if s.gpu_memory is not None:
             total += f"  of {gib(s.gpu_memory)}: " + (
                 f"fits, {gib(self.headroom)} GiB headroom" if self.headroom >= 0 else
                 f"does NOT fit, {gib(-self.headroom)} GiB over")
         lines.append(total)
         if self.peak_phase == "backward" and self.phase_bytes("step") != self.phase_bytes("backward"):
-            lines.append(f"  {'optimizer step phase':<32}{gib(self.phase_bytes('step')):>7}")
+            lines.append(f"  {'optimizer step phase':<36}{gib(self.phase_bytes('step')):>7}")
         c = self.cpu
         lines.append("")
-        lines.append(f"per node CPU{'':26}GiB")
+        lines.append(f"per node CPU{'':30}GiB")
         for t in self.cpu_terms:
             if t.bytes:
                 when = {"load": " [while loading]"}.get(t.phase, "")
                 note = f"  {t.note}" if t.note else ""
-                lines.append(f"    {t.name:<30}{gib(t.bytes):>7}{when}{note}")
-        cpu_total = f"  {'total':<32}{gib(c['total']):>7}"
+                lines.append(f"    {t.name:<34}{gib(t.bytes):>7}{when}{note}")
+        cpu_total = f"  {'total':<36}{gib(c['total']):>7}"
         if s.cpu_memory is not None:
             cpu_total += f"  of {gib(s.cpu_memory)}: " + ("fits" if self.cpu_fits else "does NOT fit")
         lines.append(cpu_total)
@@ -677,13 +677,24 @@ def zero3_live_params(setup: Setup, groups: list[ParamGroup]) -> int:
       elements of trace (__params_to_release) or already prefetched for a later step.
     Parameters at or under stage3_param_persistence_threshold are never gathered (counted elsewhere).
     """
-    return _live_cached(tuple(_module_trace(setup, groups)), setup.prefetch_bucket_size,
-                        setup.max_live_parameters, setup.max_reuse_distance)
+    # The trace depends only on these (param_groups is a function of the same fields).
+    key = (setup.arch, setup.params, setup.method, setup.lora_r, setup.lora_targets, setup.modules_to_save,
+           setup.param_persistence_threshold, setup.gradient_checkpointing)
+    return _live_cached(key, setup.prefetch_bucket_size, setup.max_live_parameters, setup.max_reuse_distance)
 
 
 @functools.lru_cache(maxsize=64)
-def _live_cached(trace: tuple, prefetch: int, max_live: int, reuse: int) -> int:
-    return _replay_zero3(list(trace), prefetch, max_live, reuse) if trace else 0
+def _live_cached(key: tuple, prefetch: int, max_live: int, reuse: int) -> int:
+    trace = _trace_cached(key)
+    return _replay_zero3(trace, prefetch, max_live, reuse) if trace else 0
+
+
+@functools.lru_cache(maxsize=16)
+def _trace_cached(key: tuple) -> list:
+    arch, params, method, r, targets, saved, threshold, ckpt = key
+    setup = Setup(arch=arch, params=params, method=method, lora_r=r, lora_targets=targets, modules_to_save=saved,
+                  param_persistence_threshold=threshold, gradient_checkpointing=ckpt, stage=3)
+    return _module_trace(setup, param_groups(setup))
 
 
 def _module_trace(setup: Setup, groups: list[ParamGroup]) -> list[tuple[str, int, int]]:
@@ -1167,17 +1178,32 @@ def resolve_model(name: str) -> tuple[Optional[Arch], int, str]:
 # How much slower each choice is, as a sort key (first difference decides), from the documented
 # costs: offloading moves the optimizer (and parameters) over PCIe and runs Adam on the CPU, the
 # slowest; ZeRO-3 all-gathers parameters in forward and backward, ~1.5x the communication of
-# ZeRO-0/1/2 (which move as much as plain data parallel); gradient checkpointing recomputes the
-# forward (~1.33x compute); a smaller micro batch leaves the GPU less to do per kernel; among the
-# stages with equal communication, the lower one does less bookkeeping.
+# ZeRO-0/1/2 (which move as much as plain data parallel); then compute per sequence: gradient
+# checkpointing recomputes the forward (x 4/3), and a micro batch of t tokens keeps the GPU busy
+# about t / (t + 1024) of the time (small matmuls leave it idle), so the cost per token is
+# (1 + 1024 / t); then fewer parameters gathered ahead; among stages with equal communication,
+# the lower one (less bookkeeping).
+SATURATION_TOKENS = 1024
+
+
+def compute_cost(setup: Setup) -> float:
+    tokens = setup.micro_batch * setup.seq_len
+    return (4 / 3 if setup.gradient_checkpointing else 1.0) * (1 + SATURATION_TOKENS / tokens)
+
+
 OFFLOAD_LEVELS = (("none", "none"), ("cpu", "none"), ("cpu", "cpu"))
+# A recommendation keeps this share of the GPU free: the CUDA context, NCCL and fragmentation terms
+# are estimates, not measurements.
+RECOMMEND_MARGIN = 0.05
+# The stage3_max_live_parameters --recommend tries besides the recipe's (DeepSpeed's default is 1e9).
+FEWER_LIVE_PARAMETERS = 100_000_000
 
 
 def speed_key(setup: Setup) -> tuple:
     offload = OFFLOAD_LEVELS.index((setup.offload_optimizer, setup.offload_param)) \
         if (setup.offload_optimizer, setup.offload_param) in OFFLOAD_LEVELS else len(OFFLOAD_LEVELS)
-    return (offload, setup.deepspeed and setup.stage == 3, setup.gradient_checkpointing,
-            -setup.micro_batch, setup.stage if setup.deepspeed else -1)
+    return (offload, setup.deepspeed and setup.stage == 3, round(compute_cost(setup), 6),
+            -setup.max_live_parameters, setup.stage if setup.deepspeed else -1)
 
 
 @dataclass
@@ -1231,12 +1257,12 @@ class Recommendation:
             if s.micro_batch != self.current.setup.micro_batch or \
                     s.gradient_checkpointing != self.current.setup.gradient_checkpointing:
                 continue
-            what = _short(s)
-            lines.append(f"    {what:<38}{gib(r.per_gpu['total']):>7}  {'fits' if r.fits else 'no'}")
+            what = _short(s, self.current.setup.max_live_parameters)
+            lines.append(f"    {what:<56}{gib(r.per_gpu['total']):>7}  {'fits' if r.fits else 'no'}")
         return "\n".join(lines) + "\n"
 
 
-def _short(s: Setup) -> str:
+def _short(s: Setup, live_default: Optional[int] = None) -> str:
     if not s.deepspeed:
         return "no DeepSpeed"
     text = f"ZeRO-{s.stage}"
@@ -1244,6 +1270,8 @@ def _short(s: Setup) -> str:
         text += f" + optimizer->{s.offload_optimizer}"
     if s.offload_param != "none":
         text += f" + params->{s.offload_param}"
+    if live_default is not None and s.stage == 3 and s.max_live_parameters != live_default:
+        text += f", max_live {s.max_live_parameters:.0e}"
     return text
 
 
@@ -1265,12 +1293,14 @@ def recommendation_overrides(rec: Recommendation) -> list[str]:
             out.append(f"training.gradient_accumulation_steps={rec.gradient_accumulation_steps}")
     if b.gradient_checkpointing != a.gradient_checkpointing:
         out.append(f"training.gradient_checkpointing={'true' if b.gradient_checkpointing else 'false'}")
+    if b.max_live_parameters != a.max_live_parameters:
+        out.append(f"deepspeed.stage3_max_live_parameters={b.max_live_parameters}")
     return out
 
 
 def candidates(setup: Setup) -> list[Setup]:
     """Stages 0-3 x offload {none, optimizer, optimizer + params} x micro batch (halving down to 1)
-    x gradient checkpointing on/off."""
+    x gradient checkpointing on/off, and for ZeRO-3 a smaller stage3_max_live_parameters."""
     micro = []
     m = setup.micro_batch
     while m >= 1:
@@ -1281,10 +1311,16 @@ def candidates(setup: Setup) -> list[Setup]:
         for opt, par in OFFLOAD_LEVELS:
             if (opt != "none" and stage == 0) or (par != "none" and stage != 3):
                 continue
+            # ZeRO-3 also tries keeping fewer parameters gathered ahead (stage3_max_live_parameters).
+            lives = {setup.max_live_parameters}
+            if stage == 3:
+                lives.add(min(setup.max_live_parameters, FEWER_LIVE_PARAMETERS))
             for mb in micro:
                 for ckpt in (False, True):
-                    out.append(replace(setup, deepspeed=True, stage=stage, offload_optimizer=opt,
-                                       offload_param=par, micro_batch=mb, gradient_checkpointing=ckpt))
+                    for live in sorted(lives, reverse=True):
+                        out.append(replace(setup, deepspeed=True, stage=stage, offload_optimizer=opt,
+                                           offload_param=par, micro_batch=mb, gradient_checkpointing=ckpt,
+                                           max_live_parameters=live))
     return out
 
 
@@ -1294,7 +1330,8 @@ def recommend(setup: Setup, accumulation: Optional[int] = None) -> Recommendatio
         raise PlanError("--recommend needs the GPU memory: --gpu-memory 24GiB or hardware.gpu_memory in the recipe")
     current = plan(setup)
     tried = [plan(c) for c in candidates(setup)]
-    fitting = sorted((r for r in tried if r.fits), key=lambda r: speed_key(r.setup))
+    margin = int(setup.gpu_memory * RECOMMEND_MARGIN)
+    fitting = sorted((r for r in tried if r.fits and r.headroom >= margin), key=lambda r: speed_key(r.setup))
     chosen = fitting[0] if fitting else None
     steps = None
     if chosen is not None and accumulation is not None and chosen.setup.micro_batch != setup.micro_batch:
@@ -1328,7 +1365,7 @@ def explain(rec: Recommendation) -> list[str]:
         cost = sum(t.bytes for t in r.terms if t.field == "buffers") - \
             sum(t.bytes for t in zero0.terms if t.field == "buffers" and t.phase != "step")
         if cost > saved and stage == 2:
-            what = f"{s.method.upper() if s.method != 'full' else 'full fine-tune'} of {s.params / 1e9:.1f}B"
+            what = f"{ {'full': 'full fine-tune', 'lora': 'LoRA', 'qlora': 'QLoRA'}[s.method]} of {s.params / 1e9:.1f}B"
             out.append(f"ZeRO-2 on {s.world} GPU{'s' if s.world != 1 else ''} adds {gib(cost)} GiB of gradient "
                        f"buckets (reduce_bucket_size {s.reduce_bucket_size:,}"
                        f"{', doubled by overlap_comm' if r.setup.overlap else ''}) but saves "
@@ -1347,15 +1384,29 @@ def explain(rec: Recommendation) -> list[str]:
                        f"(stage3_max_live_parameters {s.max_live_parameters:,}, prefetch "
                        f"{s.prefetch_bucket_size:,}, reuse distance {s.max_reuse_distance:,}); lower "
                        "deepspeed.stage3_max_live_parameters (e.g. 1e8) to keep fewer")
+    for r in (cur, rec.chosen):
+        if r is None or not r.setup.deepspeed or r.setup.stage != 3:
+            continue
+        gathered = sum(t.bytes for t in r.terms if t.name == "prefetched / retained params")
+        fewer = plan(replace(r.setup, max_live_parameters=min(r.setup.max_live_parameters, FEWER_LIVE_PARAMETERS)))
+        saved = r.per_gpu["total"] - fewer.per_gpu["total"]
+        if saved > 256 * MiB:
+            out.append(f"ZeRO-3 keeps {gib(gathered)} GiB of parameters gathered beyond the module at work "
+                       f"(prefetched up to stage3_max_live_parameters {r.setup.max_live_parameters:,}); "
+                       f"--set deepspeed.stage3_max_live_parameters={FEWER_LIVE_PARAMETERS} saves {gib(saved)} GiB "
+                       f"(less prefetching, some speed)")
+            break
     if s.arch is not None and s.gpu_memory and cur.per_gpu["logits"] > 0.2 * s.gpu_memory:
         out.append(f"the loss alone needs {gib(cur.per_gpu['logits'])} GiB: {s.micro_batch} x {s.seq_len} tokens "
                    f"x vocab {s.arch.vocab:,} x 12 bytes; it shrinks with the micro batch")
+    out.append(f"candidates must leave {RECOMMEND_MARGIN:.0%} of the GPU free: CUDA context, NCCL and "
+               "fragmentation are estimates")
     chosen = rec.chosen
     if chosen is not None and chosen.setup != s:
         out.append(f"chosen: {_short(chosen.setup)}, micro batch {chosen.setup.micro_batch}, "
                    f"checkpointing {'on' if chosen.setup.gradient_checkpointing else 'off'}: the fastest that fits "
-                   "(order: no offload, then not ZeRO-3, then no checkpointing, then the largest micro batch, "
-                   "then the lowest stage)")
+                   "(order: no offload, then not ZeRO-3, then compute per token: x4/3 with checkpointing, "
+                   f"x(1 + {SATURATION_TOKENS}/tokens per micro batch), then the lowest stage)")
     return out
 
 
