@@ -104,7 +104,9 @@ class Arch:
         return max(self.embed_params, biggest_linear)
 
     def describe(self) -> str:
-        return (f"{self.name} ({self.total_params / 1e9:.2f}B params, hidden {self.hidden}, {self.layers} layers, "
+        n = self.total_params
+        size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n:,}"
+        return (f"{self.name} ({size} params, hidden {self.hidden}, {self.layers} layers, "
                 f"{self.heads}/{self.kv_heads} heads, vocab {self.vocab}{', tied head' if self.tied else ''})")
 
     def hf_config(self) -> dict:

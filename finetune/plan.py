@@ -183,7 +183,6 @@ class PlanResult:
     notes: list[str] = field(default_factory=list)
     complete: bool = True  # False when activations/logits are unknown (a bare parameter count)
     trainable: int = 0
-    frozen_quantized: int = 0
 
     # -- the numbers ---------------------------------------------------------------------------
 
@@ -464,9 +463,7 @@ def plan(setup: Setup) -> PlanResult:
         terms += _activations(setup)
     terms += _overhead(setup, terms)
     cpu += _cpu_base(setup, groups)
-    quantized = sum(g.total for g in groups if g.quantized)
-    result = PlanResult(setup, terms, cpu, notes, complete, trainable, quantized)
-    return result
+    return PlanResult(setup, terms, cpu, notes, complete, trainable)
 
 
 def _bytes_of(group: ParamGroup, setup: Setup, trainable_bytes: int) -> int:
@@ -542,6 +539,10 @@ def _gradients_and_optimizer(setup: Setup, groups: list[ParamGroup], trainable: 
         state_bytes = states // 4 * e if setup.optimizer != "adamw_bnb_8bit" else 2
         return [Term("gradients", "gradients", trainable * e, note="same dtype as the trainable weights"),
                 Term("optimizer", opt_name, trainable * state_bytes, note="torch optimizer, parameter dtype")]
+    if setup.stage == 0 and setup.dtype == "float32":
+        # No bf16/fp16: engine._do_optimizer_sanity_check returns no wrapper, the optimizer runs as is.
+        return [Term("gradients", "fp32 gradients", trainable * 4),
+                Term("optimizer", opt_name, trainable * states)]
     if setup.stage == 0:
         # deepspeed/runtime/fp16/fused_optimizer.py (FP16_Optimizer, also for bf16 without ZeRO):
         # fp32 master copy of all trainable weights; step() turns the 16-bit grads into fp32 copies,
@@ -888,7 +889,7 @@ def _activations(setup: Setup) -> list[Term]:
             saved -= tokens * (4 * h + 4)
         terms.append(Term("activations", "saved for backward", saved, phase="backward",
                           note=f"{arch.layers} layers x {per_layer // tokens:,} B/token"
-                               + (f" + seq^2 scores" if setup.attn == "eager" else "")))
+                               + (" + seq^2 scores" if setup.attn == "eager" else "")))
     head = tokens * (4 * h + 4 + (e * h if full else 0))  # final norm
     if full or "lm_head" in setup.lora_targets or "lm_head" in setup.modules_to_save:
         head += tokens * e * h  # lm_head input, for its weight gradient
@@ -903,7 +904,7 @@ def _activations(setup: Setup) -> list[Term]:
     # Backward's own peak comes after the loss buffers are freed (they do not coexist), so only the
     # part above them raises the total.
     extra = max(0, backward_working_bytes(setup, per_layer) - logits)
-    what = "one layer recomputed + its gradients" if setup.gradient_checkpointing else "backward temporaries"
+    what = "layer recompute + gradients" if setup.gradient_checkpointing else "backward temporaries"
     terms.append(Term("activations", what, extra, phase="backward",
                       note="beyond the loss buffers" if extra else "smaller than the loss buffers"))
     terms.append(Term("logits", "loss working set", logits, phase="backward",
@@ -1355,7 +1356,8 @@ def explain(rec: Recommendation) -> list[str]:
                    f"{gib(s.gpu_memory)}" + (f" and {gib(cur.cpu['total'])} GiB of CPU memory of "
                                             f"{gib(s.cpu_memory)}" if cur.cpu_fits is False else ""))
     base = {(r.setup.stage, r.setup.offload_optimizer, r.setup.offload_param): r for r in rec.tried
-            if r.setup.micro_batch == s.micro_batch and r.setup.gradient_checkpointing == s.gradient_checkpointing}
+            if r.setup.micro_batch == s.micro_batch and r.setup.gradient_checkpointing == s.gradient_checkpointing
+            and r.setup.max_live_parameters == s.max_live_parameters}
     zero0 = base.get((0, "none", "none"))
     for stage in (1, 2):
         r = base.get((stage, "none", "none"))
@@ -1382,8 +1384,7 @@ def explain(rec: Recommendation) -> list[str]:
                        f"{gib(r2.per_gpu['total'])} GiB): partitioning the weights saves {gib(partition_saving)} GiB "
                        f"but ZeRO-3 keeps {gib(gathered)} GiB of gathered parameters "
                        f"(stage3_max_live_parameters {s.max_live_parameters:,}, prefetch "
-                       f"{s.prefetch_bucket_size:,}, reuse distance {s.max_reuse_distance:,}); lower "
-                       "deepspeed.stage3_max_live_parameters (e.g. 1e8) to keep fewer")
+                       f"{s.prefetch_bucket_size:,}, reuse distance {s.max_reuse_distance:,})")
     for r in (cur, rec.chosen):
         if r is None or not r.setup.deepspeed or r.setup.stage != 3:
             continue
