@@ -255,6 +255,8 @@ class PreemptionCallback(TrainerCallback):
         path = self.run_dir / f"{ckpt.CHECKPOINT_PREFIX}{step}"
         _barrier()  # every rank's shards, RNG state and (rank 0) trainer state are written
         if _local_rank() == 0 and (self.node_local or _rank() == 0):
+            if self.node_local:
+                write_deepspeed_latest(path)
             record = ckpt.publish(path, step, {"world_size": args.world_size, "resume_hash": self.resume_hash,
                                                "host": platform.node()})
             ckpt.rotate(self.run_dir, self.keep)
@@ -296,6 +298,17 @@ class PreemptionCallback(TrainerCallback):
         trainable = sum(numel(p) for p in params if p.requires_grad)
         total = sum(numel(p) for p in params)
         return ckpt.model_checkpoint_bytes(total if self.full else trainable, trainable, self.dtype_bytes)
+
+
+def write_deepspeed_latest(path: Path) -> None:
+    """DeepSpeed writes `latest` (the tag that load_checkpoint reads) on global rank 0 only, even with
+    use_node_local_storage: the other nodes' copies need it too."""
+    latest = path / "latest"
+    tags = sorted(p.name for p in path.glob("global_step*") if p.is_dir())
+    if not latest.exists() and len(tags) == 1:
+        from finetune.fsutil import write_atomic
+
+        write_atomic(latest, tags[0])
 
 
 # ------------------------------------------------------------------------------------------------

@@ -1,0 +1,384 @@
+"""Preemption and resume: real `finetune train` runs (2 CPU processes, slow), and the checkpoint rules (fast).
+
+Slow cases run the real CLI on the tiny LoRA + ZeRO-2 recipe (fp32, dropout 0, 12 steps,
+checkpoint every 4 steps) and compare with one uninterrupted run of the same recipe:
+- SIGTERM mid-run: exit 75, a complete checkpoint at the step it stopped; the next run resumes
+  there and ends with the same adapter (within 1e-5) and a loss log without gaps or repeats;
+- SIGKILL of every process while checkpoint-8 is being written: the next run ignores (and
+  removes) the half-written checkpoint and resumes from checkpoint-4, with the same end result.
+
+    python -m pytest tests/test_resume.py            # about 2-3 minutes on 2 cores
+    python -m pytest tests/test_resume.py -m "not slow"
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+import finetune.launch
+from finetune import checkpoint as ckpt
+from finetune.cli import app
+from finetune.recipe import load_recipe
+from finetune.rundir import resolved_recipe, write_run_dir
+from tests.train_fixtures import REPO, TINY_RECIPES, cache_dir, runner_env
+
+RECIPE = TINY_RECIPES / "lora_zero2.yaml"
+SETS = ("--set", "training.save_steps=4")
+STEPS = 12
+
+
+# ------------------------------------------------------------------------------------------------
+# Slow: the real CLI, the real runner
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    from finetune.tiny import ensure_builtin_model
+
+    root = cache_dir(tmp_path_factory)
+    ensure_builtin_model("builtin:tiny-llama", root)
+    return root
+
+
+def train_argv(out: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "finetune.cli", "train", str(RECIPE), "--output-dir", str(out), *SETS, *extra]
+
+
+class Run:
+    """`finetune train` in the background, its output in a file the test can watch."""
+
+    def __init__(self, argv: list[str], cache: Path, log: Path):
+        self.log = log
+        self.handle = open(log, "wb")
+        self.proc = subprocess.Popen(argv, cwd=REPO, env=runner_env(cache), stdout=self.handle,
+                                     stderr=subprocess.STDOUT)
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def wait_for(self, ready, timeout: float = 300, poll: float = 0.05) -> None:
+        deadline = time.monotonic() + timeout
+        while not ready():
+            if self.proc.poll() is not None:
+                raise AssertionError(f"finetune train exited with {self.proc.returncode}:\n{self.text()[-4000:]}")
+            if time.monotonic() > deadline:
+                self.kill_all()
+                raise AssertionError(f"timed out:\n{self.text()[-4000:]}")
+            time.sleep(poll)
+
+    def steps_logged(self) -> int:
+        return self.text().count("{'loss':")
+
+    def finish(self, timeout: float = 300) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        finally:
+            self.handle.close()
+
+    def kill_all(self) -> None:
+        """SIGKILL `finetune train`, the launcher and every rank at once: the machine went away."""
+        import psutil
+
+        try:
+            tree = psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.Error:
+            tree = []
+        for process in [psutil.Process(self.proc.pid), *tree]:
+            try:
+                process.kill()
+            except psutil.Error:
+                pass
+        self.finish()
+
+
+def run_to_end(out: Path, cache: Path, log: Path) -> subprocess.CompletedProcess:
+    result = subprocess.run(train_argv(out), cwd=REPO, env=runner_env(cache), capture_output=True, text=True,
+                            timeout=600)
+    log.write_text(result.stdout + result.stderr)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, cache):
+    """One uninterrupted run: what every interrupted and resumed run must end with."""
+    out = tmp_path_factory.mktemp("reference") / "run"
+    run_to_end(out, cache, out.parent / "log.txt")
+    return out
+
+
+def adapter(run_dir: Path):
+    from safetensors.torch import load_file
+
+    return load_file(str(run_dir / "adapter" / "adapter_model.safetensors"))
+
+
+def assert_same_training(run_dir: Path, reference: Path) -> None:
+    """Same adapter, and a loss log of steps 1..12 (no gap, no repeat) equal to the reference's."""
+    import torch
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    expected = json.loads((reference / "summary.json").read_text())
+    assert summary["steps"] == STEPS
+    assert [e["step"] for e in summary["loss_history"]] == list(range(1, STEPS + 1))
+    for got, want in zip(summary["loss_history"], expected["loss_history"]):
+        assert got["loss"] == pytest.approx(want["loss"], abs=1e-5), (got, want)
+        assert got["learning_rate"] == pytest.approx(want["learning_rate"], rel=1e-9)
+    resumed, uninterrupted = adapter(run_dir), adapter(reference)
+    assert resumed.keys() == uninterrupted.keys()
+    for name, tensor in uninterrupted.items():
+        torch.testing.assert_close(resumed[name], tensor, rtol=0, atol=1e-5, msg=name)
+
+
+@pytest.mark.slow
+def test_sigterm_saves_a_checkpoint_and_the_next_run_continues_it_exactly(reference, tmp_path, cache):
+    out = tmp_path / "run"
+    first = Run(train_argv(out), cache, tmp_path / "first.log")
+    first.wait_for(lambda: first.steps_logged() >= 5)
+    first.proc.send_signal(signal.SIGTERM)
+    assert first.finish() == ckpt.EXIT_PREEMPTED, first.text()[-4000:]
+    stopped = json.loads((out / ckpt.STOP_RECORD).read_text())
+    step = stopped["step"]
+    assert 5 <= step < STEPS and stopped["signal"] == "SIGTERM"
+    assert ckpt.latest_complete(out).step == step  # saved where it stopped, not at the last save_steps
+    assert f"stopped: SIGTERM at step {step}: checkpoint-{step} is complete" in first.text()
+    assert not (out / "adapter").exists() and not (out / "summary.json").exists()  # no final outputs
+
+    second = subprocess.run(train_argv(out), cwd=REPO, env=runner_env(cache), capture_output=True, text=True, timeout=600)
+    assert second.returncode == 0, second.stderr[-4000:]
+    assert f"resuming from checkpoint-{step} (step {step})" in second.stderr
+    assert not (out / ckpt.STOP_RECORD).exists()
+    assert json.loads((out / "summary.json").read_text())["resumed_from"].endswith(f"checkpoint-{step}")
+    assert_same_training(out, reference)
+    # save_total_limit: 2 -> the two newest complete checkpoints are kept
+    assert [c.step for c in ckpt.list_checkpoints(out)] == [8, 12]
+
+
+@pytest.mark.slow
+def test_sigkill_while_a_checkpoint_is_written_resumes_from_the_previous_one(reference, tmp_path, cache):
+    out = tmp_path / "run"
+    first = Run(train_argv(out), cache, tmp_path / "first.log")
+    first.wait_for(lambda: (out / "checkpoint-8").is_dir(), poll=0.002)
+    first.kill_all()
+    half = out / "checkpoint-8"
+    if (half / ckpt.MARKER).exists():
+        # The save outran the poll: make it what a kill during the save leaves, a folder without
+        # its marker and with a file cut short.
+        (half / ckpt.MARKER).unlink()
+        state = half / "trainer_state.json"
+        state.write_bytes(state.read_bytes()[:10])
+    assert [(c.step, c.complete) for c in ckpt.list_checkpoints(out)] == [(4, True), (8, False)]
+
+    second = subprocess.run(train_argv(out), cwd=REPO, env=runner_env(cache), capture_output=True, text=True, timeout=600)
+    assert second.returncode == 0, second.stderr[-4000:]
+    assert "resuming from checkpoint-4 (step 4)" in second.stderr
+    assert "checkpoint-8 is incomplete" in second.stderr
+    assert_same_training(out, reference)
+    assert all(c.complete for c in ckpt.list_checkpoints(out))
+
+
+# ------------------------------------------------------------------------------------------------
+# Fast: the checkpoint rules
+
+
+def fake_checkpoint(run_dir: Path, step: int, complete: bool = True, size: int = 10) -> Path:
+    path = run_dir / f"checkpoint-{step}"
+    (path / f"global_step{step}").mkdir(parents=True)
+    (path / f"global_step{step}" / "shard.pt").write_bytes(b"x" * size)
+    (path / "trainer_state.json").write_text("{}")
+    if complete:
+        ckpt.publish(path, step)
+    return path
+
+
+def test_only_checkpoints_with_a_valid_marker_count(tmp_path):
+    fake_checkpoint(tmp_path, 4)
+    fake_checkpoint(tmp_path, 8)
+    fake_checkpoint(tmp_path, 12, complete=False)
+    cut = fake_checkpoint(tmp_path, 16)
+    (cut / "global_step16" / "shard.pt").write_bytes(b"x")  # a shard rewritten after the marker
+    wrong = fake_checkpoint(tmp_path, 20)
+    (wrong / ckpt.MARKER).write_text(json.dumps({"step": 4, "files": {}}))  # another step's marker
+    (tmp_path / "checkpoint-24").write_text("a file, not a folder")
+    found = {c.step: c for c in ckpt.list_checkpoints(tmp_path)}
+    assert sorted(found) == [4, 8, 12, 16, 20]
+    assert [s for s, c in found.items() if c.complete] == [4, 8]
+    assert "no COMPLETE marker" in found[12].problem
+    assert "shard.pt has 1 bytes, the marker says 10" in found[16].problem
+    assert "does not describe step 20" in found[20].problem
+    assert ckpt.latest_complete(tmp_path).step == 8
+    marker = json.loads((tmp_path / "checkpoint-8" / ckpt.MARKER).read_text())
+    assert marker["step"] == 8 and marker["files"] == {"global_step8/shard.pt": 10, "trainer_state.json": 2}
+
+
+def test_rotation_removes_only_after_a_newer_checkpoint_is_complete(tmp_path):
+    for step in (2, 4, 6):
+        fake_checkpoint(tmp_path, step)
+    fake_checkpoint(tmp_path, 3, complete=False)  # an old half-written one
+    fake_checkpoint(tmp_path, 8, complete=False)  # being written right now
+    removed = ckpt.rotate(tmp_path, keep=2)
+    assert sorted(p.name for p in removed) == ["checkpoint-2", "checkpoint-3"]
+    assert [(c.step, c.complete) for c in ckpt.list_checkpoints(tmp_path)] == [(4, True), (6, True), (8, False)]
+    assert not list(tmp_path.glob(".checkpoint-*"))
+    assert ckpt.rotate(tmp_path, keep=None) == []
+    assert [p.name for p in ckpt.discard_incomplete(tmp_path)] == ["checkpoint-8"]
+
+
+def test_stop_record_round_trip(tmp_path):
+    assert ckpt.read_stop_record(tmp_path) is None
+    ckpt.write_stop_record(tmp_path, 7, "checkpoint-7", "SIGTERM")
+    assert ckpt.read_stop_record(tmp_path)["checkpoint"] == "checkpoint-7"
+    ckpt.clear_stop_record(tmp_path)
+    assert ckpt.read_stop_record(tmp_path) is None
+
+
+def test_resume_key_names_what_changed():
+    recipe = load_recipe(RECIPE).recipe
+    base = resolved_recipe(recipe, Path("/runs/x"))
+    old = ckpt.resume_fields(base, world_size=2)
+    assert ckpt.changed_fields(old, ckpt.resume_fields(base, world_size=2)) == []
+    # Cadence, logging and launch details do not matter for resuming ...
+    same = load_recipe(RECIPE, ["training.save_steps=7", "training.logging_steps=3", "launch.nccl_timeout=600",
+                                "deepspeed.offload_optimizer=cpu", "training.report_to=[tensorboard]"]).recipe
+    assert ckpt.resume_hash(ckpt.resume_fields(resolved_recipe(same, Path("/runs/x")), 2)) == ckpt.resume_hash(old)
+    # ... the optimisation, the data, the ZeRO stage and the world size do.
+    other = load_recipe(RECIPE, ["training.learning_rate=0.02", "data.max_length=32", "deepspeed.stage=3"]).recipe
+    changes = ckpt.changed_fields(old, ckpt.resume_fields(resolved_recipe(other, Path("/runs/x")), world_size=4))
+    assert changes == ["data.max_length: 64 -> 32", "deepspeed.stage: 2 -> 3", "training.learning_rate: 0.01 -> 0.02",
+                       "world size (processes): 2 -> 4"]
+
+
+def test_disk_errors_are_one_line():
+    import errno
+
+    full = OSError(errno.ENOSPC, "No space left on device", "/runs/x/checkpoint-8/shard.pt")
+    assert "output disk is full (writing /runs/x/checkpoint-8/shard.pt)" in ckpt.disk_error_message(full, Path("/runs/x"))
+    ro = OSError(errno.EROFS, "Read-only file system", "/runs/x/a")
+    assert "read-only" in ckpt.disk_error_message(ro, Path("/runs/x"))
+    assert ckpt.disk_error_message(ValueError("nope"), Path("/runs/x")) is None
+    torch_save = RuntimeError("[enforce fail at inline_container.cc:778] . PytorchStreamWriter failed writing file data/3: file write failed")
+    assert "writing a checkpoint under /tmp failed" in ckpt.disk_error_message(torch_save, Path("/tmp"))
+
+
+def test_free_space_check(tmp_path):
+    assert ckpt.space_problem(tmp_path, 10 * 2**20, free=2**30) is None
+    message = ckpt.space_problem(tmp_path, 10 * 2**30, free=2**30)
+    assert "not enough free space for the next checkpoint" in message and "1.00 GiB free" in message
+    # A first checkpoint of a full fine-tune of 1B bf16 parameters: weights twice + 12 bytes/param (Adam, fp32).
+    assert ckpt.model_checkpoint_bytes(10**9, 10**9, 2) == 16 * 10**9
+
+
+# ------------------------------------------------------------------------------------------------
+# Fast: what `finetune train` decides about a run directory (in-process CLI, nothing launched)
+
+
+@pytest.fixture
+def no_launch(monkeypatch):
+    def spawn(plan):
+        raise AssertionError("nothing should be launched")
+
+    monkeypatch.setattr(finetune.launch, "spawn", spawn)
+
+
+@pytest.fixture
+def workspace(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text('{"model_type": "llama"}')
+    (tmp_path / "data.jsonl").write_text('{"instruction": "Add 2 and 3.", "output": "5"}\n')
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("model: {name_or_path: ./model, dtype: float32}\ndata: {path: data.jsonl}\n"
+                      "launch: {procs_per_node: 2}\ntraining: {save_steps: 4}\n")
+    return tmp_path
+
+
+def previous_run(workspace: Path, *steps: int, finished: bool = False) -> Path:
+    """A run directory as `finetune train` leaves it, with complete checkpoints at `steps`."""
+    out = workspace / "out"
+    write_run_dir(load_recipe(workspace / "r.yaml"), out, world_size=2)
+    for step in steps:
+        fake_checkpoint(out, step)
+    if finished:
+        (out / "summary.json").write_text("{}")
+    return out
+
+
+def dry_run(*args):
+    result = CliRunner().invoke(app, ["train", "r.yaml", "--output-dir", "out", "--dry-run", *map(str, args)])
+    assert "Traceback" not in result.output
+    return result
+
+
+def test_a_run_directory_with_a_checkpoint_is_resumed(workspace, no_launch):
+    previous_run(workspace, 4, 8)
+    fake_checkpoint(workspace / "out", 12, complete=False)
+    result = dry_run()
+    assert result.exit_code == 0, result.output
+    assert "note: resuming from checkpoint-8 (step 8)" in result.stderr
+    assert "checkpoint-12 is incomplete" in result.stderr
+    assert result.stdout.splitlines()[1].endswith("--run-dir " + str(workspace / "out") + " --resume")
+
+
+def test_no_resume_and_overwrite(workspace, no_launch):
+    previous_run(workspace, 4)
+    refused = dry_run("--no-resume")
+    assert refused.exit_code == 1 and "holds checkpoints (newest: checkpoint-4)" in refused.stderr
+    fresh = dry_run("--overwrite")
+    assert fresh.exit_code == 0 and "--resume" not in fresh.stdout
+    assert "the previous run there will be replaced" in fresh.stderr
+
+
+def test_a_changed_recipe_is_refused_unless_forced(workspace, no_launch):
+    previous_run(workspace, 4)
+    refused = dry_run("--set", "training.learning_rate=0.001", "--set", "launch.procs_per_node=4")
+    assert refused.exit_code == 1
+    assert "the recipe changed since checkpoint-4" in refused.stderr
+    assert "training.learning_rate: 0.0002 -> 0.001" in refused.stderr
+    assert "world size (processes): 2 -> 4" in refused.stderr and "--force-resume" in refused.stderr
+    forced = dry_run("--set", "training.learning_rate=0.001", "--force-resume")
+    assert forced.exit_code == 0 and "warning: resuming from checkpoint-4 although the recipe changed" in forced.stderr
+    # A change that does not matter for resuming is fine
+    assert dry_run("--set", "training.logging_steps=1").exit_code == 0
+
+
+def test_a_finished_run_and_a_run_without_checkpoints(workspace, no_launch):
+    previous_run(workspace, 4, finished=True)
+    finished = dry_run()
+    assert finished.exit_code == 1 and "holds a finished run" in finished.stderr
+    assert dry_run("--force-resume").exit_code == 0
+    empty = workspace / "empty"
+    write_run_dir(load_recipe(workspace / "r.yaml"), empty, world_size=2)
+    fake_checkpoint(empty, 4, complete=False)
+    result = CliRunner().invoke(app, ["train", "r.yaml", "--output-dir", "empty", "--dry-run"])
+    assert result.exit_code == 1 and "holds only incomplete checkpoints (checkpoint-4: no COMPLETE marker" in result.stderr
+
+
+def test_another_node_of_the_same_run_may_have_written_the_directory(workspace, no_launch):
+    out = workspace / "out"
+    flags = ("--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.1")
+    loaded = load_recipe(workspace / "r.yaml", ["launch.nodes=2", "launch.node_rank=0", "launch.master_addr=10.0.0.1"])
+    write_run_dir(loaded, out, world_size=4)  # node 0 was first
+    joined = dry_run(*flags)
+    assert joined.exit_code == 0, joined.output
+    assert "written by another node of this run" in joined.stderr
+    # a single-node run never writes into someone else's directory
+    assert dry_run().exit_code == 1
+
+
+def test_runner_exit_codes(tmp_path):
+    pytest.importorskip("transformers")
+    from finetune.train.preemption import Preempted, exit_code_for
+
+    assert exit_code_for(Preempted(7, "checkpoint-7", "SIGTERM"), tmp_path) == 75
+    assert exit_code_for(ckpt.CheckpointError("no space"), tmp_path) == 1
+    assert exit_code_for(KeyError("x"), tmp_path) is None
+    assert ckpt.EXIT_PREEMPTED == getattr(os, "EX_TEMPFAIL", 75)  # sysexits.h
