@@ -608,6 +608,12 @@ def _gradients_and_optimizer(setup: Setup, groups: list[ParamGroup], trainable: 
 def _buffers(setup: Setup, groups: list[ParamGroup], trainable: int, notes: list[str]) -> list[Term]:
     terms = _dequant_buffer(setup, groups)
     if not setup.deepspeed:
+        if setup.world > 1:
+            # torch DDP (gradient_as_bucket_view=False, the default) copies every gradient into its
+            # flat all-reduce buckets: the trainable gradients once more.
+            grad_bytes = _trainable_weight_bytes(setup)
+            terms.append(Term("buffers", "DDP gradient buckets", trainable * grad_bytes,
+                              note="torch DistributedDataParallel reducer"))
         return terms
     e = setup.element_bytes
     n = setup.world
