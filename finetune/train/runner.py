@@ -397,7 +397,7 @@ def _quiet_libraries() -> None:
     rank = int(os.environ.get("RANK", "0"))
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # Deprecations raised by one library calling another, once per step and rank; nothing to act on here.
-    warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor. is deprecated", category=FutureWarning)
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
     warnings.filterwarnings("ignore", message=r".*is_gradient_checkpointing. is deprecated", category=FutureWarning)
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     if rank != 0:
