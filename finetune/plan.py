@@ -1068,6 +1068,16 @@ def setup_from_recipe(recipe, gpus: Optional[int] = None, gpu_memory_bytes: Opti
     zero = render_deepspeed(recipe, gpus * nodes).get("zero_optimization", {})
     if not isinstance(zero, dict):
         raise PlanError("deepspeed.overrides.zero_optimization must be a mapping")
+    # The rendered block leaves out what its stage does not use; --recommend tries other stages, which
+    # would get the recipe's own values (or "auto").
+    section = recipe.deepspeed
+    unused = {"reduce_bucket_size": section.reduce_bucket_size,
+              "stage3_prefetch_bucket_size": section.stage3_prefetch_bucket_size,
+              "stage3_param_persistence_threshold": section.stage3_param_persistence_threshold,
+              "contiguous_gradients": section.contiguous_gradients}
+    if section.stage3_max_live_parameters is not None:
+        unused["stage3_max_live_parameters"] = section.stage3_max_live_parameters
+    zero = {**unused, **zero}
     stage = _int_value(zero, "stage", 0)
     if stage not in (0, 1, 2, 3):
         raise PlanError(f"zero_optimization.stage must be 0-3, got {stage}")
