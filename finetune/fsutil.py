@@ -44,6 +44,7 @@ def atomic_dir(target: Path, overwrite: bool = False) -> Iterator[Path]:
         raise FileExistsError(f"{target} already exists (use --overwrite to replace it)")
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent))
+    os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700
     try:
         yield tmp
         if target.exists():
