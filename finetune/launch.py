@@ -767,21 +767,22 @@ def commands_per_node(plan: LaunchPlan) -> list[tuple[str, str]]:
             label = f"node {rank}" + (" (this machine)" if rank == plan.node_rank else "")
             out.append((label, line))
         return out
-    out = [("node 0 (this machine)", plan.display())]
-    if plan.hosts and len(plan.hosts) > 1:
-        from deepspeed.launcher.runner import apply_num_nodes_and_gpus, encode_world_info
+    if not plan.hosts or len(plan.hosts) < 2:
+        return [("this machine", plan.display())]
+    out = [("this machine: DeepSpeed's launcher, which starts every host below over pdsh/ssh", plan.display())]
+    from deepspeed.launcher.runner import apply_num_nodes_and_gpus, encode_world_info
 
-        argv = plan.argv
-        gpus = int(argv[argv.index("--num_gpus") + 1]) if "--num_gpus" in argv else -1
-        resources = {host: list(range(slots)) for host, slots in plan.hosts.items()}
-        world_info = encode_world_info(apply_num_nodes_and_gpus(resources, len(plan.hosts), gpus))
-        # Without --master_addr DeepSpeed asks node 0 over ssh (`hostname -I`, first address).
-        master = plan.master_addr if "--master_addr" in argv else f"<first address of `hostname -I` on {next(iter(plan.hosts))}>"
-        runner_args = argv[argv.index("--module") + 1:]
-        python = argv[0]
-        for index, host in enumerate(plan.hosts):
-            remote = [python, "-u", "-m", "deepspeed.launcher.launch", f"--world_info={world_info}",
-                      f"--node_rank={index}", f"--master_addr={master}", f"--master_port={plan.master_port}",
-                      "--module", "--no_local_rank", f"--enable_each_rank_log={plan.run_dir / 'logs'}", *runner_args]
-            out.append((f"{host} (started by DeepSpeed over pdsh, in the same directory)", shlex.join(remote)))
+    argv = plan.argv
+    gpus = int(argv[argv.index("--num_gpus") + 1]) if "--num_gpus" in argv else -1
+    resources = {host: list(range(slots)) for host, slots in plan.hosts.items()}
+    world_info = encode_world_info(apply_num_nodes_and_gpus(resources, len(plan.hosts), gpus))
+    # Without --master_addr DeepSpeed asks node 0 over ssh (`hostname -I`, first address).
+    master = plan.master_addr if "--master_addr" in argv else f"<first address of `hostname -I` on {next(iter(plan.hosts))}>"
+    runner_args = argv[argv.index("--module") + 1:]
+    python = argv[0]
+    for index, host in enumerate(plan.hosts):
+        remote = [python, "-u", "-m", "deepspeed.launcher.launch", f"--world_info={world_info}",
+                  f"--node_rank={index}", f"--master_addr={master}", f"--master_port={plan.master_port}",
+                  "--module", "--no_local_rank", f"--enable_each_rank_log={plan.run_dir / 'logs'}", *runner_args]
+        out.append((f"{host} (started by DeepSpeed over pdsh, in the same directory)", shlex.join(remote)))
     return out

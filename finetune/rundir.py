@@ -65,11 +65,13 @@ def run_files(loaded: LoadedRecipe, run_dir: Path, world_size: int) -> dict[str,
     from finetune.checkpoint import RESUME_KEY_FILE, resume_fields, resume_key_text
 
     resolved = resolved_recipe(recipe, run_dir)
+    # Written in this order, recipe.yaml last: another node of the same run that sees recipe.yaml
+    # (what makes a folder a run directory) sees the rest too.
     return {
-        RECIPE_FILE: dump_yaml(resolved, header),
+        RESUME_KEY_FILE: resume_key_text(resume_fields(resolved, world_size)),
         DEEPSPEED_FILE: dumps(render_deepspeed(recipe, world_size)),
         TRAINING_ARGS_FILE: dumps(render_training_args(recipe, output_dir=str(run_dir))),
-        RESUME_KEY_FILE: resume_key_text(resume_fields(resolved, world_size)),
+        RECIPE_FILE: dump_yaml(resolved, header),
     }
 
 
@@ -82,6 +84,8 @@ def write_run_dir(loaded: LoadedRecipe, run_dir: Path, world_size: int, overwrit
     each atomically, and keep everything else (checkpoints, logs)."""
     run_dir = Path(run_dir).absolute()
     files = run_files(loaded, run_dir, world_size)
+    if in_place and not overwrite:
+        run_dir.mkdir(parents=True, exist_ok=True)  # the other nodes may be creating it at the same time
     # An empty directory (made by hand, or a mount point) is filled in place rather than replaced.
     if run_dir.is_dir() and (in_place and not overwrite or not any(run_dir.iterdir())):
         _write_into(run_dir, files)

@@ -382,3 +382,78 @@ def test_runner_exit_codes(tmp_path):
     assert exit_code_for(ckpt.CheckpointError("no space"), tmp_path) == 1
     assert exit_code_for(KeyError("x"), tmp_path) is None
     assert ckpt.EXIT_PREEMPTED == getattr(os, "EX_TEMPFAIL", 75)  # sysexits.h
+
+
+# ------------------------------------------------------------------------------------------------
+# Fast: the supervisor's signals, with fake ranks under the real torchrun
+
+STUBBORN_RANK = '''
+import os, signal, sys, time
+from pathlib import Path
+
+run_dir = Path(sys.argv[sys.argv.index("--run-dir") + 1])
+rank = os.environ["RANK"]
+signal.signal(signal.SIGTERM, lambda *_: (run_dir / f"asked{rank}").write_text(""))  # "saving a checkpoint"
+(run_dir / f"pid{rank}").write_text(str(os.getpid()))
+time.sleep(120)
+'''
+
+DRIVER = '''
+import json, sys
+from pathlib import Path
+from finetune.launch import LaunchPlan, supervise
+fields = json.loads(sys.argv[1])
+sys.exit(supervise(LaunchPlan(**{**fields, "run_dir": Path(fields["run_dir"])})).returncode)
+'''
+
+
+def test_a_second_signal_kills_every_rank_at_once(tmp_path):
+    from finetune.launch import plan_launch
+    from finetune.recipe import Recipe
+
+    (tmp_path / "fakes").mkdir()
+    (tmp_path / "fakes" / "stubborn_rank.py").write_text(STUBBORN_RANK)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    recipe = Recipe.model_validate({"model": {"name_or_path": "org/m"}, "data": {"path": "org/d"},
+                                    "launch": {"procs_per_node": 2}})
+    plan = plan_launch(recipe, run_dir, gpu_count=0, module="stubborn_rank", master_port=free_port_for_test())
+    plan.env["PYTHONPATH"] = str(tmp_path / "fakes")
+    fields = {k: (str(v) if isinstance(v, Path) else v) for k, v in plan.__dict__.items()}
+    driver = subprocess.Popen([sys.executable, "-c", DRIVER, json.dumps(fields)], cwd=REPO,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while not ((run_dir / "pid0").exists() and (run_dir / "pid1").exists()):
+            assert time.monotonic() < deadline and driver.poll() is None, "fake ranks did not start"
+            time.sleep(0.05)
+        pids = [int((run_dir / f"pid{r}").read_text()) for r in (0, 1)]
+        driver.send_signal(signal.SIGTERM)
+        while not ((run_dir / "asked0").exists() and (run_dir / "asked1").exists()):
+            assert time.monotonic() < deadline, "the first signal did not reach every rank"
+            time.sleep(0.05)
+        time.sleep(0.5)
+        assert driver.poll() is None and all(_alive(pid) for pid in pids)  # still "saving"
+        started = time.monotonic()
+        driver.send_signal(signal.SIGTERM)
+        assert driver.wait(timeout=30) == 128 + signal.SIGTERM
+        assert time.monotonic() - started < 10  # not torchrun's grace period of launch.stop_timeout
+        time.sleep(0.2)
+        assert not any(_alive(pid) for pid in pids)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+
+
+def free_port_for_test() -> int:
+    from finetune.launch import free_port
+
+    return free_port(29651)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
