@@ -457,3 +457,49 @@ def _alive(pid: int) -> bool:
             return handle.read().split(")")[-1].split()[0] != "Z"
     except OSError:
         return False
+
+
+# ------------------------------------------------------------------------------------------------
+# Fast: the rank's callback on its own (no process group: every decision is this rank's)
+
+
+def test_a_signal_turns_the_next_step_end_into_save_and_stop(tmp_path):
+    from transformers import TrainerControl, TrainerState
+
+    from finetune.train.preemption import PreemptionCallback, Preempted, Resilience
+
+    callback = PreemptionCallback(tmp_path, keep=2, dtype_bytes=4, full=False)
+    callback.first_estimate = 1024
+    state, control = TrainerState(), TrainerControl()
+    state.global_step = 3
+    callback.install()
+    try:
+        callback.on_step_end(None, state, control)
+        assert not control.should_save and not control.should_training_stop
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGTERM)  # the same request relayed twice (launcher + system): not an abort
+        callback.on_step_end(None, state, control)
+    finally:
+        callback.uninstall()
+    assert control.should_save and control.should_training_stop and callback.stopped_at == 3
+    resilience = Resilience({}, {}, None, callback)
+    with pytest.raises(Preempted, match="stopped by SIGTERM at step 3"):
+        resilience.raise_if_stopped()
+
+
+def test_no_checkpoint_is_started_without_room_for_it(tmp_path, monkeypatch):
+    from transformers import TrainerControl, TrainerState
+
+    from finetune.train.preemption import PreemptionCallback
+
+    callback = PreemptionCallback(tmp_path, keep=2, dtype_bytes=2, full=False)
+    callback.first_estimate = 10 * 2**30  # no checkpoint yet: the model's estimate
+    monkeypatch.setattr(ckpt, "free_bytes", lambda path: 2**30)
+    state, control = TrainerState(), TrainerControl()
+    state.global_step = 4
+    callback.on_step_end(None, state, control)  # no save due at this step: nothing to check
+    control.should_save = True
+    with pytest.raises(ckpt.CheckpointError, match=r"not enough free space .* 1.00 GiB free;.*step 4\)"):
+        callback.on_step_end(None, state, control)
+    fake_checkpoint(tmp_path, 2, size=1000)  # later checkpoints: the previous one's size
+    callback.on_step_end(None, state, control)

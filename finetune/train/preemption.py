@@ -95,6 +95,15 @@ def _rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
+def _say(message: str) -> None:
+    """One line to stderr from a signal handler: os.write, since print() there can interrupt a print
+    of the main thread and fail with "reentrant call" inside the buffered writer."""
+    try:
+        os.write(2, (message + "\n").encode("utf-8", "replace"))
+    except OSError:
+        pass
+
+
 def _log(message: str) -> None:
     if _rank() == 0:
         print(f"[finetune] {message}", flush=True)
@@ -141,8 +150,9 @@ def setup(run_dir: Path, recipe: Recipe, ds_config: dict[str, Any], args_kwargs:
 def run_dir_is_shared(run_dir: Path) -> bool:
     """Whether every rank sees the same run directory: rank 0 writes a probe file, all look for it."""
     dist = _dist()
-    if dist is None or int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())) == dist.get_world_size():
-        return True  # one machine: one directory
+    if dist is None or dist.get_world_size() == 1:
+        return True
+    # Probed even on one machine (two collectives, once): cheaper than trusting launcher variables.
     token = _all_gather(secrets.token_hex(8) if _rank() == 0 else None)[0]
     probe = run_dir / f".probe-{token}"
     if _rank() == 0:
@@ -212,10 +222,10 @@ class PreemptionCallback(TrainerCallback):
         name = signal.Signals(signum).name
         if self.signal_at is None:
             self.signal_at, self.signal_name = now, name
-            print(f"[finetune] rank {_rank()}: {name}: saving a checkpoint at the end of this step, then stopping "
-                  f"(a second signal aborts)", file=sys.stderr, flush=True)
+            _say(f"[finetune] rank {_rank()}: {name}: saving a checkpoint at the end of this step, then stopping "
+                 f"(a second signal aborts)")
         elif now - self.signal_at > DUPLICATE_WINDOW:
-            print(f"[finetune] rank {_rank()}: second {name}: aborting without a checkpoint", file=sys.stderr, flush=True)
+            _say(f"[finetune] rank {_rank()}: second {name}: aborting without a checkpoint")
             self.uninstall()
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
