@@ -17,6 +17,11 @@ Memory is anonymous memory: RssAnon from /proc/PID/status, sampled every 20 ms. 
 files (safetensors maps the shards it reads) count in RSS too, but they are clean page cache that the
 kernel drops under pressure, so they do not decide whether a merge fits in RAM; what the process
 allocates (tensors, Python, libraries) does. ru_maxrss (peak RSS, file pages included) is printed too.
+
+Measured on the 2-core, 24 GiB development box (shared with other jobs, so wall times vary from run to
+run; medians of 3): finetune merge 9.4 s (runs 6.7, 9.4, 12.9), PEFT 38.1 s (37.8, 38.1, 39.1):
+0.25x the time; peak RssAnon 0.24 GiB vs 2.35 GiB: 0.10x the memory; outputs bit-identical.
+A plain copy of the shards took 3.7 s (0.10x).
 """
 
 from __future__ import annotations
