@@ -33,7 +33,7 @@ import torch
 
 from finetune.fsutil import atomic_dir, write_atomic
 from finetune.merge import (CONFIG_FILES, DEFAULT_MAX_SHARD_SIZE, DTYPES, PEFT_PREFIX, ST_TO_TORCH, TORCH_TO_ST,
-                            TOKENIZER_DIRS, TOKENIZER_FILES, BaseTensor, MergeError, OutTensor, Plan,
+                            BaseTensor, MergeError, OutTensor, Plan, copy_tokenizer,
                             ShardWriter, assign_shards, check_disk_space, human_size, lora_scaling, shard_names,
                             sigterm_as_interrupt, write_index)
 
@@ -281,15 +281,7 @@ def _set_config_dtype(path: Path, dtype: torch.dtype) -> None:
 
 def _copy_tokenizer(ckpt: Checkpoint, out: Path) -> None:
     """From the checkpoint (the Trainer saves its processing_class there), else the run's tokenizer/."""
-    for source in (ckpt.root, ckpt.root.parent / "tokenizer"):
-        if (source / "tokenizer_config.json").is_file() or (source / "tokenizer.json").is_file():
-            for name in TOKENIZER_FILES:
-                if (source / name).is_file():
-                    shutil.copy2(source / name, out / name)
-            for name in TOKENIZER_DIRS:
-                if (source / name).is_dir():
-                    shutil.copytree(source / name, out / name)
-            return
+    copy_tokenizer([ckpt.root, ckpt.root.parent / "tokenizer"], out)
 
 
 # ------------------------------------------------------------------------------------------------

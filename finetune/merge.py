@@ -933,7 +933,12 @@ def copy_side_files(base: Path, tokenizer_sources: list[Path], out: Path, dtype:
         if "dtype" not in config and "torch_dtype" not in config:
             config["dtype"] = name
         write_atomic(out / "config.json", json.dumps(config, indent=2) + "\n")
-    for source in [*tokenizer_sources, base]:
+    copy_tokenizer([*tokenizer_sources, base], out)
+
+
+def copy_tokenizer(sources: list[Path], out: Path) -> bool:
+    """Tokenizer files and chat template from the first of `sources` that holds a tokenizer."""
+    for source in sources:
         if (source / "tokenizer_config.json").is_file() or (source / "tokenizer.json").is_file():
             for name in TOKENIZER_FILES:
                 if (source / name).is_file():
@@ -941,7 +946,8 @@ def copy_side_files(base: Path, tokenizer_sources: list[Path], out: Path, dtype:
             for name in TOKENIZER_DIRS:
                 if (source / name).is_dir():
                     shutil.copytree(source / name, out / name)
-            return
+            return True
+    return False
 
 
 @contextmanager

@@ -17,11 +17,11 @@ from __future__ import annotations
 import difflib
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal, Optional, Union
+from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from finetune.yamlio import Document, DocumentError, load_yaml, read_text
+from finetune.yamlio import DocumentError, load_yaml, read_text
 
 Dtype = Literal["bfloat16", "float16", "float32"]
 Offload = Literal["none", "cpu", "nvme"]
@@ -440,13 +440,14 @@ def _known_keys(section_loc: tuple) -> list[str]:
         field = getattr(model, "model_fields", {}).get(part)
         if field is None:
             return []
-        model = _section_model(field.annotation)
+        model = section_model(field.annotation)
         if model is None:
             return []
     return list(getattr(model, "model_fields", {}).keys())
 
 
-def _section_model(annotation: Any) -> Any:
+def section_model(annotation: Any) -> Any:
+    """The pydantic section class behind a field annotation (`Optional[HardwareSection]` too), else None."""
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return annotation
     for arg in getattr(annotation, "__args__", ()) or ():

@@ -191,7 +191,7 @@ def load_json(text: str, path: str = "<string>") -> Document:
             hint = " (trailing comma?)"
         raise DocumentError(f"invalid JSON: {exc.msg}{hint}", exc.lineno, exc.colno) from None
     except RecursionError:
-        raise DocumentError(f"JSON is nested too deeply") from None
+        raise DocumentError("JSON is nested too deeply") from None
     doc = Document(path=path, data=data)
     try:
         positioned = load_yaml(text, path, allow_duplicates=True)

@@ -14,7 +14,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from finetune.recipe import Recipe
+from finetune.recipe import Recipe, section_model
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
@@ -38,7 +38,7 @@ def _default(field: Any) -> str:
 def recipe_reference() -> str:
     lines = ["| key | type | default | meaning |", "|---|---|---|---|"]
     for name, field in Recipe.model_fields.items():
-        section = _section(field.annotation)
+        section = section_model(field.annotation)
         if section is None:
             lines.append(f"| `{name}` | {_type_name(field.annotation)} | {_default(field)} | {field.description or ''} |")
             continue
@@ -46,15 +46,6 @@ def recipe_reference() -> str:
         for sub, subfield in section.model_fields.items():
             lines.append(f"| `{name}.{sub}` | {_type_name(subfield.annotation)} | {_default(subfield)} | {subfield.description or ''} |")
     return "\n".join(lines)
-
-
-def _section(annotation: Any):
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
-    for arg in getattr(annotation, "__args__", ()) or ():
-        if isinstance(arg, type) and issubclass(arg, BaseModel):
-            return arg
-    return None
 
 
 def rule_table() -> str:
