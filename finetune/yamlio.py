@@ -81,7 +81,9 @@ def load_yaml(text: str, path: str = "<string>", allow_duplicates: bool = False)
 
     if len(text.encode("utf-8", "surrogatepass")) > MAX_BYTES:
         raise DocumentError(f"document is larger than {MAX_BYTES:,} bytes")
-    yaml = YAML(typ="safe", pure=True)
+    # libyaml's C parser (ruamel.yaml.clib) composes ~5x faster than the pure-Python one; same nodes,
+    # same marks. Without the C extension, ruamel falls back to pure Python by itself.
+    yaml = YAML(typ="safe", pure=False)
     try:
         nodes = list(yaml.compose_all(text))
     except MarkedYAMLError as exc:
