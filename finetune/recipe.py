@@ -14,6 +14,7 @@ A minimal recipe:
 
 from __future__ import annotations
 
+import copy
 import difflib
 import re
 from pathlib import Path
@@ -199,22 +200,28 @@ class Recipe(_Section):
 
 
 class RecipeProblem(Exception):
-    """One or more problems in a recipe, each with file, line, column and key."""
+    """One or more problems in a recipe, each with file, line, column and key.
 
-    def __init__(self, problems: list["Problem"]):
+    `partial` is the recipe validated without the offending keys (None when that is impossible), so
+    lint can still report the run-time rules in the same pass: all problems at once.
+    """
+
+    def __init__(self, problems: list["Problem"], partial: Optional["LoadedRecipe"] = None):
         super().__init__("\n".join(p.render() for p in problems))
         self.problems = problems
+        self.partial = partial
 
 
 class Problem:
     """One finding while loading: `rule` is the stable lint id (R001 document, R002 unknown key, ...)."""
 
-    __slots__ = ("path", "line", "col", "key", "message", "fix", "rule")
+    __slots__ = ("path", "line", "col", "key", "message", "fix", "rule", "loc")
 
     def __init__(self, path: str, line: int, col: int, key: Optional[str], message: str,
-                 fix: Optional[str] = None, rule: str = "R001"):
+                 fix: Optional[str] = None, rule: str = "R001", loc: tuple = ()):
         self.path, self.line, self.col, self.key, self.message, self.fix = path, line, col, key, message, fix
         self.rule = rule
+        self.loc = loc  # the key path, for schema problems (R002/R004)
 
     def render(self) -> str:
         where = f"{self.path}:{self.line}:{self.col}"
@@ -250,11 +257,41 @@ def load_recipe(path: Union[str, Path], overrides: Optional[list[str]] = None) -
     raw, origin = _load_chain(path, [])
     for item in overrides or []:
         _apply_set(raw, origin, item)
-    # Relative data/model/hostfile paths are relative to the file that wrote them.
-    recipe = validate(raw, origin, str(path))
+    try:
+        recipe = validate(raw, origin, str(path))
+    except RecipeProblem as exc:
+        exc.partial = _without_bad_keys(raw, origin, path, exc.problems)
+        raise
     if recipe.name is None:
         recipe.name = path.stem
     return LoadedRecipe(recipe, raw, origin, path)
+
+
+def _without_bad_keys(raw: dict, origin: dict, path: Path, problems: list[Problem]) -> Optional[LoadedRecipe]:
+    """The recipe with every unknown or invalid key dropped (defaults apply), if that validates."""
+    if any(p.rule not in ("R002", "R004") or not p.loc for p in problems):
+        return None
+    pruned = copy.deepcopy(raw)
+    for problem in problems:
+        node = pruned
+        for part in problem.loc[:-1]:
+            node = node[part] if isinstance(node, (dict, list)) and _has(node, part) else None
+        if isinstance(node, (dict, list)) and _has(node, problem.loc[-1]):
+            if isinstance(node, dict):
+                del node[problem.loc[-1]]
+            else:
+                node[problem.loc[-1]] = None  # keep list indexes stable; the retry decides
+    try:
+        recipe = Recipe.model_validate(pruned)
+    except ValidationError:
+        return None
+    if recipe.name is None:
+        recipe.name = path.stem
+    return LoadedRecipe(recipe, pruned, origin, path)
+
+
+def _has(node: Any, part: Any) -> bool:
+    return part in node if isinstance(node, dict) else isinstance(part, int) and 0 <= part < len(node)
 
 
 def _problem_at(path: str, exc: DocumentError) -> RecipeProblem:
@@ -394,7 +431,7 @@ def _to_problem(err: dict, raw: dict, origin: dict, path: str) -> Problem:
         options = _known_keys(loc[:-1])
         guess = difflib.get_close_matches(str(loc[-1]), options, n=1, cutoff=0.6)
         fix = f"did you mean `{guess[0]}`?" if guess else (f"known keys: {', '.join(sorted(options))}" if options else None)
-        return Problem(file, line, col, key, "unknown key", fix, rule="R002")
+        return Problem(file, line, col, key, "unknown key", fix, rule="R002", loc=loc)
     if kind == "missing":
         return Problem(file, line, col, key, "required key is missing", rule="R005")
     value = err.get("input")
@@ -405,8 +442,8 @@ def _to_problem(err: dict, raw: dict, origin: dict, path: str) -> Problem:
         message = f"expected one of {expected}"
         guess = difflib.get_close_matches(str(value), re.findall(r"'([^']*)'", expected), n=1, cutoff=0.6)
         if guess:
-            return Problem(file, line, col, key, f"{message}, got {shown}", f"did you mean `{guess[0]}`?", rule="R004")
-    return Problem(file, line, col, key, f"{message}, got {shown}", rule="R004")
+            return Problem(file, line, col, key, f"{message}, got {shown}", f"did you mean `{guess[0]}`?", rule="R004", loc=loc)
+    return Problem(file, line, col, key, f"{message}, got {shown}", rule="R004", loc=loc)
 
 
 def _is_real_key(raw: Any, full_loc: tuple, part: Any) -> bool:

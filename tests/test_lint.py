@@ -183,3 +183,13 @@ def test_lint_never_imports_heavy_libraries():
             "print('HEAVY', heavy)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60)
     assert "HEAVY []" in out.stdout, out.stdout + out.stderr
+
+
+def test_schema_errors_do_not_hide_run_time_rules(write_recipe):
+    # One pass reports the typo AND the QLoRA + ZeRO-3 dtype mismatch (checked without the bad key).
+    path = write_recipe(MINIMAL + "method: qlora\nquantization:\n  storage_dtype: float32\ndeepspeed:\n  stage: 3\n"
+                        "lora:\n  rr: 3\ntraining:\n  learning_rate: lots\n")
+    found = rules_of(path)
+    assert ("R002", "error", "lora.rr") in found
+    assert ("R004", "error", "training.learning_rate") in found
+    assert ("R101", "error", "quantization.storage_dtype") in found

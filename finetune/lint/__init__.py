@@ -111,7 +111,11 @@ def lint_recipe_file(path: Path, options: LintOptions) -> list[Finding]:
     try:
         loaded = load_recipe(path, options.overrides)
     except RecipeProblem as exc:
-        return [Finding(p.rule, "error", p.path, p.line, p.col, p.key, p.message, p.fix) for p in exc.problems]
+        findings = [Finding(p.rule, "error", p.path, p.line, p.col, p.key, p.message, p.fix) for p in exc.problems]
+        if exc.partial is not None:  # keep going without the bad keys: every problem in one pass
+            findings += [f for f in lint_loaded(exc.partial, options).findings
+                         if f.key not in {p.key for p in exc.problems}]
+        return _sorted(findings)
     return lint_loaded(loaded, options).findings
 
 
