@@ -19,9 +19,11 @@ class TrainClock(TrainerCallback):
     def __init__(self) -> None:
         self.started: Optional[float] = None
         self.ended: Optional[float] = None
+        self.tokens_at_start = 0  # a resumed run's state already counts the tokens trained before
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.started = time.perf_counter()
+        self.tokens_at_start = int(state.num_input_tokens_seen or 0)
 
     def on_train_end(self, args, state, control, **kwargs):
         self.ended = time.perf_counter()

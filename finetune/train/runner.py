@@ -271,7 +271,8 @@ def summarize(trainer, clock, world_size: int, memory: list[tuple[int, str]], ex
         "train_loss_last": losses[-1]["loss"] if losses else None,
         "eval_loss_last": evals[-1]["eval_loss"] if evals else None,
         "tokens_trained": tokens,
-        "tokens_per_second": tokens / seconds if seconds > 0 else None,
+        # throughput of this process's run only: after a resume the clock restarts, so do the tokens
+        "tokens_per_second": (tokens - clock.tokens_at_start) / seconds if seconds > 0 else None,
         "wall_seconds": seconds,
         "world_size": world_size,
         "peak_memory_bytes": [m[0] for m in memory],
