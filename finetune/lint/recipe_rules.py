@@ -7,10 +7,10 @@ recipe key path (the engine turns it into file:line:col).
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator
 
+from finetune.lint.deepspeed_rules import RawFinding  # one finding type for every rule module; key = recipe path here
 from finetune.recipe import LoadedRecipe
 
 RULES: dict[str, str] = {
@@ -42,15 +42,6 @@ _PRE_AMPERE = re.compile(
     r"\b(v100|t4|p40|p100|p4|p6|k80|k40|m40|m60|titan\s*(v|xp?|rtx)|quadro\s*rtx|gtx\s*\d+|rtx\s*20\d\d|tesla\s*[kmp]\d*)\b",
     re.IGNORECASE,
 )
-
-
-@dataclass
-class RawFinding:
-    rule: str
-    severity: str
-    key: tuple
-    message: str
-    fix: Optional[str] = None
 
 
 Rule = Callable[[LoadedRecipe], Iterator[RawFinding]]
