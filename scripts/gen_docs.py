@@ -49,14 +49,9 @@ def recipe_reference() -> str:
 
 
 def rule_table() -> str:
-    from finetune.lint import deepspeed_rules, recipe_rules
+    from finetune.lint import PLAN_RULES, deepspeed_rules, recipe_rules
 
-    rules = {**recipe_rules.RULES, **deepspeed_rules.RULES}
-    try:
-        from finetune.plan import RULES as plan_rules  # noqa: N811
-        rules.update(plan_rules)
-    except ImportError:
-        pass
+    rules = {**recipe_rules.RULES, **deepspeed_rules.RULES, **PLAN_RULES}
     lines = ["| id | what it catches |", "|---|---|"]
     lines += [f"| {rule} | {text} |" for rule, text in sorted(rules.items())]
     return "\n".join(lines)

@@ -24,6 +24,11 @@ RECIPE_SUFFIXES = (".yaml", ".yml")
 DS_SUFFIXES = (".json",)
 SEVERITIES = ("error", "warning", "info")
 
+PLAN_RULES: dict[str, str] = {
+    "P001": "Predicted out of memory on the declared (or --gpus/--gpu-memory) hardware, with the breakdown.",
+    "P002": "Memory not checked: the planner does not know the model (info).",
+}
+
 
 @dataclass(frozen=True)
 class Finding:
@@ -147,10 +152,8 @@ def _plan_findings(loaded: LoadedRecipe, options: LintOptions) -> list[Finding]:
     memory = options.gpu_memory or (hardware.gpu_memory if hardware else None)
     if memory is None:
         return []
-    try:
-        from finetune.plan import PlanError, plan_recipe
-    except ImportError:  # planner not available in this build
-        return []
+    from finetune.plan import PlanError, plan_recipe
+
     try:
         result = plan_recipe(recipe, gpus=gpus, gpu_memory_bytes=parse_size(memory), nodes=recipe.launch.nodes)
     except PlanError as exc:
