@@ -56,3 +56,34 @@ class EffectiveDeepSpeedConfig(TrainerCallback):
         from finetune.train.runner import json_safe
 
         write_atomic(self.run_dir / "deepspeed.effective.json", dumps(json_safe(hf_config.config)))
+
+
+class ProgressLines(TrainerCallback):
+    """A progress line every `interval` seconds on rank 0, for output read line by line.
+
+    `finetune train` relays rank output through log files, where a redrawn tqdm bar is one long line
+    that only appears at the end; so the launcher turns tqdm off and this prints plain lines instead.
+    """
+
+    def __init__(self, interval: float = 15.0) -> None:
+        self.interval = interval
+        self.started = 0.0
+        self.last = 0.0
+        self.first_step = 0
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.started = self.last = time.perf_counter()
+        self.first_step = state.global_step  # a resumed run starts counting from its checkpoint
+
+    def on_step_end(self, args, state, control, **kwargs):
+        now = time.perf_counter()
+        done = state.global_step >= state.max_steps
+        if not state.is_world_process_zero or (now - self.last < self.interval and not done):
+            return
+        self.last = now
+        elapsed = now - self.started
+        steps = state.global_step - self.first_step
+        left = (state.max_steps - state.global_step) * elapsed / steps if steps else 0.0
+        percent = 100 * state.global_step / max(state.max_steps, 1)
+        print(f"progress: step {state.global_step}/{state.max_steps} ({percent:.0f}%), "
+              f"{elapsed:.0f} s elapsed, about {left:.0f} s left", flush=True)

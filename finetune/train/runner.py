@@ -298,7 +298,7 @@ def run(run_dir: Path, resume: bool = False) -> None:
     from transformers import Trainer, TrainingArguments
 
     from finetune.tiny import cache_root, ensure_builtin_model, is_builtin
-    from finetune.train.callbacks import EffectiveDeepSpeedConfig, TrainClock
+    from finetune.train.callbacks import EffectiveDeepSpeedConfig, ProgressLines, TrainClock
     from finetune.train.data import Collator, split_eval, tokenize_for_training
     from finetune.train.model import count_parameters, load_model, load_tokenizer, prepare_model
 
@@ -351,6 +351,8 @@ def run(run_dir: Path, resume: bool = False) -> None:
     trainer = Trainer(model=model, args=training_args, train_dataset=train_set, eval_dataset=eval_set,
                       data_collator=collator, processing_class=tokenizer,
                       callbacks=[clock, EffectiveDeepSpeedConfig(run_dir), resilience.callback])
+    if os.environ.get("TQDM_DISABLE"):  # output relayed line by line (see launch.py): plain progress lines
+        trainer.add_callback(ProgressLines())
     checkpoint = resilience.checkpoint
     trainer.train(resume_from_checkpoint=checkpoint)
     resilience.raise_if_stopped()  # stopped by a signal: the checkpoint is complete; no final outputs
