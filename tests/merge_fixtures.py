@@ -159,6 +159,9 @@ def train(base: Path, out: Path, stage: int, method: str, steps: int = 3) -> Non
     trainer = Trainer(model=model, args=args, train_dataset=dataset)
     trainer.train()
     trainer.save_model(str(out / "final"))
+    # Explicit teardown: left to exit-time destructors, gloo's threads can abort a rank (-6) after success.
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 
 
 def main() -> None:
