@@ -159,9 +159,10 @@ def train(base: Path, out: Path, stage: int, method: str, steps: int = 3) -> Non
     trainer = Trainer(model=model, args=args, train_dataset=dataset)
     trainer.train()
     trainer.save_model(str(out / "final"))
-    # Explicit teardown: left to exit-time destructors, gloo's threads can abort a rank (-6) after success.
     torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    from finetune.train.shutdown import close_process_group
+
+    close_process_group()
 
 
 def main() -> None:
@@ -178,4 +179,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from finetune.train.shutdown import run_as_rank
+
+    # Ends like a real rank: without it a gloo thread can abort a rank that succeeded (finetune/train/shutdown.py).
+    run_as_rank(main)

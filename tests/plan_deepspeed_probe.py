@@ -21,6 +21,8 @@ import deepspeed  # noqa: E402
 import torch  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
+from finetune.train.shutdown import close_process_group, run_as_rank  # noqa: E402
+
 
 def build(case, ds):
     cfg = LlamaConfig(**case["config"])
@@ -107,7 +109,12 @@ def buffers(case):
     return seen
 
 
-if __name__ == "__main__":
+def main() -> None:
     deepspeed.init_distributed(dist_backend="gloo")
     results = [zero3_live(c) if c["kind"] == "zero3_live" else buffers(c) for c in json.loads(sys.argv[1])]
-    print("RESULT " + json.dumps(results))
+    print("RESULT " + json.dumps(results), flush=True)
+    close_process_group()
+
+
+if __name__ == "__main__":
+    run_as_rank(main)  # ends like a real rank: a gloo thread can abort at finalization (finetune/train/shutdown.py)

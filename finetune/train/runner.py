@@ -421,24 +421,15 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def _close_process_group() -> None:
-    """Tear the process group down before the interpreter exits: left to exit-time destructors, gloo's
-    threads can abort a rank ("terminate called without an active exception", exit -6) after a
-    run that succeeded."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
-
-
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
     from finetune.tiny import BuiltinModelError
     from finetune.train.data import DataError
+    from finetune.train.shutdown import close_process_group
 
     try:
         run(args.run_dir.resolve(), resume=args.resume)
-        _close_process_group()
+        close_process_group()
     except (RunDirError, DataError, BuiltinModelError) as exc:
         # The launcher shows rank 0's console; one line, no traceback, for problems in the inputs.
         print(f"error: {exc}", file=sys.stderr, flush=True)
@@ -454,4 +445,6 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from finetune.train.shutdown import run_as_rank
+
+    run_as_rank(main)  # os._exit after an orderly shutdown: see finetune/train/shutdown.py
