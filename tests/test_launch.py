@@ -339,3 +339,23 @@ def test_finetune_train_demo(tmp_path):
         assert (out / name).is_file(), name
     if summary["world_size"] > 1:
         assert (out / "logs" / "rank1" / "stderr.log").is_file()  # the other rank's output, beside rank 0's
+
+
+@pytest.mark.slow
+def test_a_real_rank_that_raises_is_named_with_its_exception(tmp_path):
+    """The real runner writes torchrun's error file (torch's @record): the summary line has the exception."""
+    from tests.conftest import REPO, run_cli
+    from tests.merge_fixtures import build_llama
+
+    base = build_llama(tmp_path / "base", dtype="float32")
+    weights = base / "model.safetensors"
+    with open(weights, "r+b") as handle:  # a download cut short: the header promises more than there is
+        handle.truncate(weights.stat().st_size // 2)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"extends: {REPO / 'recipes' / 'tiny' / 'base.yaml'}\nmodel: {{name_or_path: {base}}}\n"
+                      f"data: {{path: {REPO / 'recipes' / 'data' / 'demo_instructions.jsonl'}}}\n")
+    done = run_cli("train", recipe, "--output-dir", tmp_path / "run", timeout=600)
+    assert done.returncode == 1
+    last = done.stderr.strip().splitlines()[-1]
+    assert re.search(r"error: training failed: rank \d \(local rank \d\) on \S+ exited with code 1: "
+                     r"SafetensorError: .*incomplete metadata", last), done.stderr[-3000:]

@@ -445,6 +445,10 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 if __name__ == "__main__":
+    from torch.distributed.elastic.multiprocessing.errors import record
+
     from finetune.train.shutdown import run_as_rank
 
-    run_as_rank(main)  # os._exit after an orderly shutdown: see finetune/train/shutdown.py
+    # record: an uncaught exception goes to torchrun's error file, so `finetune train` names the rank and
+    # the exception. run_as_rank: os._exit after an orderly shutdown (finetune/train/shutdown.py).
+    run_as_rank(record(main))
