@@ -65,8 +65,6 @@ STRICTER = {
     "strict_top_level_typo.json": "DeepSpeed ignores unknown top-level keys: `gradient_clippping` does nothing",
     "strict_lenient_section_typo.json": "DeepSpeed reads activation_checkpointing with dict.get: typos are ignored",
     "strict_allgather_odd.json": "the ZeRO-1/2 optimizer asserts an even allgather_bucket_size (GPU run)",
-    "strict_gas_missing.json": "accelerate sets gradient_accumulation_steps to 1 and the Trainer follows it, "
-                               "silently ignoring TrainingArguments' 4",
     "strict_prescale_string.json": "DeepSpeed keeps the string \"false\", which is truthy: prescaling turns on",
     "strict_duplicate_key.json": "HF/accelerate read JSON with json.load, which keeps the last duplicate",
     "raw_strict_zero_typo_auto.json": "DeepSpeed drops \"auto\" values before validating: the typo passes",
@@ -77,7 +75,7 @@ STRICTER = {
 # The rule each bad/strict corpus file is about (lint may report more, but must report this one).
 EXPECT = {
     "bad_fp16_and_bf16.json": "DS120", "bad_batch_arithmetic.json": "DS180", "bad_no_batch_size.json": "DS122",
-    "bad_gas_missing_train_auto.json": "DS125", "bad_micro_string.json": "DS110", "bad_zero_typo.json": "DS103",
+    "bad_gas_missing_train_auto.json": "DS125", "bad_tensor_parallel_typo.json": "DS103", "bad_micro_string.json": "DS110", "bad_zero_typo.json": "DS103",
     "bad_zero_typo_auto.json": "DS104", "bad_offload_device.json": "DS112", "bad_stage4.json": "DS112",
     "bad_removed_amp.json": "DS102", "bad_removed_mics.json": "DS102", "bad_no_zero_block.json": "DS130",
     "bad_zero_bool.json": "DS110", "bad_fp16_not_object.json": "DS110", "bad_reduce_bucket_zero.json": "DS111",
@@ -97,7 +95,7 @@ EXPECT = {
     "strict_offload_optimizer_stage0.json": "DS131", "strict_offload_param_stage2.json": "DS132",
     "strict_nvme_without_path.json": "DS133", "strict_nvme_path_auto.json": "DS133",
     "strict_top_level_typo.json": "DS105", "strict_lenient_section_typo.json": "DS105",
-    "strict_allgather_odd.json": "DS140", "strict_gas_missing.json": "DS125", "strict_prescale_string.json": "DS110",
+    "strict_allgather_odd.json": "DS140", "strict_prescale_string.json": "DS110",
     "strict_duplicate_key.json": "DS101", "raw_bad_train_batch_auto.json": "DS175",
     "raw_bad_batch_derived.json": "DS121", "raw_bad_duplicate_key.json": "DS101",
     "raw_strict_zero_typo_auto.json": "DS104", "raw_strict_bf16_auto.json": "DS175",
@@ -356,10 +354,12 @@ def _model_fields(model) -> dict:
 
 def test_schema_tables_match_deepspeed(oracle):
     from deepspeed.comm.config import CommsLoggerConfig
+    from deepspeed.inference.config import WeightQuantConfig
     from deepspeed.compile.config import CompileConfig
     from deepspeed.monitor.config import CometConfig, CSVConfig, TensorBoardConfig, WandbConfig
     from deepspeed.runtime.config import HybridEngineConfig
     from deepspeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config
+    from deepspeed.runtime.tensor_parallel.config import TPConfig, TPTrainingConfig
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
     from deepspeed.runtime.zero.offload_config import (DeepSpeedZeroOffloadOptimizerConfig,
                                                         DeepSpeedZeroOffloadParamConfig)
@@ -369,7 +369,8 @@ def test_schema_tables_match_deepspeed(oracle):
               "offload_optimizer": DeepSpeedZeroOffloadOptimizerConfig, "fp16": DeepSpeedFP16Config,
               "bf16": DeepSpeedBF16Config, "hybrid_engine": HybridEngineConfig, "tensorboard": TensorBoardConfig,
               "wandb": WandbConfig, "csv_monitor": CSVConfig, "comet": CometConfig, "comms_logger": CommsLoggerConfig,
-              "compile": CompileConfig, "throughput": DeepSpeedThroughputTimerConfig}
+              "compile": CompileConfig, "throughput": DeepSpeedThroughputTimerConfig,
+              "tensor_parallel": TPTrainingConfig, "tp": TPConfig, "weight_quantization": WeightQuantConfig}
     for section, model in models.items():
         assert set(rules.SECTIONS[section]) == set(_model_fields(model)), section
         for key, info in _model_fields(model).items():
@@ -483,10 +484,13 @@ CASES = [
     ("DS101", "error", base(), DSContext(duplicates=[(("zero_optimization", "stage"), 5, 5)]), ("zero_optimization", "stage")),
     ("DS102", "error", base(sparse_attention={"mode": "fixed"}), HF, ("sparse_attention",)),
     ("DS103", "error", zero(overlap_com=True), HF, ("zero_optimization", "overlap_com")),
+    ("DS103", "error", base(tensor_parallel={"autotp_sise": 2}), HF, ("tensor_parallel", "autotp_sise")),
     ("DS104", "error", zero(reduce_bucket_sise="auto"), HF, ("zero_optimization", "reduce_bucket_sise")),
     ("DS105", "error", base(wall_clock_breakdwon=True), HF, ("wall_clock_breakdwon",)),
     ("DS105", "warning", base(my_note="x"), HF, ("my_note",)),
+    ("DS105", "info", base(_comment="ZeRO-2 for 8 GPUs"), HF, ("_comment",)),
     ("DS110", "error", base(train_micro_batch_size_per_gpu=[2]), HF, ("train_micro_batch_size_per_gpu",)),
+    ("DS110", "error", base(tensor_parallel={"autotp_size": 2, "dtype": "bf16"}), HF, ("tensor_parallel", "dtype")),
     ("DS111", "error", zero(sub_group_size=-1), HF, ("zero_optimization", "sub_group_size")),
     ("DS112", "error", zero(offload_optimizer={"device": "CPU"}), HF, ("zero_optimization", "offload_optimizer", "device")),
     ("DS113", "warning", zero(overlap_comm=1), HF, ("zero_optimization", "overlap_comm")),
@@ -498,7 +502,8 @@ CASES = [
     ("DS123", "error", base(gradient_accumulation_steps=0), HF_NO_ARGS, ("gradient_accumulation_steps",)),
     ("DS124", "error", {"train_batch_size": 10, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
                         "zero_optimization": {"stage": 0}}, DSContext(), ("train_batch_size",)),
-    ("DS125", "error", {"train_micro_batch_size_per_gpu": "auto", "zero_optimization": {"stage": 1}}, HF, ()),
+    ("DS125", "error", {"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto", "zero_optimization": {"stage": 1}}, HF, ()),
+    ("DS125", "warning", {"train_micro_batch_size_per_gpu": "auto", "zero_optimization": {"stage": 1}}, HF, ()),
     ("DS125", "warning", {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 1}}, HF_NO_ARGS, ()),
     ("DS130", "error", {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1}, HF, ()),
     ("DS131", "error", base(zero_optimization={"stage": 0, "offload_optimizer": {"device": "cpu"}}), HF,
@@ -530,6 +535,8 @@ CASES = [
      RAW, ("zero_optimization", "reduce_bucket_size")),
     ("DS180", "error", base(gradient_accumulation_steps=8), HF, ("gradient_accumulation_steps",)),
     ("DS190", "error", base(data_types={"param_dtype": "bf16"}, bf16={"enabled": False}, fp16={"enabled": False}), HF_NO_ARGS, ("data_types", "param_dtype")),
+    ("DS191", "error", {"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}},
+     RAW, ("data_types", "grad_accum_dtype")),
     ("DS192", "error", base(gradient_clipping=-1.0), HF_NO_ARGS, ("gradient_clipping",)),
     ("DS193", "error", base(bf16={"enabled": False}, fp16={"enabled": True, "min_loss_scale": 0}), HF_NO_ARGS,
      ("fp16", "min_loss_scale")),

@@ -68,7 +68,7 @@ RULES: dict[str, str] = {
     "DS122": "Neither train_batch_size nor train_micro_batch_size_per_gpu given.",
     "DS123": "A batch size or gradient_accumulation_steps that is not positive.",
     "DS124": "train_batch_size is not a multiple of micro batch x gradient accumulation (no world size fits).",
-    "DS125": "gradient_accumulation_steps missing: accelerate sets it to 1 and ignores TrainingArguments.",
+    "DS125": "gradient_accumulation_steps missing: accelerate writes 1 into DeepSpeed's config.",
     "DS130": "No zero_optimization block: HF/accelerate refuse the config.",
     "DS131": "offload_optimizer at ZeRO stage 0: DeepSpeed builds a CPU optimizer for GPU parameters and fails at the first step.",
     "DS132": "offload_param below ZeRO stage 3: silently ignored, parameters stay on the GPU.",
@@ -94,6 +94,7 @@ RULES: dict[str, str] = {
     "DS175": "\"auto\" in a config used without the HF integration (nothing fills it in).",
     "DS180": "Value that disagrees with TrainingArguments (HF refuses the config).",
     "DS190": "data_types.param_dtype that conflicts with the enabled fp16/bf16 mode.",
+    "DS191": "data_types.grad_accum_dtype other than the model's dtype without ZeRO (stage 0).",
     "DS192": "Negative gradient_clipping (DeepSpeed silently disables clipping).",
     "DS193": "fp16 loss-scaling parameters DeepSpeed refuses.",
 }
@@ -198,6 +199,21 @@ SECTIONS: dict[str, dict[str, Field]] = {
         "keep_int_input_tensors": B, "keep_all_input_tensors": B, "passes": _f("list", optional=True),
     },
     "throughput": {"enabled": B, "synchronized": B},
+    # runtime/tensor_parallel/config.py TPTrainingConfig; `dtype` is a torch.dtype that JSON cannot hold.
+    "tensor_parallel": {
+        "dtype": _f("pyobject"), "autotp_size": I, "tp_overlap_comm": B,
+        "vocab_parallel_lm_head": _f("bool", optional=True),
+        "vocab_parallel_ce_backend": _f("enum", choices=("torch", "liger")),
+        "tp": _f("section", section="tp"), "tensor_parallel": _f("section", section="tp"),
+        "injection_policy_tuple": _f("any", optional=True), "partition_config": _f("dict", optional=True),
+        "preset_model": OPT_S, "keep_module_on_host": B, "kernel_inject": B, "replace_with_kernel_inject": B,
+    },
+    "tp": {"tp_size": I, "tp_grain_size": I, "mpu": A, "tp_group": A},
+    # inference/config.py WeightQuantConfig (read by runtime/config.py for training too)
+    "weight_quantization": {
+        "enabled": B, "num_bits": I, "q_type": _f("enum", choices=("symmetric", "asymmetric")), "q_groups": I,
+        "quantized_initialization": D, "post_init_quant": D,
+    },
 }
 SECTIONS["bfloat16"] = SECTIONS["bf16"]
 
@@ -265,11 +281,11 @@ TOP: dict[str, Field] = {
     "allgather_size": _f("int", deprecated="zero_optimization.allgather_bucket_size"),
     "bfloat16": _f("section", section="bfloat16", deprecated="bf16"),
     # Sections whose inside DeepSpeed parses in many ways (only "is an object" is checked here).
-    **{name: _f("dict") for name in ("pipeline", "autotuning", "data_efficiency", "weight_quantization",
-                                    "expert_parallel", "datastates_ckpt", "tensor_parallel", "msamp")},
+    **{name: _f("dict") for name in ("pipeline", "autotuning", "data_efficiency", "expert_parallel",
+                                    "datastates_ckpt", "msamp")},
 }
 for _name in ("zero_optimization", "fp16", "bf16", "hybrid_engine", "tensorboard", "wandb", "csv_monitor",
-              "comet", "comms_logger", "compile"):
+              "comet", "comms_logger", "compile", "tensor_parallel", "weight_quantization"):
     TOP[_name] = _f("section", section=_name)
 for _name in ("activation_checkpointing", "flops_profiler", "checkpoint", "data_types", "optimizer",
               "scheduler", "timers", "torch_autocast"):
@@ -299,7 +315,8 @@ COMMON_MISNAMES = {
     "global_batch_size": "train_batch_size", "grad_accum": "gradient_accumulation_steps",
     "gradient_accumulation": "gradient_accumulation_steps", "max_grad_norm": "gradient_clipping",
     "grad_clip": "gradient_clipping", "lr_scheduler": "scheduler", "optim": "optimizer", "half": "fp16",
-    "mixed_precision": "bf16 / fp16", "bfloat": "bf16",
+    "mixed_precision": "bf16 / fp16", "bfloat": "bf16", "comms_config": "comms_logger",
+    "monitor_config": "tensorboard / wandb / csv_monitor / comet",
 }
 
 # DtypeEnum spellings (runtime/config.py) accepted in data_types / torch_autocast.dtype.
@@ -420,6 +437,7 @@ class _Checker:
         self.ta = _training_args(ctx.training_args) if (ctx.training_args is not None and self.hf) else None
         self.findings: list[RawFinding] = []
         self.claimed: set[tuple] = set()  # key paths already reported (the "auto" pass skips them)
+        self.accumulation_missing = False  # DS125 error: the batch check fails because of it
         self.unknown_paths: set[tuple] = set()  # unknown keys: nothing below them is judged again
 
     def add(self, rule: str, severity: str, key: tuple, message: str, fix: Optional[str] = None) -> None:
@@ -606,6 +624,9 @@ class _Checker:
         elif suggestion:
             self.add("DS105", "error", path, f"{where} is not a DeepSpeed setting: DeepSpeed ignores it, so the "
                      "setting you meant keeps its default", fix)
+        elif key.startswith("_"):  # "_comment": the usual way to annotate a JSON file
+            self.add("DS105", "info", path, f"{where} is not a DeepSpeed setting (taken as a comment); DeepSpeed "
+                     "ignores it")
         else:
             self.add("DS105", "warning", path, f"{where} is not a DeepSpeed setting; DeepSpeed ignores it",
                      "delete it, or check DeepSpeed's config reference")
@@ -649,6 +670,9 @@ class _Checker:
                          "DeepSpeed crashes reading it")
         elif kind == "enum":
             self.check_enum(path, value, spec)
+        elif kind == "pyobject":
+            self.add("DS110", "error", path, f"`{_dotted(path)}` takes a Python object (a torch.dtype), which JSON "
+                     f"cannot hold: DeepSpeed refuses {_show(value)}", "delete it")
 
     def check_section(self, path: tuple, value: Any, section: str) -> None:
         fields = SECTIONS[section]
@@ -860,18 +884,33 @@ class _Checker:
                      "config (\"Please specify the ZeRO optimization config\")",
                      'add "zero_optimization": {"stage": 0} for plain data parallelism, or the stage you want')
         if "gradient_accumulation_steps" not in self.config:
-            gas = None if self.ta is None else self.ta["gradient_accumulation_steps"]
-            message = ("no `gradient_accumulation_steps`: accelerate sets it to 1 in the config, and the Trainer then "
-                       "follows DeepSpeed's value")
-            if gas is None:
-                self.add("DS125", "warning", (), message + ", whatever TrainingArguments say",
-                         'add "gradient_accumulation_steps": "auto"')
-            elif _as_int(gas) != 1:
-                self.add("DS125", "error", (), message + f", not TrainingArguments' {gas}",
-                         'add "gradient_accumulation_steps": "auto"')
+            self.missing_accumulation()
         if self.ta is not None:
             self.mismatches()
         self.client_optimizer_offload()
+
+    def missing_accumulation(self) -> None:
+        """accelerate's DeepSpeedPlugin writes gradient_accumulation_steps=1 when the config has none.
+
+        Since accelerate 1.8 (huggingface/accelerate#3630) the Trainer's own accumulation decides DeepSpeed's
+        boundaries (engine.set_gradient_accumulation_boundary), so the training is the same and only
+        DeepSpeed's bookkeeping (train_batch_size, sample counts, its monitors) is off. Before 1.8 the
+        engine stepped the optimizer on every micro-batch. A train_batch_size fails DeepSpeed's batch check.
+        """
+        gas = None if self.ta is None else self.ta["gradient_accumulation_steps"]
+        fix = 'add "gradient_accumulation_steps": "auto"'
+        if gas is not None and _as_int(gas) == 1:
+            return
+        if gas is not None and "train_batch_size" in self.config:
+            self.add("DS125", "error", (), f"no `gradient_accumulation_steps`: accelerate writes 1 into the config, "
+                     f"while `train_batch_size` counts TrainingArguments' {gas}; DeepSpeed's check "
+                     "train_batch_size = micro batch x accumulation x world size fails at launch", fix)
+            self.accumulation_missing = True
+            return
+        said = "whatever TrainingArguments say" if gas is None else f"not TrainingArguments' {gas}"
+        self.add("DS125", "warning", (), f"no `gradient_accumulation_steps`: accelerate writes 1 into the config, "
+                 f"{said}. With accelerate >= 1.8 the Trainer still accumulates (only DeepSpeed's batch size and "
+                 "sample counts are wrong); older accelerate steps the optimizer on every micro-batch", fix)
 
     def mismatches(self) -> None:
         """HfTrainerDeepSpeedConfig.fill_match: a concrete value that differs from TrainingArguments."""
@@ -968,7 +1007,7 @@ class _Checker:
             self.add("DS121", "error", key, f"with world size {world}, train_batch_size {train} leaves "
                      f"{'a micro batch' if micro <= 0 else 'gradient accumulation'} of 0{how}: DeepSpeed refuses it",
                      _batch_fix(self.hf))
-        elif train != micro * gas * world:
+        elif train != micro * gas * world and not self.accumulation_missing:  # DS125 says why
             self.add("DS121", "error", key, f"train_batch_size {train} != micro batch {micro} x gradient accumulation "
                      f"{gas} x world size {world} = {micro * gas * world}{how}: DeepSpeed refuses it",
                      _batch_fix(self.hf))
@@ -987,6 +1026,7 @@ class _Checker:
         self.fp16_params(fp16)
         self.master_weights()
         self.param_dtype(fp16, bf16)
+        self.grad_accum_dtype(fp16, bf16)
 
     def fp16_params(self, fp16_enabled: Any) -> None:
         """DeepSpeedFP16Config's validators (types and non-finite values are DS110/DS111 already)."""
@@ -1033,6 +1073,18 @@ class _Checker:
             self.add("DS190", "error", ("data_types", "param_dtype"), f"`data_types.param_dtype` is {_show(value)} "
                      f"but the enabled precision is {mode}: DeepSpeed refuses the combination",
                      "delete param_dtype (it follows the fp16/bf16 setting)")
+
+    def grad_accum_dtype(self, fp16: Any, bf16: Any) -> None:
+        """engine._do_optimizer_sanity_check: without ZeRO, only the model's own dtype can accumulate."""
+        value = self.get("data_types", "grad_accum_dtype")
+        if not isinstance(value, str) or value not in DTYPE_NAMES or UNKNOWN in (fp16, bf16) or self.stage != 0:
+            return
+        mode = "fp16" if fp16 else "bf16" if bf16 else "fp32"
+        if DTYPE_NAMES[value] != mode:
+            self.add("DS191", "error", ("data_types", "grad_accum_dtype"), f"`data_types.grad_accum_dtype` is "
+                     f"{_show(value)} but the model trains in {mode} at ZeRO stage 0: deepspeed.initialize raises "
+                     "NotImplementedError (\"unsupported mix of model_dtype and grad_accum_dtype\")",
+                     "delete grad_accum_dtype, or use ZeRO stage 1 or higher (which accumulates in fp32)")
 
     # ------------------------------------------------------------------------------------------
     # ZeRO and offload (DS131-DS140)
@@ -1319,7 +1371,7 @@ class _Checker:
 
 _KIND_WORDS = {"bool": "true or false", "int": "an integer", "float": "a number", "str": "a string",
                "path": "a directory path", "list": "a list", "dict": "an object", "enum": "one of its choices",
-               "section": "an object", "lenient": "an object"}
+               "section": "an object", "lenient": "an object", "pyobject": "a Python object"}
 _SECTION_WORDS = {"zero_optimization": "ZeRO", "offload_param": "offload_param", "offload_optimizer": "offload_optimizer",
                   "fp16": "fp16", "bf16": "bf16", "bfloat16": "bf16"}
 
