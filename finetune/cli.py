@@ -52,6 +52,8 @@ def lint(
     gpus: Optional[int] = typer.Option(None, "--gpus", min=1, help="GPUs per node to check memory against (runs the planner)."),
     gpu_memory: Optional[str] = typer.Option(None, "--gpu-memory", help="Memory per GPU, e.g. 24GiB (runs the planner)."),
     overrides: Optional[List[str]] = typer.Option(None, "--set", help=SET_HELP),
+    hf: bool = typer.Option(True, "--hf/--no-hf", help="DeepSpeed JSON is used through the HF Trainer (default; "
+                            "\"auto\" values are filled in), or with plain deepspeed.initialize (--no-hf)."),
 ) -> None:
     """Check recipes and DeepSpeed JSON before anyone rents a GPU. Exit 0 clean, 1 on errors, 2 on usage errors.
 
@@ -71,7 +73,10 @@ def lint(
         raise fail(f"no such file or directory: {', '.join(missing)}", 2)
     if recipe is not None and not recipe.is_file():
         raise fail(f"--recipe {recipe}: no such file", 2)
-    options = LintOptions(world_size=world_size, recipe=recipe, gpus=gpus, gpu_memory=gpu_memory, overrides=overrides or [])
+    if recipe is not None and not hf:
+        raise fail("--recipe and --no-hf do not go together: a recipe trains through the HF Trainer", 2)
+    options = LintOptions(world_size=world_size, recipe=recipe, gpus=gpus, gpu_memory=gpu_memory,
+                          overrides=overrides or [], hf=hf)
     try:
         options.validate()
     except ValueError as exc:

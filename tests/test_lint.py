@@ -193,3 +193,16 @@ def test_schema_errors_do_not_hide_run_time_rules(write_recipe):
     assert ("R002", "error", "lora.rr") in found
     assert ("R004", "error", "training.learning_rate") in found
     assert ("R101", "error", "quantization.storage_dtype") in found
+
+
+def test_no_hf_lints_json_for_plain_deepspeed_initialize(tmp_path):
+    """Without the HF Trainer nothing fills "auto": bf16 "auto" is dropped by DeepSpeed (bf16 stays off)."""
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
+                                  "bf16": {"enabled": "auto"}, "zero_optimization": {"stage": 2}}))
+    with_hf = run_cli("lint", "--world-size", "2", config)
+    assert with_hf.returncode == 0, with_hf.stdout
+    plain = run_cli("lint", "--no-hf", "--world-size", "2", config)
+    assert plain.returncode == 1 and "DS175" in plain.stdout and "bf16.enabled" in plain.stdout
+    both = run_cli("lint", "--no-hf", "--recipe", REPO / "recipes" / "demo.yaml", config)
+    assert both.returncode == 2 and "--no-hf" in both.stderr

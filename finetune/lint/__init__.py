@@ -53,6 +53,7 @@ class LintOptions:
     gpus: Optional[int] = None
     gpu_memory: Optional[str] = None
     overrides: list[str] = field(default_factory=list)
+    hf: bool = True  # DeepSpeed JSON goes to the HF Trainer (TrainingArguments fill "auto"); else deepspeed.initialize
 
     def validate(self) -> None:
         if self.gpu_memory is not None:
@@ -218,7 +219,7 @@ def lint_deepspeed_file(path: Path, options: LintOptions, reference: Optional[di
         return [Finding("DS001", "error", shown, exc.line, exc.col, exc.key, exc.message,
                         "DeepSpeed, HF and accelerate read the file with json.load: plain JSON only")]
     ctx = deepspeed_rules.DSContext(world_size=options.world_size or (reference or {}).get("_world_size"),
-                                    training_args=(reference or {}).get("args"), hf_integration=True,
+                                    training_args=(reference or {}).get("args"), hf_integration=options.hf,
                                     from_recipe=False, duplicates=list(doc.duplicates))
     findings = []
     for raw in deepspeed_rules.check_config(doc.data, ctx):

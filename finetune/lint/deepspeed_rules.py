@@ -315,9 +315,11 @@ COMMON_MISNAMES = {
     "global_batch_size": "train_batch_size", "grad_accum": "gradient_accumulation_steps",
     "gradient_accumulation": "gradient_accumulation_steps", "max_grad_norm": "gradient_clipping",
     "grad_clip": "gradient_clipping", "lr_scheduler": "scheduler", "optim": "optimizer", "half": "fp16",
-    "mixed_precision": "bf16 / fp16", "bfloat": "bf16", "comms_config": "comms_logger",
-    "monitor_config": "tensorboard / wandb / csv_monitor / comet",
+    "mixed_precision": "bf16 / fp16", "bfloat": "bf16",
 }
+# Names of DeepSpeed's internal config classes that people write as keys: ignored, and only a warning
+# (what they would configure is logging, not the training).
+INTERNAL_NAMES = {"comms_config": "comms_logger", "monitor_config": "tensorboard, wandb, csv_monitor or comet"}
 
 # DtypeEnum spellings (runtime/config.py) accepted in data_types / torch_autocast.dtype.
 DTYPE_NAMES = {
@@ -627,6 +629,9 @@ class _Checker:
         elif key.startswith("_"):  # "_comment": the usual way to annotate a JSON file
             self.add("DS105", "info", path, f"{where} is not a DeepSpeed setting (taken as a comment); DeepSpeed "
                      "ignores it")
+        elif len(path) == 1 and key in INTERNAL_NAMES:
+            self.add("DS105", "warning", path, f"{where} is not a DeepSpeed setting (it names one of DeepSpeed's "
+                     "internal config classes); DeepSpeed ignores it", f"use `{INTERNAL_NAMES[key]}`")
         else:
             self.add("DS105", "warning", path, f"{where} is not a DeepSpeed setting; DeepSpeed ignores it",
                      "delete it, or check DeepSpeed's config reference")
