@@ -56,10 +56,11 @@ def run_as_rank(main) -> NoReturn:
     """`exit_rank(main())`, with an uncaught exception printed as Python would and exit code 1."""
     try:
         code = main()
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-        if exc.code is not None and not isinstance(exc.code, int):
-            print(exc.code, file=sys.stderr)
+    except SystemExit as exc:  # as Python treats it: None is 0, a message is printed and exits 1
+        code = exc.code
+        if code is not None and not isinstance(code, int):
+            print(code, file=sys.stderr)
+            code = 1
     except BaseException as exc:
         import traceback
 
