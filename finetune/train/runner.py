@@ -299,7 +299,7 @@ def run(run_dir: Path, resume: bool = False) -> None:
 
     from finetune.tiny import cache_root, ensure_builtin_model, is_builtin
     from finetune.train.callbacks import EffectiveDeepSpeedConfig, ProgressLines, TrainClock
-    from finetune.train.data import Collator, split_eval, tokenize_for_training
+    from finetune.train.data import make_collator, split_eval, tokenize_for_training
     from finetune.train.model import count_parameters, load_model, load_tokenizer, prepare_model
 
     on_cpu = _is_cpu_accelerator()
@@ -336,7 +336,8 @@ def run(run_dir: Path, resume: bool = False) -> None:
         dataset = tokenize_for_training(recipe.data.model_dump(mode="json"), tokenizer, cache_root() / "tokenized",
                                         log=_log_main(is_main))
     train_set, eval_set = split_eval(dataset, recipe.data.validation_split, recipe.training.seed)
-    collator = Collator(tokenizer.pad_token_id)
+    collator = make_collator(tokenizer.pad_token_id, recipe.model.attn_implementation, recipe.data.packing,
+                             recipe.data.padding_free)
 
     # 4. The model, built partitioned under ZeRO-3, then LoRA and gradient checkpointing.
     model = load_model(recipe, model_path)
