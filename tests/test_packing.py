@@ -180,3 +180,21 @@ def test_packed_rows_without_boundaries_mix_examples_under_flash(varlen_model, t
     batch, pairs = logits_alone_and_in_batch(model, rows, Collator(tokenizer.pad_token_id))
     assert batch["input_ids"].shape[0] == 4 and calls[0]["cu_seq_lens_q"] is None
     assert not all(torch.allclose(together, alone, rtol=1e-5, atol=1e-5) for together, alone in pairs)
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_the_runner_refuses_a_model_without_position_ids(layout, tiny_dir):  # noqa: F811
+    """Lint R114 sees only local configs; the runner checks the loaded model itself."""
+    from types import SimpleNamespace
+
+    from transformers import AutoModelForCausalLM, BloomConfig, BloomForCausalLM
+
+    from finetune.train.data import DataError
+    from finetune.train.runner import check_packing_support
+
+    recipe = SimpleNamespace(data=SimpleNamespace(**LAYOUTS[layout]))
+    bloom = BloomForCausalLM(BloomConfig(n_layer=1, hidden_size=16, n_head=2, vocab_size=64))
+    with pytest.raises(DataError, match=f"data.{layout}: BloomForCausalLM takes no position_ids"):
+        check_packing_support(bloom, recipe)
+    check_packing_support(AutoModelForCausalLM.from_pretrained(str(tiny_dir)), recipe)
+    check_packing_support(bloom, SimpleNamespace(data=SimpleNamespace(packing=False, padding_free=False)))
