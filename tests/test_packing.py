@@ -198,3 +198,7 @@ def test_the_runner_refuses_a_model_without_position_ids(layout, tiny_dir):  # n
         check_packing_support(bloom, recipe)
     check_packing_support(AutoModelForCausalLM.from_pretrained(str(tiny_dir)), recipe)
     check_packing_support(bloom, SimpleNamespace(data=SimpleNamespace(packing=False, padding_free=False)))
+
+
+# The real 2-process runs: recipes/tiny/lora_zero2_offload.yaml packs and lora_zero3.yaml is padding-free
+# (tests/test_train_runner.py::test_two_process_run_learns_and_saves_what_it_trained).

@@ -12,6 +12,9 @@ enters the loss when `data.mask_prompt` is true. `tokenize_for_training` runs on
 and tokenizer: the result is saved under the cache (keyed by a hash of both) and later runs, and the
 other ranks of this run, load it from there.
 
+Batching (`make_collator`): padded rows, packed rows, or one flattened row per micro batch
+(`data.padding_free`, and packing under flash attention), so that examples never attend to each other.
+
 This module imports `datasets` and torch only inside functions (finetune.tiny imports format_alpaca).
 """
 
