@@ -630,17 +630,18 @@ def test_attention_mask_term_equals_the_mask_transformers_builds(attn, layout):
 
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
-@pytest.mark.parametrize("layout", ["packing", "padding_free"])
+@pytest.mark.parametrize("layout", ["padded", "packing", "padding_free"])
 def test_layer_activations_of_packed_and_flattened_batches(attn, layout):
-    """One decoder layer's saved tensors for the batches the collator makes: packed rows (sdpa gets a mask,
-    so key/value heads are repeated) and one padding-free row of b x s tokens (eager's scores span it)."""
+    """One decoder layer's saved tensors for the batches the collator makes: padded and packed rows (sdpa
+    gets a mask, so key/value heads are repeated) and one padding-free row of b x s tokens (eager's
+    scores span it)."""
     import torch
 
     from finetune.train.data import make_collator
 
     b, s = 2, 48
     rows = [{"input_ids": [7] * s, "labels": [7] * s, "position_ids": list(range(16)) + list(range(s - 16))}] * b
-    if layout == "padding_free":
+    if layout != "packing":
         rows = [{"input_ids": [7] * s, "labels": [7] * s}] * b
     measured = []
     for layers in (1, 2):
@@ -648,7 +649,8 @@ def test_layer_activations_of_packed_and_flattened_batches(attn, layout):
         torch.manual_seed(1)
         ids = torch.randint(0, 512, (b, s))
         batch = make_collator(0, attn, packing=layout == "packing", padding_free=layout == "padding_free")(
-            [{**row, "input_ids": ids[i].tolist(), "labels": ids[i].tolist()} for i, row in enumerate(rows)])
+            [{**row, "input_ids": ids[i, :n].tolist(), "labels": ids[i, :n].tolist()}
+             for i, (row, n) in enumerate(zip(rows, [s - 4] + [s] * (b - 1) if layout == "padded" else [s] * b))])
         params = {p.untyped_storage().data_ptr() for p in model.parameters()}
         seen: dict[int, int] = {}
 
