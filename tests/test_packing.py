@@ -176,6 +176,7 @@ def test_packed_rows_without_boundaries_mix_examples_under_flash(varlen_model, t
     from finetune.train.data import Collator
 
     model, calls = varlen_model
+    calls.clear()
     rows = micro_batch(tokenizer, "packing", 4)
     batch, pairs = logits_alone_and_in_batch(model, rows, Collator(tokenizer.pad_token_id))
     assert batch["input_ids"].shape[0] == 4 and calls[0]["cu_seq_lens_q"] is None
