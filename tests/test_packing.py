@@ -1,9 +1,10 @@
 """Packing and padding-free batches keep every example to itself, on every attention kernel (issue 9).
 
 The tiny Llama (random weights, float32) runs a collated micro batch and each example alone: the
-logits must agree. Flash attention has no CPU kernel, so for flash_attention_2/3 a stand-in attention
-function (registered like a kernel, with flash's mask rules) records what reaches it and attends
-within the cu_seq_lens segments it is given, as the varlen flash kernel does.
+logits must agree. Flash attention has no CPU kernel: for flash_attention_2/3 the model runs
+transformers' own flash path (flash's mask rules, flash_attention_forward choosing the plain or the
+varlen kernel from what it receives) over CPU stand-ins for the two kernels, and what reaches the
+attention is recorded. The acceptance run on a GPU checks the real kernels.
 """
 
 from __future__ import annotations
@@ -85,31 +86,60 @@ def test_every_example_in_a_batch_has_its_logits_alone(models, tokenizer, attn, 
 # Flash attention: what reaches the kernel
 
 
+def _cpu_flash_kernels():
+    """CPU stand-ins for flash_attn_func / flash_attn_varlen_func (same signatures and layouts: rows x
+    seq x heads x dim, and total tokens x heads x dim cut at cu_seqlens), causal within each segment."""
+    import torch
+
+    def attend(q, k, v, softmax_scale):  # (seq, heads, dim) each, key/value heads grouped
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, scale=softmax_scale, enable_gqa=True)
+        return out.transpose(0, 1)
+
+    def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False):
+        assert causal
+        return torch.stack([attend(q[i], k[i], v[i], softmax_scale) for i in range(q.shape[0])])
+
+    def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                               softmax_scale=None, causal=False):
+        assert causal and torch.equal(cu_seqlens_q, cu_seqlens_k)
+        bounds = cu_seqlens_q.tolist()
+        assert max_seqlen_q == max(b - a for a, b in zip(bounds, bounds[1:]))
+        return torch.cat([attend(q[a:b], k[a:b], v[a:b], softmax_scale) for a, b in zip(bounds, bounds[1:])])
+
+    return flash_attn_func, flash_attn_varlen_func
+
+
 @pytest.fixture(scope="module")
 def varlen_model(tiny_dir):  # noqa: F811
-    """The tiny Llama with a recording stand-in for the flash varlen kernel."""
+    """The tiny Llama running transformers' own flash attention path (flash_attention_forward, which picks
+    the varlen kernel from the kwargs it gets), with CPU stand-ins for the kernels; every call's inputs
+    are recorded."""
     import torch
+    import transformers.modeling_flash_attention_utils as fa_utils
+    import transformers.modeling_utils as modeling_utils
     from transformers import AttentionInterface, AttentionMaskInterface, AutoModelForCausalLM
+    from transformers.integrations.flash_attention import flash_attention_forward
     from transformers.masking_utils import flash_attention_mask
 
+    flash_fn, varlen_fn = _cpu_flash_kernels()
+    process_kwargs = fa_utils._lazy_define_process_function(varlen_fn)
     calls: list[dict] = []
 
-    def varlen_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    def recorded_flash_attention(module, query, key, value, attention_mask, **kwargs):
         calls.append({"attention_mask": attention_mask, "batch": query.shape[0],
                       **{k: kwargs.get(k) for k in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k",
                                                     "position_ids")}})
-        cu = kwargs.get("cu_seq_lens_q")
-        bounds = cu.tolist() if cu is not None else [0, query.shape[2]]  # an example alone: one segment
-        # Causal attention inside each [start, end) segment only, as flash_attn_varlen_func computes it.
-        out = torch.cat([torch.nn.functional.scaled_dot_product_attention(
-            query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], is_causal=True, scale=scaling, enable_gqa=True)
-            for a, b in zip(bounds, bounds[1:])], dim=2)
-        return out.transpose(1, 2).contiguous(), None
+        return flash_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
-    AttentionInterface.register("test_varlen", varlen_attention)
-    AttentionMaskInterface.register("test_varlen", flash_attention_mask)
-    model = AutoModelForCausalLM.from_pretrained(str(tiny_dir), dtype=torch.float32, attn_implementation="test_varlen")
-    return model.eval(), calls
+    AttentionInterface.register("test_flash", recorded_flash_attention)
+    AttentionMaskInterface.register("test_flash", flash_attention_mask)
+    kernels = lambda *a, **k: ((flash_fn, varlen_fn, None, None, None), (process_kwargs, dict))  # noqa: E731
+    with pytest.MonkeyPatch.context() as patch:
+        for where in (fa_utils, modeling_utils):  # from_pretrained checks that a flash kernel loads
+            patch.setattr(where, "lazy_import_flash_attention", kernels)
+        model = AutoModelForCausalLM.from_pretrained(str(tiny_dir), dtype=torch.float32, attn_implementation="test_flash")
+        yield model.eval(), calls
 
 
 @pytest.mark.parametrize("size", [1, 4])
