@@ -136,7 +136,8 @@ class Setup:
     double_quant: bool = True
     optimizer: str = "adamw"
     # Without DeepSpeed: torch's fused AdamW (HF's default with torch >= 2.8) or the foreach one (the
-    # default before), which allocates a temporary per moment in the step.
+    # default before), which allocates a temporary per moment in the step; torch 2.0's foreach AdamW
+    # ("foreach_torch20") allocates two (its `denom = _foreach_add(exp_avg_sq_sqrt, eps)` is not in place).
     optimizer_impl: str = "fused"
     deepspeed: bool = True  # False: plain PyTorch (HF Trainer without DeepSpeed)
     stage: int = 2
@@ -654,6 +655,16 @@ def _weights(setup: Setup, groups: list[ParamGroup], cpu: list[Term], notes: lis
     return terms
 
 
+def foreach_adam_temporaries(setup: Setup) -> int:
+    """How many moment-sized temporaries torch's multi-tensor Adam(W) allocates at once in its step:
+    exp_avg_sq_sqrt = _foreach_sqrt(exp_avg_sqs) for every parameter (torch >= 2.1 then adds eps in
+    place); torch 2.0 also allocated denom = _foreach_add(exp_avg_sq_sqrt, eps) while the first was
+    alive. The fused kernel has none."""
+    if setup.optimizer not in ("adamw", "adam"):
+        return 0
+    return {"foreach": 1, "foreach_torch20": 2}.get(setup.optimizer_impl, 0)
+
+
 def _gradients_and_optimizer(setup: Setup, groups: list[ParamGroup], trainable: int, cpu: list[Term],
                              notes: list[str]) -> list[Term]:
     n = setup.world
@@ -667,11 +678,10 @@ def _gradients_and_optimizer(setup: Setup, groups: list[ParamGroup], trainable: 
         state_total = stored * states // 4 if setup.optimizer != "adamw_bnb_8bit" else trainable * 2
         out = [Term("gradients", "gradients", stored, note="same dtype as the trainable weights"),
                Term("optimizer", opt_name, state_total, note="torch optimizer, parameter dtype")]
-        if setup.optimizer_impl == "foreach" and setup.optimizer in ("adamw", "adam"):
-            # torch/optim/adam.py _multi_tensor_adam: exp_avg_sq_sqrt = _foreach_sqrt(exp_avg_sqs), one
-            # temporary the size of a moment for every parameter at once (the fused kernel has none).
-            out.append(Term("buffers", "foreach Adam temporaries", stored, phase="step",
-                            note="sqrt of the second moments (optimizer_impl foreach)"))
+        temporaries = foreach_adam_temporaries(setup)
+        if temporaries:
+            out.append(Term("buffers", "foreach Adam temporaries", temporaries * stored, phase="step",
+                            note=f"{temporaries} moment-sized (optimizer_impl {setup.optimizer_impl})"))
         return out
     if setup.stage == 0 and setup.dtype == "float32":
         # No bf16/fp16: engine._do_optimizer_sanity_check returns no wrapper, the optimizer runs as is.
