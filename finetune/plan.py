@@ -139,6 +139,11 @@ class Setup:
     # default before), which allocates a temporary per moment in the step; torch 2.0's foreach AdamW
     # ("foreach_torch20") allocates two (its `denom = _foreach_add(exp_avg_sq_sqrt, eps)` is not in place).
     optimizer_impl: str = "fused"
+    # The dtype the cross-entropy runs in. Today's transformers upcast the logits to fp32 (and so does
+    # torch.autocast, whose fp32 list has log_softmax / nll_loss); older remote-code models that compute
+    # their own loss without an upcast, run without autocast (DeepSpeed), keep it 16-bit. Corpus cases
+    # set it (docs/plan.md); recipes of this project always get float32.
+    loss_dtype: str = "float32"
     deepspeed: bool = True  # False: plain PyTorch (HF Trainer without DeepSpeed)
     stage: int = 2
     offload_optimizer: str = "none"
@@ -1065,7 +1070,8 @@ def _activations(setup: Setup) -> list[Term]:
     terms.append(Term("activations", what, extra, phase="backward",
                       note="beyond the loss buffers" if extra else "smaller than the loss buffers"))
     terms.append(Term("logits", "loss working set", logits, phase="backward",
-                      note=f"{tokens:,} tokens x vocab {arch.vocab:,} x 12 B (fp32 log-probs + 2 grads)"))
+                      note=f"{tokens:,} tokens x vocab {arch.vocab:,} x {3 * loss_element_bytes(setup)} B "
+                           f"({setup.loss_dtype} log-probs + 2 grads)"))
     return terms
 
 
@@ -1167,15 +1173,22 @@ def attention_mask_bytes(setup: Setup) -> int:
     return setup.micro_batch * setup.seq_len * setup.seq_len * per
 
 
+def loss_element_bytes(setup: Setup) -> int:
+    """Bytes of one log-prob in the cross-entropy: 4 when it runs in fp32 (transformers' upcast, or
+    autocast), 2 when a model's own loss runs on 16-bit logits without autocast (Setup.loss_dtype)."""
+    return 4 if setup.loss_dtype == "float32" else 2
+
+
 def logits_bytes(setup: Setup) -> int:
     """The loss: transformers' ForCausalLMLoss upcasts the logits to fp32 and cross_entropy keeps the
     fp32 log-softmax for backward; at the start of backward the log-probs, nll_loss's gradient and
     log_softmax's gradient are alive together: 3 x 4 bytes per vocabulary entry and token (the
-    16-bit logits and the fp32 copy of the forward, 6-10 bytes, are gone by then)."""
+    16-bit logits and the fp32 copy of the forward, 6-10 bytes, are gone by then). A 16-bit loss
+    (loss_dtype) keeps the same three tensors at 2 bytes each."""
     arch = setup.arch
     assert arch is not None
     tokens = setup.micro_batch * setup.seq_len
-    per = 12 + (2 * setup.element_bytes if arch.logit_softcap else 0)  # Gemma 2: tanh output kept
+    per = 3 * loss_element_bytes(setup) + (2 * setup.element_bytes if arch.logit_softcap else 0)  # Gemma 2: tanh
     return tokens * arch.vocab * per
 
 

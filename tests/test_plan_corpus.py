@@ -14,7 +14,8 @@ import pytest
 
 from finetune.archs import BY_NAME, arch_from_config
 from finetune.plan import (
-    CUBLAS_WORKSPACE, CUDA_CONTEXT, GiB, MiB, Setup, is_hopper, nccl_buffer_bytes, plan, plan_recipe,
+    CUBLAS_WORKSPACE, CUDA_CONTEXT, GiB, MiB, Setup, is_hopper, logits_bytes, nccl_buffer_bytes, plan,
+    plan_recipe,
 )
 from finetune.recipe import load_recipe
 from tests.conftest import REPO, run_cli
@@ -72,9 +73,11 @@ def test_plan_runs_on_every_case(corpus_rows):
 
 # What the planner reaches today (`python scripts/plan_corpus.py --summary`). These pin the
 # calibration: a change that makes any of them worse fails here. Issue 14's target is below.
+# The Qwen README's DeepSpeed rows with their real 16-bit loss (loss_dtype) raised these from the
+# previous commit's 10.5% / 65 / 52: their slopes now match, a fixed offset they share is unexplained.
 REACHED = {
-    "all": {"median_abs_error": 0.106, "under_10": 65, "under_15": 52},
-    "calibration": {"median_abs_error": 0.078, "under_10": 24, "under_15": 18},
+    "all": {"median_abs_error": 0.127, "under_10": 76, "under_15": 59},
+    "calibration": {"median_abs_error": 0.090, "under_10": 35, "under_15": 25},
     "holdout": {"median_abs_error": 0.194, "under_10": 41, "under_15": 34},
 }
 
@@ -90,7 +93,7 @@ def test_corpus_error_is_no_worse_than_reached(corpus_rows, part):
 
 
 @pytest.mark.xfail(strict=True, reason="issue 14's target is not met: see docs/plan.md, 'Against published "
-                                       "measurements' (median 10.5%, 65 of 140 under-predicted by >10%)")
+                                       "measurements' (median 12.6%, 76 of 140 under-predicted by >10%)")
 def test_issue_14_target_median_5_percent_and_never_10_percent_low(corpus_rows):
     _, rows, script = corpus_rows
     got = script.summaries(rows)["all"]
@@ -229,6 +232,36 @@ def test_torch20_foreach_adamw_keeps_two_moment_sized_temporaries():
     step = {impl: plan(replace(base, optimizer_impl=impl)).phase_bytes("step", ("allocated",))
             for impl in ("foreach", "foreach_torch20")}
     assert step["foreach_torch20"] - step["foreach"] == arch.total_params * 2
+
+
+def test_a_16bit_loss_keeps_half_the_bytes_of_an_autocast_one():
+    """Qwen v1's remote code computes CrossEntropyLoss on the 16-bit lm_logits itself. Under
+    torch.autocast (the HF Trainer without DeepSpeed) cross-entropy is on the fp32 list; with DeepSpeed
+    accelerate runs no autocast and the log-softmax kept for backward stays 16-bit. The planner's
+    loss term (Setup.loss_dtype) follows the element size of what torch saves."""
+    import torch
+
+    vocab, tokens = 512, 8
+    labels = torch.randint(0, vocab, (tokens,))
+    saved = {}
+    for name, autocast in (("bfloat16", False), ("float32", True)):
+        logits = torch.randn(tokens, vocab, dtype=torch.bfloat16, requires_grad=True)
+        sizes = []
+
+        def pack(t, sizes=sizes):
+            sizes.append(t.element_size() if t.numel() == tokens * vocab else 0)
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                torch.nn.functional.cross_entropy(logits, labels)
+        saved[name] = max(sizes)
+    assert saved == {"bfloat16": 2, "float32": 4}
+    arch = BY_NAME["llama-3-8b"]
+    base = Setup(arch=arch, params=arch.total_params, method="lora", deepspeed=False, seq_len=1024)
+    got = {dtype: logits_bytes(replace(base, loss_dtype=dtype)) for dtype in ("float32", "bfloat16")}
+    assert got["float32"] == 1024 * arch.vocab * 3 * saved["float32"]
+    assert got["bfloat16"] == 1024 * arch.vocab * 3 * saved["bfloat16"]
 
 
 # ----------------------------------------------------------------------------------------------
