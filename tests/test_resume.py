@@ -408,6 +408,9 @@ sys.exit(supervise(LaunchPlan(**{**fields, "run_dir": Path(fields["run_dir"])}))
 
 
 def test_a_second_signal_kills_every_rank_at_once(tmp_path):
+    """The rule of finetune.checkpoint.SECOND_SIGNAL_WINDOW: a repeat within it is the same request;
+    a later one SIGKILLs every process of the run."""
+    from finetune.checkpoint import SECOND_SIGNAL_WINDOW
     from finetune.launch import plan_launch
     from finetune.recipe import Recipe
 
@@ -432,8 +435,12 @@ def test_a_second_signal_kills_every_rank_at_once(tmp_path):
         while not ((run_dir / "asked0").exists() and (run_dir / "asked1").exists()):
             assert time.monotonic() < deadline, "the first signal did not reach every rank"
             time.sleep(0.05)
-        time.sleep(0.5)
+        first = time.monotonic()
+        # Within the window: the same request (as the ranks see it), nothing is killed.
+        driver.send_signal(signal.SIGTERM)
+        time.sleep(1.0)
         assert driver.poll() is None and all(_alive(pid) for pid in pids)  # still "saving"
+        time.sleep(max(0.0, SECOND_SIGNAL_WINDOW + 0.5 - (time.monotonic() - first)))
         started = time.monotonic()
         driver.send_signal(signal.SIGTERM)
         assert driver.wait(timeout=30) == 128 + signal.SIGTERM
