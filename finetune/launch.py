@@ -11,14 +11,16 @@ Two launchers, chosen by `launch.launcher` (auto: deepspeed when a hostfile is s
     python -m deepspeed.launcher.runner --num_gpus 2 --master_addr 127.0.0.1 --master_port 29500 \\
         --no_local_rank --enable_each_rank_log RUN/logs --module finetune.train.runner --run-dir RUN
 
-The launcher runs in its own process group; SIGINT/SIGTERM sent to `finetune train` are forwarded to
-it, and it forwards them to the ranks, which save a checkpoint at the next step end and exit
-(finetune.train.preemption); torchrun waits `launch.stop_timeout` seconds for them (its
-TORCH_ELASTIC_SHUTDOWN_TIMEOUT), DeepSpeed's launcher 30 s, then they are killed. `finetune train`
-then exits 75 (finetune.checkpoint.EXIT_PREEMPTED) when the checkpoint was saved. A second signal
-kills every process of the run at once. `finetune train` never returns while a rank it started is
-still alive. A failing rank is named, with its host, from torchrun's failure report (the "Root
-Cause" block of its ChildFailedError).
+The launcher runs in its own process group; SIGINT/SIGTERM/SIGHUP sent to `finetune train` are
+forwarded to it (SIGHUP as SIGTERM), and it forwards them to the ranks, which save a checkpoint at
+the next step end and exit (finetune.train.preemption); torchrun waits `launch.stop_timeout` seconds
+for them (its TORCH_ELASTIC_SHUTDOWN_TIMEOUT), DeepSpeed's launcher 30 s, then they are killed.
+`finetune train` then exits 75 (finetune.checkpoint.EXIT_PREEMPTED) when the checkpoint was saved.
+A repeat within finetune.checkpoint.SECOND_SIGNAL_WINDOW is the same request; a later signal kills
+every process of the run at once. `finetune train` never returns while a rank it started is still
+alive, and the launcher dies with it (finetune.lifeline). A failing rank is named from the error
+files torchrun gives every rank (error.json, written by the runner's @record), with exit codes and
+hosts from torchrun's printed failure report, which alone serves when there are no error files.
 
 Several machines: with torchrun, `finetune train` runs on every machine with its --node-rank
 (static rendezvous at master_addr:master_port; `finetune slurm` writes that for SLURM); with a
@@ -53,6 +55,7 @@ from finetune.recipe import Recipe
 if TYPE_CHECKING:
     from finetune.preflight import Preflight
     from finetune.recipe import LoadedRecipe
+    from finetune.extensions import BuildWatch
     from finetune.runlock import RunLock
 
 RUNNER_MODULE = "finetune.train.runner"
@@ -314,7 +317,8 @@ PORT_RETRIES = 3  # new rendezvous ports tried when the one checked free was tak
 LAUNCHER_ERROR_FILE = "launcher_error.json"  # torchrun's own exception (its main is wrapped in @record)
 
 
-def supervise(plan: LaunchPlan, console: Optional[IO[bytes]] = None, keep_fds: tuple[int, ...] = ()) -> Outcome:
+def supervise(plan: LaunchPlan, console: Optional[IO[bytes]] = None, keep_fds: tuple[int, ...] = (),
+              builds: Optional["BuildWatch"] = None) -> Outcome:
     """Run `plan` to the end: relay output, forward stop signals, say which rank failed.
 
     A single-node torchrun whose rendezvous port was taken between the check and its bind is started
@@ -325,7 +329,7 @@ def supervise(plan: LaunchPlan, console: Optional[IO[bytes]] = None, keep_fds: t
     (plan.run_dir / "logs").mkdir(parents=True, exist_ok=True)
     clear_stop_record(plan.run_dir)
     for attempt in range(PORT_RETRIES + 1):
-        outcome = _supervise_once(plan, console, keep_fds)
+        outcome = _supervise_once(plan, console, keep_fds, builds)
         busy = outcome.port_in_use
         if busy is None or outcome.signal is not None or plan.nodes > 1 or attempt == PORT_RETRIES:
             return outcome
@@ -342,7 +346,8 @@ def _set_port(plan: LaunchPlan, port: int) -> None:
     plan.master_port = port
 
 
-def _supervise_once(plan: LaunchPlan, console: IO[bytes], keep_fds: tuple[int, ...]) -> Outcome:
+def _supervise_once(plan: LaunchPlan, console: IO[bytes], keep_fds: tuple[int, ...],
+                    builds: Optional["BuildWatch"]) -> Outcome:
     from finetune.checkpoint import SECOND_SIGNAL_WINDOW
 
     logs = plan.run_dir / "logs"
@@ -371,6 +376,8 @@ def _supervise_once(plan: LaunchPlan, console: IO[bytes], keep_fds: tuple[int, .
 
     # Handlers go in before the launcher starts: a Ctrl-C in between must not orphan it.
     previous = _install_handlers(forward)
+    if builds is not None:
+        builds.started = time.monotonic()
     try:
         proc = spawn(plan, keep_fds)
         running.append(proc)
@@ -379,7 +386,7 @@ def _supervise_once(plan: LaunchPlan, console: IO[bytes], keep_fds: tuple[int, .
         relay = Relay(proc.stdout, console, logs / "launcher.log")
         relay.start()
         try:
-            wait(plan, proc, console, tracker)
+            wait(plan, proc, console, tracker, builds)
             # torchrun starts each rank in a session of its own, and a launcher that was signalled can
             # exit before its ranks: wait for them (they may be writing a checkpoint), then kill.
             tracker.wait_gone(plan.stop_timeout + 30 if forwarded else 30)
@@ -450,8 +457,10 @@ class ProcessTree:
                 pass
 
 
-def wait(plan: LaunchPlan, proc: subprocess.Popen, console: IO[bytes], tracker: Optional[ProcessTree] = None) -> None:
-    """Until the launcher exits: follow rank 0's log for the deepspeed launcher, link the rank logs."""
+def wait(plan: LaunchPlan, proc: subprocess.Popen, console: IO[bytes], tracker: Optional[ProcessTree] = None,
+         builds: Optional["BuildWatch"] = None) -> None:
+    """Until the launcher exits: follow rank 0's log for the deepspeed launcher, link the rank logs, say
+    when a first-run compile is done (or a stale build lock was cleared)."""
     logs = plan.run_dir / "logs"
     rank0 = Follower(logs, "*_rank0.log", console) if plan.launcher == "deepspeed" and plan.node_rank == 0 else None
     linked = False
@@ -463,6 +472,9 @@ def wait(plan: LaunchPlan, proc: subprocess.Popen, console: IO[bytes], tracker: 
             rank0.poll()
         if not linked:
             linked = link_rank_logs(plan)  # as soon as torchrun made the folders: tail -f works during the run
+        if builds is not None and builds.pending and builds.due():
+            for note in builds.poll():
+                Relay._write(console, f"[finetune] {note}\n".encode())
     if rank0:
         rank0.poll()
 
@@ -796,6 +808,7 @@ class Prepared:
     plan: Optional[LaunchPlan]
     overwrite: bool = False
     lock: Optional["RunLock"] = None  # the existing run directory, owned from preflight to the end of the run
+    builds: Optional["BuildWatch"] = None  # DeepSpeed ops compiled on first use (finetune.extensions)
 
     def release(self) -> None:
         if self.lock is not None:
@@ -841,13 +854,27 @@ def prepare(loaded: "LoadedRecipe", output_dir: Optional[Path] = None, overwrite
             plan.notes.append(f"port {recipe.launch.master_port} is busy; using {port}")
     except HostfileError:
         pass  # preflight reports it
+    builds = watch_builds(plan, recipe, dry_run) if plan is not None else None
     lock, in_use = lock_existing(run_dir, dry_run)
     preflight = run_preflight(loaded, run_dir, overwrite=overwrite, facts=facts,
                               world_size=plan.world_size if plan else None, resume=resume, force_resume=force_resume,
                               in_use=in_use)
     if plan is not None and preflight.resume_from is not None:
         plan.argv.append("--resume")  # the runner's argument, last on both launchers' command lines
-    return Prepared(loaded, run_dir, preflight, plan, overwrite, lock)
+    return Prepared(loaded, run_dir, preflight, plan, overwrite, lock, builds)
+
+
+def watch_builds(plan: LaunchPlan, recipe: Recipe, dry_run: bool) -> Optional["BuildWatch"]:
+    """Say which DeepSpeed ops the ranks will compile first, and clear a stale build lock that would make
+    them wait forever (a dry run only says how). Single-node runs: other nodes have their own caches."""
+    from finetune.extensions import BuildWatch, extensions_root, ops_needed
+
+    ops = ops_needed(plan.device, recipe.deepspeed.offload_optimizer)
+    if not ops or plan.nodes > 1:
+        return None
+    watch = BuildWatch(extensions_root({**os.environ, **plan.env}), ops, remove_stale=not dry_run)
+    plan.notes.extend(watch.notes())
+    return watch
 
 
 def lock_existing(run_dir: Path, dry_run: bool) -> tuple[Optional["RunLock"], Optional[str]]:
@@ -893,7 +920,7 @@ def start_run(prepared: Prepared, console: Optional[IO[bytes]] = None) -> Outcom
 
             write_atomic(Path(plan.env["DS_ENV_FILE"]), deepspeed_env_text({**os.environ, **plan.env}))
         plan.env[OWNER_ENV] = str(os.getpid())  # the ranks clean up checkpoints only under this lock
-        return supervise(plan, console, keep_fds=(prepared.lock.fd,))
+        return supervise(plan, console, keep_fds=(prepared.lock.fd,), builds=prepared.builds)
     finally:
         prepared.release()
 
