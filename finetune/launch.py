@@ -855,7 +855,7 @@ def prepare(loaded: "LoadedRecipe", output_dir: Optional[Path] = None, overwrite
     except HostfileError:
         pass  # preflight reports it
     builds = watch_builds(plan, recipe, dry_run) if plan is not None else None
-    lock, in_use = lock_existing(run_dir, dry_run)
+    lock, in_use = lock_existing(run_dir, dry_run, recipe)
     preflight = run_preflight(loaded, run_dir, overwrite=overwrite, facts=facts,
                               world_size=plan.world_size if plan else None, resume=resume, force_resume=force_resume,
                               in_use=in_use)
@@ -877,17 +877,18 @@ def watch_builds(plan: LaunchPlan, recipe: Recipe, dry_run: bool) -> Optional["B
     return watch
 
 
-def lock_existing(run_dir: Path, dry_run: bool) -> tuple[Optional["RunLock"], Optional[str]]:
+def lock_existing(run_dir: Path, dry_run: bool, recipe: Recipe) -> tuple[Optional["RunLock"], Optional[str]]:
     """(our lock on an existing run directory, or None; the live holder's description, or None)."""
     from finetune.preflight import RUN_MARKER
-    from finetune.runlock import RunDirLocked, acquire, holder
+    from finetune.runlock import RunDirLocked, acquire, holder, lock_name
 
+    name = lock_name(recipe.launch.nodes, recipe.launch.node_rank)
     if not (run_dir / RUN_MARKER).is_file():
         return None, None  # nothing there for another run to own; locked once written (start_run)
     if dry_run:
-        return None, holder(run_dir)
+        return None, holder(run_dir, name)
     try:
-        return acquire(run_dir), None
+        return acquire(run_dir, name), None
     except RunDirLocked as exc:
         return None, str(exc)
     except OSError:
@@ -898,7 +899,7 @@ def start_run(prepared: Prepared, console: Optional[IO[bytes]] = None) -> Outcom
     """Write the run directory, then launch and supervise. Call only when prepared.preflight.ok."""
     from finetune.rundir import write_run_dir
 
-    from finetune.runlock import OWNER_ENV, RunDirLocked, acquire
+    from finetune.runlock import LOCK_ENV, OWNER_ENV, RunDirLocked, acquire, lock_name
 
     if not prepared.preflight.ok or prepared.plan is None:
         raise LaunchError("preflight failed; nothing was launched")
@@ -910,7 +911,7 @@ def start_run(prepared: Prepared, console: Optional[IO[bytes]] = None) -> Outcom
         if prepared.lock is None or not in_place:
             # A new directory, or --overwrite replaced the one we had locked: own the one now in place.
             try:
-                lock = acquire(prepared.run_dir)
+                lock = acquire(prepared.run_dir, lock_name(plan.nodes, plan.node_rank))
             except RunDirLocked as exc:
                 raise LaunchError(str(exc)) from None
             prepared.release()
@@ -919,7 +920,8 @@ def start_run(prepared: Prepared, console: Optional[IO[bytes]] = None) -> Outcom
             from finetune.fsutil import write_atomic
 
             write_atomic(Path(plan.env["DS_ENV_FILE"]), deepspeed_env_text({**os.environ, **plan.env}))
-        plan.env[OWNER_ENV] = str(os.getpid())  # the ranks clean up checkpoints only under this lock
+        # The ranks clean up checkpoints only under this lock.
+        plan.env.update({OWNER_ENV: str(os.getpid()), LOCK_ENV: prepared.lock.path.name})
         return supervise(plan, console, keep_fds=(prepared.lock.fd,), builds=prepared.builds)
     finally:
         prepared.release()

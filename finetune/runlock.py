@@ -17,6 +17,12 @@ from typing import Optional
 
 LOCK_FILE = ".finetune.lock"
 OWNER_ENV = "FINETUNE_RUN_OWNER"  # the holder's PID, for the ranks it starts (finetune.train.preemption)
+LOCK_ENV = "FINETUNE_RUN_LOCK"  # the lock file's name in the run directory, for the same ranks
+
+
+def lock_name(nodes: int = 1, node_rank: int = 0) -> str:
+    """The nodes of one multi-node run share a run directory: each `finetune train` owns its node's part."""
+    return LOCK_FILE if nodes <= 1 else f"{LOCK_FILE}.node{node_rank}"
 
 
 class RunDirLocked(Exception):
@@ -34,8 +40,8 @@ class RunLock:
             self.fd = -1
 
 
-def _lock_path(run_dir: Path) -> Path:
-    return Path(run_dir) / LOCK_FILE
+def _lock_path(run_dir: Path, name: str) -> Path:
+    return Path(run_dir) / name
 
 
 def _try_flock(fd: int) -> bool:
@@ -48,9 +54,9 @@ def _try_flock(fd: int) -> bool:
         return False
 
 
-def acquire(run_dir: Path) -> RunLock:
+def acquire(run_dir: Path, name: str = LOCK_FILE) -> RunLock:
     """Own `run_dir` (it must exist), or raise RunDirLocked naming the live holder."""
-    path = _lock_path(run_dir)
+    path = _lock_path(run_dir, name)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     if not _try_flock(fd):
         holder = _read_holder(fd)
@@ -61,9 +67,9 @@ def acquire(run_dir: Path) -> RunLock:
     return RunLock(path, fd)
 
 
-def holder(run_dir: Path) -> Optional[str]:
+def holder(run_dir: Path, name: str = LOCK_FILE) -> Optional[str]:
     """Who owns `run_dir` now (the error message), or None when no live run does. Takes nothing."""
-    path = _lock_path(run_dir)
+    path = _lock_path(run_dir, name)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
@@ -76,9 +82,9 @@ def holder(run_dir: Path) -> Optional[str]:
         os.close(fd)
 
 
-def owned_by(run_dir: Path, pid: int) -> bool:
+def owned_by(run_dir: Path, pid: int, name: str = LOCK_FILE) -> bool:
     """Whether the live holder of `run_dir`'s lock is the process `pid` (as its lock file says)."""
-    path = _lock_path(run_dir)
+    path = _lock_path(run_dir, name)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError:

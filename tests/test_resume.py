@@ -404,7 +404,13 @@ def test_another_node_of_the_same_run_may_have_written_the_directory(workspace, 
     flags = ("--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.1")
     loaded = load_recipe(workspace / "r.yaml", ["launch.nodes=2", "launch.node_rank=0", "launch.master_addr=10.0.0.1"])
     write_run_dir(loaded, out, world_size=4)  # node 0 was first
-    joined = dry_run(*flags)
+    from finetune.runlock import acquire, lock_name
+
+    node0 = acquire(out, lock_name(2, 0))  # node 0's `finetune train` is running there
+    try:
+        joined = dry_run(*flags)
+    finally:
+        node0.release()
     assert joined.exit_code == 0, joined.output
     assert "written by another node of this run" in joined.stderr
     # a single-node run never writes into someone else's directory

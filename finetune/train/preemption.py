@@ -314,11 +314,12 @@ def discard_incomplete_if_owned(run_dir: Path) -> None:
     from finetune import runlock
 
     owner = os.environ.get(runlock.OWNER_ENV)
+    name = os.environ.get(runlock.LOCK_ENV, runlock.LOCK_FILE)
     if owner is not None:
-        owned, lock = runlock.owned_by(run_dir, int(owner)), None
+        owned, lock = runlock.owned_by(run_dir, int(owner), name), None
     else:  # started without `finetune train` (torchrun by hand): own it for the cleanup
         try:
-            lock = runlock.acquire(run_dir)
+            lock = runlock.acquire(run_dir, name)
             owned = True
         except (runlock.RunDirLocked, OSError):
             owned, lock = False, None
