@@ -282,7 +282,10 @@ def train(
         typer.echo(f"finished: {prepared.run_dir}{where}", err=True)
         return
     if outcome.returncode == EXIT_PREEMPTED:
-        typer.echo(f"stopped: {outcome.message} (run directory: {prepared.run_dir})", err=True)
+        try:
+            typer.echo(f"stopped: {outcome.message} (run directory: {prepared.run_dir})", err=True)
+        except OSError:
+            pass  # SIGHUP: the terminal is gone; the exit code still says a checkpoint was saved
         raise typer.Exit(EXIT_PREEMPTED)
     if outcome.signal is not None:
         raise fail(f"{outcome.message}; the run directory {prepared.run_dir} holds what was saved", outcome.returncode)

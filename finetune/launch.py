@@ -616,8 +616,10 @@ def judge(plan: LaunchPlan, returncode: int, output: str, forwarded: Optional[in
         return Outcome(0, message="all ranks finished")
     stopped = read_stop_record(plan.run_dir)  # written by the ranks once the checkpoint is complete
     if stopped is not None:
+        # The ranks saw SIGTERM when we were sent SIGHUP (_as_stop): name what the user's side sent.
+        name = "SIGHUP" if forwarded == signal.SIGHUP else stopped.get("signal")
         return Outcome(EXIT_PREEMPTED, signal=forwarded,
-                       message=f"{stopped.get('signal')} at step {stopped.get('step')}: "
+                       message=f"{name} at step {stopped.get('step')}: "
                                f"{stopped.get('checkpoint')} is complete; run the same command again to resume")
     if forwarded is not None:
         name = signal.Signals(forwarded).name
@@ -872,8 +874,11 @@ def watch_builds(plan: LaunchPlan, recipe: Recipe, dry_run: bool) -> Optional["B
     ops = ops_needed(plan.device, recipe.deepspeed.offload_optimizer)
     if not ops or plan.nodes > 1:
         return None
-    watch = BuildWatch(extensions_root({**os.environ, **plan.env}), ops, remove_stale=not dry_run)
-    plan.notes.extend(watch.notes())
+    try:
+        watch = BuildWatch(extensions_root({**os.environ, **plan.env}), ops, remove_stale=not dry_run)
+        plan.notes.extend(watch.notes())
+    except ImportError:
+        return None  # no torch: the preflight's environment checks say so
     return watch
 
 

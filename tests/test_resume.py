@@ -203,6 +203,7 @@ def test_sighup_is_a_stop_and_a_killed_finetune_train_takes_its_launcher_and_ran
     assert first.finish() == ckpt.EXIT_PREEMPTED, first.text()[-4000:]
     step = json.loads((out / ckpt.STOP_RECORD).read_text())["step"]
     assert ckpt.latest_complete(out).step == step
+    assert f"stopped: SIGHUP at step {step}: checkpoint-{step} is complete" in first.text()
 
     second = Run(argv, cache, tmp_path / "second.log", own_group=True)
     second.wait_for(lambda: second.steps_logged() >= 2)
