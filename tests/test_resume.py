@@ -558,7 +558,8 @@ def test_a_second_signal_kills_every_rank_at_once(tmp_path):
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 60
-        while not ((run_dir / "pid0").exists() and (run_dir / "pid1").exists()):
+        # Not just there: written (write_text creates the file before it writes the PID).
+        while not all((run_dir / f"pid{r}").exists() and (run_dir / f"pid{r}").read_text() for r in (0, 1)):
             assert time.monotonic() < deadline and driver.poll() is None, "fake ranks did not start"
             time.sleep(0.05)
         pids = [int((run_dir / f"pid{r}").read_text()) for r in (0, 1)]
