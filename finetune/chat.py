@@ -56,7 +56,7 @@ def resolve_source(path: Optional[Path], base: Optional[str] = None, adapter: Op
             raise ChatError("give a run directory, a model directory, or --base (with --adapter for a LoRA adapter)")
         source = Source(model=_local_or_hub(base), adapter=_checked_adapter(adapter) if adapter else None,
                         label=f"{base}" + (f" + {adapter}" if adapter else ""))
-        source.fmt = fmt or _default_format(source)
+        source.fmt = fmt or "messages"  # no recipe: the chat template, or plain text without one (load time)
         return source
     path = Path(path)
     if not path.is_dir():
@@ -71,9 +71,7 @@ def resolve_source(path: Optional[Path], base: Optional[str] = None, adapter: Op
     else:
         raise ChatError(f"{path}: not a run directory (recipe.yaml), a model (config.json) or an adapter "
                         "(adapter_config.json)")
-    if source.recipe is not None:
-        source.fmt = source.recipe.data.format
-    source.fmt = fmt or (source.fmt if source.recipe is not None else _default_format(source))
+    source.fmt = fmt or (source.recipe.data.format if source.recipe is not None else "messages")
     return source
 
 
@@ -159,11 +157,6 @@ def _read_json(path: Path) -> dict[str, Any]:
     except (OSError, json.JSONDecodeError) as exc:
         raise ChatError(f"{path}: cannot read: {exc}") from None
     return data if isinstance(data, dict) else {}
-
-
-def _default_format(source: Source) -> str:
-    """Without a recipe: the chat template when the tokenizer has one (checked at load), else plain text."""
-    return "messages"
 
 
 # ------------------------------------------------------------------------------------------------

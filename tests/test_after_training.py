@@ -69,13 +69,16 @@ def test_chat_gives_the_same_greedy_text_from_the_adapter_and_from_the_merged_mo
     assert done.returncode == 0, done.stderr[-3000:]
     assert (merged / "finetune_recipe.yaml").is_file()  # the merged model knows the run's prompt format
     prompts = [arg for p in PROMPTS for arg in ("--prompt", p)]
-    from_adapter = cli("chat", run_dir, *prompts, "--max-new-tokens", 24, cache=cache)
-    from_merged = cli("chat", merged, *prompts, "--max-new-tokens", 24, cache=cache)
-    assert from_adapter.returncode == 0, from_adapter.stderr[-3000:]
-    assert from_merged.returncode == 0, from_merged.stderr[-3000:]
-    replies = from_adapter.stdout.splitlines()
-    assert len(replies) == len(PROMPTS) and all(r.strip() for r in replies), from_adapter.stdout
-    assert from_merged.stdout == from_adapter.stdout
+    # After 12 steps the model may well answer a whole prompt with EOS at once; a response cut
+    # mid-sentence (plain-text continuation) makes it produce tokens, so the comparison has text.
+    cut = "### Instruction:\nWhat is the capital of Russia?\n\n### Response:\nThe capital of"
+    for args in ([*prompts], ["--format", "text", "--prompt", cut]):
+        from_adapter = cli("chat", run_dir, *args, "--max-new-tokens", 16, cache=cache)
+        from_merged = cli("chat", merged, *args, "--max-new-tokens", 16, cache=cache)
+        assert from_adapter.returncode == 0, from_adapter.stderr[-3000:]
+        assert from_merged.returncode == 0, from_merged.stderr[-3000:]
+        assert from_merged.stdout == from_adapter.stdout
+    assert from_adapter.stdout.strip(), "the continuation produced no text: nothing was compared"
 
 
 @pytest.mark.slow
