@@ -114,16 +114,24 @@ def _adapter_source(adapter: Path, base: Optional[str]) -> Source:
 
 
 def recipe_base_model(recipe: Recipe) -> str:
+    return recipe_base_model_name(recipe.model.name_or_path)
+
+
+def recipe_base_model_name(name: str) -> str:
     from finetune.tiny import BuiltinModelError, resolve_model_path
 
     try:
-        return resolve_model_path(recipe.model.name_or_path)  # builtin:tiny-llama is rebuilt locally if missing
+        return resolve_model_path(name)  # builtin:tiny-llama is rebuilt locally if missing
     except BuiltinModelError as exc:
         raise ChatError(str(exc)) from None
 
 
 def _local_or_hub(model: str) -> str:
     """A local directory must hold a model; anything else is a hub id (from_pretrained reports it)."""
+    from finetune.tiny import is_builtin
+
+    if is_builtin(model):
+        return recipe_base_model_name(model)
     local = Path(model).expanduser()
     looks_local = model.startswith(("/", "./", "../", "~")) or local.exists()
     if looks_local and not (local / "config.json").is_file():
