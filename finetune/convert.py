@@ -77,6 +77,20 @@ class Checkpoint:
         return any(_LORA_PARAM.search(name) for name in self.trainable)
 
 
+def _run_dir_hint(path: Path) -> str:
+    """For a run directory given where a checkpoint belongs: its checkpoint-N directories, newest last."""
+    numbered = [p for p in path.glob("checkpoint-*") if p.is_dir() and p.name.split("-", 1)[1].isdigit()]
+    if numbered:
+        names = [str(p) for p in sorted(numbered, key=lambda p: int(p.name.split("-", 1)[1]))]
+        return f". It is a run directory; its checkpoints: {', '.join(names)}"
+    if (path / "recipe.yaml").is_file():
+        saved = [name for name in ("adapter", "model") if (path / name).is_dir()]
+        if saved:
+            return f". It is a run directory without checkpoints; its final {saved[0]}/ needs no convert"
+        return ". It is a run directory without checkpoints (training.save_steps makes some)"
+    return ""
+
+
 def find_checkpoint(path: Path) -> Checkpoint:
     """Accept checkpoint-N/ (with `latest`), global_stepN/ itself, or a folder with exactly one global_step*."""
     if not path.is_dir():
@@ -89,7 +103,7 @@ def find_checkpoint(path: Path) -> Checkpoint:
         steps = sorted(p.name for p in path.glob("global_step*") if p.is_dir())
         if len(steps) != 1:
             found = f"several ({', '.join(steps)}): pass one of them" if steps else "no global_step* directory"
-            raise ConvertError(f"{path}: not a DeepSpeed checkpoint (no `latest` file; {found})")
+            raise ConvertError(f"{path}: not a DeepSpeed checkpoint (no `latest` file; {found}){_run_dir_hint(path)}")
         root, tag = path, steps[0]
     step_dir = root / tag
     if not step_dir.is_dir():

@@ -122,6 +122,10 @@ def _run_adapter(run_dir: Path) -> Path:
         hint = " (it has DeepSpeed checkpoints: `finetune convert RUN_DIR/checkpoint-N -o ADAPTER` makes one)"
     elif (run_dir / "model").is_dir() or (run_dir / "model.safetensors").is_file():
         hint = " (it holds full weights: a full fine-tune needs no merge)"
+    elif not (run_dir / "recipe.yaml").is_file():
+        runs = sorted(str(p.parent) for p in run_dir.glob("*/recipe.yaml"))
+        if runs:  # `finetune merge runs -o x`: the folder that holds the run directories
+            hint = f" (it holds run directories: {', '.join(runs)}; give one of them)"
     raise MergeError(f"{run_dir}: no adapter/adapter_config.json{hint}")
 
 
@@ -934,6 +938,10 @@ def copy_side_files(base: Path, tokenizer_sources: list[Path], out: Path, dtype:
             config["dtype"] = name
         write_atomic(out / "config.json", json.dumps(config, indent=2) + "\n")
     copy_tokenizer([*tokenizer_sources, base], out)
+    for source in tokenizer_sources:
+        if (source / "recipe.yaml").is_file():  # the run's data format: `finetune chat MERGED` prompts the same way
+            shutil.copy2(source / "recipe.yaml", out / "finetune_recipe.yaml")
+            break
 
 
 def copy_tokenizer(sources: list[Path], out: Path) -> bool:

@@ -428,10 +428,7 @@ def _to_problem(err: dict, raw: dict, origin: dict, path: str) -> Problem:
     file, line, col = _where(origin, loc, path)
     kind = err["type"]
     if kind == "extra_forbidden":
-        options = _known_keys(loc[:-1])
-        guess = difflib.get_close_matches(str(loc[-1]), options, n=1, cutoff=0.6)
-        fix = f"did you mean `{guess[0]}`?" if guess else (f"known keys: {', '.join(sorted(options))}" if options else None)
-        return Problem(file, line, col, key, "unknown key", fix, rule="R002", loc=loc)
+        return Problem(file, line, col, key, "unknown key", unknown_key_fix(loc), rule="R002", loc=loc)
     if kind == "missing":
         return Problem(file, line, col, key, "required key is missing", rule="R005")
     value = err.get("input")
@@ -467,6 +464,55 @@ def _where(origin: dict, loc: tuple, path: str) -> tuple[str, int, int]:
             return origin[loc]
         loc = loc[:-1]
     return origin.get((), (path, 1, 1))
+
+
+# Names other tools (HF TrainingArguments, axolotl, LLaMA-Factory, PEFT, DeepSpeed) give to recipe keys.
+PEER_KEYS = {
+    "num_epochs": "training.epochs", "num_train_epochs": "training.epochs", "epoch": "training.epochs",
+    "lr": "training.learning_rate", "learning_rate": "training.learning_rate",
+    "per_device_train_batch_size": "training.micro_batch_size", "train_micro_batch_size_per_gpu": "training.micro_batch_size",
+    "micro_batch_size": "training.micro_batch_size", "batch_size": "training.micro_batch_size",
+    "gradient_accumulation": "training.gradient_accumulation_steps",
+    "gradient_accumulation_steps": "training.gradient_accumulation_steps",
+    "lr_scheduler_type": "training.lr_scheduler", "optim": "training.optimizer", "warmup": "training.warmup_ratio",
+    "lora_r": "lora.r", "rank": "lora.r", "lora_rank": "lora.r", "lora_alpha": "lora.alpha",
+    "lora_dropout": "lora.dropout", "lora_target_modules": "lora.target_modules", "lora_target": "lora.target_modules",
+    "target_modules": "lora.target_modules", "use_rslora": "lora.rslora", "use_dora": "lora.dora",
+    "zero_stage": "deepspeed.stage", "zero": "deepspeed.stage", "stage": "deepspeed.stage",
+    "base_model": "model.name_or_path", "model_name_or_path": "model.name_or_path", "model_name": "model.name_or_path",
+    "torch_dtype": "model.dtype", "dtype": "model.dtype",
+    "sequence_len": "data.max_length", "max_seq_length": "data.max_length", "cutoff_len": "data.max_length",
+    "max_seq_len": "data.max_length", "max_length": "data.max_length", "sample_packing": "data.packing",
+    "dataset": "data.path", "datasets": "data.path", "val_set_size": "data.validation_split",
+    "output": "output_dir", "adapter": "method", "finetuning_type": "method",
+    "load_in_4bit": "method", "bnb_4bit_quant_type": "quantization.quant_type",
+}
+
+
+def unknown_key_fix(loc: tuple) -> Optional[str]:
+    """The suggestion for an unknown key: the same key in another section, a peer tool's name for a
+    key, or a close spelling in this section."""
+    name = str(loc[-1])
+    section = tuple(loc[:-1])
+    here = ".".join(str(p) for p in section)
+    elsewhere = [f"{s}.{name}" if s else name for s in _sections() if s != here and name in _known_keys(tuple(s.split(".")) if s else ())]
+    if elsewhere:
+        return f"did you mean `{elsewhere[0]}`? (`{name}` belongs in the {elsewhere[0].rsplit('.', 1)[0] or 'top'} section)"
+    peer = PEER_KEYS.get(name.lower())
+    if peer is not None and peer != (f"{here}.{name}" if here else name):
+        if peer == "method":
+            return "the method is one key: `method: lora` or `method: qlora` (4-bit base)"
+        return f"did you mean `{peer}`? (`{name}` is what other tools call it)"
+    options = _known_keys(section)
+    guess = difflib.get_close_matches(name, options, n=1, cutoff=0.6)
+    if guess:
+        return f"did you mean `{guess[0]}`?"
+    return f"known keys: {', '.join(sorted(options))}" if options else None
+
+
+def _sections() -> list[str]:
+    """"" (the top level) and the name of every section of the recipe."""
+    return [""] + [name for name, field in Recipe.model_fields.items() if section_model(field.annotation) is not None]
 
 
 def _known_keys(section_loc: tuple) -> list[str]:

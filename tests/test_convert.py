@@ -167,3 +167,12 @@ def test_existing_output_is_refused(tmp_path):
     (tmp_path / "out").mkdir()
     result = runner.invoke(app, ["convert", str(tmp_path), "-o", str(tmp_path / "out")])
     assert result.exit_code == 1 and "already exists" in result.output
+
+
+def test_a_run_directory_given_to_convert_names_its_checkpoints(tmp_path):
+    run = tmp_path / "run"
+    for step in (10, 5):
+        (run / f"checkpoint-{step}").mkdir(parents=True)
+    (run / "recipe.yaml").write_text("name: x\n")
+    with pytest.raises(ConvertError, match=rf"its checkpoints: {run}/checkpoint-5, {run}/checkpoint-10$"):
+        convert(run, tmp_path / "out")

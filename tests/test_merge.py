@@ -338,3 +338,11 @@ def test_verify_fails_for_a_wrong_merge(models, bf16_adapter, tmp_path):
 def test_merge_error_is_an_exception_with_a_message(models, tmp_path):
     with pytest.raises(MergeError, match="no such adapter directory"):
         merge(models["bf16"], tmp_path / "missing", tmp_path / "out")
+
+
+def test_merge_of_the_runs_folder_lists_the_run_directories(tmp_path):
+    for name in ("b", "a"):
+        (tmp_path / "runs" / name).mkdir(parents=True)
+        (tmp_path / "runs" / name / "recipe.yaml").write_text("name: x\n")
+    with pytest.raises(merge_mod.MergeError, match=r"it holds run directories: .*runs/a, .*runs/b; give one of them"):
+        merge_mod.resolve_inputs(tmp_path / "runs", None, None)

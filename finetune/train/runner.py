@@ -14,6 +14,7 @@ The runner adds (rank 0 writes; every final output appears under its name only o
     tokenizer/                the tokenizer, with the chat template used
     final_logits.safetensors  logits of a fixed batch at the end of training (for verification)
     summary.json              steps, losses, tokens/s, wall time, peak memory per rank, loss history
+    loss.png, report.html     the loss plot (redrawn while training) and the run's report (finetune.train.report)
     tensorboard/              loss and learning rate (report_to: tensorboard)
 
 The order below is DeepSpeed's: distributed init, then TrainingArguments(deepspeed=...) (transformers
@@ -253,6 +254,10 @@ def save_final_logits(model, batch: dict[str, Any], device, path: Optional[Path]
         tensors = {"logits": logits.contiguous(), **{k: v.cpu().contiguous() for k, v in inputs.items()}}
         tmp = path.with_name(f".{path.name}.tmp")
         save_file(tensors, str(tmp))
+        # safetensors creates the file 0600; the run directory is shared like the rest of its files
+        from finetune.fsutil import _umask
+
+        os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
 
 
@@ -298,7 +303,7 @@ def run(run_dir: Path, resume: bool = False) -> None:
     from transformers import Trainer, TrainingArguments
 
     from finetune.tiny import cache_root, ensure_builtin_model, is_builtin
-    from finetune.train.callbacks import EffectiveDeepSpeedConfig, ProgressLines, TrainClock
+    from finetune.train.callbacks import EffectiveDeepSpeedConfig, LossPlot, ProgressLines, TrainClock
     from finetune.train.data import Collator, split_eval, tokenize_for_training
     from finetune.train.model import count_parameters, load_model, load_tokenizer, prepare_model
 
@@ -350,9 +355,12 @@ def run(run_dir: Path, resume: bool = False) -> None:
     clock = TrainClock()
     trainer = Trainer(model=model, args=training_args, train_dataset=train_set, eval_dataset=eval_set,
                       data_collator=collator, processing_class=tokenizer,
-                      callbacks=[clock, EffectiveDeepSpeedConfig(run_dir), resilience.callback])
+                      callbacks=[clock, EffectiveDeepSpeedConfig(run_dir), LossPlot(run_dir), resilience.callback])
     if os.environ.get("TQDM_DISABLE"):  # output relayed line by line (see launch.py): plain progress lines
-        trainer.add_callback(ProgressLines())
+        from finetune.progress import PROGRESS_ENV
+
+        # every second under `finetune train`'s live display (a terminal), else every 15 s
+        trainer.add_callback(ProgressLines(float(os.environ.get(PROGRESS_ENV) or 15)))
     checkpoint = resilience.checkpoint
     trainer.train(resume_from_checkpoint=checkpoint)
     resilience.raise_if_stopped()  # stopped by a signal: the checkpoint is complete; no final outputs
@@ -377,6 +385,11 @@ def run(run_dir: Path, resume: bool = False) -> None:
         _log_main(True)(f"done: {summary['steps']} steps, loss {_fmt(summary['train_loss_first'])} -> "
                         f"{_fmt(summary['train_loss_last'])}, {summary['tokens_per_second'] or 0:.0f} tokens/s; "
                         f"{saved}/ in {run_dir}")
+        from finetune.train.report import write_run_report
+
+        for note in write_run_report(run_dir, trainer.state.log_history):
+            _log_main(True)(note)
+        _log_main(True)(f"report: {run_dir / 'report.html'}")
         if saved == "zero_checkpoint":
             _log_main(True)("the weights are a ZeRO checkpoint (gather_16bit_weights_on_model_save is false): "
                             f"run `finetune convert {run_dir}` for an adapter or model")
