@@ -307,6 +307,12 @@ def checks_for_recipe(recipe: "Recipe", facts: Optional[Facts] = None) -> list[C
         checks += flash_attention_checks(recipe, facts)
     if recipe.training.loss_kernel == "liger":
         checks += liger_checks(facts)
+        if recipe.deepspeed.stage == 3:
+            # Liger's patched forward passes lm_head.weight to its kernel without calling lm_head, so
+            # ZeRO-3's gather hook never runs (Liger asserts on the empty weight). Not run here: no GPU.
+            checks.append(Check("liger-kernel.zero3", "warn", "training.loss_kernel: liger reads the output head's "
+                                "weight directly, which ZeRO-3 keeps partitioned outside the head's own forward",
+                                "use training.loss_kernel: chunked with ZeRO-3"))
     checks += device_checks(recipe, facts)
     return checks
 

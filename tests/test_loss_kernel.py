@@ -211,4 +211,6 @@ def test_liger_without_a_gpu_or_the_package_fails_preflight():
                 cuda_available=True, gpus=[Gpu(index=0, name="NVIDIA H100", memory_bytes=80 * 2**30, capability=(9, 0))])
     failed = [c.name for c in checks_for_recipe(recipe(loss_kernel="liger"), gpu) if c.status == "fail"]
     assert not [n for n in failed if n.startswith("liger")]
+    zero3 = recipe(loss_kernel="liger").model_copy(update={"deepspeed": recipe().deepspeed.model_copy(update={"stage": 3})})
+    assert {c.name: c.status for c in checks_for_recipe(zero3, gpu)}["liger-kernel.zero3"] == "warn"
     assert not [c for c in checks_for_recipe(recipe(loss_kernel="chunked"), cpu) if c.name.startswith("liger")]
