@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -30,8 +31,6 @@ LLAMA3_VOCAB = 128_256
 def current_rss() -> int:
     with open("/proc/self/statm") as f:
         pages = int(f.read().split()[1])
-    import os
-
     return pages * os.sysconf("SC_PAGE_SIZE")
 
 
@@ -46,7 +45,6 @@ def measure(kernel: str, tokens: int, vocab: int, hidden: int, dtype: str, train
     from finetune.train.loss import chunk_count, chunked_causal_lm_loss
 
     torch.manual_seed(0)
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     head = torch.nn.Linear(hidden, vocab, bias=False, dtype=getattr(torch, dtype))
     head.weight.requires_grad_(train_head)
     states = torch.randn(1, tokens, hidden, dtype=getattr(torch, dtype), requires_grad=True)
