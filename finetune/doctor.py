@@ -322,12 +322,12 @@ def liger_checks(facts: Facts) -> list[Check]:
     checks = []
     if facts.version("liger-kernel") is None:
         checks.append(Check("liger-kernel", "fail", "training.loss_kernel: liger needs the liger-kernel package",
-                            "pip install 'finetune[liger]' (or set training.loss_kernel: chunked)"))
+                            "pip install 'finetune[liger]', or set training.loss_kernel: chunked"))
     else:
         checks += floor_checks(facts, {"liger-kernel": ">=0.3.0"}, "liger", "for training.loss_kernel: liger")
     if not (facts.cuda_available and facts.gpus):
         checks.append(Check("liger-kernel.gpu", "fail", "training.loss_kernel: liger runs Triton kernels on a CUDA GPU; "
-                            "none is visible here", "set training.loss_kernel: chunked (works on CPU too)"))
+                            "none is visible here", "set training.loss_kernel: chunked, which works on CPU too"))
     return checks
 
 
