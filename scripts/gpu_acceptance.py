@@ -264,7 +264,12 @@ def predict(recipe_path: Path, case: Case, machine: Machine) -> dict[str, Any]:
     if out.returncode != 0:
         return {"error": (out.stderr or out.stdout).strip()[-500:]}
     plan = json.loads(out.stdout)
-    return {"predicted_bytes": plan["per_gpu"]["total"], "fits": plan["fits"], "per_gpu": plan["per_gpu"]}
+    # The planner predicts each counter the run measures (allocated, reserved, nvidia-smi) when it can.
+    memory = plan.get("memory") or {}
+    return {"predicted_bytes": plan["per_gpu"]["total"], "fits": plan["fits"],
+            "predicted_allocated_bytes": memory.get("allocated_peak"),
+            "predicted_reserved_bytes": memory.get("reserved_peak"),
+            "predicted_nvidia_smi_bytes": memory.get("nvidia_smi")}
 
 
 class SmiSampler:
@@ -372,6 +377,8 @@ def run_case(case: Case, machine: Machine, args, out: Path) -> dict[str, Any]:
     prediction = predict(recipe_path, case, machine)
     record["predicted_bytes"] = prediction.get("predicted_bytes")
     record["predicted_fits"] = prediction.get("fits")
+    for key in ("predicted_allocated_bytes", "predicted_reserved_bytes", "predicted_nvidia_smi_bytes"):
+        record[key] = prediction.get(key)
     if "error" in prediction:
         record["plan_error"] = prediction["error"]
     if case.method == "qlora" and not machine.bitsandbytes:
@@ -478,18 +485,21 @@ def markdown(results: dict[str, Any]) -> str:
     lines = [f"# GPU acceptance: {where}", "",
              f"{results['created']}; torch {m['versions'].get('torch')}, transformers {m['versions'].get('transformers')}, "
              f"deepspeed {m['versions'].get('deepspeed')}; {results['steps']} steps per run; loss_kernel {results['loss_kernel']}.",
-             "Memory in GiB per GPU (the largest rank): allocated = max_memory_allocated, reserved = "
-             "max_memory_reserved, smi = nvidia-smi used, plan = `finetune plan`'s prediction.", "",
-             "| run | status | tokens/s | MFU | allocated | reserved | smi | plan | note |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "Memory in GiB per GPU (the largest rank), measured / `finetune plan`'s prediction: allocated = "
+             "max_memory_allocated, reserved = max_memory_reserved, smi = nvidia-smi used (on CPU: peak RSS "
+             "in allocated).", "",
+             "| run | status | tokens/s | MFU | allocated / plan | reserved / plan | smi / plan | note |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in results["runs"]:
         reserved = max(r["max_memory_reserved_bytes"]) if r.get("max_memory_reserved_bytes") else None
         smi = max(r["nvidia_smi_used_bytes"]) if r.get("nvidia_smi_used_bytes") else None
         tps = f"{r['tokens_per_second']:.0f}" if r.get("tokens_per_second") else "-"
         mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "-"
         note = (r.get("reason") or "").replace("|", "/")[:120]
-        lines.append(f"| {r['name']} | {r['status']} | {tps} | {mfu} | {gib(r.get('peak_memory_bytes'))} | "
-                     f"{gib(reserved)} | {gib(smi)} | {gib(r.get('predicted_bytes'))} | {note} |")
+        lines.append(f"| {r['name']} | {r['status']} | {tps} | {mfu} | "
+                     f"{gib(r.get('peak_memory_bytes'))} / {gib(r.get('predicted_allocated_bytes'))} | "
+                     f"{gib(reserved)} / {gib(r.get('predicted_reserved_bytes'))} | "
+                     f"{gib(smi)} / {gib(r.get('predicted_nvidia_smi_bytes') or r.get('predicted_bytes'))} | {note} |")
     lines += ["", "Packed (flattened) batch against each example alone:", "",
               "| attention | dtype | max abs diff | without boundaries | tolerance | equal |", "|---|---|---|---|---|---|"]
     for c in results["packing_checks"]:

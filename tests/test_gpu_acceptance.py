@@ -40,6 +40,7 @@ def test_cpu_run_records_measured_speed_memory_and_the_plan(tmp_path_factory, tm
         assert run["peak_memory_bytes"] > 50 * 2**20 and run["peak_memory_kind"] == "cpu_peak_rss"
         assert len(run["peak_memory_bytes_per_rank"]) == 2
         assert run["predicted_bytes"] > 2**20  # `finetune plan --format json` for the same recipe
+        assert run["predicted_allocated_bytes"] > 2**20
         assert run["steps"] == 3 and run["loss_last"] is not None
         assert run["mfu"] is None  # no GPU, no peak FLOPs
         summary = json.loads((out / "runs" / run["name"] / "summary.json").read_text())
