@@ -106,6 +106,10 @@ class TrainingSection(_Section):
     max_grad_norm: float = Field(1.0, ge=0, description="Gradient clipping (0 disables it).")
     optimizer: Literal["adamw", "adam", "lion", "adagrad", "sgd", "adamw_bnb_8bit"] = Field(
         "adamw", description="Optimizer. DeepSpeed builds adamw/adam/lion/adagrad itself (CPU-offloadable); sgd and adamw_bnb_8bit come from the HF Trainer and cannot be offloaded.")
+    loss_kernel: Literal["default", "chunked", "liger"] = Field(
+        "default", description="default: full fp32 logits (12 B per token and vocabulary entry); chunked: head + cross-entropy over ~256 MiB token chunks, recomputed in backward (any device); liger: Liger-Kernel's fused linear cross-entropy (CUDA, `pip install liger-kernel`).")
+    loss_chunk_tokens: Optional[int] = Field(
+        None, ge=1, description="Tokens per chunk with loss_kernel: chunked (default: as many as fit 256 MiB of fp32 logits, 523 at a 128k vocabulary).")
     gradient_checkpointing: bool = Field(True, description="Recompute activations in backward (less memory, ~30% more compute).")
     gradient_checkpointing_reentrant: bool = Field(False, description="Reentrant checkpointing; breaks gradients with frozen inputs (LoRA), keep false.")
     seed: int = Field(42, ge=0, description="Seed for init, data order and dropout.")

@@ -151,6 +151,16 @@ def peak_memory() -> tuple[int, str]:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * scale, "cpu_peak_rss"
 
 
+def peak_memory_reserved() -> Optional[int]:
+    """CUDA max_memory_reserved (what the caching allocator held at most: allocated + its cache and
+    fragmentation, closer to nvidia-smi than max_memory_allocated); None without a GPU."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return int(torch.cuda.max_memory_reserved())
+    return None
+
+
 # ------------------------------------------------------------------------------------------------
 # Outputs
 
@@ -349,6 +359,12 @@ def run(run_dir: Path, resume: bool = False) -> None:
     # sequence mask (masking_utils). Restored before saving, so model/ generates with a cache.
     use_cache, model.config.use_cache = getattr(model.config, "use_cache", True), False
     model = prepare_model(model, recipe)
+    if recipe.training.loss_kernel == "chunked":
+        from finetune.train.loss import chunk_count, use_chunked_loss
+
+        t = recipe.training
+        use_chunked_loss(model, chunk_count(t.micro_batch_size * recipe.data.max_length, model.config.vocab_size,
+                                            t.loss_chunk_tokens))
     trainable, total = count_parameters(model)
     _log_main(is_main)(f"parameters: {trainable:,} trainable of {total:,} ({recipe.method})")
 
@@ -371,6 +387,7 @@ def run(run_dir: Path, resume: bool = False) -> None:
     trainer.model.config.use_cache = use_cache
     saved = save_weights(trainer, recipe, ds_config, run_dir, is_main)
     memory = _gather(peak_memory())
+    reserved = _gather(peak_memory_reserved())
     if is_main:
         tmp_tok = run_dir / ".tokenizer.partial"
         shutil.rmtree(tmp_tok, ignore_errors=True)
@@ -379,7 +396,9 @@ def run(run_dir: Path, resume: bool = False) -> None:
         extra = {"method": recipe.method, "zero_stage": recipe.deepspeed.stage, "output": saved,
                  "trainable_parameters": trainable, "total_parameters": total,
                  "train_sequences": len(train_set), "eval_sequences": len(eval_set) if eval_set is not None else 0,
-                 "resumed_from": checkpoint, "total_seconds": time.perf_counter() - started}
+                 "resumed_from": checkpoint, "total_seconds": time.perf_counter() - started,
+                 "peak_memory_reserved_bytes": reserved if any(r is not None for r in reserved) else None,
+                 "loss_kernel": recipe.training.loss_kernel}
         summary = summarize(trainer, clock, world_size, memory, extra)
         _write_json(run_dir / "summary.json", summary)
         _log_main(True)(f"done: {summary['steps']} steps, loss {_fmt(summary['train_loss_first'])} -> "
@@ -438,12 +457,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
     from finetune.tiny import BuiltinModelError
     from finetune.train.data import DataError
+    from finetune.train.loss import LossKernelError
     from finetune.train.shutdown import close_process_group
 
     try:
         run(args.run_dir.resolve(), resume=args.resume)
         close_process_group()
-    except (RunDirError, DataError, BuiltinModelError) as exc:
+    except (RunDirError, DataError, BuiltinModelError, LossKernelError) as exc:
         # The launcher shows rank 0's console; one line, no traceback, for problems in the inputs.
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 1
