@@ -30,6 +30,14 @@ def fail(message: str, code: int = 1) -> "typer.Exit":
     return typer.Exit(code)
 
 
+def _exists(path: Path, test=Path.exists) -> bool:
+    """pathlib's exists()/is_file() raise on a name too long to stat; such a path is no file."""
+    try:
+        return test(path)
+    except (OSError, ValueError):
+        return False
+
+
 def load_or_exit(recipe: Path, overrides: Optional[List[str]]):
     """Load a recipe or print every problem (file:line:col) and exit 1."""
     from finetune.recipe import RecipeProblem, load_recipe
@@ -68,10 +76,10 @@ def lint(
 
     if fmt not in FORMATS:
         raise fail(f"--format must be one of {', '.join(FORMATS)}", 2)
-    missing = [str(p) for p in paths if not p.exists()]
+    missing = [str(p) for p in paths if not _exists(p)]
     if missing:
         raise fail(f"no such file or directory: {', '.join(missing)}", 2)
-    if recipe is not None and not recipe.is_file():
+    if recipe is not None and not _exists(recipe, Path.is_file):
         raise fail(f"--recipe {recipe}: no such file", 2)
     if recipe is not None and not hf:
         raise fail("--recipe and --no-hf do not go together: a recipe trains through the HF Trainer", 2)

@@ -80,3 +80,78 @@ def test_nesting_bomb_in_a_subprocess_exits_1_without_a_signal(tmp_path):
         result = run_cli(*command)
         assert result.returncode == 1, (command, result.returncode, result.stderr[-500:])
         assert "Traceback" not in result.stderr and "deeper than 64 levels" in result.stdout + result.stderr
+
+
+# ----------------------------------------------------------------------------------------------
+# Absurd numbers and names
+
+
+HUGE = "9" * 400
+
+
+@pytest.mark.parametrize("key", ["training.micro_batch_size", "training.gradient_accumulation_steps",
+                                 "training.max_steps", "data.max_length", "launch.nodes", "launch.procs_per_node",
+                                 "hardware.gpus", "deepspeed.reduce_bucket_size", "training.seed"])
+def test_400_digit_integers_are_a_finding(write_recipe, key):
+    with pytest.raises(RecipeProblem) as exc:
+        load_recipe(write_recipe(), [f"{key}={HUGE}"])
+    found = exc.value.problems
+    assert [(p.rule, p.key) for p in found] == [("R004", key)]
+    assert len(found[0].render()) < 2 * len(HUGE) + 300  # the value is shortened, not echoed twice
+
+
+@pytest.mark.parametrize("value", [".inf", ".nan", "1e400"])
+def test_infinite_floats_are_a_finding(write_recipe, value):
+    with pytest.raises(RecipeProblem) as exc:
+        load_recipe(write_recipe(), [f"training.epochs={value}"])
+    assert exc.value.problems[0].key == "training.epochs"
+
+
+def test_lint_and_plan_on_400_digit_micro_batch_exit_1_in_one_line(write_recipe):
+    recipe = write_recipe(MINIMAL.replace("org/some-model", "llama-3-8b") + "hardware: {gpus: 2, gpu_memory: 24GiB}\n")
+    for command in ("lint", "plan"):
+        result = run_cli(command, recipe, "--set", f"training.micro_batch_size={HUGE}")
+        assert result.returncode == 1, result.stderr[-800:]
+        assert "Traceback" not in result.stderr and "OverflowError" not in result.stderr
+        assert "training.micro_batch_size" in result.stdout + result.stderr
+
+
+def test_planner_reports_overflow_as_plan_error():
+    from finetune import plan as planner
+
+    recipe = planner.recipe_without_file(planner.flag_overrides(model="llama-3-8b", method="lora", seq_len=2048))
+    setup = planner.setup_from_recipe(recipe, 1, 24 * 2**30)
+    with pytest.raises(planner.PlanError, match="too large to plan"):
+        planner.plan(dataclasses.replace(setup, micro_batch=10**400))  # past the schema, e.g. from Python
+
+
+def test_300_character_extends_is_r003_not_oserror(write_recipe):
+    path = write_recipe("extends: " + "a" * 300 + ".yaml\n" + MINIMAL)
+    with pytest.raises(RecipeProblem) as exc:
+        load_recipe(path)
+    [problem] = exc.value.problems
+    assert problem.rule == "R003" and problem.key == "extends" and "cannot be opened" in problem.message
+    result = run_cli("lint", path)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert "R003" in result.stdout
+
+
+def test_300_character_data_path_and_cli_path_are_no_traceback(write_recipe, tmp_path):
+    path = write_recipe(MINIMAL.replace("org/some-dataset", "d" * 300 + ".jsonl"))
+    load_recipe(path)  # a name too long to stat is no local file: left as written
+    result = run_cli("lint", tmp_path / ("x" * 300 + ".yaml"))
+    assert result.returncode == 2 and "Traceback" not in result.stderr and "no such file" in result.stderr
+
+
+@pytest.mark.parametrize("name", ["../../x", "a/b", "..", ".", "a\\b", ""])
+def test_run_name_with_path_separators_is_a_finding(write_recipe, name):
+    path = write_recipe(MINIMAL + f"name: {json.dumps(name)}\n")
+    with pytest.raises(RecipeProblem) as exc:
+        load_recipe(path)
+    [problem] = exc.value.problems
+    assert problem.key == "name" and problem.rule == "R004" and problem.line == 5
+    assert "path separators" in problem.message
+
+
+def test_plain_run_names_still_load(write_recipe):
+    assert load_recipe(write_recipe(MINIMAL + "name: llama3-8b_qlora.v2\n")).recipe.name == "llama3-8b_qlora.v2"
