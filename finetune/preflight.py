@@ -82,6 +82,7 @@ def run_preflight(loaded: LoadedRecipe, run_dir: Path, overwrite: bool = False, 
     if resume is None:
         resume = recipe.training.resume
     output_dir_step(run_dir, overwrite, result, loaded, world_size, resume, force_resume)
+    result.notes.append(f"run directory: {run_dir.absolute()}")
     return result
 
 
