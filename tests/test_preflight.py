@@ -247,3 +247,12 @@ def test_run_directory_contents(workspace):
         loaded.recipe.model_dump(exclude={"data", "model", "output_dir", "extends"})
     assert json.loads((run / "deepspeed.json").read_text())["train_batch_size"] == 8  # 2 x 1 x 4
     assert json.loads((run / "training_args.json").read_text())["output_dir"] == str(run)
+
+
+def test_run_name_escaping_runs_is_refused_and_run_directory_printed(workspace, no_launch):
+    result = train(recipe_file(workspace, extra="name: ../../x\noutput_dir: runs/{name}\n"))
+    assert result.exit_code == 1 and "`name`" in result.stderr and "path separators" in result.stderr
+    assert not (workspace.parent.parent / "x").exists() and not no_launch
+    result = train(recipe_file(workspace, extra="name: demo\n"), "--dry-run")
+    assert result.exit_code == 0, result.output
+    assert f"note: run directory: {workspace / 'runs' / 'demo'}" in result.stderr
