@@ -194,7 +194,8 @@ def merge(
     if verify:
         check = run_verify(output, inputs.base, inputs.adapter)
         typer.echo(f"verify: max |logits merged - logits base+adapter| = {check.max_abs_diff:.3g} "
-                   f"(tolerance {check.tolerance:.3g}; the adapter moves logits by up to {check.adapter_effect:.3g})")
+                   f"(tolerance {check.tolerance:.3g}, from rounding to the stored dtype: {check.rounding:.3g}; "
+                   f"the adapter moves logits by up to {check.adapter_effect:.3g})")
         if not check.ok:
             raise fail("verify: the merged model does not reproduce base + adapter")
 

@@ -338,3 +338,48 @@ def test_verify_fails_for_a_wrong_merge(models, bf16_adapter, tmp_path):
 def test_merge_error_is_an_exception_with_a_message(models, tmp_path):
     with pytest.raises(MergeError, match="no such adapter directory"):
         merge(models["bf16"], tmp_path / "missing", tmp_path / "out")
+
+
+def small_effect_adapter(base: Path, path: Path) -> Path:
+    """An adapter that moves the logits by well under 2% of their size (a short or gentle fine-tune)."""
+    adapter = build_adapter(base, path)
+    weights = path / "adapter_model.safetensors"
+    tensors = {k: (v * 0.005 if "lora_B" in k else v) for k, v in load_file(str(weights)).items()}
+    save_file(tensors, str(weights))
+    return adapter
+
+
+def test_verify_fails_a_merge_that_lost_one_lora_layer_of_a_small_adapter(models, tmp_path):
+    adapter = small_effect_adapter(models["bf16"], tmp_path / "small")
+    # The same adapter without one module's pair of LoRA tensors: the merge silently lacks that layer.
+    lossy = tmp_path / "lossy"
+    lossy.mkdir()
+    (lossy / "adapter_config.json").write_text((adapter / "adapter_config.json").read_text())
+    tensors = load_file(str(adapter / "adapter_model.safetensors"))
+    dropped = [k for k in tensors if "layers.1.mlp.down_proj" in k]
+    assert len(dropped) == 2
+    save_file({k: v for k, v in tensors.items() if k not in dropped}, str(lossy / "adapter_model.safetensors"))
+    merge(models["bf16"], lossy, tmp_path / "lossy-out")
+    check = verify(tmp_path / "lossy-out", models["bf16"], adapter)
+    # A fixed bf16 tolerance of 2% of max(1, largest |logit|) is at least 0.02: it passed this merge.
+    assert check.max_abs_diff < 2e-2
+    assert not check.ok, check
+    # The complete merge of the same small adapter passes, and its rounding is what the tolerance is made of.
+    merge(models["bf16"], adapter, tmp_path / "good-out")
+    good = verify(tmp_path / "good-out", models["bf16"], adapter)
+    assert good.ok, good
+    assert good.rounding > 0 and good.max_abs_diff < check.max_abs_diff
+
+
+def test_verify_fails_a_merge_without_the_adapter(models, tmp_path):
+    adapter = small_effect_adapter(models["bf16"], tmp_path / "small")
+    check = verify(models["bf16"], models["bf16"], adapter)  # "merged" = the base itself
+    assert not check.ok and check.max_abs_diff == pytest.approx(check.adapter_effect, rel=1e-3)
+
+
+@pytest.mark.parametrize("kind,dtype", [("fp32", None), ("fp16", None), ("bf16", "float32"), ("bf16", "float16")])
+def test_verify_passes_correct_merges_in_every_dtype(models, kind, dtype, tmp_path):
+    adapter = small_effect_adapter(models[kind], tmp_path / "small")
+    merge(models[kind], adapter, tmp_path / "out", dtype=dtype)
+    check = verify(tmp_path / "out", models[kind], adapter)
+    assert check.ok, check
