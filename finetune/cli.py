@@ -171,7 +171,7 @@ def merge(
         ...
         merged 224 LoRA layers into merged/llama3-8b (4 shards, 16.06 GB) in 141.2 s
     """
-    from finetune.merge import MergeError, human_size, merge as run_merge, resolve_inputs, verify as run_verify
+    from finetune.merge import MergeError, Terminated, human_size, merge as run_merge, resolve_inputs, verify as run_verify
     from finetune.recipe import parse_size
 
     if run_dir is None and (base is None or adapter is None):
@@ -185,6 +185,8 @@ def merge(
         result = run_merge(inputs.base, inputs.adapter, output, dtype=dtype, overwrite=overwrite,
                            max_shard_size=shard_bytes, log=lambda line: typer.echo(line, err=True),
                            source_dirs=inputs.tokenizer_dirs, fsync=fsync)
+    except Terminated:
+        raise fail(f"merge stopped by SIGTERM; the partial output was removed and {output} was not touched", 143) from None
     except (MergeError, FileExistsError) as exc:
         raise fail(str(exc)) from None
     except OSError as exc:
@@ -345,7 +347,7 @@ def convert(
         converted runs/x/checkpoint-500 (LoRA adapter, bfloat16) into runs/x/adapter-500
     """
     from finetune.convert import convert as run_convert
-    from finetune.merge import MergeError
+    from finetune.merge import MergeError, Terminated
     from finetune.recipe import parse_size
 
     try:
@@ -355,6 +357,8 @@ def convert(
     try:
         result = run_convert(checkpoint, output, dtype=dtype, overwrite=overwrite, adapter_config=adapter_config,
                              max_shard_size=shard_bytes, log=lambda line: typer.echo(line, err=True))
+    except Terminated:
+        raise fail(f"convert stopped by SIGTERM; the partial output was removed and {output} was not touched", 143) from None
     except (MergeError, FileExistsError) as exc:
         raise fail(str(exc)) from None
     except OSError as exc:

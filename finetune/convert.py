@@ -31,7 +31,7 @@ from typing import Callable, Optional
 
 import torch
 
-from finetune.fsutil import atomic_dir, write_atomic
+from finetune.fsutil import atomic_dir, remove_stale_partials, write_atomic
 from finetune.merge import (CONFIG_FILES, DEFAULT_MAX_SHARD_SIZE, DTYPES, PEFT_PREFIX, ST_TO_TORCH, TORCH_TO_ST,
                             BaseTensor, MergeError, OutTensor, Plan, copy_tokenizer,
                             ShardWriter, assign_shards, check_disk_space, human_size, lora_scaling, shard_names,
@@ -197,6 +197,8 @@ def convert_lora(ckpt: Checkpoint, output: Path, dtype, adapter_config: Optional
     _check_rank(tensors, config, config_path)
     size = sum(t.numel() * t.element_size() for t in tensors.values())
     check_disk_space(output, size)
+    for line in remove_stale_partials(output):
+        log(line)
     with sigterm_as_interrupt(), atomic_dir(output, overwrite=overwrite) as tmp:
         save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
         shutil.copy2(config_path, tmp / "adapter_config.json")
@@ -242,6 +244,8 @@ def convert_full(ckpt: Checkpoint, output: Path, dtype, overwrite: bool, max_sha
     assign_shards(plan, max_shard_size)
     check_disk_space(output, plan.total_bytes)
     names = shard_names(len(plan.shards))
+    for line in remove_stale_partials(output):
+        log(line)
     with sigterm_as_interrupt(), atomic_dir(output, overwrite=overwrite) as tmp:
         for shard_name, shard in zip(names, plan.shards):
             writer = ShardWriter(tmp / shard_name, shard)

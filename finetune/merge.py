@@ -35,7 +35,7 @@ from typing import Callable, Iterator, Optional
 import torch
 from safetensors import safe_open
 
-from finetune.fsutil import atomic_dir, write_atomic
+from finetune.fsutil import atomic_dir, remove_stale_partials, write_atomic
 
 PEFT_PREFIX = "base_model.model."
 ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
@@ -865,6 +865,8 @@ def merge(base_path: Path, adapter_path: Path, output: Path, *, dtype: Optional[
     assign_shards(plan, max_shard_size)
     check_disk_space(output, plan.total_bytes)
     names = shard_names(len(plan.shards))
+    for line in remove_stale_partials(output):
+        log(line)
     with sigterm_as_interrupt(), atomic_dir(output, overwrite=overwrite) as tmp:
         write_shards(plan, names, tmp, log, fsync=fsync)
         if len(names) > 1:
@@ -950,11 +952,15 @@ def copy_tokenizer(sources: list[Path], out: Path) -> bool:
     return False
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM arrived: unwinds like Ctrl-C (the partial output is removed); the CLI exits 143 (128 + 15)."""
+
+
 @contextmanager
 def sigterm_as_interrupt() -> Iterator[None]:
     """SIGTERM (a scheduler or `kill`) unwinds like Ctrl-C, so the partial output is removed."""
     def handler(signum, frame):
-        raise KeyboardInterrupt
+        raise Terminated
 
     try:
         previous = signal.signal(signal.SIGTERM, handler)

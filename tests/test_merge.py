@@ -10,6 +10,7 @@ from __future__ import annotations
 import glob
 import hashlib
 import json
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +25,7 @@ from typer.testing import CliRunner  # noqa: E402
 import finetune.merge as merge_mod  # noqa: E402
 from finetune.cli import app  # noqa: E402
 from finetune.merge import MergeError, merge, resolve_inputs, verify  # noqa: E402
+from tests.conftest import REPO  # noqa: E402
 from tests.merge_fixtures import build_adapter, build_gpt2, build_llama, peft_merged_state_dict  # noqa: E402
 
 runner = CliRunner()
@@ -383,3 +385,62 @@ def test_verify_passes_correct_merges_in_every_dtype(models, kind, dtype, tmp_pa
     merge(models[kind], adapter, tmp_path / "out", dtype=dtype)
     check = verify(tmp_path / "out", models[kind], adapter)
     assert check.ok, check
+
+
+# ------------------------------------------------------------------------------------------------
+# Interrupted merges: SIGKILL leaves a partial directory, the next merge removes it; SIGTERM exits 143
+
+_KILL_INSIDE_ATOMIC_DIR = """
+import os, signal, sys
+from pathlib import Path
+from finetune.fsutil import atomic_dir
+with atomic_dir(Path(sys.argv[1])) as tmp:
+    (tmp / "model-00001-of-00002.safetensors").write_bytes(b"x" * 1000)
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_next_merge_removes_partial_output_of_a_killed_merge(models, bf16_adapter, tmp_path):
+    out = tmp_path / "out"
+    killed = subprocess.run([sys.executable, "-c", _KILL_INSIDE_ATOMIC_DIR, str(out)], cwd=REPO)
+    assert killed.returncode == -9
+    [stale] = tmp_path.glob(".out.*.partial")
+    # A partial directory whose writer still lives is never touched.
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        busy = tmp_path / ".out.busy.partial"
+        busy.mkdir()
+        (busy / ".finetune-owner.json").write_text(json.dumps({"pid": alive.pid, "host": socket.gethostname()}))
+        result = runner.invoke(app, ["merge", "--base", str(models["bf16"]), "--adapter", str(bf16_adapter), "-o", str(out)])
+        assert result.exit_code == 0, result.output
+        assert f"removed {stale}" in result.stderr and "which is gone" in result.stderr
+        assert not stale.exists() and busy.is_dir()
+        assert not list(out.glob(".finetune-owner.json"))  # the owner note never reaches the output
+    finally:
+        alive.kill()
+        alive.wait()
+
+
+_SIGTERM_WHILE_WRITING = """
+import os, signal, sys
+import finetune.merge as m
+from finetune.cli import main
+real = m.write_shards
+def write_then_terminate(*args, **kwargs):
+    real(*args, **kwargs)
+    os.kill(os.getpid(), signal.SIGTERM)
+m.write_shards = write_then_terminate
+sys.argv = ["finetune", "merge", "--base", sys.argv[1], "--adapter", sys.argv[2], "-o", sys.argv[3]]
+main()
+"""
+
+
+def test_sigterm_exits_143_in_one_line_and_leaves_nothing(models, bf16_adapter, tmp_path):
+    out = tmp_path / "out"
+    result = subprocess.run([sys.executable, "-c", _SIGTERM_WHILE_WRITING, str(models["bf16"]), str(bf16_adapter), str(out)],
+                            capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert result.returncode == 143, result.stderr[-2000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: merge stopped by SIGTERM; the partial output was removed and {out} was not touched"]
+    assert "Traceback" not in result.stderr
+    assert not out.exists() and not list(tmp_path.glob(".out.*"))
