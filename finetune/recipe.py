@@ -51,6 +51,25 @@ def parse_size(value: Union[str, int, float]) -> int:
     return int(float(number) * _UNITS[(unit or "B").lower()])
 
 
+NAME_MAX = 255  # bytes in one path component on Linux, macOS and Windows filesystems
+PATH_MAX = 4096  # bytes in a whole path on Linux, the terminating NUL included
+
+
+def _plain_path(value: Optional[str]) -> Optional[str]:
+    """A path (or hub id) the OS can look up: a component over NAME_MAX bytes, or a NUL, makes every
+    stat() raise (ENAMETOOLONG, ValueError) in each check that touches it; refuse it here, once."""
+    if value is None:
+        return value
+    if "\0" in value:
+        raise ValueError("must not contain a NUL character")
+    longest = max((len(part.encode("utf-8", "surrogatepass")) for part in re.split(r"[/\\]", value)), default=0)
+    if longest > NAME_MAX:
+        raise ValueError(f"has a path component of {longest} bytes; file systems allow {NAME_MAX}")
+    if len(value.encode("utf-8", "surrogatepass")) >= PATH_MAX:
+        raise ValueError(f"is a path of {len(value.encode('utf-8', 'surrogatepass')):,} bytes; Linux allows {PATH_MAX - 1}")
+    return value
+
+
 class _Section(BaseModel):
     # extra="forbid": a misspelled key is an error, never silently dropped (axolotl's `lora_rr`).
     # allow_inf_nan=False: `.inf` or `.nan` in a recipe is a typo, and the planner cannot size it.
@@ -65,6 +84,8 @@ class ModelSection(_Section):
         "sdpa", description="Attention kernel passed to from_pretrained.")
     trust_remote_code: bool = Field(False, description="Run modelling code shipped with the checkpoint. Off by default: it executes code from the hub.")
     tokenizer: Optional[str] = Field(None, description="Tokenizer location when it differs from the model's.")
+
+    _paths = field_validator("name_or_path", "tokenizer")(_plain_path)
 
 
 class LoraSection(_Section):
@@ -95,6 +116,8 @@ class DataSection(_Section):
     packing: bool = Field(False, description="Concatenate examples into max_length blocks (no padding waste).")
     validation_split: float = Field(0.0, ge=0, lt=1, description="Fraction of examples held out for evaluation (0 = no eval).")
     mask_prompt: bool = Field(True, description="Exclude prompt tokens from the loss (train on responses only).")
+
+    _paths = field_validator("path")(_plain_path)
 
 
 class TrainingSection(_Section):
@@ -142,6 +165,8 @@ class DeepSpeedSection(_Section):
     gather_16bit_weights_on_model_save: bool = Field(True, description="Stage 3: gather the full 16-bit weights when saving, so the run directory holds usable weights.")
     overrides: dict[str, Any] = Field(default_factory=dict, description="Raw DeepSpeed JSON merged last, key by key (linted like any config).")
 
+    _paths = field_validator("nvme_path")(_plain_path)
+
     @field_validator("reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold")
     @classmethod
     def _bucket_bound(cls, value: Any) -> Any:
@@ -161,6 +186,8 @@ class LaunchSection(_Section):
     launcher: Literal["auto", "torchrun", "deepspeed"] = Field("auto", description="auto: deepspeed with a hostfile, torchrun otherwise.")
     nccl_timeout: int = Field(1800, ge=60, le=MAX_SECONDS, description="Seconds a collective (NCCL/gloo) may wait for the other ranks before the run fails instead of hanging (ddp_timeout; deepspeed.init_distributed).")
     stop_timeout: int = Field(300, ge=10, le=MAX_SECONDS, description="Seconds the ranks get after SIGTERM/SIGINT to save a checkpoint before the launcher kills them (torchrun; DeepSpeed's launcher always waits 30).")
+
+    _paths = field_validator("hostfile")(_plain_path)
 
     @field_validator("procs_per_node")
     @classmethod
@@ -199,6 +226,8 @@ class Recipe(_Section):
     launch: LaunchSection = Field(default_factory=LaunchSection, description="Processes and machines.")
     hardware: Optional[HardwareSection] = Field(None, description="The machines the recipe is meant for (used by lint and plan).")
     output_dir: str = Field("runs/{name}", description="Run directory ({name} is replaced by the run name); relative to the current directory.")
+
+    _paths = field_validator("output_dir")(_plain_path)
 
     @field_validator("name")
     @classmethod

@@ -136,9 +136,21 @@ def test_300_character_extends_is_r003_not_oserror(write_recipe):
     assert "R003" in result.stdout
 
 
-def test_300_character_data_path_and_cli_path_are_no_traceback(write_recipe, tmp_path):
+@pytest.mark.parametrize("key", ["data.path", "model.name_or_path", "model.tokenizer", "launch.hostfile",
+                                 "deepspeed.nvme_path", "output_dir"])
+def test_path_component_too_long_to_stat_is_a_finding(write_recipe, key):
+    with pytest.raises(RecipeProblem) as exc:
+        load_recipe(write_recipe(), [f"{key}=./{'d' * 300}.jsonl"])
+    assert [(p.rule, p.key) for p in exc.value.problems] == [("R004", key)]
+    assert "path component of 306 bytes" in exc.value.problems[0].message
+
+
+def test_300_character_data_path_through_lint_and_train(write_recipe, tmp_path):
     path = write_recipe(MINIMAL.replace("org/some-dataset", "d" * 300 + ".jsonl"))
-    load_recipe(path)  # a name too long to stat is no local file: left as written
+    for command in (("lint",), ("train", "--dry-run")):
+        result = run_cli(*command, path)
+        assert result.returncode == 1, result.stderr[-800:]
+        assert "Traceback" not in result.stderr and "data.path" in result.stdout + result.stderr
     result = run_cli("lint", tmp_path / ("x" * 300 + ".yaml"))
     assert result.returncode == 2 and "Traceback" not in result.stderr and "no such file" in result.stderr
 
@@ -155,3 +167,16 @@ def test_run_name_with_path_separators_is_a_finding(write_recipe, name):
 
 def test_plain_run_names_still_load(write_recipe):
     assert load_recipe(write_recipe(MINIMAL + "name: llama3-8b_qlora.v2\n")).recipe.name == "llama3-8b_qlora.v2"
+
+
+def test_plan_model_name_too_long_to_stat_is_one_line():
+    result = run_cli("plan", "--model", "a" * 300)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert len(result.stderr.splitlines()) == 1 and "path component of 300 bytes" in result.stderr
+
+
+def test_path_longer_than_path_max_is_a_finding(write_recipe):
+    with pytest.raises(RecipeProblem) as exc:
+        load_recipe(write_recipe(), ["data.path=./" + "a/" * 2100 + "x.jsonl"])
+    assert [(p.rule, p.key) for p in exc.value.problems] == [("R004", "data.path")]
+    assert "Linux allows 4095" in exc.value.problems[0].message
