@@ -38,6 +38,17 @@ def _exists(path: Path, test=Path.exists) -> bool:
         return False
 
 
+def usable_path(option: str, path: Optional[Path]) -> None:
+    """Exit 2 on a path no file system can hold (a component over 255 bytes), before anything stats it."""
+    from finetune.recipe import plain_path
+
+    if path is not None:
+        try:
+            plain_path(str(path))
+        except ValueError as exc:
+            raise fail(f"{option}: {exc}", 2) from None
+
+
 def load_or_exit(recipe: Path, overrides: Optional[List[str]]):
     """Load a recipe or print every problem (file:line:col) and exit 1."""
     from finetune.recipe import RecipeProblem, load_recipe
@@ -142,11 +153,15 @@ def schema(output: Optional[Path] = typer.Option(None, "-o", "--output", help="W
     from finetune.fsutil import write_atomic
     from finetune.recipe import json_schema
 
+    usable_path("-o", output)
     text = json.dumps(json_schema(), indent=2) + "\n"
     if output is None:
         typer.echo(text, nl=False)
     else:
-        write_atomic(output, text)
+        try:
+            write_atomic(output, text)
+        except OSError as exc:
+            raise fail(f"cannot write {output}: {exc.strerror or exc}") from None
 
 
 @app.command()
@@ -244,6 +259,7 @@ def train(
     from finetune.checkpoint import EXIT_PREEMPTED
     from finetune.launch import LaunchError, commands_per_node, prepare, start_run, tail_of
 
+    usable_path("--output-dir", output_dir)
     launch_flags = {"nodes": nnodes, "node_rank": node_rank, "master_addr": master_addr, "master_port": master_port}
     overrides = list(overrides or []) + [f"launch.{key}={json.dumps(value)}" for key, value in launch_flags.items() if value is not None]
     loaded = load_or_exit(recipe, overrides)
@@ -469,6 +485,8 @@ def slurm(
     from finetune.dsconfig import resolved_output_dir
     from finetune.slurm import SlurmError, SlurmJob, gpus_per_node, sbatch_script
 
+    usable_path("--output-dir", output_dir)
+    usable_path("-o", output)
     loaded = load_or_exit(recipe, overrides)
     r = loaded.recipe
     try:
@@ -487,8 +505,11 @@ def slurm(
         return
     from finetune.fsutil import write_atomic
 
-    write_atomic(output, text)
-    output.chmod(0o755)
+    try:
+        write_atomic(output, text)
+        output.chmod(0o755)
+    except OSError as exc:
+        raise fail(f"cannot write {output}: {exc.strerror or exc}") from None
     typer.echo(f"wrote {output}; submit with: sbatch {output}", err=True)
 
 

@@ -55,7 +55,7 @@ NAME_MAX = 255  # bytes in one path component on Linux, macOS and Windows filesy
 PATH_MAX = 4096  # bytes in a whole path on Linux, the terminating NUL included
 
 
-def _plain_path(value: Optional[str]) -> Optional[str]:
+def plain_path(value: Optional[str]) -> Optional[str]:
     """A path (or hub id) the OS can look up: a component over NAME_MAX bytes, or a NUL, makes every
     stat() raise (ENAMETOOLONG, ValueError) in each check that touches it; refuse it here, once."""
     if value is None:
@@ -85,7 +85,7 @@ class ModelSection(_Section):
     trust_remote_code: bool = Field(False, description="Run modelling code shipped with the checkpoint. Off by default: it executes code from the hub.")
     tokenizer: Optional[str] = Field(None, description="Tokenizer location when it differs from the model's.")
 
-    _paths = field_validator("name_or_path", "tokenizer")(_plain_path)
+    _paths = field_validator("name_or_path", "tokenizer")(plain_path)
 
 
 class LoraSection(_Section):
@@ -117,7 +117,7 @@ class DataSection(_Section):
     validation_split: float = Field(0.0, ge=0, lt=1, description="Fraction of examples held out for evaluation (0 = no eval).")
     mask_prompt: bool = Field(True, description="Exclude prompt tokens from the loss (train on responses only).")
 
-    _paths = field_validator("path")(_plain_path)
+    _paths = field_validator("path")(plain_path)
 
 
 class TrainingSection(_Section):
@@ -165,7 +165,7 @@ class DeepSpeedSection(_Section):
     gather_16bit_weights_on_model_save: bool = Field(True, description="Stage 3: gather the full 16-bit weights when saving, so the run directory holds usable weights.")
     overrides: dict[str, Any] = Field(default_factory=dict, description="Raw DeepSpeed JSON merged last, key by key (linted like any config).")
 
-    _paths = field_validator("nvme_path")(_plain_path)
+    _paths = field_validator("nvme_path")(plain_path)
 
     @field_validator("reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold")
     @classmethod
@@ -187,7 +187,7 @@ class LaunchSection(_Section):
     nccl_timeout: int = Field(1800, ge=60, le=MAX_SECONDS, description="Seconds a collective (NCCL/gloo) may wait for the other ranks before the run fails instead of hanging (ddp_timeout; deepspeed.init_distributed).")
     stop_timeout: int = Field(300, ge=10, le=MAX_SECONDS, description="Seconds the ranks get after SIGTERM/SIGINT to save a checkpoint before the launcher kills them (torchrun; DeepSpeed's launcher always waits 30).")
 
-    _paths = field_validator("hostfile")(_plain_path)
+    _paths = field_validator("hostfile")(plain_path)
 
     @field_validator("procs_per_node")
     @classmethod
@@ -227,7 +227,7 @@ class Recipe(_Section):
     hardware: Optional[HardwareSection] = Field(None, description="The machines the recipe is meant for (used by lint and plan).")
     output_dir: str = Field("runs/{name}", description="Run directory ({name} is replaced by the run name); relative to the current directory.")
 
-    _paths = field_validator("output_dir")(_plain_path)
+    _paths = field_validator("output_dir")(plain_path)
 
     @field_validator("name")
     @classmethod

@@ -180,3 +180,18 @@ def test_path_longer_than_path_max_is_a_finding(write_recipe):
         load_recipe(write_recipe(), ["data.path=./" + "a/" * 2100 + "x.jsonl"])
     assert [(p.rule, p.key) for p in exc.value.problems] == [("R004", "data.path")]
     assert "Linux allows 4095" in exc.value.problems[0].message
+
+
+@pytest.mark.parametrize("command", [("schema", "-o", "{long}"), ("train", "{recipe}", "--output-dir", "{long}", "--dry-run"),
+                                     ("slurm", "{recipe}", "-o", "{long}"), ("schema", "-o", "{missing}")])
+def test_output_paths_the_os_refuses_are_one_line(write_recipe, tmp_path, command):
+    from typer.testing import CliRunner
+
+    from finetune.cli import app
+
+    names = {"long": str(tmp_path / ("o" * 300)), "recipe": str(write_recipe()), "missing": str(tmp_path / "no" / "such" / "x")}
+    (tmp_path / "no").write_text("a file where a folder should be")
+    result = CliRunner().invoke(app, [part.format(**names) for part in command])
+    assert result.exit_code in (1, 2), result.output
+    assert isinstance(result.exception, SystemExit), repr(result.exception)
+    assert result.stderr.startswith("error: ") and len(result.stderr.splitlines()) == 1
