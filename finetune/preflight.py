@@ -126,6 +126,12 @@ _SAMPLE_CONVERSATION = [{"role": "system", "content": "You are helpful."}, {"rol
                         {"role": "assistant", "content": "Hello!"}]
 
 
+# apply_chat_template passes the tokenizer's special tokens to the template (`bos_token + ...` is
+# common); their values do not matter for whether the template renders, only that they are strings.
+_SPECIAL_TOKENS = {name: f"<{name}>" for name in ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
+                                                   "cls_token", "mask_token")}
+
+
 def chat_template_step(recipe: Recipe, result: Preflight) -> None:
     """Render data.chat_template on the first rows, the way the ranks will (transformers' sandboxed Jinja).
 
@@ -173,7 +179,8 @@ def render_problem(template: str, messages: list, mask_prompt: bool) -> Optional
         calls += [(messages[:i], True) for i, m in enumerate(messages) if i and isinstance(m, dict) and m.get("role") == "assistant"]
     for conversation, generation_prompt in calls:
         try:
-            render_jinja_template([conversation], chat_template=template, add_generation_prompt=generation_prompt)
+            render_jinja_template([conversation], chat_template=template, add_generation_prompt=generation_prompt,
+                                  **_SPECIAL_TOKENS)
         except TemplateSyntaxError as exc:
             return f"template line {exc.lineno}: {exc.message}"
         except Exception as exc:  # noqa: BLE001 - the template is user code; anything it raises stops the ranks

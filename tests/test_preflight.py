@@ -278,7 +278,9 @@ def test_chat_template_is_rendered_on_the_first_rows_before_launch(workspace, no
 
 def test_a_working_chat_template_passes_preflight(workspace, no_launch):
     write_jsonl(workspace / "chat.jsonl", MESSAGES)
-    template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+    # bos_token + ...: an undefined name would raise here; the tokenizer passes its special tokens
+    template = ("{{ bos_token + '' }}{% for m in messages %}<{{ m.role }}>{{ m.content + eos_token }}{% endfor %}"
+                "{% if add_generation_prompt %}<assistant>{% endif %}")
     path = workspace / "r.yaml"
     path.write_text(f"model: {{name_or_path: ./model, dtype: float32}}\n"
                     f"data: {{path: chat.jsonl, format: messages, chat_template: {json.dumps(template)}}}\n")
