@@ -53,6 +53,14 @@ class Arch:
     norms_per_layer: int = 2  # Gemma 2 adds pre/post feed-forward norms: 4
     attn_softcap: bool = False  # Gemma 2: tanh soft-capping of attention scores (eager keeps one more s^2 tensor)
     logit_softcap: bool = False  # Gemma 2: tanh soft-capping of the logits (one more vocab-sized tensor)
+    # Mixture of experts (0 experts: a dense model). Every expert's weights are resident on the GPU;
+    # each token runs through `experts_per_token` of them (top-k routing) and the shared expert.
+    experts: int = 0  # routed experts per MoE layer
+    experts_per_token: int = 0
+    moe_intermediate: int = 0  # width of one routed expert's MLP
+    shared_intermediate: int = 0  # width of the shared expert(s) beside the routed ones (Qwen2-MoE, DeepSeek)
+    shared_expert_gate: bool = False  # Qwen2-MoE: a sigmoid Linear(hidden, 1) scales the shared expert
+    dense_layers: int = 0  # DeepSeek: the first layers keep a dense MLP (first_k_dense_replace)
     source: str = "built-in table"
     patterns: tuple[str, ...] = field(default=(), compare=False, repr=False)
 
@@ -69,45 +77,93 @@ class Arch:
     def kv_dim(self) -> int:
         return self.kv_heads * self.dim_head
 
-    def layer_linears(self) -> tuple[Linear, ...]:
-        h, i = self.hidden, self.intermediate
+    def attention_linears(self) -> tuple[Linear, ...]:
+        h = self.hidden
         return (
             Linear("q_proj", h, self.q_dim, self.qkv_bias),
             Linear("k_proj", h, self.kv_dim, self.qkv_bias),
             Linear("v_proj", h, self.kv_dim, self.qkv_bias),
             Linear("o_proj", self.q_dim, h),
-            Linear("gate_proj", h, i),
-            Linear("up_proj", h, i),
-            Linear("down_proj", i, h),
         )
+
+    def mlp_linears(self, width: int) -> tuple[Linear, ...]:
+        h = self.hidden
+        return (Linear("gate_proj", h, width), Linear("up_proj", h, width), Linear("down_proj", width, h))
+
+    def layer_linears(self) -> tuple[Linear, ...]:
+        """The nn.Linear layers of a dense decoder layer (of a MoE layer: attention and shared expert)."""
+        if self.experts:
+            return self.attention_linears() + (self.mlp_linears(self.shared_intermediate)
+                                               if self.shared_intermediate else ())
+        return self.attention_linears() + self.mlp_linears(self.intermediate)
+
+    @property
+    def moe_layers(self) -> int:
+        return self.layers - self.dense_layers if self.experts else 0
+
+    @property
+    def dense_mlp_layers(self) -> int:
+        return self.layers - self.moe_layers
+
+    @property
+    def expert_params(self) -> int:
+        """One MoE layer's routed experts: gate, up and down of every expert (transformers keeps them
+        as two 3D parameters of one `experts` module: gate_up_proj and down_proj)."""
+        return self.experts * 3 * self.hidden * self.moe_intermediate
+
+    @property
+    def router_params(self) -> int:
+        return self.experts * self.hidden
+
+    @property
+    def active_mlp_width(self) -> int:
+        """MLP width a token runs through: its top-k experts and the shared expert (MoE), or the MLP."""
+        if not self.experts:
+            return self.intermediate
+        return self.experts_per_token * self.moe_intermediate + self.shared_intermediate
 
     @property
     def embed_params(self) -> int:
         return self.vocab * self.hidden
 
+    @staticmethod
+    def _linear_params(linears: tuple[Linear, ...]) -> int:
+        return sum(l.weight_numel + (l.out_features if l.bias else 0) for l in linears)
+
     @property
     def layer_params(self) -> int:
-        linear = sum(l.weight_numel + (l.out_features if l.bias else 0) for l in self.layer_linears())
-        return linear + self.norms_per_layer * self.hidden
+        """A dense decoder layer (the dense layers of a MoE model)."""
+        return (self._linear_params(self.attention_linears() + self.mlp_linears(self.intermediate))
+                + self.norms_per_layer * self.hidden)
+
+    @property
+    def moe_layer_params(self) -> int:
+        shared = self._linear_params(self.mlp_linears(self.shared_intermediate)) if self.shared_intermediate else 0
+        return (self._linear_params(self.attention_linears()) + self.norms_per_layer * self.hidden
+                + self.router_params + self.expert_params + shared + (self.hidden if self.shared_expert_gate else 0))
 
     @property
     def total_params(self) -> int:
         """Unique parameters (a tied head is the embedding, counted once), as model.num_parameters()."""
         head = 0 if self.tied else self.embed_params
-        return self.embed_params + self.layers * self.layer_params + self.hidden + head
+        layers = self.dense_mlp_layers * self.layer_params + self.moe_layers * self.moe_layer_params
+        return self.embed_params + layers + self.hidden + head
 
     @property
     def largest_module_params(self) -> int:
         """Largest number of parameters held directly by one module (DeepSpeed's `largest_layer_params`):
-        the embedding or the output head for every model here."""
-        biggest_linear = max(l.weight_numel + (l.out_features if l.bias else 0) for l in self.layer_linears())
-        return max(self.embed_params, biggest_linear)
+        the embedding or the output head, or a MoE layer's `experts` module (all experts' weights)."""
+        linears = self.attention_linears() + (self.mlp_linears(self.intermediate) if self.dense_mlp_layers else ()) \
+            + (self.mlp_linears(self.shared_intermediate) if self.moe_layers and self.shared_intermediate else ())
+        biggest_linear = max(l.weight_numel + (l.out_features if l.bias else 0) for l in linears)
+        return max(self.embed_params, biggest_linear, self.expert_params if self.moe_layers else 0)
 
     def describe(self) -> str:
         n = self.total_params
         size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n:,}"
+        moe = f", {self.experts} experts (top-{self.experts_per_token})" if self.experts else ""
         return (f"{self.name} ({size} params, hidden {self.hidden}, {self.layers} layers, "
-                f"{self.heads}/{self.kv_heads} heads, vocab {self.vocab}{', tied head' if self.tied else ''})")
+                f"{self.heads}/{self.kv_heads} heads, vocab {self.vocab}{moe}{', tied head' if self.tied else ''})")
 
     def hf_config(self) -> dict:
         """A transformers config dict with these shapes (used by tests to build the real model)."""
@@ -117,6 +173,14 @@ class Arch:
                "tie_word_embeddings": self.tied}
         if self.head_dim:
             cfg["head_dim"] = self.head_dim
+        if self.experts and self.model_type == "mixtral":
+            cfg.update(num_local_experts=self.experts, num_experts_per_tok=self.experts_per_token,
+                       intermediate_size=self.moe_intermediate)
+        elif self.experts and self.model_type == "qwen2_moe":
+            cfg.update(num_experts=self.experts, num_experts_per_tok=self.experts_per_token,
+                       moe_intermediate_size=self.moe_intermediate,
+                       shared_expert_intermediate_size=self.shared_intermediate, decoder_sparse_step=1,
+                       mlp_only_layers=[], qkv_bias=self.qkv_bias)
         return cfg
 
 
@@ -127,6 +191,7 @@ def _arch(name: str, model_type: str, hidden: int, intermediate: int, layers: in
 
 
 _QWEN2 = {"qkv_bias": True}
+_QWEN2_MOE = {"qkv_bias": True, "shared_expert_gate": True}
 _GEMMA2 = {"norms_per_layer": 4, "attn_softcap": True, "logit_softcap": True}
 
 # Patterns are searched in a lower-cased hub id with `_` read as `-`; a size is never followed by
@@ -152,6 +217,12 @@ BUILTIN: tuple[Arch, ...] = (
     _arch("gemma-2-2b", "gemma2", 2304, 9216, 26, 8, 4, 256000, True, r"gemma-?2-2b", head_dim=256, **_GEMMA2),
     _arch("gemma-2-9b", "gemma2", 3584, 14336, 42, 16, 8, 256000, True, r"gemma-?2-9b", head_dim=256, **_GEMMA2),
     _arch("gemma-2-27b", "gemma2", 4608, 36864, 46, 32, 16, 256000, True, r"gemma-?2-27b", head_dim=128, **_GEMMA2),
+    # Mixture of experts: `intermediate` is one expert's width for Mixtral (its config's
+    # intermediate_size), Qwen1.5-MoE's config gives both (5632 = the shared expert).
+    _arch("mixtral-8x7b", "mixtral", 4096, 14336, 32, 32, 8, 32000, False, r"mixtral-8x7b",
+          experts=8, experts_per_token=2, moe_intermediate=14336),
+    _arch("qwen1.5-moe-a2.7b", "qwen2_moe", 2048, 5632, 24, 16, 16, 151936, False, r"qwen1\.5-moe-a2\.7b",
+          experts=60, experts_per_token=4, moe_intermediate=1408, shared_intermediate=5632, **_QWEN2_MOE),
 )
 BY_NAME = {a.name: a for a in BUILTIN}
 
@@ -198,6 +269,8 @@ def arch_from_config(config: dict, source: str) -> Arch:
     head_dim = config.get("head_dim") or 0
     if head_dim and head_dim * heads == config["hidden_size"]:
         head_dim = 0  # the default; keep the Arch minimal
+    if config.get("kv_lora_rank"):
+        raise ArchError(f"{source}: multi-head latent attention (DeepSeek-V2/V3 kv_lora_rank) is not modelled")
     return Arch(
         name=str(config.get("_name_or_path") or Path(source).parent.name or model_type),
         model_type=model_type,
@@ -210,12 +283,34 @@ def arch_from_config(config: dict, source: str) -> Arch:
         tied=bool(tied),
         head_dim=head_dim,
         # Qwen2 always has q/k/v biases; Llama-style configs say so with attention_bias.
-        qkv_bias=model_type == "qwen2" or bool(config.get("attention_bias", False)),
+        qkv_bias=bool(config.get("qkv_bias", model_type in ("qwen2", "qwen2_moe")))
+        or bool(config.get("attention_bias", False)),
         norms_per_layer=4 if gemma2 else 2,
         attn_softcap=bool(config.get("attn_logit_softcapping")) if gemma2 else False,
         logit_softcap=bool(config.get("final_logit_softcapping")) if gemma2 else False,
         source=source,
+        **_moe_fields(config),
     )
+
+
+def _moe_fields(config: dict) -> dict:
+    """Mixture-of-experts shapes from the keys each family uses: Mixtral (num_local_experts, one
+    expert's width in intermediate_size), Qwen2/3-MoE (num_experts, moe_intermediate_size,
+    shared_expert_intermediate_size, mlp_only_layers), DeepSeek (n_routed_experts, n_shared_experts,
+    first_k_dense_replace)."""
+    experts = config.get("num_local_experts") or config.get("num_experts") or config.get("n_routed_experts") or 0
+    if not experts:
+        return {}
+    width = config.get("moe_intermediate_size") or config["intermediate_size"]
+    shared = config.get("shared_expert_intermediate_size") or (config.get("n_shared_experts") or 0) * width
+    layers = config["num_hidden_layers"]
+    step = config.get("decoder_sparse_step") or 1
+    sparse = [i for i in range(layers) if i >= (config.get("first_k_dense_replace") or 0)
+              and (i + 1) % step == 0 and i not in (config.get("mlp_only_layers") or [])]
+    return {"experts": experts, "experts_per_token": config.get("num_experts_per_tok") or 2,
+            "moe_intermediate": width, "shared_intermediate": shared,
+            "shared_expert_gate": str(config.get("model_type", "")) == "qwen2_moe",
+            "dense_layers": layers - len(sparse)}
 
 
 def load_config_json(path: Path) -> Arch:

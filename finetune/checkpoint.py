@@ -45,6 +45,10 @@ MARKER = "COMPLETE"
 STOP_RECORD = "stopped.json"
 RESUME_KEY_FILE = "resume_key.json"
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL
+# The one rule for a second stop signal, in `finetune train` (finetune.launch) and in every rank
+# (finetune.train.preemption): within this many seconds of the first it is the same request (systemd,
+# SLURM and launchers often signal every process and also relay it); a later one aborts at once.
+SECOND_SIGNAL_WINDOW = 5.0
 _CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 MIB = 2**20
 # Headroom on top of the estimate: the estimate is the previous checkpoint's size (or the model's),
@@ -360,8 +364,12 @@ def plan_resume(run_dir: Path, resolved: dict[str, Any], world_size: Optional[in
             plan.notes.append(f"{where}: written by another node of this run (same recipe); using it")
             return plan
         broken = "; ".join(f"{c.name}: {c.problem}" for c in checkpoints)
-        what = f"holds only incomplete checkpoints ({broken}), nothing to resume from" if checkpoints \
-            else "holds a previous run with no checkpoint"
+        if checkpoints:
+            what = f"holds only incomplete checkpoints ({broken}), nothing to resume from"
+        elif finished:
+            what = "holds a finished run (summary.json) and no checkpoint to continue from"
+        else:
+            what = "holds a previous run that saved no checkpoint"
         plan.error = f"{where} is not empty: it {what}; pass --overwrite to start over, or choose another --output-dir"
         return plan
     latest = complete[-1]

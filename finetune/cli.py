@@ -263,7 +263,7 @@ def train(
     launch_flags = {"nodes": nnodes, "node_rank": node_rank, "master_addr": master_addr, "master_port": master_port}
     overrides = list(overrides or []) + [f"launch.{key}={json.dumps(value)}" for key, value in launch_flags.items() if value is not None]
     loaded = load_or_exit(recipe, overrides)
-    prepared = prepare(loaded, output_dir, overwrite, resume=resume, force_resume=force_resume)
+    prepared = prepare(loaded, output_dir, overwrite, resume=resume, force_resume=force_resume, dry_run=dry_run)
     report = prepared.preflight
     if report.lint_report:
         typer.echo(report.lint_report, err=True, nl=False)
@@ -271,11 +271,15 @@ def train(
         typer.echo(f"note: {note}", err=True)
     for warning in report.warnings:
         typer.echo(f"warning: {warning}", err=True)
+    # A dry run writes nothing, so a refused output directory does not stop it from showing the launch.
+    show_anyway = dry_run and prepared.plan is not None and not report.errors and not report.lint_errors
     if not report.ok:
-        for error in report.errors:
+        prepared.release()
+        for error in report.errors + ([] if show_anyway else report.run_dir_errors):
             typer.echo(f"error: {error}", err=True)
-        count = len(report.errors) + len(report.lint_errors)
-        raise fail(f"preflight failed ({count} problem{'s' if count != 1 else ''}); nothing was started or written")
+        if not show_anyway:
+            count = len(report.errors) + len(report.lint_errors) + len(report.run_dir_errors)
+            raise fail(f"preflight failed ({count} problem{'s' if count != 1 else ''}); nothing was started or written")
     plan = prepared.plan
     if dry_run:
         from finetune.dsconfig import dumps, render_deepspeed
@@ -286,8 +290,11 @@ def train(
             if len(commands) > 1:
                 typer.echo(f"# {label}")
             typer.echo(line)
+        typer.echo(f"# a real run would {_what_a_run_would_do(prepared)}")
         typer.echo("# deepspeed.json")
         typer.echo(dumps(render_deepspeed(loaded.recipe, plan.world_size)), nl=False)
+        if report.run_dir_errors:
+            raise fail(f"a real run would stop here: {report.run_dir_errors[0]}")
         return
     typer.echo(f"launching {plan.world_size} process{'es' if plan.world_size != 1 else ''} ({plan.device}): {plan.display()}", err=True)
     try:
@@ -302,7 +309,10 @@ def train(
         typer.echo(f"finished: {prepared.run_dir}{where}", err=True)
         return
     if outcome.returncode == EXIT_PREEMPTED:
-        typer.echo(f"stopped: {outcome.message} (run directory: {prepared.run_dir})", err=True)
+        try:
+            typer.echo(f"stopped: {outcome.message} (run directory: {prepared.run_dir})", err=True)
+        except OSError:
+            pass  # SIGHUP: the terminal is gone; the exit code still says a checkpoint was saved
         raise typer.Exit(EXIT_PREEMPTED)
     if outcome.signal is not None:
         raise fail(f"{outcome.message}; the run directory {prepared.run_dir} holds what was saved", outcome.returncode)
@@ -312,6 +322,20 @@ def train(
         typer.echo(f"--- last lines of {log} ---", err=True)
         typer.echo(tail_of(log), err=True)
     raise fail(f"training failed: {outcome.message} (run directory: {prepared.run_dir})", outcome.returncode)
+
+
+def _what_a_run_would_do(prepared) -> str:
+    """One line for --dry-run: resume, start fresh, join, replace, or refuse (and why)."""
+    report = prepared.preflight
+    if report.run_dir_errors:
+        return f"refuse: {report.run_dir_errors[0]}"
+    if prepared.resume_from is not None:
+        return f"resume from {prepared.resume_from.name} (step {prepared.resume_from.step}) in {prepared.run_dir}"
+    if report.join:
+        return f"join the run directory {prepared.run_dir} written by another node of this run"
+    if prepared.overwrite and prepared.run_dir.exists() and any(prepared.run_dir.iterdir()):
+        return f"replace the previous run in {prepared.run_dir} and start fresh (--overwrite)"
+    return f"start fresh in {prepared.run_dir}"
 
 
 @app.command()

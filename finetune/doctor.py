@@ -88,6 +88,8 @@ class Facts:
     nccl: Optional[str] = None
     gpus: list[Gpu] = field(default_factory=list)
     import_errors: dict[str, str] = field(default_factory=dict)
+    # Whether torchrun honours TORCH_ELASTIC_SHUTDOWN_TIMEOUT (None: unknown, torch not imported).
+    torchrun_shutdown_timeout: Optional[bool] = None
 
     def version(self, package: str) -> Optional[str]:
         return self.packages.get(package)
@@ -146,6 +148,7 @@ def _torch_facts(facts: Facts) -> None:
         facts.import_errors["torch"] = _one_line(exc)
         return
     facts.torch_cuda = torch.version.cuda
+    facts.torchrun_shutdown_timeout = _torchrun_has_shutdown_timeout()
     facts.cuda_available = bool(torch.cuda.is_available())
     if not facts.cuda_available:
         return
@@ -256,6 +259,38 @@ def python_check(facts: Facts) -> Check:
     return Check("python", "ok", f"Python {facts.python}")
 
 
+# Before pytorch/pytorch#172596 (merged 2026-03-03) torchrun SIGKILLed the ranks 30 s after forwarding
+# a stop signal, whatever TORCH_ELASTIC_SHUTDOWN_TIMEOUT said. torch 2.13 has it (read in its source);
+# which release first shipped it is not verified here, so the check looks for the feature, not a number.
+TORCHRUN_FIXED_GRACE_S = 30
+SHUTDOWN_TIMEOUT_TORCH = "2.13"
+
+
+def _torchrun_has_shutdown_timeout() -> Optional[bool]:
+    import dataclasses
+
+    try:
+        from torch.distributed.launcher.api import LaunchConfig
+    except Exception:  # torch without distributed support
+        return None
+    return "shutdown_timeout" in {f.name for f in dataclasses.fields(LaunchConfig)}
+
+
+def stop_timeout_checks(recipe: "Recipe", facts: Facts) -> list[Check]:
+    """launch.stop_timeout is torchrun's TORCH_ELASTIC_SHUTDOWN_TIMEOUT; older torchrun ignores it."""
+    from finetune.launch import choose_launcher
+
+    wanted = recipe.launch.stop_timeout
+    if facts.torchrun_shutdown_timeout is not False or choose_launcher(recipe) != "torchrun" \
+            or wanted <= TORCHRUN_FIXED_GRACE_S:
+        return []
+    return [Check("launch.stop_timeout", "warn",
+                  f"torch {facts.version('torch')}'s torchrun kills the ranks {TORCHRUN_FIXED_GRACE_S} s after a stop "
+                  f"signal (it ignores TORCH_ELASTIC_SHUTDOWN_TIMEOUT): launch.stop_timeout: {wanted} is cut to "
+                  f"{TORCHRUN_FIXED_GRACE_S} s, and a checkpoint that takes longer to save after Ctrl-C or a preemption is lost",
+                  pip_fix("torch", f">={SHUTDOWN_TIMEOUT_TORCH}"))]
+
+
 def torch_checks(facts: Facts) -> list[Check]:
     version = facts.version("torch")
     if version is None:
@@ -305,6 +340,7 @@ def checks_for_recipe(recipe: "Recipe", facts: Optional[Facts] = None) -> list[C
     if recipe.model.attn_implementation.startswith("flash_attention"):
         checks += flash_attention_checks(recipe, facts)
     checks += device_checks(recipe, facts)
+    checks += stop_timeout_checks(recipe, facts)
     return checks
 
 
@@ -351,7 +387,7 @@ def device_checks(recipe: "Recipe", facts: Facts) -> list[Check]:
         checks.append(Check("device.hardware", "warn", f"the recipe is meant for {recipe.hardware.gpus} GPU(s) per node "
                             f"(hardware.gpus) but {len(gpus)} are visible here"))
     if not gpus:
-        n = procs if isinstance(procs, int) else 1
+        n = procs if isinstance(procs, int) else recipe.launch.cpu_procs
         return checks + [Check("device", "info", f"no GPU: {n} CPU process{'es' if n != 1 else ''} on DeepSpeed's CPU accelerator (slow; meant for tests)")]
     if isinstance(procs, int) and procs > len(gpus):
         return checks + [Check("device", "fail", f"launch.procs_per_node is {procs} but only {len(gpus)} GPU(s) are visible",

@@ -11,14 +11,16 @@ Two launchers, chosen by `launch.launcher` (auto: deepspeed when a hostfile is s
     python -m deepspeed.launcher.runner --num_gpus 2 --master_addr 127.0.0.1 --master_port 29500 \\
         --no_local_rank --enable_each_rank_log RUN/logs --module finetune.train.runner --run-dir RUN
 
-The launcher runs in its own process group; SIGINT/SIGTERM sent to `finetune train` are forwarded to
-it, and it forwards them to the ranks, which save a checkpoint at the next step end and exit
-(finetune.train.preemption); torchrun waits `launch.stop_timeout` seconds for them (its
-TORCH_ELASTIC_SHUTDOWN_TIMEOUT), DeepSpeed's launcher 30 s, then they are killed. `finetune train`
-then exits 75 (finetune.checkpoint.EXIT_PREEMPTED) when the checkpoint was saved. A second signal
-kills every process of the run at once. `finetune train` never returns while a rank it started is
-still alive. A failing rank is named, with its host, from torchrun's failure report (the "Root
-Cause" block of its ChildFailedError).
+The launcher runs in its own process group; SIGINT/SIGTERM/SIGHUP sent to `finetune train` are
+forwarded to it (SIGHUP as SIGTERM), and it forwards them to the ranks, which save a checkpoint at
+the next step end and exit (finetune.train.preemption); torchrun waits `launch.stop_timeout` seconds
+for them (its TORCH_ELASTIC_SHUTDOWN_TIMEOUT), DeepSpeed's launcher 30 s, then they are killed.
+`finetune train` then exits 75 (finetune.checkpoint.EXIT_PREEMPTED) when the checkpoint was saved.
+A repeat within finetune.checkpoint.SECOND_SIGNAL_WINDOW is the same request; a later signal kills
+every process of the run at once. `finetune train` never returns while a rank it started is still
+alive, and the launcher dies with it (finetune.lifeline). A failing rank is named from the error
+files torchrun gives every rank (error.json, written by the runner's @record), with exit codes and
+hosts from torchrun's printed failure report, which alone serves when there are no error files.
 
 Several machines: with torchrun, `finetune train` runs on every machine with its --node-rank
 (static rendezvous at master_addr:master_port; `finetune slurm` writes that for SLURM); with a
@@ -53,6 +55,8 @@ from finetune.recipe import Recipe
 if TYPE_CHECKING:
     from finetune.preflight import Preflight
     from finetune.recipe import LoadedRecipe
+    from finetune.extensions import BuildWatch
+    from finetune.runlock import RunLock
 
 RUNNER_MODULE = "finetune.train.runner"
 DEFAULT_MASTER_PORT = 29500  # torchrun's and DeepSpeed's default
@@ -283,55 +287,106 @@ class Outcome:
     signal: Optional[int] = None  # a signal we forwarded
     message: str = ""
     logs: list[Path] = field(default_factory=list)  # log files of the failed ranks
+    port_in_use: Optional[int] = None  # the launcher could not bind the rendezvous port; nothing started
 
     @property
     def ok(self) -> bool:
         return self.returncode == 0
 
 
-def spawn(plan: LaunchPlan) -> subprocess.Popen:
-    """Start the launcher in its own session: terminal signals reach it only through us (forwarded)."""
+def spawn(plan: LaunchPlan, keep_fds: tuple[int, ...] = ()) -> subprocess.Popen:
+    """Start the launcher in its own session: terminal signals reach it only through us (forwarded).
+
+    It dies with us (finetune.lifeline: SIGTERM when this process dies, so torchrun stops its ranks),
+    and inherits `keep_fds` (the run directory's lock: the directory stays owned while it lives)."""
+    from finetune.lifeline import wrap
+
     env = dict(os.environ)
     env.update(plan.env)
     try:
-        return subprocess.Popen(plan.argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        return subprocess.Popen(wrap(plan.argv, signal.SIGTERM, plan.argv[0]), env=env, stdin=subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+                                pass_fds=keep_fds)
     except OSError as exc:
         raise LaunchError(f"cannot start {plan.argv[0]}: {exc.strerror or exc}") from None
 
 
-def supervise(plan: LaunchPlan, console: Optional[IO[bytes]] = None) -> Outcome:
-    """Run `plan` to the end: relay output, forward SIGINT/SIGTERM, and say which rank failed."""
+# Signals `finetune train` turns into a checkpoint-and-stop; SIGHUP is a dropped terminal or SSH session.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+PORT_RETRIES = 3  # new rendezvous ports tried when the one checked free was taken before torchrun bound it
+LAUNCHER_ERROR_FILE = "launcher_error.json"  # torchrun's own exception (its main is wrapped in @record)
+
+
+def supervise(plan: LaunchPlan, console: Optional[IO[bytes]] = None, keep_fds: tuple[int, ...] = (),
+              builds: Optional["BuildWatch"] = None) -> Outcome:
+    """Run `plan` to the end: relay output, forward stop signals, say which rank failed.
+
+    A single-node torchrun whose rendezvous port was taken between the check and its bind is started
+    again on another port (PORT_RETRIES times); nothing had started then."""
     from finetune.checkpoint import clear_stop_record
 
     console = console or sys.stdout.buffer
-    logs = plan.run_dir / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
+    (plan.run_dir / "logs").mkdir(parents=True, exist_ok=True)
     clear_stop_record(plan.run_dir)
+    for attempt in range(PORT_RETRIES + 1):
+        outcome = _supervise_once(plan, console, keep_fds, builds)
+        busy = outcome.port_in_use
+        if busy is None or outcome.signal is not None or plan.nodes > 1 or attempt == PORT_RETRIES:
+            return outcome
+        port = free_port(0, plan.master_addr if plan.master_addr in LOCAL_HOSTS else "127.0.0.1")
+        Relay._write(console, f"[finetune] port {busy} was taken before torchrun could bind it; "
+                              f"starting again on port {port}\n".encode())
+        _set_port(plan, port)
+    return outcome
+
+
+def _set_port(plan: LaunchPlan, port: int) -> None:
+    flag = "--master-port" if plan.launcher == "torchrun" else "--master_port"
+    plan.argv[plan.argv.index(flag) + 1] = str(port)
+    plan.master_port = port
+
+
+def _supervise_once(plan: LaunchPlan, console: IO[bytes], keep_fds: tuple[int, ...],
+                    builds: Optional["BuildWatch"]) -> Outcome:
+    from finetune.checkpoint import SECOND_SIGNAL_WINDOW
+
+    logs = plan.run_dir / "logs"
+    error_file = logs / LAUNCHER_ERROR_FILE
+    error_file.unlink(missing_ok=True)
+    if plan.launcher == "torchrun":
+        # torchrun's @record main writes its own exception here; it gives each rank a file of its own.
+        plan = LaunchPlan(**{**plan.__dict__, "env": {**plan.env, "TORCHELASTIC_ERROR_FILE": str(error_file)}})
     forwarded: list[int] = []
+    first_at: list[float] = []
     running: list[subprocess.Popen] = []
     tracker = ProcessTree()
 
     def forward(signum, _frame):
+        now = time.monotonic()
+        if first_at and now - first_at[0] <= SECOND_SIGNAL_WINDOW:
+            return  # the same request, sent twice (the ranks apply the same rule)
         forwarded.append(signum)
+        first_at.append(now)
         if not running:
             return
         if len(forwarded) == 1:
-            _signal_group(running[0], signum)  # the ranks save a checkpoint and stop
+            _signal_group(running[0], _as_stop(signum))  # the ranks save a checkpoint and stop
         else:
-            tracker.kill(running[0])  # a second signal: abort at once
+            tracker.kill(running[0])  # a later second signal: abort at once
 
     # Handlers go in before the launcher starts: a Ctrl-C in between must not orphan it.
     previous = _install_handlers(forward)
+    if builds is not None:
+        builds.started = time.monotonic()
     try:
-        proc = spawn(plan)
+        proc = spawn(plan, keep_fds)
         running.append(proc)
         if forwarded:
-            _signal_group(proc, forwarded[0])
+            _signal_group(proc, _as_stop(forwarded[0]))
         relay = Relay(proc.stdout, console, logs / "launcher.log")
         relay.start()
         try:
-            wait(plan, proc, console, tracker)
+            wait(plan, proc, console, tracker, builds)
             # torchrun starts each rank in a session of its own, and a launcher that was signalled can
             # exit before its ranks: wait for them (they may be writing a checkpoint), then kill.
             tracker.wait_gone(plan.stop_timeout + 30 if forwarded else 30)
@@ -345,6 +400,11 @@ def supervise(plan: LaunchPlan, console: Optional[IO[bytes]] = None) -> Outcome:
         _restore_handlers(previous)
     link_rank_logs(plan)
     return judge(plan, proc.returncode, relay.tail(), forwarded[0] if forwarded else None)
+
+
+def _as_stop(signum: int) -> int:
+    """SIGHUP asks for what SIGTERM does; the ranks (and torchrun's report) know SIGTERM and SIGINT."""
+    return signal.SIGTERM if signum == signal.SIGHUP else signum
 
 
 class ProcessTree:
@@ -397,8 +457,10 @@ class ProcessTree:
                 pass
 
 
-def wait(plan: LaunchPlan, proc: subprocess.Popen, console: IO[bytes], tracker: Optional[ProcessTree] = None) -> None:
-    """Until the launcher exits: follow rank 0's log for the deepspeed launcher, link the rank logs."""
+def wait(plan: LaunchPlan, proc: subprocess.Popen, console: IO[bytes], tracker: Optional[ProcessTree] = None,
+         builds: Optional["BuildWatch"] = None) -> None:
+    """Until the launcher exits: follow rank 0's log for the deepspeed launcher, link the rank logs, say
+    when a first-run compile is done (or a stale build lock was cleared)."""
     logs = plan.run_dir / "logs"
     rank0 = Follower(logs, "*_rank0.log", console) if plan.launcher == "deepspeed" and plan.node_rank == 0 else None
     linked = False
@@ -410,6 +472,9 @@ def wait(plan: LaunchPlan, proc: subprocess.Popen, console: IO[bytes], tracker: 
             rank0.poll()
         if not linked:
             linked = link_rank_logs(plan)  # as soon as torchrun made the folders: tail -f works during the run
+        if builds is not None and builds.pending and builds.due():
+            for note in builds.poll():
+                Relay._write(console, f"[finetune] {note}\n".encode())
     if rank0:
         rank0.poll()
 
@@ -424,7 +489,7 @@ def _signal_group(proc: subprocess.Popen, signum: int) -> None:
 def _install_handlers(handler) -> dict[int, object]:
     if threading.current_thread() is not threading.main_thread():
         return {}  # signals can only be caught in the main thread; a caller there forwards them
-    return {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    return {sig: signal.signal(sig, handler) for sig in STOP_SIGNALS}
 
 
 def _restore_handlers(previous: dict[int, object]) -> None:
@@ -483,7 +548,7 @@ class Relay(threading.Thread):
 
 
 # Exceptions torchrun raises itself when ranks fail or it is signalled (torch.distributed.elastic).
-_LAUNCHER_EXCEPTIONS = (b"torch.distributed.elastic.",)
+_LAUNCHER_EXCEPTIONS = (b"torch.distributed.elastic.", b"torch.distributed.DistNetworkError")
 
 
 class Follower:
@@ -551,18 +616,25 @@ def judge(plan: LaunchPlan, returncode: int, output: str, forwarded: Optional[in
         return Outcome(0, message="all ranks finished")
     stopped = read_stop_record(plan.run_dir)  # written by the ranks once the checkpoint is complete
     if stopped is not None:
+        # The ranks saw SIGTERM when we were sent SIGHUP (_as_stop): name what the user's side sent.
+        name = "SIGHUP" if forwarded == signal.SIGHUP else stopped.get("signal")
         return Outcome(EXIT_PREEMPTED, signal=forwarded,
-                       message=f"{stopped.get('signal')} at step {stopped.get('step')}: "
+                       message=f"{name} at step {stopped.get('step')}: "
                                f"{stopped.get('checkpoint')} is complete; run the same command again to resume")
     if forwarded is not None:
         name = signal.Signals(forwarded).name
         latest = latest_complete(plan.run_dir)
         saved = f"the newest complete checkpoint is {latest.name}" if latest else "no checkpoint was saved"
         return Outcome(128 + forwarded, signal=forwarded, message=f"stopped by {name} (forwarded to all ranks); {saved}")
-    failures = parse_torchrun_failures(output) if plan.launcher == "torchrun" else []
+    launcher_error = read_error_file(plan.run_dir / "logs" / LAUNCHER_ERROR_FILE) if plan.launcher == "torchrun" else None
+    busy = port_in_use(launcher_error or "", plan.master_port) or port_in_use(output, plan.master_port)
+    if busy is not None:
+        return Outcome(1, port_in_use=busy,
+                       message=f"the rendezvous port {busy} on {plan.master_addr} is in use (another run?); "
+                               f"nothing was started. Pass --master-port with a free port")
+    failures = torchrun_failures(plan, output) if plan.launcher == "torchrun" else []
     if failures:
         root = failures[0]
-        _read_error_file(root)
         logs = rank_log_files(plan, root.local_rank)
         message = f"{root.describe()}"
         if root.message:
@@ -570,23 +642,78 @@ def judge(plan: LaunchPlan, returncode: int, output: str, forwarded: Optional[in
         return Outcome(1, failures=failures, message=message, logs=logs)
     if plan.launcher == "deepspeed":
         return _judge_deepspeed(plan, returncode, output)
+    if launcher_error:
+        return Outcome(returncode if returncode > 0 else 1, message=f"{plan.launcher} failed: {launcher_error}")
     return Outcome(returncode if returncode > 0 else 1,
                    message=f"{plan.launcher} exited with code {returncode} (see {plan.run_dir / 'logs' / 'launcher.log'})")
 
 
-def _read_error_file(failure: RankFailure) -> None:
-    """A rank whose main is wrapped in torch's @record leaves its exception in error.json."""
+_PORT_IN_USE_RE = re.compile(r"EADDRINUSE|[Aa]ddress already in use")
+_PORT_RE = re.compile(r"port:?\s*(\d+)")
+
+
+def port_in_use(text: str, default: int) -> Optional[int]:
+    """The port named in a bind failure (torch's DistNetworkError: "port: 29500, ... EADDRINUSE"), or None."""
+    for line in text.splitlines():
+        if _PORT_IN_USE_RE.search(line):
+            match = _PORT_RE.search(line)
+            return int(match.group(1)) if match else default
+    return None
+
+
+def read_error_file(path: Path) -> Optional[str]:
+    """The last line of the exception in a torchrun error file (written by torch's @record), or None."""
     import json
 
-    if not failure.error_file:
-        return
     try:
-        data = json.loads(Path(failure.error_file).read_text(encoding="utf-8"))
-        message = data.get("message", {})
-        text = message.get("message") if isinstance(message, dict) else str(message)
-        failure.message = (text or "").strip().splitlines()[-1] if text else None
-    except (OSError, ValueError, AttributeError):
-        pass
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    message = data.get("message", {}) if isinstance(data, dict) else None
+    text = message.get("message") if isinstance(message, dict) else message
+    if not isinstance(text, str) or not text.strip():
+        return None
+    return text.strip().splitlines()[-1]
+
+
+def _error_file_time(path: Path) -> float:
+    """When the rank raised (error.json's timestamp, else the file's mtime): the first one is the root cause."""
+    import json
+
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        return float(data["message"]["extraInfo"]["timestamp"])
+    except (OSError, ValueError, KeyError, TypeError):
+        try:
+            return path.stat().st_mtime
+        except OSError:
+            return float("inf")
+
+
+def torchrun_failures(plan: LaunchPlan, output: str) -> list[RankFailure]:
+    """Failed ranks, root cause first: from the error files torchrun gives every rank
+    (attempt_N/<local rank>/error.json, written by the runner's @record), exit codes and hosts from
+    torchrun's printed report. Ranks that died without an error file (a signal, os._exit) come only
+    from the printed report."""
+    printed = {f.local_rank: f for f in parse_torchrun_failures(output)}
+    attempt = torchrun_attempt_dir(plan.run_dir)
+    files = sorted(attempt.glob("*/error.json"), key=_error_file_time) if attempt else []
+    failures = []
+    for path in files:
+        local = int(path.parent.name) if path.parent.name.isdigit() else None
+        message = read_error_file(path)
+        if local is None or message is None:
+            continue
+        seen = printed.pop(local, None)
+        failures.append(RankFailure(plan.node_rank * plan.procs_per_node + local, local,
+                                    seen.exitcode if seen else 1, str(path), message,
+                                    host=seen.host if seen else socket.gethostname()))
+    rest = parse_torchrun_failures(output)  # in the report's order: root cause first
+    failures += [f for f in rest if f.local_rank in printed]
+    for failure in failures:
+        if failure.message is None and failure.error_file:
+            failure.message = read_error_file(Path(failure.error_file))
+    return failures
 
 
 def _judge_deepspeed(plan: LaunchPlan, returncode: int, output: str) -> Outcome:
@@ -682,6 +809,13 @@ class Prepared:
     preflight: "Preflight"
     plan: Optional[LaunchPlan]
     overwrite: bool = False
+    lock: Optional["RunLock"] = None  # the existing run directory, owned from preflight to the end of the run
+    builds: Optional["BuildWatch"] = None  # DeepSpeed ops compiled on first use (finetune.extensions)
+
+    def release(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
 
     @property
     def resume_from(self):
@@ -697,10 +831,13 @@ def run_dir_for(recipe: Recipe, output_dir: Optional[Path]) -> Path:
 
 def prepare(loaded: "LoadedRecipe", output_dir: Optional[Path] = None, overwrite: bool = False,
             module: str = RUNNER_MODULE, facts=None, resume: Optional[bool] = None,
-            force_resume: bool = False) -> Prepared:
+            force_resume: bool = False, dry_run: bool = False) -> Prepared:
     """Preflight and launch plan for `loaded` on this machine (facts: finetune.doctor.Facts, faked in tests).
 
-    `resume`: continue from the newest complete checkpoint in the run directory (None: training.resume)."""
+    `resume`: continue from the newest complete checkpoint in the run directory (None: training.resume).
+    An existing run directory is locked first (finetune.runlock; a dry run only looks), so no other live
+    run changes it between what preflight decides and the launch: release() the result when not
+    launching."""
     from finetune.doctor import collect_facts, recipe_imports
     from finetune.preflight import run_preflight
 
@@ -719,28 +856,80 @@ def prepare(loaded: "LoadedRecipe", output_dir: Optional[Path] = None, overwrite
             plan.notes.append(f"port {recipe.launch.master_port} is busy; using {port}")
     except HostfileError:
         pass  # preflight reports it
+    builds = watch_builds(plan, recipe, dry_run) if plan is not None else None
+    lock, in_use = lock_existing(run_dir, dry_run, recipe)
     preflight = run_preflight(loaded, run_dir, overwrite=overwrite, facts=facts,
-                              world_size=plan.world_size if plan else None, resume=resume, force_resume=force_resume)
+                              world_size=plan.world_size if plan else None, resume=resume, force_resume=force_resume,
+                              in_use=in_use)
     if plan is not None and preflight.resume_from is not None:
         plan.argv.append("--resume")  # the runner's argument, last on both launchers' command lines
-    return Prepared(loaded, run_dir, preflight, plan, overwrite)
+    return Prepared(loaded, run_dir, preflight, plan, overwrite, lock, builds)
+
+
+def watch_builds(plan: LaunchPlan, recipe: Recipe, dry_run: bool) -> Optional["BuildWatch"]:
+    """Say which DeepSpeed ops the ranks will compile first, and clear a stale build lock that would make
+    them wait forever (a dry run only says how). Single-node runs: other nodes have their own caches."""
+    from finetune.extensions import BuildWatch, extensions_root, ops_needed
+
+    ops = ops_needed(plan.device, recipe.deepspeed.offload_optimizer)
+    if not ops or plan.nodes > 1:
+        return None
+    try:
+        watch = BuildWatch(extensions_root({**os.environ, **plan.env}), ops, remove_stale=not dry_run)
+        plan.notes.extend(watch.notes())
+    except ImportError:
+        return None  # no torch: the preflight's environment checks say so
+    return watch
+
+
+def lock_existing(run_dir: Path, dry_run: bool, recipe: Recipe) -> tuple[Optional["RunLock"], Optional[str]]:
+    """(our lock on an existing run directory, or None; the live holder's description, or None)."""
+    from finetune.preflight import RUN_MARKER
+    from finetune.runlock import RunDirLocked, acquire, holder, lock_name
+
+    name = lock_name(recipe.launch.nodes, recipe.launch.node_rank)
+    if not (run_dir / RUN_MARKER).is_file():
+        return None, None  # nothing there for another run to own; locked once written (start_run)
+    if dry_run:
+        return None, holder(run_dir, name)
+    try:
+        return acquire(run_dir, name), None
+    except RunDirLocked as exc:
+        return None, str(exc)
+    except OSError:
+        return None, None  # not writable: preflight says so
 
 
 def start_run(prepared: Prepared, console: Optional[IO[bytes]] = None) -> Outcome:
     """Write the run directory, then launch and supervise. Call only when prepared.preflight.ok."""
     from finetune.rundir import write_run_dir
 
+    from finetune.runlock import LOCK_ENV, OWNER_ENV, RunDirLocked, acquire, lock_name
+
     if not prepared.preflight.ok or prepared.plan is None:
         raise LaunchError("preflight failed; nothing was launched")
     plan = prepared.plan
-    # Resuming keeps the checkpoints; the nodes of one run may share (and all write) one directory.
-    in_place = prepared.resume_from is not None or prepared.preflight.join or plan.nodes > 1
-    write_run_dir(prepared.loaded, prepared.run_dir, plan.world_size, overwrite=prepared.overwrite, in_place=in_place)
-    if "DS_ENV_FILE" in plan.env:
-        from finetune.fsutil import write_atomic
+    try:
+        # Resuming keeps the checkpoints; the nodes of one run may share (and all write) one directory.
+        in_place = prepared.resume_from is not None or prepared.preflight.join or plan.nodes > 1
+        write_run_dir(prepared.loaded, prepared.run_dir, plan.world_size, overwrite=prepared.overwrite, in_place=in_place)
+        if prepared.lock is None or not in_place:
+            # A new directory, or --overwrite replaced the one we had locked: own the one now in place.
+            try:
+                lock = acquire(prepared.run_dir, lock_name(plan.nodes, plan.node_rank))
+            except RunDirLocked as exc:
+                raise LaunchError(str(exc)) from None
+            prepared.release()
+            prepared.lock = lock
+        if "DS_ENV_FILE" in plan.env:
+            from finetune.fsutil import write_atomic
 
-        write_atomic(Path(plan.env["DS_ENV_FILE"]), deepspeed_env_text({**os.environ, **plan.env}))
-    return supervise(plan, console)
+            write_atomic(Path(plan.env["DS_ENV_FILE"]), deepspeed_env_text({**os.environ, **plan.env}))
+        # The ranks clean up checkpoints only under this lock.
+        plan.env.update({OWNER_ENV: str(os.getpid()), LOCK_ENV: prepared.lock.path.name})
+        return supervise(plan, console, keep_fds=(prepared.lock.fd,), builds=prepared.builds)
+    finally:
+        prepared.release()
 
 
 def deepspeed_env_text(environ: dict[str, str]) -> str:

@@ -58,14 +58,40 @@ DS_OPTIMIZER_SWAP_BUFFERS = 4  # offload_optimizer.buffer_count
 DS_PARAM_SWAP_BUFFERS = 5  # offload_param.buffer_count
 DS_PARAM_SWAP_BUFFER_SIZE = 100_000_000  # offload_param.buffer_size (elements)
 
-# Estimates that cannot be read from code (no GPU was available to measure them in this project):
-# the CUDA context of a PyTorch process (kernels, cuBLAS workspace; 0.3-0.6 GiB with lazy module
-# loading on recent drivers), NCCL's per-peer communication buffers (NCCL_BUFFSIZE 4 MiB per
-# channel and protocol, plus its kernels), and the caching allocator's fragmentation of memory that
-# is allocated and freed every step.
-CUDA_CONTEXT = 512 * MiB
-NCCL_BUFFERS = 192 * MiB
-FRAGMENTATION = 0.10
+# What a process holds besides its tensors. Three counters see different parts of it (the planner
+# reports all three; `fits` uses the largest, nvidia-smi's):
+# - torch.cuda.max_memory_allocated: tensors, and cuBLAS' workspaces, which PyTorch takes from its
+#   caching allocator (aten/src/ATen/cuda/CublasHandlePool.cpp getNewWorkspace): one per cuBLAS
+#   handle and stream; the forward runs on the main thread and backward on autograd's device thread,
+#   each with its own handle. Default size (parseChosenWorkspaceSize): 4096 KiB x 8 = 32 MiB on
+#   Hopper (sm90), 4096 KiB x 2 + 16 KiB x 8 = 8.125 MiB on other GPUs.
+# - torch.cuda.max_memory_reserved: plus what the caching allocator keeps cached but not allocated.
+#   c10/cuda/CUDACachingAllocator.cpp rounds a request over 10 MiB (kMinLargeAlloc) up to 2 MiB
+#   (kRoundLarge): about 1 MiB lost per large tensor kept for the run (weights); and blocks freed by
+#   the tensors of one step (activations, the loss, buffers) are split and re-used by differently
+#   sized ones, so the cache grows past the live peak. FRAGMENTATION is that growth as a share of the
+#   memory allocated and freed within a phase (activations, the loss, transient buffers): 0.30, the
+#   best of 0.1-0.5 on the calibration part of tests/data/plan_corpus.json (Qwen's published profile;
+#   0.3 and 0.4 tie on median error); meta-llama/llama-cookbook PR 41 measured an independent gap of
+#   the same size: peak reserved 19.36 GB for 15.22 GB peak active (FSDP LoRA, Llama-2-7B, 4 A100s),
+#   4.1 GB on about 12 GB allocated and freed per step.
+# - nvidia-smi: plus the memory outside PyTorch's allocator: the CUDA context (426 MiB measured with
+#   PyTorch 2.10 / CUDA 13 on an RTX 6000 Ada, unsloth-zoo PR 1053; "around 400MB" with CUDA >= 11.7
+#   and lazy module loading, pytorch/pytorch issue 109888; over 1 GB before CUDA 11.7; the sources
+#   show the CUDA version, not the GPU generation, deciding it) and NCCL's buffers (below).
+CUDA_CONTEXT = 426 * MiB
+CUBLAS_WORKSPACE = {"hopper": 32 * MiB, "other": 8 * MiB + 128 * 1024}
+CUBLAS_HANDLES = 2  # forward thread + autograd's backward thread
+ALLOCATOR_ROUND_LARGE = 2 * MiB
+ALLOCATOR_MIN_LARGE_ALLOC = 10 * MiB
+FRAGMENTATION = 0.30
+# NCCL's communication buffers grow with its channels and peers (NVIDIA/nccl issue 986: linear in
+# the channels, no longer growing beyond 2 nodes). Two readings: 2 GPUs: the ZeRO-2 saving a user
+# measured in nvidia-smi (docs/plan.md, puzzle 1: 934 MiB) falls 187.8 MiB short of the bytes
+# partitioning frees at the peak (1.0955 GiB); 8 H100s (NVLink): 1.06 GB outside PyTorch after
+# NCCL's init (NVIDIA/nccl issue 1685), less the CUDA context above. Linear in between; multi-node
+# runs as 8.
+NCCL_BUFFERS = {2: int(1.0955 * GiB) - 934 * MiB, 8: 1_060_000_000 - CUDA_CONTEXT}
 # RSS of one training process on the CPU side (Python, torch, transformers, DeepSpeed, CUDA host
 # allocations) before any model data: a heuristic from typical `ps` readings of 1.5-3 GB per rank.
 PROCESS_RSS = 2 * GiB
@@ -82,6 +108,7 @@ OPTIMIZER_STATE_BYTES = {"adamw": 8, "adam": 8, "lion": 4, "adagrad": 4, "sgd": 
 MASTER_BYTES = 4  # fp32 master weights (DeepSpeed keeps them for every 16-bit run)
 
 PHASES = ("both", "backward", "step")
+COUNTERS = ("allocated", "reserved", "device")
 FIELDS = ("weights", "gradients", "optimizer", "buffers", "activations", "logits", "overhead")
 
 
@@ -121,6 +148,15 @@ class Setup:
     modules_to_save: tuple[str, ...] = ()
     double_quant: bool = True
     optimizer: str = "adamw"
+    # Without DeepSpeed: torch's fused AdamW (HF's default with torch >= 2.8) or the foreach one (the
+    # default before), which allocates a temporary per moment in the step; torch 2.0's foreach AdamW
+    # ("foreach_torch20") allocates two (its `denom = _foreach_add(exp_avg_sq_sqrt, eps)` is not in place).
+    optimizer_impl: str = "fused"
+    # The dtype the cross-entropy runs in. Today's transformers upcast the logits to fp32 (and so does
+    # torch.autocast, whose fp32 list has log_softmax / nll_loss); older remote-code models that compute
+    # their own loss without an upcast, run without autocast (DeepSpeed), keep it 16-bit. Corpus cases
+    # set it (docs/plan.md); recipes of this project always get float32.
+    loss_dtype: str = "float32"
     deepspeed: bool = True  # False: plain PyTorch (HF Trainer without DeepSpeed)
     stage: int = 2
     offload_optimizer: str = "none"
@@ -141,7 +177,9 @@ class Setup:
     sub_group_size: int = DS_SUB_GROUP_SIZE
     gpu_memory: Optional[int] = None
     cpu_memory: Optional[int] = None
+    gpu_type: Optional[str] = None  # hardware.gpu_type: sizes cuBLAS' workspaces (unknown: Hopper's, the larger)
     model_label: str = ""
+    launch_note: str = ""  # how the recipe's launch section chooses the process count, for the text
 
     @property
     def world(self) -> int:
@@ -186,6 +224,9 @@ class Term:
     phase: str = "both"  # both | backward | step
     note: str = ""
     live: Optional[int] = None  # bytes allocated at once, when less than `bytes` (ZeRO-3 sub-groups)
+    # Which counter first sees it: "allocated" (a tensor: max_memory_allocated), "reserved" (cached by
+    # PyTorch's allocator, not allocated: max_memory_reserved) or "device" (outside PyTorch: nvidia-smi).
+    counter: str = "allocated"
 
 
 @dataclass
@@ -202,8 +243,19 @@ class PlanResult:
     def field_bytes(self, name: str) -> int:
         return sum(t.bytes for t in self.terms if t.field == name)
 
-    def phase_bytes(self, phase: str) -> int:
-        return sum(t.bytes if t.live is None else t.live for t in self.terms if t.phase in ("both", phase))
+    def phase_bytes(self, phase: str, counters: tuple[str, ...] = COUNTERS) -> int:
+        return sum(t.bytes if t.live is None else t.live for t in self.terms
+                   if t.phase in ("both", phase) and t.counter in counters)
+
+    @property
+    def memory_views(self) -> dict[str, int]:
+        """The peak as each counter reports it: torch.cuda.max_memory_allocated, max_memory_reserved
+        and nvidia-smi's process usage. `total` and `fits` use the last, the largest."""
+        def peak(counters: tuple[str, ...]) -> int:
+            return max(self.phase_bytes(p, counters) for p in ("backward", "step"))
+
+        return {"allocated": peak(("allocated",)), "reserved": peak(("allocated", "reserved")),
+                "nvidia_smi": peak(COUNTERS)}
 
     @property
     def peak_phase(self) -> str:
@@ -256,6 +308,16 @@ class PlanResult:
             return None
         return self.setup.gpu_memory - self.per_gpu["total"]
 
+    def _tight(self) -> str:
+        """PyTorch's allocator frees its cache and retries before it reports out of memory, so a run
+        over only by the cached part may still start (tight: fragmentation can then make it fail)."""
+        views = self.memory_views
+        uncached = views["allocated"] + views["nvidia_smi"] - views["reserved"]
+        if self.setup.gpu_memory is None or uncached > self.setup.gpu_memory:
+            return ""
+        return (f" (without the allocator's cache {gib(uncached)} GiB: it may start, with no margin for "
+                "fragmentation)")
+
     # -- output --------------------------------------------------------------------------------
 
     def summary(self) -> str:
@@ -288,6 +350,9 @@ class PlanResult:
                       "attn_implementation": s.attn, "dtype": s.dtype,
                       "reduce_bucket_size": s.reduce_bucket_size, "overlap_comm": s.overlap},
             "per_gpu": self.per_gpu,
+            "memory": {"allocated_peak": self.memory_views["allocated"],
+                       "reserved_peak": self.memory_views["reserved"],
+                       "nvidia_smi": self.memory_views["nvidia_smi"], "fits_uses": "nvidia_smi"},
             "phases": {"backward": self.phase_bytes("backward"), "step": self.phase_bytes("step"),
                        "peak": self.peak_phase},
             "cpu": self.cpu,
@@ -306,6 +371,8 @@ class PlanResult:
         lines = [f"model    {s.model_label}"]
         lines.append(f"method   {_method_line(self)}")
         lines.append(f"setup    {s.describe()}")
+        if s.launch_note:
+            lines.append(f"launch   {s.launch_note}")
         lines.append("")
         lines.append(f"per GPU{'':35}GiB")
         g = self.per_gpu
@@ -322,10 +389,16 @@ class PlanResult:
         if s.gpu_memory is not None:
             total += f"  of {gib(s.gpu_memory)}: " + (
                 f"fits, {gib(self.headroom)} GiB headroom" if self.headroom >= 0 else
-                f"does NOT fit, {gib(-self.headroom)} GiB over")
+                f"does NOT fit, {gib(-self.headroom)} GiB over" + self._tight())
         lines.append(total)
         if self.peak_phase == "backward" and self.phase_bytes("step") != self.phase_bytes("backward"):
             lines.append(f"  {'optimizer step phase':<36}{gib(self.phase_bytes('step')):>7}")
+        views = self.memory_views
+        lines.append(f"  {'as torch.cuda.max_memory_allocated':<36}{gib(views['allocated']):>7}")
+        lines.append(f"  {'as torch.cuda.max_memory_reserved':<36}{gib(views['reserved']):>7}"
+                     "  + allocator rounding and fragmentation")
+        lines.append(f"  {'as nvidia-smi':<36}{gib(views['nvidia_smi']):>7}"
+                     "  + CUDA context and NCCL; `fits` uses this one")
         c = self.cpu
         lines.append("")
         lines.append(f"per node CPU{'':30}GiB")
@@ -406,17 +479,42 @@ def param_groups(setup: Setup) -> list[ParamGroup]:
         out.append(ParamGroup("embed_tokens copy (modules_to_save)", v * h, 1, True, unit="embed_tokens.copy"))
     for k in range(arch.norms_per_layer):
         out.append(ParamGroup(f"layer norm {k + 1}", h, n, full, unit=f"norm{k + 1}", per_layer=True))
-    for lin in arch.layer_linears():
-        # transformers' bitsandbytes integration quantizes every nn.Linear but the output head.
-        out.append(ParamGroup(f"{lin.name}.weight", lin.weight_numel, n, full, quantized=qlora,
-                              unit=lin.name, per_layer=True))
-        if lin.bias:
-            out.append(ParamGroup(f"{lin.name}.bias", lin.out_features, n, full, unit=lin.name, per_layer=True))
-        if lin.name in targets:
-            out.append(ParamGroup(f"{lin.name}.lora_A", r * lin.in_features, n, True,
-                                  unit=f"{lin.name}.lora_A", per_layer=True))
-            out.append(ParamGroup(f"{lin.name}.lora_B", lin.out_features * r, n, True,
-                                  unit=f"{lin.name}.lora_B", per_layer=True))
+
+    def linears(lins, count: int, prefix: str = "") -> None:
+        for lin in lins:
+            unit = f"{prefix}{lin.name}"
+            # transformers' bitsandbytes integration quantizes every nn.Linear but the output head.
+            out.append(ParamGroup(f"{unit}.weight", lin.weight_numel, count, full, quantized=qlora,
+                                  unit=unit, per_layer=True))
+            if lin.bias:
+                out.append(ParamGroup(f"{unit}.bias", lin.out_features, count, full, unit=unit, per_layer=True))
+            if lin.name in targets:
+                out.append(ParamGroup(f"{unit}.lora_A", r * lin.in_features, count, True,
+                                      unit=f"{unit}.lora_A", per_layer=True))
+                out.append(ParamGroup(f"{unit}.lora_B", lin.out_features * r, count, True,
+                                      unit=f"{unit}.lora_B", per_layer=True))
+
+    linears(arch.attention_linears(), n)
+    if arch.dense_mlp_layers:
+        linears(arch.mlp_linears(arch.intermediate), arch.dense_mlp_layers)
+    if arch.moe_layers:
+        m = arch.moe_layers
+        # transformers keeps the router and the experts as plain Parameters (not nn.Linear): LoRA's
+        # "all-linear" and bitsandbytes' 4-bit skip them, so a QLoRA keeps them 16-bit.
+        out.append(ParamGroup("router", arch.router_params, m, full, unit="router", per_layer=True))
+        out.append(ParamGroup("experts (gate_up_proj, down_proj)", arch.expert_params, m, full, unit="experts",
+                              per_layer=True))
+        if arch.shared_intermediate:
+            linears(arch.mlp_linears(arch.shared_intermediate), m, prefix="shared_expert.")
+        if arch.shared_expert_gate:
+            out.append(ParamGroup("shared_expert_gate.weight", h, m, full, quantized=qlora,
+                                  unit="shared_expert_gate", per_layer=True))
+            if lora and set(LAYER_LINEARS) <= targets:
+                # peft's "all-linear" reaches this nn.Linear(hidden, 1) as well.
+                out.append(ParamGroup("shared_expert_gate.lora_A", r * h, m, True,
+                                      unit="shared_expert_gate.lora_A", per_layer=True))
+                out.append(ParamGroup("shared_expert_gate.lora_B", r, m, True,
+                                      unit="shared_expert_gate.lora_B", per_layer=True))
     out.append(ParamGroup("final norm", h, 1, full, unit="final_norm"))
     if not arch.tied:
         out.append(ParamGroup("lm_head", v * h, 1, full, unit="lm_head"))
@@ -475,15 +573,49 @@ def plan(setup: Setup) -> PlanResult:
     complete = setup.arch is not None
     if complete:
         terms += _activations(setup)
-    terms += _overhead(setup, terms)
+        notes += _moe_notes(setup)
+    terms += _overhead(setup, groups, terms)
     cpu += _cpu_base(setup, groups)
     return PlanResult(setup, terms, cpu, notes, complete, trainable)
+
+
+def _moe_notes(setup: Setup) -> list[str]:
+    arch = setup.arch
+    if arch is None or not arch.experts or setup.method == "full":
+        return []
+    out = [f"mixture of experts: all {arch.experts} experts of each layer are resident; a token runs through "
+           f"{arch.experts_per_token}. transformers stores the experts (and the router) as plain parameters, not "
+           "nn.Linear: the plan adapts the attention" + (" and shared-expert" if arch.shared_intermediate else "")
+           + " projections only; peft versions that also reach experts through target_parameters train more"]
+    if setup.method == "qlora":
+        out.append("bitsandbytes 4-bit replaces nn.Linear layers only: the experts stay in "
+                   f"{setup.dtype} ({arch.moe_layers * arch.expert_params / 1e9:.1f}B parameters)")
+    return out
 
 
 def _bytes_of(group: ParamGroup, setup: Setup, trainable_bytes: int) -> int:
     if group.quantized:
         return group.count * (four_bit_bytes(group.numel) + quant_constant_bytes(group.numel, setup.double_quant))
+    if group.trainable and _is_saved_copy(group):
+        return group.total * setup.element_bytes
     return group.total * (trainable_bytes if group.trainable else setup.element_bytes)
+
+
+def _is_saved_copy(group: ParamGroup) -> bool:
+    """peft's modules_to_save copy: a deepcopy of the original module (utils/other.py
+    ModulesToSaveWrapper), so in the model dtype; cast_adapter_dtype upcasts adapter layers only."""
+    return group.unit.endswith(".copy")
+
+
+def _trainable_bytes_total(setup: Setup, groups: list[ParamGroup]) -> int:
+    """Bytes of all trainable weights as stored (and, without DeepSpeed, of their gradients)."""
+    wb = _trainable_weight_bytes(setup)
+    return sum(_bytes_of(g, setup, wb) for g in groups if g.trainable)
+
+
+def _width(setup: Setup) -> str:
+    """How the model dtype's elements are called in term names: 16-bit, or fp32 for a float32 model."""
+    return "fp32" if setup.element_bytes == 4 else "16-bit"
 
 
 def _trainable_weight_bytes(setup: Setup) -> int:
@@ -504,7 +636,7 @@ def _weights(setup: Setup, groups: list[ParamGroup], cpu: list[Term], notes: lis
     dt = "fp32" if wb == 4 else setup.dtype.replace("bfloat16", "bf16").replace("float16", "fp16")
     if not (setup.deepspeed and setup.stage == 3):
         return [
-            Term("weights", "frozen base 16-bit", frozen16, note=f"{setup.dtype}"),
+            Term("weights", f"frozen base {_width(setup)}", frozen16, note=f"{setup.dtype}"),
             Term("weights", "frozen base 4-bit", packed, note="NF4, 2 values per byte"),
             Term("weights", "quantization constants", constants,
                  note="absmax per 64 values" + (" (8-bit, double quant)" if setup.double_quant else " (fp32)")),
@@ -522,7 +654,7 @@ def _weights(setup: Setup, groups: list[ParamGroup], cpu: list[Term], notes: lis
     terms = []
     if setup.offload_param == "none":
         terms.append(Term("weights", f"partition 1/{n}", math.ceil(partitioned / n),
-                          note="16-bit partitions of all parameters (stage3.py: lp_param_buffer)"))
+                          note=f"{_width(setup)} partitions of all parameters (stage3.py: lp_param_buffer)"))
     elif setup.offload_param == "cpu":
         cpu.append(Term("cpu", "parameter partitions", math.ceil(partitioned / n) * setup.gpus_per_node,
                         note="offload_param=cpu, pinned"))
@@ -534,12 +666,22 @@ def _weights(setup: Setup, groups: list[ParamGroup], cpu: list[Term], notes: lis
     terms += [
         Term("weights", "quantization constants", constants, note="not partitioned"),
         Term("weights", "gathered largest module", gathered,
-             note="estimate_zero3_model_states_mem_needs: 2 bytes x largest_layer_params"),
+             note=f"estimate_zero3_model_states_mem_needs: {setup.element_bytes} bytes x largest_layer_params"),
     ]
     if persistent:
         terms.append(Term("buffers", "persistent small params", persistent,
                           note=f"params <= {thr:,} elements stay whole on every GPU"))
     return terms
+
+
+def foreach_adam_temporaries(setup: Setup) -> int:
+    """How many moment-sized temporaries torch's multi-tensor Adam(W) allocates at once in its step:
+    exp_avg_sq_sqrt = _foreach_sqrt(exp_avg_sqs) for every parameter (torch >= 2.1 then adds eps in
+    place); torch 2.0 also allocated denom = _foreach_add(exp_avg_sq_sqrt, eps) while the first was
+    alive. The fused kernel has none."""
+    if setup.optimizer not in ("adamw", "adam"):
+        return 0
+    return {"foreach": 1, "foreach_torch20": 2}.get(setup.optimizer_impl, 0)
 
 
 def _gradients_and_optimizer(setup: Setup, groups: list[ParamGroup], trainable: int, cpu: list[Term],
@@ -549,10 +691,17 @@ def _gradients_and_optimizer(setup: Setup, groups: list[ParamGroup], trainable: 
     states = OPTIMIZER_STATE_BYTES[setup.optimizer]
     opt_name = f"{setup.optimizer} states"
     if not setup.deepspeed:
-        # Plain PyTorch: gradients in the parameter dtype, optimizer states in the parameter dtype too.
-        state_bytes = states // 4 * e if setup.optimizer != "adamw_bnb_8bit" else 2
-        return [Term("gradients", "gradients", trainable * e, note="same dtype as the trainable weights"),
-                Term("optimizer", opt_name, trainable * state_bytes, note="torch optimizer, parameter dtype")]
+        # Plain PyTorch: gradients and optimizer states in each parameter's dtype (fp32 LoRA adapters,
+        # 16-bit modules_to_save copies and full fine-tunes).
+        stored = _trainable_bytes_total(setup, groups)
+        state_total = stored * states // 4 if setup.optimizer != "adamw_bnb_8bit" else trainable * 2
+        out = [Term("gradients", "gradients", stored, note="same dtype as the trainable weights"),
+               Term("optimizer", opt_name, state_total, note="torch optimizer, parameter dtype")]
+        temporaries = foreach_adam_temporaries(setup)
+        if temporaries:
+            out.append(Term("buffers", "foreach Adam temporaries", temporaries * stored, phase="step",
+                            note=f"{temporaries} moment-sized (optimizer_impl {setup.optimizer_impl})"))
+        return out
     if setup.stage == 0 and setup.dtype == "float32":
         # No bf16/fp16: engine._do_optimizer_sanity_check returns no wrapper, the optimizer runs as is.
         return [Term("gradients", "fp32 gradients", trainable * 4),
@@ -562,7 +711,7 @@ def _gradients_and_optimizer(setup: Setup, groups: list[ParamGroup], trainable: 
         # fp32 master copy of all trainable weights; step() turns the 16-bit grads into fp32 copies,
         # flattens them (a second fp32 copy) and hands the flat buffer to the optimizer as .grad.
         return [
-            Term("gradients", "16-bit gradients", trainable * e),
+            Term("gradients", f"{_width(setup)} gradients", trainable * e),
             Term("gradients", "fp32 gradients", trainable * 4, phase="step", note="flat fp32 copy for the step"),
             Term("optimizer", "fp32 master weights", trainable * MASTER_BYTES),
             Term("optimizer", opt_name, trainable * states),
@@ -578,9 +727,9 @@ def _gradients_and_optimizer(setup: Setup, groups: list[ParamGroup], trainable: 
     # grad_partitions_flat_buffer), which estimate_zero3_model_states_mem_needs leaves out of its
     # 18 bytes per parameter: it is listed with the buffers so that model_states stays DeepSpeed's number.
     if setup.stage == 1:
-        terms.append(Term("gradients", "16-bit gradients", trainable * e, note="stage 1 keeps them whole"))
+        terms.append(Term("gradients", f"{_width(setup)} gradients", trainable * e, note="stage 1 keeps them whole"))
     elif setup.stage == 2 and not offload:
-        terms.append(Term("gradients", f"16-bit gradient partition 1/{n}", part * e))
+        terms.append(Term("gradients", f"{_width(setup)} gradient partition 1/{n}", part * e))
     elif setup.stage == 3 and not offload:
         terms.append(Term("buffers", f"contiguous gradient partition 1/{n}", part * e,
                           note="grad_partitions_flat_buffer (not in DeepSpeed's ZeRO-3 estimator)"))
@@ -625,8 +774,7 @@ def _buffers(setup: Setup, groups: list[ParamGroup], trainable: int, notes: list
         if setup.world > 1:
             # torch DDP (gradient_as_bucket_view=False, the default) copies every gradient into its
             # flat all-reduce buckets: the trainable gradients once more.
-            grad_bytes = _trainable_weight_bytes(setup)
-            terms.append(Term("buffers", "DDP gradient buckets", trainable * grad_bytes,
+            terms.append(Term("buffers", "DDP gradient buckets", _trainable_bytes_total(setup, groups),
                               note="torch DistributedDataParallel reducer"))
         return terms
     e = setup.element_bytes
@@ -760,6 +908,14 @@ def _module_trace(setup: Setup, groups: list[ParamGroup]) -> list[tuple[str, int
         attn = container(p + "attn", [module(p, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")])
         mlp = container(p + "mlp", [module(p, "gate_proj"), ("call", (p + "act", 0, 0), []),
                                      module(p, "up_proj"), module(p, "down_proj")])
+        if i >= arch.dense_mlp_layers:
+            # A MoE block: the router, the experts module (every expert's weights at once), then the
+            # shared expert and its gate.
+            shared = [module(p, "shared_expert.gate_proj"), ("call", (p + "shared_act", 0, 0), []),
+                      module(p, "shared_expert.up_proj"), module(p, "shared_expert.down_proj")] \
+                if arch.shared_intermediate else []
+            gate = [module(p, "shared_expert_gate")] if arch.shared_expert_gate else []
+            mlp = container(p + "mlp", [module(p, "router"), module(p, "experts")] + shared + gate)
         norms = [module(p, f"norm{k + 1}") for k in range(arch.norms_per_layer)]
         # Gemma 2 wraps attention and MLP in pre/post norms; Llama-style models have one norm before each.
         body = [norms[0], attn] + norms[1:-1] + [mlp] + norms[-1:] if arch.norms_per_layer == 4 else \
@@ -928,7 +1084,8 @@ def _activations(setup: Setup) -> list[Term]:
     terms.append(Term("activations", what, extra, phase="backward",
                       note="beyond the loss buffers" if extra else "smaller than the loss buffers"))
     terms.append(Term("logits", "loss working set", logits, phase="backward",
-                      note=f"{tokens:,} tokens x vocab {arch.vocab:,} x 12 B (fp32 log-probs + 2 grads)"))
+                      note=f"{tokens:,} tokens x vocab {arch.vocab:,} x {3 * loss_element_bytes(setup)} B "
+                           f"({setup.loss_dtype} log-probs + 2 grads)"))
     return terms
 
 
@@ -951,7 +1108,9 @@ def layer_activation_bytes(setup: Setup) -> int:
     arch = setup.arch
     assert arch is not None
     e = setup.element_bytes
-    h, inter, s = arch.hidden, arch.intermediate, setup.seq_len
+    h, s = arch.hidden, setup.seq_len
+    # The MLP's nn.Linear layers: a dense model's, or a MoE layer's shared expert.
+    inter = arch.shared_intermediate if arch.experts else arch.intermediate
     full = setup.method == "full"
     targets = set(setup.lora_targets) if not full else set()
     dropout = not full and setup.lora_dropout > 0
@@ -981,8 +1140,28 @@ def layer_activation_bytes(setup: Setup) -> int:
         per_token += 3 * e * arch.q_dim  # q, k and v repeated to every head
         probs = 4 + (e if e != 4 else 0)  # fp32 softmax, and its cast back to the model dtype
         scores = arch.heads * s * (probs + (e if arch.attn_softcap else 0))
-    per_token += 3 * e * inter
+    per_token += moe_mlp_bytes(setup) if arch.experts else 3 * e * inter
     return setup.micro_batch * s * (per_token + scores)
+
+
+def moe_mlp_bytes(setup: Setup) -> int:
+    """A MoE block's saved tensors per token (transformers' MixtralExperts / Qwen2MoeExperts loop):
+    the router's fp32 softmax over all experts (4 x experts) and its top-k values and indices; for
+    each of the k experts a token is routed to, the gated MLP's 3 x e x width, its output kept for the
+    routing-weight product (e x hidden) and the fp32 weight and index (12); with full fine-tuning also
+    each expert's gathered input and down_proj's input. The shared expert is a gated MLP (3 x e x
+    width), and with Qwen2-MoE's sigmoid gate its output and the gate are kept too."""
+    arch = setup.arch
+    assert arch is not None
+    e, h, k = setup.element_bytes, arch.hidden, arch.experts_per_token
+    per_expert = 3 * e * arch.moe_intermediate + e * h + 12
+    if setup.method == "full":
+        per_expert += e * h + e * arch.moe_intermediate
+    router = 4 * arch.experts + 12 * k + 4
+    shared = 3 * e * arch.shared_intermediate if arch.shared_intermediate else 0
+    if arch.shared_intermediate and arch.shared_expert_gate:
+        shared += e * h + e
+    return k * per_expert + router + shared
 
 
 def backward_working_bytes(setup: Setup, per_layer: int) -> int:
@@ -994,7 +1173,7 @@ def backward_working_bytes(setup: Setup, per_layer: int) -> int:
     assert arch is not None
     tokens = setup.micro_batch * setup.seq_len
     if setup.gradient_checkpointing:
-        grads = max(0, (5 * arch.intermediate - 4 * arch.hidden) // 2) * setup.element_bytes
+        grads = max(0, (5 * arch.active_mlp_width - 4 * arch.hidden) // 2) * setup.element_bytes
         return per_layer + tokens * grads
     return tokens * 20 * arch.hidden
 
@@ -1008,27 +1187,85 @@ def attention_mask_bytes(setup: Setup) -> int:
     return setup.micro_batch * setup.seq_len * setup.seq_len * per
 
 
+def loss_element_bytes(setup: Setup) -> int:
+    """Bytes of one log-prob in the cross-entropy: 4 when it runs in fp32 (transformers' upcast, or
+    autocast), 2 when a model's own loss runs on 16-bit logits without autocast (Setup.loss_dtype)."""
+    return 4 if setup.loss_dtype == "float32" else 2
+
+
 def logits_bytes(setup: Setup) -> int:
     """The loss: transformers' ForCausalLMLoss upcasts the logits to fp32 and cross_entropy keeps the
     fp32 log-softmax for backward; at the start of backward the log-probs, nll_loss's gradient and
     log_softmax's gradient are alive together: 3 x 4 bytes per vocabulary entry and token (the
-    16-bit logits and the fp32 copy of the forward, 6-10 bytes, are gone by then)."""
+    16-bit logits and the fp32 copy of the forward, 6-10 bytes, are gone by then). A 16-bit loss
+    (loss_dtype) keeps the same three tensors at 2 bytes each."""
     arch = setup.arch
     assert arch is not None
     tokens = setup.micro_batch * setup.seq_len
-    per = 12 + (2 * setup.element_bytes if arch.logit_softcap else 0)  # Gemma 2: tanh output kept
+    per = 3 * loss_element_bytes(setup) + (2 * setup.element_bytes if arch.logit_softcap else 0)  # Gemma 2: tanh
     return tokens * arch.vocab * per
 
 
-def _overhead(setup: Setup, terms: list[Term]) -> list[Term]:
-    dynamic = sum(t.bytes for t in terms if t.field in ("activations", "logits"))
-    out = [Term("overhead", "CUDA context", CUDA_CONTEXT, note="estimate: kernels, cuBLAS workspace")]
-    if setup.world > 1:
-        out.append(Term("overhead", "NCCL buffers", NCCL_BUFFERS, note="estimate: only with 2+ GPUs"))
-    if dynamic:
-        out.append(Term("overhead", "fragmentation", int(dynamic * FRAGMENTATION), phase="backward",
-                        note=f"{FRAGMENTATION:.0%} of activations + logits (estimate)"))
+def _overhead(setup: Setup, groups: list[ParamGroup], terms: list[Term]) -> list[Term]:
+    hopper = is_hopper(setup.gpu_type)
+    workspace = CUBLAS_WORKSPACE["hopper" if hopper else "other"]
+    out = [Term("overhead", "cuBLAS workspaces", CUBLAS_HANDLES * workspace,
+                note=f"{CUBLAS_HANDLES} x {workspace / MiB:g} MiB ({'Hopper' if hopper else 'pre-Hopper'}"
+                     f"{', GPU type unknown' if setup.gpu_type is None else ''}; CublasHandlePool.cpp)")]
+    rounding = _allocator_rounding(setup, groups)
+    if rounding:
+        out.append(Term("overhead", "allocator rounding", rounding, counter="reserved",
+                        note="large weight tensors rounded up to 2 MiB (CUDACachingAllocator.cpp)"))
+    for phase in ("backward", "step"):
+        # Memory allocated and freed within the step: activations, the loss, transient buffers.
+        transient = sum(t.bytes for t in terms if t.phase == phase)
+        if transient:
+            out.append(Term("overhead", "allocator fragmentation", int(transient * FRAGMENTATION), phase=phase,
+                            counter="reserved",
+                            note=f"{FRAGMENTATION:.0%} of what the {phase} phase allocates and frees "
+                                 "(fitted: docs/plan.md)"))
+    out.append(Term("overhead", "CUDA context", CUDA_CONTEXT, counter="device",
+                    note="outside PyTorch: driver + lazily loaded kernels (measured, CUDA >= 11.7)"))
+    nccl = nccl_buffer_bytes(setup.world)
+    if nccl:
+        out.append(Term("overhead", "NCCL buffers", nccl, counter="device",
+                        note=f"outside PyTorch: {setup.world} ranks (NCCL issues 986, 1685)"))
     return out
+
+
+def is_hopper(gpu_type: Optional[str]) -> bool:
+    """H100/H200/H800/GH200 (sm90); an unknown GPU counts as one (the larger cuBLAS workspace)."""
+    if not gpu_type:
+        return True
+    return re.search(r"\b(g?h(100|200|800|20))\b", gpu_type.lower()) is not None
+
+
+def nccl_buffer_bytes(world: int) -> int:
+    """NCCL's buffers per GPU for `world` ranks: the two published readings (NCCL_BUFFERS),
+    linear in between, the 8-GPU figure beyond."""
+    if world < 2:
+        return 0
+    (lo, lo_bytes), (hi, hi_bytes) = sorted(NCCL_BUFFERS.items())
+    if world >= hi:
+        return hi_bytes
+    return int(lo_bytes + (hi_bytes - lo_bytes) * (world - lo) / (hi - lo))
+
+
+def _allocator_rounding(setup: Setup, groups: list[ParamGroup]) -> int:
+    """About 1 MiB (half of kRoundLarge) per weight tensor over kMinLargeAlloc that lives as its own
+    allocation for the run: frozen and HF-loaded weights. DeepSpeed flattens the trainable ones (and
+    ZeRO-3 every partition) into a few large buffers, where the rounding is negligible."""
+    if setup.deepspeed and setup.stage == 3:
+        return 0
+    wb = _trainable_weight_bytes(setup)
+    count = 0
+    for g in groups:
+        if g.trainable and setup.deepspeed:
+            continue
+        size = (four_bit_bytes(g.numel) if g.quantized else g.numel * (wb if g.trainable else setup.element_bytes))
+        if size > ALLOCATOR_MIN_LARGE_ALLOC:
+            count += g.count
+    return count * ALLOCATOR_ROUND_LARGE // 2
 
 
 def _cpu_base(setup: Setup, groups: list[ParamGroup]) -> list[Term]:
@@ -1070,11 +1307,17 @@ def setup_from_recipe(recipe, gpus: Optional[int] = None, gpu_memory_bytes: Opti
 
     arch, params, label = resolve_model(recipe.model.name_or_path)
     hw = recipe.hardware
+    launch_note = ""
     if gpus is None:
         if isinstance(recipe.launch.procs_per_node, int):
             gpus = recipe.launch.procs_per_node
         else:
             gpus = hw.gpus if hw is not None else 1
+            cpu = recipe.launch.cpu_procs
+            launch_note = (f"procs_per_node: auto starts one process per visible GPU (planned for {gpus} GPU"
+                           f"{'s' if gpus != 1 else ''}{' from hardware.gpus' if hw is not None else ''}; "
+                           f"--gpus N to change); without a GPU it starts {cpu} CPU process{'es' if cpu != 1 else ''}"
+                           " (launch.cpu_procs), where GPU memory does not apply")
     nodes = nodes if nodes is not None else recipe.launch.nodes
     if gpu_memory_bytes is None and hw is not None and hw.gpu_memory:
         gpu_memory_bytes = parse_size(hw.gpu_memory)
@@ -1127,6 +1370,8 @@ def setup_from_recipe(recipe, gpus: Optional[int] = None, gpu_memory_bytes: Opti
         max_reuse_distance=_size_value(zero, "stage3_max_reuse_distance", DS_MAX_REUSE_DISTANCE, None),
         sub_group_size=_size_value(zero, "sub_group_size", DS_SUB_GROUP_SIZE, None),
         gpu_memory=gpu_memory_bytes, cpu_memory=cpu_memory_bytes,
+        gpu_type=hw.gpu_type if hw is not None else None,
+        launch_note=launch_note,
     )
 
 
@@ -1432,8 +1677,8 @@ def explain(rec: Recommendation) -> list[str]:
     if s.arch is not None and s.gpu_memory and cur.per_gpu["logits"] > 0.2 * s.gpu_memory:
         out.append(f"the loss alone needs {gib(cur.per_gpu['logits'])} GiB: {s.micro_batch} x {s.seq_len} tokens "
                    f"x vocab {s.arch.vocab:,} x 12 bytes; it shrinks with the micro batch")
-    out.append(f"candidates must leave {RECOMMEND_MARGIN:.0%} of the GPU free: CUDA context, NCCL and "
-               "fragmentation are estimates")
+    out.append(f"candidates must leave {RECOMMEND_MARGIN:.0%} of the GPU free: fragmentation and the CUDA context "
+               "vary from run to run (docs/plan.md)")
     chosen = rec.chosen
     if chosen is not None and chosen.setup != s:
         out.append(f"chosen: {_short(chosen.setup)}, micro batch {chosen.setup.micro_batch}, "

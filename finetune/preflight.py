@@ -37,6 +37,8 @@ RUN_MARKER = "recipe.yaml"  # a directory holding this is a finetune run directo
 @dataclass
 class Preflight:
     errors: list[str] = field(default_factory=list)
+    # The output directory's problems: a dry run shows them as what a real run would do, and goes on.
+    run_dir_errors: list[str] = field(default_factory=list)
     lint_errors: list[str] = field(default_factory=list)  # also in lint_report, with file:line:col
     warnings: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
@@ -46,7 +48,7 @@ class Preflight:
 
     @property
     def ok(self) -> bool:
-        return not self.errors and not self.lint_errors
+        return not self.errors and not self.lint_errors and not self.run_dir_errors
 
 
 class DataProblem(Exception):
@@ -59,10 +61,11 @@ class DataProblem(Exception):
 
 def run_preflight(loaded: LoadedRecipe, run_dir: Path, overwrite: bool = False, facts=None,
                   world_size: Optional[int] = None, resume: Optional[bool] = None,
-                  force_resume: bool = False) -> Preflight:
+                  force_resume: bool = False, in_use: Optional[str] = None) -> Preflight:
     """All checks for training `loaded` into `run_dir`. `facts`: finetune.doctor.Facts (tests fake them).
 
-    `resume` None follows training.resume."""
+    `resume` None follows training.resume. `in_use`: another live run owns `run_dir` (finetune.runlock):
+    that is the output directory's only finding, and nothing there is looked at further."""
     from finetune.doctor import checks_for_recipe
 
     result = Preflight()
@@ -82,7 +85,10 @@ def run_preflight(loaded: LoadedRecipe, run_dir: Path, overwrite: bool = False, 
     hostfile_step(recipe, result)
     if resume is None:
         resume = recipe.training.resume
-    output_dir_step(run_dir, overwrite, result, loaded, world_size, resume, force_resume)
+    if in_use:
+        result.run_dir_errors.append(in_use)
+    else:
+        output_dir_step(run_dir, overwrite, result, loaded, world_size, resume, force_resume)
     result.notes.append(f"run directory: {run_dir.absolute()}")
     return result
 
@@ -460,7 +466,7 @@ def output_dir_step(run_dir: Path, overwrite: bool, result: Preflight, loaded: O
         return
     problem = output_dir_problem(run_dir, overwrite)
     if problem:
-        result.errors.append(problem)
+        result.run_dir_errors.append(problem)
     elif overwrite and run_dir.exists() and any(run_dir.iterdir()):
         result.warnings.append(f"output directory {run_dir}: the previous run there will be replaced (--overwrite)")
 
@@ -473,12 +479,12 @@ def resume_step(run_dir: Path, recipe: Recipe, world_size: Optional[int], resume
 
     plan = plan_resume(run_dir, resolved_recipe(recipe, run_dir), world_size, recipe.launch.nodes, resume, force)
     if plan.error:
-        result.errors.append(plan.error)
+        result.run_dir_errors.append(plan.error)
     result.notes.extend(plan.notes)
     result.warnings.extend(plan.warnings)
     result.resume_from, result.join = plan.checkpoint, plan.join
     if not plan.error and not os.access(run_dir, os.W_OK | os.X_OK):
-        result.errors.append(f"output directory {run_dir}: not writable")
+        result.run_dir_errors.append(f"output directory {run_dir}: not writable")
 
 
 def output_dir_problem(run_dir: Path, overwrite: bool) -> Optional[str]:

@@ -113,6 +113,29 @@ def test_no_gpu_means_cpu_processes():
     assert auto.status == "info" and "1 CPU process " in auto.message
     two = by_name(checks_for_recipe(recipe(launch={"procs_per_node": 2}), facts(gpus=())))["device"]
     assert "2 CPU processes" in two.message
+    # procs_per_node: auto launches launch.cpu_procs processes, and says so
+    cpu_procs = by_name(checks_for_recipe(recipe(launch={"cpu_procs": 2}), facts(gpus=())))["device"]
+    assert "no GPU: 2 CPU processes" in cpu_procs.message
+
+
+def test_a_torchrun_without_a_configurable_grace_period_is_named():
+    old = facts()
+    old.torchrun_shutdown_timeout = False  # torchrun kills the ranks 30 s after a signal
+    check = by_name(checks_for_recipe(recipe(), old))["launch.stop_timeout"]
+    assert check.status == "warn" and "launch.stop_timeout: 300 is cut to 30 s" in check.message
+    assert check.fix == "pip install -U 'torch>=2.13'"
+    short = recipe(launch={"stop_timeout": 30})
+    assert "launch.stop_timeout" not in by_name(checks_for_recipe(short, old))
+    new = facts()
+    new.torchrun_shutdown_timeout = True
+    assert "launch.stop_timeout" not in by_name(checks_for_recipe(recipe(), new))
+
+
+def test_the_installed_torchrun_is_probed_for_its_grace_period():
+    pytest.importorskip("torch")
+    from finetune.doctor import collect_facts
+
+    assert collect_facts().torchrun_shutdown_timeout is True  # torch 2.13 reads TORCH_ELASTIC_SHUTDOWN_TIMEOUT
 
 
 def test_flash_attention_needs_the_package_and_ampere():

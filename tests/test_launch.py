@@ -22,6 +22,7 @@ from finetune.launch import (
 )
 from finetune.recipe import Recipe, load_recipe
 from finetune.rundir import write_run_dir
+from tests.train_fixtures import os_free_port
 
 RUN = Path("/runs/demo")
 
@@ -215,7 +216,7 @@ def fake(tmp_path):
         run_dir = tmp_path / "run"
         loaded = _loaded(r, tmp_path)
         write_run_dir(loaded, run_dir, world_size=2)
-        plan = plan_launch(r, run_dir, gpu_count=0, module="fake_runner", master_port=free_port(29500))
+        plan = plan_launch(r, run_dir, gpu_count=0, module="fake_runner", master_port=os_free_port())
         plan.env.update({"PYTHONPATH": os.pathsep.join([str(package), os.environ.get("PYTHONPATH", "")]), "FAKE_MODE": mode})
         return plan, run_dir
 
@@ -287,6 +288,63 @@ def test_deepspeed_launcher_names_the_rank_that_raised(fake):
     assert "bad batch on rank 1" in outcome.logs[0].read_text()
 
 
+@pytest.fixture
+def held_port():
+    """A port something listens on: what a rendezvous port taken between the check and the bind looks like."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        yield sock.getsockname()[1]
+
+
+def test_a_port_taken_before_torchrun_binds_it_is_replaced(fake, held_port, monkeypatch):
+    import finetune.launch as launch
+
+    plan, run_dir = fake("ok")
+    launch._set_port(plan, held_port)  # free_port said it was free; someone took it since
+    console = Sink()
+    outcome = supervise(plan, console)
+    assert outcome.ok, (outcome.message, console.data.decode()[-2000:])
+    assert plan.master_port != held_port
+    assert f"port {held_port} was taken before torchrun could bind it; starting again on port {plan.master_port}".encode() in console.data
+    assert b"Traceback" not in console.data  # torchrun's 40-line DistNetworkError stays in launcher.log
+    assert (run_dir / "done0").exists() and (run_dir / "done1").exists()
+
+
+def test_a_busy_port_that_cannot_be_replaced_is_one_line_naming_it(fake, held_port, monkeypatch):
+    import finetune.launch as launch
+
+    monkeypatch.setattr(launch, "PORT_RETRIES", 0)
+    plan, _ = fake("ok")
+    launch._set_port(plan, held_port)
+    outcome = supervise(plan, Sink())
+    assert outcome.returncode == 1 and outcome.port_in_use == held_port
+    assert outcome.message == (f"the rendezvous port {held_port} on 127.0.0.1 is in use (another run?); "
+                               f"nothing was started. Pass --master-port with a free port")
+
+
+def test_failures_are_read_from_torchruns_error_files(fake):
+    """The ranks' error.json files name the rank and its exception without torchrun's printed report."""
+    import finetune.launch as launch
+
+    plan, run_dir = fake("raise", with_torch=True)
+    supervise(plan, Sink())
+    outcome = launch.judge(plan, 1, "", None)  # nothing printed (or a format this code does not know)
+    assert [f.rank for f in outcome.failures] == [1]
+    assert outcome.message.endswith("exited with code 1: RuntimeError: bad batch on rank 1"), outcome.message
+    assert outcome.failures[0].error_file.endswith("/1/error.json")
+
+
+def test_tests_pick_their_ports_from_the_os():
+    """A test that asks for a well-known port (free_port(29500)) collides with a real run starting there."""
+    here = Path(__file__).parent
+    offenders = [f"{path.name}:{number}" for path in sorted(here.glob("*.py")) if path.name != Path(__file__).name
+                 for number, line in enumerate(path.read_text().splitlines(), 1) if re.search(r"free_port\(\s*\d", line)]
+    assert not offenders, offenders
+
+
 DRIVER = '''
 import os, sys, json
 from pathlib import Path
@@ -328,7 +386,7 @@ def test_finetune_train_demo(tmp_path):
 
     demo = REPO / "recipes" / "demo.yaml"
     out = tmp_path / "run"
-    done = run_cli("train", demo, "--output-dir", out, timeout=600)
+    done = run_cli("train", demo, "--output-dir", out, "--master-port", str(os_free_port()), timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"finished: {out}" in done.stderr
     summary = json.loads((out / "summary.json").read_text())
@@ -354,7 +412,7 @@ def test_a_real_rank_that_raises_is_named_with_its_exception(tmp_path):
     recipe = tmp_path / "r.yaml"
     recipe.write_text(f"extends: {REPO / 'recipes' / 'tiny' / 'base.yaml'}\nmodel: {{name_or_path: {base}}}\n"
                       f"data: {{path: {REPO / 'recipes' / 'data' / 'demo_instructions.jsonl'}}}\n")
-    done = run_cli("train", recipe, "--output-dir", tmp_path / "run", timeout=600)
+    done = run_cli("train", recipe, "--output-dir", tmp_path / "run", "--master-port", str(os_free_port()), timeout=600)
     assert done.returncode == 1
     last = done.stderr.strip().splitlines()[-1]
     assert re.search(r"error: training failed: rank \d \(local rank \d\) on \S+ exited with code 1: "

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from finetune.launch import commands_per_node, deepspeed_env_text, free_port, plan_launch
+from finetune.launch import commands_per_node, deepspeed_env_text, plan_launch
 from finetune.recipe import Recipe
-from tests.train_fixtures import REPO, TINY_RECIPES, cache_dir, runner_env
+from tests.train_fixtures import REPO, TINY_RECIPES, cache_dir, os_free_port, runner_env
 
 GOLDEN = Path(__file__).parent / "golden"
 RUN = Path("/runs/demo")
@@ -122,7 +122,7 @@ def cache(tmp_path_factory):
 
 @pytest.mark.slow
 def test_two_nodes_on_localhost_train_to_the_end(tmp_path, cache):
-    port = free_port(29631)
+    port = os_free_port()
     procs = []
     for rank in (0, 1):
         argv = [sys.executable, "-m", "finetune.cli", "train", str(TINY_RECIPES / "lora_zero2.yaml"),

@@ -29,7 +29,7 @@ from finetune import checkpoint as ckpt
 from finetune.cli import app
 from finetune.recipe import load_recipe
 from finetune.rundir import resolved_recipe, write_run_dir
-from tests.train_fixtures import REPO, TINY_RECIPES, cache_dir, runner_env
+from tests.train_fixtures import REPO, TINY_RECIPES, cache_dir, os_free_port, runner_env
 
 RECIPE = TINY_RECIPES / "lora_zero2.yaml"
 SETS = ("--set", "training.save_steps=4")
@@ -50,17 +50,20 @@ def cache(tmp_path_factory):
 
 
 def train_argv(out: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "finetune.cli", "train", str(RECIPE), "--output-dir", str(out), *SETS, *extra]
+    # A port of the OS's choosing: never 29500, where a real run on this machine may be starting.
+    return [sys.executable, "-m", "finetune.cli", "train", str(RECIPE), "--output-dir", str(out), *SETS,
+            "--master-port", str(os_free_port()), *extra]
 
 
 class Run:
     """`finetune train` in the background, its output in a file the test can watch."""
 
-    def __init__(self, argv: list[str], cache: Path, log: Path):
+    def __init__(self, argv: list[str], cache: Path, log: Path, own_group: bool = False):
         self.log = log
         self.handle = open(log, "wb")
+        # own_group: `finetune train` leads a process group, as in a shell, so the test can kill the group
         self.proc = subprocess.Popen(argv, cwd=REPO, env=runner_env(cache), stdout=self.handle,
-                                     stderr=subprocess.STDOUT)
+                                     stderr=subprocess.STDOUT, start_new_session=own_group)
 
     def text(self) -> str:
         return self.log.read_text(errors="replace")
@@ -184,6 +187,41 @@ def test_sigkill_while_a_checkpoint_is_written_resumes_from_the_previous_one(ref
     assert "checkpoint-8 is incomplete" in second.stderr
     assert_same_training(out, reference)
     assert all(c.complete for c in ckpt.list_checkpoints(out))
+
+
+@pytest.mark.slow
+def test_sighup_is_a_stop_and_a_killed_finetune_train_takes_its_launcher_and_ranks(tmp_path, cache):
+    """A dropped SSH session (SIGHUP) saves a checkpoint and exits 75; `kill -9` of the process group of
+    `finetune train` leaves no launcher or rank running (finetune.lifeline), and no lock behind."""
+    import psutil
+
+    out = tmp_path / "run"
+    argv = train_argv(out, "--set", "training.max_steps=60")
+    first = Run(argv, cache, tmp_path / "first.log", own_group=True)
+    first.wait_for(lambda: first.steps_logged() >= 3)
+    first.proc.send_signal(signal.SIGHUP)
+    assert first.finish() == ckpt.EXIT_PREEMPTED, first.text()[-4000:]
+    step = json.loads((out / ckpt.STOP_RECORD).read_text())["step"]
+    assert ckpt.latest_complete(out).step == step
+    assert f"stopped: SIGHUP at step {step}: checkpoint-{step} is complete" in first.text()
+
+    second = Run(argv, cache, tmp_path / "second.log", own_group=True)
+    second.wait_for(lambda: second.steps_logged() >= 2)
+    tree = psutil.Process(second.proc.pid).children(recursive=True)
+    ranks = [p for p in tree if "finetune.train.runner" in " ".join(p.cmdline()) and "torch.distributed.run" not in " ".join(p.cmdline())]
+    assert len(ranks) == 2 and any("torch.distributed.run" in " ".join(p.cmdline()) for p in tree), [p.cmdline() for p in tree]
+    killed = time.monotonic()
+    os.killpg(second.proc.pid, signal.SIGKILL)
+    second.finish()
+    gone, alive = psutil.wait_procs(tree, timeout=60)
+    took = time.monotonic() - killed
+    assert not alive, [p.cmdline() for p in alive]
+    # SIGTERM to torchrun: the ranks finish their step, save, and stop (the next run resumes there)
+    assert took < 30, took
+    print(f"launcher and {len(ranks)} ranks gone {took:.1f} s after kill -9 of finetune train")
+    from finetune import runlock
+
+    assert runlock.holder(out) is None
 
 
 # ------------------------------------------------------------------------------------------------
@@ -367,11 +405,104 @@ def test_another_node_of_the_same_run_may_have_written_the_directory(workspace, 
     flags = ("--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.1")
     loaded = load_recipe(workspace / "r.yaml", ["launch.nodes=2", "launch.node_rank=0", "launch.master_addr=10.0.0.1"])
     write_run_dir(loaded, out, world_size=4)  # node 0 was first
-    joined = dry_run(*flags)
+    from finetune.runlock import acquire, lock_name
+
+    node0 = acquire(out, lock_name(2, 0))  # node 0's `finetune train` is running there
+    try:
+        joined = dry_run(*flags)
+    finally:
+        node0.release()
     assert joined.exit_code == 0, joined.output
     assert "written by another node of this run" in joined.stderr
     # a single-node run never writes into someone else's directory
     assert dry_run().exit_code == 1
+
+
+HOLDER = """
+import sys, time
+from pathlib import Path
+from finetune.runlock import acquire
+lock = acquire(Path(sys.argv[1]))
+print("held", flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.fixture
+def live_run(workspace):
+    """A run directory with a half-written checkpoint, owned by another live process (a run in progress)."""
+    out = previous_run(workspace, 4)
+    fake_checkpoint(out, 8, complete=False)  # the live run is writing it
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(out)], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    yield out, holder.pid
+    holder.kill()
+    holder.wait()
+
+
+def test_a_second_run_into_a_live_run_directory_fails_fast_and_deletes_nothing(live_run, no_launch):
+    import platform
+
+    out, pid = live_run
+    before = sorted(p.name for p in out.iterdir())
+    started = time.monotonic()
+    result = CliRunner().invoke(app, ["train", "r.yaml", "--output-dir", "out"])
+    took = time.monotonic() - started
+    assert result.exit_code == 1, result.output
+    assert f"is in use by a live run (PID {pid} on {platform.node()}" in result.stderr
+    assert f"kill -TERM {pid}" in result.stderr
+    assert "resuming from" not in result.stderr  # no resume step announced for a directory it does not own
+    assert sorted(p.name for p in out.iterdir()) == before and (out / "checkpoint-8").is_dir()
+    assert took < 10, took
+    dry = dry_run()
+    assert dry.exit_code == 1 and "# a real run would refuse: output directory" in dry.stdout and f"PID {pid}" in dry.stdout
+
+
+def test_ranks_clean_up_incomplete_checkpoints_only_under_their_own_runs_lock(live_run, monkeypatch):
+    pytest.importorskip("transformers")
+    from finetune.runlock import OWNER_ENV, acquire
+    from finetune.train.preemption import discard_incomplete_if_owned
+
+    out, pid = live_run
+    monkeypatch.setenv(OWNER_ENV, str(os.getpid()))  # ranks of another `finetune train` than the holder
+    discard_incomplete_if_owned(out)
+    monkeypatch.delenv(OWNER_ENV)  # ranks started by hand
+    discard_incomplete_if_owned(out)
+    assert (out / "checkpoint-8").is_dir()
+    monkeypatch.setenv(OWNER_ENV, str(pid))  # the holder's own ranks
+    discard_incomplete_if_owned(out)
+    assert not (out / "checkpoint-8").exists() and (out / "checkpoint-4").is_dir()
+
+
+def test_the_lock_goes_with_its_holder(live_run):
+    from finetune.runlock import acquire, holder
+
+    out, pid = live_run
+    assert holder(out) is not None
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while holder(out) is not None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    acquire(out).release()  # the kernel dropped it: no stale lock
+
+
+def test_dry_run_says_what_a_real_run_would_do_and_still_shows_the_launch(workspace, no_launch):
+    out = previous_run(workspace, 4, 8)
+    resumed = dry_run()
+    assert "# a real run would resume from checkpoint-8 (step 8) in " in resumed.stdout
+    # The demo's case: a finished run that kept no checkpoint
+    for entry in out.glob("checkpoint-*"):
+        ckpt.remove_checkpoint(entry)
+    (out / "summary.json").write_text("{}")
+    finished = dry_run()
+    assert finished.exit_code == 1
+    assert "holds a finished run (summary.json) and no checkpoint to continue from" in finished.stdout
+    assert "previous run with no checkpoint" not in finished.output
+    assert "-m finetune.train.runner --run-dir" in finished.stdout and "# deepspeed.json" in finished.stdout
+    assert "a real run would stop here" in finished.stderr
+    fresh = CliRunner().invoke(app, ["train", "r.yaml", "--output-dir", "new", "--dry-run"])
+    assert fresh.exit_code == 0 and f"# a real run would start fresh in {workspace / 'new'}" in fresh.stdout
+    assert not (workspace / "new").exists()
 
 
 def test_runner_exit_codes(tmp_path):
@@ -408,6 +539,9 @@ sys.exit(supervise(LaunchPlan(**{**fields, "run_dir": Path(fields["run_dir"])}))
 
 
 def test_a_second_signal_kills_every_rank_at_once(tmp_path):
+    """The rule of finetune.checkpoint.SECOND_SIGNAL_WINDOW: a repeat within it is the same request;
+    a later one SIGKILLs every process of the run."""
+    from finetune.checkpoint import SECOND_SIGNAL_WINDOW
     from finetune.launch import plan_launch
     from finetune.recipe import Recipe
 
@@ -424,7 +558,8 @@ def test_a_second_signal_kills_every_rank_at_once(tmp_path):
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 60
-        while not ((run_dir / "pid0").exists() and (run_dir / "pid1").exists()):
+        # Not just there: written (write_text creates the file before it writes the PID).
+        while not all((run_dir / f"pid{r}").exists() and (run_dir / f"pid{r}").read_text() for r in (0, 1)):
             assert time.monotonic() < deadline and driver.poll() is None, "fake ranks did not start"
             time.sleep(0.05)
         pids = [int((run_dir / f"pid{r}").read_text()) for r in (0, 1)]
@@ -432,8 +567,12 @@ def test_a_second_signal_kills_every_rank_at_once(tmp_path):
         while not ((run_dir / "asked0").exists() and (run_dir / "asked1").exists()):
             assert time.monotonic() < deadline, "the first signal did not reach every rank"
             time.sleep(0.05)
-        time.sleep(0.5)
+        first = time.monotonic()
+        # Within the window: the same request (as the ranks see it), nothing is killed.
+        driver.send_signal(signal.SIGTERM)
+        time.sleep(1.0)
         assert driver.poll() is None and all(_alive(pid) for pid in pids)  # still "saving"
+        time.sleep(max(0.0, SECOND_SIGNAL_WINDOW + 0.5 - (time.monotonic() - first)))
         started = time.monotonic()
         driver.send_signal(signal.SIGTERM)
         assert driver.wait(timeout=30) == 128 + signal.SIGTERM
@@ -446,9 +585,7 @@ def test_a_second_signal_kills_every_rank_at_once(tmp_path):
 
 
 def free_port_for_test() -> int:
-    from finetune.launch import free_port
-
-    return free_port(29651)
+    return os_free_port()
 
 
 def _alive(pid: int) -> bool:

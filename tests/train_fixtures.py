@@ -43,6 +43,15 @@ def write_run_dir(recipe_path: Path, run_dir: Path, world_size: int = 2, overrid
     return recipe
 
 
+def os_free_port() -> int:
+    """A port the OS picks: tests never ask for a well-known one (29500), where a real run may start."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def runner_env(cache: Path) -> dict[str, str]:
     env = dict(os.environ)
     env.update({"FINETUNE_CACHE": str(cache), "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",

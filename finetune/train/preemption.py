@@ -44,7 +44,7 @@ from transformers import TrainerCallback
 from finetune import checkpoint as ckpt
 from finetune.recipe import Recipe
 
-DUPLICATE_WINDOW = 5.0  # seconds; see the module docstring
+DUPLICATE_WINDOW = ckpt.SECOND_SIGNAL_WINDOW  # the same rule as `finetune train`'s (finetune.launch)
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -235,9 +235,7 @@ class PreemptionCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         self.install()
         if _local_rank() == 0:
-            removed = ckpt.discard_incomplete(self.run_dir)
-            if removed:
-                _log(f"removed incomplete checkpoint(s) left by an interrupted save: {', '.join(p.name for p in removed)}")
+            discard_incomplete_if_owned(self.run_dir)
         if model is not None:
             self.first_estimate = self._model_estimate(model)
 
@@ -308,6 +306,33 @@ class PreemptionCallback(TrainerCallback):
         trainable = sum(numel(p) for p in params if p.requires_grad)
         total = sum(numel(p) for p in params)
         return ckpt.model_checkpoint_bytes(total if self.full else trainable, trainable, self.dtype_bytes)
+
+
+def discard_incomplete_if_owned(run_dir: Path) -> None:
+    """Remove half-written checkpoints only while this run owns the directory (finetune.runlock): an
+    incomplete checkpoint of another live run is one it is writing right now."""
+    from finetune import runlock
+
+    owner = os.environ.get(runlock.OWNER_ENV)
+    name = os.environ.get(runlock.LOCK_ENV, runlock.LOCK_FILE)
+    if owner is not None:
+        owned, lock = runlock.owned_by(run_dir, int(owner), name), None
+    else:  # started without `finetune train` (torchrun by hand): own it for the cleanup
+        try:
+            lock = runlock.acquire(run_dir, name)
+            owned = True
+        except (runlock.RunDirLocked, OSError):
+            owned, lock = False, None
+    try:
+        if not owned:
+            _log("incomplete checkpoints are left alone: another live run owns this run directory")
+            return
+        removed = ckpt.discard_incomplete(run_dir)
+        if removed:
+            _log(f"removed incomplete checkpoint(s) left by an interrupted save: {', '.join(p.name for p in removed)}")
+    finally:
+        if lock is not None:
+            lock.release()
 
 
 def write_deepspeed_latest(path: Path) -> None:

@@ -445,7 +445,15 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 if __name__ == "__main__":
+    import signal
+
     from torch.distributed.elastic.multiprocessing.errors import record
+
+    from finetune.lifeline import die_with_parent
+
+    # torchrun starts ranks in sessions of their own and does nothing for them when it is SIGKILLed:
+    # a rank whose launcher is gone has nobody to publish its checkpoint, so it goes too.
+    die_with_parent(signal.SIGKILL)
 
     from finetune.train.shutdown import run_as_rank
 

@@ -1,0 +1,152 @@
+"""DeepSpeed's JIT-built ops in torch's extensions cache: first-run compiles and stale build locks.
+
+DeepSpeed compiles some ops on first use into torch's extensions cache (TORCH_EXTENSIONS_DIR, else
+~/.cache/torch_extensions/py<XY>_<cpu|cuNNN>/<op>/): the CPU communication op `deepspeed_shm_comm` on
+DeepSpeed's CPU accelerator, `cpu_adam` with optimizer offload. That takes 35-90 s with nothing on
+screen, so `finetune train` says so before launch and when it is done.
+
+torch serialises a build with a FileBaton: a plain file `<op>/lock` created with O_EXCL and removed when
+the build ends. Nothing releases it when the builder dies (Ctrl-C during the first compile), and every
+later process waits for it forever, silently. Whether a live process still builds can only be judged
+from outside: ninja and the compiler run with their working directory in the op's folder, so a lock
+with no process working there, older than LOCK_GRACE_S, is stale and is removed (with a note).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+CPU_COMM_OP = "deepspeed_shm_comm"  # deepspeed/ops/op_builder/cpu/comm.py ShareMemCommBuilder.NAME
+CPU_ADAM_OP = "cpu_adam"  # deepspeed/ops/op_builder/cpu/cpu_adam.py CPUAdamBuilder.NAME
+# Between taking the baton and starting ninja torch only writes build.ninja and checks the compiler:
+# seconds, even on a loaded box. A lock older than this with nobody compiling is left by a dead build.
+LOCK_GRACE_S = 30.0
+
+
+def extensions_root(environ: Optional[dict[str, str]] = None) -> Path:
+    """Where torch builds extensions, without creating it (torch.utils.cpp_extension._get_build_directory
+    makes the folders as a side effect). TORCH_EXTENSIONS_DIR is used as it is, as torch does."""
+    environ = os.environ if environ is None else environ
+    if environ.get("TORCH_EXTENSIONS_DIR"):
+        return Path(environ["TORCH_EXTENSIONS_DIR"])
+    import torch
+    from torch.utils.cpp_extension import get_default_build_root
+
+    if torch.version.hip is not None:
+        accelerator = f"rocm{torch.version.hip.replace('.', '')}"
+    elif torch.version.cuda is not None:
+        accelerator = f"cu{torch.version.cuda.replace('.', '')}"
+    else:
+        accelerator = "cpu"
+    python = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
+    return Path(get_default_build_root()) / f"{python}_{accelerator}"
+
+
+def ops_needed(device: str, offload_optimizer: str) -> list[str]:
+    ops = [CPU_COMM_OP] if device == "cpu" else []
+    if offload_optimizer in ("cpu", "nvme"):
+        ops.append(CPU_ADAM_OP)
+    return ops
+
+
+def is_built(build_dir: Path) -> bool:
+    """Built for this torch: the library is there and its build file names this torch's headers (a
+    build from another environment's torch is rebuilt by ninja, since its command lines differ)."""
+    import torch
+
+    library = build_dir / f"{build_dir.name}.so"
+    try:
+        ninja = (build_dir / "build.ninja").read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return False
+    return library.is_file() and str(Path(torch.__file__).parent / "include") in ninja
+
+
+def compiling_pids(build_dir: Path) -> list[int]:
+    """Processes working in `build_dir` (ninja and the compiler it runs): a build in progress."""
+    target = os.path.realpath(build_dir)
+    pids = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            cwd = os.readlink(entry / "cwd")
+        except OSError:
+            continue
+        if cwd == target or cwd.startswith(target + os.sep):
+            pids.append(int(entry.name))
+    return sorted(pids)
+
+
+def lock_note(build_dir: Path, now: Optional[float] = None, remove: bool = True) -> Optional[str]:
+    """What to say about `build_dir`'s build lock (None: there is none); removes a stale one when `remove`."""
+    lock = build_dir / "lock"
+    try:
+        age = (time.time() if now is None else now) - lock.stat().st_mtime
+    except OSError:
+        return None
+    op = build_dir.name
+    pids = compiling_pids(build_dir)
+    if pids:
+        return f"another process (PID {pids[0]}) is compiling {op} in {build_dir}; this run waits for it"
+    if age < LOCK_GRACE_S:
+        return (f"{lock} is {age:.0f} s old and nobody compiles there yet; if the run waits on it, "
+                f"remove it: rm {lock}")
+    if not remove or not Path("/proc").is_dir():  # without /proc nobody can be seen compiling: only say how
+        return f"{lock} looks stale (nobody compiles there; an interrupted build left it): rm {lock}"
+    try:
+        lock.unlink()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return f"{lock} is stale (an interrupted build left it) and cannot be removed ({exc.strerror}): rm {lock}"
+    return f"removed a stale build lock {lock} ({age / 60:.0f} min old, left by an interrupted compile of {op})"
+
+
+@dataclass
+class BuildWatch:
+    """Before launch: which ops will compile, and stale locks (notes). During the run (poll): stale
+    locks left by a rank killed while compiling, and a line when a compile is done."""
+
+    root: Path
+    ops: list[str]
+    remove_stale: bool = True  # False for a dry run: it writes nothing, it says what to remove
+    started: float = field(default_factory=time.monotonic)
+    pending: set[str] = field(default_factory=set)
+    every: float = 2.0  # seconds between polls: /proc is scanned when a lock is there
+    _last: float = 0.0
+
+    def due(self) -> bool:
+        now = time.monotonic()
+        if now - self._last < self.every:
+            return False
+        self._last = now
+        return True
+
+    def notes(self) -> list[str]:
+        out = []
+        for op in self.ops:
+            build_dir = self.root / op
+            note = lock_note(build_dir, remove=self.remove_stale)
+            if note:
+                out.append(note)
+            if not is_built(build_dir):
+                self.pending.add(op)
+                out.append(f"compiling {op} (first run only; about a minute on a few cores) into {build_dir}")
+        return out
+
+    def poll(self) -> list[str]:
+        out = []
+        for op in sorted(self.pending):
+            build_dir = self.root / op
+            if (build_dir / "lock").exists():
+                note = lock_note(build_dir)
+                if note and note.startswith("removed"):
+                    out.append(note)
+            elif is_built(build_dir):
+                self.pending.discard(op)
+                out.append(f"compiled {op} ({time.monotonic() - self.started:.0f} s after launch)")
+        return out

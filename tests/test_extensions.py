@@ -1,0 +1,86 @@
+"""finetune.extensions: torch's extensions cache, in a temporary TORCH_EXTENSIONS_DIR (never the real cache)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from finetune.cli import app
+from finetune.extensions import CPU_COMM_OP, LOCK_GRACE_S, BuildWatch, is_built, lock_note
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    root = tmp_path / "torch_extensions"
+    (root / CPU_COMM_OP).mkdir(parents=True)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(root))
+    return root
+
+
+def stale_lock(build_dir: Path, age: float = 3600) -> Path:
+    lock = build_dir / "lock"
+    lock.touch()
+    os.utime(lock, (time.time() - age, time.time() - age))
+    return lock
+
+
+def test_a_lock_nobody_compiles_behind_is_removed_with_a_note(cache):
+    lock = stale_lock(cache / CPU_COMM_OP)
+    note = lock_note(cache / CPU_COMM_OP)
+    assert note == f"removed a stale build lock {lock} (60 min old, left by an interrupted compile of {CPU_COMM_OP})"
+    assert not lock.exists()
+
+
+def test_a_lock_of_a_live_compile_is_kept(cache):
+    build_dir = cache / CPU_COMM_OP
+    lock = stale_lock(build_dir)
+    compiler = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], cwd=build_dir)  # ninja works there
+    try:
+        note = lock_note(build_dir)
+    finally:
+        compiler.kill()
+        compiler.wait()
+    assert note == f"another process (PID {compiler.pid}) is compiling {CPU_COMM_OP} in {build_dir}; this run waits for it"
+    assert lock.exists()
+
+
+def test_a_young_lock_is_kept_with_the_command_to_remove_it(cache):
+    lock = stale_lock(cache / CPU_COMM_OP, age=LOCK_GRACE_S / 3)
+    note = lock_note(cache / CPU_COMM_OP)
+    assert lock.exists() and note.endswith(f"remove it: rm {lock}")
+
+
+def test_first_run_compile_is_announced_and_its_end_reported(cache):
+    import torch
+
+    watch = BuildWatch(cache, [CPU_COMM_OP])
+    assert watch.notes() == [f"compiling {CPU_COMM_OP} (first run only; about a minute on a few cores) into {cache / CPU_COMM_OP}"]
+    (cache / CPU_COMM_OP / "lock").touch()  # a rank builds it
+    assert watch.poll() == []
+    (cache / CPU_COMM_OP / f"{CPU_COMM_OP}.so").write_bytes(b"")
+    (cache / CPU_COMM_OP / "build.ninja").write_text(f"cflags = -isystem {Path(torch.__file__).parent / 'include'}\n")
+    (cache / CPU_COMM_OP / "lock").unlink()
+    assert is_built(cache / CPU_COMM_OP)
+    [done] = watch.poll()
+    assert done.startswith(f"compiled {CPU_COMM_OP} (")
+    assert BuildWatch(cache, [CPU_COMM_OP]).notes() == []  # the next run: nothing to say
+
+
+def test_train_says_so_before_launch_and_a_dry_run_removes_nothing(cache, tmp_path, monkeypatch):
+    lock = stale_lock(cache / CPU_COMM_OP)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text('{"model_type": "llama"}')
+    (tmp_path / "data.jsonl").write_text('{"instruction": "Add 2 and 3.", "output": "5"}\n')
+    (tmp_path / "r.yaml").write_text("model: {name_or_path: ./model}\ndata: {path: data.jsonl}\n")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # the CPU path, where the comm op is compiled
+    result = CliRunner().invoke(app, ["train", "r.yaml", "--output-dir", "out", "--dry-run"])
+    assert result.exit_code == 0, result.output
+    assert f"note: compiling {CPU_COMM_OP} (first run only" in result.stderr
+    assert f"rm {lock}" in result.stderr and lock.exists()
