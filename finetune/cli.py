@@ -51,6 +51,25 @@ def fail(message: str, code: int = 1) -> "typer.Exit":
     return typer.Exit(code)
 
 
+def _exists(path: Path, test=Path.exists) -> bool:
+    """pathlib's exists()/is_file() raise on a name too long to stat; such a path is no file."""
+    try:
+        return test(path)
+    except (OSError, ValueError):
+        return False
+
+
+def usable_path(option: str, path: Optional[Path]) -> None:
+    """Exit 2 on a path no file system can hold (a component over 255 bytes), before anything stats it."""
+    from finetune.recipe import plain_path
+
+    if path is not None:
+        try:
+            plain_path(str(path))
+        except ValueError as exc:
+            raise fail(f"{option}: {exc}", 2) from None
+
+
 def load_or_exit(recipe: Path, overrides: Optional[List[str]]):
     """Load a recipe or print every problem (file:line:col) and exit 1."""
     from finetune.recipe import RecipeProblem, load_recipe
@@ -90,10 +109,10 @@ def lint(
 
     if fmt not in FORMATS:
         raise fail(f"--format must be one of {', '.join(FORMATS)}", 2)
-    missing = [str(p) for p in paths if not p.exists()]
+    missing = [str(p) for p in paths if not _exists(p)]
     if missing:
         raise fail(f"no such file or directory: {', '.join(missing)}", 2)
-    if recipe is not None and not recipe.is_file():
+    if recipe is not None and not _exists(recipe, Path.is_file):
         raise fail(f"--recipe {recipe}: no such file", 2)
     if recipe is not None and not hf:
         raise fail("--recipe and --no-hf do not go together: a recipe trains through the HF Trainer", 2)
@@ -158,11 +177,15 @@ def schema(output: Optional[Path] = typer.Option(None, "-o", "--output", help="W
     from finetune.fsutil import write_atomic
     from finetune.recipe import json_schema
 
+    usable_path("-o", output)
     text = json.dumps(json_schema(), indent=2) + "\n"
     if output is None:
         typer.echo(text, nl=False)
     else:
-        write_atomic(output, text)
+        try:
+            write_atomic(output, text)
+        except OSError as exc:
+            raise fail(f"cannot write {output}: {exc.strerror or exc}") from None
 
 
 @app.command()
@@ -187,7 +210,7 @@ def merge(
         ...
         merged 224 LoRA layers into merged/llama3-8b (4 shards, 16.06 GB) in 141.2 s
     """
-    from finetune.merge import MergeError, human_size, merge as run_merge, resolve_inputs, verify as run_verify
+    from finetune.merge import MergeError, Terminated, human_size, merge as run_merge, resolve_inputs, verify as run_verify
     from finetune.recipe import parse_size
 
     if run_dir is None and (base is None or adapter is None):
@@ -201,6 +224,8 @@ def merge(
         result = run_merge(inputs.base, inputs.adapter, output, dtype=dtype, overwrite=overwrite,
                            max_shard_size=shard_bytes, log=lambda line: typer.echo(line, err=True),
                            source_dirs=inputs.tokenizer_dirs, fsync=fsync)
+    except Terminated:
+        raise fail(f"merge stopped by SIGTERM; the partial output was removed and {output} was not touched", 143) from None
     except (MergeError, FileExistsError) as exc:
         raise fail(str(exc)) from None
     except OSError as exc:
@@ -210,7 +235,8 @@ def merge(
     if verify:
         check = run_verify(output, inputs.base, inputs.adapter)
         typer.echo(f"verify: max |logits merged - logits base+adapter| = {check.max_abs_diff:.3g} "
-                   f"(tolerance {check.tolerance:.3g}; the adapter moves logits by up to {check.adapter_effect:.3g})")
+                   f"(tolerance {check.tolerance:.3g}, from rounding to the stored dtype: {check.rounding:.3g}; "
+                   f"the adapter moves logits by up to {check.adapter_effect:.3g})")
         if not check.ok:
             raise fail("verify: the merged model does not reproduce base + adapter")
 
@@ -257,6 +283,7 @@ def train(
     from finetune.checkpoint import EXIT_PREEMPTED
     from finetune.launch import LaunchError, commands_per_node, prepare, start_run, tail_of
 
+    usable_path("--output-dir", output_dir)
     launch_flags = {"nodes": nnodes, "node_rank": node_rank, "master_addr": master_addr, "master_port": master_port}
     overrides = list(overrides or []) + [f"launch.{key}={json.dumps(value)}" for key, value in launch_flags.items() if value is not None]
     loaded = load_or_exit(recipe, overrides)
@@ -519,7 +546,7 @@ def convert(
         converted runs/x/checkpoint-500 (LoRA adapter, bfloat16) into runs/x/adapter-500
     """
     from finetune.convert import convert as run_convert
-    from finetune.merge import MergeError
+    from finetune.merge import MergeError, Terminated
     from finetune.recipe import parse_size
 
     try:
@@ -529,6 +556,8 @@ def convert(
     try:
         result = run_convert(checkpoint, output, dtype=dtype, overwrite=overwrite, adapter_config=adapter_config,
                              max_shard_size=shard_bytes, log=lambda line: typer.echo(line, err=True))
+    except Terminated:
+        raise fail(f"convert stopped by SIGTERM; the partial output was removed and {output} was not touched", 143) from None
     except (MergeError, FileExistsError) as exc:
         raise fail(str(exc)) from None
     except OSError as exc:
@@ -639,6 +668,8 @@ def slurm(
     from finetune.dsconfig import resolved_output_dir
     from finetune.slurm import SlurmError, SlurmJob, gpus_per_node, sbatch_script
 
+    usable_path("--output-dir", output_dir)
+    usable_path("-o", output)
     loaded = load_or_exit(recipe, overrides)
     r = loaded.recipe
     try:
@@ -657,8 +688,11 @@ def slurm(
         return
     from finetune.fsutil import write_atomic
 
-    write_atomic(output, text)
-    output.chmod(0o755)
+    try:
+        write_atomic(output, text)
+        output.chmod(0o755)
+    except OSError as exc:
+        raise fail(f"cannot write {output}: {exc.strerror or exc}") from None
     typer.echo(f"wrote {output}; submit with: sbatch {output}", err=True)
 
 

@@ -116,6 +116,19 @@ class PlanError(ValueError):
     """Input the planner cannot work with (unknown model, bad option): one line for a human."""
 
 
+def _finite(function):
+    """Numbers no GPU could hold (400-digit batch sizes) overflow the float arithmetic below;
+    report them as a PlanError instead of an OverflowError traceback."""
+    @functools.wraps(function)
+    def guarded(*args, **kwargs):
+        try:
+            return function(*args, **kwargs)
+        except OverflowError:
+            raise PlanError("the numbers in this setup are too large to plan (batch size, sequence length or "
+                            "model size beyond any machine)") from None
+    return guarded
+
+
 # ----------------------------------------------------------------------------------------------
 # What is planned
 
@@ -548,6 +561,7 @@ def four_bit_bytes(numel: int) -> int:
 # The planner
 
 
+@_finite
 def plan(setup: Setup) -> PlanResult:
     """Per-GPU and per-node CPU memory of `setup`."""
     groups = param_groups(setup)
@@ -1331,6 +1345,7 @@ def plan_recipe(recipe, gpus: Optional[int] = None, gpu_memory_bytes: Optional[i
     return plan(setup_from_recipe(recipe, gpus, gpu_memory_bytes, nodes, cpu_memory_bytes, deepspeed))
 
 
+@_finite
 def setup_from_recipe(recipe, gpus: Optional[int] = None, gpu_memory_bytes: Optional[int] = None,
                       nodes: Optional[int] = None, cpu_memory_bytes: Optional[int] = None,
                       deepspeed: bool = True) -> Setup:
@@ -1634,6 +1649,7 @@ def candidates(setup: Setup) -> list[Setup]:
     return out
 
 
+@_finite
 def recommend(setup: Setup, accumulation: Optional[int] = None) -> Recommendation:
     """The fastest setup that fits (speed_key), with the reasons in the user's numbers."""
     if setup.gpu_memory is None:
