@@ -15,12 +15,33 @@ import typer
 
 app = typer.Typer(
     name="finetune",
-    help="Fine-tune open LLMs from one YAML recipe: lint, plan, render, train, convert, merge.",
+    help="Fine-tune open LLMs from one YAML recipe: lint, plan, render, train, convert, merge, chat, eval.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
 )
+
+
+
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            typer.echo(f"finetune {version('finetune')}")
+        except PackageNotFoundError:  # run from a source tree that was never installed
+            from finetune import __version__
+
+            typer.echo(f"finetune {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                       help="Print the version and exit.")) -> None:
+    """Fine-tune open LLMs from one YAML recipe: lint, plan, render, train, convert, merge, chat, eval."""
+
 
 SET_HELP = "Override a recipe key, e.g. --set deepspeed.stage=3 (repeatable; the value is read as YAML)."
 
@@ -28,6 +49,25 @@ SET_HELP = "Override a recipe key, e.g. --set deepspeed.stage=3 (repeatable; the
 def fail(message: str, code: int = 1) -> "typer.Exit":
     typer.echo(f"error: {message}", err=True)
     return typer.Exit(code)
+
+
+def _exists(path: Path, test=Path.exists) -> bool:
+    """pathlib's exists()/is_file() raise on a name too long to stat; such a path is no file."""
+    try:
+        return test(path)
+    except (OSError, ValueError):
+        return False
+
+
+def usable_path(option: str, path: Optional[Path]) -> None:
+    """Exit 2 on a path no file system can hold (a component over 255 bytes), before anything stats it."""
+    from finetune.recipe import plain_path
+
+    if path is not None:
+        try:
+            plain_path(str(path))
+        except ValueError as exc:
+            raise fail(f"{option}: {exc}", 2) from None
 
 
 def load_or_exit(recipe: Path, overrides: Optional[List[str]]):
@@ -59,6 +99,7 @@ def lint(
 
     Example:
 
+    \b
         $ finetune lint recipes ds_configs
         recipes/bad.yaml:7:3: error R002 `lora.rr`: unknown key (did you mean `r`?)
         1 file with problems: 1 error, 0 warnings
@@ -68,10 +109,10 @@ def lint(
 
     if fmt not in FORMATS:
         raise fail(f"--format must be one of {', '.join(FORMATS)}", 2)
-    missing = [str(p) for p in paths if not p.exists()]
+    missing = [str(p) for p in paths if not _exists(p)]
     if missing:
         raise fail(f"no such file or directory: {', '.join(missing)}", 2)
-    if recipe is not None and not recipe.is_file():
+    if recipe is not None and not _exists(recipe, Path.is_file):
         raise fail(f"--recipe {recipe}: no such file", 2)
     if recipe is not None and not hf:
         raise fail("--recipe and --no-hf do not go together: a recipe trains through the HF Trainer", 2)
@@ -97,7 +138,8 @@ def render(
 
     Example:
 
-        $ finetune render recipes/llama3-8b-qlora-2x12gb.yaml -o rendered/
+    \b
+        $ finetune render recipes/llama3/8b_qlora_2x12gb.yaml -o rendered/
         wrote rendered/deepspeed.json
         wrote rendered/training_args.json
     """
@@ -128,17 +170,22 @@ def schema(output: Optional[Path] = typer.Option(None, "-o", "--output", help="W
 
     Example:
 
+    \b
         $ finetune schema -o recipe.schema.json
         # then, first line of a recipe:  # yaml-language-server: $schema=recipe.schema.json
     """
     from finetune.fsutil import write_atomic
     from finetune.recipe import json_schema
 
+    usable_path("-o", output)
     text = json.dumps(json_schema(), indent=2) + "\n"
     if output is None:
         typer.echo(text, nl=False)
     else:
-        write_atomic(output, text)
+        try:
+            write_atomic(output, text)
+        except OSError as exc:
+            raise fail(f"cannot write {output}: {exc.strerror or exc}") from None
 
 
 @app.command()
@@ -163,7 +210,7 @@ def merge(
         ...
         merged 224 LoRA layers into merged/llama3-8b (4 shards, 16.06 GB) in 141.2 s
     """
-    from finetune.merge import MergeError, human_size, merge as run_merge, resolve_inputs, verify as run_verify
+    from finetune.merge import MergeError, Terminated, human_size, merge as run_merge, resolve_inputs, verify as run_verify
     from finetune.recipe import parse_size
 
     if run_dir is None and (base is None or adapter is None):
@@ -177,6 +224,8 @@ def merge(
         result = run_merge(inputs.base, inputs.adapter, output, dtype=dtype, overwrite=overwrite,
                            max_shard_size=shard_bytes, log=lambda line: typer.echo(line, err=True),
                            source_dirs=inputs.tokenizer_dirs, fsync=fsync)
+    except Terminated:
+        raise fail(f"merge stopped by SIGTERM; the partial output was removed and {output} was not touched", 143) from None
     except (MergeError, FileExistsError) as exc:
         raise fail(str(exc)) from None
     except OSError as exc:
@@ -186,7 +235,8 @@ def merge(
     if verify:
         check = run_verify(output, inputs.base, inputs.adapter)
         typer.echo(f"verify: max |logits merged - logits base+adapter| = {check.max_abs_diff:.3g} "
-                   f"(tolerance {check.tolerance:.3g}; the adapter moves logits by up to {check.adapter_effect:.3g})")
+                   f"(tolerance {check.tolerance:.3g}, from rounding to the stored dtype: {check.rounding:.3g}; "
+                   f"the adapter moves logits by up to {check.adapter_effect:.3g})")
         if not check.ok:
             raise fail("verify: the merged model does not reproduce base + adapter")
 
@@ -233,6 +283,7 @@ def train(
     from finetune.checkpoint import EXIT_PREEMPTED
     from finetune.launch import LaunchError, commands_per_node, prepare, start_run, tail_of
 
+    usable_path("--output-dir", output_dir)
     launch_flags = {"nodes": nnodes, "node_rank": node_rank, "master_addr": master_addr, "master_port": master_port}
     overrides = list(overrides or []) + [f"launch.{key}={json.dumps(value)}" for key, value in launch_flags.items() if value is not None]
     loaded = load_or_exit(recipe, overrides)
@@ -271,7 +322,7 @@ def train(
         return
     typer.echo(f"launching {plan.world_size} process{'es' if plan.world_size != 1 else ''} ({plan.device}): {plan.display()}", err=True)
     try:
-        outcome = start_run(prepared)
+        outcome = _run_with_display(prepared, start_run)
     except (LaunchError, FileExistsError) as exc:
         raise fail(str(exc)) from None
     except OSError as exc:
@@ -280,6 +331,8 @@ def train(
         saved = [name for name in ("adapter", "model") if (prepared.run_dir / name).is_dir()]
         where = f" ({' and '.join(saved)} in {', '.join(str(prepared.run_dir / s) for s in saved)})" if saved else ""
         typer.echo(f"finished: {prepared.run_dir}{where}", err=True)
+        for line in next_steps_lines(prepared.run_dir, saved):
+            typer.echo(line, err=True)
         return
     if outcome.returncode == EXIT_PREEMPTED:
         try:
@@ -309,6 +362,139 @@ def _what_a_run_would_do(prepared) -> str:
     if prepared.overwrite and prepared.run_dir.exists() and any(prepared.run_dir.iterdir()):
         return f"replace the previous run in {prepared.run_dir} and start fresh (--overwrite)"
     return f"start fresh in {prepared.run_dir}"
+
+
+@app.command()
+def chat(
+    path: Optional[Path] = typer.Argument(None, help="Run directory, or a merged / full model directory."),
+    base: Optional[str] = typer.Option(None, "--base", help="Base model directory or hub id (with --adapter; overrides the run's)."),
+    adapter: Optional[Path] = typer.Option(None, "--adapter", help="PEFT adapter directory (overrides the run's adapter/)."),
+    prompts: Optional[List[str]] = typer.Option(None, "--prompt", help="Answer this and exit (repeatable: one conversation, in order)."),
+    max_new_tokens: int = typer.Option(256, "--max-new-tokens", min=1, help="Longest reply, in tokens."),
+    temperature: float = typer.Option(0.0, "--temperature", min=0.0, help="0 (default): greedy, the same reply every time; > 0 samples."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Seed for sampling (with --temperature > 0)."),
+    fmt: Optional[str] = typer.Option(None, "--format", help="alpaca, messages or text (default: what the run trained on)."),
+    device: str = typer.Option("auto", "--device", help="auto (the GPU if there is one), cuda or cpu."),
+) -> None:
+    """Talk to a trained model, with the prompt format it trained on (chat template or alpaca prompt).
+
+    Loads base + adapter (QLoRA: the base in 4-bit, as it trained) or the merged model, on the GPU if
+    there is one. Interactive: /reset starts over, /exit (or Ctrl-D) leaves.
+
+    Example:
+
+    \b
+        $ finetune chat runs/demo --prompt "Name a primary colour."
+        Red.
+        $ finetune chat merged/demo
+        loaded runs/demo/... (alpaca format, cpu); /reset starts over, /exit leaves
+        you> Name a primary colour.
+        Red.
+    """
+    from finetune.chat import ChatError, Conversation, answer, load_chat_model, resolve_source
+
+    if path is None and base is None:
+        raise fail("give a run directory, a model directory, or --base (and --adapter)", 2)
+    try:
+        source = resolve_source(path, base, adapter, fmt)
+        model = load_chat_model(source, device)
+    except ChatError as exc:
+        raise fail(str(exc)) from None
+    conversation = Conversation(model.tokenizer, model.fmt)
+
+    def say(user: str) -> None:
+        try:
+            reply = answer(model, conversation, user, max_new_tokens=max_new_tokens, temperature=temperature,
+                           seed=seed, on_text=lambda text: typer.echo(text, nl=False))
+        except ChatError as exc:
+            raise fail(str(exc)) from None
+        typer.echo("")
+        if reply.dropped_turns:
+            typer.echo(f"(the {reply.dropped_turns} oldest turn(s) no longer fit the model's context and were left out)", err=True)
+
+    if prompts:
+        for prompt in prompts:
+            say(prompt)
+        return
+    typer.echo(f"loaded {model.label} ({model.fmt} format, {model.device}); /reset starts over, /exit leaves", err=True)
+    while True:
+        try:
+            user = input("you> ")
+        except EOFError:
+            typer.echo("")
+            return
+        command = user.strip()
+        if command in ("/exit", "/quit"):
+            return
+        if command == "/reset":
+            conversation.reset()
+            typer.echo("(conversation cleared)", err=True)
+            continue
+        if command:
+            say(user)
+
+
+@app.command("eval")
+def eval_command(
+    run_dir: Path = typer.Argument(..., help="Run directory."),
+    data: Optional[Path] = typer.Option(None, "--data", help="Score this file (the run's data format) instead of the validation split."),
+    device: str = typer.Option("auto", "--device", help="auto (the GPU if there is one), cuda or cpu."),
+    batch_size: int = typer.Option(8, "--batch-size", min=1, help="Sequences per forward pass."),
+) -> None:
+    """Loss and perplexity of the base model and the fine-tuned one, on the same tokens (written to RUN/eval.json).
+
+    The data is the run's validation split, or --data FILE; sequences are tokenized and masked as in
+    training, so only the response tokens are scored when the run masked its prompts.
+
+    Example:
+
+    \b
+        $ finetune eval runs/demo
+        data: the training data (.../demo_instructions.jsonl), 307 sequences, 2861 scored tokens (not held out: ...)
+        model             loss    perplexity
+        base            7.0830       1191.62
+        fine-tuned      1.9520          7.04
+    """
+    from finetune.evaluate import EVAL_FILE, EvalError, evaluate
+
+    try:
+        result = evaluate(run_dir, data=data, device=device, batch_size=batch_size,
+                          log=lambda line: typer.echo(line, err=True))
+    except EvalError as exc:
+        raise fail(str(exc)) from None
+    typer.echo(result.table(), nl=False)
+    typer.echo(f"wrote {run_dir / EVAL_FILE}", err=True)
+
+
+def _run_with_display(prepared, start_run):
+    """start_run, under a live progress bar when stdout is a terminal (plain relayed lines otherwise)."""
+    import os
+
+    from finetune import progress
+
+    if not progress.wanted():
+        return start_run(prepared)
+    os.environ.setdefault(progress.PROGRESS_ENV, progress.LIVE_INTERVAL)  # the ranks inherit it
+    with progress.TrainingDisplay() as display:
+        return start_run(prepared, console=display)
+
+
+def next_steps_lines(run_dir: Path, saved: List[str]) -> List[str]:
+    """What to do after a finished run, with the commands for this run directory."""
+    steps = []
+    if (run_dir / "report.html").is_file():
+        steps.append((f"open {run_dir / 'report.html'}", "loss plot, memory, config, versions"))
+    if saved:
+        steps.append((f"finetune chat {run_dir}", "talk to it (--prompt TEXT for one answer)"))
+        steps.append((f"finetune eval {run_dir}", "loss and perplexity, base vs fine-tuned"))
+    if "adapter" in saved:
+        steps.append((f"finetune merge {run_dir} -o merged/{run_dir.name}", "one model to serve (CPU, streaming)"))
+    if (run_dir / "tensorboard").is_dir():
+        steps.append((f"tensorboard --logdir {run_dir / 'tensorboard'}", "the curves, live"))
+    if not steps:
+        return []
+    width = max(len(command) for command, _ in steps)
+    return ["next:"] + [f"  {command.ljust(width)}  # {why}" for command, why in steps]
 
 
 @app.command()
@@ -360,7 +546,7 @@ def convert(
         converted runs/x/checkpoint-500 (LoRA adapter, bfloat16) into runs/x/adapter-500
     """
     from finetune.convert import convert as run_convert
-    from finetune.merge import MergeError
+    from finetune.merge import MergeError, Terminated
     from finetune.recipe import parse_size
 
     try:
@@ -370,6 +556,8 @@ def convert(
     try:
         result = run_convert(checkpoint, output, dtype=dtype, overwrite=overwrite, adapter_config=adapter_config,
                              max_shard_size=shard_bytes, log=lambda line: typer.echo(line, err=True))
+    except Terminated:
+        raise fail(f"convert stopped by SIGTERM; the partial output was removed and {output} was not touched", 143) from None
     except (MergeError, FileExistsError) as exc:
         raise fail(str(exc)) from None
     except OSError as exc:
@@ -480,6 +668,8 @@ def slurm(
     from finetune.dsconfig import resolved_output_dir
     from finetune.slurm import SlurmError, SlurmJob, gpus_per_node, sbatch_script
 
+    usable_path("--output-dir", output_dir)
+    usable_path("-o", output)
     loaded = load_or_exit(recipe, overrides)
     r = loaded.recipe
     try:
@@ -498,8 +688,11 @@ def slurm(
         return
     from finetune.fsutil import write_atomic
 
-    write_atomic(output, text)
-    output.chmod(0o755)
+    try:
+        write_atomic(output, text)
+        output.chmod(0o755)
+    except OSError as exc:
+        raise fail(f"cannot write {output}: {exc.strerror or exc}") from None
     typer.echo(f"wrote {output}; submit with: sbatch {output}", err=True)
 
 

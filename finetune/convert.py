@@ -18,9 +18,11 @@ CPU only; nothing here needs a GPU.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import math
 import os
+import pickle
 import re
 import shutil
 import sys
@@ -31,7 +33,7 @@ from typing import Callable, Optional
 
 import torch
 
-from finetune.fsutil import atomic_dir, write_atomic
+from finetune.fsutil import atomic_dir, remove_stale_partials, write_atomic
 from finetune.merge import (CONFIG_FILES, DEFAULT_MAX_SHARD_SIZE, DTYPES, PEFT_PREFIX, ST_TO_TORCH, TORCH_TO_ST,
                             BaseTensor, MergeError, OutTensor, Plan, copy_tokenizer,
                             ShardWriter, assign_shards, check_disk_space, human_size, lora_scaling, shard_names,
@@ -77,6 +79,20 @@ class Checkpoint:
         return any(_LORA_PARAM.search(name) for name in self.trainable)
 
 
+def _run_dir_hint(path: Path) -> str:
+    """For a run directory given where a checkpoint belongs: its checkpoint-N directories, newest last."""
+    numbered = [p for p in path.glob("checkpoint-*") if p.is_dir() and p.name.split("-", 1)[1].isdigit()]
+    if numbered:
+        names = [str(p) for p in sorted(numbered, key=lambda p: int(p.name.split("-", 1)[1]))]
+        return f". It is a run directory; its checkpoints: {', '.join(names)}"
+    if (path / "recipe.yaml").is_file():
+        saved = [name for name in ("adapter", "model") if (path / name).is_dir()]
+        if saved:
+            return f". It is a run directory without checkpoints; its final {saved[0]}/ needs no convert"
+        return ". It is a run directory without checkpoints (training.save_steps makes some)"
+    return ""
+
+
 def find_checkpoint(path: Path) -> Checkpoint:
     """Accept checkpoint-N/ (with `latest`), global_stepN/ itself, or a folder with exactly one global_step*."""
     if not path.is_dir():
@@ -89,7 +105,7 @@ def find_checkpoint(path: Path) -> Checkpoint:
         steps = sorted(p.name for p in path.glob("global_step*") if p.is_dir())
         if len(steps) != 1:
             found = f"several ({', '.join(steps)}): pass one of them" if steps else "no global_step* directory"
-            raise ConvertError(f"{path}: not a DeepSpeed checkpoint (no `latest` file; {found})")
+            raise ConvertError(f"{path}: not a DeepSpeed checkpoint (no `latest` file; {found}){_run_dir_hint(path)}")
         root, tag = path, steps[0]
     step_dir = root / tag
     if not step_dir.is_dir():
@@ -100,14 +116,72 @@ def find_checkpoint(path: Path) -> Checkpoint:
         raise ConvertError(f"{step_dir}: no *_model_states.pt / *_optim_states.pt (an incomplete checkpoint?)")
     rank0 = next((f for f in model_files if f.name in ("mp_rank_00_model_states.pt",
                                                         "zero_pp_rank_0_mp_rank_00_model_states.pt")), model_files[0])
+    for file in model_files + optim_files:
+        refuse_foreign_globals(file)
     return Checkpoint(root, tag, _load_model_states(rank0))
+
+
+# The classes DeepSpeed pickles into ZeRO checkpoints beside tensors and plain containers. Found by
+# listing the globals of the ZeRO-1/2/3 LoRA and full checkpoints tests/merge_fixtures.py trains
+# (torch.serialization.get_unsafe_globals_in_checkpoint); DynamicLossScaler is what fp16 runs store
+# where bf16 runs store LossScaler (the optimizers' state_dict saves `self.loss_scaler`).
+DEEPSPEED_GLOBALS = (
+    "deepspeed.runtime.zero.config.ZeroStageEnum",
+    "deepspeed.runtime.fp16.loss_scaler.LossScaler",
+    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
+    "deepspeed.utils.tensor_fragment.fragment_address",
+)
+
+
+def refuse_foreign_globals(path: Path) -> None:
+    """Refuse a checkpoint file that pickles anything besides DeepSpeed's own classes, before loading it.
+
+    Reads the pickle's opcodes without executing them: a file that names `os.system` (or any other
+    callable) is reported, and nothing in it runs."""
+    try:
+        unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(str(path))
+    except Exception as exc:  # not a torch.save zip, truncated, unreadable
+        raise ConvertError(f"{path}: cannot read ({exc})") from None
+    foreign = [name for name in unsafe if name not in DEEPSPEED_GLOBALS]
+    if foreign:
+        raise ConvertError(f"{path}: refused to load: it pickles {', '.join(foreign)}, which DeepSpeed checkpoints "
+                           "never hold; unpickling it could run code")
+
+
+def _deepspeed_classes() -> list:
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # importing deepspeed picks an accelerator; conversion is CPU work
+    classes = []
+    for dotted in DEEPSPEED_GLOBALS:
+        module, _, name = dotted.rpartition(".")
+        classes.append(getattr(importlib.import_module(module), name))
+    return classes
+
+
+@contextlib.contextmanager
+def weights_only_loads():
+    """Every torch.load inside (ours and DeepSpeed's zero_to_fp32, which asks for weights_only=False) runs
+    with weights_only=True and only DeepSpeed's checkpoint classes allowed."""
+    real_load = torch.load
+
+    def load(*args, **kwargs):
+        kwargs["weights_only"] = True
+        return real_load(*args, **kwargs)
+
+    # zero_to_fp32 hard-codes weights_only=False and has no parameter for it; swapping torch.load for the
+    # duration of the conversion is the one way to hold its loads to the allow-list too.
+    torch.load = load
+    try:
+        with torch.serialization.safe_globals(_deepspeed_classes()):
+            yield
+    finally:
+        torch.load = real_load
 
 
 def _load_model_states(path: Path) -> dict:
     try:
-        # DeepSpeed pickles its own objects here (as its zero_to_fp32 does, weights_only=False); mmap keeps a
-        # ZeRO-1/2 checkpoint's full 16-bit module copy on disk instead of in RAM.
-        states = torch.load(str(path), map_location="cpu", mmap=True, weights_only=False)
+        # mmap keeps a ZeRO-1/2 checkpoint's full 16-bit module copy on disk instead of in RAM.
+        with weights_only_loads():
+            states = torch.load(str(path), map_location="cpu", mmap=True)
     except Exception as exc:
         raise ConvertError(f"{path}: cannot read ({exc})") from None
     if not isinstance(states, dict) or "param_shapes" not in states:
@@ -122,11 +196,13 @@ def fp32_state_dict(ckpt: Checkpoint, exclude_frozen: bool) -> dict:
 
     try:
         # zero_to_fp32 prints progress to stdout; keep stdout for our own report.
-        with contextlib.redirect_stdout(sys.stderr):
+        with contextlib.redirect_stdout(sys.stderr), weights_only_loads():
             return get_fp32_state_dict_from_zero_checkpoint(str(ckpt.root), tag=ckpt.tag,
                                                             exclude_frozen_parameters=exclude_frozen, lazy_mode=True)
     except (ValueError, FileNotFoundError, NotImplementedError, KeyError) as exc:
         raise ConvertError(f"{ckpt.step_dir}: DeepSpeed cannot reconstruct the weights: {exc}") from None
+    except pickle.UnpicklingError as exc:  # a global the opcode scan could not see (pushed at run time)
+        raise ConvertError(f"{ckpt.step_dir}: refused to load: {str(exc).splitlines()[0]}") from None
 
 
 # ------------------------------------------------------------------------------------------------
@@ -197,6 +273,8 @@ def convert_lora(ckpt: Checkpoint, output: Path, dtype, adapter_config: Optional
     _check_rank(tensors, config, config_path)
     size = sum(t.numel() * t.element_size() for t in tensors.values())
     check_disk_space(output, size)
+    for line in remove_stale_partials(output):
+        log(line)
     with sigterm_as_interrupt(), atomic_dir(output, overwrite=overwrite) as tmp:
         save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
         shutil.copy2(config_path, tmp / "adapter_config.json")
@@ -242,6 +320,8 @@ def convert_full(ckpt: Checkpoint, output: Path, dtype, overwrite: bool, max_sha
     assign_shards(plan, max_shard_size)
     check_disk_space(output, plan.total_bytes)
     names = shard_names(len(plan.shards))
+    for line in remove_stale_partials(output):
+        log(line)
     with sigterm_as_interrupt(), atomic_dir(output, overwrite=overwrite) as tmp:
         for shard_name, shard in zip(names, plan.shards):
             writer = ShardWriter(tmp / shard_name, shard)

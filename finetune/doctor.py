@@ -30,7 +30,8 @@ if TYPE_CHECKING:
     from finetune.recipe import Recipe
 
 # Libraries whose versions the report shows (trl only matters when installed: some users mix it in).
-PACKAGES = ("torch", "deepspeed", "transformers", "peft", "bitsandbytes", "accelerate", "datasets", "trl", "flash-attn")
+PACKAGES = ("torch", "deepspeed", "transformers", "peft", "bitsandbytes", "accelerate", "datasets", "trl", "flash-attn",
+            "liger-kernel")
 
 # The floors of pyproject's `train` extra: below them the runner itself does not work
 # (e.g. transformers 5 reads warmup_steps < 1 as a ratio, see dsconfig.render_training_args).
@@ -339,8 +340,30 @@ def checks_for_recipe(recipe: "Recipe", facts: Optional[Facts] = None) -> list[C
         checks += qlora_checks(recipe, facts)
     if recipe.model.attn_implementation.startswith("flash_attention"):
         checks += flash_attention_checks(recipe, facts)
+    if recipe.training.loss_kernel == "liger":
+        checks += liger_checks(facts)
+        if recipe.deepspeed.stage == 3:
+            # Liger's patched forward passes lm_head.weight to its kernel without calling lm_head, so
+            # ZeRO-3's gather hook never runs (Liger asserts on the empty weight). Not run here: no GPU.
+            checks.append(Check("liger-kernel.zero3", "warn", "training.loss_kernel: liger reads the output head's "
+                                "weight directly, which ZeRO-3 keeps partitioned outside the head's own forward",
+                                "use training.loss_kernel: chunked with ZeRO-3"))
     checks += device_checks(recipe, facts)
     checks += stop_timeout_checks(recipe, facts)
+    return checks
+
+
+def liger_checks(facts: Facts) -> list[Check]:
+    """Liger's kernels are Triton, so CUDA only; transformers wants liger-kernel >= 0.3.0."""
+    checks = []
+    if facts.version("liger-kernel") is None:
+        checks.append(Check("liger-kernel", "fail", "training.loss_kernel: liger needs the liger-kernel package",
+                            "pip install 'finetune[liger]', or set training.loss_kernel: chunked"))
+    else:
+        checks += floor_checks(facts, {"liger-kernel": ">=0.3.0"}, "liger", "for training.loss_kernel: liger")
+    if not (facts.cuda_available and facts.gpus):
+        checks.append(Check("liger-kernel.gpu", "fail", "training.loss_kernel: liger runs Triton kernels on a CUDA GPU; "
+                            "none is visible here", "set training.loss_kernel: chunked, which works on CPU too"))
     return checks
 
 

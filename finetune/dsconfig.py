@@ -143,6 +143,10 @@ def render_training_args(recipe: Recipe, output_dir: Optional[str] = None) -> di
     }
     if t.optimizer in HF_OPTIMIZERS:
         args["optim"] = HF_OPTIMIZERS[t.optimizer]
+    if t.loss_kernel == "liger":
+        # The Trainer applies Liger's kernels to the model (transformers/integrations/liger.py),
+        # fused linear cross-entropy included; the other loss kernels are the runner's.
+        args["use_liger_kernel"] = True
     return args
 
 

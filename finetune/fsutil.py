@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import glob
+import json
 import os
 import shutil
+import socket
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Optional
+
+# Inside every partial directory while it is written: who writes it, so that a later run can tell a
+# directory whose writer was killed (SIGKILL, power cut) from one that is still being written.
+OWNER_FILE = ".finetune-owner.json"
 
 
 def write_atomic(path: Path, text: str) -> None:
@@ -46,7 +53,9 @@ def atomic_dir(target: Path, overwrite: bool = False) -> Iterator[Path]:
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent))
     os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700
     try:
+        (tmp / OWNER_FILE).write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
         yield tmp
+        (tmp / OWNER_FILE).unlink(missing_ok=True)
         if target.exists():
             old = target.with_name(f".{target.name}.old-{os.getpid()}")
             os.replace(target, old)
@@ -57,3 +66,42 @@ def atomic_dir(target: Path, overwrite: bool = False) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def remove_stale_partials(target: Path) -> list[str]:
+    """Remove the partial directories beside `target` left by processes of this host that are gone.
+
+    Returns one line per directory removed. A directory whose owner is alive, on another host (shared
+    storage), or unknown (no owner file) is left alone: it may still be written.
+    """
+    target = Path(target)
+    removed = []
+    for partial in sorted(target.parent.glob(f".{glob.escape(target.name)}.*.partial")):
+        owner = _owner(partial)
+        if owner is None or owner[1] != socket.gethostname() or _alive(owner[0]):
+            continue
+        size = sum(f.stat().st_size for f in partial.rglob("*") if f.is_file())
+        shutil.rmtree(partial, ignore_errors=True)
+        if not partial.exists():
+            removed.append(f"removed {partial} ({size / 1e6:.1f} MB), left by process {owner[0]} which is gone")
+    return removed
+
+
+def _owner(partial: Path) -> Optional[tuple[int, str]]:
+    try:
+        data = json.loads((partial / OWNER_FILE).read_text())
+        return int(data["pid"]), str(data["host"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0:
+        return True  # not a process id we can check: leave the directory alone
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's live process
+    return True

@@ -116,6 +116,19 @@ class PlanError(ValueError):
     """Input the planner cannot work with (unknown model, bad option): one line for a human."""
 
 
+def _finite(function):
+    """Numbers no GPU could hold (400-digit batch sizes) overflow the float arithmetic below;
+    report them as a PlanError instead of an OverflowError traceback."""
+    @functools.wraps(function)
+    def guarded(*args, **kwargs):
+        try:
+            return function(*args, **kwargs)
+        except OverflowError:
+            raise PlanError("the numbers in this setup are too large to plan (batch size, sequence length or "
+                            "model size beyond any machine)") from None
+    return guarded
+
+
 # ----------------------------------------------------------------------------------------------
 # What is planned
 
@@ -158,6 +171,8 @@ class Setup:
     # measurements in tests/test_plan.py); recipes never set it: their batches are padded or packed.
     full_rows: bool = False
     gradient_checkpointing: bool = True
+    loss_kernel: str = "default"  # default | chunked | liger (training.loss_kernel)
+    loss_chunk_tokens: Optional[int] = None  # training.loss_chunk_tokens (None: finetune.train.loss's default)
     overlap_comm: Optional[bool] = None  # None: DeepSpeed's default (config.py overlap_comm_valid: stage 3)
     contiguous_gradients: bool = True
     reduce_bucket_size: int = DS_REDUCE_BUCKET_SIZE
@@ -338,7 +353,7 @@ class PlanResult:
                       "offload_optimizer": s.offload_optimizer, "offload_param": s.offload_param,
                       "gpus_per_node": s.gpus_per_node, "nodes": s.nodes, "micro_batch": s.micro_batch,
                       "seq_len": s.seq_len, "gradient_checkpointing": s.gradient_checkpointing,
-                      "attn_implementation": s.attn, "dtype": s.dtype,
+                      "attn_implementation": s.attn, "dtype": s.dtype, "loss_kernel": s.loss_kernel,
                       "reduce_bucket_size": s.reduce_bucket_size, "overlap_comm": s.overlap},
             "per_gpu": self.per_gpu,
             "memory": {"allocated_peak": self.memory_views["allocated"],
@@ -550,6 +565,7 @@ def four_bit_bytes(numel: int) -> int:
 # The planner
 
 
+@_finite
 def plan(setup: Setup) -> PlanResult:
     """Per-GPU and per-node CPU memory of `setup`."""
     groups = param_groups(setup)
@@ -1073,9 +1089,7 @@ def _activations(setup: Setup) -> list[Term]:
     what = "layer recompute + gradients" if setup.gradient_checkpointing else "backward temporaries"
     terms.append(Term("activations", what, extra, phase="backward",
                       note="beyond the loss buffers" if extra else "smaller than the loss buffers"))
-    terms.append(Term("logits", "loss working set", logits, phase="backward",
-                      note=f"{tokens:,} tokens x vocab {arch.vocab:,} x {3 * loss_element_bytes(setup)} B "
-                           f"({setup.loss_dtype} log-probs + 2 grads)"))
+    terms.append(Term("logits", "loss working set", logits, phase="backward", note=logits_note(setup)))
     return terms
 
 
@@ -1213,8 +1227,55 @@ def logits_bytes(setup: Setup) -> int:
     arch = setup.arch
     assert arch is not None
     tokens = setup.micro_batch * setup.seq_len
+    if setup.loss_kernel == "liger":
+        return liger_logits_bytes(setup)
+    if setup.loss_kernel == "chunked":
+        tokens = _loss_chunk(setup)
     per = 3 * loss_element_bytes(setup) + (2 * setup.element_bytes if arch.logit_softcap else 0)  # Gemma 2: tanh
     return tokens * arch.vocab * per
+
+
+def _loss_chunk(setup: Setup) -> int:
+    """Tokens whose logits exist at once with loss_kernel: chunked (finetune/train/loss.py)."""
+    from finetune.train.loss import chunk_count
+
+    tokens = setup.micro_batch * setup.seq_len
+    assert setup.arch is not None
+    return math.ceil(tokens / chunk_count(tokens, setup.arch.vocab, setup.loss_chunk_tokens))
+
+
+def _liger_chunk(setup: Setup) -> int:
+    """Liger's fused_linear_cross_entropy_forward: chunk = next_pow2(ceil(BT / ceil(V / H))), at most BT,
+    so one chunk's logits are about as large as the hidden states."""
+    arch = setup.arch
+    assert arch is not None
+    tokens = setup.micro_batch * setup.seq_len
+    per_chunk = math.ceil(tokens / math.ceil(arch.vocab / arch.hidden))
+    return min(tokens, 1 << (per_chunk - 1).bit_length())
+
+
+def liger_logits_bytes(setup: Setup) -> int:
+    """Liger computes each chunk's logits in the model dtype and overwrites them with their gradient
+    in place; beside them it keeps the input's gradient (BT x H, model dtype) and a fp32 loss per token."""
+    arch = setup.arch
+    assert arch is not None
+    tokens = setup.micro_batch * setup.seq_len
+    e = setup.element_bytes
+    return _liger_chunk(setup) * arch.vocab * e + tokens * (arch.hidden * e + 4)
+
+
+def logits_note(setup: Setup) -> str:
+    arch = setup.arch
+    assert arch is not None
+    tokens = setup.micro_batch * setup.seq_len
+    if setup.loss_kernel == "liger":
+        return (f"liger: {_liger_chunk(setup):,}-token chunk x vocab {arch.vocab:,} x {setup.element_bytes} B "
+                f"+ input gradient")
+    if setup.loss_kernel == "chunked":
+        return (f"chunked: {_loss_chunk(setup):,} of {tokens:,} tokens x vocab {arch.vocab:,} x "
+                f"{3 * loss_element_bytes(setup)} B")
+    return (f"{tokens:,} tokens x vocab {arch.vocab:,} x {3 * loss_element_bytes(setup)} B "
+            f"({setup.loss_dtype} log-probs + 2 grads)")
 
 
 def _overhead(setup: Setup, groups: list[ParamGroup], terms: list[Term]) -> list[Term]:
@@ -1309,6 +1370,7 @@ def plan_recipe(recipe, gpus: Optional[int] = None, gpu_memory_bytes: Optional[i
     return plan(setup_from_recipe(recipe, gpus, gpu_memory_bytes, nodes, cpu_memory_bytes, deepspeed))
 
 
+@_finite
 def setup_from_recipe(recipe, gpus: Optional[int] = None, gpu_memory_bytes: Optional[int] = None,
                       nodes: Optional[int] = None, cpu_memory_bytes: Optional[int] = None,
                       deepspeed: bool = True) -> Setup:
@@ -1366,7 +1428,9 @@ def setup_from_recipe(recipe, gpus: Optional[int] = None, gpu_memory_bytes: Opti
         offload_param=_device(zero.get("offload_param")) if stage == 3 else "none",
         gpus_per_node=gpus, nodes=nodes,
         micro_batch=recipe.training.micro_batch_size, seq_len=recipe.data.max_length,
-        packing=recipe.data.packing, padding_free=recipe.data.padding_free, gradient_checkpointing=recipe.training.gradient_checkpointing,
+        packing=recipe.data.packing, padding_free=recipe.data.padding_free,
+        gradient_checkpointing=recipe.training.gradient_checkpointing,
+        loss_kernel=recipe.training.loss_kernel, loss_chunk_tokens=recipe.training.loss_chunk_tokens,
         overlap_comm=bool(overlap) if overlap is not None else None,
         contiguous_gradients=bool(zero.get("contiguous_gradients", True)),
         # "auto" values are filled by transformers/integrations/deepspeed.py from hidden_size.
@@ -1611,6 +1675,7 @@ def candidates(setup: Setup) -> list[Setup]:
     return out
 
 
+@_finite
 def recommend(setup: Setup, accumulation: Optional[int] = None) -> Recommendation:
     """The fastest setup that fits (speed_key), with the reasons in the user's numbers."""
     if setup.gpu_memory is None:
@@ -1685,7 +1750,8 @@ def explain(rec: Recommendation) -> list[str]:
             break
     if s.arch is not None and s.gpu_memory and cur.per_gpu["logits"] > 0.2 * s.gpu_memory:
         out.append(f"the loss alone needs {gib(cur.per_gpu['logits'])} GiB: {s.micro_batch} x {s.seq_len} tokens "
-                   f"x vocab {s.arch.vocab:,} x 12 bytes; it shrinks with the micro batch")
+                   f"x vocab {s.arch.vocab:,} x 12 bytes; it shrinks with the micro batch"
+                   + (", or with --set training.loss_kernel=chunked" if s.loss_kernel == "default" else ""))
     out.append(f"candidates must leave {RECOMMEND_MARGIN:.0%} of the GPU free: fragmentation and the CUDA context "
                "vary from run to run (docs/plan.md)")
     chosen = rec.chosen

@@ -80,6 +80,7 @@ def run_preflight(loaded: LoadedRecipe, run_dir: Path, overwrite: bool = False, 
         elif check.status == "info":
             result.notes.append(check.message)
     dataset_step(recipe, result)
+    chat_template_step(recipe, result)
     model_step(recipe, result)
     hostfile_step(recipe, result)
     if resume is None:
@@ -88,6 +89,7 @@ def run_preflight(loaded: LoadedRecipe, run_dir: Path, overwrite: bool = False, 
         result.run_dir_errors.append(in_use)
     else:
         output_dir_step(run_dir, overwrite, result, loaded, world_size, resume, force_resume)
+    result.notes.append(f"run directory: {run_dir.absolute()}")
     return result
 
 
@@ -123,6 +125,73 @@ def dataset_step(recipe: Recipe, result: Preflight) -> None:
         result.notes.append(f"dataset {path}: {recipe.data.format} format, first {rows} row(s) look right")
     except DataProblem as exc:
         result.errors.append(f"dataset {exc}")
+
+
+# A conversation to render the template on when the dataset's rows cannot be read here (a hub id).
+_SAMPLE_CONVERSATION = [{"role": "system", "content": "You are helpful."}, {"role": "user", "content": "Hi"},
+                        {"role": "assistant", "content": "Hello!"}]
+
+
+# apply_chat_template passes the tokenizer's special tokens to the template (`bos_token + ...` is
+# common); their values do not matter for whether the template renders, only that they are strings.
+_SPECIAL_TOKENS = {name: f"<{name}>" for name in ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
+                                                   "cls_token", "mask_token")}
+
+
+def chat_template_step(recipe: Recipe, result: Preflight) -> None:
+    """Render data.chat_template on the first rows, the way the ranks will (transformers' sandboxed Jinja).
+
+    A template the sandbox refuses (`__class__`, mutating a list) or that raises on this data otherwise
+    fails in every rank's data loading after launch, as one traceback per process.
+    """
+    template = recipe.data.chat_template
+    if recipe.data.format != "messages" or not template:
+        return
+    problem = None
+    try:
+        for where, messages in _sample_conversations(recipe.data.path):
+            problem = render_problem(template, messages, recipe.data.mask_prompt)
+            if problem:
+                problem = f"{where}: {problem}"
+                break
+    except DataProblem:
+        return  # dataset_step reported it
+    if problem:
+        result.errors.append(f"data.chat_template: {problem}")
+
+
+def _sample_conversations(path: str) -> Iterator[tuple[str, list]]:
+    if not is_local(path):
+        yield "a sample conversation", _SAMPLE_CONVERSATION
+        return
+    file = data_files(Path(path).expanduser())[0]
+    for number, row in first_rows(file):
+        messages = row.get("messages") if isinstance(row, dict) else None
+        if isinstance(messages, str):
+            messages = json.loads(messages)  # CSV cells; check_row has already parsed it once
+        if isinstance(messages, list):
+            yield f"{file}: row {number}", messages
+
+
+def render_problem(template: str, messages: list, mask_prompt: bool) -> Optional[str]:
+    """Why `template` cannot render `messages` (as finetune.train.data does), or None."""
+    from jinja2 import TemplateSyntaxError
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    # The calls finetune.train.data makes: the whole conversation, and with mask_prompt every prefix
+    # up to an assistant turn with the generation prompt.
+    calls = [(messages, False)]
+    if mask_prompt:
+        calls += [(messages[:i], True) for i, m in enumerate(messages) if i and isinstance(m, dict) and m.get("role") == "assistant"]
+    for conversation, generation_prompt in calls:
+        try:
+            render_jinja_template([conversation], chat_template=template, add_generation_prompt=generation_prompt,
+                                  **_SPECIAL_TOKENS)
+        except TemplateSyntaxError as exc:
+            return f"template line {exc.lineno}: {exc.message}"
+        except Exception as exc:  # noqa: BLE001 - the template is user code; anything it raises stops the ranks
+            return f"the template cannot render this conversation: {type(exc).__name__}: {exc}"
+    return None
 
 
 def is_local(reference: str) -> bool:

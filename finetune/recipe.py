@@ -27,6 +27,13 @@ from finetune.yamlio import DocumentError, load_yaml, read_text
 Dtype = Literal["bfloat16", "float16", "float32"]
 Offload = Literal["none", "cpu", "nvme"]
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
+# Upper bounds far above any real run: they turn a typo (or 400 digits) into a finding instead of
+# an OverflowError in the planner's float arithmetic or in DeepSpeed's int64 fields.
+MAX_BATCH = 1 << 20  # sequences per micro batch, micro batches per step
+MAX_COUNT = 10**12  # steps
+MAX_PROCS = 1 << 16  # nodes, GPUs per node, processes, workers
+MAX_ELEMENTS = 1 << 50  # bucket sizes in elements
+MAX_SECONDS = 10**7  # ~116 days
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -44,9 +51,29 @@ def parse_size(value: Union[str, int, float]) -> int:
     return int(float(number) * _UNITS[(unit or "B").lower()])
 
 
+NAME_MAX = 255  # bytes in one path component on Linux, macOS and Windows filesystems
+PATH_MAX = 4096  # bytes in a whole path on Linux, the terminating NUL included
+
+
+def plain_path(value: Optional[str]) -> Optional[str]:
+    """A path (or hub id) the OS can look up: a component over NAME_MAX bytes, or a NUL, makes every
+    stat() raise (ENAMETOOLONG, ValueError) in each check that touches it; refuse it here, once."""
+    if value is None:
+        return value
+    if "\0" in value:
+        raise ValueError("must not contain a NUL character")
+    longest = max((len(part.encode("utf-8", "surrogatepass")) for part in re.split(r"[/\\]", value)), default=0)
+    if longest > NAME_MAX:
+        raise ValueError(f"has a path component of {longest} bytes; file systems allow {NAME_MAX}")
+    if len(value.encode("utf-8", "surrogatepass")) >= PATH_MAX:
+        raise ValueError(f"is a path of {len(value.encode('utf-8', 'surrogatepass')):,} bytes; Linux allows {PATH_MAX - 1}")
+    return value
+
+
 class _Section(BaseModel):
     # extra="forbid": a misspelled key is an error, never silently dropped (axolotl's `lora_rr`).
-    model_config = ConfigDict(extra="forbid", validate_default=True)
+    # allow_inf_nan=False: `.inf` or `.nan` in a recipe is a typo, and the planner cannot size it.
+    model_config = ConfigDict(extra="forbid", validate_default=True, allow_inf_nan=False)
 
 
 class ModelSection(_Section):
@@ -57,6 +84,8 @@ class ModelSection(_Section):
         "sdpa", description="Attention kernel passed to from_pretrained.")
     trust_remote_code: bool = Field(False, description="Run modelling code shipped with the checkpoint. Off by default: it executes code from the hub.")
     tokenizer: Optional[str] = Field(None, description="Tokenizer location when it differs from the model's.")
+
+    _paths = field_validator("name_or_path", "tokenizer")(plain_path)
 
 
 class LoraSection(_Section):
@@ -89,17 +118,19 @@ class DataSection(_Section):
     validation_split: float = Field(0.0, ge=0, lt=1, description="Fraction of examples held out for evaluation (0 = no eval).")
     mask_prompt: bool = Field(True, description="Exclude prompt tokens from the loss (train on responses only).")
 
+    _paths = field_validator("path")(plain_path)
+
 
 class TrainingSection(_Section):
-    epochs: float = Field(1.0, gt=0, description="Passes over the data (ignored when max_steps is set).")
-    max_steps: Optional[int] = Field(None, ge=1, description="Stop after this many optimizer steps.")
-    micro_batch_size: int = Field(1, ge=1, description="Sequences per GPU per forward pass (train_micro_batch_size_per_gpu).")
-    gradient_accumulation_steps: int = Field(1, ge=1, description="Micro batches per optimizer step.")
+    epochs: float = Field(1.0, gt=0, le=1_000_000, description="Passes over the data (ignored when max_steps is set).")
+    max_steps: Optional[int] = Field(None, ge=1, le=MAX_COUNT, description="Stop after this many optimizer steps.")
+    micro_batch_size: int = Field(1, ge=1, le=MAX_BATCH, description="Sequences per GPU per forward pass (train_micro_batch_size_per_gpu).")
+    gradient_accumulation_steps: int = Field(1, ge=1, le=MAX_BATCH, description="Micro batches per optimizer step.")
     learning_rate: float = Field(2e-4, gt=0, le=1, description="Peak learning rate.")
     lr_scheduler: Literal["linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup", "inverse_sqrt"] = Field(
         "cosine", description="HF scheduler type.")
     warmup_ratio: float = Field(0.03, ge=0, lt=1, description="Fraction of steps spent warming up (ignored when warmup_steps > 0).")
-    warmup_steps: int = Field(0, ge=0, description="Warm-up steps.")
+    warmup_steps: int = Field(0, ge=0, le=MAX_COUNT, description="Warm-up steps.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     adam_beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1.")
     adam_beta2: float = Field(0.999, ge=0, lt=1, description="AdamW beta2.")
@@ -107,17 +138,21 @@ class TrainingSection(_Section):
     max_grad_norm: float = Field(1.0, ge=0, description="Gradient clipping (0 disables it).")
     optimizer: Literal["adamw", "adam", "lion", "adagrad", "sgd", "adamw_bnb_8bit"] = Field(
         "adamw", description="Optimizer. DeepSpeed builds adamw/adam/lion/adagrad itself (CPU-offloadable); sgd and adamw_bnb_8bit come from the HF Trainer and cannot be offloaded.")
+    loss_kernel: Literal["default", "chunked", "liger"] = Field(
+        "default", description="default: full fp32 logits (12 B per token and vocabulary entry); chunked: head + cross-entropy over ~256 MiB token chunks, recomputed in backward (any device); liger: Liger-Kernel's fused linear cross-entropy (CUDA, `pip install liger-kernel`).")
+    loss_chunk_tokens: Optional[int] = Field(
+        None, ge=1, description="Tokens per chunk with loss_kernel: chunked (default: as many as fit 256 MiB of fp32 logits, 523 at a 128k vocabulary).")
     gradient_checkpointing: bool = Field(True, description="Recompute activations in backward (less memory, ~30% more compute).")
     gradient_checkpointing_reentrant: bool = Field(False, description="Reentrant checkpointing; breaks gradients with frozen inputs (LoRA), keep false.")
-    seed: int = Field(42, ge=0, description="Seed for init, data order and dropout.")
-    logging_steps: int = Field(10, ge=1, description="Log loss and learning rate every N steps.")
-    eval_steps: Optional[int] = Field(None, ge=1, description="Evaluate every N steps (needs data.validation_split).")
-    save_steps: Optional[int] = Field(None, ge=1, description="Checkpoint every N steps (default: at the end only).")
-    save_total_limit: Optional[int] = Field(2, ge=1, description="Keep the newest N complete checkpoints (older ones are removed once a newer one is complete; null keeps all).")
+    seed: int = Field(42, ge=0, le=2**32 - 1, description="Seed for init, data order and dropout.")
+    logging_steps: int = Field(10, ge=1, le=MAX_COUNT, description="Log loss and learning rate every N steps.")
+    eval_steps: Optional[int] = Field(None, ge=1, le=MAX_COUNT, description="Evaluate every N steps (needs data.validation_split).")
+    save_steps: Optional[int] = Field(None, ge=1, le=MAX_COUNT, description="Checkpoint every N steps (default: at the end only).")
+    save_total_limit: Optional[int] = Field(2, ge=1, le=MAX_COUNT, description="Keep the newest N complete checkpoints (older ones are removed once a newer one is complete; null keeps all).")
     resume: bool = Field(True, description="When the run directory holds a complete checkpoint, continue from the newest one (--resume/--no-resume override).")
     report_to: list[Literal["tensorboard", "wandb", "mlflow", "none"]] = Field(
         ["tensorboard"], description="Where metrics go.")
-    dataloader_num_workers: int = Field(0, ge=0, description="Data loader worker processes per rank.")
+    dataloader_num_workers: int = Field(0, ge=0, le=MAX_PROCS, description="Data loader worker processes per rank.")
 
 
 class DeepSpeedSection(_Section):
@@ -128,36 +163,47 @@ class DeepSpeedSection(_Section):
     overlap_comm: Optional[bool] = Field(None, description="Overlap reduction with backward (default: DeepSpeed's, true for stage 3). Doubles the gradient bucket memory.")
     contiguous_gradients: bool = Field(True, description="Copy gradients into one contiguous buffer as they are produced (less fragmentation).")
     reduce_bucket_size: Union[int, Literal["auto"]] = Field("auto", description="Elements per gradient reduction bucket (auto: hidden_size^2).")
-    allgather_bucket_size: Optional[int] = Field(None, ge=1, description="Elements per all-gather bucket in stages 1-2 (DeepSpeed default 5e8).")
+    allgather_bucket_size: Optional[int] = Field(None, ge=1, le=MAX_ELEMENTS, description="Elements per all-gather bucket in stages 1-2 (DeepSpeed default 5e8).")
     stage3_prefetch_bucket_size: Union[int, Literal["auto"]] = Field("auto", description="Elements prefetched ahead in stage 3 (auto: 0.9 x hidden_size^2).")
     stage3_param_persistence_threshold: Union[int, Literal["auto"]] = Field("auto", description="Parameters smaller than this stay unpartitioned in stage 3 (auto: 10 x hidden_size).")
-    stage3_max_live_parameters: Optional[int] = Field(None, ge=1, description="Upper bound of gathered parameters in stage 3 (DeepSpeed default 1e9).")
+    stage3_max_live_parameters: Optional[int] = Field(None, ge=1, le=MAX_ELEMENTS, description="Upper bound of gathered parameters in stage 3 (DeepSpeed default 1e9).")
     gather_16bit_weights_on_model_save: bool = Field(True, description="Stage 3: gather the full 16-bit weights when saving, so the run directory holds usable weights.")
     overrides: dict[str, Any] = Field(default_factory=dict, description="Raw DeepSpeed JSON merged last, key by key (linted like any config).")
+
+    _paths = field_validator("nvme_path")(plain_path)
+
+    @field_validator("reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold")
+    @classmethod
+    def _bucket_bound(cls, value: Any) -> Any:
+        if isinstance(value, int) and value > MAX_ELEMENTS:
+            raise ValueError(f"must be at most {MAX_ELEMENTS:,} elements or 'auto'")
+        return value
 
 
 class LaunchSection(_Section):
     procs_per_node: Union[int, Literal["auto"]] = Field("auto", description="Processes per machine (auto: one per visible GPU, or cpu_procs without a GPU).")
-    cpu_procs: int = Field(1, ge=1, description="With procs_per_node: auto and no GPU visible: CPU processes on DeepSpeed's CPU accelerator (CI, demos).")
-    nodes: int = Field(1, ge=1, description="Number of machines.")
-    node_rank: int = Field(0, ge=0, description="Rank of this machine (torchrun rendezvous).")
+    cpu_procs: int = Field(1, ge=1, le=MAX_PROCS, description="With procs_per_node: auto and no GPU visible: CPU processes on DeepSpeed's CPU accelerator (CI, demos).")
+    nodes: int = Field(1, ge=1, le=MAX_PROCS, description="Number of machines.")
+    node_rank: int = Field(0, ge=0, le=MAX_PROCS - 1, description="Rank of this machine (torchrun rendezvous).")
     hostfile: Optional[str] = Field(None, description="DeepSpeed hostfile (`host slots=N` lines); launches through the deepspeed launcher.")
     master_addr: str = Field("127.0.0.1", description="Address of node 0.")
     master_port: int = Field(29500, ge=1, le=65535, description="Rendezvous port on node 0.")
     launcher: Literal["auto", "torchrun", "deepspeed"] = Field("auto", description="auto: deepspeed with a hostfile, torchrun otherwise.")
-    nccl_timeout: int = Field(1800, ge=60, description="Seconds a collective (NCCL/gloo) may wait for the other ranks before the run fails instead of hanging (ddp_timeout; deepspeed.init_distributed).")
-    stop_timeout: int = Field(300, ge=10, description="Seconds the ranks get after SIGTERM/SIGINT to save a checkpoint before the launcher kills them (torchrun; DeepSpeed's launcher always waits 30).")
+    nccl_timeout: int = Field(1800, ge=60, le=MAX_SECONDS, description="Seconds a collective (NCCL/gloo) may wait for the other ranks before the run fails instead of hanging (ddp_timeout; deepspeed.init_distributed).")
+    stop_timeout: int = Field(300, ge=10, le=MAX_SECONDS, description="Seconds the ranks get after SIGTERM/SIGINT to save a checkpoint before the launcher kills them (torchrun; DeepSpeed's launcher always waits 30).")
+
+    _paths = field_validator("hostfile")(plain_path)
 
     @field_validator("procs_per_node")
     @classmethod
     def _positive(cls, value: Any) -> Any:
-        if isinstance(value, int) and value < 1:
-            raise ValueError("must be >= 1 or 'auto'")
+        if isinstance(value, int) and not 1 <= value <= MAX_PROCS:
+            raise ValueError(f"must be 1 to {MAX_PROCS} or 'auto'")
         return value
 
 
 class HardwareSection(_Section):
-    gpus: int = Field(1, ge=1, description="GPUs per node the recipe is meant for.")
+    gpus: int = Field(1, ge=1, le=MAX_PROCS, description="GPUs per node the recipe is meant for.")
     gpu_memory: Optional[str] = Field(None, description="Memory per GPU, e.g. 24GiB.")
     gpu_type: Optional[str] = Field(None, description="GPU model, e.g. A100, RTX 4070, P40 (enables bf16/feature checks).")
     cpu_memory: Optional[str] = Field(None, description="RAM per node, e.g. 256GiB (checks offload).")
@@ -185,6 +231,17 @@ class Recipe(_Section):
     launch: LaunchSection = Field(default_factory=LaunchSection, description="Processes and machines.")
     hardware: Optional[HardwareSection] = Field(None, description="The machines the recipe is meant for (used by lint and plan).")
     output_dir: str = Field("runs/{name}", description="Run directory ({name} is replaced by the run name); relative to the current directory.")
+
+    _paths = field_validator("output_dir")(plain_path)
+
+    @field_validator("name")
+    @classmethod
+    def _one_path_component(cls, value: Optional[str]) -> Optional[str]:
+        # `name` fills output_dir's {name}: `../../x` would put the run (and --overwrite's delete) outside runs/.
+        if value is not None and (value in ("", ".", "..") or any(c in value for c in "/\\\0")):
+            raise ValueError("must be a plain name without path separators (not `.` or `..`); "
+                             "choose the place with output_dir or --output-dir")
+        return value
 
     @property
     def world_size(self) -> Optional[int]:
@@ -310,9 +367,9 @@ def _load_chain(path: Path, seen: list[Path]) -> tuple[dict, dict]:
         raise RecipeProblem([Problem(shown, 1, 1, "extends", f"`extends` loop: {chain}", rule="R003")])
     if len(seen) >= MAX_EXTENDS:
         raise RecipeProblem([Problem(shown, 1, 1, "extends", f"`extends` chain longer than {MAX_EXTENDS} files", rule="R003")])
-    if not path.is_file():
-        what = "is a directory, not a recipe file" if path.is_dir() else "does not exist"
-        raise RecipeProblem([Problem(shown, 1, 1, None, f"recipe file {what}")])
+    unusable = _not_a_file(path)
+    if unusable:
+        raise RecipeProblem([Problem(_short(shown), 1, 1, None, f"recipe file {unusable}")])
     try:
         doc = load_yaml(read_text(path), shown)
     except DocumentError as exc:
@@ -331,15 +388,32 @@ def _load_chain(path: Path, seen: list[Path]) -> tuple[dict, dict]:
         line, col = doc.pos(("extends",))
         raise RecipeProblem([Problem(shown, line, col, "extends", "`extends` takes the path of another recipe file", rule="R003")])
     parent_path = Path(parent) if Path(parent).is_absolute() else path.parent / parent
-    if not parent_path.is_file():
+    unusable = _not_a_file(parent_path)
+    if unusable:
         line, col = doc.pos(("extends",))
-        raise RecipeProblem([Problem(shown, line, col, "extends", f"extended recipe {parent_path} does not exist", rule="R003")])
+        raise RecipeProblem([Problem(shown, line, col, "extends", f"extended recipe {_short(str(parent_path))} {unusable}", rule="R003")])
     base, base_origin = _load_chain(parent_path, seen + [resolved])
     merged = _deep_merge(base, data)
     merged.pop("extends", None)
     base_origin.update(origin)
     base_origin.pop(("extends",), None)
     return merged, base_origin
+
+
+def _not_a_file(path: Path) -> Optional[str]:
+    """Why `path` cannot be read as a recipe, or None. Never raises: a 300-character name makes
+    stat() fail with ENAMETOOLONG, which pathlib's is_file() passes on."""
+    try:
+        if path.is_file():
+            return None
+        return "is a directory, not a recipe file" if path.is_dir() else "does not exist"
+    except (OSError, ValueError) as exc:  # ValueError: a NUL byte in the name
+        return f"cannot be opened ({getattr(exc, 'strerror', None) or exc})"
+
+
+def _short(text: str, limit: int = 120) -> str:
+    """A path as shown in a one-line message: its head and tail when it is absurdly long."""
+    return text if len(text) <= limit else f"{text[:limit // 2]}...{text[-limit // 2:]}"
 
 
 # Keys whose string value is a filesystem path, resolved against the recipe that wrote it.
@@ -355,8 +429,15 @@ def _rebase_paths(data: dict, base: Path) -> None:
         value = block.get(key)
         if not isinstance(value, str) or not value or Path(value).is_absolute():
             continue
-        if value.startswith(("./", "../")) or (base / value).exists() or key == "hostfile":
+        if value.startswith(("./", "../")) or _exists(base / value) or key == "hostfile":
             block[key] = _rebased(base, value)
+
+
+def _exists(path: Path) -> bool:
+    try:
+        return path.exists()
+    except (OSError, ValueError):  # a name too long to stat is no local file
+        return False
 
 
 def _rebased(base: Path, value: str) -> str:
@@ -429,14 +510,11 @@ def _to_problem(err: dict, raw: dict, origin: dict, path: str) -> Problem:
     file, line, col = _where(origin, loc, path)
     kind = err["type"]
     if kind == "extra_forbidden":
-        options = _known_keys(loc[:-1])
-        guess = difflib.get_close_matches(str(loc[-1]), options, n=1, cutoff=0.6)
-        fix = f"did you mean `{guess[0]}`?" if guess else (f"known keys: {', '.join(sorted(options))}" if options else None)
-        return Problem(file, line, col, key, "unknown key", fix, rule="R002", loc=loc)
+        return Problem(file, line, col, key, "unknown key", unknown_key_fix(loc), rule="R002", loc=loc)
     if kind == "missing":
         return Problem(file, line, col, key, "required key is missing", rule="R005")
     value = err.get("input")
-    shown = repr(value) if not isinstance(value, (dict, list)) else type(value).__name__
+    shown = _short(repr(value), 60) if not isinstance(value, (dict, list)) else type(value).__name__
     message = err["msg"]
     if kind == "literal_error":
         expected = err.get("ctx", {}).get("expected", "")
@@ -468,6 +546,55 @@ def _where(origin: dict, loc: tuple, path: str) -> tuple[str, int, int]:
             return origin[loc]
         loc = loc[:-1]
     return origin.get((), (path, 1, 1))
+
+
+# Names other tools (HF TrainingArguments, axolotl, LLaMA-Factory, PEFT, DeepSpeed) give to recipe keys.
+PEER_KEYS = {
+    "num_epochs": "training.epochs", "num_train_epochs": "training.epochs", "epoch": "training.epochs",
+    "lr": "training.learning_rate", "learning_rate": "training.learning_rate",
+    "per_device_train_batch_size": "training.micro_batch_size", "train_micro_batch_size_per_gpu": "training.micro_batch_size",
+    "micro_batch_size": "training.micro_batch_size", "batch_size": "training.micro_batch_size",
+    "gradient_accumulation": "training.gradient_accumulation_steps",
+    "gradient_accumulation_steps": "training.gradient_accumulation_steps",
+    "lr_scheduler_type": "training.lr_scheduler", "optim": "training.optimizer", "warmup": "training.warmup_ratio",
+    "lora_r": "lora.r", "rank": "lora.r", "lora_rank": "lora.r", "lora_alpha": "lora.alpha",
+    "lora_dropout": "lora.dropout", "lora_target_modules": "lora.target_modules", "lora_target": "lora.target_modules",
+    "target_modules": "lora.target_modules", "use_rslora": "lora.rslora", "use_dora": "lora.dora",
+    "zero_stage": "deepspeed.stage", "zero": "deepspeed.stage", "stage": "deepspeed.stage",
+    "base_model": "model.name_or_path", "model_name_or_path": "model.name_or_path", "model_name": "model.name_or_path",
+    "torch_dtype": "model.dtype", "dtype": "model.dtype",
+    "sequence_len": "data.max_length", "max_seq_length": "data.max_length", "cutoff_len": "data.max_length",
+    "max_seq_len": "data.max_length", "max_length": "data.max_length", "sample_packing": "data.packing",
+    "dataset": "data.path", "datasets": "data.path", "val_set_size": "data.validation_split",
+    "output": "output_dir", "adapter": "method", "finetuning_type": "method",
+    "load_in_4bit": "method", "bnb_4bit_quant_type": "quantization.quant_type",
+}
+
+
+def unknown_key_fix(loc: tuple) -> Optional[str]:
+    """The suggestion for an unknown key: the same key in another section, a peer tool's name for a
+    key, or a close spelling in this section."""
+    name = str(loc[-1])
+    section = tuple(loc[:-1])
+    here = ".".join(str(p) for p in section)
+    elsewhere = [f"{s}.{name}" if s else name for s in _sections() if s != here and name in _known_keys(tuple(s.split(".")) if s else ())]
+    if elsewhere:
+        return f"did you mean `{elsewhere[0]}`? (`{name}` belongs in the {elsewhere[0].rsplit('.', 1)[0] or 'top'} section)"
+    peer = PEER_KEYS.get(name.lower())
+    if peer is not None and peer != (f"{here}.{name}" if here else name):
+        if peer == "method":
+            return "the method is one key: `method: lora` or `method: qlora` (4-bit base)"
+        return f"did you mean `{peer}`? (`{name}` is what other tools call it)"
+    options = _known_keys(section)
+    guess = difflib.get_close_matches(name, options, n=1, cutoff=0.6)
+    if guess:
+        return f"did you mean `{guess[0]}`?"
+    return f"known keys: {', '.join(sorted(options))}" if options else None
+
+
+def _sections() -> list[str]:
+    """"" (the top level) and the name of every section of the recipe."""
+    return [""] + [name for name, field in Recipe.model_fields.items() if section_model(field.annotation) is not None]
 
 
 def _known_keys(section_loc: tuple) -> list[str]:

@@ -84,6 +84,7 @@ def load_yaml(text: str, path: str = "<string>", allow_duplicates: bool = False)
     # libyaml's C parser (ruamel.yaml.clib) composes ~5x faster than the pure-Python one; same nodes,
     # same marks. Without the C extension, ruamel falls back to pure Python by itself.
     yaml = YAML(typ="safe", pure=False)
+    _refuse_deep_nesting(text)
     try:
         nodes = list(yaml.compose_all(text))
     except MarkedYAMLError as exc:
@@ -94,6 +95,8 @@ def load_yaml(text: str, path: str = "<string>", allow_duplicates: bool = False)
         if exc.context and context is not None and exc.problem and (context.line, context.column) != (line - 1, col - 1):
             # e.g. an unclosed `[`: the error is at the end of the file, the cause where the `[` opened
             problem += f" ({exc.context} started at line {context.line + 1}, column {context.column + 1})"
+        if problem.startswith("mapping values are not allowed"):  # `key: a: b`: the value holds ": "
+            problem += "; a value that contains `: ` must be quoted, e.g. `name_or_path: \"builtin:tiny-llama\"`"
         raise DocumentError(f"invalid YAML: {problem}", line, col) from None
     except (YAMLError, RecursionError, ValueError) as exc:
         raise DocumentError(f"invalid YAML: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
@@ -106,6 +109,31 @@ def load_yaml(text: str, path: str = "<string>", allow_duplicates: bool = False)
     builder = _Builder(doc, yaml, allow_duplicates)
     doc.data = builder.build(nodes[0], (), 0)
     return doc
+
+
+def _refuse_deep_nesting(text: str) -> None:
+    """Raise DocumentError at the first collection nested deeper than MAX_DEPTH.
+
+    The composer recurses once per level (in C with ruamel.yaml.clib): 20,000 levels take seconds
+    and 100,000 overflow the C stack (signal 11), long before the builder could count them. The
+    parser underneath emits events from an explicit stack, so walking events stops at level 65
+    after a few dozen of them, whatever follows. Syntax errors are left to the composer to report.
+    """
+    from ruamel.yaml import YAML
+    from ruamel.yaml.error import YAMLError
+    from ruamel.yaml.events import CollectionEndEvent, CollectionStartEvent
+
+    depth = 0
+    try:
+        for event in YAML(typ="safe", pure=False).parse(text):
+            if isinstance(event, CollectionStartEvent):
+                depth += 1
+                if depth > MAX_DEPTH + 1:  # the top-level collection is depth 0 in the builder
+                    raise DocumentError(f"document is nested deeper than {MAX_DEPTH} levels", *_mark(event))
+            elif isinstance(event, CollectionEndEvent):
+                depth -= 1
+    except (YAMLError, RecursionError, ValueError):
+        return
 
 
 class _Builder:
@@ -193,7 +221,10 @@ def load_json(text: str, path: str = "<string>") -> Document:
             hint = " (trailing comma?)"
         raise DocumentError(f"invalid JSON: {exc.msg}{hint}", exc.lineno, exc.colno) from None
     except RecursionError:
-        raise DocumentError("JSON is nested too deeply") from None
+        raise DocumentError(f"document is nested deeper than {MAX_DEPTH} levels") from None
+    _refuse_deep_nesting(text)  # with the position, when YAML can read the text
+    if _nesting(data) > MAX_DEPTH:
+        raise DocumentError(f"document is nested deeper than {MAX_DEPTH} levels")
     doc = Document(path=path, data=data)
     try:
         positioned = load_yaml(text, path, allow_duplicates=True)
@@ -202,3 +233,16 @@ def load_json(text: str, path: str = "<string>") -> Document:
     except DocumentError:
         pass  # valid JSON that YAML can't read (tabs, odd escapes): keep the data, lose positions
     return doc
+
+
+def _nesting(data: Any) -> int:
+    """Depth of the deepest value (the top level is 0), without recursion."""
+    deepest, stack = 0, [(data, 0)]
+    while stack:
+        node, depth = stack.pop()
+        deepest = max(deepest, depth)
+        if depth > MAX_DEPTH:
+            break
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else ()
+        stack.extend((child, depth + 1) for child in children)
+    return deepest

@@ -167,3 +167,50 @@ def test_existing_output_is_refused(tmp_path):
     (tmp_path / "out").mkdir()
     result = runner.invoke(app, ["convert", str(tmp_path), "-o", str(tmp_path / "out")])
     assert result.exit_code == 1 and "already exists" in result.output
+
+
+def test_a_run_directory_given_to_convert_names_its_checkpoints(tmp_path):
+    run = tmp_path / "run"
+    for step in (10, 5):
+        (run / f"checkpoint-{step}").mkdir(parents=True)
+    (run / "recipe.yaml").write_text("name: x\n")
+    with pytest.raises(ConvertError, match=rf"its checkpoints: {run}/checkpoint-5, {run}/checkpoint-10$"):
+        convert(run, tmp_path / "out")
+
+
+class _RunsAShellCommand:
+    """Unpickling this runs `touch MARKER`: what a checkpoint from an untrusted source can hold."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+@pytest.mark.parametrize("poisoned", ["mp_rank_00_model_states.pt", "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"])
+def test_checkpoint_pickling_a_foreign_global_is_refused_and_nothing_runs(tmp_path, poisoned):
+    step = tmp_path / "checkpoint-1" / "global_step1"
+    step.mkdir(parents=True)
+    (step.parent / "latest").write_text("global_step1")
+    marker = tmp_path / "executed"
+    model = {"param_shapes": [{"w": torch.Size([2])}], "module": {}, "ds_config": {}}
+    optim = {"optimizer_state_dict": {"zero_stage": 2}}
+    for name, states in (("mp_rank_00_model_states.pt", model), ("bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt", optim)):
+        torch.save({**states, "payload": _RunsAShellCommand(marker)} if name == poisoned else states, step / name)
+    result = runner.invoke(app, ["convert", str(step.parent), "-o", str(tmp_path / "out")])
+    assert result.exit_code == 1, result.output
+    assert f"{step / poisoned}: refused to load: it pickles posix.system" in result.output
+    assert "Traceback" not in result.output
+    assert not marker.exists() and not (tmp_path / "out").exists()
+
+
+def test_weights_only_loads_refuse_what_the_scan_cannot_see(tmp_path):
+    from finetune.convert import weights_only_loads
+
+    path = tmp_path / "x.pt"
+    torch.save({"payload": _RunsAShellCommand(tmp_path / "executed")}, path)
+    with weights_only_loads(), pytest.raises(Exception, match="posix.system"):
+        torch.load(str(path), weights_only=False)  # what zero_to_fp32 asks for
+    assert not (tmp_path / "executed").exists()
+    assert torch.load.__module__ == "torch.serialization"  # restored afterwards

@@ -99,7 +99,7 @@ EXPECT = {
     "strict_duplicate_key.json": "DS101", "raw_bad_train_batch_auto.json": "DS175",
     "raw_bad_batch_derived.json": "DS121", "raw_bad_duplicate_key.json": "DS101",
     "raw_strict_zero_typo_auto.json": "DS104", "raw_strict_bf16_auto.json": "DS175",
-    "raw_strict_stage_auto.json": "DS175",
+    "raw_strict_stage_auto.json": "DS175", "bad_cpu_offload_deprecated_client_optimizer.json": "DS156",
 }
 
 CORPUS_FILES = sorted(p.name for p in CORPUS.glob("*.json"))
@@ -210,6 +210,8 @@ class Oracle:
         fake = types.SimpleNamespace(_config=ds, fp16_enabled=lambda: ds.float16_config.enabled,
                                      bfloat16_enabled=lambda: ds.bfloat16_config.enabled)
         DeepSpeedEngine._assert_valid_mixed_precision_config(fake)
+        if client_optimizer:
+            self.client_optimizer_offload(ds, cfg)
         optimizer = None
         if not client_optimizer and ds.optimizer_name is not None:
             name = ds.optimizer_name
@@ -220,6 +222,21 @@ class Oracle:
         if "scheduler" in cfg and ds.scheduler_name is not None:
             self.scheduler(ds)
         return optimizer
+
+    def client_optimizer_offload(self, ds, cfg: dict) -> None:
+        """The Trainer's optimizer under optimizer offload: accelerate's swap, then the engine's refusal."""
+        from deepspeed.runtime.engine import DeepSpeedEngine
+        from deepspeed.runtime.zero.utils import ZeRORuntimeException
+
+        # Accelerator._prepare_deepspeed swaps in DeepSpeedCPUAdam on exactly this test (inline there,
+        # so it is repeated here): the literal offload_optimizer.device, not DeepSpeed's parsed config.
+        swapped = cfg["zero_optimization"].get("offload_optimizer", {}).get("device", "none") != "none" \
+            and cfg.get("zero_force_ds_cpu_optimizer", True)
+        engine = types.SimpleNamespace(_config=ds)
+        # DeepSpeedEngine._configure_basic_optimizer's check, with the engine's own predicates
+        if DeepSpeedEngine.zero_use_cpu_optimizer(engine) and not swapped \
+                and DeepSpeedEngine.zero_force_ds_cpu_optimizer(engine):
+            raise ZeRORuntimeException("You are using ZeRO-Offload with a client provided optimizer")
 
     def basic_optimizer(self, ds):
         """engine._configure_basic_optimizer + _do_optimizer_sanity_check's ZeRO support test."""
@@ -525,6 +542,7 @@ CASES = [
     ("DS154", "error", base(zero_optimization={"stage": 0}, optimizer={"type": "Lamb"}, fp16={"enabled": "auto", "loss_scale": 128}),
      HF, ("fp16", "loss_scale")),
     ("DS155", "warning", zero(offload_optimizer={"device": "cpu"}), HF, ("zero_optimization", "offload_optimizer")),
+    ("DS156", "error", zero(cpu_offload=True), HF, ("zero_optimization", "cpu_offload")),
     ("DS160", "error", base(scheduler={"type": "cosine", "params": {}}), HF, ("scheduler", "type")),
     ("DS161", "error", base(scheduler={"type": "WarmupDecayLR", "params": {"warmup_num_steps": "auto"}}), HF, ("scheduler", "params")),
     ("DS170", "error", base(steps_per_print=10, dump_state="auto"), HF, ("dump_state",)),

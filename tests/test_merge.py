@@ -10,6 +10,7 @@ from __future__ import annotations
 import glob
 import hashlib
 import json
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +25,7 @@ from typer.testing import CliRunner  # noqa: E402
 import finetune.merge as merge_mod  # noqa: E402
 from finetune.cli import app  # noqa: E402
 from finetune.merge import MergeError, merge, resolve_inputs, verify  # noqa: E402
+from tests.conftest import REPO  # noqa: E402
 from tests.merge_fixtures import build_adapter, build_gpt2, build_llama, peft_merged_state_dict  # noqa: E402
 
 runner = CliRunner()
@@ -338,3 +340,115 @@ def test_verify_fails_for_a_wrong_merge(models, bf16_adapter, tmp_path):
 def test_merge_error_is_an_exception_with_a_message(models, tmp_path):
     with pytest.raises(MergeError, match="no such adapter directory"):
         merge(models["bf16"], tmp_path / "missing", tmp_path / "out")
+
+
+def test_merge_of_the_runs_folder_lists_the_run_directories(tmp_path):
+    for name in ("b", "a"):
+        (tmp_path / "runs" / name).mkdir(parents=True)
+        (tmp_path / "runs" / name / "recipe.yaml").write_text("name: x\n")
+    with pytest.raises(merge_mod.MergeError, match=r"it holds run directories: .*runs/a, .*runs/b; give one of them"):
+        merge_mod.resolve_inputs(tmp_path / "runs", None, None)
+
+
+def small_effect_adapter(base: Path, path: Path) -> Path:
+    """An adapter that moves the logits by well under 2% of their size (a short or gentle fine-tune)."""
+    adapter = build_adapter(base, path)
+    weights = path / "adapter_model.safetensors"
+    tensors = {k: (v * 0.005 if "lora_B" in k else v) for k, v in load_file(str(weights)).items()}
+    save_file(tensors, str(weights))
+    return adapter
+
+
+def test_verify_fails_a_merge_that_lost_one_lora_layer_of_a_small_adapter(models, tmp_path):
+    adapter = small_effect_adapter(models["bf16"], tmp_path / "small")
+    # The same adapter without one module's pair of LoRA tensors: the merge silently lacks that layer.
+    lossy = tmp_path / "lossy"
+    lossy.mkdir()
+    (lossy / "adapter_config.json").write_text((adapter / "adapter_config.json").read_text())
+    tensors = load_file(str(adapter / "adapter_model.safetensors"))
+    dropped = [k for k in tensors if "layers.1.mlp.down_proj" in k]
+    assert len(dropped) == 2
+    save_file({k: v for k, v in tensors.items() if k not in dropped}, str(lossy / "adapter_model.safetensors"))
+    merge(models["bf16"], lossy, tmp_path / "lossy-out")
+    check = verify(tmp_path / "lossy-out", models["bf16"], adapter)
+    # A fixed bf16 tolerance of 2% of max(1, largest |logit|) is at least 0.02: it passed this merge.
+    assert check.max_abs_diff < 2e-2
+    assert not check.ok, check
+    # The complete merge of the same small adapter passes, and its rounding is what the tolerance is made of.
+    merge(models["bf16"], adapter, tmp_path / "good-out")
+    good = verify(tmp_path / "good-out", models["bf16"], adapter)
+    assert good.ok, good
+    assert good.rounding > 0 and good.max_abs_diff < check.max_abs_diff
+
+
+def test_verify_fails_a_merge_without_the_adapter(models, tmp_path):
+    adapter = small_effect_adapter(models["bf16"], tmp_path / "small")
+    check = verify(models["bf16"], models["bf16"], adapter)  # "merged" = the base itself
+    assert not check.ok and check.max_abs_diff == pytest.approx(check.adapter_effect, rel=1e-3)
+
+
+@pytest.mark.parametrize("kind,dtype", [("fp32", None), ("fp16", None), ("bf16", "float32"), ("bf16", "float16")])
+def test_verify_passes_correct_merges_in_every_dtype(models, kind, dtype, tmp_path):
+    adapter = small_effect_adapter(models[kind], tmp_path / "small")
+    merge(models[kind], adapter, tmp_path / "out", dtype=dtype)
+    check = verify(tmp_path / "out", models[kind], adapter)
+    assert check.ok, check
+
+
+# ------------------------------------------------------------------------------------------------
+# Interrupted merges: SIGKILL leaves a partial directory, the next merge removes it; SIGTERM exits 143
+
+_KILL_INSIDE_ATOMIC_DIR = """
+import os, signal, sys
+from pathlib import Path
+from finetune.fsutil import atomic_dir
+with atomic_dir(Path(sys.argv[1])) as tmp:
+    (tmp / "model-00001-of-00002.safetensors").write_bytes(b"x" * 1000)
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_next_merge_removes_partial_output_of_a_killed_merge(models, bf16_adapter, tmp_path):
+    out = tmp_path / "out"
+    killed = subprocess.run([sys.executable, "-c", _KILL_INSIDE_ATOMIC_DIR, str(out)], cwd=REPO)
+    assert killed.returncode == -9
+    [stale] = tmp_path.glob(".out.*.partial")
+    # A partial directory whose writer still lives is never touched.
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        busy = tmp_path / ".out.busy.partial"
+        busy.mkdir()
+        (busy / ".finetune-owner.json").write_text(json.dumps({"pid": alive.pid, "host": socket.gethostname()}))
+        result = runner.invoke(app, ["merge", "--base", str(models["bf16"]), "--adapter", str(bf16_adapter), "-o", str(out)])
+        assert result.exit_code == 0, result.output
+        assert f"removed {stale}" in result.stderr and "which is gone" in result.stderr
+        assert not stale.exists() and busy.is_dir()
+        assert not list(out.glob(".finetune-owner.json"))  # the owner note never reaches the output
+    finally:
+        alive.kill()
+        alive.wait()
+
+
+_SIGTERM_WHILE_WRITING = """
+import os, signal, sys
+import finetune.merge as m
+from finetune.cli import main
+real = m.write_shards
+def write_then_terminate(*args, **kwargs):
+    real(*args, **kwargs)
+    os.kill(os.getpid(), signal.SIGTERM)
+m.write_shards = write_then_terminate
+sys.argv = ["finetune", "merge", "--base", sys.argv[1], "--adapter", sys.argv[2], "-o", sys.argv[3]]
+main()
+"""
+
+
+def test_sigterm_exits_143_in_one_line_and_leaves_nothing(models, bf16_adapter, tmp_path):
+    out = tmp_path / "out"
+    result = subprocess.run([sys.executable, "-c", _SIGTERM_WHILE_WRITING, str(models["bf16"]), str(bf16_adapter), str(out)],
+                            capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert result.returncode == 143, result.stderr[-2000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: merge stopped by SIGTERM; the partial output was removed and {out} was not touched"]
+    assert "Traceback" not in result.stderr
+    assert not out.exists() and not list(tmp_path.glob(".out.*"))

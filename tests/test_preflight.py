@@ -247,3 +247,43 @@ def test_run_directory_contents(workspace):
         loaded.recipe.model_dump(exclude={"data", "model", "output_dir", "extends"})
     assert json.loads((run / "deepspeed.json").read_text())["train_batch_size"] == 8  # 2 x 1 x 4
     assert json.loads((run / "training_args.json").read_text())["output_dir"] == str(run)
+
+
+def test_run_name_escaping_runs_is_refused_and_run_directory_printed(workspace, no_launch):
+    result = train(recipe_file(workspace, extra="name: ../../x\noutput_dir: runs/{name}\n"))
+    assert result.exit_code == 1 and "`name`" in result.stderr and "path separators" in result.stderr
+    assert not (workspace.parent.parent / "x").exists() and not no_launch
+    result = train(recipe_file(workspace, extra="name: demo\n"), "--dry-run")
+    assert result.exit_code == 0, result.output
+    assert f"note: run directory: {workspace / 'runs' / 'demo'}" in result.stderr
+
+
+@pytest.mark.parametrize("template,needle", [
+    ("{% for m in messages %}{{ m.content.__class__.__mro__ }}{% endfor %}", "SecurityError"),  # sandbox refuses
+    ("{% for m in messages %}{% set _ = messages.append(m) %}{% endfor %}", "SecurityError"),  # immutable sandbox
+    ("{% for m in messages %}{{ m.content }}", "template line 1"),  # unclosed for
+    ("{% if messages[0].role != 'system' %}{{ raise_exception('needs a system turn') }}{% endif %}", "needs a system turn"),
+])
+def test_chat_template_is_rendered_on_the_first_rows_before_launch(workspace, no_launch, template, needle):
+    write_jsonl(workspace / "chat.jsonl", MESSAGES)
+    extra = f"data: {{path: chat.jsonl, format: messages, chat_template: {json.dumps(template)}}}\n"
+    path = workspace / "r.yaml"
+    path.write_text(f"model: {{name_or_path: ./model, dtype: float32}}\n{extra}")
+    result = train(path, "--output-dir", workspace / "out")
+    assert_refused(result, workspace / "out", "data.chat_template", "chat.jsonl: row 1", needle)
+    assert not no_launch
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: data.chat_template")]
+    assert len(errors) == 1
+
+
+def test_a_working_chat_template_passes_preflight(workspace, no_launch):
+    write_jsonl(workspace / "chat.jsonl", MESSAGES)
+    # bos_token + ...: an undefined name would raise here; the tokenizer passes its special tokens
+    template = ("{{ bos_token + '' }}{% for m in messages %}<{{ m.role }}>{{ m.content + eos_token }}{% endfor %}"
+                "{% if add_generation_prompt %}<assistant>{% endif %}")
+    path = workspace / "r.yaml"
+    path.write_text(f"model: {{name_or_path: ./model, dtype: float32}}\n"
+                    f"data: {{path: chat.jsonl, format: messages, chat_template: {json.dumps(template)}}}\n")
+    result = train(path, "--output-dir", workspace / "out", "--dry-run")
+    assert result.exit_code == 0, result.output
+    assert "error: data.chat_template" not in result.stderr

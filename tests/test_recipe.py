@@ -157,3 +157,34 @@ def test_every_section_rejects_unknown_keys():
         model = getattr(field.annotation, "model_config", None)
         if model is not None:
             assert model.get("extra") == "forbid", name
+
+
+@pytest.mark.parametrize("text, key, suggestion", [
+    ("learning_rate: 1.0e-4\n", "learning_rate", "training.learning_rate"),  # a key of another section
+    ("r: 8\n", "r", "lora.r"),
+    ("num_epochs: 3\n", "num_epochs", "training.epochs"),                   # other tools' names
+    ("lora:\n  lora_r: 8\n", "lora.lora_r", "lora.r"),
+    ("lora:\n  lora_alpha: 16\n", "lora.lora_alpha", "lora.alpha"),
+    ("training:\n  lr: 1.0e-3\n", "training.lr", "training.learning_rate"),
+    ("training:\n  per_device_train_batch_size: 2\n", "training.per_device_train_batch_size", "training.micro_batch_size"),
+    ("training:\n  gradient_accumulation: 4\n", "training.gradient_accumulation", "training.gradient_accumulation_steps"),
+    ("deepspeed:\n  zero_stage: 3\n", "deepspeed.zero_stage", "deepspeed.stage"),
+    ("training:\n  learning_rat: 1.0e-3\n", "training.learning_rat", "learning_rate"),  # a typo, as before
+])
+def test_unknown_keys_suggest_where_the_key_lives(write_recipe, text, key, suggestion):
+    path = write_recipe(MINIMAL + text)
+    with pytest.raises(RecipeProblem) as info:
+        load_recipe(path)
+    (problem,) = info.value.problems
+    assert problem.key == key and problem.rule == "R002"
+    assert f"did you mean `{suggestion}`?" in problem.fix
+
+
+def test_a_value_with_colon_space_is_told_to_be_quoted(write_recipe):
+    path = write_recipe("model:\n  name_or_path: builtin: tiny-llama\ndata:\n  path: org/d\n")
+    with pytest.raises(RecipeProblem) as info:
+        load_recipe(path)
+    assert 'must be quoted, e.g. `name_or_path: "builtin:tiny-llama"`' in info.value.problems[0].message
+    # without the space, YAML reads builtin:tiny-llama as one string: no quotes needed
+    assert load_recipe(write_recipe("model:\n  name_or_path: builtin:tiny-llama\ndata:\n  path: org/d\n")) \
+        .recipe.model.name_or_path == "builtin:tiny-llama"

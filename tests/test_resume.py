@@ -29,7 +29,7 @@ from finetune import checkpoint as ckpt
 from finetune.cli import app
 from finetune.recipe import load_recipe
 from finetune.rundir import resolved_recipe, write_run_dir
-from tests.train_fixtures import REPO, TINY_RECIPES, cache_dir, os_free_port, runner_env
+from tests.train_fixtures import REPO, TINY_RECIPES, assert_run_report, cache_dir, os_free_port, runner_env
 
 RECIPE = TINY_RECIPES / "lora_zero2.yaml"
 SETS = ("--set", "training.save_steps=4")
@@ -162,6 +162,7 @@ def test_sigterm_saves_a_checkpoint_and_the_next_run_continues_it_exactly(refere
     assert not (out / ckpt.STOP_RECORD).exists()
     assert json.loads((out / "summary.json").read_text())["resumed_from"].endswith(f"checkpoint-{step}")
     assert_same_training(out, reference)
+    assert_run_report(out, STEPS)  # the plot and the report of a resumed run cover the whole run
     # save_total_limit: 2 -> the two newest complete checkpoints are kept
     assert [c.step for c in ckpt.list_checkpoints(out)] == [8, 12]
 

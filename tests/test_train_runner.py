@@ -27,6 +27,7 @@ COMBINATIONS = {
     "lora_zero2_offload": "adapter",
     "full_zero3_offload": "model",
     "full_zero0": "model",
+    "full_zero3_chunked": "model",  # training.loss_kernel: chunked
 }
 
 
@@ -58,6 +59,7 @@ def test_two_process_run_learns_and_saves_what_it_trained(name, tmp_path, cache)
     assert summary["tokens_trained"] > 0 and summary["tokens_per_second"] > 0
     assert summary["wall_seconds"] > 0
     assert summary["world_size"] == 2
+    assert summary["loss_kernel"] == recipe.training.loss_kernel
     assert summary["peak_memory_kind"] == "cpu_peak_rss"
     assert len(summary["peak_memory_bytes"]) == 2 and all(b > 50 * 2**20 for b in summary["peak_memory_bytes"])
 

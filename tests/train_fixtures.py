@@ -109,3 +109,48 @@ def reload_logits(run_dir: Path, base: Optional[Path] = None):
         else:
             untrained = AutoModelForCausalLM.from_pretrained(str(base), dtype=model.dtype).eval()(**inputs, use_cache=False).logits.float()
     return saved["logits"], reloaded, untrained
+
+
+def free_port() -> int:
+    """A port nothing listens on now (the OS picks it), for the rendezvous of a test run."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def assert_run_report(run_dir: Path, steps: int) -> None:
+    """loss.png is a PNG, report.html parses and embeds that very PNG, and the history covers steps 1..N."""
+    import base64
+    import json
+    from html.parser import HTMLParser
+
+    png = (run_dir / "loss.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n", png[:16]
+
+    class Page(HTMLParser):
+        def __init__(self):
+            super().__init__()
+            self.images, self.headings, self.text, self._in = [], [], [], None
+
+        def handle_starttag(self, tag, attrs):
+            self._in = tag
+            if tag == "img":
+                self.images.append(dict(attrs)["src"])
+
+        def handle_data(self, data):
+            self.text.append(data)
+            if self._in == "h2":
+                self.headings.append(data)
+
+    page = Page()
+    page.feed((run_dir / "report.html").read_text(encoding="utf-8"))
+    page.close()
+    assert {"Summary", "Loss and learning rate", "Memory per rank: plan vs measured", "Next", "Versions"} <= set(page.headings)
+    (image,) = page.images
+    assert base64.b64decode(image.split(",", 1)[1]) == png
+    text = "".join(page.text)
+    assert f"finetune chat {run_dir}" in text and '"zero_optimization"' in text
+    history = json.loads((run_dir / "summary.json").read_text())["loss_history"]
+    assert [e["step"] for e in history] == list(range(1, steps + 1))

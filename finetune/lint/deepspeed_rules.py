@@ -86,6 +86,7 @@ RULES: dict[str, str] = {
     "DS153": "Optimizer ZeRO has not been tested with, without zero_allow_untested_optimizer.",
     "DS154": "LAMB with a static fp16 loss scale.",
     "DS155": "Optimizer offload with the Trainer's optimizer: accelerate swaps in DeepSpeedCPUAdam.",
+    "DS156": "Deprecated `cpu_offload` with the Trainer's optimizer: accelerate does not swap it, DeepSpeed refuses it.",
     "DS160": "Unknown scheduler type.",
     "DS161": "Scheduler parameters the scheduler refuses (unknown or missing parameter, bad warmup).",
     "DS170": "\"auto\" where neither HF nor accelerate fills it in (accelerate stops with `not found in kwargs`).",
@@ -894,6 +895,12 @@ class _Checker:
             self.mismatches()
         self.client_optimizer_offload()
 
+    def offload_by_deprecated_key(self) -> bool:
+        """Optimizer offload asked for only with the deprecated `cpu_offload` (DeepSpeed maps it to
+        offload_optimizer.device cpu in DeepSpeedZeroConfig; nothing else reads it)."""
+        zero = self.zero()
+        return "offload_optimizer" not in zero and _as_bool(zero.get("cpu_offload")) is True
+
     def missing_accumulation(self) -> None:
         """accelerate's DeepSpeedPlugin writes gradient_accumulation_steps=1 when the config has none.
 
@@ -935,7 +942,17 @@ class _Checker:
                          f'set it to "auto" (or {_show(hf_value)})')
 
     def client_optimizer_offload(self) -> None:
-        if "optimizer" in self.config or self.device("offload_optimizer") not in ("cpu", "nvme"):
+        if "optimizer" in self.config:
+            return
+        if self.offload_by_deprecated_key() and _as_bool(self.config.get("zero_force_ds_cpu_optimizer", True)) is not False:
+            self.add("DS156", "error", ("zero_optimization", "cpu_offload"),
+                     "`cpu_offload: true` without an `optimizer` block: DeepSpeed reads it as optimizer offload to "
+                     "the CPU, but accelerate swaps the Trainer's optimizer for DeepSpeedCPUAdam only when "
+                     "`offload_optimizer.device` says so, and deepspeed.initialize refuses the Trainer's optimizer "
+                     "(ZeRORuntimeException: \"ZeRO-Offload with a client provided optimizer\")",
+                     'replace it with "offload_optimizer": {"device": "cpu"}, or add an "optimizer" block')
+            return
+        if self.device("offload_optimizer") not in ("cpu", "nvme"):
             return
         if self.stage == 0:
             return  # DS131 covers it

@@ -87,3 +87,28 @@ class ProgressLines(TrainerCallback):
         percent = 100 * state.global_step / max(state.max_steps, 1)
         print(f"progress: step {state.global_step}/{state.max_steps} ({percent:.0f}%), "
               f"{elapsed:.0f} s elapsed, about {left:.0f} s left", flush=True)
+
+
+class LossPlot(TrainerCallback):
+    """Redraws RUN/loss.png on rank 0 when the Trainer logs, at most every `interval` seconds.
+
+    The throttle keeps plotting (tens of milliseconds, on a CPU core the ranks share) out of short
+    logging intervals; the runner draws the final plot after training, with the whole history.
+    """
+
+    def __init__(self, run_dir: Path, interval: float = 10.0) -> None:
+        self.path = Path(run_dir) / "loss.png"
+        self.interval = interval
+        self.last: Optional[float] = None
+        self.available = True
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not state.is_world_process_zero or not self.available:
+            return
+        now = time.perf_counter()
+        if self.last is not None and now - self.last < self.interval:
+            return
+        self.last = now
+        from finetune.train.report import plot_loss
+
+        self.available = plot_loss(state.log_history, self.path, title=self.path.parent.name)

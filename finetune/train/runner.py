@@ -14,6 +14,7 @@ The runner adds (rank 0 writes; every final output appears under its name only o
     tokenizer/                the tokenizer, with the chat template used
     final_logits.safetensors  logits of a fixed batch at the end of training (for verification)
     summary.json              steps, losses, tokens/s, wall time, peak memory per rank, loss history
+    loss.png, report.html     the loss plot (redrawn while training) and the run's report (finetune.train.report)
     tensorboard/              loss and learning rate (report_to: tensorboard)
 
 The order below is DeepSpeed's: distributed init, then TrainingArguments(deepspeed=...) (transformers
@@ -150,6 +151,16 @@ def peak_memory() -> tuple[int, str]:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * scale, "cpu_peak_rss"
 
 
+def peak_memory_reserved() -> Optional[int]:
+    """CUDA max_memory_reserved (what the caching allocator held at most: allocated + its cache and
+    fragmentation, closer to nvidia-smi than max_memory_allocated); None without a GPU."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return int(torch.cuda.max_memory_reserved())
+    return None
+
+
 # ------------------------------------------------------------------------------------------------
 # Outputs
 
@@ -253,6 +264,10 @@ def save_final_logits(model, batch: dict[str, Any], device, path: Optional[Path]
         tensors = {"logits": logits.contiguous(), **{k: v.cpu().contiguous() for k, v in inputs.items()}}
         tmp = path.with_name(f".{path.name}.tmp")
         save_file(tensors, str(tmp))
+        # safetensors creates the file 0600; the run directory is shared like the rest of its files
+        from finetune.fsutil import _umask
+
+        os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
 
 
@@ -314,7 +329,7 @@ def run(run_dir: Path, resume: bool = False) -> None:
     from transformers import Trainer, TrainingArguments
 
     from finetune.tiny import cache_root, ensure_builtin_model, is_builtin
-    from finetune.train.callbacks import EffectiveDeepSpeedConfig, ProgressLines, TrainClock
+    from finetune.train.callbacks import EffectiveDeepSpeedConfig, LossPlot, ProgressLines, TrainClock
     from finetune.train.data import make_collator, split_eval, tokenize_for_training
     from finetune.train.model import count_parameters, load_model, load_tokenizer, prepare_model
 
@@ -362,15 +377,24 @@ def run(run_dir: Path, resume: bool = False) -> None:
     # sequence mask (masking_utils). Restored before saving, so model/ generates with a cache.
     use_cache, model.config.use_cache = getattr(model.config, "use_cache", True), False
     model = prepare_model(model, recipe)
+    if recipe.training.loss_kernel == "chunked":
+        from finetune.train.loss import chunk_count, use_chunked_loss
+
+        t = recipe.training
+        use_chunked_loss(model, chunk_count(t.micro_batch_size * recipe.data.max_length, model.config.vocab_size,
+                                            t.loss_chunk_tokens))
     trainable, total = count_parameters(model)
     _log_main(is_main)(f"parameters: {trainable:,} trainable of {total:,} ({recipe.method})")
 
     clock = TrainClock()
     trainer = Trainer(model=model, args=training_args, train_dataset=train_set, eval_dataset=eval_set,
                       data_collator=collator, processing_class=tokenizer,
-                      callbacks=[clock, EffectiveDeepSpeedConfig(run_dir), resilience.callback])
+                      callbacks=[clock, EffectiveDeepSpeedConfig(run_dir), LossPlot(run_dir), resilience.callback])
     if os.environ.get("TQDM_DISABLE"):  # output relayed line by line (see launch.py): plain progress lines
-        trainer.add_callback(ProgressLines())
+        from finetune.progress import PROGRESS_ENV
+
+        # every second under `finetune train`'s live display (a terminal), else every 15 s
+        trainer.add_callback(ProgressLines(float(os.environ.get(PROGRESS_ENV) or 15)))
     checkpoint = resilience.checkpoint
     trainer.train(resume_from_checkpoint=checkpoint)
     resilience.raise_if_stopped()  # stopped by a signal: the checkpoint is complete; no final outputs
@@ -381,6 +405,7 @@ def run(run_dir: Path, resume: bool = False) -> None:
     trainer.model.config.use_cache = use_cache
     saved = save_weights(trainer, recipe, ds_config, run_dir, is_main)
     memory = _gather(peak_memory())
+    reserved = _gather(peak_memory_reserved())
     if is_main:
         tmp_tok = run_dir / ".tokenizer.partial"
         shutil.rmtree(tmp_tok, ignore_errors=True)
@@ -389,12 +414,19 @@ def run(run_dir: Path, resume: bool = False) -> None:
         extra = {"method": recipe.method, "zero_stage": recipe.deepspeed.stage, "output": saved,
                  "trainable_parameters": trainable, "total_parameters": total,
                  "train_sequences": len(train_set), "eval_sequences": len(eval_set) if eval_set is not None else 0,
-                 "resumed_from": checkpoint, "total_seconds": time.perf_counter() - started}
+                 "resumed_from": checkpoint, "total_seconds": time.perf_counter() - started,
+                 "peak_memory_reserved_bytes": reserved if any(r is not None for r in reserved) else None,
+                 "loss_kernel": recipe.training.loss_kernel}
         summary = summarize(trainer, clock, world_size, memory, extra)
         _write_json(run_dir / "summary.json", summary)
         _log_main(True)(f"done: {summary['steps']} steps, loss {_fmt(summary['train_loss_first'])} -> "
                         f"{_fmt(summary['train_loss_last'])}, {summary['tokens_per_second'] or 0:.0f} tokens/s; "
                         f"{saved}/ in {run_dir}")
+        from finetune.train.report import write_run_report
+
+        for note in write_run_report(run_dir, trainer.state.log_history):
+            _log_main(True)(note)
+        _log_main(True)(f"report: {run_dir / 'report.html'}")
         if saved == "zero_checkpoint":
             _log_main(True)("the weights are a ZeRO checkpoint (gather_16bit_weights_on_model_save is false): "
                             f"run `finetune convert {run_dir}` for an adapter or model")
@@ -443,12 +475,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
     from finetune.tiny import BuiltinModelError
     from finetune.train.data import DataError
+    from finetune.train.loss import LossKernelError
     from finetune.train.shutdown import close_process_group
 
     try:
         run(args.run_dir.resolve(), resume=args.resume)
         close_process_group()
-    except (RunDirError, DataError, BuiltinModelError) as exc:
+    except (RunDirError, DataError, BuiltinModelError, LossKernelError) as exc:
         # The launcher shows rank 0's console; one line, no traceback, for problems in the inputs.
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 1

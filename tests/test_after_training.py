@@ -1,0 +1,188 @@
+"""After the run: `finetune chat`, `finetune eval`, loss.png and report.html, the "next" lines.
+
+The slow cases share ONE real training run (module fixture: the tiny LoRA + ZeRO-2 recipe, 12 steps
+at a high learning rate, 2 CPU processes, through the real `finetune train`), so the fine-tuned
+model is clearly better than its base on the demo data. The resumed-run report is checked in
+tests/test_resume.py, on the runs that file already makes.
+
+    python -m pytest tests/test_after_training.py               # about 2 minutes on 2 cores
+    python -m pytest tests/test_after_training.py -m "not slow"
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import run_cli
+from tests.train_fixtures import (REPO, TINY_RECIPES, assert_run_report, cache_dir, free_port, runner_env,
+                                  write_run_dir)
+
+RECIPE = TINY_RECIPES / "lora_zero2.yaml"
+STEPS = 12
+PROMPTS = ("Name a primary colour.", "What is the capital of France?")
+
+
+def cli(*args: str, cache: Path, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "finetune.cli", *map(str, args)], cwd=REPO, env=runner_env(cache),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    from finetune.tiny import ensure_builtin_model
+
+    root = cache_dir(tmp_path_factory)
+    ensure_builtin_model("builtin:tiny-llama", root)
+    return root
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, cache):
+    """(run directory, `finetune train` result) of one short real run."""
+    out = tmp_path_factory.mktemp("trained") / "run"
+    result = cli("train", RECIPE, "--output-dir", out, "--master-port", free_port(), cache=cache)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return out, result
+
+
+@pytest.mark.slow
+def test_a_run_writes_its_plot_and_report_and_says_what_next(trained):
+    run_dir, result = trained
+    assert_run_report(run_dir, STEPS)
+    assert f"finetune chat {run_dir}" in result.stderr
+    assert f"finetune merge {run_dir} -o merged/{run_dir.name}" in result.stderr
+    assert "report.html" in result.stderr
+    mode = (run_dir / "final_logits.safetensors").stat().st_mode & 0o777
+    assert mode == (run_dir / "summary.json").stat().st_mode & 0o777  # not safetensors' private 0600
+
+
+@pytest.mark.slow
+def test_chat_gives_the_same_greedy_text_from_the_adapter_and_from_the_merged_model(trained, tmp_path, cache):
+    run_dir, _ = trained
+    merged = tmp_path / "merged"
+    done = cli("merge", run_dir, "-o", merged, cache=cache)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (merged / "finetune_recipe.yaml").is_file()  # the merged model knows the run's prompt format
+    prompts = [arg for p in PROMPTS for arg in ("--prompt", p)]
+    # After 12 steps the model may well answer a whole prompt with EOS at once; a response cut
+    # mid-sentence (plain-text continuation) makes it produce tokens, so the comparison has text.
+    cut = "### Instruction:\nWhat is the capital of Russia?\n\n### Response:\nThe capital of"
+    for args in ([*prompts], ["--format", "text", "--prompt", cut]):
+        from_adapter = cli("chat", run_dir, *args, "--max-new-tokens", 16, cache=cache)
+        from_merged = cli("chat", merged, *args, "--max-new-tokens", 16, cache=cache)
+        assert from_adapter.returncode == 0, from_adapter.stderr[-3000:]
+        assert from_merged.returncode == 0, from_merged.stderr[-3000:]
+        assert from_merged.stdout == from_adapter.stdout
+    assert from_adapter.stdout.strip(), "the continuation produced no text: nothing was compared"
+
+
+@pytest.mark.slow
+def test_eval_scores_the_fine_tuned_model_below_its_base(trained, cache):
+    run_dir, _ = trained
+    result = cli("eval", run_dir, cache=cache)
+    assert result.returncode == 0, result.stderr[-3000:]
+    scores = json.loads((run_dir / "eval.json").read_text())
+    assert scores["tuned"]["loss"] < scores["base"]["loss"] - 1.0, scores
+    assert scores["tuned"]["tokens"] == scores["base"]["tokens"] > 0
+    assert scores["held_out"] is False and "no validation split" in result.stderr
+    assert f"{scores['tuned']['loss']:.4f}" in result.stdout and f"{scores['base']['loss']:.4f}" in result.stdout
+
+    sample = run_dir.parent / "five.jsonl"
+    rows = (REPO / "recipes" / "data" / "demo_instructions.jsonl").read_text().splitlines()[:5]
+    sample.write_text("\n".join(rows) + "\n")
+    on_file = cli("eval", run_dir, "--data", sample, cache=cache)
+    assert on_file.returncode == 0, on_file.stderr[-3000:]
+    assert json.loads((run_dir / "eval.json").read_text())["sequences"] == 5
+
+
+# ------------------------------------------------------------------------------------------------
+# Fast
+
+
+def test_chat_prompts_an_alpaca_run_exactly_as_it_trained():
+    """The first turn's ids are the masked prompt of the training row; a second turn follows whole examples."""
+    from finetune.chat import Conversation
+    from finetune.tiny import ensure_builtin_model
+    from finetune.train.data import IGNORE_INDEX, tokenize_examples
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(ensure_builtin_model("builtin:tiny-llama")))
+    example = {"instruction": "Name a primary colour.", "output": "Red."}
+    (row,) = tokenize_examples([example], tokenizer, "alpaca", 64)
+    prompt = [t for t, label in zip(row["input_ids"], row["labels"]) if label == IGNORE_INDEX]
+    conversation = Conversation(tokenizer, "alpaca")
+    assert conversation.prompt_ids(example["instruction"]) == prompt
+    reply = row["input_ids"][len(prompt):-1]  # the response without its EOS
+    conversation.add(example["instruction"], "Red.", reply)
+    second = conversation.prompt_ids("And another?")
+    assert second[:len(row["input_ids"])] == row["input_ids"]  # the first turn, as the training example
+    assert second[len(row["input_ids"])] == tokenizer.bos_token_id
+    conversation.reset()
+    assert conversation.prompt_ids(example["instruction"]) == prompt
+
+
+def test_chat_with_a_run_that_has_no_model_yet_names_its_checkpoints(tmp_path):
+    run_dir = tmp_path / "run"
+    write_run_dir(RECIPE, run_dir)
+    (run_dir / "checkpoint-4").mkdir()
+    (run_dir / "checkpoint-8").mkdir()
+    result = run_cli("chat", run_dir, "--prompt", "hi")
+    assert result.returncode == 1
+    assert "no adapter/ or model/ yet" in result.stderr and f"finetune convert {run_dir}/checkpoint-8" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_chat_with_a_missing_base_says_so(tmp_path):
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": str(tmp_path / "gone")}))
+    (adapter / "adapter_model.safetensors").write_bytes(b"")
+    result = run_cli("chat", adapter, "--prompt", "hi")
+    assert result.returncode == 1 and "base model" in result.stderr and "--base" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_chat_refuses_a_gpu_too_small_with_the_plans_estimate():
+    from finetune.chat import ChatError, Source, check_gpu_fits
+    from finetune.recipe import load_recipe
+
+    recipe = load_recipe(REPO / "recipes" / "llama3" / "8b_qlora_2x12gb.yaml").recipe
+    recipe.method = "lora"  # a 16-bit 8B base: about 15 GiB of weights
+    with pytest.raises(ChatError, match=r"needs about 1[45]\.\d GiB .*finetune plan.*12\.0 GiB free.*--device cpu"):
+        check_gpu_fits(Source(model="meta-llama/Meta-Llama-3-8B-Instruct", recipe=recipe), 12 * 2**30, "RTX 4070")
+    check_gpu_fits(Source(model="x", recipe=recipe), 40 * 2**30, "A100")  # fits: no error
+
+
+def test_plot_without_matplotlib_is_reported_and_the_report_still_written(tmp_path, monkeypatch):
+    import builtins
+
+    from finetune.train.report import write_run_report
+
+    real_import = builtins.__import__
+
+    def no_matplotlib(name, *args, **kwargs):
+        if name == "matplotlib" or name.startswith("matplotlib."):
+            raise ImportError("No module named 'matplotlib'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    notes = write_run_report(tmp_path, [{"step": 1, "loss": 2.0, "learning_rate": 1e-3}])
+    assert notes and "pip install matplotlib" in notes[0]
+    assert not (tmp_path / "loss.png").exists()
+    assert "pip install matplotlib" in (tmp_path / "report.html").read_text()
+
+
+def test_version_and_help_examples_keep_their_lines():
+    assert run_cli("--version").stdout.startswith("finetune 0.")
+    lint_help = run_cli("lint", "--help").stdout
+    assert "\n      $ finetune lint recipes ds_configs\n" in lint_help
+    render_help = run_cli("render", "--help").stdout
+    example = next(line.split()[3] for line in render_help.splitlines() if "$ finetune render" in line)
+    assert (REPO / example).is_file(), example
+    schema_help = run_cli("schema", "--help").stdout
+    assert "\n      $ finetune schema -o recipe.schema.json\n" in schema_help

@@ -1,0 +1,93 @@
+"""scripts/gpu_acceptance.py: the harness runs end to end on CPU (slow), and its pure parts (fast).
+
+    python -m pytest tests/test_gpu_acceptance.py
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.train_fixtures import REPO, cache_dir, runner_env
+
+SCRIPT = REPO / "scripts" / "gpu_acceptance.py"
+
+
+def harness():
+    spec = importlib.util.spec_from_file_location("gpu_acceptance", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_acceptance"] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
+def test_cpu_run_records_measured_speed_memory_and_the_plan(tmp_path_factory, tmp_path):
+    out = tmp_path / "acceptance"
+    env = runner_env(cache_dir(tmp_path_factory))
+    result = subprocess.run([sys.executable, str(SCRIPT), "--cpu", "--out", str(out)], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    results = json.loads((out / "results.json").read_text())
+    assert results["machine"]["cpu"] is True and len(results["runs"]) == 2
+    for run in results["runs"]:
+        assert run["status"] == "ok", run
+        assert run["tokens_per_second"] > 0
+        assert run["peak_memory_bytes"] > 50 * 2**20 and run["peak_memory_kind"] == "cpu_peak_rss"
+        assert len(run["peak_memory_bytes_per_rank"]) == 2
+        assert run["predicted_bytes"] > 2**20  # `finetune plan --format json` for the same recipe
+        assert run["predicted_allocated_bytes"] > 2**20
+        assert run["steps"] == 3 and run["loss_last"] is not None
+        assert run["mfu"] is None  # no GPU, no peak FLOPs
+        summary = json.loads((out / "runs" / run["name"] / "summary.json").read_text())
+        assert summary["tokens_per_second"] == run["tokens_per_second"]  # read from the run, not made up
+        assert not (out / "runs" / run["name"] / "adapter").exists()  # weights deleted after each run
+    assert {r["method"] for r in results["runs"]} == {"lora", "full"}
+    [check] = results["packing_checks"]
+    assert check["attn"] == "sdpa" and check["equal"]
+    # The check can fail: the same tokens without boundaries give other logits.
+    assert check["max_abs_diff_without_boundaries"] > 100 * check["tolerance"]
+    table = (out / "results.md").read_text()
+    assert "| tiny-llama_lora_z2_pack_sdpa_2gpu | ok |" in table
+
+
+def test_peak_flops_come_from_the_table():
+    h = harness()
+    assert h.peak_bf16_flops("NVIDIA H100 80GB HBM3")[0] == 989e12
+    assert h.peak_bf16_flops("NVIDIA H100 PCIe")[0] == 756e12
+    assert h.peak_bf16_flops("NVIDIA A100-SXM4-80GB")[0] == 312e12
+    assert h.peak_bf16_flops("NVIDIA A10G")[0] is None  # no datasheet figure: no MFU rather than a guess
+    assert h.peak_bf16_flops("Tesla P40") == (None, None)
+
+
+def test_flops_per_token_counts_no_weight_gradients_for_frozen_weights(tmp_path):
+    h = harness()
+    config = {**h.MODELS["llama3-8b"], "model_type": "llama"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    full, _ = h.flops_per_token(tmp_path, "full", 8_030_261_248, 2048)
+    lora, _ = h.flops_per_token(tmp_path, "lora", 41_943_040, 2048)
+    matmul_params = 8_030_261_248 - 128_256 * 4096 - 65 * 4096  # every weight but the embedding and the norms
+    attention = 12 * 32 * 4096 * 2048
+    assert full == 6 * matmul_params + attention
+    assert lora == 4 * matmul_params + 6 * 41_943_040 + attention
+
+
+def test_gpu_matrix_covers_every_combination_once():
+    h = harness()
+    machine = h.Machine(cpu=False, gpus=8, gpu_name="NVIDIA H100 80GB HBM3", gpu_memory=80 * 2**30,
+                        peak_flops=989e12, peak_source="", flash=True, bitsandbytes=True, versions={})
+
+    class Args:
+        models, methods, stages = ["llama-1b", "llama3-8b"], ["lora", "qlora", "full"], [0, 2, 3]
+
+    cases = h.gpu_matrix(machine, Args)
+    # 2 models x 3 methods x (z0 + z2 x offload 2 + z3 x offload 2 = 5) x packing 2 x attention 2 x gpus {1, 8}
+    assert len(cases) == 2 * 3 * 5 * 2 * 2 * 2 == len({c.name for c in cases})
+    assert not [c for c in cases if c.stage == 0 and c.offload]
+    one_gpu = h.Machine(**{**machine.__dict__, "gpus": 1, "flash": False})
+    assert {c.gpus for c in h.gpu_matrix(one_gpu, Args)} == {1}
+    assert {c.attn for c in h.gpu_matrix(one_gpu, Args)} == {"sdpa"}

@@ -1,0 +1,30 @@
+"""The live training display: rank 0's relayed lines drive one progress bar; other lines pass through."""
+
+from __future__ import annotations
+
+import io
+
+from rich.console import Console
+
+from finetune.progress import TrainingDisplay, parse_log_line, wanted
+
+
+def test_relayed_lines_drive_the_bar_and_the_rest_is_printed():
+    out = io.StringIO()
+    with TrainingDisplay(Console(file=out, force_terminal=True, width=160)) as display:
+        display.write(b"[rank0]: [finetune] parameters: 131,072 trainable of 918,656 (lora)\n")
+        display.write(b"[rank0]: {'loss': '5.942', 'grad_norm': '2.157', 'learning_rate': '0.003', "
+                      b"'train_tokens_per_second': '160.9'}\n[rank0]: progress: step 12/1")  # a line in two writes
+        display.write(b"17 (10%), 15 s elapsed, about 135 s left\n")
+        task = display.progress.tasks[0]
+        assert (task.completed, task.total) == (12, 117) and task.description == "training"
+        assert task.fields == {"loss": "5.942", "speed": "161"}
+    text = out.getvalue()
+    assert "parameters: 131,072 trainable" in text and "'loss': '5.942'" in text
+    assert "progress: step 12/117" not in text  # shown by the bar, not as a line
+
+
+def test_log_lines_are_recognised_and_only_a_terminal_gets_the_display():
+    assert parse_log_line("{'loss': '2.3', 'epoch': '1'}") == {"loss": 2.3, "epoch": 1.0}
+    assert parse_log_line("{not python}") is None and parse_log_line("loss 2.3") is None
+    assert not wanted(io.StringIO())
