@@ -166,6 +166,10 @@ class Setup:
     micro_batch: int = 1
     seq_len: int = 2048
     packing: bool = False
+    padding_free: bool = False
+    # Every row exactly seq_len tokens with no padding and no packed boundaries (the calibration
+    # measurements in tests/test_plan.py); recipes never set it: their batches are padded or packed.
+    full_rows: bool = False
     gradient_checkpointing: bool = True
     loss_kernel: str = "default"  # default | chunked | liger (training.loss_kernel)
     loss_chunk_tokens: Optional[int] = None  # training.loss_chunk_tokens (None: finetune.train.loss's default)
@@ -1077,7 +1081,7 @@ def _activations(setup: Setup) -> list[Term]:
     mask = attention_mask_bytes(setup)
     if mask:
         terms.append(Term("activations", "attention mask", mask, phase="backward",
-                          note="4D mask, batch x seq^2"))
+                          note=f"4D mask, {'1 x (batch x seq)^2, padding_free bound' if flattened(setup) else 'batch x seq^2'}"))
     logits = logits_bytes(setup)
     # Backward's own peak comes after the loss buffers are freed (they do not coexist), so only the
     # part above them raises the total.
@@ -1101,8 +1105,9 @@ def layer_activation_bytes(setup: Setup) -> int:
       LoRA dropout > 0 makes a private dropped-out copy per target (e) and a bool mask (1);
     - each LoRA adapter saves lora_A's output (e x r);
     - attention: eager saves q, k and v repeated to all heads, the fp32 softmax and its 16-bit copy
-      (seq x heads per token: the seq^2 term); sdpa/flash save q, k, v, the output and an fp32
-      log-sum-exp per head;
+      (row x heads per token, row = seq, or micro_batch x seq when flattened: the seq^2 term); sdpa/flash
+      save q, k, v, the output and an fp32 log-sum-exp per head, and sdpa with a mask (padded or packed
+      batches) its own copy of the mask in the model dtype;
     - the MLP: the activation's input and output and up_proj's output (3 x e x intermediate).
     """
     arch = setup.arch
@@ -1127,21 +1132,27 @@ def layer_activation_bytes(setup: Setup) -> int:
 
     per_token = arch.norms_per_layer * (4 * h + 4 + (e * h if full else 0))
     fused_attention = setup.attn != "eager"
+    mask_copy = 0
     per_token += linear_inputs(("q_proj", "k_proj", "v_proj"), h)
     per_token += linear_inputs(("o_proj",), arch.q_dim, shared_with_output=fused_attention)
     per_token += linear_inputs(("gate_proj", "up_proj"), h)
     per_token += linear_inputs(("down_proj",), inter)
     per_token += e * setup.lora_r * sum(1 for n in LAYER_LINEARS if n in targets)
     if fused_attention:
-        kv = arch.q_dim if (setup.attn == "sdpa" and not setup.packing) else arch.kv_dim
+        # sdpa shares key/value heads (enable_gqa) only without a mask (sdpa_attention.use_gqa_in_sdpa).
+        kv = arch.q_dim if (setup.attn == "sdpa" and attention_mask_bytes(setup)) else arch.kv_dim
         per_token += e * arch.q_dim * 2 + e * kv * 2 + 4 * arch.heads  # q, out, k, v, log-sum-exp
         scores = 0
+        if setup.attn == "sdpa":
+            # torch's sdpa turns the shared bool mask into an additive one of the query dtype on every
+            # call (convert_boolean_attn_mask) and keeps it for backward: one copy per layer.
+            mask_copy = attention_mask_bytes(setup) * e
     else:
         per_token += 3 * e * arch.q_dim  # q, k and v repeated to every head
         probs = 4 + (e if e != 4 else 0)  # fp32 softmax, and its cast back to the model dtype
-        scores = arch.heads * s * (probs + (e if arch.attn_softcap else 0))
+        scores = arch.heads * attention_row(setup) * (probs + (e if arch.attn_softcap else 0))
     per_token += moe_mlp_bytes(setup) if arch.experts else 3 * e * inter
-    return setup.micro_batch * s * (per_token + scores)
+    return setup.micro_batch * s * (per_token + scores) + mask_copy
 
 
 def moe_mlp_bytes(setup: Setup) -> int:
@@ -1178,13 +1189,27 @@ def backward_working_bytes(setup: Setup, per_layer: int) -> int:
     return tokens * 20 * arch.hidden
 
 
+def flattened(setup: Setup) -> bool:
+    """One row per micro batch (finetune.train.data.make_collator): padding_free, or packing under flash."""
+    return setup.padding_free or (setup.packing and setup.attn.startswith("flash"))
+
+
+def attention_row(setup: Setup) -> int:
+    """Tokens one query is masked against: a row. A flattened row holds the whole micro batch; padding_free
+    rows vary with the data, and max_length per example bounds them at micro_batch x seq_len."""
+    return setup.micro_batch * setup.seq_len if flattened(setup) else setup.seq_len
+
+
 def attention_mask_bytes(setup: Setup) -> int:
-    """transformers builds a 4D mask when the batch is padded: bool for sdpa, the model dtype for eager;
-    flash attention and packed batches (no padding) need none."""
-    if setup.packing or setup.attn.startswith("flash"):
+    """The 4D mask transformers' masking_utils materialises for sdpa (bool) and eager (the model dtype),
+    once per forward, (rows, 1, row, row): padded rows, packed rows (block-diagonal, from the position
+    ids) and flattened rows (1, 1, micro_batch x seq, micro_batch x seq) all build one; sdpa alone skips
+    it for full unpadded rows (is_causal). Flash attention takes boundaries (cu_seq_lens) instead."""
+    if setup.attn.startswith("flash") or (setup.attn == "sdpa" and setup.full_rows):
         return 0
     per = setup.element_bytes if setup.attn == "eager" else 1
-    return setup.micro_batch * setup.seq_len * setup.seq_len * per
+    rows = 1 if flattened(setup) else setup.micro_batch
+    return rows * attention_row(setup) ** 2 * per
 
 
 def loss_element_bytes(setup: Setup) -> int:
@@ -1403,7 +1428,8 @@ def setup_from_recipe(recipe, gpus: Optional[int] = None, gpu_memory_bytes: Opti
         offload_param=_device(zero.get("offload_param")) if stage == 3 else "none",
         gpus_per_node=gpus, nodes=nodes,
         micro_batch=recipe.training.micro_batch_size, seq_len=recipe.data.max_length,
-        packing=recipe.data.packing, gradient_checkpointing=recipe.training.gradient_checkpointing,
+        packing=recipe.data.packing, padding_free=recipe.data.padding_free,
+        gradient_checkpointing=recipe.training.gradient_checkpointing,
         loss_kernel=recipe.training.loss_kernel, loss_chunk_tokens=recipe.training.loss_chunk_tokens,
         overlap_comm=bool(overlap) if overlap is not None else None,
         contiguous_gradients=bool(zero.get("contiguous_gradients", True)),

@@ -113,7 +113,8 @@ class DataSection(_Section):
     split: str = Field("train", description="Split to read from a hub dataset.")
     chat_template: Optional[str] = Field(None, description="Jinja chat template for `messages` (default: the tokenizer's own).")
     max_length: int = Field(2048, ge=8, le=1_048_576, description="Sequences are truncated to this many tokens.")
-    packing: bool = Field(False, description="Concatenate examples into max_length blocks (no padding waste).")
+    packing: bool = Field(False, description="Concatenate examples into max_length blocks (no padding waste); examples never attend to each other, with every model.attn_implementation.")
+    padding_free: bool = Field(False, description="No padding: each micro batch becomes one row of its examples end to end (up to micro_batch_size x max_length tokens), kept apart like packed ones. The throughput mode for flash attention.")
     validation_split: float = Field(0.0, ge=0, lt=1, description="Fraction of examples held out for evaluation (0 = no eval).")
     mask_prompt: bool = Field(True, description="Exclude prompt tokens from the loss (train on responses only).")
 

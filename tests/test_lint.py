@@ -119,6 +119,36 @@ def test_procs_exceed_declared_gpus(write_recipe):
     assert ("R112", "error", "launch.procs_per_node") in rules_of(path)
 
 
+@pytest.mark.parametrize("mode", ["packing", "padding_free"])
+def test_packing_with_a_model_without_position_ids(write_recipe, tmp_path, mode):
+    model = tmp_path / "bloom"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "bloom"}))
+    recipe = f"model:\n  name_or_path: ./bloom\ndata:\n  path: org/d\n  {mode}: true\n"
+    assert ("R114", "error", f"data.{mode}") in rules_of(write_recipe(recipe))
+    (model / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    assert rules_of(write_recipe(recipe)) == []  # every attention kernel keeps Llama's examples apart
+    remote = recipe.replace("./bloom\n", "./bloom\n  trust_remote_code: true\n")
+    assert ("R114", "warning", f"data.{mode}") in rules_of(write_recipe(remote))
+
+
+def test_models_listed_without_position_ids_really_take_none():
+    """R114's list matches the installed transformers: those causal LMs' forward has no position_ids."""
+    import inspect
+
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from finetune.lint.recipe_rules import NO_POSITION_IDS_MODEL_TYPES
+
+    def takes_position_ids(model_type):
+        cls = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])
+        return "position_ids" in inspect.signature(cls.forward).parameters
+
+    assert not any(takes_position_ids(t) for t in NO_POSITION_IDS_MODEL_TYPES)
+    assert all(takes_position_ids(t) for t in ("llama", "mistral", "qwen2", "qwen3", "gemma2", "phi3", "gpt2"))
+
+
 def test_every_recipe_rule_is_documented():
     source = (REPO / "finetune" / "lint" / "recipe_rules.py").read_text()
     used = set(re.findall(r'"(R1\d\d)"', source))

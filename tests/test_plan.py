@@ -214,7 +214,7 @@ def test_layer_activations_equal_saved_tensors(attn, method, dropout):
         measured.append(saved_for_backward_bytes(model, torch.randint(0, 512, (b, s))))
     arch = arch_from_config({**TINY, "vocab_size": 512, "num_hidden_layers": 2, "model_type": "llama"}, "tiny")
     setup = Setup(arch=arch, params=arch.total_params, method=method, attn=attn, lora_r=8, lora_dropout=dropout,
-                  micro_batch=b, seq_len=s, packing=True, gradient_checkpointing=False)
+                  micro_batch=b, seq_len=s, full_rows=True, gradient_checkpointing=False)
     predicted = layer_activation_bytes(setup)
     if dropout:
         # CUDA's fused dropout keeps a 1-byte bool mask (what the planner counts); CPU's dropout
@@ -287,7 +287,7 @@ def test_activation_and_logit_peak_matches_torch(attn, ckpt, dims):
         loss.backward()
     arch = arch_from_config({**cfg, "model_type": "llama"}, "tiny")
     result = plan(Setup(arch=arch, params=arch.total_params, method="lora", attn=attn, lora_r=8, lora_dropout=0.0,
-                        micro_batch=b, seq_len=s, packing=True, gradient_checkpointing=ckpt))
+                        micro_batch=b, seq_len=s, full_rows=True, gradient_checkpointing=ckpt))
     predicted = result.per_gpu["activations"] + result.per_gpu["logits"]
     assert predicted == pytest.approx(live.peak, rel=0.03)
 
@@ -594,3 +594,76 @@ def test_puzzle_zero3_can_need_more_than_zero2():
     assert zero3.per_gpu["total"] > zero2.per_gpu["total"]
     fewer_live = plan(qlora_setup("llama-3-8b", stage=3, gpus_per_node=2, max_live_parameters=100_000_000))
     assert fewer_live.per_gpu["total"] < zero2.per_gpu["total"]
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa", "flash_attention_2"])
+@pytest.mark.parametrize("layout", ["padded", "packing", "padding_free"])
+def test_attention_mask_term_equals_the_mask_transformers_builds(attn, layout):
+    """The planner's mask = the bytes of the 4D mask masking_utils makes for the collated batch (issue 9):
+    (b,1,s,s) for padded and packed rows, (1,1,b*s,b*s) for a padding-free row at its max_length bound,
+    none under flash (boundaries travel as cu_seq_lens)."""
+    import torch
+    from transformers import LlamaConfig
+    from transformers.masking_utils import create_causal_mask
+
+    from finetune.plan import attention_mask_bytes
+    from finetune.train.data import make_collator
+
+    b, s = 4, 64
+    if layout == "packing":  # full blocks of two examples each
+        rows = [{"input_ids": [5] * s, "labels": [5] * s, "position_ids": list(range(20)) + list(range(s - 20))}] * b
+    else:  # padded: one short row forces padding; padding_free: examples at the max_length bound
+        rows = [{"input_ids": [5] * n, "labels": [5] * n} for n in [s - 4] + [s] * (b - 1)]
+        if layout == "padding_free":
+            rows[0] = {"input_ids": [5] * s, "labels": [5] * s}
+    batch = make_collator(0, attn, packing=layout == "packing", padding_free=layout == "padding_free")(rows)
+    config = LlamaConfig(hidden_size=16, num_attention_heads=2, num_key_value_heads=1, num_hidden_layers=1, vocab_size=32)
+    config._attn_implementation = attn
+    embeds = torch.zeros(*batch["input_ids"].shape, 16, dtype=torch.bfloat16)
+    positions = batch.get("position_ids", torch.arange(embeds.shape[1])[None])
+    mask = create_causal_mask(config, embeds, batch.get("attention_mask"), None, position_ids=positions)
+    built = 0 if mask is None or mask.dim() < 4 else mask.untyped_storage().nbytes()
+    setup = Setup(arch=None, params=1, attn=attn, dtype="bfloat16", micro_batch=b, seq_len=s,
+                  packing=layout == "packing", padding_free=layout == "padding_free")
+    assert attention_mask_bytes(setup) == built
+    assert (built > 0) == (attn != "flash_attention_2")
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("layout", ["padded", "packing", "padding_free"])
+def test_layer_activations_of_packed_and_flattened_batches(attn, layout):
+    """One decoder layer's saved tensors for the batches the collator makes: padded and packed rows (sdpa
+    gets a mask, so key/value heads are repeated) and one padding-free row of b x s tokens (eager's
+    scores span it)."""
+    import torch
+
+    from finetune.train.data import make_collator
+
+    b, s = 2, 48
+    rows = [{"input_ids": [7] * s, "labels": [7] * s, "position_ids": list(range(16)) + list(range(s - 16))}] * b
+    if layout != "packing":
+        rows = [{"input_ids": [7] * s, "labels": [7] * s}] * b
+    measured = []
+    for layers in (1, 2):
+        model = tiny_model({**TINY, "vocab_size": 512, "num_hidden_layers": layers}, attn, "lora")
+        torch.manual_seed(1)
+        ids = torch.randint(0, 512, (b, s))
+        batch = make_collator(0, attn, packing=layout == "packing", padding_free=layout == "padding_free")(
+            [{**row, "input_ids": ids[i, :n].tolist(), "labels": ids[i, :n].tolist()}
+             for i, (row, n) in enumerate(zip(rows, [s - 4] + [s] * (b - 1) if layout == "padded" else [s] * b))])
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        seen: dict[int, int] = {}
+
+        def pack(tensor):
+            if tensor.untyped_storage().data_ptr() not in params:
+                seen[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(**batch, use_cache=False)
+        measured.append(sum(seen.values()))
+    arch = arch_from_config({**TINY, "vocab_size": 512, "num_hidden_layers": 2, "model_type": "llama"}, "tiny")
+    setup = Setup(arch=arch, params=arch.total_params, method="lora", attn=attn, lora_r=8, lora_dropout=0.0,
+                  micro_batch=b, seq_len=s, packing=layout == "packing", padding_free=layout == "padding_free",
+                  gradient_checkpointing=False)
+    assert measured[1] - measured[0] == layer_activation_bytes(setup)

@@ -93,7 +93,7 @@ def test_moe_layer_activations_match_saved_tensors(kind, method):
         measured.append(saved_bytes(model, torch.randint(0, 512, (b, s))))
     arch = arch_from_config(dict(TINY_MOE[kind], num_hidden_layers=2), "tiny")
     setup = Setup(arch=arch, params=arch.total_params, method=method, attn="sdpa", lora_r=8, lora_dropout=0.0,
-                  micro_batch=b, seq_len=s, packing=True, gradient_checkpointing=False)
+                  micro_batch=b, seq_len=s, full_rows=True, gradient_checkpointing=False)
     assert layer_activation_bytes(setup) == pytest.approx(measured[1] - measured[0], rel=0.02)
 
 

@@ -6,6 +6,7 @@ recipe key path (the engine turns it into file:line:col).
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Callable, Iterator
@@ -33,9 +34,21 @@ RULES: dict[str, str] = {
     "R111": "A section that the chosen method ignores.",
     "R112": "More processes per node than the declared GPUs.",
     "R113": "Launch settings that cannot work (hostfile missing, multi-node on loopback).",
+    "R114": "Packing or padding_free with a model that cannot keep the examples apart (no position_ids; remote code).",
 }
 
 DATA_SUFFIXES = (".json", ".jsonl", ".parquet", ".csv")
+
+# transformers 5.x causal LMs whose forward takes no position_ids: ALiBi (bloom, mpt), recurrent state
+# (mamba, rwkv, xlstm) or encoder-decoder heads. Packed examples are kept apart only through restarting
+# position_ids (or the cu_seq_lens derived from them); these models attend, or carry state, across the
+# whole row, and the Trainer even drops the unused position_ids column. tests/test_lint.py checks the
+# list against the installed transformers.
+NO_POSITION_IDS_MODEL_TYPES = frozenset({
+    "bart", "bigbird_pegasus", "blenderbot", "blenderbot-small", "bloom", "cpmant", "falcon_mamba", "mamba",
+    "mamba2", "marian", "mbart", "mpt", "mvp", "pegasus", "plbart", "prophetnet", "roformer", "rwkv", "trocr",
+    "xlstm",
+})
 
 # GPUs before Ampere (compute capability < 8.0) have no bf16 and no FlashAttention-2.
 _PRE_AMPERE = re.compile(
@@ -244,3 +257,35 @@ def launch_settings(loaded: LoadedRecipe) -> Iterator[RawFinding]:
     if launch.node_rank >= launch.nodes:
         yield RawFinding("R113", "error", ("launch", "node_rank"),
                          f"node_rank {launch.node_rank} with only {launch.nodes} node(s)", "node ranks run 0..nodes-1")
+
+
+def _local_model_type(name_or_path: str) -> str | None:
+    """model_type from a local model directory's config.json (lint never reaches the hub)."""
+    config = Path(name_or_path).expanduser() / "config.json"
+    if not looks_local(name_or_path) or not config.is_file():
+        return None
+    try:
+        value = json.loads(config.read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, str) else None
+
+
+@rule
+def packing_isolation(loaded: LoadedRecipe) -> Iterator[RawFinding]:
+    r = loaded.recipe
+    if not (r.data.packing or r.data.padding_free):
+        return
+    key = ("data", "packing" if r.data.packing else "padding_free")
+    mode = "packing" if r.data.packing else "padding_free"
+    model_type = _local_model_type(r.model.name_or_path)
+    if model_type in NO_POSITION_IDS_MODEL_TYPES:
+        yield RawFinding("R114", "error", key,
+                         f"{mode} keeps examples apart through restarting position_ids, which a `{model_type}` model "
+                         "does not take: its examples would attend to each other",
+                         f"set data.{mode}: false")
+    elif r.model.trust_remote_code:
+        yield RawFinding("R114", "warning", key,
+                         f"{mode} with trust_remote_code: the repository's own attention code decides whether packed "
+                         "examples stay apart (they do only if it honours position_ids / cu_seq_lens like transformers)",
+                         f"check the model's attention code, or set data.{mode}: false")

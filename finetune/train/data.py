@@ -12,6 +12,9 @@ enters the loss when `data.mask_prompt` is true. `tokenize_for_training` runs on
 and tokenizer: the result is saved under the cache (keyed by a hash of both) and later runs, and the
 other ranks of this run, load it from there.
 
+Batching (`make_collator`): padded rows, packed rows, or one flattened row per micro batch
+(`data.padding_free`, and packing under flash attention), so that examples never attend to each other.
+
 This module imports `datasets` and torch only inside functions (finetune.tiny imports format_alpaca).
 """
 
@@ -167,10 +170,9 @@ _ENCODERS: dict[str, Callable] = {"alpaca": _encode_alpaca, "messages": _encode_
 def pack(rows: list[dict[str, list[int]]], max_length: int) -> list[dict[str, list[int]]]:
     """Greedy in-order packing of whole examples into blocks of at most max_length tokens.
 
-    Each block carries position_ids that restart at 0 for every example. Collated without an
-    attention mask, transformers turns those restarts into a block-diagonal causal mask
-    (masking_utils.find_packed_sequence_indices), so packed examples do not attend to each other.
-    The first token of every example is not a label: it would be predicted from the previous example.
+    Each block carries position_ids that restart at 0 for every example: the collators below turn
+    them into the boundaries each attention kernel honours (see `make_collator`). The first token of
+    every example is not a label: it would be predicted from the previous example's last token.
     """
     blocks: list[dict[str, list[int]]] = []
     current: dict[str, list[int]] = {"input_ids": [], "labels": [], "position_ids": []}
@@ -192,6 +194,7 @@ def pack(rows: list[dict[str, list[int]]], max_length: int) -> list[dict[str, li
 
 def cache_key(data: dict[str, Any], tokenizer) -> str:
     """Hash of the data section, the data file's identity and the tokenizer (vocabulary + template)."""
+    # padding_free is left out on purpose: it changes how rows are batched, not the rows themselves.
     section = {k: data.get(k) for k in ("path", "format", "split", "chat_template", "max_length", "packing", "mask_prompt")}
     local = Path(str(data.get("path", ""))).expanduser()
     source: Any = None
@@ -276,8 +279,8 @@ class Collator:
     """Pads a list of rows to the longest (rounded up to a multiple of 8 for tensor-core shapes).
 
     Unpacked rows get an attention mask. Packed rows (with position_ids) get none, so the model builds
-    the block-diagonal mask from the position ids; padding continues the positions of a separate
-    trailing sequence with labels -100.
+    the block-diagonal mask from the position ids (sdpa/eager only: see `make_collator`); padding
+    continues the positions of a separate trailing sequence with labels -100.
     """
 
     def __init__(self, pad_token_id: int, multiple_of: int = 8):
@@ -301,3 +304,50 @@ class Collator:
             else:
                 batch["attention_mask"].append([1] * n + [0] * pad)
         return {k: torch.tensor(v, dtype=torch.long) for k, v in batch.items()}
+
+
+def split_packed(row: dict[str, Any]) -> list[dict[str, list[int]]]:
+    """The examples of a packed block (cut where position_ids restart at 0); an unpacked row as is."""
+    if "position_ids" not in row:
+        return [{"input_ids": list(row["input_ids"]), "labels": list(row["labels"])}]
+    starts = [i for i, p in enumerate(row["position_ids"]) if p == 0] + [len(row["input_ids"])]
+    return [{"input_ids": list(row["input_ids"][a:b]), "labels": list(row["labels"][a:b])}
+            for a, b in zip(starts, starts[1:])]
+
+
+class FlatteningCollator:
+    """One row per micro batch: every example of every row, end to end, without padding.
+
+    transformers' DataCollatorWithFlattening does the work: position_ids restart per example, the
+    first label of each example is -100, and with `flash_kwargs` it adds cu_seq_lens_q/k and
+    max_length_q/k, which flash attention turns into a varlen call (one causal segment per example).
+    Without them (sdpa, eager) the model builds a block-diagonal mask from the position ids.
+    """
+
+    def __init__(self, flash_kwargs: bool):
+        from transformers import DataCollatorWithFlattening
+
+        self.flatten = DataCollatorWithFlattening(return_position_ids=True, separator_id=IGNORE_INDEX,
+                                                  return_flash_attn_kwargs=flash_kwargs)
+
+    def __call__(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
+        return self.flatten([example for row in rows for example in split_packed(row)])
+
+
+def make_collator(pad_token_id: int, attn_implementation: str, packing: bool, padding_free: bool):
+    """The collator that keeps every example to itself on `attn_implementation`.
+
+    - padding_free (any kernel), or packing with flash attention: one flattened row per micro batch.
+      Flash needs it: transformers passes flash only per-example boundaries it is given
+      (cu_seq_lens) or, from position ids, when the batch has a single row
+      (modeling_flash_attention_utils._is_packed_sequence); several packed rows would attend across
+      examples.
+    - packing with sdpa/eager: the packed rows, padded; masking_utils.find_packed_sequence_indices
+      turns the restarting position ids of each row into a (rows, 1, seq, seq) block-diagonal mask,
+      which is smaller than one flattened row's (1, 1, rows x seq, rows x seq).
+    - otherwise: padded rows with an attention mask.
+    """
+    flash = attn_implementation.startswith("flash_attention")
+    if padding_free or (packing and flash):
+        return FlatteningCollator(flash_kwargs=flash)
+    return Collator(pad_token_id)

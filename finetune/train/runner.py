@@ -303,6 +303,22 @@ def summarize(trainer, clock, world_size: int, memory: list[tuple[int, str]], ex
 # The run
 
 
+def check_packing_support(model, recipe) -> None:
+    """Packed / padding-free examples are kept apart only through position_ids (lint R114): a model whose
+    forward does not take them would attend across examples, and the Trainer would silently drop the
+    column as unused."""
+    import inspect
+
+    from finetune.train.data import DataError
+
+    if not (recipe.data.packing or recipe.data.padding_free):
+        return
+    if "position_ids" not in inspect.signature(model.forward).parameters:
+        mode = "packing" if recipe.data.packing else "padding_free"
+        raise DataError(f"data.{mode}: {type(model).__name__} takes no position_ids, so packed examples would attend to "
+                        f"each other; set data.{mode}: false")
+
+
 def run(run_dir: Path, resume: bool = False) -> None:
     recipe, ds_config, args_kwargs = read_run_dir(run_dir)
     started = time.perf_counter()
@@ -314,7 +330,7 @@ def run(run_dir: Path, resume: bool = False) -> None:
 
     from finetune.tiny import cache_root, ensure_builtin_model, is_builtin
     from finetune.train.callbacks import EffectiveDeepSpeedConfig, LossPlot, ProgressLines, TrainClock
-    from finetune.train.data import Collator, split_eval, tokenize_for_training
+    from finetune.train.data import make_collator, split_eval, tokenize_for_training
     from finetune.train.model import count_parameters, load_model, load_tokenizer, prepare_model
 
     on_cpu = _is_cpu_accelerator()
@@ -351,10 +367,12 @@ def run(run_dir: Path, resume: bool = False) -> None:
         dataset = tokenize_for_training(recipe.data.model_dump(mode="json"), tokenizer, cache_root() / "tokenized",
                                         log=_log_main(is_main))
     train_set, eval_set = split_eval(dataset, recipe.data.validation_split, recipe.training.seed)
-    collator = Collator(tokenizer.pad_token_id)
+    collator = make_collator(tokenizer.pad_token_id, recipe.model.attn_implementation, recipe.data.packing,
+                             recipe.data.padding_free)
 
     # 4. The model, built partitioned under ZeRO-3, then LoRA and gradient checkpointing.
     model = load_model(recipe, model_path)
+    check_packing_support(model, recipe)
     # No KV cache while training: it is for generation, and with one transformers skips the packed-
     # sequence mask (masking_utils). Restored before saving, so model/ generates with a cache.
     use_cache, model.config.use_cache = getattr(model.config, "use_cache", True), False
