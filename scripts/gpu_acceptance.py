@@ -11,8 +11,9 @@ packing x attention kernel (sdpa, and flash_attention_2 when flash_attn imports)
 all visible), it writes a recipe to OUT/recipes/, asks `finetune plan` what it needs, skips it when
 the plan says it does not fit, and otherwise trains it for --steps steps with `finetune train`.
 Each run records tokens/s, MFU, max_memory_allocated and max_memory_reserved per rank (summary.json),
-nvidia-smi's used memory sampled during the run, and the plan's prediction. A separate check compares
-each example's logits inside a flattened batch (transformers' DataCollatorWithFlattening) with its
+nvidia-smi's used memory sampled during the run, and the plan's prediction. A separate check collates two
+packed rows the way the runner does (finetune.train.data.make_collator: flattened with flash
+boundaries on flash, block-diagonal masks on sdpa) and compares each example's logits there with its
 logits alone, for every attention kernel the machine has.
 
 Output: OUT/results.json and OUT/results.md; OUT/logs/ holds each run's console. Run directories
@@ -437,38 +438,55 @@ def packing_checks(machine: Machine, out: Path) -> list[dict[str, Any]]:
 
 
 def packing_check(model_dir: Path, attn: str, machine: Machine) -> dict[str, Any]:
+    """Two packed rows in one micro batch, collated exactly as the runner collates them for `attn`.
+
+    Two rows is the case that mixed examples under flash attention before the collator flattened
+    packed micro batches (transformers sees packing from position_ids only in a single row).
+    """
     import torch
-    from transformers import AutoModelForCausalLM, DataCollatorWithFlattening
+    from transformers import AutoModelForCausalLM
+
+    from finetune.train.data import make_collator, pack
 
     device = "cpu" if machine.cpu else "cuda"
     dtype = torch.float32 if machine.cpu else torch.bfloat16
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, attn_implementation=attn).to(device).eval()
     gen = torch.Generator().manual_seed(0)
     examples = [torch.randint(3, 700, (n,), generator=gen) for n in (37, 64, 23)]
-    collator = DataCollatorWithFlattening(return_flash_attn_kwargs=attn.startswith("flash"))
-    batch = collator([{"input_ids": e.tolist()} for e in examples])
+    rows = pack([{"input_ids": e.tolist(), "labels": e.tolist()} for e in examples], max_length=100)  # [37], [64, 23]
+    batch = make_collator(0, attn, packing=True, padding_free=False)(rows)
     inputs = {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in batch.items() if k != "labels"}
     # use_cache=False as in training: with a KV cache transformers does not look for packed sequences
     # in position_ids (masking_utils), so sdpa/eager would attend across examples.
     with torch.no_grad():
-        packed = model(**inputs, use_cache=False).logits[0].float()
-        # The same tokens with no boundaries: what a packed batch looks like without isolation.
-        mixed = model(input_ids=inputs["input_ids"], use_cache=False).logits[0].float()
-        worst, worst_mixed, scale, offset = 0.0, 0.0, 0.0, 0
-        for e in examples:
+        packed = model(**inputs, use_cache=False).logits.float()
+        # The same rows with no boundaries: what a packed batch looks like without isolation.
+        mixed = model(input_ids=inputs["input_ids"], use_cache=False).logits.float()
+        worst, worst_mixed, scale = 0.0, 0.0, 0.0
+        for e, (row, part) in zip(examples, example_slices(batch["position_ids"], [len(e) for e in examples])):
             alone = model(input_ids=e[None].to(device), use_cache=False).logits[0].float()
-            part = slice(offset, offset + len(e))
-            worst = max(worst, (packed[part] - alone).abs().max().item())
-            worst_mixed = max(worst_mixed, (mixed[part] - alone).abs().max().item())
+            worst = max(worst, (packed[row, part] - alone).abs().max().item())
+            worst_mixed = max(worst_mixed, (mixed[row, part] - alone).abs().max().item())
             scale = max(scale, alone.abs().max().item())
-            offset += len(e)
     tolerance = (1e-4 if dtype == torch.float32 else 2e-2) * max(1.0, scale)
     del model
     if device == "cuda":
         torch.cuda.empty_cache()
     return {"attn": attn, "dtype": str(dtype).replace("torch.", ""), "examples": [len(e) for e in examples],
+            "rows": [len(r["input_ids"]) for r in rows], "batch_shape": list(batch["input_ids"].shape),
             "max_abs_diff": worst, "max_abs_diff_without_boundaries": worst_mixed, "tolerance": tolerance,
             "equal": worst <= tolerance}
+
+
+def example_slices(position_ids, lengths: list[int]) -> list[tuple[int, slice]]:
+    """Where each example (in order) sits in a collated batch: (row, columns), found by its position ids."""
+    found, row, col = [], 0, 0
+    for n in lengths:
+        while position_ids[row, col:col + n].tolist() != list(range(n)):
+            row, col = row + 1, 0
+        found.append((row, slice(col, col + n)))
+        col += n
+    return found
 
 
 # ------------------------------------------------------------------------------------------------
