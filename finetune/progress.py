@@ -120,3 +120,41 @@ def _is_number(value) -> bool:
     except (TypeError, ValueError):
         return False
     return True
+
+
+class WriteDisplay:
+    """The live display of `finetune merge` and `finetune convert` on a terminal: the log lines they print
+    anyway, above one bar of bytes written (done/total, rate, ETA) and tensors written."""
+
+    def __init__(self, description: str, console=None) -> None:
+        from rich.console import Console
+        from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
+                                   TransferSpeedColumn)
+
+        # stderr, beside the log lines: stdout keeps only the one-line summary, redirectable as before
+        self.console = console or Console(stderr=True)
+        self.progress = Progress(
+            TextColumn("[bold]{task.description}"), BarColumn(), DownloadColumn(),
+            TextColumn("{task.fields[tensors]}"), TransferSpeedColumn(), TextColumn("ETA"),
+            TimeRemainingColumn(), console=self.console, transient=False)
+        self.description = description
+        self.task: Optional[int] = None
+
+    def __enter__(self) -> "WriteDisplay":
+        self.progress.start()
+        self.task = self.progress.add_task(self.description, total=None, tensors="")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.progress.stop()
+
+    def log(self, line: str) -> None:
+        # The bar redrawn under the line is the last one drawn: draw the current one first (a fast
+        # merge writes a shard between two of rich's 10 refreshes a second).
+        self.progress.refresh()
+        self.console.print(line, markup=False, highlight=False, soft_wrap=True)
+
+    def update(self, written) -> None:
+        """An on_write callback of finetune.merge (a Written); called from the writer thread (rich locks)."""
+        self.progress.update(self.task, completed=written.bytes, total=written.total_bytes,
+                             tensors=f"{written.tensors}/{written.total_tensors} tensors")
