@@ -5,7 +5,7 @@ writes whole lines to a console stream). This module is such a stream: it reads 
 runner prints anyway (the Trainer's `{'loss': ...}` dicts and finetune.train.callbacks.ProgressLines'
 `progress: step N/M` lines) and keeps one progress bar (step, loss, tokens/s, ETA) at the bottom
 of the terminal, every other line printed above it. Nothing changes on the ranks except that
-ProgressLines reports every second instead of every 15 (PROGRESS_ENV), and nothing changes when
+ProgressLines and the tokenizer report every second instead of every 15 (PROGRESS_ENV), and nothing changes when
 the output is not a terminal: CI and log files get the plain lines, as before.
 """
 
@@ -20,6 +20,7 @@ PROGRESS_ENV = "FINETUNE_PROGRESS_INTERVAL"  # seconds between rank 0's progress
 LIVE_INTERVAL = "1"
 _RANK_PREFIX = re.compile(r"^\[(?:rank|default)\d+\]:\s?")
 _PROGRESS = re.compile(r"^progress: step (\d+)/(\d+)")
+_TOKENIZING = re.compile(r"^\[finetune\] tokenizing: (\d+)/(\d+) rows")
 _TOKENIZED = re.compile(r"^\[finetune\] (tokenized data|parameters):")
 
 
@@ -83,6 +84,10 @@ class TrainingDisplay:
         match = _PROGRESS.match(body)
         if match:  # the bar shows it
             self.progress.update(self.task, description="training", completed=int(match[1]), total=int(match[2]))
+            return
+        match = _TOKENIZING.match(body)
+        if match:  # the status text shows it
+            self.progress.update(self.task, description=f"tokenizing {match[1]}/{match[2]} rows")
             return
         logged = parse_log_line(body)
         if logged is not None:
