@@ -26,7 +26,6 @@ from typer.testing import CliRunner  # noqa: E402
 import finetune.merge as merge_mod  # noqa: E402
 from finetune.cli import app  # noqa: E402
 from finetune.merge import MergeError, human_size, merge, resolve_inputs, verify  # noqa: E402
-from finetune.progress import WriteDisplay  # noqa: E402
 from tests.conftest import REPO  # noqa: E402
 from tests.merge_fixtures import (build_adapter, build_gpt2, build_llama, peft_merged_state_dict,  # noqa: E402
                                   safetensors_data_bytes)
@@ -337,6 +336,7 @@ def test_merge_on_a_terminal_draws_a_progress_bar(models, bf16_adapter, tmp_path
     from rich.console import Console
 
     from finetune import progress
+    from finetune.progress import WriteDisplay
 
     screen = io.StringIO()
     console = Console(file=screen, force_terminal=True, width=150)
