@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 from typing import List, Optional
 
@@ -221,9 +222,10 @@ def merge(
         raise fail(f"--max-shard-size: {exc}", 2) from None
     try:
         inputs = resolve_inputs(run_dir, base, adapter)
-        result = run_merge(inputs.base, inputs.adapter, output, dtype=dtype, overwrite=overwrite,
-                           max_shard_size=shard_bytes, log=lambda line: typer.echo(line, err=True),
-                           source_dirs=inputs.tokenizer_dirs, fsync=fsync)
+        with _write_progress("merging") as (log, on_write):
+            result = run_merge(inputs.base, inputs.adapter, output, dtype=dtype, overwrite=overwrite,
+                               max_shard_size=shard_bytes, log=log, source_dirs=inputs.tokenizer_dirs,
+                               fsync=fsync, on_write=on_write)
     except Terminated:
         raise fail(f"merge stopped by SIGTERM; the partial output was removed and {output} was not touched", 143) from None
     except (MergeError, FileExistsError) as exc:
@@ -239,6 +241,19 @@ def merge(
                    f"the adapter moves logits by up to {check.adapter_effect:.3g})")
         if not check.ok:
             raise fail("verify: the merged model does not reproduce base + adapter")
+
+
+@contextmanager
+def _write_progress(description: str):
+    """(log, on_write) for merge and convert: a live bar of bytes written when stderr (where their lines
+    go) is a terminal, the plain lines on stderr and no bar otherwise."""
+    from finetune import progress
+
+    if not progress.wanted(sys.stderr):
+        yield (lambda line: typer.echo(line, err=True)), None
+        return
+    with progress.WriteDisplay(description) as display:
+        yield display.log, display.update
 
 
 @app.command()
@@ -554,8 +569,9 @@ def convert(
     except ValueError as exc:
         raise fail(f"--max-shard-size: {exc}", 2) from None
     try:
-        result = run_convert(checkpoint, output, dtype=dtype, overwrite=overwrite, adapter_config=adapter_config,
-                             max_shard_size=shard_bytes, log=lambda line: typer.echo(line, err=True))
+        with _write_progress("converting") as (log, on_write):
+            result = run_convert(checkpoint, output, dtype=dtype, overwrite=overwrite, adapter_config=adapter_config,
+                                 max_shard_size=shard_bytes, log=log, on_write=on_write)
     except Terminated:
         raise fail(f"convert stopped by SIGTERM; the partial output was removed and {output} was not touched", 143) from None
     except (MergeError, FileExistsError) as exc:

@@ -35,7 +35,7 @@ import torch
 
 from finetune.fsutil import atomic_dir, remove_stale_partials, write_atomic
 from finetune.merge import (CONFIG_FILES, DEFAULT_MAX_SHARD_SIZE, DTYPES, PEFT_PREFIX, ST_TO_TORCH, TORCH_TO_ST,
-                            BaseTensor, MergeError, OutTensor, Plan, copy_tokenizer,
+                            BaseTensor, MergeError, OnWrite, OutTensor, Plan, WriteCounter, copy_tokenizer,
                             ShardWriter, assign_shards, check_disk_space, human_size, lora_scaling, shard_names,
                             sigterm_as_interrupt, write_index)
 
@@ -253,7 +253,7 @@ def find_adapter_config(ckpt: Checkpoint, explicit: Optional[Path]) -> Path:
 
 
 def convert_lora(ckpt: Checkpoint, output: Path, dtype, adapter_config: Optional[Path],
-                 overwrite: bool, log: Callable[[str], None]) -> "ConvertResult":
+                 overwrite: bool, log: Callable[[str], None], on_write: Optional[OnWrite] = None) -> "ConvertResult":
     from safetensors.torch import save_file
 
     config_path = find_adapter_config(ckpt, adapter_config)
@@ -277,6 +277,7 @@ def convert_lora(ckpt: Checkpoint, output: Path, dtype, adapter_config: Optional
         log(line)
     with sigterm_as_interrupt(), atomic_dir(output, overwrite=overwrite) as tmp:
         save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
+        WriteCounter(size, len(tensors), on_write).add(size, len(tensors))  # one file, written in one call
         shutil.copy2(config_path, tmp / "adapter_config.json")
         _copy_tokenizer(ckpt, tmp)
     log(f"wrote {output / 'adapter_model.safetensors'} ({len(tensors)} tensors, {human_size(size)})")
@@ -299,7 +300,7 @@ def _check_rank(tensors: dict, config: dict, where: Path) -> None:
 
 
 def convert_full(ckpt: Checkpoint, output: Path, dtype, overwrite: bool, max_shard_size: int,
-                 log: Callable[[str], None]) -> "ConvertResult":
+                 log: Callable[[str], None], on_write: Optional[OnWrite] = None) -> "ConvertResult":
     if ckpt.model_states.get("frozen_param_shapes") is None:
         # save_checkpoint(exclude_frozen_parameters=True): parameters that were not trained are not in it
         log("warning: the checkpoint was saved without frozen parameters; any the model had are missing from the output")
@@ -322,6 +323,7 @@ def convert_full(ckpt: Checkpoint, output: Path, dtype, overwrite: bool, max_sha
     names = shard_names(len(plan.shards))
     for line in remove_stale_partials(output):
         log(line)
+    counter = WriteCounter(plan.total_bytes, len(plan.tensors), on_write)
     with sigterm_as_interrupt(), atomic_dir(output, overwrite=overwrite) as tmp:
         for shard_name, shard in zip(names, plan.shards):
             writer = ShardWriter(tmp / shard_name, shard)
@@ -330,6 +332,7 @@ def convert_full(ckpt: Checkpoint, output: Path, dtype, overwrite: bool, max_sha
                     tensor = state[t.name].contiguous()
                     writer.write(t.name, tensor.to(ST_TO_TORCH[t.dtype]))
                     del tensor
+                    counter.add(t.nbytes)
                 writer.close()
             finally:
                 writer.handle.close()
@@ -379,8 +382,9 @@ class ConvertResult:
 
 def convert(checkpoint: Path, output: Path, *, dtype: Optional[str] = None, overwrite: bool = False,
             adapter_config: Optional[Path] = None, max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
-            log: Callable[[str], None] = lambda s: None) -> ConvertResult:
-    """Convert a DeepSpeed checkpoint directory; LoRA or full is read from the parameter names."""
+            log: Callable[[str], None] = lambda s: None, on_write: Optional[OnWrite] = None) -> ConvertResult:
+    """Convert a DeepSpeed checkpoint directory; LoRA or full is read from the parameter names.
+    on_write: called with the running Written totals after each tensor (LoRA: the one file) is written."""
     checkpoint, output = Path(checkpoint), Path(output)
     if dtype is not None and dtype not in DTYPES:
         raise ConvertError(f"--dtype must be one of bfloat16, float16, float32, got {dtype!r}")
@@ -393,8 +397,8 @@ def convert(checkpoint: Path, output: Path, *, dtype: Optional[str] = None, over
     start = time.perf_counter()
     target = DTYPES[dtype] if dtype else None
     if ckpt.is_lora:
-        result = convert_lora(ckpt, output, target, adapter_config, overwrite, log)
+        result = convert_lora(ckpt, output, target, adapter_config, overwrite, log, on_write)
     else:
-        result = convert_full(ckpt, output, target, overwrite, max_shard_size, log)
+        result = convert_full(ckpt, output, target, overwrite, max_shard_size, log, on_write)
     log(f"converted in {time.perf_counter() - start:.1f} s")
     return result

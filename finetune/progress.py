@@ -5,7 +5,7 @@ writes whole lines to a console stream). This module is such a stream: it reads 
 runner prints anyway (the Trainer's `{'loss': ...}` dicts and finetune.train.callbacks.ProgressLines'
 `progress: step N/M` lines) and keeps one progress bar (step, loss, tokens/s, ETA) at the bottom
 of the terminal, every other line printed above it. Nothing changes on the ranks except that
-ProgressLines reports every second instead of every 15 (PROGRESS_ENV), and nothing changes when
+ProgressLines and the tokenizer report every second instead of every 15 (PROGRESS_ENV), and nothing changes when
 the output is not a terminal: CI and log files get the plain lines, as before.
 """
 
@@ -20,6 +20,7 @@ PROGRESS_ENV = "FINETUNE_PROGRESS_INTERVAL"  # seconds between rank 0's progress
 LIVE_INTERVAL = "1"
 _RANK_PREFIX = re.compile(r"^\[(?:rank|default)\d+\]:\s?")
 _PROGRESS = re.compile(r"^progress: step (\d+)/(\d+)")
+_TOKENIZING = re.compile(r"^\[finetune\] tokenizing: (\d+)/(\d+) rows")
 _TOKENIZED = re.compile(r"^\[finetune\] (tokenized data|parameters):")
 
 
@@ -84,6 +85,10 @@ class TrainingDisplay:
         if match:  # the bar shows it
             self.progress.update(self.task, description="training", completed=int(match[1]), total=int(match[2]))
             return
+        match = _TOKENIZING.match(body)
+        if match:  # the status text shows it
+            self.progress.update(self.task, description=f"tokenizing {match[1]}/{match[2]} rows")
+            return
         logged = parse_log_line(body)
         if logged is not None:
             fields = {}
@@ -120,3 +125,41 @@ def _is_number(value) -> bool:
     except (TypeError, ValueError):
         return False
     return True
+
+
+class WriteDisplay:
+    """The live display of `finetune merge` and `finetune convert` on a terminal: the log lines they print
+    anyway, above one bar of bytes written (done/total, rate, ETA) and tensors written."""
+
+    def __init__(self, description: str, console=None) -> None:
+        from rich.console import Console
+        from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
+                                   TransferSpeedColumn)
+
+        # stderr, beside the log lines: stdout keeps only the one-line summary, redirectable as before
+        self.console = console or Console(stderr=True)
+        self.progress = Progress(
+            TextColumn("[bold]{task.description}"), BarColumn(), DownloadColumn(),
+            TextColumn("{task.fields[tensors]}"), TransferSpeedColumn(), TextColumn("ETA"),
+            TimeRemainingColumn(), console=self.console, transient=False)
+        self.description = description
+        self.task: Optional[int] = None
+
+    def __enter__(self) -> "WriteDisplay":
+        self.progress.start()
+        self.task = self.progress.add_task(self.description, total=None, tensors="")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.progress.stop()
+
+    def log(self, line: str) -> None:
+        # The bar redrawn under the line is the last one drawn: draw the current one first (a fast
+        # merge writes a shard between two of rich's 10 refreshes a second).
+        self.progress.refresh()
+        self.console.print(line, markup=False, highlight=False, soft_wrap=True)
+
+    def update(self, written) -> None:
+        """An on_write callback of finetune.merge (a Written); called from the writer thread (rich locks)."""
+        self.progress.update(self.task, completed=written.bytes, total=written.total_bytes,
+                             tensors=f"{written.tensors}/{written.total_tensors} tensors")

@@ -108,6 +108,13 @@ def peft_merged_state_dict(base: Path, adapter: Path, dtype: Optional[str] = Non
 # Real ZeRO checkpoints: this file run under torchrun (2 processes, DeepSpeed on its CPU accelerator).
 
 
+def safetensors_data_bytes(path: Path) -> int:
+    """The tensor bytes of a safetensors file: its size less the 8-byte length and the header."""
+    with open(path, "rb") as handle:
+        header = int.from_bytes(handle.read(8), "little")
+    return path.stat().st_size - 8 - header
+
+
 def ds_config(stage: int) -> dict:
     zero: dict = {"stage": stage}
     if stage == 3:

@@ -25,8 +25,8 @@ from typer.testing import CliRunner  # noqa: E402
 
 from finetune.cli import app  # noqa: E402
 from finetune.convert import ConvertError, convert, peft_key  # noqa: E402
-from finetune.merge import merge  # noqa: E402
-from tests.merge_fixtures import build_llama, peft_merged_state_dict  # noqa: E402
+from finetune.merge import Written, merge  # noqa: E402
+from tests.merge_fixtures import build_llama, peft_merged_state_dict, safetensors_data_bytes  # noqa: E402
 
 FIXTURES = Path(__file__).with_name("merge_fixtures.py")
 runner = CliRunner()
@@ -81,8 +81,11 @@ def test_global_step_dir_and_float32(runs, tmp_path):
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     step = runs["lora-zero3"] / "checkpoint-3" / "global_step3"
-    convert(step, tmp_path / "adapter", dtype="float32")
+    seen = []
+    convert(step, tmp_path / "adapter", dtype="float32", on_write=seen.append)
     ours = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
+    size = safetensors_data_bytes(tmp_path / "adapter" / "adapter_model.safetensors")
+    assert seen == [Written(size, len(ours), size, len(ours))]  # one file, written by one call
     masters = get_fp32_state_dict_from_zero_checkpoint(str(runs["lora-zero3"] / "checkpoint-3"), exclude_frozen_parameters=True)
     assert_same(ours, {peft_key(k, "default"): v for k, v in masters.items()})
 
@@ -90,8 +93,14 @@ def test_global_step_dir_and_float32(runs, tmp_path):
 @pytest.mark.slow
 def test_full_checkpoint_becomes_the_saved_model(runs, tmp_path):
     out = tmp_path / "model"
-    result = convert(runs["full-zero3"] / "checkpoint-3", out, max_shard_size=100_000)
+    seen = []
+    result = convert(runs["full-zero3"] / "checkpoint-3", out, max_shard_size=100_000, on_write=seen.append)
     assert result.kind == "full" and result.shards > 1
+    # on_write: once per tensor, bytes growing to exactly the tensor bytes in the shards
+    on_disk = sum(safetensors_data_bytes(p) for p in out.glob("*.safetensors"))
+    assert [w.tensors for w in seen] == list(range(1, result.tensors + 1))
+    assert all(a.bytes < b.bytes for a, b in zip(seen, seen[1:]))
+    assert seen[-1].bytes == seen[-1].total_bytes == result.total_bytes == on_disk
     ours = {}
     for shard in sorted(out.glob("*.safetensors")):
         ours.update(load_file(str(shard)))

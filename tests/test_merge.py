@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import io
 import json
 import socket
 import subprocess
@@ -24,9 +25,10 @@ from typer.testing import CliRunner  # noqa: E402
 
 import finetune.merge as merge_mod  # noqa: E402
 from finetune.cli import app  # noqa: E402
-from finetune.merge import MergeError, merge, resolve_inputs, verify  # noqa: E402
+from finetune.merge import MergeError, human_size, merge, resolve_inputs, verify  # noqa: E402
 from tests.conftest import REPO  # noqa: E402
-from tests.merge_fixtures import build_adapter, build_gpt2, build_llama, peft_merged_state_dict  # noqa: E402
+from tests.merge_fixtures import (build_adapter, build_gpt2, build_llama, peft_merged_state_dict,  # noqa: E402
+                                  safetensors_data_bytes)
 
 runner = CliRunner()
 
@@ -312,6 +314,51 @@ def test_interrupted_merge_leaves_nothing(models, bf16_adapter, tmp_path, monkey
     with pytest.raises(KeyboardInterrupt):
         merge(models["bf16"], bf16_adapter, tmp_path / "out")
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_on_write_reports_each_tensor_up_to_the_bytes_on_disk(models, bf16_adapter, tmp_path):
+    seen = []
+    result = merge(models["bf16"], bf16_adapter, tmp_path / "out", max_shard_size=60_000, on_write=seen.append)
+    on_disk = sum(safetensors_data_bytes(p) for p in (tmp_path / "out").glob("*.safetensors"))
+    assert result.shards > 2 and len(seen) == len(load_dir(tmp_path / "out"))
+    assert [w.tensors for w in seen] == list(range(1, len(seen) + 1))
+    assert all(a.bytes < b.bytes for a, b in zip(seen, seen[1:]))
+    assert seen[-1].bytes == seen[-1].total_bytes == result.total_bytes == on_disk
+    assert {(w.total_bytes, w.total_tensors) for w in seen} == {(on_disk, len(seen))}
+
+
+def merge_cli(models, adapter, out):
+    return runner.invoke(app, ["merge", "--base", str(models["bf16"]), "--adapter", str(adapter), "-o", str(out),
+                               "--max-shard-size", "60KB"])
+
+
+def test_merge_on_a_terminal_draws_a_progress_bar(models, bf16_adapter, tmp_path, monkeypatch):
+    from rich.console import Console
+
+    from finetune import progress
+    from finetune.progress import WriteDisplay
+
+    screen = io.StringIO()
+    console = Console(file=screen, force_terminal=True, width=150)
+    monkeypatch.setattr(progress, "wanted", lambda stream=None: True)
+    monkeypatch.setattr(progress, "WriteDisplay", lambda what: WriteDisplay(what, console=console))
+    result = merge_cli(models, bf16_adapter, tmp_path / "out")
+    assert result.exit_code == 0, result.output
+    drawn = screen.getvalue()
+    count = len(load_dir(tmp_path / "out"))
+    assert "\x1b[" in drawn and "merging" in drawn and "━" in drawn  # a live, redrawn bar
+    assert f"{count}/{count} tensors" in drawn and "100%" not in result.output
+    assert "wrote model-00001-of-" in drawn  # the log lines above the bar, not on plain stderr
+    assert result.stderr == "" and result.stdout.startswith("merged ")
+
+
+def test_merge_off_a_terminal_prints_the_plain_lines(models, bf16_adapter, tmp_path):
+    result = merge_cli(models, bf16_adapter, tmp_path / "out")
+    assert result.exit_code == 0, result.output
+    files = sorted((tmp_path / "out").glob("*.safetensors"))
+    assert result.stderr.splitlines() == [f"wrote {p.name} ({human_size(safetensors_data_bytes(p))})" for p in files]
+    assert "\x1b" not in result.output and " tensors" not in result.output  # no bar
+    assert result.stdout.startswith(f"merged 14 LoRA layers into {tmp_path / 'out'} ({len(files)} shards, ")
 
 
 def test_missing_arguments_are_usage_errors(tmp_path):

@@ -24,6 +24,17 @@ def test_relayed_lines_drive_the_bar_and_the_rest_is_printed():
     assert "progress: step 12/117" not in text  # shown by the bar, not as a line
 
 
+def test_tokenizing_lines_become_the_status_text():
+    out = io.StringIO()
+    with TrainingDisplay(Console(file=out, force_terminal=True, width=160)) as display:
+        display.write(b"[rank0]: [finetune] tokenizing: 1200/5000 rows\n")
+        assert display.progress.tasks[0].description == "tokenizing 1200/5000 rows"
+        display.write(b"[rank0]: [finetune] tokenized data: 4990 sequences, 123 tokens -> /c\n")
+        assert display.progress.tasks[0].description == "loading model"
+    text = out.getvalue()
+    assert "tokenizing: 1200/5000 rows" not in text and "tokenized data: 4990 sequences" in text
+
+
 def test_log_lines_are_recognised_and_only_a_terminal_gets_the_display():
     assert parse_log_line("{'loss': '2.3', 'epoch': '1'}") == {"loss": 2.3, "epoch": 1.0}
     assert parse_log_line("{not python}") is None and parse_log_line("loss 2.3") is None

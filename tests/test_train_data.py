@@ -219,6 +219,21 @@ def test_tokenized_data_is_cached_by_data_and_tokenizer(tmp_path, tokenizer, mon
     assert cache_key(section, other) != key
 
 
+def test_tokenizing_reports_rows_at_the_progress_interval(tmp_path, tokenizer, monkeypatch):
+    from finetune.progress import PROGRESS_ENV
+
+    lines: list[str] = []
+    monkeypatch.setenv(PROGRESS_ENV, "0")  # every row
+    tokenize_for_training(_data(DEMO), tokenizer, tmp_path / "every", log=lines.append)
+    count = len(DEMO.read_text().splitlines())
+    progress = [line for line in lines if line.startswith("tokenizing: ")]
+    assert progress == [f"tokenizing: {n}/{count} rows" for n in range(1, count + 1)]
+    monkeypatch.setenv(PROGRESS_ENV, "3600")  # the demo data takes well under an hour: no line
+    lines.clear()
+    tokenize_for_training(_data(DEMO), tokenizer, tmp_path / "hourly", log=lines.append)
+    assert not [line for line in lines if line.startswith("tokenizing: ")] and lines
+
+
 def test_cache_key_follows_the_data_file(tmp_path, tokenizer):
     path = tmp_path / "d.jsonl"
     path.write_text('{"instruction": "a", "input": "", "output": "b"}\n')

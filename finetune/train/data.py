@@ -25,6 +25,7 @@ import json
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
@@ -87,8 +88,9 @@ def load_raw(path: str, split: str = "train"):
 
 
 def tokenize_examples(examples: Iterable[dict[str, Any]], tokenizer, fmt: str, max_length: int,
-                      mask_prompt: bool = True) -> list[dict[str, list[int]]]:
-    """input_ids + labels for each example (a text may give several rows, an empty one none)."""
+                      mask_prompt: bool = True, on_example: Callable[[int], None] | None = None) -> list[dict[str, list[int]]]:
+    """input_ids + labels for each example (a text may give several rows, an empty one none).
+    on_example gets the number of examples done after each one."""
     encode = _ENCODERS[fmt]
     rows: list[dict[str, list[int]]] = []
     for index, example in enumerate(examples):
@@ -96,6 +98,8 @@ def tokenize_examples(examples: Iterable[dict[str, Any]], tokenizer, fmt: str, m
             rows.extend(encode(example, tokenizer, max_length, mask_prompt))
         except DataError as exc:
             raise DataError(f"example {index}: {exc}") from None
+        if on_example is not None:
+            on_example(index + 1)
     return rows
 
 
@@ -225,7 +229,8 @@ def tokenize_for_training(data: dict[str, Any], tokenizer, cache_dir: Path, log:
         return datasets.load_from_disk(str(target))
     raw = load_raw(str(data["path"]), data.get("split", "train"))
     _check_columns(raw, data["format"], str(data["path"]))
-    rows = tokenize_examples(raw, tokenizer, data["format"], int(data["max_length"]), bool(data.get("mask_prompt", True)))
+    rows = tokenize_examples(raw, tokenizer, data["format"], int(data["max_length"]), bool(data.get("mask_prompt", True)),
+                             on_example=_every_interval(lambda done: log(f"tokenizing: {done}/{len(raw)} rows")))
     if not rows:
         raise DataError(f"{data['path']}: no example has a trainable token after truncation to max_length {data['max_length']}")
     dropped = len(raw) - len(rows) if data["format"] != "text" else 0
@@ -237,6 +242,23 @@ def tokenize_for_training(data: dict[str, Any], tokenizer, cache_dir: Path, log:
     _save_atomic(dataset, target)
     log(f"tokenized data: {len(dataset)} sequences, {sum(len(r['input_ids']) for r in rows)} tokens -> {target}")
     return datasets.load_from_disk(str(target))
+
+
+def _every_interval(report: Callable[[int], None]) -> Callable[[int], None]:
+    """report(done), at most once per progress interval (the live display asks for 1 s, logs get 15 s)."""
+    from finetune.progress import PROGRESS_ENV
+
+    interval = float(os.environ.get(PROGRESS_ENV) or 15)
+    last = time.monotonic()
+
+    def maybe_report(done: int) -> None:
+        nonlocal last
+        now = time.monotonic()
+        if now - last >= interval:
+            last = now
+            report(done)
+
+    return maybe_report
 
 
 def _check_columns(raw, fmt: str, path: str) -> None:
