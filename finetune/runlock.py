@@ -69,30 +69,26 @@ def acquire(run_dir: Path, name: str = LOCK_FILE) -> RunLock:
 
 def holder(run_dir: Path, name: str = LOCK_FILE) -> Optional[str]:
     """Who owns `run_dir` now (the error message), or None when no live run does. Takes nothing."""
-    path = _lock_path(run_dir, name)
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
-        return None
-    try:
-        if _try_flock(fd):
-            return None  # released again when fd closes
-        return _locked_message(run_dir, _read_holder(fd))
-    finally:
-        os.close(fd)
+    text = _live_holder(run_dir, name)
+    return None if text is None else _locked_message(run_dir, text)
 
 
 def owned_by(run_dir: Path, pid: int, name: str = LOCK_FILE) -> bool:
     """Whether the live holder of `run_dir`'s lock is the process `pid` (as its lock file says)."""
-    path = _lock_path(run_dir, name)
+    text = _live_holder(run_dir, name)
+    return text is not None and text.split()[:2] == ["pid", str(pid)]
+
+
+def _live_holder(run_dir: Path, name: str) -> Optional[str]:
+    """The lock file's text while a live process holds the lock; None when nobody does."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(_lock_path(run_dir, name), os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
-        return False
+        return None
     try:
         if _try_flock(fd):
-            return False
-        return _read_holder(fd).split()[:2] == ["pid", str(pid)]
+            return None  # nobody held it; released again when fd closes
+        return _read_holder(fd)
     finally:
         os.close(fd)
 
