@@ -1809,12 +1809,12 @@ def _yaml_scalar(value: Any) -> str:
 
 def recipe_without_file(overrides: list[str]):
     """A recipe for `finetune plan --model ...`: defaults plus the flags (RecipeProblem on bad values)."""
-    from finetune.recipe import RecipeProblem, _apply_set, validate
+    from finetune.recipe import RecipeProblem, apply_set, validate
 
     raw: dict[str, Any] = {"model": {"name_or_path": ""}, "data": {"path": "-"}}
     origin: dict = {}
     for item in overrides:
-        _apply_set(raw, origin, item)
+        apply_set(raw, origin, item)
     if not raw["model"].get("name_or_path"):
         raise PlanError("without a recipe, --model is required (a config.json, an architecture name such as "
                         "llama-3-8b, or a parameter count such as 7.5B)")
