@@ -314,7 +314,7 @@ def load_recipe(path: Union[str, Path], overrides: Optional[list[str]] = None) -
     path = Path(path)
     raw, origin = _load_chain(path, [])
     for item in overrides or []:
-        _apply_set(raw, origin, item)
+        apply_set(raw, origin, item)
     try:
         recipe = validate(raw, origin, str(path))
     except RecipeProblem as exc:
@@ -459,7 +459,7 @@ def _deep_merge(base: dict, top: dict) -> dict:
     return out
 
 
-def _apply_set(raw: dict, origin: dict, item: str) -> None:
+def apply_set(raw: dict, origin: dict, item: str) -> None:
     """`--set deepspeed.stage=3`: the value is read as YAML (numbers, booleans, lists)."""
     where = "--set"
     if "=" not in item:

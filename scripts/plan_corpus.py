@@ -9,7 +9,7 @@ error = (predicted - measured) / measured, per GPU, against the counter the sour
 (`sources.*.measure`): max_memory_allocated -> the planner's allocated peak; max_memory_reserved and
 unspecified sources -> its reserved peak; nvidia-smi and "capacity" (the longest run that fit a GPU of
 that size) -> its nvidia-smi-level figure. Cases marked `holdout` were chosen by source before any
-calibration and are summarised separately: no constant in finetune/plan.py was fitted to them.
+calibration and are summarised separately: no constant in finetune/plan/ was fitted to them.
 """
 
 from __future__ import annotations

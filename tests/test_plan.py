@@ -2,7 +2,7 @@
 torch's real activation memory, bitsandbytes' real quantization state and transformers' real models.
 
 What cannot be measured here (no GPU): the CUDA context, NCCL's buffers and allocator fragmentation;
-those are documented estimates in finetune/plan.py.
+those are documented estimates in finetune/plan/.
 """
 
 from __future__ import annotations

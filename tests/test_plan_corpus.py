@@ -13,10 +13,10 @@ from dataclasses import replace
 import pytest
 
 from finetune.archs import BY_NAME, arch_from_config
-from finetune.plan import (
-    CUBLAS_WORKSPACE, CUDA_CONTEXT, GiB, MiB, Setup, is_hopper, logits_bytes, nccl_buffer_bytes, plan,
-    plan_recipe,
-)
+from finetune.plan import GiB, MiB, Setup, plan, plan_recipe
+from finetune.plan.activations import logits_bytes
+from finetune.plan.constants import CUBLAS_WORKSPACE, CUDA_CONTEXT
+from finetune.plan.planner import is_hopper, nccl_buffer_bytes
 from finetune.recipe import load_recipe
 from tests.conftest import REPO, run_cli
 

@@ -1,0 +1,235 @@
+"""Activations and logits: tensors saved for backward, attention masks and the loss kernels' working set."""
+
+from __future__ import annotations
+
+import math
+
+from finetune.archs import LAYER_LINEARS, names
+from finetune.plan.setup import Setup, Term
+
+
+def activation_terms(setup: Setup) -> list[Term]:
+    per_layer = layer_activation_bytes(setup)
+    tokens = setup.micro_batch * setup.seq_len
+    arch = setup.arch
+    assert arch is not None
+    e = setup.element_bytes
+    h = arch.hidden
+    full = setup.method == "full"
+    terms: list[Term] = []
+    if setup.gradient_checkpointing:
+        # transformers' GradientCheckpointingLayer: each decoder layer keeps only its input.
+        terms.append(Term("activations", "layer inputs (checkpointed)", arch.layers * tokens * e * h,
+                          phase="backward", note=f"{arch.layers} layers x {e * h} B/token"))
+    else:
+        saved = arch.layers * per_layer
+        if not full:
+            # Layer 0's first norm sees an input that needs no gradient (frozen embedding): nothing saved.
+            saved -= tokens * (4 * h + 4)
+        terms.append(Term("activations", "saved for backward", saved, phase="backward",
+                          note=f"{arch.layers} layers x {per_layer // tokens:,} B/token"
+                               + (" + seq^2 scores" if setup.attn == "eager" else "")))
+    head = tokens * (4 * h + 4 + (e * h if full else 0))  # final norm
+    if full or "lm_head" in setup.lora_targets or "lm_head" in setup.modules_to_save:
+        head += tokens * e * h  # lm_head input, for its weight gradient
+    head += tokens * 16  # input ids + labels (int64)
+    head += 2 * setup.seq_len * arch.dim_head * e  # RoPE cos/sin, shared by all layers
+    terms.append(Term("activations", "final norm, head input", head, phase="backward"))
+    mask = attention_mask_bytes(setup)
+    if mask:
+        terms.append(Term("activations", "attention mask", mask, phase="backward",
+                          note=f"4D mask, {'1 x (batch x seq)^2, padding_free bound' if flattened(setup) else 'batch x seq^2'}"))
+    logits = logits_bytes(setup)
+    # Backward's own peak comes after the loss buffers are freed (they do not coexist), so only the
+    # part above them raises the total.
+    extra = max(0, backward_working_bytes(setup, per_layer) - logits)
+    what = "layer recompute + gradients" if setup.gradient_checkpointing else "backward temporaries"
+    terms.append(Term("activations", what, extra, phase="backward",
+                      note="beyond the loss buffers" if extra else "smaller than the loss buffers"))
+    terms.append(Term("logits", "loss working set", logits, phase="backward", note=logits_note(setup)))
+    return terms
+
+
+def layer_activation_bytes(setup: Setup) -> int:
+    """Bytes one decoder layer saves for backward (no checkpointing), for micro_batch x seq_len tokens.
+
+    Read off the HF Llama/Qwen2/Mistral code and checked against torch's saved tensors on CPU
+    (tests/test_plan.py): per token, with e = bytes of the 16-bit dtype,
+    - each RMSNorm: its input upcast to fp32 (4h) and the rsqrt (4); full FT also its 16-bit output
+      (for the norm weight's gradient);
+    - a linear layer saves its input only when its weight is trained or it carries LoRA (frozen
+      weights need no input for the input gradient); q/k/v share one input, as do gate/up;
+      LoRA dropout > 0 makes a private dropped-out copy per target (e) and a bool mask (1);
+    - each LoRA adapter saves lora_A's output (e x r);
+    - attention: eager saves q, k and v repeated to all heads, the fp32 softmax and its 16-bit copy
+      (row x heads per token, row = seq, or micro_batch x seq when flattened: the seq^2 term); sdpa/flash
+      save q, k, v, the output and an fp32 log-sum-exp per head, and sdpa with a mask (padded or packed
+      batches) its own copy of the mask in the model dtype;
+    - the MLP: the activation's input and output and up_proj's output (3 x e x intermediate).
+    """
+    arch = setup.arch
+    assert arch is not None
+    e = setup.element_bytes
+    h, s = arch.hidden, setup.seq_len
+    # The MLP's nn.Linear layers: a dense model's, or a MoE layer's shared expert.
+    inter = arch.shared_intermediate if arch.experts else arch.intermediate
+    full = setup.method == "full"
+    targets = set(setup.lora_targets) if not full else set()
+    dropout = not full and setup.lora_dropout > 0
+
+    def linear_inputs(names: tuple[str, ...], width: int, shared_with_output: bool = False) -> int:
+        if full:
+            return 0 if shared_with_output else e * width
+        hit = [n for n in names if n in targets]
+        if not hit:
+            return 0
+        if dropout:
+            return len(hit) * (e + 1) * width
+        return 0 if shared_with_output else e * width
+
+    per_token = arch.norms_per_layer * (4 * h + 4 + (e * h if full else 0))
+    fused_attention = setup.attn != "eager"
+    mask_copy = 0
+    per_token += linear_inputs(("q_proj", "k_proj", "v_proj"), h)
+    per_token += linear_inputs(("o_proj",), arch.q_dim, shared_with_output=fused_attention)
+    per_token += linear_inputs(("gate_proj", "up_proj"), h)
+    per_token += linear_inputs(("down_proj",), inter)
+    per_token += e * setup.lora_r * sum(1 for n in LAYER_LINEARS if n in targets)
+    if fused_attention:
+        # sdpa shares key/value heads (enable_gqa) only without a mask (sdpa_attention.use_gqa_in_sdpa).
+        kv = arch.q_dim if (setup.attn == "sdpa" and attention_mask_bytes(setup)) else arch.kv_dim
+        per_token += e * arch.q_dim * 2 + e * kv * 2 + 4 * arch.heads  # q, out, k, v, log-sum-exp
+        scores = 0
+        if setup.attn == "sdpa":
+            # torch's sdpa turns the shared bool mask into an additive one of the query dtype on every
+            # call (convert_boolean_attn_mask) and keeps it for backward: one copy per layer.
+            mask_copy = attention_mask_bytes(setup) * e
+    else:
+        per_token += 3 * e * arch.q_dim  # q, k and v repeated to every head
+        probs = 4 + (e if e != 4 else 0)  # fp32 softmax, and its cast back to the model dtype
+        scores = arch.heads * attention_row(setup) * (probs + (e if arch.attn_softcap else 0))
+    per_token += moe_mlp_bytes(setup) if arch.experts else 3 * e * inter
+    return setup.micro_batch * s * (per_token + scores) + mask_copy
+
+
+def moe_mlp_bytes(setup: Setup) -> int:
+    """A MoE block's saved tensors per token (transformers' MixtralExperts / Qwen2MoeExperts loop):
+    the router's fp32 softmax over all experts (4 x experts) and its top-k values and indices; for
+    each of the k experts a token is routed to, the gated MLP's 3 x e x width, its output kept for the
+    routing-weight product (e x hidden) and the fp32 weight and index (12); with full fine-tuning also
+    each expert's gathered input and down_proj's input. The shared expert is a gated MLP (3 x e x
+    width), and with Qwen2-MoE's sigmoid gate its output and the gate are kept too."""
+    arch = setup.arch
+    assert arch is not None
+    e, h, k = setup.element_bytes, arch.hidden, arch.experts_per_token
+    per_expert = 3 * e * arch.moe_intermediate + e * h + 12
+    if setup.method == "full":
+        per_expert += e * h + e * arch.moe_intermediate
+    router = 4 * arch.experts + 12 * k + 4
+    shared = 3 * e * arch.shared_intermediate if arch.shared_intermediate else 0
+    if arch.shared_intermediate and arch.shared_expert_gate:
+        shared += e * h + e
+    return k * per_expert + router + shared
+
+
+def backward_working_bytes(setup: Setup, per_layer: int) -> int:
+    """What backward allocates beyond the saved activations, at its own peak (fitted to torch's CPU
+    allocations of tiny Llamas, tests/test_plan.py): with checkpointing, one layer's recomputed
+    activations plus the MLP's gradients, about (2.5 x intermediate - 2 x hidden) 16-bit elements per
+    token; without, the final norm's fp32 gradient temporaries, about 20 x hidden bytes per token."""
+    arch = setup.arch
+    assert arch is not None
+    tokens = setup.micro_batch * setup.seq_len
+    if setup.gradient_checkpointing:
+        grads = max(0, (5 * arch.active_mlp_width - 4 * arch.hidden) // 2) * setup.element_bytes
+        return per_layer + tokens * grads
+    return tokens * 20 * arch.hidden
+
+
+def flattened(setup: Setup) -> bool:
+    """One row per micro batch (finetune.train.data.make_collator): padding_free, or packing under flash."""
+    return setup.padding_free or (setup.packing and setup.attn.startswith("flash"))
+
+
+def attention_row(setup: Setup) -> int:
+    """Tokens one query is masked against: a row. A flattened row holds the whole micro batch; padding_free
+    rows vary with the data, and max_length per example bounds them at micro_batch x seq_len."""
+    return setup.micro_batch * setup.seq_len if flattened(setup) else setup.seq_len
+
+
+def attention_mask_bytes(setup: Setup) -> int:
+    """The 4D mask transformers' masking_utils materialises for sdpa (bool) and eager (the model dtype),
+    once per forward, (rows, 1, row, row): padded rows, packed rows (block-diagonal, from the position
+    ids) and flattened rows (1, 1, micro_batch x seq, micro_batch x seq) all build one; sdpa alone skips
+    it for full unpadded rows (is_causal). Flash attention takes boundaries (cu_seq_lens) instead."""
+    if setup.attn.startswith("flash") or (setup.attn == "sdpa" and setup.full_rows):
+        return 0
+    per = setup.element_bytes if setup.attn == "eager" else 1
+    rows = 1 if flattened(setup) else setup.micro_batch
+    return rows * attention_row(setup) ** 2 * per
+
+
+def loss_element_bytes(setup: Setup) -> int:
+    """Bytes of one log-prob in the cross-entropy: 4 when it runs in fp32 (transformers' upcast, or
+    autocast), 2 when a model's own loss runs on 16-bit logits without autocast (Setup.loss_dtype)."""
+    return 4 if setup.loss_dtype == "float32" else 2
+
+
+def logits_bytes(setup: Setup) -> int:
+    """The loss: transformers' ForCausalLMLoss upcasts the logits to fp32 and cross_entropy keeps the
+    fp32 log-softmax for backward; at the start of backward the log-probs, nll_loss's gradient and
+    log_softmax's gradient are alive together: 3 x 4 bytes per vocabulary entry and token (the
+    16-bit logits and the fp32 copy of the forward, 6-10 bytes, are gone by then). A 16-bit loss
+    (loss_dtype) keeps the same three tensors at 2 bytes each."""
+    arch = setup.arch
+    assert arch is not None
+    tokens = setup.micro_batch * setup.seq_len
+    if setup.loss_kernel == "liger":
+        return liger_logits_bytes(setup)
+    if setup.loss_kernel == "chunked":
+        tokens = _loss_chunk(setup)
+    per = 3 * loss_element_bytes(setup) + (2 * setup.element_bytes if arch.logit_softcap else 0)  # Gemma 2: tanh
+    return tokens * arch.vocab * per
+
+
+def _loss_chunk(setup: Setup) -> int:
+    """Tokens whose logits exist at once with loss_kernel: chunked (finetune/train/loss.py)."""
+    from finetune.train.loss import chunk_count
+
+    tokens = setup.micro_batch * setup.seq_len
+    assert setup.arch is not None
+    return math.ceil(tokens / chunk_count(tokens, setup.arch.vocab, setup.loss_chunk_tokens))
+
+
+def _liger_chunk(setup: Setup) -> int:
+    """Liger's fused_linear_cross_entropy_forward: chunk = next_pow2(ceil(BT / ceil(V / H))), at most BT,
+    so one chunk's logits are about as large as the hidden states."""
+    arch = setup.arch
+    assert arch is not None
+    tokens = setup.micro_batch * setup.seq_len
+    per_chunk = math.ceil(tokens / math.ceil(arch.vocab / arch.hidden))
+    return min(tokens, 1 << (per_chunk - 1).bit_length())
+
+
+def liger_logits_bytes(setup: Setup) -> int:
+    """Liger computes each chunk's logits in the model dtype and overwrites them with their gradient
+    in place; beside them it keeps the input's gradient (BT x H, model dtype) and a fp32 loss per token."""
+    arch = setup.arch
+    assert arch is not None
+    tokens = setup.micro_batch * setup.seq_len
+    e = setup.element_bytes
+    return _liger_chunk(setup) * arch.vocab * e + tokens * (arch.hidden * e + 4)
+
+
+def logits_note(setup: Setup) -> str:
+    arch = setup.arch
+    assert arch is not None
+    tokens = setup.micro_batch * setup.seq_len
+    if setup.loss_kernel == "liger":
+        return (f"liger: {_liger_chunk(setup):,}-token chunk x vocab {arch.vocab:,} x {setup.element_bytes} B "
+                f"+ input gradient")
+    if setup.loss_kernel == "chunked":
+        return (f"chunked: {_loss_chunk(setup):,} of {tokens:,} tokens x vocab {arch.vocab:,} x "
+                f"{3 * loss_element_bytes(setup)} B")
+    return (f"{tokens:,} tokens x vocab {arch.vocab:,} x {3 * loss_element_bytes(setup)} B "
+            f"({setup.loss_dtype} log-probs + 2 grads)")

@@ -1,0 +1,241 @@
+"""From a recipe (or command-line flags) to a `Setup`: its sections, DeepSpeed's rendered values, model lookup."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Optional
+
+from finetune.archs import LAYER_LINEARS, Arch, ArchError, load_config_json, match_hub_id, names
+from finetune.plan.constants import (
+    DS_MAX_LIVE_PARAMETERS, DS_MAX_REUSE_DISTANCE, DS_PARAM_PERSISTENCE_THRESHOLD, DS_PREFETCH_BUCKET_SIZE,
+    DS_REDUCE_BUCKET_SIZE, DS_SUB_GROUP_SIZE,
+)
+from finetune.plan.planner import plan
+from finetune.plan.result import PlanResult
+from finetune.plan.setup import PlanError, Setup, overflow_as_plan_error
+
+
+def plan_recipe(recipe, gpus: Optional[int] = None, gpu_memory_bytes: Optional[int] = None,
+                nodes: Optional[int] = None, cpu_memory_bytes: Optional[int] = None,
+                deepspeed: bool = True) -> PlanResult:
+    """Plan a validated `finetune.recipe.Recipe`. Missing hardware comes from the recipe's `hardware`
+    and `launch` sections. Raises PlanError (for example: a hub id the table does not know)."""
+    return plan(setup_from_recipe(recipe, gpus, gpu_memory_bytes, nodes, cpu_memory_bytes, deepspeed))
+
+
+@overflow_as_plan_error
+def setup_from_recipe(recipe, gpus: Optional[int] = None, gpu_memory_bytes: Optional[int] = None,
+                      nodes: Optional[int] = None, cpu_memory_bytes: Optional[int] = None,
+                      deepspeed: bool = True) -> Setup:
+    from finetune.dsconfig import render_deepspeed
+    from finetune.recipe import parse_size
+
+    arch, params, label = resolve_model(recipe.model.name_or_path)
+    hw = recipe.hardware
+    launch_note = ""
+    if gpus is None:
+        if isinstance(recipe.launch.procs_per_node, int):
+            gpus = recipe.launch.procs_per_node
+        else:
+            gpus = hw.gpus if hw is not None else 1
+            cpu = recipe.launch.cpu_procs
+            launch_note = (f"procs_per_node: auto starts one process per visible GPU (planned for {gpus} GPU"
+                           f"{'s' if gpus != 1 else ''}{' from hardware.gpus' if hw is not None else ''}; "
+                           f"--gpus N to change); without a GPU it starts {cpu} CPU process{'es' if cpu != 1 else ''}"
+                           " (launch.cpu_procs), where GPU memory does not apply")
+    nodes = nodes if nodes is not None else recipe.launch.nodes
+    if gpu_memory_bytes is None and hw is not None and hw.gpu_memory:
+        gpu_memory_bytes = parse_size(hw.gpu_memory)
+    if cpu_memory_bytes is None and hw is not None and hw.cpu_memory:
+        cpu_memory_bytes = parse_size(hw.cpu_memory)
+    zero = render_deepspeed(recipe, gpus * nodes).get("zero_optimization", {})
+    if not isinstance(zero, dict):
+        raise PlanError("deepspeed.overrides.zero_optimization must be a mapping")
+    # The rendered block leaves out what its stage does not use; --recommend tries other stages, which
+    # would get the recipe's own values (or "auto").
+    section = recipe.deepspeed
+    unused = {"reduce_bucket_size": section.reduce_bucket_size,
+              "stage3_prefetch_bucket_size": section.stage3_prefetch_bucket_size,
+              "stage3_param_persistence_threshold": section.stage3_param_persistence_threshold,
+              "contiguous_gradients": section.contiguous_gradients}
+    if section.stage3_max_live_parameters is not None:
+        unused["stage3_max_live_parameters"] = section.stage3_max_live_parameters
+    zero = {**unused, **zero}
+    stage = _int_value(zero, "stage", 0)
+    if stage not in (0, 1, 2, 3):
+        raise PlanError(f"zero_optimization.stage must be 0-3, got {stage}")
+    hidden = arch.hidden if arch else None
+    lora = recipe.lora
+    targets = LAYER_LINEARS if lora.target_modules == "all-linear" else tuple(lora.target_modules)
+    overlap = zero.get("overlap_comm")
+    return Setup(
+        arch=arch, params=params, model_label=label,
+        method=recipe.method, dtype=recipe.model.dtype, attn=recipe.model.attn_implementation,
+        lora_r=lora.r, lora_targets=tuple(targets), lora_dropout=lora.dropout,
+        modules_to_save=tuple(lora.modules_to_save or ()),
+        double_quant=recipe.quantization.double_quant,
+        optimizer=recipe.training.optimizer,
+        deepspeed=deepspeed,
+        stage=stage,
+        offload_optimizer=_device(zero.get("offload_optimizer")) if stage >= 1 else "none",
+        offload_param=_device(zero.get("offload_param")) if stage == 3 else "none",
+        gpus_per_node=gpus, nodes=nodes,
+        micro_batch=recipe.training.micro_batch_size, seq_len=recipe.data.max_length,
+        packing=recipe.data.packing, padding_free=recipe.data.padding_free,
+        gradient_checkpointing=recipe.training.gradient_checkpointing,
+        loss_kernel=recipe.training.loss_kernel, loss_chunk_tokens=recipe.training.loss_chunk_tokens,
+        overlap_comm=bool(overlap) if overlap is not None else None,
+        contiguous_gradients=bool(zero.get("contiguous_gradients", True)),
+        # "auto" values are filled by transformers/integrations/deepspeed.py from hidden_size.
+        reduce_bucket_size=_size_value(zero, "reduce_bucket_size", DS_REDUCE_BUCKET_SIZE,
+                                       hidden * hidden if hidden else None),
+        prefetch_bucket_size=_size_value(zero, "stage3_prefetch_bucket_size", DS_PREFETCH_BUCKET_SIZE,
+                                         int(0.9 * hidden * hidden) if hidden else None),
+        param_persistence_threshold=_size_value(zero, "stage3_param_persistence_threshold",
+                                                DS_PARAM_PERSISTENCE_THRESHOLD, 10 * hidden if hidden else None),
+        max_live_parameters=_size_value(zero, "stage3_max_live_parameters", DS_MAX_LIVE_PARAMETERS, None),
+        max_reuse_distance=_size_value(zero, "stage3_max_reuse_distance", DS_MAX_REUSE_DISTANCE, None),
+        sub_group_size=_size_value(zero, "sub_group_size", DS_SUB_GROUP_SIZE, None),
+        gpu_memory=gpu_memory_bytes, cpu_memory=cpu_memory_bytes,
+        gpu_type=hw.gpu_type if hw is not None else None,
+        launch_note=launch_note,
+    )
+
+
+def _device(block: Any) -> str:
+    if isinstance(block, dict):
+        device = block.get("device", "none")
+        return device if device in ("none", "cpu", "nvme") else "none"
+    return "none"
+
+
+def _int_value(zero: dict, key: str, default: int) -> int:
+    value = zero.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise PlanError(f"zero_optimization.{key} must be a number, got {value!r}")
+    return int(value)
+
+
+def _size_value(zero: dict, key: str, default: int, auto: Optional[int]) -> int:
+    value = zero.get(key, default)
+    if value == "auto":
+        # Without the model's hidden size "auto" cannot be resolved; DeepSpeed's default is the
+        # closest guess (and an over-estimate for small models).
+        return auto if auto is not None else default
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            raise PlanError(f"zero_optimization.{key} must be a number or \"auto\", got {value!r}") from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        raise PlanError(f"zero_optimization.{key} must be a non-negative number, got {value!r}")
+    return int(value)
+
+
+_COUNT_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMBT])\s*$", re.IGNORECASE)
+_COUNT_UNITS = {"k": 10**3, "m": 10**6, "b": 10**9, "t": 10**12}
+
+
+def resolve_model(name: str) -> tuple[Optional[Arch], int, str]:
+    """(architecture or None, total parameters, label) for a model reference.
+
+    Accepts a local directory with config.json (or the file itself), a `builtin:` tiny model, a
+    hub id or table name the built-in table knows, or a bare parameter count such as `7.5B`.
+    """
+    text = str(name).strip()
+    count = _COUNT_RE.match(text)
+    if count:
+        params = int(float(count.group(1)) * _COUNT_UNITS[count.group(2).lower()])
+        return None, params, f"{text} parameters (model states only)"
+    if text.startswith("builtin:"):
+        from finetune.archs import arch_from_config
+        from finetune.tiny import BUILTIN_CONFIGS
+
+        key = text[len("builtin:"):]
+        if key not in BUILTIN_CONFIGS:
+            raise PlanError(f"unknown built-in model {text!r} (known: {', '.join('builtin:' + k for k in BUILTIN_CONFIGS)})")
+        arch = replace(arch_from_config({"model_type": "llama", **BUILTIN_CONFIGS[key]}, text), name=text)
+        return arch, arch.total_params, arch.describe()
+    path = Path(text).expanduser()
+    if path.exists():
+        if path.is_dir() and not (path / "config.json").is_file():
+            raise PlanError(f"{path} has no config.json: pass --model with a config.json, an architecture "
+                            f"name ({', '.join(names()[:4])}, ...) or a parameter count such as 7.5B")
+        try:
+            arch = load_config_json(path)
+        except ArchError as exc:
+            raise PlanError(str(exc)) from None
+        return arch, arch.total_params, f"{arch.describe()} [from {path}]"
+    arch = match_hub_id(text)
+    if arch is not None:
+        label = arch.describe() + ("" if text.lower() == arch.name else f" [table match for {text}]")
+        return arch, arch.total_params, label
+    raise PlanError(f"model {text!r} is neither a local directory with config.json nor a known architecture: "
+                    f"pass --model with a config.json path, an architecture name ({', '.join(names())}) "
+                    "or a parameter count such as 7.5B")
+
+
+# ----------------------------------------------------------------------------------------------
+# Command-line what-ifs: flags become `--set` overrides, so a recipe and a bare model plan alike.
+
+_ZERO_CHOICES = ("none", "0", "1", "2", "3")
+
+
+def flag_overrides(*, model: Optional[str] = None, method: Optional[str] = None, zero: Optional[str] = None,
+                   offload_optimizer: Optional[str] = None, offload_param: Optional[str] = None,
+                   micro_batch: Optional[int] = None, seq_len: Optional[int] = None,
+                   gradient_checkpointing: Optional[bool] = None, lora_r: Optional[int] = None,
+                   lora_targets: Optional[str] = None, attn: Optional[str] = None,
+                   dtype: Optional[str] = None) -> list[str]:
+    """`--zero 3` -> `deepspeed.stage=3`, and so on (`--zero none` is handled by the caller)."""
+    out = []
+
+    def add(key: str, value: Any) -> None:
+        if value is not None:
+            out.append(f"{key}={json.dumps(value) if isinstance(value, str) else _yaml_scalar(value)}")
+
+    if zero is not None and zero not in _ZERO_CHOICES:
+        raise PlanError(f"--zero must be one of {', '.join(_ZERO_CHOICES)}, got {zero!r}")
+    add("model.name_or_path", model)
+    add("method", method)
+    add("deepspeed.stage", int(zero) if zero not in (None, "none") else None)
+    add("deepspeed.offload_optimizer", offload_optimizer)
+    add("deepspeed.offload_param", offload_param)
+    add("training.micro_batch_size", micro_batch)
+    add("data.max_length", seq_len)
+    add("training.gradient_checkpointing", gradient_checkpointing)
+    add("lora.r", lora_r)
+    if lora_targets is not None:
+        targets = [t.strip() for t in lora_targets.split(",") if t.strip()]
+        out.append("lora.target_modules=" + ("all-linear" if targets == ["all-linear"] else json.dumps(targets)))
+    add("model.attn_implementation", attn)
+    add("model.dtype", dtype)
+    return out
+
+
+def _yaml_scalar(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def recipe_without_file(overrides: list[str]):
+    """A recipe for `finetune plan --model ...`: defaults plus the flags (RecipeProblem on bad values)."""
+    from finetune.recipe import RecipeProblem, apply_set, validate
+
+    raw: dict[str, Any] = {"model": {"name_or_path": ""}, "data": {"path": "-"}}
+    origin: dict = {}
+    for item in overrides:
+        apply_set(raw, origin, item)
+    if not raw["model"].get("name_or_path"):
+        raise PlanError("without a recipe, --model is required (a config.json, an architecture name such as "
+                        "llama-3-8b, or a parameter count such as 7.5B)")
+    try:
+        recipe = validate(raw, origin, "<command line>")
+    except RecipeProblem:
+        raise
+    recipe.name = "command-line"
+    return recipe

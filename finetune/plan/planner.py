@@ -1,0 +1,132 @@
+"""`plan()`: assembles every term of a `Setup` into a `PlanResult`, plus the overhead and CPU terms."""
+
+from __future__ import annotations
+
+import re
+from typing import Optional
+
+from finetune.plan.activations import activation_terms
+from finetune.plan.constants import (
+    ALLOCATOR_MIN_LARGE_ALLOC, ALLOCATOR_ROUND_LARGE, CUBLAS_HANDLES, CUBLAS_WORKSPACE, CUDA_CONTEXT,
+    FRAGMENTATION, NCCL_BUFFERS, PROCESS_RSS, MiB,
+)
+from finetune.plan.params import ParamGroup, four_bit_bytes, param_groups
+from finetune.plan.result import PlanResult
+from finetune.plan.setup import Setup, Term, overflow_as_plan_error
+from finetune.plan.states import (
+    buffer_terms, gradient_and_optimizer_terms, trainable_weight_bytes, weight_terms,
+)
+
+
+@overflow_as_plan_error
+def plan(setup: Setup) -> PlanResult:
+    """Per-GPU and per-node CPU memory of `setup`."""
+    groups = param_groups(setup)
+    trainable = sum(g.total for g in groups if g.trainable)
+    terms: list[Term] = []
+    cpu: list[Term] = []
+    notes: list[str] = []
+    terms += weight_terms(setup, groups, cpu, notes)
+    terms += gradient_and_optimizer_terms(setup, groups, trainable, cpu, notes)
+    terms += buffer_terms(setup, groups, trainable, notes)
+    complete = setup.arch is not None
+    if complete:
+        terms += activation_terms(setup)
+        notes += _moe_notes(setup)
+    terms += _overhead(setup, groups, terms)
+    cpu += _cpu_base(setup, groups)
+    return PlanResult(setup, terms, cpu, notes, complete, trainable)
+
+
+def _moe_notes(setup: Setup) -> list[str]:
+    arch = setup.arch
+    if arch is None or not arch.experts or setup.method == "full":
+        return []
+    out = [f"mixture of experts: all {arch.experts} experts of each layer are resident; a token runs through "
+           f"{arch.experts_per_token}. transformers stores the experts (and the router) as plain parameters, not "
+           "nn.Linear: the plan adapts the attention" + (" and shared-expert" if arch.shared_intermediate else "")
+           + " projections only; peft versions that also reach experts through target_parameters train more"]
+    if setup.method == "qlora":
+        out.append("bitsandbytes 4-bit replaces nn.Linear layers only: the experts stay in "
+                   f"{setup.dtype} ({arch.moe_layers * arch.expert_params / 1e9:.1f}B parameters)")
+    return out
+
+
+def _overhead(setup: Setup, groups: list[ParamGroup], terms: list[Term]) -> list[Term]:
+    hopper = is_hopper(setup.gpu_type)
+    workspace = CUBLAS_WORKSPACE["hopper" if hopper else "other"]
+    out = [Term("overhead", "cuBLAS workspaces", CUBLAS_HANDLES * workspace,
+                note=f"{CUBLAS_HANDLES} x {workspace / MiB:g} MiB ({'Hopper' if hopper else 'pre-Hopper'}"
+                     f"{', GPU type unknown' if setup.gpu_type is None else ''}; CublasHandlePool.cpp)")]
+    rounding = _allocator_rounding(setup, groups)
+    if rounding:
+        out.append(Term("overhead", "allocator rounding", rounding, counter="reserved",
+                        note="large weight tensors rounded up to 2 MiB (CUDACachingAllocator.cpp)"))
+    for phase in ("backward", "step"):
+        # Memory allocated and freed within the step: activations, the loss, transient buffers.
+        transient = sum(t.bytes for t in terms if t.phase == phase)
+        if transient:
+            out.append(Term("overhead", "allocator fragmentation", int(transient * FRAGMENTATION), phase=phase,
+                            counter="reserved",
+                            note=f"{FRAGMENTATION:.0%} of what the {phase} phase allocates and frees "
+                                 "(fitted: docs/plan.md)"))
+    out.append(Term("overhead", "CUDA context", CUDA_CONTEXT, counter="device",
+                    note="outside PyTorch: driver + lazily loaded kernels (measured, CUDA >= 11.7)"))
+    nccl = nccl_buffer_bytes(setup.world)
+    if nccl:
+        out.append(Term("overhead", "NCCL buffers", nccl, counter="device",
+                        note=f"outside PyTorch: {setup.world} ranks (NCCL issues 986, 1685)"))
+    return out
+
+
+def is_hopper(gpu_type: Optional[str]) -> bool:
+    """H100/H200/H800/GH200 (sm90); an unknown GPU counts as one (the larger cuBLAS workspace)."""
+    if not gpu_type:
+        return True
+    return re.search(r"\b(g?h(100|200|800|20))\b", gpu_type.lower()) is not None
+
+
+def nccl_buffer_bytes(world: int) -> int:
+    """NCCL's buffers per GPU for `world` ranks: the two published readings (NCCL_BUFFERS),
+    linear in between, the 8-GPU figure beyond."""
+    if world < 2:
+        return 0
+    (lo, lo_bytes), (hi, hi_bytes) = sorted(NCCL_BUFFERS.items())
+    if world >= hi:
+        return hi_bytes
+    return int(lo_bytes + (hi_bytes - lo_bytes) * (world - lo) / (hi - lo))
+
+
+def _allocator_rounding(setup: Setup, groups: list[ParamGroup]) -> int:
+    """About 1 MiB (half of kRoundLarge) per weight tensor over kMinLargeAlloc that lives as its own
+    allocation for the run: frozen and HF-loaded weights. DeepSpeed flattens the trainable ones (and
+    ZeRO-3 every partition) into a few large buffers, where the rounding is negligible."""
+    if setup.deepspeed and setup.stage == 3:
+        return 0
+    wb = trainable_weight_bytes(setup)
+    count = 0
+    for g in groups:
+        if g.trainable and setup.deepspeed:
+            continue
+        size = (four_bit_bytes(g.numel) if g.quantized else g.numel * (wb if g.trainable else setup.element_bytes))
+        if size > ALLOCATOR_MIN_LARGE_ALLOC:
+            count += g.count
+    return count * ALLOCATOR_ROUND_LARGE // 2
+
+
+def _cpu_base(setup: Setup, groups: list[ParamGroup]) -> list[Term]:
+    procs = setup.gpus_per_node
+    out = [Term("process", f"{procs} training process{'es' if procs > 1 else ''}", procs * PROCESS_RSS,
+                note="estimate: Python + libraries per rank")]
+    # Loading: without ZeRO-3 every rank reads the whole checkpoint into CPU memory before moving it
+    # to its GPU; QLoRA quantizes shard by shard on the GPU; ZeRO-3's zero.Init partitions while
+    # loading, one checkpoint shard (about 5 GB on the hub) at a time.
+    weights16 = sum(g.total for g in groups if not g.trainable or setup.method == "full") * setup.element_bytes
+    if setup.method == "qlora" or (setup.deepspeed and setup.stage == 3):
+        per_rank = min(weights16, 5 * 10**9)
+        note = "one checkpoint shard per rank"
+    else:
+        per_rank = weights16
+        note = "each rank holds the full checkpoint once"
+    out.append(Term("cpu", "checkpoint loading", per_rank * procs, phase="load", note=note))
+    return out

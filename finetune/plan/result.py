@@ -1,0 +1,217 @@
+"""The planner's result (`PlanResult`): its totals per phase and counter, and its text and JSON renderings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from finetune.archs import names
+from finetune.plan.constants import COUNTERS, FIELDS, GiB
+from finetune.plan.setup import Setup, Term
+
+
+@dataclass
+class PlanResult:
+    setup: Setup
+    terms: list[Term]
+    cpu_terms: list[Term]
+    notes: list[str] = field(default_factory=list)
+    complete: bool = True  # False when activations/logits are unknown (a bare parameter count)
+    trainable: int = 0
+
+    # -- the numbers ---------------------------------------------------------------------------
+
+    def field_bytes(self, name: str) -> int:
+        return sum(t.bytes for t in self.terms if t.field == name)
+
+    def phase_bytes(self, phase: str, counters: tuple[str, ...] = COUNTERS) -> int:
+        return sum(t.bytes if t.live is None else t.live for t in self.terms
+                   if t.phase in ("both", phase) and t.counter in counters)
+
+    @property
+    def memory_views(self) -> dict[str, int]:
+        """The peak as each counter reports it: torch.cuda.max_memory_allocated, max_memory_reserved
+        and nvidia-smi's process usage. `total` and `fits` use the last, the largest."""
+        def peak(counters: tuple[str, ...]) -> int:
+            return max(self.phase_bytes(p, counters) for p in ("backward", "step"))
+
+        return {"allocated": peak(("allocated",)), "reserved": peak(("allocated", "reserved")),
+                "nvidia_smi": peak(COUNTERS)}
+
+    @property
+    def peak_phase(self) -> str:
+        return "step" if self.phase_bytes("step") > self.phase_bytes("backward") else "backward"
+
+    @property
+    def per_gpu(self) -> dict[str, int]:
+        out = {name: self.field_bytes(name) for name in FIELDS}
+        out["model_states"] = out["weights"] + out["gradients"] + out["optimizer"]
+        out["total"] = max(self.phase_bytes("backward"), self.phase_bytes("step"))
+        # JSON order: model states first, then what DeepSpeed's estimators leave out.
+        order = ("weights", "gradients", "optimizer", "model_states", "buffers", "activations", "logits",
+                 "overhead", "total")
+        return {k: out[k] for k in order}
+
+    @property
+    def cpu(self) -> dict[str, int]:
+        """Per node: offloaded states while training, the checkpoint while loading (not at the same
+        time: the loaded copy has moved to the GPUs before DeepSpeed allocates its CPU states), and
+        the training processes themselves."""
+        offload = sum(t.bytes for t in self.cpu_terms if t.field == "cpu" and t.phase != "load")
+        loading = sum(t.bytes for t in self.cpu_terms if t.phase == "load")
+        processes = sum(t.bytes for t in self.cpu_terms if t.field == "process")
+        return {"offload": offload, "loading": loading, "processes": processes,
+                "total": processes + max(offload, loading)}
+
+    @property
+    def gpu_fits(self) -> Optional[bool]:
+        if self.setup.gpu_memory is None:
+            return None
+        return self.per_gpu["total"] <= self.setup.gpu_memory
+
+    @property
+    def cpu_fits(self) -> Optional[bool]:
+        if self.setup.cpu_memory is None:
+            return None
+        return self.cpu["total"] <= self.setup.cpu_memory
+
+    @property
+    def fits(self) -> Optional[bool]:
+        """True/False against the GPU (and CPU, when given) memory; None when no GPU memory is known."""
+        gpu = self.gpu_fits
+        if gpu is None:
+            return None
+        return gpu and self.cpu_fits is not False
+
+    @property
+    def headroom(self) -> Optional[int]:
+        if self.setup.gpu_memory is None:
+            return None
+        return self.setup.gpu_memory - self.per_gpu["total"]
+
+    def _tight(self) -> str:
+        """PyTorch's allocator frees its cache and retries before it reports out of memory, so a run
+        over only by the cached part may still start (tight: fragmentation can then make it fail)."""
+        views = self.memory_views
+        uncached = views["allocated"] + views["nvidia_smi"] - views["reserved"]
+        if self.setup.gpu_memory is None or uncached > self.setup.gpu_memory:
+            return ""
+        return (f" (without the allocator's cache {gib(uncached)} GiB: it may start, with no margin for "
+                "fragmentation)")
+
+    # -- output --------------------------------------------------------------------------------
+
+    def summary(self) -> str:
+        """One line: total against capacity, with the breakdown (used by `finetune lint` rule P001)."""
+        g = self.per_gpu
+        parts = ", ".join(f"{name} {gib(g[name])}" for name in FIELDS if g[name] or name == "weights")
+        head = f"{gib(g['total'])} GiB per GPU"
+        if self.setup.gpu_memory is not None:
+            head += f" of {gib(self.setup.gpu_memory)} GiB"
+        text = f"{head} ({parts}; {self.setup.describe()})"
+        if self.headroom is not None:
+            text += f": fits, {gib(self.headroom)} GiB headroom" if self.headroom >= 0 else \
+                f": {gib(-self.headroom)} GiB over"
+        if self.cpu_fits is False:
+            text += f"; CPU needs {gib(self.cpu['total'])} GiB of {gib(self.setup.cpu_memory)} GiB"
+        if not self.complete:
+            text += " (model states and buffers only: activations unknown without a config)"
+        return text
+
+    def to_json(self) -> dict[str, Any]:
+        s = self.setup
+        return {
+            "model": s.model_label,
+            "params": s.params,
+            "trainable_params": self.trainable,
+            "setup": {"method": s.method, "zero": s.stage if s.deepspeed else None, "deepspeed": s.deepspeed,
+                      "offload_optimizer": s.offload_optimizer, "offload_param": s.offload_param,
+                      "gpus_per_node": s.gpus_per_node, "nodes": s.nodes, "micro_batch": s.micro_batch,
+                      "seq_len": s.seq_len, "gradient_checkpointing": s.gradient_checkpointing,
+                      "attn_implementation": s.attn, "dtype": s.dtype, "loss_kernel": s.loss_kernel,
+                      "reduce_bucket_size": s.reduce_bucket_size, "overlap_comm": s.overlap},
+            "per_gpu": self.per_gpu,
+            "memory": {"allocated_peak": self.memory_views["allocated"],
+                       "reserved_peak": self.memory_views["reserved"],
+                       "nvidia_smi": self.memory_views["nvidia_smi"], "fits_uses": "nvidia_smi"},
+            "phases": {"backward": self.phase_bytes("backward"), "step": self.phase_bytes("step"),
+                       "peak": self.peak_phase},
+            "cpu": self.cpu,
+            "gpu_memory": s.gpu_memory,
+            "cpu_memory": s.cpu_memory,
+            "fits": self.fits,
+            "headroom": self.headroom,
+            "complete": self.complete,
+            "terms": [{"field": t.field, "name": t.name, "bytes": t.bytes, "phase": t.phase, "note": t.note}
+                      for t in self.terms + self.cpu_terms if t.bytes],
+            "notes": self.notes,
+        }
+
+    def render_text(self) -> str:
+        s = self.setup
+        lines = [f"model    {s.model_label}"]
+        lines.append(f"method   {_method_line(self)}")
+        lines.append(f"setup    {s.describe()}")
+        if s.launch_note:
+            lines.append(f"launch   {s.launch_note}")
+        lines.append("")
+        lines.append(f"per GPU{'':35}GiB")
+        g = self.per_gpu
+        for name in FIELDS:
+            terms = [t for t in self.terms if t.field == name and t.bytes]
+            lines.append(f"  {name:<36}{gib(g[name]):>7}")
+            for t in terms:
+                when = "" if t.phase == "both" else f" [{t.phase} only]"
+                note = f"  {t.note}" if t.note else ""
+                lines.append(f"    {t.name:<34}{gib(t.bytes):>7}{when}{note}")
+            if name == "optimizer":
+                lines.append(f"  {'= model states':<36}{gib(g['model_states']):>7}")
+        total = f"  {'total (peak, ' + self.peak_phase + ')':<36}{gib(g['total']):>7}"
+        if s.gpu_memory is not None:
+            total += f"  of {gib(s.gpu_memory)}: " + (
+                f"fits, {gib(self.headroom)} GiB headroom" if self.headroom >= 0 else
+                f"does NOT fit, {gib(-self.headroom)} GiB over" + self._tight())
+        lines.append(total)
+        if self.peak_phase == "backward" and self.phase_bytes("step") != self.phase_bytes("backward"):
+            lines.append(f"  {'optimizer step phase':<36}{gib(self.phase_bytes('step')):>7}")
+        views = self.memory_views
+        lines.append(f"  {'as torch.cuda.max_memory_allocated':<36}{gib(views['allocated']):>7}")
+        lines.append(f"  {'as torch.cuda.max_memory_reserved':<36}{gib(views['reserved']):>7}"
+                     "  + allocator rounding and fragmentation")
+        lines.append(f"  {'as nvidia-smi':<36}{gib(views['nvidia_smi']):>7}"
+                     "  + CUDA context and NCCL; `fits` uses this one")
+        c = self.cpu
+        lines.append("")
+        lines.append(f"per node CPU{'':30}GiB")
+        for t in self.cpu_terms:
+            if t.bytes:
+                when = {"load": " [while loading]"}.get(t.phase, "")
+                note = f"  {t.note}" if t.note else ""
+                lines.append(f"    {t.name:<34}{gib(t.bytes):>7}{when}{note}")
+        cpu_total = f"  {'total':<36}{gib(c['total']):>7}"
+        if s.cpu_memory is not None:
+            cpu_total += f"  of {gib(s.cpu_memory)}: " + ("fits" if self.cpu_fits else "does NOT fit")
+        lines.append(cpu_total)
+        if not self.complete:
+            lines.append("")
+            lines.append("activations and logits are not included: pass --model with a config.json or an "
+                         f"architecture name ({', '.join(names()[:3])}, ...) for them")
+        for note in self.notes:
+            lines.append(f"note: {note}")
+        return "\n".join(lines) + "\n"
+
+
+def gib(value: int) -> str:
+    return f"{value / GiB:.2f}"
+
+
+def _method_line(result: PlanResult) -> str:
+    s = result.setup
+    t = result.trainable
+    share = f"{100 * t / s.params:.2f}%" if s.params else "?"
+    if s.method == "full":
+        return f"full fine-tune: {t / 1e6:,.1f}M trainable (100%)"
+    targets = ",".join(s.lora_targets)
+    base = "frozen base 4-bit NF4" + (" + double quant" if s.double_quant else "") if s.method == "qlora" \
+        else f"frozen base {s.dtype}"
+    return f"{s.method} r={s.lora_r} on {targets}: {t:,} trainable ({share}), {base}"

@@ -1,0 +1,132 @@
+"""What is planned: the resolved `Setup`, one allocation `Term`, and `PlanError` (with its overflow guard)."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Optional
+
+from finetune.archs import LAYER_LINEARS, Arch
+from finetune.plan.constants import (
+    DS_MAX_LIVE_PARAMETERS, DS_MAX_REUSE_DISTANCE, DS_PARAM_PERSISTENCE_THRESHOLD, DS_PREFETCH_BUCKET_SIZE,
+    DS_REDUCE_BUCKET_SIZE, DS_SUB_GROUP_SIZE,
+)
+
+
+class PlanError(ValueError):
+    """Input the planner cannot work with (unknown model, bad option): one line for a human."""
+
+
+def overflow_as_plan_error(function):
+    """Numbers no GPU could hold (400-digit batch sizes) overflow the float arithmetic below;
+    report them as a PlanError instead of an OverflowError traceback."""
+    @functools.wraps(function)
+    def guarded(*args, **kwargs):
+        try:
+            return function(*args, **kwargs)
+        except OverflowError:
+            raise PlanError("the numbers in this setup are too large to plan (batch size, sequence length or "
+                            "model size beyond any machine)") from None
+    return guarded
+
+
+@dataclass(frozen=True)
+class Setup:
+    """Everything the memory depends on, resolved to numbers."""
+
+    arch: Optional[Arch]  # None: only a parameter count is known
+    params: int  # total parameters
+    method: str = "lora"  # full | lora | qlora
+    dtype: str = "bfloat16"
+    attn: str = "sdpa"
+    lora_r: int = 16
+    lora_targets: tuple[str, ...] = LAYER_LINEARS
+    lora_dropout: float = 0.05
+    modules_to_save: tuple[str, ...] = ()
+    double_quant: bool = True
+    optimizer: str = "adamw"
+    # Without DeepSpeed: torch's fused AdamW (HF's default with torch >= 2.8) or the foreach one (the
+    # default before), which allocates a temporary per moment in the step; torch 2.0's foreach AdamW
+    # ("foreach_torch20") allocates two (its `denom = _foreach_add(exp_avg_sq_sqrt, eps)` is not in place).
+    optimizer_impl: str = "fused"
+    # The dtype the cross-entropy runs in. Today's transformers upcast the logits to fp32 (and so does
+    # torch.autocast, whose fp32 list has log_softmax / nll_loss); older remote-code models that compute
+    # their own loss without an upcast, run without autocast (DeepSpeed), keep it 16-bit. Corpus cases
+    # set it (docs/plan.md); recipes of this project always get float32.
+    loss_dtype: str = "float32"
+    deepspeed: bool = True  # False: plain PyTorch (HF Trainer without DeepSpeed)
+    stage: int = 2
+    offload_optimizer: str = "none"
+    offload_param: str = "none"
+    gpus_per_node: int = 1
+    nodes: int = 1
+    micro_batch: int = 1
+    seq_len: int = 2048
+    packing: bool = False
+    padding_free: bool = False
+    # Every row exactly seq_len tokens with no padding and no packed boundaries (the calibration
+    # measurements in tests/test_plan.py); recipes never set it: their batches are padded or packed.
+    full_rows: bool = False
+    gradient_checkpointing: bool = True
+    loss_kernel: str = "default"  # default | chunked | liger (training.loss_kernel)
+    loss_chunk_tokens: Optional[int] = None  # training.loss_chunk_tokens (None: finetune.train.loss's default)
+    overlap_comm: Optional[bool] = None  # None: DeepSpeed's default (config.py overlap_comm_valid: stage 3)
+    contiguous_gradients: bool = True
+    reduce_bucket_size: int = DS_REDUCE_BUCKET_SIZE
+    prefetch_bucket_size: int = DS_PREFETCH_BUCKET_SIZE
+    param_persistence_threshold: int = DS_PARAM_PERSISTENCE_THRESHOLD
+    max_live_parameters: int = DS_MAX_LIVE_PARAMETERS
+    max_reuse_distance: int = DS_MAX_REUSE_DISTANCE
+    sub_group_size: int = DS_SUB_GROUP_SIZE
+    gpu_memory: Optional[int] = None
+    cpu_memory: Optional[int] = None
+    gpu_type: Optional[str] = None  # hardware.gpu_type: sizes cuBLAS' workspaces (unknown: Hopper's, the larger)
+    model_label: str = ""
+    launch_note: str = ""  # how the recipe's launch section chooses the process count, for the text
+
+    @property
+    def world(self) -> int:
+        return self.gpus_per_node * self.nodes
+
+    @property
+    def overlap(self) -> bool:
+        return self.overlap_comm if self.overlap_comm is not None else self.stage == 3
+
+    @property
+    def zero(self) -> str:
+        return f"ZeRO-{self.stage}" if self.deepspeed else "no DeepSpeed"
+
+    @property
+    def element_bytes(self) -> int:
+        """Bytes of a weight / activation element in the model dtype."""
+        return 4 if self.dtype == "float32" else 2
+
+    def describe(self) -> str:
+        where = f"{self.gpus_per_node} GPU{'s' if self.gpus_per_node != 1 else ''}"
+        if self.nodes > 1:
+            where += f" x {self.nodes} nodes"
+        parts = [self.zero]
+        if self.deepspeed and self.stage >= 1 and self.offload_optimizer != "none":
+            parts.append(f"optimizer->{self.offload_optimizer}")
+        if self.deepspeed and self.stage == 3 and self.offload_param != "none":
+            parts.append(f"params->{self.offload_param}")
+        parts.append(f"on {where}")
+        parts.append(f"micro batch {self.micro_batch} x {self.seq_len} tokens")
+        parts.append("checkpointing" if self.gradient_checkpointing else "no checkpointing")
+        parts.append(self.attn)
+        return ", ".join(parts)
+
+
+@dataclass(frozen=True)
+class Term:
+    """One allocation: which field it adds to, its size, when it is alive, and why."""
+
+    field: str
+    name: str
+    bytes: int
+    phase: str = "both"  # both | backward | step
+    note: str = ""
+    live: Optional[int] = None  # bytes allocated at once, when less than `bytes` (ZeRO-3 sub-groups)
+    # Which counter first sees it: "allocated" (a tensor: max_memory_allocated), "reserved" (cached by
+    # PyTorch's allocator, not allocated: max_memory_reserved) or "device" (outside PyTorch: nvidia-smi).
+    counter: str = "allocated"

@@ -1,0 +1,253 @@
+"""Model states and DeepSpeed's buffers: weights, gradients, optimizer states, reduction buckets, swap buffers."""
+
+from __future__ import annotations
+
+import math
+
+from finetune.plan.constants import (
+    BNB_BLOCKSIZE, DS_ALLREDUCE_BUCKET_SIZE, DS_OPTIMIZER_SWAP_BUFFERS, DS_PARAM_SWAP_BUFFERS,
+    DS_PARAM_SWAP_BUFFER_SIZE, MASTER_BYTES, OPTIMIZER_STATE_BYTES,
+)
+from finetune.plan.params import ParamGroup, four_bit_bytes, largest_module_numel, quant_constant_bytes
+from finetune.plan.result import gib
+from finetune.plan.setup import Setup, Term
+from finetune.plan.zero3 import zero3_live_params
+
+
+def _bytes_of(group: ParamGroup, setup: Setup, trainable_bytes: int) -> int:
+    if group.quantized:
+        return group.count * (four_bit_bytes(group.numel) + quant_constant_bytes(group.numel, setup.double_quant))
+    if group.trainable and _is_saved_copy(group):
+        return group.total * setup.element_bytes
+    return group.total * (trainable_bytes if group.trainable else setup.element_bytes)
+
+
+def _is_saved_copy(group: ParamGroup) -> bool:
+    """peft's modules_to_save copy: a deepcopy of the original module (utils/other.py
+    ModulesToSaveWrapper), so in the model dtype; cast_adapter_dtype upcasts adapter layers only."""
+    return group.unit.endswith(".copy")
+
+
+def _trainable_bytes_total(setup: Setup, groups: list[ParamGroup]) -> int:
+    """Bytes of all trainable weights as stored (and, without DeepSpeed, of their gradients)."""
+    wb = trainable_weight_bytes(setup)
+    return sum(_bytes_of(g, setup, wb) for g in groups if g.trainable)
+
+
+def _width(setup: Setup) -> str:
+    """How the model dtype's elements are called in term names: 16-bit, or fp32 for a float32 model."""
+    return "fp32" if setup.element_bytes == 4 else "16-bit"
+
+
+def trainable_weight_bytes(setup: Setup) -> int:
+    """DeepSpeed casts every parameter to the 16-bit dtype (engine._configure_distributed_model);
+    without DeepSpeed, peft keeps LoRA weights in fp32 (autocast_adapter_dtype=True)."""
+    if not setup.deepspeed and setup.method != "full":
+        return 4
+    return setup.element_bytes
+
+
+def weight_terms(setup: Setup, groups: list[ParamGroup], cpu: list[Term], notes: list[str]) -> list[Term]:
+    wb = trainable_weight_bytes(setup)
+    frozen16 = sum(_bytes_of(g, setup, wb) for g in groups if not g.trainable and not g.quantized)
+    quantized = [g for g in groups if g.quantized]
+    packed = sum(g.count * four_bit_bytes(g.numel) for g in quantized)
+    constants = sum(g.count * quant_constant_bytes(g.numel, setup.double_quant) for g in quantized)
+    train = sum(_bytes_of(g, setup, wb) for g in groups if g.trainable)
+    dt = "fp32" if wb == 4 else setup.dtype.replace("bfloat16", "bf16").replace("float16", "fp16")
+    if not (setup.deepspeed and setup.stage == 3):
+        return [
+            Term("weights", f"frozen base {_width(setup)}", frozen16, note=f"{setup.dtype}"),
+            Term("weights", "frozen base 4-bit", packed, note="NF4, 2 values per byte"),
+            Term("weights", "quantization constants", constants,
+                 note="absmax per 64 values" + (" (8-bit, double quant)" if setup.double_quant else " (fp32)")),
+            Term("weights", "trainable", train, note=dt),
+        ]
+    # ZeRO-3 partitions every parameter (frozen ones too) across all GPUs, except the ones at or below
+    # stage3_param_persistence_threshold (partition_parameters.py: ds_persist), which every GPU keeps
+    # whole. Quantization constants are attributes of the 4-bit tensors, not parameters: never split.
+    n = setup.world
+    thr = setup.param_persistence_threshold
+    stored = {id(g): (g.count * four_bit_bytes(g.numel) if g.quantized else _bytes_of(g, setup, wb)) for g in groups}
+    persistent = sum(stored[id(g)] for g in groups if g.storage_numel <= thr)
+    partitioned = sum(stored.values()) - persistent
+    gathered = largest_module_numel(groups) * setup.element_bytes
+    terms = []
+    if setup.offload_param == "none":
+        terms.append(Term("weights", f"partition 1/{n}", math.ceil(partitioned / n),
+                          note=f"{_width(setup)} partitions of all parameters (stage3.py: lp_param_buffer)"))
+    elif setup.offload_param == "cpu":
+        cpu.append(Term("cpu", "parameter partitions", math.ceil(partitioned / n) * setup.gpus_per_node,
+                        note="offload_param=cpu, pinned"))
+    else:
+        cpu.append(Term("cpu", "parameter swap buffers", setup.gpus_per_node * DS_PARAM_SWAP_BUFFERS
+                        * DS_PARAM_SWAP_BUFFER_SIZE * setup.element_bytes,
+                        note="offload_param=nvme: buffer_count x buffer_size"))
+        notes.append(f"parameters on NVMe: {gib(partitioned)} GiB per node on disk")
+    terms += [
+        Term("weights", "quantization constants", constants, note="not partitioned"),
+        Term("weights", "gathered largest module", gathered,
+             note=f"estimate_zero3_model_states_mem_needs: {setup.element_bytes} bytes x largest_layer_params"),
+    ]
+    if persistent:
+        terms.append(Term("buffers", "persistent small params", persistent,
+                          note=f"params <= {thr:,} elements stay whole on every GPU"))
+    return terms
+
+
+def foreach_adam_temporaries(setup: Setup) -> int:
+    """How many moment-sized temporaries torch's multi-tensor Adam(W) allocates at once in its step:
+    exp_avg_sq_sqrt = _foreach_sqrt(exp_avg_sqs) for every parameter (torch >= 2.1 then adds eps in
+    place); torch 2.0 also allocated denom = _foreach_add(exp_avg_sq_sqrt, eps) while the first was
+    alive. The fused kernel has none."""
+    if setup.optimizer not in ("adamw", "adam"):
+        return 0
+    return {"foreach": 1, "foreach_torch20": 2}.get(setup.optimizer_impl, 0)
+
+
+def gradient_and_optimizer_terms(setup: Setup, groups: list[ParamGroup], trainable: int, cpu: list[Term],
+                             notes: list[str]) -> list[Term]:
+    n = setup.world
+    e = trainable_weight_bytes(setup)
+    states = OPTIMIZER_STATE_BYTES[setup.optimizer]
+    opt_name = f"{setup.optimizer} states"
+    if not setup.deepspeed:
+        # Plain PyTorch: gradients and optimizer states in each parameter's dtype (fp32 LoRA adapters,
+        # 16-bit modules_to_save copies and full fine-tunes).
+        stored = _trainable_bytes_total(setup, groups)
+        state_total = stored * states // 4 if setup.optimizer != "adamw_bnb_8bit" else trainable * 2
+        out = [Term("gradients", "gradients", stored, note="same dtype as the trainable weights"),
+               Term("optimizer", opt_name, state_total, note="torch optimizer, parameter dtype")]
+        temporaries = foreach_adam_temporaries(setup)
+        if temporaries:
+            out.append(Term("buffers", "foreach Adam temporaries", temporaries * stored, phase="step",
+                            note=f"{temporaries} moment-sized (optimizer_impl {setup.optimizer_impl})"))
+        return out
+    if setup.stage == 0 and setup.dtype == "float32":
+        # No bf16/fp16: engine._do_optimizer_sanity_check returns no wrapper, the optimizer runs as is.
+        return [Term("gradients", "fp32 gradients", trainable * 4),
+                Term("optimizer", opt_name, trainable * states)]
+    if setup.stage == 0:
+        # deepspeed/runtime/fp16/fused_optimizer.py (FP16_Optimizer, also for bf16 without ZeRO):
+        # fp32 master copy of all trainable weights; step() turns the 16-bit grads into fp32 copies,
+        # flattens them (a second fp32 copy) and hands the flat buffer to the optimizer as .grad.
+        return [
+            Term("gradients", f"{_width(setup)} gradients", trainable * e),
+            Term("gradients", "fp32 gradients", trainable * 4, phase="step", note="flat fp32 copy for the step"),
+            Term("optimizer", "fp32 master weights", trainable * MASTER_BYTES),
+            Term("optimizer", opt_name, trainable * states),
+            Term("buffers", "fp32 grad copies (flatten)", trainable * 4, phase="step",
+                 note="FP16_Optimizer.step: per-param .to(fp32) before flattening"),
+        ]
+    part = math.ceil(trainable / n)
+    offload = setup.offload_optimizer != "none"
+    terms: list[Term] = []
+    # Stage 1 keeps full 16-bit gradients through backward (reduced at the boundary); stage 2 copies
+    # each gradient into its owner's partition (stage_1_and_2.py: grads_in_partition, 1/N) and frees
+    # the rest; stage 3 keeps a flat 16-bit partition buffer for them (stage3.py:
+    # grad_partitions_flat_buffer), which estimate_zero3_model_states_mem_needs leaves out of its
+    # 18 bytes per parameter: it is listed with the buffers so that model_states stays DeepSpeed's number.
+    if setup.stage == 1:
+        terms.append(Term("gradients", f"{_width(setup)} gradients", trainable * e, note="stage 1 keeps them whole"))
+    elif setup.stage == 2 and not offload:
+        terms.append(Term("gradients", f"{_width(setup)} gradient partition 1/{n}", part * e))
+    elif setup.stage == 3 and not offload:
+        terms.append(Term("buffers", f"contiguous gradient partition 1/{n}", part * e,
+                          note="grad_partitions_flat_buffer (not in DeepSpeed's ZeRO-3 estimator)"))
+    if setup.stage == 3:
+        # The module being computed has its whole 16-bit gradient before the reduce-scatter
+        # (estimate_zero3_model_states_mem_needs: the other 2 x largest_layer_params).
+        terms.append(Term("gradients", "gradient of gathered module",
+                          largest_module_numel(groups, trainable_only=True) * e, note="before reduce-scatter"))
+    if offload:
+        device = setup.offload_optimizer
+        per_rank = part * (MASTER_BYTES + states + 4)
+        if setup.stage == 3:
+            per_rank += part * e  # grad_partitions_flat_buffer lives on the CPU with offload (stage3.py: self.device)
+        else:
+            per_rank += part * e  # param_buffer_of_bit16_for_cpu_offload_groups (stage_1_and_2.py)
+        if device == "cpu":
+            cpu.append(Term("cpu", "offloaded optimizer", per_rank * setup.gpus_per_node,
+                            note="fp32 master + states + fp32 grads + 16-bit staging, pinned, per node"))
+        else:
+            largest = min(setup.sub_group_size, part)
+            cpu.append(Term("cpu", "optimizer swap buffers", DS_OPTIMIZER_SWAP_BUFFERS * largest * 4 * setup.gpus_per_node,
+                            note="NVMe offload: buffer_count x sub-group, fp32"))
+            notes.append(f"optimizer states on NVMe: {gib(per_rank * setup.gpus_per_node)} GiB per node on disk")
+        return terms
+    # fp32 gradient partition for the step, built in step() from the 16-bit partition and dropped
+    # after it: stage_1_and_2.py single_grad_partition; stage3.py _prepare_fp32_grad_for_sub_group,
+    # one sub-group (sub_group_size elements) at a time.
+    at_once = min(part, setup.sub_group_size) * 4 if setup.stage == 3 and part > setup.sub_group_size else None
+    terms += [
+        Term("gradients", f"fp32 gradient partition 1/{n}", part * 4, phase="step",
+             note="not in the ZeRO paper's 2+2+12 bytes"
+                  + (f"; {gib(at_once)} GiB at once (one sub_group_size)" if at_once else ""), live=at_once),
+        Term("optimizer", f"fp32 master weights 1/{n}", part * MASTER_BYTES),
+        Term("optimizer", f"{opt_name} 1/{n}", part * states),
+    ]
+    return terms
+
+
+def buffer_terms(setup: Setup, groups: list[ParamGroup], trainable: int, notes: list[str]) -> list[Term]:
+    terms = _dequant_buffer(setup, groups)
+    if not setup.deepspeed:
+        if setup.world > 1:
+            # torch DDP (gradient_as_bucket_view=False, the default) copies every gradient into its
+            # flat all-reduce buckets: the trainable gradients once more.
+            terms.append(Term("buffers", "DDP gradient buckets", _trainable_bytes_total(setup, groups),
+                              note="torch DistributedDataParallel reducer"))
+        return terms
+    e = setup.element_bytes
+    n = setup.world
+    largest_trainable = max((g.numel for g in groups if g.trainable), default=0)
+    if setup.stage == 0:
+        if n > 1:
+            # engine.buffered_allreduce_fallback flattens up to allreduce_bucket_size elements at a time.
+            terms.append(Term("buffers", "all-reduce flatten", min(trainable, DS_ALLREDUCE_BUCKET_SIZE) * e,
+                              phase="backward", note="engine.allreduce_gradients"))
+        return terms
+    bucket = setup.reduce_bucket_size
+    if setup.stage in (1, 2):
+        if setup.contiguous_gradients:
+            # stage_1_and_2.py setup_buckets(): torch.empty(reduce_bucket_size) whatever the model size,
+            # and a second one when overlap_comm is on (double buffering).
+            copies = 2 if setup.overlap else 1
+            terms.append(Term("buffers", "reduce bucket" + (" x2 (overlap_comm)" if copies == 2 else ""),
+                              copies * bucket * e, phase="backward",
+                              note=f"reduce_bucket_size {bucket:,} elements"))
+        # allreduce_bucket() flattens the bucket's gradients before the collective.
+        terms.append(Term("buffers", "reduce flatten copy", min(bucket, trainable) * e, phase="backward"))
+        if setup.offload_optimizer != "none":
+            # temp_grad_buffer_for_gpu_offload: the largest parameter, staged before the copy to CPU.
+            terms.append(Term("buffers", "offload staging", largest_trainable * e, phase="backward",
+                              note="largest trainable parameter"))
+        # allgather_bucket_size costs nothing: utils.all_gather_dp_groups gathers into the flat buffer.
+        return terms
+    # ZeRO-3: one reduce bucket (stage3.py _setup_for_real_optimizer; no double buffer even with
+    # overlap_comm) and the reduce-scatter's staging buffer of about the same size.
+    if setup.contiguous_gradients:
+        terms.append(Term("buffers", "reduce bucket", bucket * e, phase="backward",
+                          note=f"reduce_bucket_size {bucket:,} elements"))
+    terms.append(Term("buffers", "reduce-scatter staging", min(bucket, trainable) * e, phase="backward"))
+    live = zero3_live_params(setup, groups)
+    largest = largest_module_numel(groups)
+    extra = max(0, live - largest)
+    if extra:
+        terms.append(Term("buffers", "prefetched / retained params", extra * e, phase="backward",
+                          note=f"peak {live / 1e6:,.0f}M gathered (prefetch {setup.prefetch_bucket_size:,}, "
+                               f"reuse distance {setup.max_reuse_distance:,})"))
+    return terms
+
+
+def _dequant_buffer(setup: Setup, groups: list[ParamGroup]) -> list[Term]:
+    """bitsandbytes runs a 4-bit linear on more than a few rows as dequantize + F.linear (backends/cuda/
+    ops.py gemm_4bit: the fallback past _gemm_4bit_custom_max_m), and backward dequantizes again
+    (autograd/_functions.py MatMul4Bit.backward): one 16-bit copy of the largest quantized weight,
+    plus its fp32 absmax when those are double-quantized."""
+    largest = max((g.numel for g in groups if g.quantized), default=0)
+    if not largest:
+        return []
+    absmax = math.ceil(largest / BNB_BLOCKSIZE) * 4 if setup.double_quant else 0
+    return [Term("buffers", "dequantized 4-bit weight", largest * setup.element_bytes + absmax, phase="backward",
+                 note="largest quantized linear, 16-bit, while it runs")]
