@@ -683,6 +683,20 @@ def test_no_crash_on_arbitrary_json():
     run()
 
 
+@pytest.mark.parametrize("block, ctx, message, fix", [
+    ("optimizer", HF, "the `optimizer` block has no `type`: DeepSpeed has nothing to build (and HF has already "
+     "handed the optimizer over to the config)", 'add "type": "AdamW", or delete the block to use the Trainer\'s optimizer'),
+    ("optimizer", RAW, "the `optimizer` block has no `type`: DeepSpeed has nothing to build", 'add "type": "AdamW"'),
+    ("scheduler", HF, "the `scheduler` block has no `type`",
+     'add "type": "WarmupDecayLR", or delete the block to use the Trainer\'s scheduler'),
+    ("scheduler", RAW, "the `scheduler` block has no `type`", 'add "type": "WarmupLR"'),
+])
+def test_block_without_type_message(block, ctx, message, fix):
+    found = [f for f in check_config(base(**{block: {"params": {}}}), ctx) if f.key == (block,)]
+    assert [(f.rule, f.severity, f.message, f.fix) for f in found] == \
+        [("DS150" if block == "optimizer" else "DS160", "error", message, fix)]
+
+
 def test_module_imports_without_torch():
     code = ("import sys, finetune.lint.deepspeed_rules as r; "
             "bad = [m for m in ('torch', 'deepspeed', 'transformers', 'accelerate') if m in sys.modules]; "

@@ -97,6 +97,17 @@ RULES: dict[str, str] = {
 # Entry point
 
 
+# What a block with no `type` gets: rule, message, the note added under HF, the fix under HF, the fix without.
+_NO_TYPE = {
+    "optimizer": ("DS150", "the `optimizer` block has no `type`: DeepSpeed has nothing to build",
+                  " (and HF has already handed the optimizer over to the config)",
+                  'add "type": "AdamW", or delete the block to use the Trainer\'s optimizer', 'add "type": "AdamW"'),
+    "scheduler": ("DS160", "the `scheduler` block has no `type`", "",
+                  'add "type": "WarmupDecayLR", or delete the block to use the Trainer\'s scheduler',
+                  'add "type": "WarmupLR"'),
+}
+
+
 def check_config(config: object, ctx: Optional[DSContext] = None) -> list[RawFinding]:
     """Every problem in one DeepSpeed config, as DeepSpeed + HF + accelerate would see them (and more)."""
     ctx = ctx or DSContext()
@@ -534,19 +545,27 @@ class _Checker(StructureChecks):
     # ------------------------------------------------------------------------------------------
     # Optimizer (DS150-DS154)
 
-    def optimizer_rules(self) -> None:
-        block = self.config.get("optimizer")
+    def block_type(self, block_name: str) -> Optional[str]:
+        """The `type` of the optimizer or scheduler block, or None when nothing more is to be checked: no block,
+        no type (reported here), or a type DS110 / DS170 have already reported."""
+        block = self.config.get(block_name)
         if not isinstance(block, dict):
-            return
+            return None
         name = block.get("type", MISSING)
         if name is MISSING:
-            self.add("DS150", "error", ("optimizer",), "the `optimizer` block has no `type`: DeepSpeed has nothing "
-                     "to build" + (" (and HF has already handed the optimizer over to the config)" if self.hf else ""),
-                     'add "type": "AdamW", or delete the block to use the Trainer\'s optimizer' if self.hf else
-                     'add "type": "AdamW"')
-            return
+            rule, message, hf_note, hf_fix, raw_fix = _NO_TYPE[block_name]
+            self.add(rule, "error", (block_name,), message + (hf_note if self.hf else ""),
+                     hf_fix if self.hf else raw_fix)
+            return None
         if not isinstance(name, str) or name == "auto":
-            return  # DS110 / DS170 already
+            return None  # DS110 / DS170 already
+        return name
+
+    def optimizer_rules(self) -> None:
+        name = self.block_type("optimizer")
+        if name is None:
+            return
+        block = self.config["optimizer"]
         lower = name.lower()
         if lower in DEEPSPEED_OPTIMIZERS:
             kind = lower
@@ -609,17 +628,10 @@ class _Checker(StructureChecks):
     # Scheduler (DS160, DS161)
 
     def scheduler_rules(self) -> None:
-        block = self.config.get("scheduler")
-        if not isinstance(block, dict):
+        name = self.block_type("scheduler")
+        if name is None:
             return
-        name = block.get("type", MISSING)
-        if name is MISSING:
-            self.add("DS160", "error", ("scheduler",), "the `scheduler` block has no `type`",
-                     'add "type": "WarmupDecayLR", or delete the block to use the Trainer\'s scheduler' if self.hf else
-                     'add "type": "WarmupLR"')
-            return
-        if not isinstance(name, str) or name == "auto":
-            return  # DS110 / DS170 already
+        block = self.config["scheduler"]
         if name not in DEEPSPEED_SCHEDULERS and name not in TORCH_SCHEDULERS:
             suggestion = _suggest(name, [*DEEPSPEED_SCHEDULERS, *TORCH_SCHEDULERS], case_insensitive=True)
             self.add("DS160", "error", ("scheduler", "type"), f"unknown scheduler type {_show(name)}: DeepSpeed "
