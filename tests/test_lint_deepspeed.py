@@ -33,6 +33,7 @@ from pathlib import Path
 import pytest
 
 from finetune.lint import deepspeed_rules as rules
+from finetune.lint import ds_schema
 from finetune.lint.deepspeed_rules import DSContext, check_config
 from finetune.yamlio import load_json
 
@@ -389,13 +390,13 @@ def test_schema_tables_match_deepspeed(oracle):
               "compile": CompileConfig, "throughput": DeepSpeedThroughputTimerConfig,
               "tensor_parallel": TPTrainingConfig, "tp": TPConfig, "weight_quantization": WeightQuantConfig}
     for section, model in models.items():
-        assert set(rules.SECTIONS[section]) == set(_model_fields(model)), section
+        assert set(ds_schema.SECTIONS[section]) == set(_model_fields(model)), section
         for key, info in _model_fields(model).items():
             extra = info.json_schema_extra or {}
-            assert bool(rules.SECTIONS[section][key].deprecated) == bool(extra.get("deprecated")), (section, key)
+            assert bool(ds_schema.SECTIONS[section][key].deprecated) == bool(extra.get("deprecated")), (section, key)
             for bound in ("gt", "ge", "lt", "le"):
                 theirs = [getattr(m, bound) for m in info.metadata if getattr(m, bound, None) is not None]
-                assert getattr(rules.SECTIONS[section][key], bound) == (theirs[0] if theirs else None), (section, key)
+                assert getattr(ds_schema.SECTIONS[section][key], bound) == (theirs[0] if theirs else None), (section, key)
 
 
 def test_top_level_keys_match_deepspeed(oracle):
@@ -436,9 +437,9 @@ def test_top_level_keys_match_deepspeed(oracle):
     with oracle.world():
         ds_config.DeepSpeedConfig(Recording(train_micro_batch_size_per_gpu=1))
     removed = set(ds_config._REMOVED_TOP_LEVEL_CONFIG_KEYS)
-    assert removed == set(rules.REMOVED_TOP)
-    assert set(ds_config._REMOVED_ZERO_CONFIG_KEYS) == set(rules.REMOVED_ZERO)
-    assert read - removed <= set(rules.TOP), sorted(read - removed - set(rules.TOP))
+    assert removed == set(ds_schema.REMOVED_TOP)
+    assert set(ds_config._REMOVED_ZERO_CONFIG_KEYS) == set(ds_schema.REMOVED_ZERO)
+    assert read - removed <= set(ds_schema.TOP), sorted(read - removed - set(ds_schema.TOP))
 
 
 def test_optimizer_and_scheduler_tables_match(oracle):
@@ -450,10 +451,10 @@ def test_optimizer_and_scheduler_tables_match(oracle):
     from deepspeed.runtime import lr_schedules
     from deepspeed.runtime.config import DEEPSPEED_OPTIMIZERS
 
-    assert set(rules.DEEPSPEED_OPTIMIZERS) == set(DEEPSPEED_OPTIMIZERS)
+    assert set(ds_schema.DEEPSPEED_OPTIMIZERS) == set(DEEPSPEED_OPTIMIZERS)
     torch_optimizers = {n for n in dir(torch.optim) if isinstance(getattr(torch.optim, n), type)
                         and issubclass(getattr(torch.optim, n), torch.optim.Optimizer) and n != "Optimizer"}
-    assert torch_optimizers <= set(rules.TORCH_OPTIMIZERS)
+    assert torch_optimizers <= set(ds_schema.TORCH_OPTIMIZERS)
     classes = {"FusedAdam": FusedAdam, "DeepSpeedCPUAdam": DeepSpeedCPUAdam, "FusedLion": FusedLion,
                "DeepSpeedCPULion": DeepSpeedCPULion, "DeepSpeedCPUAdagrad": DeepSpeedCPUAdagrad,
                "FusedLamb": FusedLamb, "torch.optim.AdamW": torch.optim.AdamW,
@@ -461,9 +462,9 @@ def test_optimizer_and_scheduler_tables_match(oracle):
     given_by_deepspeed = {"DeepSpeedCPUAdam": {"adamw_mode", "fp32_optimizer_states"}, "FusedAdam": {"adam_w_mode"}}
     for name, cls in classes.items():
         params = set(list(inspect.signature(cls).parameters)[1:]) - given_by_deepspeed.get(name, set())
-        assert rules.OPTIMIZER_PARAMS[name] == params, name
-    assert set(rules.DEEPSPEED_SCHEDULERS) == set(lr_schedules.VALID_LR_SCHEDULES)
-    for name, signature in rules.DEEPSPEED_SCHEDULERS.items():
+        assert ds_schema.OPTIMIZER_PARAMS[name] == params, name
+    assert set(ds_schema.DEEPSPEED_SCHEDULERS) == set(lr_schedules.VALID_LR_SCHEDULES)
+    for name, signature in ds_schema.DEEPSPEED_SCHEDULERS.items():
         theirs = list(inspect.signature(getattr(lr_schedules, name)).parameters.values())[1:]
         assert signature == {p.name: p.default is inspect.Parameter.empty for p in theirs}, name
 
@@ -680,6 +681,20 @@ def test_no_crash_on_arbitrary_json():
             assert f.rule in rules.RULES and f.severity in ("error", "warning", "info")
 
     run()
+
+
+@pytest.mark.parametrize("block, ctx, message, fix", [
+    ("optimizer", HF, "the `optimizer` block has no `type`: DeepSpeed has nothing to build (and HF has already "
+     "handed the optimizer over to the config)", 'add "type": "AdamW", or delete the block to use the Trainer\'s optimizer'),
+    ("optimizer", RAW, "the `optimizer` block has no `type`: DeepSpeed has nothing to build", 'add "type": "AdamW"'),
+    ("scheduler", HF, "the `scheduler` block has no `type`",
+     'add "type": "WarmupDecayLR", or delete the block to use the Trainer\'s scheduler'),
+    ("scheduler", RAW, "the `scheduler` block has no `type`", 'add "type": "WarmupLR"'),
+])
+def test_block_without_type_message(block, ctx, message, fix):
+    found = [f for f in check_config(base(**{block: {"params": {}}}), ctx) if f.key == (block,)]
+    assert [(f.rule, f.severity, f.message, f.fix) for f in found] == \
+        [("DS150" if block == "optimizer" else "DS160", "error", message, fix)]
 
 
 def test_module_imports_without_torch():

@@ -1,0 +1,312 @@
+"""DeepSpeed config rules about how training is set up: HF Trainer + accelerate, batch sizes, precision, ZeRO."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from finetune.lint.ds_schema import BATCH_KEYS, DTYPE_NAMES, ZERO_FIELD_NAMES
+from finetune.lint.ds_values import (
+    MISSING, UNKNOWN, _as_bool, _as_int, _batch_fix, _dotted, _parse_number, _show)
+
+
+class SetupRules:
+    """Mixed into deepspeed_rules._Checker, which supplies config, ctx, add, get, stage and the reading helpers."""
+
+    # ------------------------------------------------------------------------------------------
+    # HF Trainer + accelerate (DS115, DS125, DS130, DS155, DS180)
+
+    def hf_rules(self) -> None:
+        if not self.hf:
+            return
+        if "zero_optimization" not in self.config:
+            self.add("DS130", "error", (), "no `zero_optimization` block: accelerate's DeepSpeed plugin refuses the "
+                     "config (\"Please specify the ZeRO optimization config\")",
+                     'add "zero_optimization": {"stage": 0} for plain data parallelism, or the stage you want')
+        if "gradient_accumulation_steps" not in self.config:
+            self.missing_accumulation()
+        if self.ta is not None:
+            self.mismatches()
+        self.client_optimizer_offload()
+
+    def offload_by_deprecated_key(self) -> bool:
+        """Optimizer offload asked for only with the deprecated `cpu_offload` (DeepSpeed maps it to
+        offload_optimizer.device cpu in DeepSpeedZeroConfig; nothing else reads it)."""
+        zero = self.zero()
+        return "offload_optimizer" not in zero and _as_bool(zero.get("cpu_offload")) is True
+
+    def missing_accumulation(self) -> None:
+        """accelerate's DeepSpeedPlugin writes gradient_accumulation_steps=1 when the config has none.
+
+        Since accelerate 1.8 (huggingface/accelerate#3630) the Trainer's own accumulation decides DeepSpeed's
+        boundaries (engine.set_gradient_accumulation_boundary), so the training is the same and only
+        DeepSpeed's bookkeeping (train_batch_size, sample counts, its monitors) is off. Before 1.8 the
+        engine stepped the optimizer on every micro-batch. A train_batch_size fails DeepSpeed's batch check.
+        """
+        gas = None if self.ta is None else self.ta["gradient_accumulation_steps"]
+        fix = 'add "gradient_accumulation_steps": "auto"'
+        if gas is not None and _as_int(gas) == 1:
+            return
+        if gas is not None and "train_batch_size" in self.config:
+            self.add("DS125", "error", (), f"no `gradient_accumulation_steps`: accelerate writes 1 into the config, "
+                     f"while `train_batch_size` counts TrainingArguments' {gas}; DeepSpeed's check "
+                     "train_batch_size = micro batch x accumulation x world size fails at launch", fix)
+            self.accumulation_missing = True
+            return
+        said = "whatever TrainingArguments say" if gas is None else f"not TrainingArguments' {gas}"
+        self.add("DS125", "warning", (), f"no `gradient_accumulation_steps`: accelerate writes 1 into the config, "
+                 f"{said}. With accelerate >= 1.8 the Trainer still accumulates (only DeepSpeed's batch size and "
+                 "sample counts are wrong); older accelerate steps the optimizer on every micro-batch", fix)
+
+    def mismatches(self) -> None:
+        """HfTrainerDeepSpeedConfig.fill_match: a concrete value that differs from TrainingArguments."""
+        for path, (hf_value, hf_key) in self.hf_expected().items():
+            parent = self.get(*path[:-1]) if len(path) > 1 else self.config
+            if not isinstance(parent, dict):
+                continue
+            value = parent.get(path[-1])
+            if value is None or value == "auto" or (isinstance(value, list) and "auto" in value):
+                continue  # "auto" inside a list is DS171's
+            if path in self.claimed:
+                continue  # already reported as a wrong type; one finding per mistake
+            if value != hf_value:  # the same comparison HF makes (so 1 == 1.0 and true == 1)
+                where = ("the recipe's training settings" if self.ctx.from_recipe else "TrainingArguments")
+                self.add("DS180", "error", path, f"`{_dotted(path)}` is {_show(value)} but {where} give {hf_key}="
+                         f"{_show(hf_value)}: the HF Trainer refuses mismatches",
+                         f'set it to "auto" (or {_show(hf_value)})')
+
+    def client_optimizer_offload(self) -> None:
+        if "optimizer" in self.config:
+            return
+        if self.offload_by_deprecated_key() and _as_bool(self.config.get("zero_force_ds_cpu_optimizer", True)) is not False:
+            self.add("DS156", "error", ("zero_optimization", "cpu_offload"),
+                     "`cpu_offload: true` without an `optimizer` block: DeepSpeed reads it as optimizer offload to "
+                     "the CPU, but accelerate swaps the Trainer's optimizer for DeepSpeedCPUAdam only when "
+                     "`offload_optimizer.device` says so, and deepspeed.initialize refuses the Trainer's optimizer "
+                     "(ZeRORuntimeException: \"ZeRO-Offload with a client provided optimizer\")",
+                     'replace it with "offload_optimizer": {"device": "cpu"}, or add an "optimizer" block')
+            return
+        if self.device("offload_optimizer") not in ("cpu", "nvme"):
+            return
+        if self.stage == 0:
+            return  # DS131 covers it
+        if _as_bool(self.config.get("zero_force_ds_cpu_optimizer", True)) is False:
+            return
+        optim = "" if self.ta is None else str(self.ctx.training_args.get("optim", "adamw_torch"))
+        # accelerate keeps AdamW semantics only for torch's AdamW (and 32-bit bitsandbytes AdamW)
+        torch_adamw = optim.startswith("adamw_torch") or optim in ("adamw_hf", "")
+        severity = "warning" if torch_adamw else "error"
+        self.add("DS155", severity, ("zero_optimization", "offload_optimizer"),
+                 "optimizer offload without an `optimizer` block: the HF Trainer builds its own optimizer"
+                 + (f" ({optim})" if optim else "") + ", and accelerate replaces it with DeepSpeedCPUAdam, keeping "
+                 "only lr and weight_decay (betas and eps fall back to Adam's defaults; a non-AdamW optimizer becomes Adam)",
+                 'add an "optimizer" block (type AdamW with "auto" params), or set "zero_force_ds_cpu_optimizer": '
+                 "false to keep the Trainer's optimizer (slow on CPU)")
+
+    # ------------------------------------------------------------------------------------------
+    # Batch sizes (DS121-DS124): runtime/config.py _set_batch_related_parameters + _batch_assertion
+
+    def batch_rules(self) -> None:
+        values: dict[str, Any] = {}
+        for key in BATCH_KEYS:
+            value = self.resolved((key,))
+            if key == "gradient_accumulation_steps" and value is MISSING and self.hf:
+                value = 1  # accelerate's DeepSpeedPlugin adds it
+            if value is not MISSING and value is not UNKNOWN:
+                number = _as_int(value) if isinstance(value, (int, float)) else None
+                if number is None or isinstance(value, bool):
+                    value = UNKNOWN  # a type error, reported by structure()
+                else:
+                    if number <= 0 and (key,) not in self.claimed:
+                        self.add("DS123", "error", (key,), f"`{key}` is {_show(value)}: DeepSpeed needs it > 0")
+                    value = number if number > 0 else UNKNOWN
+            values[key] = value
+        train, micro, gas = (values[k] for k in BATCH_KEYS)
+        if train is MISSING and micro is MISSING:
+            self.add("DS122", "error", (), "neither `train_batch_size` nor `train_micro_batch_size_per_gpu` is set: "
+                     "DeepSpeed needs one of them", 'add "train_micro_batch_size_per_gpu": "auto"' if self.hf else
+                     'add "train_micro_batch_size_per_gpu": 1')
+            return
+        if UNKNOWN in (train, micro, gas):
+            return
+        if any(f.rule == "DS180" and f.key in {(k,) for k in BATCH_KEYS} for f in self.findings):
+            return  # HF stops first, with the mismatch
+        world = self.ctx.world_size
+        if world:
+            self.batch_arithmetic(train, micro, gas, world)
+        elif MISSING not in (train, micro, gas) and train % (micro * gas):
+            self.add("DS124", "error", ("train_batch_size",), f"train_batch_size {train} is not a multiple of micro "
+                     f"batch {micro} x gradient accumulation {gas}: no world size satisfies train_batch_size = "
+                     "micro x accumulation x world size", _batch_fix(self.hf))
+
+    def batch_arithmetic(self, train: Any, micro: Any, gas: Any, world: int) -> None:
+        """DeepSpeed derives the missing values with floor division, then asserts the product."""
+        derived = []
+        if MISSING not in (train, micro, gas):
+            pass
+        elif train is not MISSING and micro is not MISSING:
+            gas = train // micro // world
+            derived.append(f"gradient_accumulation_steps = {train} // {micro} // {world} = {gas}")
+        elif train is not MISSING and gas is not MISSING:
+            micro = train // world // gas
+            derived.append(f"train_micro_batch_size_per_gpu = {train} // {world} // {gas} = {micro}")
+        elif micro is not MISSING and gas is not MISSING:
+            train = micro * gas * world
+        elif train is not MISSING:
+            gas, micro = 1, train // world
+            derived.append(f"train_micro_batch_size_per_gpu = {train} // {world} = {micro}")
+        else:
+            train, gas = micro * world, 1
+        how = f" (DeepSpeed derives {'; '.join(derived)})" if derived else ""
+        key = ("train_batch_size",) if "train_batch_size" in self.config else ()
+        if micro <= 0 or gas <= 0:
+            self.add("DS121", "error", key, f"with world size {world}, train_batch_size {train} leaves "
+                     f"{'a micro batch' if micro <= 0 else 'gradient accumulation'} of 0{how}: DeepSpeed refuses it",
+                     _batch_fix(self.hf))
+        elif train != micro * gas * world and not self.accumulation_missing:  # DS125 says why
+            self.add("DS121", "error", key, f"train_batch_size {train} != micro batch {micro} x gradient accumulation "
+                     f"{gas} x world size {world} = {micro * gas * world}{how}: DeepSpeed refuses it",
+                     _batch_fix(self.hf))
+
+    # ------------------------------------------------------------------------------------------
+    # Precision (DS120, DS136, DS190, DS193)
+
+    def precision_rules(self) -> None:
+        fp16, bf16 = self.enabled("fp16"), self.enabled("bf16")
+        if fp16 is True and bf16 is True:
+            key = ("fp16", "enabled") if self.get("fp16", "enabled") is not MISSING else ("fp16",)
+            self.add("DS120", "error", key, "fp16 and bf16 are both enabled: DeepSpeed refuses the config "
+                     "(and accelerate refuses it under the HF Trainer)",
+                     'set one of them to false, or both to "auto" so TrainingArguments decide' if self.hf else
+                     "set one of them to false")
+        self.fp16_params(fp16)
+        self.master_weights()
+        self.param_dtype(fp16, bf16)
+        self.grad_accum_dtype(fp16, bf16)
+
+    def fp16_params(self, fp16_enabled: Any) -> None:
+        """DeepSpeedFP16Config's validators (types and non-finite values are DS110/DS111 already)."""
+        block = self.config.get("fp16")
+        if not isinstance(block, dict):
+            return
+        loss_scale = block.get("loss_scale", 0)
+        if isinstance(loss_scale, str):
+            loss_scale = _parse_number(loss_scale)
+        if not isinstance(loss_scale, (int, float)) or isinstance(loss_scale, bool) or not math.isfinite(loss_scale):
+            return
+        if loss_scale < 0:
+            self.add("DS193", "error", ("fp16", "loss_scale"), f"`fp16.loss_scale` is {_show(block['loss_scale'])}: "
+                     "DeepSpeed needs a number >= 0 (0 = dynamic loss scaling)", "use 0 (dynamic) or a positive scale")
+            return
+        if fp16_enabled is True and loss_scale == 0:
+            for key in ("loss_scale_window", "min_loss_scale"):
+                value = block.get(key)
+                number = _as_int(value)
+                if number is not None and not isinstance(value, bool) and number <= 0:
+                    self.add("DS193", "error", ("fp16", key), f"`fp16.{key}` is {_show(value)}: with dynamic loss "
+                             "scaling DeepSpeed needs it > 0", "delete it to use DeepSpeed's default")
+
+    def master_weights(self) -> None:
+        stage = self.stage
+        checks = [("fp16", "fp16_master_weights_and_grads"), ("bf16", "bf16_master_weights_and_grads"),
+                  ("bf16", "bf16_optimizer_states")]
+        for section, key in checks:
+            if _as_bool(self.get(section, key)) is True and stage == 0:
+                self.add("DS136", "error", (section, key), f"`{section}.{key}` needs ZeRO stage 1, 2 or 3: "
+                         "DeepSpeed refuses it at stage 0")
+        if _as_bool(self.get("bf16", "bf16_optimizer_states")) is True and \
+                _as_bool(self.get("bf16", "bf16_master_weights_and_grads")) is not True:
+            self.add("DS136", "error", ("bf16", "bf16_optimizer_states"), "`bf16.bf16_optimizer_states` needs "
+                     "`bf16.bf16_master_weights_and_grads`: DeepSpeed refuses it alone",
+                     'add "bf16_master_weights_and_grads": true')
+
+    def param_dtype(self, fp16: Any, bf16: Any) -> None:
+        value = self.get("data_types", "param_dtype")
+        if not isinstance(value, str) or value not in DTYPE_NAMES or UNKNOWN in (fp16, bf16):
+            return
+        mode = "fp16" if fp16 else "bf16" if bf16 else "fp32"
+        if DTYPE_NAMES[value] != mode:
+            self.add("DS190", "error", ("data_types", "param_dtype"), f"`data_types.param_dtype` is {_show(value)} "
+                     f"but the enabled precision is {mode}: DeepSpeed refuses the combination",
+                     "delete param_dtype (it follows the fp16/bf16 setting)")
+
+    def grad_accum_dtype(self, fp16: Any, bf16: Any) -> None:
+        """engine._do_optimizer_sanity_check: without ZeRO, only the model's own dtype can accumulate."""
+        value = self.get("data_types", "grad_accum_dtype")
+        if not isinstance(value, str) or value not in DTYPE_NAMES or UNKNOWN in (fp16, bf16) or self.stage != 0:
+            return
+        mode = "fp16" if fp16 else "bf16" if bf16 else "fp32"
+        if DTYPE_NAMES[value] != mode:
+            self.add("DS191", "error", ("data_types", "grad_accum_dtype"), f"`data_types.grad_accum_dtype` is "
+                     f"{_show(value)} but the model trains in {mode} at ZeRO stage 0: deepspeed.initialize raises "
+                     "NotImplementedError (\"unsupported mix of model_dtype and grad_accum_dtype\")",
+                     "delete grad_accum_dtype, or use ZeRO stage 1 or higher (which accumulates in fp32)")
+
+    # ------------------------------------------------------------------------------------------
+    # ZeRO and offload (DS131-DS140)
+
+    def zero_rules(self) -> None:
+        zero, stage = self.zero(), self.stage
+        if not zero or stage is None:
+            return
+        opt_device, param_device = self.device("offload_optimizer"), self.device("offload_param")
+        if opt_device in ("cpu", "nvme") and stage == 0:
+            self.add("DS131", "error", ("zero_optimization", "offload_optimizer"), "optimizer offload at ZeRO stage 0: "
+                     "DeepSpeed builds its CPU optimizer for parameters that stay on the GPU, and the first "
+                     "optimizer step fails (\"CPUAdam param is on cuda and must be 'cpu'\")",
+                     "use stage 1 or higher, or remove offload_optimizer")
+        if param_device in ("cpu", "nvme") and stage in (0, 1, 2):
+            self.add("DS132", "error", ("zero_optimization", "offload_param"), f"parameter offload at ZeRO stage "
+                     f"{stage} is silently ignored: only stage 3 partitions and offloads parameters, so they stay "
+                     "on the GPU", "use stage 3, or remove offload_param")
+        for block, device in (("offload_optimizer", opt_device), ("offload_param", param_device)):
+            if device == "nvme":
+                self.nvme_path(block)
+        ratio = self.get("zero_optimization", "offload_optimizer", "ratio")
+        if isinstance(ratio, (int, float)) and not isinstance(ratio, bool) and ratio < 1 and stage != 3:
+            self.add("DS134", "error", ("zero_optimization", "offload_optimizer", "ratio"), "partial optimizer offload "
+                     f"(ratio {ratio}) works only with ZeRO stage 3: DeepSpeed refuses it at stage {stage}",
+                     "delete ratio, or use stage 3")
+        if _as_bool(zero.get("compute_grad_norm", True)) is False and stage not in (1, 2):
+            self.add("DS135", "error", ("zero_optimization", "compute_grad_norm"), "compute_grad_norm=false is "
+                     f"supported only with ZeRO stage 1 or 2: DeepSpeed refuses it at stage {stage}",
+                     "delete compute_grad_norm")
+        self.allgather_bucket(stage)
+        if stage in (1, 2):
+            for key, value in zero.items():
+                if (str(key).startswith("stage3_") or key in ZERO_FIELD_NAMES) and value != "auto" and \
+                        (("zero_optimization", key)) not in self.claimed:
+                    self.add("DS139", "info", ("zero_optimization", key), f"`{key}` only affects ZeRO stage 3; at "
+                             f"stage {stage} it does nothing")
+
+    def nvme_path(self, block: str) -> None:
+        path = self.get("zero_optimization", block, "nvme_path")
+        key = ("zero_optimization", block, "nvme_path")
+        if path is MISSING or path is None:
+            self.add("DS133", "error", ("zero_optimization", block, "device"), f"NVMe offload of {block[8:]} without "
+                     "`nvme_path`: DeepSpeed has no directory to swap to and fails when it sets up offloading",
+                     'add "nvme_path": "/local_nvme" (a directory on a fast local NVMe disk)')
+        elif path == "auto" and self.hf:
+            self.add("DS133", "error", key, "`nvme_path` \"auto\" is filled by accelerate with the string \"none\": "
+                     "DeepSpeed would swap into a directory named `none` under the working directory",
+                     "write the directory of a fast local NVMe disk")
+        elif path == "auto":
+            self.add("DS133", "error", key, "`nvme_path` \"auto\" is dropped by DeepSpeed, leaving no swap directory",
+                     "write the directory of a fast local NVMe disk")
+        elif isinstance(path, str) and path.strip().lower() in ("none", ""):
+            self.add("DS133", "error", key, f"`nvme_path` is {_show(path)}: DeepSpeed would swap into the current "
+                     "directory" + (" (a directory named `none`)" if path.strip() else ""),
+                     "write the directory of a fast local NVMe disk")
+
+    def allgather_bucket(self, stage: int) -> None:
+        value = self.zero().get("allgather_bucket_size")
+        number = _as_int(value)
+        if stage not in (1, 2) or number is None or isinstance(value, bool) or number < 0:
+            return
+        if number == 0:
+            self.add("DS140", "error", ("zero_optimization", "allgather_bucket_size"), "allgather_bucket_size 0: the "
+                     "ZeRO stage 1/2 optimizer divides by it and fails when it starts", "delete it (default 5e8)")
+        elif number % 2:
+            self.add("DS140", "error", ("zero_optimization", "allgather_bucket_size"), f"allgather_bucket_size "
+                     f"{number} is odd: the ZeRO stage 1/2 optimizer asserts it is a multiple of 2 (4-byte "
+                     "aligned fp16 buffers)", f"use {number + 1}")
