@@ -211,7 +211,10 @@ def merge(
         ...
         merged 224 LoRA layers into merged/llama3-8b (4 shards, 16.06 GB) in 141.2 s
     """
-    from finetune.merge import MergeError, Terminated, human_size, merge as run_merge, resolve_inputs, verify as run_verify
+    from finetune.merge import merge as run_merge
+    from finetune.merge_inputs import resolve_inputs
+    from finetune.merge_verify import verify as run_verify
+    from finetune.safetensors_io import MergeError, Terminated, human_size
     from finetune.recipe import parse_size
 
     if run_dir is None and (base is None or adapter is None):
@@ -561,7 +564,7 @@ def convert(
         converted runs/x/checkpoint-500 (LoRA adapter, bfloat16) into runs/x/adapter-500
     """
     from finetune.convert import convert as run_convert
-    from finetune.merge import MergeError, Terminated
+    from finetune.safetensors_io import MergeError, Terminated
     from finetune.recipe import parse_size
 
     try:
