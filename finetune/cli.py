@@ -211,7 +211,10 @@ def merge(
         ...
         merged 224 LoRA layers into merged/llama3-8b (4 shards, 16.06 GB) in 141.2 s
     """
-    from finetune.merge import MergeError, Terminated, human_size, merge as run_merge, resolve_inputs, verify as run_verify
+    from finetune.merge import merge as run_merge
+    from finetune.merge_inputs import resolve_inputs
+    from finetune.merge_verify import verify as run_verify
+    from finetune.safetensors_io import human_size
     from finetune.recipe import parse_size
 
     if run_dir is None and (base is None or adapter is None):
@@ -220,18 +223,12 @@ def merge(
         shard_bytes = parse_size(max_shard_size)
     except ValueError as exc:
         raise fail(f"--max-shard-size: {exc}", 2) from None
-    try:
+    with _write_errors("merge", output):
         inputs = resolve_inputs(run_dir, base, adapter)
         with _write_progress("merging") as (log, on_write):
             result = run_merge(inputs.base, inputs.adapter, output, dtype=dtype, overwrite=overwrite,
                                max_shard_size=shard_bytes, log=log, source_dirs=inputs.tokenizer_dirs,
                                fsync=fsync, on_write=on_write)
-    except Terminated:
-        raise fail(f"merge stopped by SIGTERM; the partial output was removed and {output} was not touched", 143) from None
-    except (MergeError, FileExistsError) as exc:
-        raise fail(str(exc)) from None
-    except OSError as exc:
-        raise fail(f"cannot write {output}: {exc.strerror or exc}") from None
     typer.echo(f"merged {result.merged_layers} LoRA layers into {output} ({result.shards} shard"
                f"{'s' if result.shards > 1 else ''}, {human_size(result.total_bytes)}) in {result.seconds:.1f} s")
     if verify:
@@ -241,6 +238,22 @@ def merge(
                    f"the adapter moves logits by up to {check.adapter_effect:.3g})")
         if not check.ok:
             raise fail("verify: the merged model does not reproduce base + adapter")
+
+
+@contextmanager
+def _write_errors(command: str, output: Path):
+    """The one-line failures of merge and convert: SIGTERM (exit 143, the partial output already removed),
+    bad input, and a write that fails."""
+    from finetune.safetensors_io import MergeError, Terminated
+
+    try:
+        yield
+    except Terminated:
+        raise fail(f"{command} stopped by SIGTERM; the partial output was removed and {output} was not touched", 143) from None
+    except (MergeError, FileExistsError) as exc:
+        raise fail(str(exc)) from None
+    except OSError as exc:
+        raise fail(f"cannot write {output}: {exc.strerror or exc}") from None
 
 
 @contextmanager
@@ -561,23 +574,16 @@ def convert(
         converted runs/x/checkpoint-500 (LoRA adapter, bfloat16) into runs/x/adapter-500
     """
     from finetune.convert import convert as run_convert
-    from finetune.merge import MergeError, Terminated
     from finetune.recipe import parse_size
 
     try:
         shard_bytes = parse_size(max_shard_size)
     except ValueError as exc:
         raise fail(f"--max-shard-size: {exc}", 2) from None
-    try:
+    with _write_errors("convert", output):
         with _write_progress("converting") as (log, on_write):
             result = run_convert(checkpoint, output, dtype=dtype, overwrite=overwrite, adapter_config=adapter_config,
                                  max_shard_size=shard_bytes, log=log, on_write=on_write)
-    except Terminated:
-        raise fail(f"convert stopped by SIGTERM; the partial output was removed and {output} was not touched", 143) from None
-    except (MergeError, FileExistsError) as exc:
-        raise fail(str(exc)) from None
-    except OSError as exc:
-        raise fail(f"cannot write {output}: {exc.strerror or exc}") from None
     what = "LoRA adapter" if result.kind == "lora" else f"full weights, {result.shards} shard{'s' if result.shards > 1 else ''}"
     typer.echo(f"converted {checkpoint} ({what}, {result.dtype.removeprefix('torch.')}) into {output}")
 

@@ -34,10 +34,11 @@ from typing import Callable, Optional
 import torch
 
 from finetune.fsutil import atomic_dir, remove_stale_partials, write_atomic
-from finetune.merge import (CONFIG_FILES, DEFAULT_MAX_SHARD_SIZE, DTYPES, PEFT_PREFIX, ST_TO_TORCH, TORCH_TO_ST,
-                            BaseTensor, MergeError, OnWrite, OutTensor, Plan, WriteCounter, copy_tokenizer,
-                            ShardWriter, assign_shards, check_disk_space, human_size, lora_scaling, shard_names,
-                            sigterm_as_interrupt, write_index)
+from finetune.lora_math import PEFT_PREFIX, lora_scaling
+from finetune.safetensors_io import (CONFIG_FILES, DEFAULT_MAX_SHARD_SIZE, DTYPES, ST_TO_TORCH, TORCH_TO_ST, BaseTensor,
+                                     MergeError, OnWrite, OutTensor, Plan, ShardWriter, WriteCounter, assign_shards,
+                                     check_disk_space, copy_tokenizer, human_size, shard_names, sigterm_as_interrupt,
+                                     write_index)
 
 # Parameter names PEFT gives LoRA weights in the model (before the adapter name is stripped for saving).
 _LORA_PARAM = re.compile(r"\.(lora_A|lora_B|lora_embedding_A|lora_embedding_B|lora_magnitude_vector)\.([^.]+)(\.|$)")

@@ -40,6 +40,17 @@ def _umask() -> int:
     return mask
 
 
+def replace_dir(tmp: Path, target: Path, old: Path) -> None:
+    """Move the finished directory `tmp` to `target`; an existing `target` is moved aside to `old` and removed after."""
+    if target.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(target, old)
+        os.replace(tmp, target)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, target)
+
+
 @contextmanager
 def atomic_dir(target: Path, overwrite: bool = False) -> Iterator[Path]:
     """Yield a temporary directory beside `target`; on success it replaces `target`.
@@ -56,13 +67,7 @@ def atomic_dir(target: Path, overwrite: bool = False) -> Iterator[Path]:
         (tmp / OWNER_FILE).write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
         yield tmp
         (tmp / OWNER_FILE).unlink(missing_ok=True)
-        if target.exists():
-            old = target.with_name(f".{target.name}.old-{os.getpid()}")
-            os.replace(target, old)
-            os.replace(tmp, target)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, target)
+        replace_dir(tmp, target, target.with_name(f".{target.name}.old-{os.getpid()}"))
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -25,7 +25,8 @@ from typer.testing import CliRunner  # noqa: E402
 
 from finetune.cli import app  # noqa: E402
 from finetune.convert import ConvertError, convert, peft_key  # noqa: E402
-from finetune.merge import Written, merge  # noqa: E402
+from finetune.merge import merge  # noqa: E402
+from finetune.safetensors_io import Written  # noqa: E402
 from tests.merge_fixtures import build_llama, peft_merged_state_dict, safetensors_data_bytes  # noqa: E402
 
 FIXTURES = Path(__file__).with_name("merge_fixtures.py")

@@ -25,7 +25,10 @@ from typer.testing import CliRunner  # noqa: E402
 
 import finetune.merge as merge_mod  # noqa: E402
 from finetune.cli import app  # noqa: E402
-from finetune.merge import MergeError, human_size, merge, resolve_inputs, verify  # noqa: E402
+from finetune.merge import merge  # noqa: E402
+from finetune.merge_inputs import resolve_inputs  # noqa: E402
+from finetune.merge_verify import verify  # noqa: E402
+from finetune.safetensors_io import MergeError, human_size  # noqa: E402
 from tests.conftest import REPO  # noqa: E402
 from tests.merge_fixtures import (build_adapter, build_gpt2, build_llama, peft_merged_state_dict,  # noqa: E402
                                   safetensors_data_bytes)
@@ -393,8 +396,8 @@ def test_merge_of_the_runs_folder_lists_the_run_directories(tmp_path):
     for name in ("b", "a"):
         (tmp_path / "runs" / name).mkdir(parents=True)
         (tmp_path / "runs" / name / "recipe.yaml").write_text("name: x\n")
-    with pytest.raises(merge_mod.MergeError, match=r"it holds run directories: .*runs/a, .*runs/b; give one of them"):
-        merge_mod.resolve_inputs(tmp_path / "runs", None, None)
+    with pytest.raises(MergeError, match=r"it holds run directories: .*runs/a, .*runs/b; give one of them"):
+        resolve_inputs(tmp_path / "runs", None, None)
 
 
 def small_effect_adapter(base: Path, path: Path) -> Path:

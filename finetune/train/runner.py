@@ -192,14 +192,9 @@ def _write_json(path: Path, data: Any) -> None:
 
 def _replace_dir(tmp: Path, target: Path) -> None:
     """Move a finished directory into place; an older one with that name is removed after."""
-    if target.exists():
-        old = target.with_name(f".{target.name}.old")
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(target, old)
-        os.replace(tmp, target)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, target)
+    from finetune.fsutil import replace_dir
+
+    replace_dir(tmp, target, target.with_name(f".{target.name}.old"))
 
 
 def save_weights(trainer, recipe: Recipe, ds_config: dict[str, Any], run_dir: Path, is_main: bool) -> str:
