@@ -17,14 +17,16 @@ from typing import Iterator, Optional
 OWNER_FILE = ".finetune-owner.json"
 
 
-def write_atomic(path: Path, text: str) -> None:
-    """Write `text` to `path` through a temporary file in the same folder and an atomic rename."""
+def write_atomic(path: Path, text: "str | bytes") -> None:
+    """Write `text` (or bytes) to `path` through a temporary file in the same folder and an atomic rename."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; give the file a normal file's mode
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+        give_usual_mode(tmp)  # mkstemp makes 0600
+        with os.fdopen(fd, "wb") as handle:
+            if isinstance(text, str):
+                text = text.encode("utf-8")
             handle.write(text)
             handle.flush()
             os.fsync(handle.fileno())
@@ -32,6 +34,11 @@ def write_atomic(path: Path, text: str) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def give_usual_mode(path) -> None:
+    """The mode a file created with open() would have (mkstemp and safetensors create files 0600)."""
+    os.chmod(path, 0o666 & ~_umask())
 
 
 def _umask() -> int:

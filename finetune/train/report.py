@@ -17,28 +17,14 @@ from __future__ import annotations
 import base64
 import html
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Any, Optional
+
+from finetune.fsutil import write_atomic
 
 PLOT_FILE = "loss.png"
 REPORT_FILE = "report.html"
 PLOT_HINT = "pip install matplotlib (or pip install 'finetune[train]')"
-
-
-def _write_bytes_atomic(path: Path, data: bytes) -> None:
-    from finetune.fsutil import _umask
-
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        os.chmod(tmp, 0o666 & ~_umask())
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def curves(log_history: list[dict[str, Any]]) -> dict[str, list[tuple[float, float]]]:
@@ -89,7 +75,7 @@ def plot_loss(log_history: list[dict[str, Any]], path: Path, title: str = "") ->
         fig.savefig(buffer, format="png", dpi=100)
     finally:
         plt.close(fig)
-    _write_bytes_atomic(Path(path), buffer.getvalue())
+    write_atomic(Path(path), buffer.getvalue())
     return True
 
 
@@ -244,8 +230,6 @@ def _num(value: Any, spec: str = ".4f") -> str:
 
 def write_run_report(run_dir: Path, log_history: list[dict[str, Any]]) -> list[str]:
     """loss.png (when matplotlib is there) and report.html; returns notes for the console."""
-    from finetune.fsutil import write_atomic
-
     run_dir = Path(run_dir)
     notes = []
     plotted = plot_loss(log_history, run_dir / PLOT_FILE, title=run_dir.name)

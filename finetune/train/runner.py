@@ -260,9 +260,9 @@ def save_final_logits(model, batch: dict[str, Any], device, path: Optional[Path]
         tmp = path.with_name(f".{path.name}.tmp")
         save_file(tensors, str(tmp))
         # safetensors creates the file 0600; the run directory is shared like the rest of its files
-        from finetune.fsutil import _umask
+        from finetune.fsutil import give_usual_mode
 
-        os.chmod(tmp, 0o666 & ~_umask())
+        give_usual_mode(tmp)
         os.replace(tmp, path)
 
 
