@@ -164,7 +164,7 @@ def _sample_conversations(source) -> Iterator[tuple[str, list]]:
         yield "a sample conversation", _SAMPLE_CONVERSATION
         return
     try:
-        rows = iter_rows(data_files(Path(source.path).expanduser())[0])
+        rows = iter_rows(data_files(Path(source.path).expanduser(), source.split)[0])
         for where, row in itertools.islice(rows, SAMPLE_ROWS):
             try:
                 yield where, to_example(row, source.spec).messages

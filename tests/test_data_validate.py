@@ -48,6 +48,18 @@ def test_formats_in_jsonl_json_parquet_and_arrow(tmp_path, fmt, rows):
         assert result.checks[0].rows == len(rows)
 
 
+def test_a_saved_dataset_dict_is_read_by_split(tmp_path):
+    import datasets
+
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(ALPACA), "test": datasets.Dataset.from_list([{"x": 1}])}
+                         ).save_to_disk(str(tmp_path / "dd"))
+    assert check(tmp_path / "dd", "alpaca").checks[0].rows == 2
+    result = v.validate([Source(str(tmp_path / "dd"), "test", RowSpec("alpaca"))])
+    assert result.messages()[0].startswith(f"{tmp_path / 'dd' / 'test'}") and "no `instruction` column" in result.messages()[0]
+    result = v.validate([Source(str(tmp_path / "dd"), "dev", RowSpec("alpaca"))])
+    assert result.messages() == [f"{tmp_path / 'dd'}: no split `dev` in this saved dataset (found test, train)"]
+
+
 def test_csv_lines_are_named(tmp_path):
     (tmp_path / "d.csv").write_text("instruction,input,output\nAdd 1 and 1.,,2\n")
     assert check(tmp_path / "d.csv", "alpaca").ok

@@ -14,6 +14,7 @@ from finetune.data.formats import RowSpec
 
 DATA_SUFFIXES = (".json", ".jsonl", ".csv", ".parquet")
 ARROW_MARKER = "dataset_info.json"  # written by Dataset.save_to_disk next to its .arrow files
+SPLITS_MARKER = "dataset_dict.json"  # DatasetDict.save_to_disk: one such folder per split
 
 
 @dataclass(frozen=True)
@@ -68,16 +69,21 @@ def is_local(reference: str) -> bool:
 
 
 def is_arrow_dir(path: Path) -> bool:
-    return path.is_dir() and (path / ARROW_MARKER).is_file()
+    return path.is_dir() and ((path / ARROW_MARKER).is_file() or (path / SPLITS_MARKER).is_file())
 
 
 class SourceProblem(Exception):
     """A source that cannot be read at all (missing, wrong type): the message names the path."""
 
 
-def data_files(path: Path) -> list[Path]:
+def data_files(path: Path, split: str = "train") -> list[Path]:
     """The files of a local source, in a stable order (a folder of shards: sorted)."""
     if is_arrow_dir(path):
+        if (path / SPLITS_MARKER).is_file():
+            if not (path / split / ARROW_MARKER).is_file():
+                found = sorted(p.name for p in path.iterdir() if (p / ARROW_MARKER).is_file())
+                raise SourceProblem(f"{path}: no split `{split}` in this saved dataset (found {', '.join(found) or 'none'})")
+            path = path / split
         files = sorted(path.glob("*.arrow"))
         if not files:
             raise SourceProblem(f"{path}: a saved dataset folder without .arrow files")

@@ -89,7 +89,7 @@ def validate(sources: list[Source]) -> Validation:
         check = SourceCheck(source)
         result.checks.append(check)
         try:
-            files = data_files(Path(source.path).expanduser())
+            files = data_files(Path(source.path).expanduser(), source.split)
         except SourceProblem as exc:
             result.add(check, str(exc))
             continue
