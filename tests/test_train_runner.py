@@ -83,6 +83,25 @@ def test_two_process_run_learns_and_saves_what_it_trained(name, tmp_path, cache)
     assert (untrained - expected).abs().max() > 1e-2
 
 
+@pytest.mark.slow
+def test_two_source_mixture_trains_and_reports_each_source(tmp_path, cache):
+    """recipes/tiny/mix_alpaca_sharegpt.yaml: alpaca + ShareGPT mixed 3:1, tokenized once, on 2 processes."""
+    run_dir = tmp_path / "run"
+    recipe = write_run_dir(TINY_RECIPES / "mix_alpaca_sharegpt.yaml", run_dir, world_size=2)
+    result = launch_runner(run_dir, cache)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    alpaca, chats = (Path(s.path) for s in recipe.data.sources)
+    rows = len(alpaca.read_text().splitlines())
+    report = [line.removeprefix("[finetune] ") for line in result.stdout.splitlines() if line.startswith("[finetune] data: ")]
+    # One report (rank 0 tokenizes; rank 1 loads the cache without logging), alpaca whole, chats to a third.
+    assert report[0] == f"data: {alpaca} (alpaca): {rows} rows -> {rows} examples; {rows} in the mixture (all)"
+    assert report[1].startswith(f"data: {chats} (sharegpt): 80 rows -> 80 examples; {round(rows / 3)} in the mixture")
+    assert len(report) == 2
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == recipe.training.max_steps
+    assert summary["train_loss_last"] < summary["train_loss_first"] - 0.3, summary["loss_history"]
+
+
 def _check_adapter_files(run_dir, recipe):
     from safetensors.torch import load_file
 
