@@ -165,3 +165,52 @@ def test_length_statistics_for_the_planner(tmp_path):
     path = write_jsonl(tmp_path / "t.jsonl", [{"text": "x" * n} for n in range(1, 101)])
     stats = check(path, "text").checks[0].length_stats()
     assert stats == {"rows": 100, "p50": 50, "p95": 95, "max": 100}
+
+
+# ------------------------------------------------------------------------------------------------
+# The bulk pass (finetune.data.fastcheck) says "clean" only when the row-by-row pass agrees
+
+
+BAD_ROWS = {
+    "alpaca": [{"instruction": "a"}, {"instruction": "a", "output": 3}, {"instruction": "a", "output": " "},
+               {"instruction": None, "output": "b"}, ["a list"]],
+    "text": [{"txt": "x"}, {"text": ""}, {"text": None}],
+    "sharegpt": [{"conversations": []}, {"conversations": [{"from": "human", "value": "hi"}]},
+                 {"conversations": [{"from": "bot", "value": "hi"}]},
+                 {"conversations": [{"from": "gpt", "value": "hi", "train": False}]},
+                 {"conversations": [{"from": "gpt", "value": None}]}, {"conversations": None}],
+    "messages": [{"messages": [{"role": "user", "content": "hi"}]}, {"messages": [{"role": "robot", "content": "x"}]},
+                 {"messages": [{"role": "assistant", "content": "x", "weight": 0}]}],
+}
+GOOD_ROWS = {"alpaca": ALPACA, "text": [{"text": "hello"}], "sharegpt": SHAREGPT + [{"system": "s", **SHAREGPT[0]}],
+             "messages": MESSAGES}
+
+
+@pytest.mark.parametrize("fmt", list(BAD_ROWS))
+def test_the_bulk_pass_proves_clean_files_and_defers_every_bad_row(tmp_path, fmt):
+    from finetune.data.fastcheck import clean_rows
+
+    good = write_jsonl(tmp_path / "good.jsonl", GOOD_ROWS[fmt] * 3)
+    counts = clean_rows(good, RowSpec(fmt))
+    assert counts is not None and sum(len(c) for c in counts) == len(GOOD_ROWS[fmt]) * 3
+    for i, bad in enumerate(BAD_ROWS[fmt]):
+        path = write_jsonl(tmp_path / f"bad{i}.jsonl", GOOD_ROWS[fmt] * 3 + [bad])
+        assert clean_rows(path, RowSpec(fmt)) is None, bad
+        assert check(path, fmt).total == 1, bad  # and the row-by-row pass names it
+    line = json.dumps(GOOD_ROWS[fmt][0]).encode()
+    start = line.rindex(b'"', 0, line.rindex(b'"')) + 1  # inside the last string value
+    latin = tmp_path / "latin.jsonl"
+    latin.write_bytes(good.read_bytes() + line[:start] + b"caf\xe9 " + line[start:] + b"\n")
+    assert clean_rows(latin, RowSpec(fmt)) is None
+    assert check(latin, fmt).messages()[0].startswith(f"{latin}:{len(GOOD_ROWS[fmt]) * 3 + 1}: not UTF-8 text")
+
+
+def test_both_passes_give_the_same_length_statistics(tmp_path):
+    from finetune.data import fastcheck
+
+    rows = [{"conversations": [{"from": "human", "value": "q" * n}, {"from": "gpt", "value": "a" * (2 * n)}]} for n in range(1, 60)]
+    path = write_jsonl(tmp_path / "c.jsonl", rows)
+    bulk = check(path, "sharegpt").checks[0].length_stats()
+    assert fastcheck.clean_rows(path, RowSpec("sharegpt")) is not None
+    (tmp_path / "c.json").write_text(json.dumps(rows))  # a JSON array: row by row only
+    assert check(tmp_path / "c.json", "sharegpt").checks[0].length_stats() == bulk == {"rows": 59, "p50": 90, "p95": 171, "max": 177}
