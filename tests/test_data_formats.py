@@ -4,6 +4,7 @@ arithmetic (finetune.data.mix). Masks are checked label by label: -100 exactly w
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -264,3 +265,29 @@ def test_a_bad_mixture_is_a_data_error(tmp_path, tokenizer):
     section["sources"][1]["weight"] = None
     with pytest.raises(DataError, match=r"data.sources\[1\] .*has neither weight nor samples"):
         tokenize_for_training(section, tokenizer, tmp_path / "cache", log=lambda m: None)
+
+
+# ------------------------------------------------------------------------------------------------
+# The recipe's data section, as the rest of finetune reads it
+
+
+def test_sources_in_a_recipe_rebase_paths_replace_the_parents_path_and_key_the_resume():
+    from finetune.chat import _chat_format
+    from finetune.checkpoint import resume_fields
+    from finetune.recipe import load_recipe
+    from finetune.rundir import resolved_recipe
+
+    mixed = load_recipe(REPO / "recipes" / "tiny" / "mix_alpaca_sharegpt.yaml").recipe
+    assert mixed.data.path is None  # base.yaml's path is replaced by the sources
+    # Relative to the recipe's folder, as data.path is.
+    assert [Path(s.path).resolve() for s in mixed.data.sources] == [DEMO, DEMO.parent / "demo_chats_sharegpt.jsonl"]
+    resolved = resolved_recipe(mixed, REPO / "runs" / "x")
+    assert all(s["path"].startswith("/") for s in resolved["data"]["sources"])
+    fields = resume_fields(resolved, 2)
+    assert fields["data.sources"][1]["weight"] == 1 and fields["data.bytes"] > DEMO.stat().st_size
+    assert _chat_format(mixed) == "messages"
+    single = load_recipe(REPO / "recipes" / "tiny" / "lora_zero2.yaml").recipe
+    # A run directory written before data.sources existed resumes: the new keys are absent when unset.
+    assert not [k for k in resume_fields(resolved_recipe(single, REPO / "runs" / "y"), 2)
+                if k in ("data.sources", "data.seed", "data.think", "data.columns", "data.roles")]
+    assert _chat_format(single) == "alpaca"
