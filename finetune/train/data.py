@@ -362,6 +362,11 @@ def _mix(sources: list[Source], per_source: list[list], reports: list[SourceRepo
     return [per_source[s][i] for s, i in mixture(shares, seed)]
 
 
+def mix_report(data: dict[str, Any], tokenizer, cache_dir: Path) -> list[dict[str, Any]]:
+    """The per-source report of the cached tokenization of `data` (after tokenize_for_training)."""
+    return [asdict(r) for r in _read_reports(Path(cache_dir) / cache_key(data, tokenizer))]
+
+
 def _read_reports(target: Path) -> list[SourceReport]:
     try:
         return [SourceReport(**item) for item in json.loads((target / MIX_REPORT).read_text(encoding="utf-8"))]
