@@ -309,7 +309,8 @@ def train(
         finished: runs/demo (adapter in runs/demo/adapter)
     """
     from finetune.checkpoint import EXIT_PREEMPTED
-    from finetune.launch import LaunchError, commands_per_node, prepare, start_run, tail_of
+    from finetune.launch import LaunchError, commands_per_node, tail_of
+    from finetune.train_run import prepare, start_run
 
     usable_path("--output-dir", output_dir)
     launch_flags = {"nodes": nnodes, "node_rank": node_rank, "master_addr": master_addr, "master_port": master_port}
