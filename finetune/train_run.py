@@ -10,32 +10,33 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Optional
+from typing import IO, Optional
 
+from finetune.doctor import collect_facts, recipe_imports
+from finetune.dsconfig import resolved_output_dir
+from finetune.extensions import BuildWatch, extensions_root, ops_needed
+from finetune.fsutil import write_atomic
 from finetune.launch import (
     RUNNER_MODULE, HostfileError, LaunchError, LaunchPlan, Outcome, deepspeed_env_text, free_port, plan_launch,
     supervise,
 )
-from finetune.recipe import Recipe
-
-if TYPE_CHECKING:
-    from finetune.extensions import BuildWatch
-    from finetune.preflight import Preflight
-    from finetune.recipe import LoadedRecipe
-    from finetune.runlock import RunLock
+from finetune.preflight import RUN_MARKER, Preflight, run_preflight
+from finetune.recipe import LoadedRecipe, Recipe
+from finetune.rundir import write_run_dir
+from finetune.runlock import LOCK_ENV, OWNER_ENV, RunDirLocked, RunLock, acquire, holder, lock_name
 
 
 @dataclass
 class Prepared:
     """Everything decided before launch. Nothing has been written yet."""
 
-    loaded: "LoadedRecipe"
+    loaded: LoadedRecipe
     run_dir: Path
-    preflight: "Preflight"
+    preflight: Preflight
     plan: Optional[LaunchPlan]
     overwrite: bool = False
-    lock: Optional["RunLock"] = None  # the existing run directory, owned from preflight to the end of the run
-    builds: Optional["BuildWatch"] = None  # DeepSpeed ops compiled on first use (finetune.extensions)
+    lock: Optional[RunLock] = None  # the existing run directory, owned from preflight to the end of the run
+    builds: Optional[BuildWatch] = None  # DeepSpeed ops compiled on first use (finetune.extensions)
 
     def release(self) -> None:
         if self.lock is not None:
@@ -49,12 +50,10 @@ class Prepared:
 
 
 def run_dir_for(recipe: Recipe, output_dir: Optional[Path]) -> Path:
-    from finetune.dsconfig import resolved_output_dir
-
     return (Path(output_dir) if output_dir is not None else Path(resolved_output_dir(recipe))).expanduser().absolute()
 
 
-def prepare(loaded: "LoadedRecipe", output_dir: Optional[Path] = None, overwrite: bool = False,
+def prepare(loaded: LoadedRecipe, output_dir: Optional[Path] = None, overwrite: bool = False,
             module: str = RUNNER_MODULE, facts=None, resume: Optional[bool] = None,
             force_resume: bool = False, dry_run: bool = False) -> Prepared:
     """Preflight and launch plan for `loaded` on this machine (facts: finetune.doctor.Facts, faked in tests).
@@ -63,9 +62,6 @@ def prepare(loaded: "LoadedRecipe", output_dir: Optional[Path] = None, overwrite
     An existing run directory is locked first (finetune.runlock; a dry run only looks), so no other live
     run changes it between what preflight decides and the launch: release() the result when not
     launching."""
-    from finetune.doctor import collect_facts, recipe_imports
-    from finetune.preflight import run_preflight
-
     recipe = loaded.recipe
     run_dir = run_dir_for(recipe, output_dir)
     if facts is None:
@@ -91,11 +87,9 @@ def prepare(loaded: "LoadedRecipe", output_dir: Optional[Path] = None, overwrite
     return Prepared(loaded, run_dir, preflight, plan, overwrite, lock, builds)
 
 
-def watch_builds(plan: LaunchPlan, recipe: Recipe, dry_run: bool) -> Optional["BuildWatch"]:
+def watch_builds(plan: LaunchPlan, recipe: Recipe, dry_run: bool) -> Optional[BuildWatch]:
     """Say which DeepSpeed ops the ranks will compile first, and clear a stale build lock that would make
     them wait forever (a dry run only says how). Single-node runs: other nodes have their own caches."""
-    from finetune.extensions import BuildWatch, extensions_root, ops_needed
-
     ops = ops_needed(plan.device, recipe.deepspeed.offload_optimizer)
     if not ops or plan.nodes > 1:
         return None
@@ -107,11 +101,8 @@ def watch_builds(plan: LaunchPlan, recipe: Recipe, dry_run: bool) -> Optional["B
     return watch
 
 
-def lock_existing(run_dir: Path, dry_run: bool, recipe: Recipe) -> tuple[Optional["RunLock"], Optional[str]]:
+def lock_existing(run_dir: Path, dry_run: bool, recipe: Recipe) -> tuple[Optional[RunLock], Optional[str]]:
     """(our lock on an existing run directory, or None; the live holder's description, or None)."""
-    from finetune.preflight import RUN_MARKER
-    from finetune.runlock import RunDirLocked, acquire, holder, lock_name
-
     name = lock_name(recipe.launch.nodes, recipe.launch.node_rank)
     if not (run_dir / RUN_MARKER).is_file():
         return None, None  # nothing there for another run to own; locked once written (start_run)
@@ -127,10 +118,6 @@ def lock_existing(run_dir: Path, dry_run: bool, recipe: Recipe) -> tuple[Optiona
 
 def start_run(prepared: Prepared, console: Optional[IO[bytes]] = None) -> Outcome:
     """Write the run directory, then launch and supervise. Call only when prepared.preflight.ok."""
-    from finetune.rundir import write_run_dir
-
-    from finetune.runlock import LOCK_ENV, OWNER_ENV, RunDirLocked, acquire, lock_name
-
     if not prepared.preflight.ok or prepared.plan is None:
         raise LaunchError("preflight failed; nothing was launched")
     plan = prepared.plan
@@ -147,8 +134,6 @@ def start_run(prepared: Prepared, console: Optional[IO[bytes]] = None) -> Outcom
             prepared.release()
             prepared.lock = lock
         if "DS_ENV_FILE" in plan.env:
-            from finetune.fsutil import write_atomic
-
             write_atomic(Path(plan.env["DS_ENV_FILE"]), deepspeed_env_text({**os.environ, **plan.env}))
         # The ranks clean up checkpoints only under this lock.
         plan.env.update({OWNER_ENV: str(os.getpid()), LOCK_ENV: prepared.lock.path.name})
