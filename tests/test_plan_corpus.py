@@ -274,6 +274,8 @@ def test_demo_recipe_text_describes_its_processes_and_dtype():
     assert "2 CPU processes" in out.stdout and "procs_per_node: auto" in out.stdout
     assert "16-bit" not in out.stdout.split("per node CPU")[0]  # a float32 model
     assert "fp32 partitions of all parameters" in out.stdout
+    # The CPU side counts the planned GPUs' processes and says so (a GPU-less machine starts cpu_procs).
+    assert "1 training process (1 per GPU)" in out.stdout.split("per node CPU")[1]
 
 
 def test_float32_full_finetune_names_its_gradients_fp32(write_recipe):
