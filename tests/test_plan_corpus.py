@@ -75,9 +75,11 @@ def test_plan_runs_on_every_case(corpus_rows):
 # calibration: a change that makes any of them worse fails here. Issue 14's target is below.
 # The Qwen README's DeepSpeed rows with their real 16-bit loss (loss_dtype) raised these from the
 # previous commit's 10.5% / 65 / 52: their slopes now match, a fixed offset they share is unexplained.
+# ZeRO-3's 16-bit flatten copy in the step (measured on CPU with DeepSpeed's own optimizer) then moved
+# the Qwen README's full fine-tunes closer: 59 / 25 under by >15% to 58 / 24.
 REACHED = {
-    "all": {"median_abs_error": 0.127, "under_10": 76, "under_15": 59},
-    "calibration": {"median_abs_error": 0.090, "under_10": 35, "under_15": 25},
+    "all": {"median_abs_error": 0.127, "under_10": 76, "under_15": 58},
+    "calibration": {"median_abs_error": 0.090, "under_10": 35, "under_15": 24},
     "holdout": {"median_abs_error": 0.194, "under_10": 41, "under_15": 34},
 }
 
@@ -283,3 +285,22 @@ def test_float32_full_finetune_names_its_gradients_fp32(write_recipe):
                                       "method: full\ndata:\n  path: d.jsonl\ndeepspeed:\n  stage: 2\n"), []).recipe
     names = [t.name for t in plan_recipe(recipe, gpus=2).terms]
     assert "fp32 gradient partition 1/2" in names and not any("16-bit" in n for n in names)
+
+
+def test_zero3_step_counts_the_16bit_flatten_copy_of_one_sub_group():
+    """stage3.py _prepare_fp32_grad_for_sub_group flattens the sub-group's 16-bit gradients into a new
+    buffer before casting it to fp32 (measured with DeepSpeed's optimizer on CPU in
+    tests/test_plan.py::test_deepspeed_buffers_and_partitions_as_planned). Not for a float32 model (the
+    cast returns the flat buffer itself) nor with the optimizer offloaded (no fp32 gradient on the GPU)."""
+    arch = BY_NAME["qwen2.5-0.5b"]
+    base = Setup(arch=arch, params=arch.total_params, method="full", stage=3, dtype="bfloat16",
+                 sub_group_size=10**8)
+
+    def flatten_copy(setup):
+        return sum(t.bytes for t in plan(setup).terms if t.name == "16-bit gradient flatten copy")
+
+    assert flatten_copy(base) == 10**8 * 2
+    assert flatten_copy(replace(base, sub_group_size=10**10)) == arch.total_params * 2  # one sub-group
+    assert flatten_copy(replace(base, dtype="float32")) == 0
+    assert flatten_copy(replace(base, offload_optimizer="cpu")) == 0
+    assert flatten_copy(replace(base, stage=2)) == 0

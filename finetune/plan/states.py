@@ -186,6 +186,13 @@ def gradient_and_optimizer_terms(setup: Setup, groups: list[ParamGroup], trainab
         Term("optimizer", f"fp32 master weights 1/{n}", part * MASTER_BYTES),
         Term("optimizer", f"{opt_name} 1/{n}", part * states),
     ]
+    if setup.stage == 3 and e < 4:
+        # stage3.py _prepare_fp32_grad_for_sub_group: self.flatten(averaged_gradients).to(fp32) copies
+        # the sub-group's 16-bit gradient views into a new flat buffer first, alive beside its fp32
+        # copy (6 bytes per element at that moment; measured in tests/test_plan.py). A float32 model's
+        # flat copy is its fp32 gradient: .to() returns it as is.
+        terms.append(Term("buffers", "16-bit gradient flatten copy", min(part, setup.sub_group_size) * e,
+                          phase="step", note="stage3.py _prepare_fp32_grad_for_sub_group, one sub-group"))
     return terms
 
 
