@@ -94,6 +94,21 @@ def test_corpus_error_is_no_worse_than_reached(corpus_rows, part):
     assert got["under_15"] <= want["under_15"]
 
 
+def test_summaries_give_the_error_distribution(corpus_rows):
+    import statistics
+
+    _, rows, script = corpus_rows
+    parts = {"all": rows, "holdout": [r for r in rows if r["holdout"]],
+             "calibration": [r for r in rows if not r["holdout"]]}
+    sums = script.summaries(rows)
+    for part, members in parts.items():
+        q = sums[part]["quantiles"]
+        assert list(q) == ["min", "p5", "p25", "p50", "p75", "p95", "max"]
+        assert list(q.values()) == sorted(q.values())
+        assert q["p50"] == pytest.approx(statistics.median(r["error"] for r in members))
+        assert q["min"] == sums[part]["worst_under"]
+
+
 @pytest.mark.xfail(strict=True, reason="issue 14's target is not met: see docs/plan.md, 'Against published "
                                        "measurements' (median 12.6%, 76 of 140 under-predicted by >10%)")
 def test_issue_14_target_median_5_percent_and_never_10_percent_low(corpus_rows):
