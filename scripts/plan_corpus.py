@@ -36,7 +36,7 @@ MEASURE_VIEW = {"max_memory_allocated": "allocated", "max_memory_reserved": "res
                 "unspecified": "reserved", "nvidia-smi": "nvidia_smi", "capacity": "nvidia_smi"}
 
 # Corpus settings that are not Setup fields (they only describe the case).
-DESCRIPTIVE = {"quant_format"}
+DESCRIPTIVE: set[str] = set()
 
 
 def load(path: Path = CORPUS) -> dict:
