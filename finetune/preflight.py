@@ -23,10 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-from finetune.data.sources import is_local
 from finetune.recipe import LoadedRecipe, Recipe
-
-__all__ = ["is_local"]  # finetune.rundir takes it from here
+from finetune.references import is_local, is_model_path
 
 SAMPLE_ROWS = 20  # rows a data.chat_template is rendered on before launch
 BUILTIN_PREFIX = "builtin:"
@@ -210,11 +208,6 @@ def model_step(recipe: Recipe, result: Preflight) -> None:
     tokenizer = recipe.model.tokenizer
     if tokenizer and is_model_path(tokenizer) and not Path(tokenizer).expanduser().is_dir():
         result.errors.append(f"model.tokenizer {tokenizer}: directory does not exist")
-
-
-def is_model_path(reference: str) -> bool:
-    p = Path(reference).expanduser()
-    return p.is_absolute() or reference.startswith(("./", "../", "~")) or p.exists()
 
 
 def _builtin_model(name: str, result: Preflight) -> None:

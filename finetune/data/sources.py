@@ -11,8 +11,9 @@ from pathlib import Path
 from typing import Any, Optional
 
 from finetune.data.formats import RowSpec
+from finetune.references import DATA_SUFFIXES, is_local
 
-DATA_SUFFIXES = (".json", ".jsonl", ".csv", ".parquet")
+__all__ = ["DATA_SUFFIXES", "is_local"]  # the single definitions, in finetune.references
 ARROW_MARKER = "dataset_info.json"  # written by Dataset.save_to_disk next to its .arrow files
 SPLITS_MARKER = "dataset_dict.json"  # DatasetDict.save_to_disk: one such folder per split
 
@@ -60,12 +61,6 @@ def section_for_tokenizing(recipe: Any) -> dict[str, Any]:
 
 def describe(data: Any) -> str:
     return ", ".join(source.path for source in sources_of(data))
-
-
-def is_local(reference: str) -> bool:
-    """A local path rather than a hub id (`org/name`). The recipe loader made existing relative paths absolute."""
-    p = Path(reference).expanduser()
-    return p.is_absolute() or reference.startswith(("./", "../", "~")) or p.suffix in DATA_SUFFIXES or p.exists()
 
 
 def is_arrow_dir(path: Path) -> bool:
