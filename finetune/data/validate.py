@@ -27,7 +27,7 @@ from typing import Any, Iterator, Optional
 
 from finetune.data.fastcheck import clean_rows
 from finetune.data.formats import Chat, Prompted, RowProblem, Text, to_example
-from finetune.data.sources import Source, SourceProblem, data_files, is_arrow_dir, is_local
+from finetune.data.sources import Source, SourceProblem, data_files, is_local
 
 try:
     import orjson
