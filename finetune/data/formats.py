@@ -70,8 +70,12 @@ class RowSpec:
     columns: Mapping[str, str] = field(default_factory=dict)
     roles: Mapping[str, str] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        # Resolved once: validation asks for a column name several times per row, millions of rows.
+        object.__setattr__(self, "_names", {**DEFAULT_COLUMNS.get(self.format, {}), **self.columns})
+
     def column(self, name: str) -> str:
-        return self.columns.get(name) or DEFAULT_COLUMNS.get(self.format, {}).get(name, name)
+        return self._names.get(name, name)
 
     def role_map(self) -> dict[str, str]:
         base = SHAREGPT_ROLES if self.format == "sharegpt" else MESSAGE_ROLES
