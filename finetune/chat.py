@@ -71,8 +71,15 @@ def resolve_source(path: Optional[Path], base: Optional[str] = None, adapter: Op
     else:
         raise ChatError(f"{path}: not a run directory (recipe.yaml), a model (config.json) or an adapter "
                         "(adapter_config.json)")
-    source.fmt = fmt or (source.recipe.data.format if source.recipe is not None else "messages")
+    source.fmt = fmt or (_chat_format(source.recipe) if source.recipe is not None else "messages")
     return source
+
+
+def _chat_format(recipe) -> str:
+    """How to prompt a model trained on `recipe`'s data: the chat template when any source was a
+    conversation (sharegpt trains through it too), else the format of its sources."""
+    formats = recipe.data.source_formats()
+    return "messages" if any(f in ("messages", "sharegpt") for f in formats) else formats[0]
 
 
 def _run_source(run_dir: Path, base: Optional[str], adapter: Optional[Path]) -> Source:

@@ -263,6 +263,9 @@ RESUME_KEYS = (
     "training.max_grad_norm", "training.optimizer", "training.seed",
     "deepspeed.stage",
 )
+# The data keys added with data.sources, and their defaults: written only when set, so that a run
+# directory started before they existed still resumes.
+DATA_KEYS_IF_SET = {"data.sources": None, "data.seed": None, "data.think": "train", "data.columns": {}, "data.roles": {}}
 QLORA_KEYS = ("quantization.quant_type", "quantization.double_quant", "quantization.compute_dtype",
               "quantization.storage_dtype")
 
@@ -271,7 +274,13 @@ def resume_fields(resolved: dict[str, Any], world_size: int) -> dict[str, Any]:
     """The resume-relevant values of a resolved recipe (finetune.rundir.resolved_recipe)."""
     keys = RESUME_KEYS + (QLORA_KEYS if resolved.get("method") == "qlora" else ())
     fields: dict[str, Any] = {key: _lookup(resolved, key) for key in keys}
-    size = _data_size(str(resolved.get("data", {}).get("path", "")))
+    for key, default in DATA_KEYS_IF_SET.items():
+        if _lookup(resolved, key) not in (None, default):
+            fields[key] = _lookup(resolved, key)
+    data = resolved.get("data", {})
+    paths = [str(s.get("path", "")) for s in data.get("sources") or [] if isinstance(s, dict)] or [str(data.get("path") or "")]
+    sizes = [_data_size(path) for path in paths]
+    size = None if all(s is None for s in sizes) else sum(s or 0 for s in sizes)
     if size is not None:
         fields["data.bytes"] = size  # the same file name with other rows changes the data order
     fields["world_size"] = world_size  # batches are split across ranks; ZeRO shards per rank

@@ -82,7 +82,9 @@ def eval_rows(run_dir: Path, recipe, tokenizer, data: Optional[Path], log: Calla
     from finetune.tiny import cache_root
     from finetune.train.data import DataError, load_raw, split_eval, tokenize_examples, tokenize_for_training
 
-    section = recipe.data.model_dump(mode="json")
+    from finetune.data.sources import describe, section_for_tokenizing
+
+    section = section_for_tokenizing(recipe)
     try:
         if data is not None:
             raw = load_raw(str(data))
@@ -95,7 +97,7 @@ def eval_rows(run_dir: Path, recipe, tokenizer, data: Optional[Path], log: Calla
     if held is not None:
         return [dict(r) for r in held], "the run's validation split", True
     log(f"note: {run_dir} has no validation split (data.validation_split: 0); scoring its training data")
-    return [dict(r) for r in train], f"the training data ({recipe.data.path})", False
+    return [dict(r) for r in train], f"the training data ({describe(recipe.data)})", False
 
 
 def evaluate(run_dir: Path, data: Optional[Path] = None, device: str = "auto", batch_size: int = 8,

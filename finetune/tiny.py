@@ -272,3 +272,35 @@ def write_demo_jsonl(path: Path) -> int:
     examples = demo_examples()
     write_atomic(Path(path), "".join(json.dumps(e, ensure_ascii=False) + "\n" for e in examples))
     return len(examples)
+
+
+# ShareGPT chats for the mixing recipe (recipes/tiny/mix_alpaca_sharegpt.yaml): two demo questions
+# per conversation, in the demo's own words (the tiny tokenizer knows no others), the second turn's
+# answer sometimes switched out of the loss to exercise the per-message flag.
+DEMO_CHATS_SEED = 4321
+DEMO_CHATS = 80
+
+
+def demo_conversations() -> list[dict[str, Any]]:
+    rng = random.Random(DEMO_CHATS_SEED)
+    examples = demo_examples()
+    chats = []
+    for _ in range(DEMO_CHATS):
+        first, second = rng.sample(examples, 2)
+        turns = []
+        for example in (first, second):
+            question = f"{example['instruction']} {example['input']}".strip()
+            turns += [{"from": "human", "value": question}, {"from": "gpt", "value": example["output"]}]
+        if rng.random() < 0.25:
+            turns[1]["train"] = False
+        chats.append({"conversations": turns})
+    return chats
+
+
+def write_demo_sharegpt(path: Path) -> int:
+    """Write demo_conversations() as JSON lines (the shipped recipes/data/demo_chats_sharegpt.jsonl)."""
+    from finetune.fsutil import write_atomic
+
+    chats = demo_conversations()
+    write_atomic(Path(path), "".join(json.dumps(c, ensure_ascii=False) + "\n" for c in chats))
+    return len(chats)

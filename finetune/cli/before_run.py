@@ -191,7 +191,8 @@ def plan(
             the_recipe = load_or_exit(recipe, sets).recipe
         else:
             the_recipe = planner.recipe_without_file(sets)
-        setup = planner.setup_from_recipe(the_recipe, gpus, gpu_bytes, nodes, cpu_bytes, deepspeed=zero != "none")
+        setup = planner.setup_from_recipe(the_recipe, gpus, gpu_bytes, nodes, cpu_bytes, deepspeed=zero != "none",
+                                          data_lengths=recipe is not None and seq_len is None)
         result = planner.plan(setup)
         advice = planner.recommend(setup, the_recipe.training.gradient_accumulation_steps) if recommend else None
     except RecipeProblem as exc:

@@ -35,6 +35,9 @@ RULES: dict[str, str] = {
     "R112": "More processes per node than the declared GPUs.",
     "R113": "Launch settings that cannot work (hostfile missing, multi-node on loopback).",
     "R114": "Packing or padding_free with a model that cannot keep the examples apart (no position_ids; remote code).",
+    "R115": "A data mixture that cannot be built: weight and samples on one source, or weights on only some sources.",
+    "R116": "A data key the source's format ignores (roles on alpaca/text, an unknown `columns` name, think or chat_template without a chat source).",
+    "R117": "The same data source listed twice (its examples would count double in the mixture).",
 }
 
 DATA_SUFFIXES = (".json", ".jsonl", ".parquet", ".csv")
@@ -200,18 +203,71 @@ def looks_local(path: str) -> bool:
     return p.is_absolute() or path.startswith(("./", "../", "~")) or p.suffix in DATA_SUFFIXES or p.exists()
 
 
+def _source_keys(loaded: LoadedRecipe) -> list[tuple]:
+    """The recipe key of each source: ("data",) for the shorthand, ("data", "sources", i) in a list."""
+    sources = loaded.recipe.data.sources
+    return [("data", "sources", i) for i in range(len(sources))] if sources else [("data",)]
+
+
 @rule
 def dataset_file(loaded: LoadedRecipe) -> Iterator[RawFinding]:
-    path = loaded.recipe.data.path
-    if not looks_local(path):
-        return
-    p = Path(path).expanduser()
-    if p.suffix and p.suffix not in DATA_SUFFIXES and not p.is_dir():
-        yield RawFinding("R109", "error", ("data", "path"), f"unsupported data file type `{p.suffix}`",
-                         f"use one of {', '.join(DATA_SUFFIXES)}")
-    elif not p.exists():
-        # A warning, not an error: CI often lints recipes whose data lives only on the training box.
-        yield RawFinding("R109", "warning", ("data", "path"), f"dataset {p} not found here (`finetune train` will refuse to start)")
+    from finetune.data.sources import sources_of
+
+    for key, source in zip(_source_keys(loaded), sources_of(loaded.recipe.data)):
+        if not looks_local(source.path):
+            continue
+        p = Path(source.path).expanduser()
+        if p.suffix and p.suffix not in DATA_SUFFIXES and not p.is_dir():
+            yield RawFinding("R109", "error", (*key, "path"), f"unsupported data file type `{p.suffix}`",
+                             f"use one of {', '.join(DATA_SUFFIXES)}, or a folder written by datasets' save_to_disk")
+        elif not p.exists():
+            # A warning, not an error: CI often lints recipes whose data lives only on the training box.
+            yield RawFinding("R109", "warning", (*key, "path"), f"dataset {p} not found here (`finetune train` will refuse to start)")
+
+
+@rule
+def data_mixture(loaded: LoadedRecipe) -> Iterator[RawFinding]:
+    from finetune.data.mix import spec_problems
+
+    sources = loaded.recipe.data.sources or []
+    for i, problem in spec_problems([s.weight for s in sources], [s.samples for s in sources]):
+        key = "samples" if sources[i].samples is not None else "weight" if sources[i].weight is not None else "path"
+        yield RawFinding("R115", "error", ("data", "sources", i, key), f"data.sources[{i}] {problem}",
+                         "weights are shares of the mixture (README: Mixing sources)")
+
+
+@rule
+def data_keys_ignored(loaded: LoadedRecipe) -> Iterator[RawFinding]:
+    from finetune.data.formats import CHAT_FORMATS, DEFAULT_COLUMNS
+
+    data = loaded.recipe.data
+    blocks = data.sources or [data]
+    for key, block in zip(_source_keys(loaded), blocks):
+        if block.roles and block.format not in CHAT_FORMATS:
+            yield RawFinding("R116", "warning", (*key, "roles"), f"roles are ignored by format {block.format}",
+                             "remove roles, or set format: messages or sharegpt")
+        known = DEFAULT_COLUMNS.get(block.format, {})
+        for name in block.columns:
+            if known and name not in known:
+                yield RawFinding("R116", "error", (*key, "columns", name),
+                                 f"format {block.format} reads no column called `{name}` (it reads {', '.join(known)})",
+                                 "the keys of columns are the format's names, the values your file's column names")
+    chat = any(f in CHAT_FORMATS for f in data.source_formats())
+    for name, active in (("think", data.think != "train"), ("chat_template", data.chat_template is not None)):
+        if active and not chat:
+            yield RawFinding("R116", "warning", ("data", name), f"data.{name} only affects messages/sharegpt sources; none is given")
+
+
+@rule
+def duplicate_sources(loaded: LoadedRecipe) -> Iterator[RawFinding]:
+    seen: dict[tuple[str, str], int] = {}
+    for i, source in enumerate(loaded.recipe.data.sources or []):
+        ident = (str(Path(source.path).expanduser().resolve()) if looks_local(source.path) else source.path, source.split)
+        if ident in seen:
+            yield RawFinding("R117", "warning", ("data", "sources", i, "path"),
+                             f"data.sources[{i}] repeats data.sources[{seen[ident]}] ({source.path})",
+                             "list a source once and give it a larger weight or samples")
+        seen.setdefault(ident, i)
 
 
 @rule

@@ -291,7 +291,8 @@ def run(run_dir: Path, resume: bool = False) -> None:
 
     from finetune.tiny import cache_root, ensure_builtin_model, is_builtin
     from finetune.train.callbacks import EffectiveDeepSpeedConfig, LossPlot, ProgressLines, TrainClock
-    from finetune.train.data import make_collator, split_eval, tokenize_for_training
+    from finetune.data.sources import section_for_tokenizing
+    from finetune.train.data import make_collator, mix_report, split_eval, tokenize_for_training
     from finetune.train.model import count_parameters, load_model, load_tokenizer, prepare_model
 
     on_cpu = _is_cpu_accelerator()
@@ -325,8 +326,10 @@ def run(run_dir: Path, resume: bool = False) -> None:
             else recipe.model.name_or_path
     tokenizer = load_tokenizer(recipe, model_path)
     with training_args.main_process_first(local=True, desc="tokenize"):
-        dataset = tokenize_for_training(recipe.data.model_dump(mode="json"), tokenizer, cache_root() / "tokenized",
-                                        log=_log_main(is_main))
+        section = section_for_tokenizing(recipe)
+        dataset = tokenize_for_training(section, tokenizer, cache_root() / "tokenized", log=_log_main(is_main))
+    if is_main:  # the run directory says what it trained on: rows per source, dropped, mixed
+        _write_json(run_dir / "data_mix.json", mix_report(section, tokenizer, cache_root() / "tokenized"))
     train_set, eval_set = split_eval(dataset, recipe.data.validation_split, recipe.training.seed)
     collator = make_collator(tokenizer.pad_token_id, recipe.model.attn_implementation, recipe.data.packing,
                              recipe.data.padding_free)
