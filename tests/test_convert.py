@@ -27,7 +27,7 @@ from finetune.cli import app  # noqa: E402
 from finetune.convert import ConvertError, convert, peft_key  # noqa: E402
 from finetune.merge import merge  # noqa: E402
 from finetune.safetensors_io import Written  # noqa: E402
-from tests.merge_fixtures import build_llama, peft_merged_state_dict, safetensors_data_bytes  # noqa: E402
+from tests.merge_fixtures import assert_same, build_llama, peft_merged_state_dict, safetensors_data_bytes  # noqa: E402
 
 FIXTURES = Path(__file__).with_name("merge_fixtures.py")
 runner = CliRunner()
@@ -53,13 +53,6 @@ def runs(tmp_path_factory):
         "lora-zero2": train(base, root / "lora-zero2", 2, "lora"),
         "full-zero3": train(base, root / "full-zero3", 3, "full"),
     }
-
-
-def assert_same(ours: dict, reference: dict) -> None:
-    assert sorted(ours) == sorted(reference)
-    for name, expected in reference.items():
-        assert ours[name].dtype == expected.dtype, name
-        assert torch.equal(ours[name], expected), name
 
 
 @pytest.mark.slow

@@ -12,7 +12,7 @@ from finetune.cli import app
 from finetune.doctor import (
     Facts, Gpu, checks_for_recipe, failed, machine_checks, report, run_doctor, satisfies,
 )
-from finetune.recipe import Recipe
+from tests.conftest import hub_recipe as recipe
 from tests.conftest import run_cli
 
 GOOD = {"torch": "2.5.1+cu124", "deepspeed": "0.16.2", "transformers": "4.46.3", "peft": "0.14.0",
@@ -29,13 +29,6 @@ def facts(gpus=(RTX_4070, RTX_4070), **versions) -> Facts:
     gpus = [Gpu(i, g.name, g.memory_bytes, g.capability) for i, g in enumerate(gpus)]
     return Facts(python="3.11.9", platform="Linux", packages=packages, torch_cuda="12.4" if gpus else None,
                  cuda_available=bool(gpus), nccl="2.21.5" if gpus else None, gpus=gpus)
-
-
-def recipe(**sections) -> Recipe:
-    data = {"model": {"name_or_path": "org/m"}, "data": {"path": "org/d"}}
-    for key, value in sections.items():
-        data[key] = value
-    return Recipe.model_validate(data)
 
 
 def by_name(checks):

@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-import finetune.launch
 from finetune.cli import app
 from finetune.preflight import DataProblem, Preflight, check_rows, model_step, output_dir_problem
 from finetune.recipe import Recipe, load_recipe
@@ -21,19 +20,6 @@ from finetune.rundir import write_run_dir
 ALPACA = [{"instruction": "Add 2 and 3.", "input": "", "output": "5"},
           {"instruction": "Capital of France?", "output": "Paris"}]
 MESSAGES = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}]
-
-
-@pytest.fixture
-def no_launch(monkeypatch):
-    """Fails the test if anything tries to start the launcher."""
-    started = []
-
-    def spawn(plan):
-        started.append(plan)
-        raise AssertionError("preflight should have stopped before launching")
-
-    monkeypatch.setattr(finetune.launch, "spawn", spawn)
-    return started
 
 
 @pytest.fixture
