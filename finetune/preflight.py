@@ -25,12 +25,12 @@ from pathlib import Path
 from typing import Any, Iterator, Optional
 
 from finetune.recipe import LoadedRecipe, Recipe
+from finetune.tiny import is_builtin
 
 DATA_SUFFIXES = (".json", ".jsonl", ".csv", ".parquet")
 SAMPLE_ROWS = 20  # enough to catch a wrong format, cheap on a 100 GB file
 # A .json array is read only up to here to find its first rows (raw_decode needs whole objects).
 JSON_PREFIX_BYTES = 4 * 2**20
-BUILTIN_PREFIX = "builtin:"
 RUN_MARKER = "recipe.yaml"  # a directory holding this is a finetune run directory
 
 
@@ -384,8 +384,8 @@ def _check_messages(row: dict, where: str) -> None:
 
 def model_step(recipe: Recipe, result: Preflight) -> None:
     reference = recipe.model.name_or_path
-    if reference.startswith(BUILTIN_PREFIX):
-        _builtin_model(reference[len(BUILTIN_PREFIX):], result)
+    if is_builtin(reference):
+        _builtin_model(reference, result)
     elif is_model_path(reference):
         _local_model(reference, "model.name_or_path", result)
     else:
@@ -400,17 +400,17 @@ def is_model_path(reference: str) -> bool:
     return p.is_absolute() or reference.startswith(("./", "../", "~")) or p.exists()
 
 
-def _builtin_model(name: str, result: Preflight) -> None:
+def _builtin_model(reference: str, result: Preflight) -> None:
     from finetune.tiny import BuiltinModelError, builtin_name, ensure_builtin_model
 
     try:
-        builtin_name(BUILTIN_PREFIX + name)
+        builtin_name(reference)
     except BuiltinModelError as exc:
         result.errors.append(f"model.name_or_path: {exc}")
         return
     # Built once into a cache outside the run directory (seconds, CPU), so the ranks do not race to build it.
-    path = ensure_builtin_model(BUILTIN_PREFIX + name)
-    result.notes.append(f"model {BUILTIN_PREFIX}{name}: built-in tiny model at {path}")
+    path = ensure_builtin_model(reference)
+    result.notes.append(f"model {reference}: built-in tiny model at {path}")
 
 
 def _local_model(reference: str, key: str, result: Preflight) -> None:

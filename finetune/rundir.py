@@ -27,7 +27,8 @@ TRAINING_ARGS_FILE = "training_args.json"
 
 def resolved_recipe(recipe: Recipe, run_dir: Path) -> dict[str, Any]:
     """The recipe as plain data, as the run sees it: local paths absolute, output_dir = the run dir."""
-    from finetune.preflight import BUILTIN_PREFIX, is_local, is_model_path
+    from finetune.preflight import is_local, is_model_path
+    from finetune.tiny import is_builtin
 
     data = recipe.model_dump(mode="json")
     data.pop("extends", None)  # already applied
@@ -36,7 +37,7 @@ def resolved_recipe(recipe: Recipe, run_dir: Path) -> dict[str, Any]:
         data["data"]["path"] = str(Path(data["data"]["path"]).expanduser().absolute())
     for key in ("name_or_path", "tokenizer"):
         value = data["model"].get(key)
-        if value and not value.startswith(BUILTIN_PREFIX) and is_model_path(value):
+        if value and not is_builtin(value) and is_model_path(value):
             data["model"][key] = str(Path(value).expanduser().absolute())
     if data["launch"].get("hostfile"):
         data["launch"]["hostfile"] = str(Path(data["launch"]["hostfile"]).expanduser().absolute())

@@ -4,6 +4,7 @@ copy works just as well as the first until the two drift apart."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -22,3 +23,33 @@ def test_one_class_of_the_name(name):
     defined = [where for where, tree in _trees() for node in ast.walk(tree)
                if isinstance(node, ast.ClassDef) and node.name == name]
     assert defined == ["finetune/checkpoint.py"]
+
+
+def test_the_builtin_prefix_is_spelled_in_one_place():
+    """Everything else asks finetune.tiny (is_builtin, builtin_name, BUILTIN_PREFIX)."""
+    spelled = [f"{where}:{node.lineno}" for where, tree in _trees() for node in ast.walk(tree)
+               if isinstance(node, ast.Constant) and node.value == "builtin:"]
+    assert [place.split(":")[0] for place in spelled] == ["finetune/tiny.py"], spelled
+
+
+def test_no_private_name_is_imported_from_another_module():
+    private = [f"{where}:{node.lineno} {node.module}.{alias.name}" for where, tree in _trees() for node in ast.walk(tree)
+               if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("finetune")
+               for alias in node.names if alias.name.startswith("_") and not alias.name.startswith("__")]
+    assert private == []
+
+
+def test_every_reader_of_a_builtin_name_answers_alike():
+    from finetune.plan.from_recipe import resolve_model
+    from finetune.plan.setup import PlanError
+    from finetune.preflight import Preflight, model_step
+    from tests.conftest import hub_recipe
+
+    unknown = r"unknown built-in model `builtin:tiny-gpt` \(known: builtin:tiny-llama\)"
+    with pytest.raises(PlanError, match=unknown):
+        resolve_model("builtin:tiny-gpt")
+    result = Preflight()
+    model_step(hub_recipe(model={"name_or_path": "builtin:tiny-gpt"}), result)
+    assert len(result.errors) == 1 and re.search(unknown, result.errors[0])
+    arch, params, _ = resolve_model("builtin:tiny-llama")
+    assert arch.name == "builtin:tiny-llama" and params > 0
