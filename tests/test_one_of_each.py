@@ -32,6 +32,19 @@ def test_the_builtin_prefix_is_spelled_in_one_place():
     assert [place.split(":")[0] for place in spelled] == ["finetune/tiny.py"], spelled
 
 
+def test_the_collectives_have_one_home():
+    """torch.distributed is imported only by finetune/train/dist.py (the runner and the preemption
+    callback share its barrier, all_gather and rank helpers)."""
+    importers = set()
+    for where, tree in _trees():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import) and any(a.name == "torch.distributed" for a in node.names):
+                importers.add(where)
+            if isinstance(node, ast.ImportFrom) and node.module == "torch" and any(a.name == "distributed" for a in node.names):
+                importers.add(where)
+    assert importers == {"finetune/train/dist.py"}
+
+
 def test_no_private_name_is_imported_from_another_module():
     private = [f"{where}:{node.lineno} {node.module}.{alias.name}" for where, tree in _trees() for node in ast.walk(tree)
                if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("finetune")
