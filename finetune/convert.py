@@ -34,12 +34,11 @@ from typing import Callable, Optional
 import torch
 
 from finetune.checkpoint import Checkpoint, checkpoint_dirs, checkpoint_step, inspect_checkpoint
-from finetune.fsutil import atomic_dir, remove_stale_partials, write_atomic
+from finetune.fsutil import atomic_dir, write_atomic
 from finetune.lora_math import PEFT_PREFIX, lora_scaling
 from finetune.safetensors_io import (CONFIG_FILES, DEFAULT_MAX_SHARD_SIZE, DTYPES, ST_TO_TORCH, TORCH_TO_ST, BaseTensor,
-                                     MergeError, OnWrite, OutTensor, Plan, ShardWriter, WriteCounter, assign_shards,
-                                     check_disk_space, copy_tokenizer, human_size, shard_names, sigterm_as_interrupt,
-                                     write_index)
+                                     MergeError, OnWrite, OutTensor, Plan, ShardWriter, WriteCounter, copy_tokenizer,
+                                     human_size, prepare_output, prepare_shards, sigterm_as_interrupt, write_index)
 
 # Parameter names PEFT gives LoRA weights in the model (before the adapter name is stripped for saving).
 _LORA_PARAM = re.compile(r"\.(lora_A|lora_B|lora_embedding_A|lora_embedding_B|lora_magnitude_vector)\.([^.]+)(\.|$)")
@@ -273,9 +272,7 @@ def convert_lora(ckpt: Checkpoint, output: Path, dtype, adapter_config: Optional
         tensors[peft_key(name, adapter)] = tensor.to(target) if tensor.is_floating_point() else tensor
     _check_rank(tensors, config, config_path)
     size = sum(t.numel() * t.element_size() for t in tensors.values())
-    check_disk_space(output, size)
-    for line in remove_stale_partials(output):
-        log(line)
+    prepare_output(output, size, log)
     with sigterm_as_interrupt(), atomic_dir(output, overwrite=overwrite) as tmp:
         save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
         WriteCounter(size, len(tensors), on_write).add(size, len(tensors))  # one file, written in one call
@@ -319,11 +316,7 @@ def convert_full(ckpt: Checkpoint, output: Path, dtype, overwrite: bool, max_sha
         nbytes = math.prod(shape) * torch.empty(0, dtype=target).element_size()
         plan.tensors.append(OutTensor(name, BaseTensor(name, ckpt.step_dir, TORCH_TO_ST[target], shape),
                                       TORCH_TO_ST[target], nbytes))
-    assign_shards(plan, max_shard_size)
-    check_disk_space(output, plan.total_bytes)
-    names = shard_names(len(plan.shards))
-    for line in remove_stale_partials(output):
-        log(line)
+    names = prepare_shards(plan, output, max_shard_size, log)
     counter = WriteCounter(plan.total_bytes, len(plan.tensors), on_write)
     with sigterm_as_interrupt(), atomic_dir(output, overwrite=overwrite) as tmp:
         for shard_name, shard in zip(names, plan.shards):
