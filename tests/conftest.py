@@ -29,6 +29,14 @@ def hub_recipe(**sections):
     return Recipe.model_validate({"model": {"name_or_path": "org/m"}, "data": {"path": "org/d"}, **sections})
 
 
+def write_local_inputs(folder: Path) -> None:
+    """A local model directory (a config.json only: preflight reads no weights) and a one-row alpaca
+    data.jsonl in `folder`, for recipes that say `name_or_path: ./model` and `path: data.jsonl`."""
+    (folder / "model").mkdir()
+    (folder / "model" / "config.json").write_text('{"model_type": "llama"}')
+    (folder / "data.jsonl").write_text('{"instruction": "Add 2 and 3.", "output": "5"}\n')
+
+
 @pytest.fixture
 def write_recipe(tmp_path):
     """write_recipe(text, name="r.yaml") -> Path of a recipe file in tmp_path (text is dedented)."""

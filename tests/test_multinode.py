@@ -21,7 +21,7 @@ import pytest
 
 from finetune.launch import commands_per_node, deepspeed_env_text, plan_launch
 from finetune.recipe import Recipe
-from tests.conftest import hub_recipe
+from tests.conftest import hub_recipe, write_local_inputs
 from tests.train_fixtures import REPO, TINY_RECIPES, os_free_port, runner_env
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -91,9 +91,7 @@ def test_dry_run_prints_every_node(tmp_path, monkeypatch):
     from finetune.cli import app
 
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "model").mkdir()
-    (tmp_path / "model" / "config.json").write_text('{"model_type": "llama"}')
-    (tmp_path / "data.jsonl").write_text('{"instruction": "Add 2 and 3.", "output": "5"}\n')
+    write_local_inputs(tmp_path)
     (tmp_path / "r.yaml").write_text("model: {name_or_path: ./model}\ndata: {path: data.jsonl}\nlaunch: {procs_per_node: 2}\n")
     result = CliRunner().invoke(app, ["train", "r.yaml", "--output-dir", "out", "--dry-run", "--nnodes", "3",
                                       "--node-rank", "2", "--master-addr", "10.0.0.1", "--master-port", "29700"])

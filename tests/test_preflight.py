@@ -16,6 +16,7 @@ from finetune.cli import app
 from finetune.preflight import DataProblem, Preflight, check_rows, model_step, output_dir_problem
 from finetune.recipe import Recipe, load_recipe
 from finetune.rundir import write_run_dir
+from tests.conftest import write_local_inputs
 
 ALPACA = [{"instruction": "Add 2 and 3.", "input": "", "output": "5"},
           {"instruction": "Capital of France?", "output": "Paris"}]
@@ -26,8 +27,7 @@ MESSAGES = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant
 def workspace(tmp_path, monkeypatch):
     """A folder with a good dataset, a local model directory and a recipe using both."""
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "model").mkdir()
-    (tmp_path / "model" / "config.json").write_text('{"model_type": "llama"}')
+    write_local_inputs(tmp_path)
     write_jsonl(tmp_path / "data.jsonl", ALPACA)
     return tmp_path
 

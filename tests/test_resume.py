@@ -28,6 +28,7 @@ from finetune import checkpoint as ckpt
 from finetune.cli import app
 from finetune.recipe import load_recipe
 from finetune.rundir import resolved_recipe, write_run_dir
+from tests.conftest import write_local_inputs
 from tests.train_fixtures import REPO, TINY_RECIPES, assert_run_report, os_free_port, runner_env
 
 RECIPE = TINY_RECIPES / "lora_zero2.yaml"
@@ -313,9 +314,7 @@ def test_free_space_check(tmp_path):
 @pytest.fixture
 def workspace(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "model").mkdir()
-    (tmp_path / "model" / "config.json").write_text('{"model_type": "llama"}')
-    (tmp_path / "data.jsonl").write_text('{"instruction": "Add 2 and 3.", "output": "5"}\n')
+    write_local_inputs(tmp_path)
     recipe = tmp_path / "r.yaml"
     recipe.write_text("model: {name_or_path: ./model, dtype: float32}\ndata: {path: data.jsonl}\n"
                       "launch: {procs_per_node: 2}\ntraining: {save_steps: 4}\n")
