@@ -37,7 +37,6 @@ PACKAGES = ("torch", "deepspeed", "transformers", "peft", "bitsandbytes", "accel
 CHECKED_BY_FEATURE = {"tensorboard"}
 
 
-
 def train_floors() -> dict[str, str]:
     """The floors of pyproject's `train` extra (finetune.requirements): below them the runner itself
     does not work (e.g. transformers 5 reads warmup_steps < 1 as a ratio, see
