@@ -72,7 +72,7 @@ def tiny_dir(tiny_cache) -> Path:
 @pytest.fixture
 def no_launch(monkeypatch):
     """Fails the test if anything tries to start the launcher; the list of plans it was handed stays empty."""
-    import finetune.launch
+    import finetune.launch.supervision
 
     started = []
 
@@ -80,7 +80,7 @@ def no_launch(monkeypatch):
         started.append(plan)
         raise AssertionError("nothing should have been launched")
 
-    monkeypatch.setattr(finetune.launch, "spawn", spawn)
+    monkeypatch.setattr(finetune.launch.supervision, "spawn", spawn)
     return started
 
 

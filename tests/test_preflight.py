@@ -1,6 +1,6 @@
 """`finetune train`'s preflight: every failure has a clear message, starts no process and writes nothing.
 
-The CLI runs in-process (typer's CliRunner) with `finetune.launch.spawn` replaced, so a test would
+The CLI runs in-process (typer's CliRunner) with `finetune.launch.supervision.spawn` replaced, so a test would
 notice any launch attempt; the dataset readers are tested directly on small files of each kind.
 """
 
