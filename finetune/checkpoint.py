@@ -63,14 +63,26 @@ class CheckpointError(Exception):
 
 @dataclass(frozen=True)
 class Checkpoint:
-    step: int
-    path: Path
+    """A `checkpoint-<step>` folder: what resuming judges it by, and (once `finetune convert` opened it)
+    the DeepSpeed states inside, so both read one description of the same folder."""
+
+    step: Optional[int]  # None only for a DeepSpeed folder given to convert whose tag names no step
+    path: Path  # the folder holding DeepSpeed's `latest` and `global_step<N>/`
     complete: bool
     problem: Optional[str] = None  # why it does not count (no marker, a file missing, ...)
+    tag: Optional[str] = None  # DeepSpeed's step folder inside `path` (`global_step<N>`), set by convert
+    # Rank 0's *_model_states.pt, memory-mapped (finetune.convert.find_checkpoint; needs torch to load).
+    model_states: Optional[dict] = field(default=None, compare=False, repr=False)
 
     @property
     def name(self) -> str:
         return self.path.name
+
+    @property
+    def step_dir(self) -> Path:
+        if self.tag is None:
+            raise ValueError(f"{self.path}: DeepSpeed's step folder is not known until the checkpoint is opened")
+        return self.path / self.tag
 
 
 # ----------------------------------------------------------------------------------------------
@@ -86,10 +98,16 @@ def checkpoint_dirs(run_dir: Path) -> list[tuple[int, Path]]:
         return []
     found = []
     for entry in entries:
-        match = _CHECKPOINT_RE.match(entry.name)
-        if match and entry.is_dir():
-            found.append((int(match.group(1)), entry))
+        step = checkpoint_step(entry.name)
+        if step is not None and entry.is_dir():
+            found.append((step, entry))
     return sorted(found)
+
+
+def checkpoint_step(folder_name: str) -> Optional[int]:
+    """'checkpoint-500' -> 500; None for any other name."""
+    match = _CHECKPOINT_RE.match(folder_name)
+    return int(match.group(1)) if match else None
 
 
 def inspect_checkpoint(path: Path, step: int) -> Checkpoint:

@@ -25,9 +25,9 @@ from typing import Any, Iterator, Optional
 
 from finetune.recipe import LoadedRecipe, Recipe
 from finetune.references import is_local, is_model_path
+from finetune.tiny import is_builtin
 
 SAMPLE_ROWS = 20  # rows a data.chat_template is rendered on before launch
-BUILTIN_PREFIX = "builtin:"
 RUN_MARKER = "recipe.yaml"  # a directory holding this is a finetune run directory
 
 
@@ -199,8 +199,8 @@ def render_problem(template: str, messages: list, mask_prompt: bool) -> Optional
 
 def model_step(recipe: Recipe, result: Preflight) -> None:
     reference = recipe.model.name_or_path
-    if reference.startswith(BUILTIN_PREFIX):
-        _builtin_model(reference[len(BUILTIN_PREFIX):], result)
+    if is_builtin(reference):
+        _builtin_model(reference, result)
     elif is_model_path(reference):
         _local_model(reference, "model.name_or_path", result)
     else:
@@ -210,17 +210,17 @@ def model_step(recipe: Recipe, result: Preflight) -> None:
         result.errors.append(f"model.tokenizer {tokenizer}: directory does not exist")
 
 
-def _builtin_model(name: str, result: Preflight) -> None:
+def _builtin_model(reference: str, result: Preflight) -> None:
     from finetune.tiny import BuiltinModelError, builtin_name, ensure_builtin_model
 
     try:
-        builtin_name(BUILTIN_PREFIX + name)
+        builtin_name(reference)
     except BuiltinModelError as exc:
         result.errors.append(f"model.name_or_path: {exc}")
         return
     # Built once into a cache outside the run directory (seconds, CPU), so the ranks do not race to build it.
-    path = ensure_builtin_model(BUILTIN_PREFIX + name)
-    result.notes.append(f"model {BUILTIN_PREFIX}{name}: built-in tiny model at {path}")
+    path = ensure_builtin_model(reference)
+    result.notes.append(f"model {reference}: built-in tiny model at {path}")
 
 
 def _local_model(reference: str, key: str, result: Preflight) -> None:

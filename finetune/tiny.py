@@ -26,7 +26,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-PREFIX = "builtin:"
+# The one spelling of the prefix: everything else asks is_builtin() / builtin_name().
+BUILTIN_PREFIX = "builtin:"
 
 # transformers LlamaConfig keyword arguments. 4 layers x hidden 128 with 768 tokens is ~0.8M
 # parameters, a few milliseconds a step on a CPU. 4 query heads over 2 key/value heads, so
@@ -64,15 +65,15 @@ class BuiltinModelError(ValueError):
 
 
 def is_builtin(name_or_path: str) -> bool:
-    return name_or_path.startswith(PREFIX)
+    return name_or_path.startswith(BUILTIN_PREFIX)
 
 
 def builtin_name(name_or_path: str) -> str:
     """'builtin:tiny-llama' -> 'tiny-llama' (raises BuiltinModelError for an unknown name)."""
-    name = name_or_path[len(PREFIX):] if is_builtin(name_or_path) else name_or_path
+    name = name_or_path[len(BUILTIN_PREFIX):] if is_builtin(name_or_path) else name_or_path
     if name not in BUILTIN_CONFIGS:
-        known = ", ".join(PREFIX + n for n in BUILTIN_CONFIGS)
-        raise BuiltinModelError(f"unknown built-in model `{PREFIX}{name}` (known: {known})")
+        known = ", ".join(BUILTIN_PREFIX + n for n in BUILTIN_CONFIGS)
+        raise BuiltinModelError(f"unknown built-in model `{BUILTIN_PREFIX}{name}` (known: {known})")
     return name
 
 

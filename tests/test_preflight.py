@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-import finetune.launch.supervision
 from finetune.cli import app
 from finetune.preflight import Preflight, model_step, output_dir_problem
 from finetune.recipe import Recipe, load_recipe
 from finetune.rundir import write_run_dir
+from tests.conftest import write_local_inputs
 
 ALPACA = [{"instruction": "Add 2 and 3.", "input": "", "output": "5"},
           {"instruction": "Capital of France?", "output": "Paris"}]
@@ -24,24 +24,10 @@ MESSAGES = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant
 
 
 @pytest.fixture
-def no_launch(monkeypatch):
-    """Fails the test if anything tries to start the launcher."""
-    started = []
-
-    def spawn(plan):
-        started.append(plan)
-        raise AssertionError("preflight should have stopped before launching")
-
-    monkeypatch.setattr(finetune.launch.supervision, "spawn", spawn)
-    return started
-
-
-@pytest.fixture
 def workspace(tmp_path, monkeypatch):
     """A folder with a good dataset, a local model directory and a recipe using both."""
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "model").mkdir()
-    (tmp_path / "model" / "config.json").write_text('{"model_type": "llama"}')
+    write_local_inputs(tmp_path)
     write_jsonl(tmp_path / "data.jsonl", ALPACA)
     return tmp_path
 

@@ -15,16 +15,9 @@ from finetune.train.data import (
     IGNORE_INDEX, Collator, DataError, cache_key, format_alpaca, load_raw, pack, split_eval,
     tokenize_examples, tokenize_for_training,
 )
-from tests.train_fixtures import REPO, cache_dir
+from tests.train_fixtures import REPO
 
 DEMO = REPO / "recipes" / "data" / "demo_instructions.jsonl"
-
-
-@pytest.fixture(scope="session")
-def tiny_dir(tmp_path_factory):
-    from finetune.tiny import ensure_builtin_model
-
-    return ensure_builtin_model("builtin:tiny-llama", cache_dir(tmp_path_factory))
 
 
 @pytest.fixture(scope="session")

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.train_fixtures import REPO, TINY_RECIPES, cache_dir, launch_runner, reload_logits, write_run_dir
+from tests.train_fixtures import REPO, TINY_RECIPES, launch_runner, reload_logits, write_run_dir
 
 # recipe file -> what it saves
 COMBINATIONS = {
@@ -32,25 +32,16 @@ COMBINATIONS = {
 }
 
 
-@pytest.fixture(scope="session")
-def cache(tmp_path_factory):
-    from finetune.tiny import ensure_builtin_model
-
-    root = cache_dir(tmp_path_factory)
-    ensure_builtin_model("builtin:tiny-llama", root)  # once, before the runs (as preflight does)
-    return root
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(COMBINATIONS))
-def test_two_process_run_learns_and_saves_what_it_trained(name, tmp_path, cache):
+def test_two_process_run_learns_and_saves_what_it_trained(name, tmp_path, tiny_cache):
     import torch
 
     from finetune.tiny import builtin_model_dir
 
     run_dir = tmp_path / "run"
     recipe = write_run_dir(TINY_RECIPES / f"{name}.yaml", run_dir, world_size=2)
-    result = launch_runner(run_dir, cache)
+    result = launch_runner(run_dir, tiny_cache)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
 
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -80,7 +71,7 @@ def test_two_process_run_learns_and_saves_what_it_trained(name, tmp_path, cache)
     if output == "adapter":
         _check_adapter_files(run_dir, recipe)
 
-    expected, reloaded, untrained = reload_logits(run_dir, base=builtin_model_dir("builtin:tiny-llama", cache))
+    expected, reloaded, untrained = reload_logits(run_dir, base=builtin_model_dir("builtin:tiny-llama", tiny_cache))
     torch.testing.assert_close(reloaded, expected, rtol=1e-4, atol=1e-4)
     # ... and training changed the model: the untrained base predicts something else.
     assert (untrained - expected).abs().max() > 1e-2

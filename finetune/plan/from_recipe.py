@@ -16,6 +16,7 @@ from finetune.plan.constants import (
 from finetune.plan.planner import plan
 from finetune.plan.result import PlanResult
 from finetune.plan.setup import PlanError, Setup, overflow_as_plan_error
+from finetune.tiny import is_builtin
 
 
 def plan_recipe(recipe, gpus: Optional[int] = None, gpu_memory_bytes: Optional[int] = None,
@@ -157,14 +158,15 @@ def resolve_model(name: str) -> tuple[Optional[Arch], int, str]:
     if count:
         params = int(float(count.group(1)) * _COUNT_UNITS[count.group(2).lower()])
         return None, params, f"{text} parameters (model states only)"
-    if text.startswith("builtin:"):
+    if is_builtin(text):
         from finetune.archs import arch_from_config
-        from finetune.tiny import BUILTIN_CONFIGS
+        from finetune.tiny import BuiltinModelError, builtin_config
 
-        key = text[len("builtin:"):]
-        if key not in BUILTIN_CONFIGS:
-            raise PlanError(f"unknown built-in model {text!r} (known: {', '.join('builtin:' + k for k in BUILTIN_CONFIGS)})")
-        arch = replace(arch_from_config({"model_type": "llama", **BUILTIN_CONFIGS[key]}, text), name=text)
+        try:
+            config = builtin_config(text)
+        except BuiltinModelError as exc:
+            raise PlanError(str(exc)) from None
+        arch = replace(arch_from_config({"model_type": "llama", **config}, text), name=text)
         return arch, arch.total_params, arch.describe()
     path = Path(text).expanduser()
     if path.exists():
