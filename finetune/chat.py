@@ -229,7 +229,7 @@ def check_gpu_fits(source: Source, free_bytes: int, device_name: str) -> None:
 
 def load_chat_model(source: Source, device: str = "auto") -> ChatModel:
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     _quiet_loading()
     device = pick_device(device)

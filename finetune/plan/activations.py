@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from finetune.archs import LAYER_LINEARS, names
+from finetune.archs import LAYER_LINEARS
 from finetune.plan.setup import Setup, Term
 
 
