@@ -42,10 +42,20 @@ def recipe_reference() -> str:
         if section is None:
             lines.append(f"| `{name}` | {_type_name(field.annotation)} | {_default(field)} | {field.description or ''} |")
             continue
-        lines.append(f"| **`{name}`** | section | | {field.description or ''} |")
-        for sub, subfield in section.model_fields.items():
-            lines.append(f"| `{name}.{sub}` | {_type_name(subfield.annotation)} | {_default(subfield)} | {subfield.description or ''} |")
+        lines += _section_rows(name, field, section)
     return "\n".join(lines)
+
+
+def _section_rows(name: str, field: Any, section: Any) -> list[str]:
+    """A section's heading row and its keys; a section inside it (preference.reference) the same way."""
+    lines = [f"| **`{name}`** | section | | {field.description or ''} |"]
+    for sub, subfield in section.model_fields.items():
+        inner = section_model(subfield.annotation)
+        if inner is not None:
+            lines += _section_rows(f"{name}.{sub}", subfield, inner)
+        else:
+            lines.append(f"| `{name}.{sub}` | {_type_name(subfield.annotation)} | {_default(subfield)} | {subfield.description or ''} |")
+    return lines
 
 
 def rule_table() -> str:
