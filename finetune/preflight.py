@@ -119,6 +119,14 @@ def dataset_step(recipe: Recipe, result: Preflight) -> None:
         return
     try:
         files = data_files(Path(path).expanduser())
+        if recipe.objective != "sft":  # every row of every file (finetune/preference_rows.py)
+            from finetune.preference_rows import check_files
+
+            count, problems = check_files(files, recipe.objective)
+            result.errors += [f"dataset {problem}" for problem in problems]
+            if not problems:
+                result.notes.append(f"dataset {path}: {count} {recipe.objective} row(s), all look right")
+            return
         rows = 0
         for file in files[:1]:  # the first file speaks for a directory of shards
             rows = check_rows(file, recipe.data.format)
@@ -393,6 +401,12 @@ def model_step(recipe: Recipe, result: Preflight) -> None:
     tokenizer = recipe.model.tokenizer
     if tokenizer and is_model_path(tokenizer) and not Path(tokenizer).expanduser().is_dir():
         result.errors.append(f"model.tokenizer {tokenizer}: directory does not exist")
+    if recipe.model.adapter:
+        from finetune.preference_rows import adapter_problem
+
+        problem = adapter_problem(recipe.model.adapter)
+        if problem:
+            result.errors.append(f"model.adapter {recipe.model.adapter}: {problem}")
 
 
 def is_model_path(reference: str) -> bool:

@@ -381,8 +381,9 @@ def continued_adapter(loaded: LoadedRecipe) -> Iterator[RawFinding]:
     path = Path(adapter).expanduser()
     found = any((p / "adapter_config.json").is_file() for p in (path, path / "adapter"))
     if not found:
-        # A warning like R109: CI lints recipes whose runs live only on the training box.
-        yield RawFinding("R117", "warning", ("model", "adapter"),
+        # Info, not a warning: the SFT run a DPO recipe continues from usually exists only on the training box
+        # (and later than the recipe); `finetune train`'s preflight refuses to start without it.
+        yield RawFinding("R117", "info", ("model", "adapter"),
                          f"no adapter_config.json in {path} or {path / 'adapter'} here (`finetune train` will refuse to start)")
     if _written_here(loaded, "lora"):
         yield RawFinding("R117", "warning", ("lora",), "`lora` is ignored with model.adapter: the adapter keeps the "

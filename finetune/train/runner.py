@@ -282,7 +282,8 @@ def summarize(trainer, clock, world_size: int, memory: list[tuple[int, str]], ex
         "eval_loss_last": evals[-1]["eval_loss"] if evals else None,
         "tokens_trained": tokens,
         # throughput of this process's run only: after a resume the clock restarts, so do the tokens
-        "tokens_per_second": (tokens - clock.tokens_at_start) / seconds if seconds > 0 else None,
+        # None when the trainer counts no tokens (TRL's ORPO/CPO batches have no `input_ids` column to count)
+        "tokens_per_second": (tokens - clock.tokens_at_start) / seconds if seconds > 0 and tokens else None,
         "wall_seconds": seconds,
         "world_size": world_size,
         "peak_memory_bytes": [m[0] for m in memory],
