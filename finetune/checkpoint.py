@@ -265,11 +265,17 @@ RESUME_KEYS = (
 )
 QLORA_KEYS = ("quantization.quant_type", "quantization.double_quant", "quantization.compute_dtype",
               "quantization.storage_dtype")
+# Only for preference objectives, so the resume key of an SFT run is what it always was.
+PREFERENCE_KEYS = ("objective", "model.adapter", "preference.beta", "preference.loss_type",
+                   "preference.label_smoothing", "preference.max_completion_length", "preference.reference.mode",
+                   "preference.reference.name_or_path", "preference.simpo_gamma", "preference.cpo_alpha",
+                   "preference.desirable_weight", "preference.undesirable_weight")
 
 
 def resume_fields(resolved: dict[str, Any], world_size: int) -> dict[str, Any]:
     """The resume-relevant values of a resolved recipe (finetune.rundir.resolved_recipe)."""
-    keys = RESUME_KEYS + (QLORA_KEYS if resolved.get("method") == "qlora" else ())
+    keys = RESUME_KEYS + (QLORA_KEYS if resolved.get("method") == "qlora" else ()) \
+        + (PREFERENCE_KEYS if resolved.get("objective", "sft") != "sft" else ())
     fields: dict[str, Any] = {key: _lookup(resolved, key) for key in keys}
     size = _data_size(str(resolved.get("data", {}).get("path", "")))
     if size is not None:

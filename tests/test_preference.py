@@ -281,3 +281,24 @@ def test_every_preference_tiny_recipe_is_trained_by_a_slow_test():
 
     shipped = {p.stem for p in TINY.glob("*.yaml") if load_recipe(p).recipe.objective != "sft"}
     assert shipped == set(TRAINED)
+
+
+def test_resume_refuses_a_changed_objective_and_keeps_sft_keys_as_they_were():
+    from finetune.checkpoint import changed_fields, resume_fields
+
+    sft = {"method": "lora", "data": {"path": ""}, "objective": "sft"}
+    assert "objective" not in resume_fields(sft, 2)  # resume keys written before preference training still match
+    dpo = resume_fields({**sft, "objective": "dpo", "preference": {"beta": 0.1}}, 2)
+    changed = changed_fields(dpo, resume_fields({**sft, "objective": "orpo", "preference": {"beta": 0.2}}, 2))
+    assert changed == ["objective: dpo -> orpo", "preference.beta: 0.1 -> 0.2"]
+
+
+def test_chat_prompts_a_preference_run_with_the_chat_template_and_eval_says_what_it_cannot_score(tmp_path):
+    from finetune.chat import _trained_format
+    from finetune.evaluate import EvalError, eval_rows
+    from finetune.recipe import Recipe
+
+    recipe = Recipe.model_validate({"model": {"name_or_path": "m"}, "data": {"path": "d"}, "objective": "dpo"})
+    assert _trained_format(recipe) == "messages"
+    with pytest.raises(EvalError, match="objective: dpo: its preference rows have no loss to score"):
+        eval_rows(tmp_path, recipe, None, None, print)
