@@ -86,6 +86,8 @@ def test_model_adapter_rules(tmp_path, write_recipe):
     assert ("R117", "error", "model.adapter") in rules_of(write_recipe(full))
     missing = write_recipe(DPO.replace("model:\n", "model:\n  adapter: ./nowhere\n") + "lora: {r: 4}\n")
     assert {("R117", "info", "model.adapter"), ("R117", "warning", "lora")} <= set(rules_of(missing))
+    sft = write_recipe(MINIMAL.replace("model:\n", "model:\n  adapter: ./sft\n"), name="sft.yaml")
+    assert ("R117", "error", "model.adapter") in rules_of(sft)  # the SFT runner would ignore it
 
 
 def test_shipped_preference_recipes_lint_clean():

@@ -37,7 +37,7 @@ RULES: dict[str, str] = {
     "R114": "Packing or padding_free with a model that cannot keep the examples apart (no position_ids; remote code).",
     "R115": "Preference settings the objective does not read (a `preference` key, a loss of another objective, a reference that cannot exist).",
     "R116": "Data or training keys that preference objectives do not use (format, packing, mask_prompt, loss_kernel).",
-    "R117": "`model.adapter` that cannot be continued from (full fine-tune, missing adapter, a `lora` section it overrides).",
+    "R117": "`model.adapter` that cannot be continued from (objective sft, full fine-tune, missing adapter, a `lora` section it overrides).",
 }
 
 DATA_SUFFIXES = (".json", ".jsonl", ".parquet", ".csv")
@@ -372,6 +372,12 @@ def continued_adapter(loaded: LoadedRecipe) -> Iterator[RawFinding]:
     r = loaded.recipe
     adapter = r.model.adapter
     if adapter is None:
+        return
+    if r.objective == "sft":
+        # The SFT runner builds a fresh adapter (finetune.train.model.prepare_model) and would ignore it.
+        yield RawFinding("R117", "error", ("model", "adapter"),
+                         "model.adapter is continued by the preference objectives (dpo, orpo, kto, simpo) only",
+                         "remove it, or set objective: dpo (or orpo, kto, simpo)")
         return
     if r.method == "full":
         yield RawFinding("R117", "error", ("model", "adapter"),
