@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Any, Iterator, Optional
 
 from finetune.recipe import LoadedRecipe, Recipe
+from finetune.references import DATA_SUFFIXES, is_local, is_model_path
 
-DATA_SUFFIXES = (".json", ".jsonl", ".csv", ".parquet")
 SAMPLE_ROWS = 20  # enough to catch a wrong format, cheap on a 100 GB file
 # A .json array is read only up to here to find its first rows (raw_decode needs whole objects).
 JSON_PREFIX_BYTES = 4 * 2**20
@@ -200,12 +200,6 @@ def render_problem(template: str, messages: list, mask_prompt: bool) -> Optional
         except Exception as exc:  # noqa: BLE001 - the template is user code; anything it raises stops the ranks
             return f"the template cannot render this conversation: {type(exc).__name__}: {exc}"
     return None
-
-
-def is_local(reference: str) -> bool:
-    """A local path rather than a hub id (`org/name`). The recipe loader made existing relative paths absolute."""
-    p = Path(reference).expanduser()
-    return p.is_absolute() or reference.startswith(("./", "../", "~")) or p.suffix in DATA_SUFFIXES or p.exists()
 
 
 def data_files(path: Path) -> list[Path]:
@@ -407,11 +401,6 @@ def model_step(recipe: Recipe, result: Preflight) -> None:
         problem = adapter_problem(recipe.model.adapter)
         if problem:
             result.errors.append(f"model.adapter {recipe.model.adapter}: {problem}")
-
-
-def is_model_path(reference: str) -> bool:
-    p = Path(reference).expanduser()
-    return p.is_absolute() or reference.startswith(("./", "../", "~")) or p.exists()
 
 
 def _builtin_model(name: str, result: Preflight) -> None:

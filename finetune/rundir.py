@@ -13,22 +13,24 @@ The runner adds env.json, adapter/ or model/, tokenizer/ and summary.json.
 from __future__ import annotations
 
 import io
+import json
 import os
 from pathlib import Path
 from typing import Any
 
 from finetune.fsutil import atomic_dir
 from finetune.recipe import LoadedRecipe, Recipe
+from finetune.references import is_local, is_model_path
+from finetune.tiny import is_builtin
 
 RECIPE_FILE = "recipe.yaml"
 DEEPSPEED_FILE = "deepspeed.json"
 TRAINING_ARGS_FILE = "training_args.json"
+RUN_INPUTS = (RECIPE_FILE, DEEPSPEED_FILE, TRAINING_ARGS_FILE)  # what the runner reads
 
 
 def resolved_recipe(recipe: Recipe, run_dir: Path) -> dict[str, Any]:
     """The recipe as plain data, as the run sees it: local paths absolute, output_dir = the run dir."""
-    from finetune.preflight import BUILTIN_PREFIX, is_local, is_model_path
-
     data = recipe.model_dump(mode="json")
     data.pop("extends", None)  # already applied
     data["output_dir"] = str(Path(run_dir).absolute())
@@ -36,7 +38,7 @@ def resolved_recipe(recipe: Recipe, run_dir: Path) -> dict[str, Any]:
         data["data"]["path"] = str(Path(data["data"]["path"]).expanduser().absolute())
     for key in ("name_or_path", "tokenizer"):
         value = data["model"].get(key)
-        if value and not value.startswith(BUILTIN_PREFIX) and is_model_path(value):
+        if value and not is_builtin(value) and is_model_path(value):
             data["model"][key] = str(Path(value).expanduser().absolute())
     if data["launch"].get("hostfile"):
         data["launch"]["hostfile"] = str(Path(data["launch"]["hostfile"]).expanduser().absolute())
@@ -106,3 +108,26 @@ def _write_into(directory: Path, files: dict[str, str]) -> None:
         write_atomic(directory / name, text)
         (directory / name).chmod(0o666 & ~umask)
     (directory / "logs").mkdir(exist_ok=True)
+
+
+class RunDirError(Exception):
+    """The run directory is missing a file or holds one the runner cannot read."""
+
+
+def read_run_dir(run_dir: Path) -> tuple[Recipe, dict[str, Any], dict[str, Any]]:
+    """(recipe, DeepSpeed config, TrainingArguments kwargs) as write_run_dir left them (the runner reads them)."""
+    from pydantic import ValidationError
+
+    from finetune.yamlio import DocumentError, load_yaml
+
+    missing = [name for name in RUN_INPUTS if not (run_dir / name).is_file()]
+    if missing:
+        raise RunDirError(f"{run_dir}: missing {', '.join(missing)} (start runs with `finetune train RECIPE`)")
+    try:
+        raw = load_yaml((run_dir / "recipe.yaml").read_text(encoding="utf-8"), str(run_dir / "recipe.yaml")).data
+        recipe = Recipe.model_validate(raw)
+        ds_config = json.loads((run_dir / "deepspeed.json").read_text(encoding="utf-8"))
+        training_args = json.loads((run_dir / "training_args.json").read_text(encoding="utf-8"))
+    except (DocumentError, ValidationError, json.JSONDecodeError, OSError) as exc:
+        raise RunDirError(f"{run_dir}: cannot read the run inputs: {exc}") from None
+    return recipe, ds_config, training_args

@@ -13,15 +13,12 @@ import sys
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterator, NamedTuple, Optional
+from typing import Any, Callable, Iterator, NamedTuple, Optional
 
 import torch
 from safetensors import safe_open
 
 from finetune.fsutil import write_atomic
-
-if TYPE_CHECKING:
-    from finetune.lora_math import LoraUpdate
 
 INDEX_NAME = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # "5GB", save_pretrained's default
@@ -135,8 +132,9 @@ class OutTensor:
     source: BaseTensor
     dtype: str  # output dtype (safetensors name)
     nbytes: int
-    update: Optional[LoraUpdate] = None  # LoRA delta added to this weight
-    bias_of: Optional[LoraUpdate] = None  # lora_B.bias added to this bias
+    # finetune.lora_math.LoraUpdate: typed loosely so that this I/O layer, which lora_math builds on, never imports it.
+    update: Optional[Any] = None  # LoRA delta added to this weight
+    bias_of: Optional[Any] = None  # lora_B.bias added to this bias
     replacement: Optional[torch.Tensor] = None
 
 

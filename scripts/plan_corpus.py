@@ -3,6 +3,7 @@ print predicted against measured, case by case, with the error distribution.
 
     python scripts/plan_corpus.py                 # every case, then the summaries
     python scripts/plan_corpus.py --summary       # the summaries only
+    python scripts/plan_corpus.py --summary --quantiles   # with each part's error distribution
     python scripts/plan_corpus.py --json          # machine-readable (used by tests/test_plan_corpus.py)
 
 error = (predicted - measured) / measured, per GPU, against the counter the source reports
@@ -35,7 +36,7 @@ MEASURE_VIEW = {"max_memory_allocated": "allocated", "max_memory_reserved": "res
                 "unspecified": "reserved", "nvidia-smi": "nvidia_smi", "capacity": "nvidia_smi"}
 
 # Corpus settings that are not Setup fields (they only describe the case).
-DESCRIPTIVE = {"quant_format"}
+DESCRIPTIVE: set[str] = set()
 
 
 def load(path: Path = CORPUS) -> dict:
@@ -120,7 +121,17 @@ def summary(rows: list[dict]) -> dict[str, Any]:
         "under_15": sum(1 for e in errors if e < -0.15),
         "over_10": sum(1 for e in errors if e > 0.10),
         "within_5": sum(1 for e in errors if abs(e) <= 0.05),
+        "quantiles": _quantiles(errors),
     }
+
+
+def _quantiles(errors: list[float]) -> dict[str, float]:
+    """Signed error at the minimum, 5%, 25%, 50%, 75%, 95% and the maximum (inclusive method)."""
+    if len(errors) < 2:
+        return {"min": errors[0], "max": errors[0]}
+    cuts = statistics.quantiles(errors, n=20, method="inclusive")
+    return {"min": min(errors), "p5": cuts[0], "p25": cuts[4], "p50": cuts[9], "p75": cuts[14], "p95": cuts[18],
+            "max": max(errors)}
 
 
 def summaries(rows: list[dict]) -> dict[str, dict]:
@@ -144,6 +155,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true", help="print rows and summaries as JSON")
     parser.add_argument("--summary", action="store_true", help="print the summaries only")
+    parser.add_argument("--quantiles", action="store_true",
+                        help="after each summary, its signed error quantiles (min, 5%%, 25%%, 50%%, 75%%, 95%%, max)")
     parser.add_argument("--corpus", type=Path, default=CORPUS)
     parser.add_argument("--unspecified-as", choices=("allocated", "reserved", "nvidia_smi"), default="reserved",
                         help="compare sources that do not name their counter with this figure (a sensitivity "
@@ -166,6 +179,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         print("(* held out: never used for calibration)\n")
     for name, s in sums.items():
         print(_fmt_summary(name, s))
+        if args.quantiles and s.get("cases"):
+            print(f"{'':<28} quantiles " + "  ".join(f"{k} {v:+.1%}" for k, v in s["quantiles"].items()))
     return 0
 
 

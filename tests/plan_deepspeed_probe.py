@@ -6,7 +6,9 @@ Prints one line `RESULT <json>` with, per case:
 - kind "zero3_live": the peak of the ZeRO-3 parameter coordinator's available-parameter count
   (n_available_params) after every fetch, per step (steady state from the second step);
 - kind "buffers": element counts of DeepSpeed's buffers seen during backward (reduce bucket buffers,
-  gradient partitions) and of the optimizer's fp32 partition and states after the step.
+  gradient partitions) and of the optimizer's fp32 partition and states after the step;
+- kind "step_grads": per ZeRO-3 sub-group, its element count and the peak bytes of tensors that
+  `_prepare_fp32_grad_for_sub_group` allocates (and of those still alive when it returns).
 """
 
 import json
@@ -109,9 +111,70 @@ def buffers(case):
     return seen
 
 
+class _NewBytes:
+    """Peak bytes of tensor storages created by torch ops while active (alive ones counted, freed ones
+    dropped as their storages expire)."""
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        outer = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                outer.track(out, (args, kwargs))
+                return out
+
+        self.mode = Mode()
+        self.refs = {}
+        self.peak = 0
+
+    def live(self):
+        return sum(n for ref, n in self.refs.values() if not ref.expired())
+
+    def track(self, out, inputs):
+        from torch.multiprocessing.reductions import StorageWeakRef
+        from torch.utils._pytree import tree_flatten
+
+        # A view (or an in-place op) returns an input's storage: not a new allocation.
+        old = {t.untyped_storage().data_ptr() for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor)}
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes() and t.untyped_storage().data_ptr() not in old:
+                storage = t.untyped_storage()
+                self.refs.setdefault(storage.data_ptr(), (StorageWeakRef(storage), storage.nbytes()))
+        self.peak = max(self.peak, self.live())
+
+
+def step_grads(case):
+    ds = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "bf16": {"enabled": True},
+          "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+          "zero_optimization": {"stage": 3, **case["zero"]}}
+    cfg, engine, opt = build(case, ds)
+    prepare = opt._prepare_fp32_grad_for_sub_group
+    seen = []
+
+    def measured_prepare(sub_group_id):
+        tracker = _NewBytes()
+        with tracker.mode:
+            prepare(sub_group_id)
+        seen.append({"elements": opt.fp32_partitioned_groups_flat[sub_group_id].numel(),
+                     "peak_bytes": tracker.peak, "kept_bytes": tracker.live()})
+
+    opt._prepare_fp32_grad_for_sub_group = measured_prepare
+    ids = torch.randint(0, cfg.vocab_size, (2, 16))
+    engine.backward(engine(input_ids=ids, labels=ids).loss)
+    engine.step()
+    engine.destroy()
+    return seen
+
+
+PROBES = {"zero3_live": zero3_live, "buffers": buffers, "step_grads": step_grads}
+
+
 def main() -> None:
     deepspeed.init_distributed(dist_backend="gloo")
-    results = [zero3_live(c) if c["kind"] == "zero3_live" else buffers(c) for c in json.loads(sys.argv[1])]
+    results = [PROBES[c["kind"]](c) for c in json.loads(sys.argv[1])]
     print("RESULT " + json.dumps(results), flush=True)
     close_process_group()
 

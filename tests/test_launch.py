@@ -300,10 +300,10 @@ def held_port():
 
 
 def test_a_port_taken_before_torchrun_binds_it_is_replaced(fake, held_port, monkeypatch):
-    import finetune.launch as launch
+    import finetune.launch.supervision as supervision
 
     plan, run_dir = fake("ok")
-    launch._set_port(plan, held_port)  # free_port said it was free; someone took it since
+    supervision._set_port(plan, held_port)  # free_port said it was free; someone took it since
     console = Sink()
     outcome = supervise(plan, console)
     assert outcome.ok, (outcome.message, console.data.decode()[-2000:])
@@ -314,11 +314,11 @@ def test_a_port_taken_before_torchrun_binds_it_is_replaced(fake, held_port, monk
 
 
 def test_a_busy_port_that_cannot_be_replaced_is_one_line_naming_it(fake, held_port, monkeypatch):
-    import finetune.launch as launch
+    import finetune.launch.supervision as supervision
 
-    monkeypatch.setattr(launch, "PORT_RETRIES", 0)
+    monkeypatch.setattr(supervision, "PORT_RETRIES", 0)
     plan, _ = fake("ok")
-    launch._set_port(plan, held_port)
+    supervision._set_port(plan, held_port)
     outcome = supervise(plan, Sink())
     assert outcome.returncode == 1 and outcome.port_in_use == held_port
     assert outcome.message == (f"the rendezvous port {held_port} on 127.0.0.1 is in use (another run?); "

@@ -403,8 +403,21 @@ def test_deepspeed_buffers_and_partitions_as_planned():
               "zero": {"reduce_bucket_size": 20000, "overlap_comm": overlap}}
              for stage in (1, 2, 3) for overlap in (False, True)]
     cases.append({"kind": "buffers", "stage": 2, "config": config, "zero": {"reduce_bucket_size": 20000}, "lora": 4})
+    # ZeRO-3's step in sub-groups: the fp32 gradient of one sub-group and, while it is made, the
+    # flat 16-bit copy of its gradients (one process, so the sub-group is the whole partition slice).
+    cases.append({"kind": "step_grads", "config": config, "zero": {"sub_group_size": 40000}})
     measured = run_probe(cases)
     arch = arch_from_config({**config, "model_type": "llama"}, "tiny")
+    sub_groups = measured.pop()
+    assert len(sub_groups) > 1
+    for sub_group in sub_groups:
+        assert sub_group["peak_bytes"] == sub_group["elements"] * (4 + 2)  # fp32 copy + 16-bit flat copy
+        assert sub_group["kept_bytes"] == sub_group["elements"] * 4  # the fp32 gradient, until released
+    zero3 = plan(Setup(arch=arch, params=arch.total_params, method="full", stage=3, sub_group_size=40000,
+                       dtype="bfloat16"))
+    step_only = {t.name: t.bytes if t.live is None else t.live for t in zero3.terms
+                 if t.phase == "step" and t.field != "overhead"}
+    assert step_only == {"fp32 gradient partition 1/1": 40000 * 4, "16-bit gradient flatten copy": 40000 * 2}
     for case, seen in zip(cases, measured):
         lora = case.get("lora")
         setup = Setup(arch=arch, params=arch.total_params, method="lora" if lora else "full", lora_r=lora or 16,

@@ -75,9 +75,13 @@ def test_plan_runs_on_every_case(corpus_rows):
 # calibration: a change that makes any of them worse fails here. Issue 14's target is below.
 # The Qwen README's DeepSpeed rows with their real 16-bit loss (loss_dtype) raised these from the
 # previous commit's 10.5% / 65 / 52: their slopes now match, a fixed offset they share is unexplained.
+# ZeRO-3's 16-bit flatten copy in the step (measured on CPU with DeepSpeed's own optimizer) then moved
+# the Qwen README's full fine-tunes closer (59 / 25 under by >15% to 58 / 24), and GPTQ's dequantized
+# weights saved for backward (auto-gptq's torch path, measured on CPU) its Q-LoRA rows: medians 12.6% /
+# 8.9% to 11.2% / 7.9%.
 REACHED = {
-    "all": {"median_abs_error": 0.127, "under_10": 76, "under_15": 59},
-    "calibration": {"median_abs_error": 0.090, "under_10": 35, "under_15": 25},
+    "all": {"median_abs_error": 0.113, "under_10": 73, "under_15": 57},
+    "calibration": {"median_abs_error": 0.080, "under_10": 32, "under_15": 23},
     "holdout": {"median_abs_error": 0.194, "under_10": 41, "under_15": 34},
 }
 
@@ -92,8 +96,23 @@ def test_corpus_error_is_no_worse_than_reached(corpus_rows, part):
     assert got["under_15"] <= want["under_15"]
 
 
+def test_summaries_give_the_error_distribution(corpus_rows):
+    import statistics
+
+    _, rows, script = corpus_rows
+    parts = {"all": rows, "holdout": [r for r in rows if r["holdout"]],
+             "calibration": [r for r in rows if not r["holdout"]]}
+    sums = script.summaries(rows)
+    for part, members in parts.items():
+        q = sums[part]["quantiles"]
+        assert list(q) == ["min", "p5", "p25", "p50", "p75", "p95", "max"]
+        assert list(q.values()) == sorted(q.values())
+        assert q["p50"] == pytest.approx(statistics.median(r["error"] for r in members))
+        assert q["min"] == sums[part]["worst_under"]
+
+
 @pytest.mark.xfail(strict=True, reason="issue 14's target is not met: see docs/plan.md, 'Against published "
-                                       "measurements' (median 12.6%, 76 of 140 under-predicted by >10%)")
+                                       "measurements' (median 11.2%, 73 of 140 under-predicted by >10%)")
 def test_issue_14_target_median_5_percent_and_never_10_percent_low(corpus_rows):
     _, rows, script = corpus_rows
     got = script.summaries(rows)["all"]
@@ -274,6 +293,8 @@ def test_demo_recipe_text_describes_its_processes_and_dtype():
     assert "2 CPU processes" in out.stdout and "procs_per_node: auto" in out.stdout
     assert "16-bit" not in out.stdout.split("per node CPU")[0]  # a float32 model
     assert "fp32 partitions of all parameters" in out.stdout
+    # The CPU side counts the planned GPUs' processes and says so (a GPU-less machine starts cpu_procs).
+    assert "1 training process (1 per GPU)" in out.stdout.split("per node CPU")[1]
 
 
 def test_float32_full_finetune_names_its_gradients_fp32(write_recipe):
@@ -281,3 +302,74 @@ def test_float32_full_finetune_names_its_gradients_fp32(write_recipe):
                                       "method: full\ndata:\n  path: d.jsonl\ndeepspeed:\n  stage: 2\n"), []).recipe
     names = [t.name for t in plan_recipe(recipe, gpus=2).terms]
     assert "fp32 gradient partition 1/2" in names and not any("16-bit" in n for n in names)
+
+
+def test_zero3_step_counts_the_16bit_flatten_copy_of_one_sub_group():
+    """stage3.py _prepare_fp32_grad_for_sub_group flattens the sub-group's 16-bit gradients into a new
+    buffer before casting it to fp32 (measured with DeepSpeed's optimizer on CPU in
+    tests/test_plan.py::test_deepspeed_buffers_and_partitions_as_planned). Not for a float32 model (the
+    cast returns the flat buffer itself) nor with the optimizer offloaded (no fp32 gradient on the GPU)."""
+    arch = BY_NAME["qwen2.5-0.5b"]
+    base = Setup(arch=arch, params=arch.total_params, method="full", stage=3, dtype="bfloat16",
+                 sub_group_size=10**8)
+
+    def flatten_copy(setup):
+        return sum(t.bytes for t in plan(setup).terms if t.name == "16-bit gradient flatten copy")
+
+    assert flatten_copy(base) == 10**8 * 2
+    assert flatten_copy(replace(base, sub_group_size=10**10)) == arch.total_params * 2  # one sub-group
+    assert flatten_copy(replace(base, dtype="float32")) == 0
+    assert flatten_copy(replace(base, offload_optimizer="cpu")) == 0
+    assert flatten_copy(replace(base, stage=2)) == 0
+
+
+def _gptq_forward(x, qweight, qzeros, scales, wf, bits=4, group=128):
+    """auto-gptq 0.5.1 qlinear_cuda_old.QuantLinear.forward, torch path (taken from 128 rows up), for 4 bits."""
+    import torch
+
+    zeros = torch.bitwise_right_shift(torch.unsqueeze(qzeros, 2).expand(-1, -1, 32 // bits), wf.unsqueeze(0)).to(torch.int8)
+    zeros = torch.bitwise_and(zeros, (2 ** bits) - 1) + 1
+    zeros = zeros.reshape(-1, 1, zeros.shape[1] * zeros.shape[2])
+    weight = torch.bitwise_right_shift(torch.unsqueeze(qweight, 1).expand(-1, 32 // bits, -1), wf.unsqueeze(-1)).to(torch.int8)
+    weight = torch.bitwise_and(weight, (2 ** bits) - 1).reshape(-1, group, weight.shape[2])
+    weight = scales.reshape(-1, 1, scales.shape[-1]) * (weight - zeros)
+    return torch.matmul(x, weight.reshape(weight.shape[0] * weight.shape[1], weight.shape[2]))
+
+
+def test_gptq_linear_keeps_its_dequantized_weight_for_backward():
+    """A GPTQ linear under training (auto-gptq's torch path) saves its whole 16-bit dequantized weight for
+    backward and peaks at 5 bytes per weight element while unpacking; the planner's GPTQ terms are those
+    sizes: one layer's quantized linears saved (checkpointing) plus 3 bytes x the largest."""
+    import torch
+
+    from tests.test_plan import LiveBytes
+
+    infeat, outfeat, tokens = 512, 384, 256
+    qweight = torch.randint(-2**31, 2**31 - 1, (infeat // 8, outfeat), dtype=torch.int32)
+    qzeros = torch.randint(-2**31, 2**31 - 1, (infeat // 128, outfeat // 8), dtype=torch.int32)
+    scales = torch.rand(infeat // 128, outfeat, dtype=torch.float16)
+    wf = torch.tensor(list(range(0, 32, 4)), dtype=torch.int32).unsqueeze(0)
+    x = torch.randn(tokens, infeat, dtype=torch.float16, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.untyped_storage().nbytes()) or t,
+                                                  lambda t: t):
+        _gptq_forward(x, qweight, qzeros, scales, wf)
+    elements = infeat * outfeat
+    assert saved == [elements * 2]
+    live = LiveBytes({t.untyped_storage().data_ptr() for t in (x, qweight, qzeros, scales, wf)})
+    with live.mode:
+        _gptq_forward(x, qweight, qzeros, scales, wf)
+    assert elements * 5 <= live.peak < elements * 5 + elements // 64  # + the unpacked zero points
+
+    arch = BY_NAME["qwen2.5-7b"]
+    base = Setup(arch=arch, params=arch.total_params, method="qlora", dtype="float16", deepspeed=False,
+                 quant_format="gptq-int4")
+    terms = {t.name: t.bytes for t in plan(base).terms}
+    per_layer = sum(lin.weight_numel for lin in arch.layer_linears())
+    largest = max(lin.weight_numel for lin in arch.layer_linears())
+    assert terms["GPTQ dequantized weights (saved)"] == per_layer * 2
+    assert terms["GPTQ unpacking"] == largest * 3
+    assert "dequantized 4-bit weight" not in terms
+    unckpt = {t.name: t.bytes for t in plan(replace(base, gradient_checkpointing=False)).terms}
+    assert unckpt["GPTQ dequantized weights (saved)"] == arch.layers * per_layer * 2
+    assert "GPTQ unpacking" not in {t.name for t in plan(replace(base, quant_format="bnb-nf4")).terms}

@@ -1,6 +1,6 @@
 """`finetune train`'s preflight: every failure has a clear message, starts no process and writes nothing.
 
-The CLI runs in-process (typer's CliRunner) with `finetune.launch.spawn` replaced, so a test would
+The CLI runs in-process (typer's CliRunner) with `finetune.launch.supervision.spawn` replaced, so a test would
 notice any launch attempt; the dataset readers are tested directly on small files of each kind.
 """
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-import finetune.launch
+import finetune.launch.supervision
 from finetune.cli import app
 from finetune.preflight import DataProblem, Preflight, check_rows, model_step, output_dir_problem
 from finetune.recipe import Recipe, load_recipe
@@ -32,7 +32,7 @@ def no_launch(monkeypatch):
         started.append(plan)
         raise AssertionError("preflight should have stopped before launching")
 
-    monkeypatch.setattr(finetune.launch, "spawn", spawn)
+    monkeypatch.setattr(finetune.launch.supervision, "spawn", spawn)
     return started
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-import finetune.launch
+import finetune.launch.supervision
 from finetune import checkpoint as ckpt
 from finetune.cli import app
 from finetune.recipe import load_recipe
@@ -325,7 +325,7 @@ def no_launch(monkeypatch):
     def spawn(plan):
         raise AssertionError("nothing should be launched")
 
-    monkeypatch.setattr(finetune.launch, "spawn", spawn)
+    monkeypatch.setattr(finetune.launch.supervision, "spawn", spawn)
 
 
 @pytest.fixture

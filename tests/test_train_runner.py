@@ -156,7 +156,7 @@ def test_training_arguments_use_the_current_names():
 
 
 def test_json_safe_makes_strict_json():
-    from finetune.train.runner import json_safe
+    from finetune.train.callbacks import json_safe
 
     text = json.dumps(json_safe({"steps_per_print": float("inf"), "a": [1.5, float("nan")]}), allow_nan=False)
     assert json.loads(text) == {"steps_per_print": "inf", "a": [1.5, "nan"]}

@@ -30,7 +30,7 @@ the peak (`total`) is the larger of the backward phase and the step phase.
 # The package's parts, by what they compute: constants (DeepSpeed defaults, measured sizes), setup
 # (the input), params, states (weights / gradients / optimizer / buffers), zero3 (the gather replay),
 # activations (and logits), planner (plan()), result (totals and rendering), from_recipe, recommendation.
-# What cli.py, lint (P001), train, chat, scripts/ and tests use is re-exported here.
+# What the CLI, lint (P001), train, chat, scripts/ and tests use is re-exported here.
 from finetune.plan.activations import attention_mask_bytes, layer_activation_bytes
 from finetune.plan.constants import (
     DS_ALLGATHER_BUCKET_SIZE, DS_MAX_LIVE_PARAMETERS, DS_MAX_REUSE_DISTANCE, DS_OPTIMIZER_SWAP_BUFFERS,

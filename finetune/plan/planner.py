@@ -118,7 +118,9 @@ def _allocator_rounding(setup: Setup, groups: list[ParamGroup]) -> int:
 
 def _cpu_base(setup: Setup, groups: list[ParamGroup]) -> list[Term]:
     procs = setup.gpus_per_node
-    out = [Term("process", f"{procs} training process{'es' if procs > 1 else ''}", procs * PROCESS_RSS,
+    # With procs_per_node: auto the count is the planned GPUs', not what a GPU-less machine starts.
+    per_gpu = " (1 per GPU)" if setup.launch_note else ""
+    out = [Term("process", f"{procs} training process{'es' if procs > 1 else ''}{per_gpu}", procs * PROCESS_RSS,
                 note="estimate: Python + libraries per rank")]
     # Loading: without ZeRO-3 every rank reads the whole checkpoint into CPU memory before moving it
     # to its GPU; QLoRA quantizes shard by shard on the GPU; ZeRO-3's zero.Init partitions while

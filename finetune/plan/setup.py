@@ -44,6 +44,9 @@ class Setup:
     lora_dropout: float = 0.05
     modules_to_save: tuple[str, ...] = ()
     double_quant: bool = True
+    # How a QLoRA base is quantized: "bnb-nf4" (bitsandbytes, what recipes run) or "gptq-int4" (auto-gptq's
+    # cuda-old QuantLinear as HF's GPTQ integration trains it: corpus cases of GPTQ checkpoints only).
+    quant_format: str = "bnb-nf4"
     optimizer: str = "adamw"
     # Without DeepSpeed: torch's fused AdamW (HF's default with torch >= 2.8) or the foreach one (the
     # default before), which allocates a temporary per moment in the step; torch 2.0's foreach AdamW

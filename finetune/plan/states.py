@@ -186,6 +186,13 @@ def gradient_and_optimizer_terms(setup: Setup, groups: list[ParamGroup], trainab
         Term("optimizer", f"fp32 master weights 1/{n}", part * MASTER_BYTES),
         Term("optimizer", f"{opt_name} 1/{n}", part * states),
     ]
+    if setup.stage == 3 and e < 4:
+        # stage3.py _prepare_fp32_grad_for_sub_group: self.flatten(averaged_gradients).to(fp32) copies
+        # the sub-group's 16-bit gradient views into a new flat buffer first, alive beside its fp32
+        # copy (6 bytes per element at that moment; measured in tests/test_plan.py). A float32 model's
+        # flat copy is its fp32 gradient: .to() returns it as is.
+        terms.append(Term("buffers", "16-bit gradient flatten copy", min(part, setup.sub_group_size) * e,
+                          phase="step", note="stage3.py _prepare_fp32_grad_for_sub_group, one sub-group"))
     return terms
 
 
@@ -248,6 +255,24 @@ def _dequant_buffer(setup: Setup, groups: list[ParamGroup]) -> list[Term]:
     largest = max((g.numel for g in groups if g.quantized), default=0)
     if not largest:
         return []
+    if setup.quant_format == "gptq-int4":
+        return _gptq_dequant_terms(setup, groups, largest)
     absmax = math.ceil(largest / BNB_BLOCKSIZE) * 4 if setup.double_quant else 0
     return [Term("buffers", "dequantized 4-bit weight", largest * setup.element_bytes + absmax, phase="backward",
                  note="largest quantized linear, 16-bit, while it runs")]
+
+
+def _gptq_dequant_terms(setup: Setup, groups: list[ParamGroup], largest: int) -> list[Term]:
+    """auto-gptq 0.4-0.5's qlinear_cuda_old.QuantLinear.forward takes its CUDA kernel only below
+    kernel_switch_threshold (128) rows; a training batch dequantizes the whole weight in torch ops and
+    runs torch.matmul(x, weight). With an input that requires grad (LoRA, enable_input_require_grads)
+    autograd saves that 16-bit weight: every quantized linear of each layer whose activations are kept
+    (one layer, recomputed, with checkpointing). Unpacking goes through an int32 shift and an int8 copy:
+    5 bytes per element at its peak, 3 more than the 16-bit result (measured on CPU: tests/test_plan_corpus.py)."""
+    per_layer = sum(g.numel for g in groups if g.quantized and g.per_layer)
+    layers = 1 if setup.gradient_checkpointing else setup.arch.layers if setup.arch else 1
+    e = setup.element_bytes
+    return [Term("buffers", "GPTQ dequantized weights (saved)", layers * per_layer * e, phase="backward",
+                 note=f"{layers} layer{'s' if layers > 1 else ''} of 16-bit weights kept by torch.matmul for backward"),
+            Term("buffers", "GPTQ unpacking", largest * 3, phase="backward",
+                 note="int32 shift + int8 copy of the largest quantized weight while it dequantizes")]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from transformers import TrainerCallback
 
@@ -53,7 +53,6 @@ class EffectiveDeepSpeedConfig(TrainerCallback):
             return
         from finetune.dsconfig import dumps
         from finetune.fsutil import write_atomic
-        from finetune.train.runner import json_safe
 
         write_atomic(self.run_dir / "deepspeed.effective.json", dumps(json_safe(hf_config.config)))
 
@@ -112,3 +111,14 @@ class LossPlot(TrainerCallback):
         from finetune.train.report import plot_loss
 
         self.available = plot_loss(state.log_history, self.path, title=self.path.parent.name)
+
+
+def json_safe(value: Any) -> Any:
+    """Replace inf/nan (accelerate sets steps_per_print to inf) by strings: strict JSON has neither."""
+    if isinstance(value, float) and (value != value or value in (float("inf"), float("-inf"))):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [json_safe(v) for v in value]
+    return value

@@ -3,7 +3,7 @@
     torchrun --nproc-per-node 2 -m finetune.train.runner --run-dir runs/demo
     deepspeed --num_gpus 2 --no_local_rank --module finetune.train.runner --run-dir runs/demo
 
-The run directory is written before launch (finetune.launch) and holds:
+The run directory is written before launch (finetune.rundir) and holds:
     recipe.yaml          the resolved recipe (absolute paths)
     deepspeed.json       finetune.dsconfig.render_deepspeed(recipe, world_size)
     training_args.json   finetune.dsconfig.render_training_args(recipe, output_dir=run_dir)
@@ -39,39 +39,16 @@ from pathlib import Path
 from typing import Any, Optional
 
 from finetune.recipe import Recipe
+from finetune.rundir import RunDirError, read_run_dir
 
-RUN_INPUTS = ("recipe.yaml", "deepspeed.json", "training_args.json")
 LOGITS_FILE = "final_logits.safetensors"
 LOGITS_BATCH = 4  # sequences in the fixed verification batch (the first training sequences)
 LIBRARIES = ("torch", "deepspeed", "transformers", "peft", "bitsandbytes", "accelerate", "datasets",
              "safetensors", "tokenizers", "trl")
 
 
-class RunDirError(Exception):
-    """The run directory is missing a file or holds one the runner cannot read."""
-
-
 # ------------------------------------------------------------------------------------------------
-# Reading the run directory
-
-
-def read_run_dir(run_dir: Path) -> tuple[Recipe, dict[str, Any], dict[str, Any]]:
-    """(recipe, DeepSpeed config, TrainingArguments kwargs) written by the launcher."""
-    from pydantic import ValidationError
-
-    from finetune.yamlio import DocumentError, load_yaml
-
-    missing = [name for name in RUN_INPUTS if not (run_dir / name).is_file()]
-    if missing:
-        raise RunDirError(f"{run_dir}: missing {', '.join(missing)} (start runs with `finetune train RECIPE`)")
-    try:
-        raw = load_yaml((run_dir / "recipe.yaml").read_text(encoding="utf-8"), str(run_dir / "recipe.yaml")).data
-        recipe = Recipe.model_validate(raw)
-        ds_config = json.loads((run_dir / "deepspeed.json").read_text(encoding="utf-8"))
-        training_args = json.loads((run_dir / "training_args.json").read_text(encoding="utf-8"))
-    except (DocumentError, ValidationError, json.JSONDecodeError, OSError) as exc:
-        raise RunDirError(f"{run_dir}: cannot read the run inputs: {exc}") from None
-    return recipe, ds_config, training_args
+# The run inputs, adjusted at run time
 
 
 def adapt_deepspeed_config(config: dict[str, Any], on_cpu: bool) -> dict[str, Any]:
@@ -100,17 +77,6 @@ def training_arguments_kwargs(kwargs: dict[str, Any], field_names: set[str]) -> 
         if old in out and new in field_names and old in field_names and new not in out:
             out[new] = out.pop(old)
     return out
-
-
-def json_safe(value: Any) -> Any:
-    """Replace inf/nan (accelerate sets steps_per_print to inf) by strings: strict JSON has neither."""
-    if isinstance(value, float) and (value != value or value in (float("inf"), float("-inf"))):
-        return str(value)
-    if isinstance(value, dict):
-        return {k: json_safe(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [json_safe(v) for v in value]
-    return value
 
 
 # ------------------------------------------------------------------------------------------------
@@ -397,7 +363,7 @@ def run(run_dir: Path, resume: bool = False) -> None:
                                           tokenizer, callbacks)
     trainable, total = count_parameters(trainer.model)
     _log_main(is_main)(f"parameters: {trainable:,} trainable of {total:,} ({recipe.method})")
-    if os.environ.get("TQDM_DISABLE"):  # output relayed line by line (see launch.py): plain progress lines
+    if os.environ.get("TQDM_DISABLE"):  # output relayed line by line (see finetune.launch.supervision): plain progress lines
         from finetune.progress import PROGRESS_ENV
 
         # every second under `finetune train`'s live display (a terminal), else every 15 s

@@ -1,0 +1,55 @@
+"""The `finetune` command line: a Typer app whose commands, one module per stage of the workflow, parse, call and print."""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from finetune.cli.after_run import chat, convert, eval_command, merge
+from finetune.cli.before_run import doctor, lint, plan, render, schema
+from finetune.cli.run import slurm, train
+
+app = typer.Typer(
+    name="finetune",
+    help="Fine-tune open LLMs from one YAML recipe: lint, plan, render, train, convert, merge, chat, eval.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            typer.echo(f"finetune {version('finetune')}")
+        except PackageNotFoundError:  # run from a source tree that was never installed
+            from finetune import __version__
+
+            typer.echo(f"finetune {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                       help="Print the version and exit.")) -> None:
+    """Fine-tune open LLMs from one YAML recipe: lint, plan, render, train, convert, merge, chat, eval."""
+
+
+# The order `finetune --help` lists them in.
+for _command in (lint, render, schema, merge, train, chat):
+    app.command()(_command)
+app.command("eval")(eval_command)
+for _command in (doctor, convert, plan, slurm):
+    app.command()(_command)
+
+
+def main() -> None:
+    try:
+        app()
+    except KeyboardInterrupt:
+        typer.echo("interrupted", err=True)
+        sys.exit(130)

@@ -1,0 +1,5 @@
+"""`python -m finetune.cli`: the same as the `finetune` command."""
+
+from finetune.cli import main
+
+main()

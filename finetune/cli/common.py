@@ -1,0 +1,50 @@
+"""What every command shares: one-line errors with exit codes, loading a recipe, checking a path argument.
+
+Heavy libraries (torch, deepspeed, transformers) are imported inside the commands that need them,
+so `finetune --help`, `lint`, `render`, `schema` and `plan` start in a fraction of a second.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+SET_HELP = "Override a recipe key, e.g. --set deepspeed.stage=3 (repeatable; the value is read as YAML)."
+
+
+def fail(message: str, code: int = 1) -> "typer.Exit":
+    typer.echo(f"error: {message}", err=True)
+    return typer.Exit(code)
+
+
+def path_exists(path: Path, test=Path.exists) -> bool:
+    """pathlib's exists()/is_file() raise on a name too long to stat; such a path is no file."""
+    try:
+        return test(path)
+    except (OSError, ValueError):
+        return False
+
+
+def usable_path(option: str, path: Optional[Path]) -> None:
+    """Exit 2 on a path no file system can hold (a component over 255 bytes), before anything stats it."""
+    from finetune.recipe import plain_path
+
+    if path is not None:
+        try:
+            plain_path(str(path))
+        except ValueError as exc:
+            raise fail(f"{option}: {exc}", 2) from None
+
+
+def load_or_exit(recipe: Path, overrides: Optional[List[str]]):
+    """Load a recipe or print every problem (file:line:col) and exit 1."""
+    from finetune.recipe import RecipeProblem, load_recipe
+
+    try:
+        return load_recipe(recipe, overrides or [])
+    except RecipeProblem as exc:
+        for problem in exc.problems:
+            typer.echo(problem.render(), err=True)
+        raise typer.Exit(1) from None

@@ -1,0 +1,128 @@
+"""The package's import graph: no cycle at any level, and the light commands never import torch.
+
+Every import counts, including those inside functions (the lazy ones that keep `--help` fast) and
+under `if TYPE_CHECKING:`: a cycle hidden in a function body still means two modules that cannot be
+understood (or split) one without the other.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGE = REPO / "finetune"
+
+
+def package_modules(package: Path = PACKAGE) -> dict[str, tuple[Path, bool]]:
+    """Dotted module name -> (file, whether it is a package's __init__)."""
+    modules = {}
+    for path in sorted(package.rglob("*.py")):
+        parts = list(path.relative_to(package.parent).with_suffix("").parts)
+        is_package = parts[-1] == "__init__"
+        if is_package:
+            parts.pop()
+        modules[".".join(parts)] = (path, is_package)
+    return modules
+
+
+def _owning_module(name: str, modules: dict) -> str | None:
+    """The longest prefix of `name` that is one of our modules (`finetune.x.Thing` -> `finetune.x`)."""
+    while name and name not in modules:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def imports_of(module: str, path: Path, is_package: bool, modules: dict) -> set[str]:
+    """Our modules that `module` imports anywhere in its body."""
+    here = module if is_package else module.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(_owning_module(alias.name, modules) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                parts = here.split(".")
+                base = parts[:len(parts) - (node.level - 1)]
+                source = ".".join(base + ([node.module] if node.module else []))
+            else:
+                source = node.module or ""
+            for alias in node.names:
+                submodule = f"{source}.{alias.name}"
+                # `from finetune.launch import supervision` imports the submodule itself.
+                found.add(submodule if submodule in modules else _owning_module(source, modules))
+    found.discard(None)
+    found.discard(module)
+    return found
+
+
+def import_graph(package: Path = PACKAGE) -> dict[str, set[str]]:
+    modules = package_modules(package)
+    return {name: imports_of(name, path, is_package, modules) for name, (path, is_package) in modules.items()}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle as [a, b, ..., a], or None (iterative depth-first search; grey = on the current path)."""
+    colour = dict.fromkeys(graph, "white")
+    for start in sorted(graph):
+        if colour[start] != "white":
+            continue
+        path, stack = [start], [iter(sorted(graph[start]))]
+        colour[start] = "grey"
+        while stack:
+            child = next(stack[-1], None)
+            if child is None:
+                colour[path.pop()] = "black"
+                stack.pop()
+            elif colour.get(child) == "grey":
+                return path[path.index(child):] + [child]
+            elif colour.get(child) == "white":
+                colour[child] = "grey"
+                path.append(child)
+                stack.append(iter(sorted(graph[child])))
+    return None
+
+
+def test_the_package_has_no_import_cycle():
+    cycle = find_cycle(import_graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_the_walk_sees_function_level_relative_and_submodule_imports(tmp_path):
+    """The graph is only as good as its walk: a cycle through a lazy import, a relative import and a
+    `from package import submodule` is found."""
+    package = tmp_path / "pkg"
+    (package / "sub").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "a.py").write_text("def f():\n    from pkg.sub import b\n")
+    (package / "sub" / "__init__.py").write_text("")
+    (package / "sub" / "b.py").write_text("from . import c\n")
+    (package / "sub" / "c.py").write_text("import os\nfrom ..a import f\n")
+    graph = import_graph(package)
+    assert graph["pkg.a"] == {"pkg.sub.b"} and graph["pkg.sub.b"] == {"pkg.sub.c"} and graph["pkg.sub.c"] == {"pkg.a"}
+    assert find_cycle(graph) == ["pkg.a", "pkg.sub.b", "pkg.sub.c", "pkg.a"]
+    (package / "sub" / "c.py").write_text("import os\n")
+    assert find_cycle(import_graph(package)) is None
+
+
+HEAVY = ("torch", "deepspeed", "transformers", "peft", "bitsandbytes", "accelerate", "datasets")
+
+
+@pytest.mark.parametrize("argv", [
+    ["--help"],
+    ["lint", "recipes", "ds_configs"],
+    ["render", "recipes/llama3/8b_qlora_2x12gb.yaml"],
+    ["plan", "recipes/llama3/8b_qlora_2x12gb.yaml"],
+    ["schema"],
+], ids=lambda argv: argv[0])
+def test_light_commands_never_import_heavy_libraries(argv):
+    code = (f"import sys, runpy; sys.argv = ['finetune'] + {argv!r}\n"
+            "try:\n    runpy.run_module('finetune.cli', run_name='__main__')\nexcept SystemExit as exc:\n"
+            "    code = exc.code\nelse:\n    code = 0\n"
+            f"print('HEAVY', [m for m in {HEAVY!r} if m in sys.modules], 'EXIT', code)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert "HEAVY [] EXIT 0" in out.stdout, out.stdout[-2000:] + out.stderr[-2000:]
