@@ -4,8 +4,8 @@
   (2 processes, LoRA, ZeRO-3) stopped by SIGTERM and resumed; rewards/margins and rewards/accuracies rise,
   summary.json and TensorBoard hold them; `finetune convert` of the last checkpoint gives the saved adapter;
   `finetune merge` gives a model whose logits are the run's.
-- DPO with QLoRA + ZeRO-3 and full + ZeRO-2 with a reference model (2 processes, 4 steps each).
-- ORPO, KTO and SimPO, a few steps each in one process.
+- DPO with QLoRA + ZeRO-3 and full + ZeRO-2 with a reference model (2 processes, 4 steps each, side by side).
+- ORPO, KTO and SimPO, a few steps each in one process (the three side by side).
 
     python -m pytest tests/test_preference_runs.py        # a few minutes on 2 cores
 """
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.train_fixtures import REPO, TINY_RECIPES, cache_dir, launch_runner, os_free_port, runner_env, write_run_dir
+from tests.train_fixtures import REPO, TINY_RECIPES, cache_dir, os_free_port, runner_env, write_run_dir
 
 # every tiny preference recipe and the test that trains it (tests/test_preference.py checks the list)
 TRAINED = {
@@ -142,26 +142,37 @@ def test_sft_then_dpo_stopped_resumed_converted_and_merged(tmp_path, cache):
     torch.testing.assert_close(logits_of(merged, inputs), fixed["logits"], rtol=1e-4, atol=1e-4)
 
 
-def train_tiny(name: str, tmp_path: Path, cache: Path, procs: int) -> dict:
-    run_dir = tmp_path / name
-    recipe = write_run_dir(TINY_RECIPES / f"{name}.yaml", run_dir, world_size=procs)
-    started = time.perf_counter()
-    result = launch_runner(run_dir, cache, procs=procs)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
-    out = summary(run_dir)
-    out["_seconds"] = time.perf_counter() - started
-    assert out["steps"] == recipe.training.max_steps and out["objective"] == recipe.objective
-    assert all(math.isfinite(e["loss"]) for e in out["loss_history"])
-    assert (run_dir / out["output"]).is_dir()
+def train_tiny(names: dict[str, int], tmp_path: Path, cache: Path) -> dict[str, dict]:
+    """Train each tiny recipe (name -> processes) under torchrun, all at once: most of a short run is
+    start-up (imports, process group, DeepSpeed), which overlaps well on two cores. Returns their summaries."""
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
+    runs = {}
+    for name, procs in names.items():
+        run_dir = tmp_path / name
+        recipe = write_run_dir(TINY_RECIPES / f"{name}.yaml", run_dir, world_size=procs)
+        log = open(tmp_path / f"{name}.log", "wb")
+        process = subprocess.Popen([*argv, str(procs), "-m", "finetune.train.runner", "--run-dir", str(run_dir)],
+                                   cwd=REPO, env=runner_env(cache), stdout=log, stderr=subprocess.STDOUT)
+        runs[name] = (recipe, run_dir, process, log)
+    out = {}
+    for name, (recipe, run_dir, process, log) in runs.items():
+        code = process.wait(timeout=600)
+        log.close()
+        assert code == 0, (tmp_path / f"{name}.log").read_text(errors="replace")[-6000:]
+        result = summary(run_dir)
+        assert result["steps"] == recipe.training.max_steps and result["objective"] == recipe.objective
+        assert all(math.isfinite(e["loss"]) for e in result["loss_history"])
+        assert (run_dir / result["output"]).is_dir()
+        out[name] = result
     return out
 
 
 @pytest.mark.slow
 def test_dpo_qlora_zero3_and_full_zero2_with_a_reference_model(tmp_path, cache):
     pytest.importorskip("bitsandbytes")
-    qlora = train_tiny("dpo_qlora_zero3", tmp_path, cache, procs=2)
+    runs = train_tiny({"dpo_qlora_zero3": 2, "dpo_full_zero2": 2}, tmp_path, cache)
+    qlora, full = runs["dpo_qlora_zero3"], runs["dpo_full_zero2"]
     assert qlora["output"] == "adapter" and "rewards/margins" in qlora["preference_metrics"]
-    full = train_tiny("dpo_full_zero2", tmp_path, cache, procs=2)
     assert full["output"] == "model" and full["trainable_parameters"] == full["total_parameters"]
     # the reference is another model: the policy moves away from it from the first update on
     assert full["preference_metrics"]["rewards/margins"]["first"] == 0.0
@@ -170,12 +181,11 @@ def test_dpo_qlora_zero3_and_full_zero2_with_a_reference_model(tmp_path, cache):
 
 @pytest.mark.slow
 def test_orpo_kto_and_simpo_train(tmp_path, cache):
-    orpo = train_tiny("orpo_lora", tmp_path, cache, procs=1)
+    runs = train_tiny({"orpo_lora": 1, "kto_lora": 1, "simpo_lora": 1}, tmp_path, cache)
+    orpo, kto, simpo = runs["orpo_lora"], runs["kto_lora"], runs["simpo_lora"]
     assert {"rewards/margins", "nll_loss", "log_odds_ratio"} <= set(orpo["preference_metrics"])
     assert orpo["tokens_per_second"] is None  # ORPO batches have no input_ids for the Trainer to count
-    kto = train_tiny("kto_lora", tmp_path, cache, procs=1)
     assert {"rewards/chosen", "rewards/rejected", "kl"} <= set(kto["preference_metrics"])
-    simpo = train_tiny("simpo_lora", tmp_path, cache, procs=1)
     assert {"rewards/margins", "rewards/accuracies"} <= set(simpo["preference_metrics"])
     # SimPO's reward is beta x the mean log-prob of the answer: never 0 like a reference-based one at step 1
     assert simpo["preference_metrics"]["rewards/chosen"]["first"] < 0
