@@ -304,3 +304,16 @@ def test_chat_prompts_a_preference_run_with_the_chat_template_and_eval_says_what
     assert _trained_format(recipe) == "messages"
     with pytest.raises(EvalError, match="objective: dpo: its preference rows have no loss to score"):
         eval_rows(tmp_path, recipe, None, None, print)
+
+
+def test_the_run_directory_records_the_adapter_and_reference_as_absolute_paths(tmp_path, monkeypatch):
+    from finetune.recipe import Recipe
+    from finetune.rundir import resolved_recipe
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs" / "sft").mkdir(parents=True)
+    recipe = Recipe.model_validate({"model": {"name_or_path": "org/m", "adapter": "runs/sft"}, "data": {"path": "org/d"},
+                                    "objective": "dpo", "preference": {"reference": {"mode": "model", "name_or_path": "runs/sft"}}})
+    data = resolved_recipe(recipe, tmp_path / "runs" / "dpo")
+    assert data["model"]["adapter"] == data["preference"]["reference"]["name_or_path"] == str(tmp_path / "runs" / "sft")
+    assert data["model"]["name_or_path"] == "org/m"  # a hub id stays one
