@@ -71,14 +71,17 @@ def resolve_source(path: Optional[Path], base: Optional[str] = None, adapter: Op
     else:
         raise ChatError(f"{path}: not a run directory (recipe.yaml), a model (config.json) or an adapter "
                         "(adapter_config.json)")
-    source.fmt = fmt or (_trained_format(source.recipe) if source.recipe is not None else "messages")
+    source.fmt = fmt or (_chat_format(source.recipe) if source.recipe is not None else "messages")
     return source
 
 
-def _trained_format(recipe) -> str:
-    """The prompt format the run trained with. Preference rows carry no data.format: chat messages are what
-    TRL renders with the chat template (rows of plain text need --format text)."""
-    return recipe.data.format if recipe.objective == "sft" else "messages"
+def _chat_format(recipe) -> str:
+    """How to prompt a model trained on `recipe`'s data: the chat template when any source was a
+    conversation (sharegpt trains through it too), else the format of its sources."""
+    if recipe.objective != "sft":  # TRL renders message rows with the chat template (text rows: --format text)
+        return "messages"
+    formats = recipe.data.source_formats()
+    return "messages" if any(f in ("messages", "sharegpt") for f in formats) else formats[0]
 
 
 def _run_source(run_dir: Path, base: Optional[str], adapter: Optional[Path]) -> Source:

@@ -63,14 +63,26 @@ class CheckpointError(Exception):
 
 @dataclass(frozen=True)
 class Checkpoint:
-    step: int
-    path: Path
+    """A `checkpoint-<step>` folder: what resuming judges it by, and (once `finetune convert` opened it)
+    the DeepSpeed states inside, so both read one description of the same folder."""
+
+    step: Optional[int]  # None only for a DeepSpeed folder given to convert whose tag names no step
+    path: Path  # the folder holding DeepSpeed's `latest` and `global_step<N>/`
     complete: bool
     problem: Optional[str] = None  # why it does not count (no marker, a file missing, ...)
+    tag: Optional[str] = None  # DeepSpeed's step folder inside `path` (`global_step<N>`), set by convert
+    # Rank 0's *_model_states.pt, memory-mapped (finetune.convert.find_checkpoint; needs torch to load).
+    model_states: Optional[dict] = field(default=None, compare=False, repr=False)
 
     @property
     def name(self) -> str:
         return self.path.name
+
+    @property
+    def step_dir(self) -> Path:
+        if self.tag is None:
+            raise ValueError(f"{self.path}: DeepSpeed's step folder is not known until the checkpoint is opened")
+        return self.path / self.tag
 
 
 # ----------------------------------------------------------------------------------------------
@@ -86,10 +98,16 @@ def checkpoint_dirs(run_dir: Path) -> list[tuple[int, Path]]:
         return []
     found = []
     for entry in entries:
-        match = _CHECKPOINT_RE.match(entry.name)
-        if match and entry.is_dir():
-            found.append((int(match.group(1)), entry))
+        step = checkpoint_step(entry.name)
+        if step is not None and entry.is_dir():
+            found.append((step, entry))
     return sorted(found)
+
+
+def checkpoint_step(folder_name: str) -> Optional[int]:
+    """'checkpoint-500' -> 500; None for any other name."""
+    match = _CHECKPOINT_RE.match(folder_name)
+    return int(match.group(1)) if match else None
 
 
 def inspect_checkpoint(path: Path, step: int) -> Checkpoint:
@@ -263,21 +281,24 @@ RESUME_KEYS = (
     "training.max_grad_norm", "training.optimizer", "training.seed",
     "deepspeed.stage",
 )
+# The data keys added with data.sources, and their defaults: written only when set, so that a run
+# directory started before they existed still resumes.
+DATA_KEYS_IF_SET = {"data.sources": None, "data.seed": None, "data.think": "train", "data.columns": {}, "data.roles": {}}
 QLORA_KEYS = ("quantization.quant_type", "quantization.double_quant", "quantization.compute_dtype",
               "quantization.storage_dtype")
-# Only for preference objectives, so the resume key of an SFT run is what it always was.
-PREFERENCE_KEYS = ("objective", "model.adapter", "preference.beta", "preference.loss_type",
-                   "preference.label_smoothing", "preference.max_completion_length", "preference.reference.mode",
-                   "preference.reference.name_or_path", "preference.simpo_gamma", "preference.cpo_alpha",
-                   "preference.desirable_weight", "preference.undesirable_weight")
 
 
 def resume_fields(resolved: dict[str, Any], world_size: int) -> dict[str, Any]:
     """The resume-relevant values of a resolved recipe (finetune.rundir.resolved_recipe)."""
-    keys = RESUME_KEYS + (QLORA_KEYS if resolved.get("method") == "qlora" else ()) \
-        + (PREFERENCE_KEYS if resolved.get("objective", "sft") != "sft" else ())
+    keys = RESUME_KEYS + (QLORA_KEYS if resolved.get("method") == "qlora" else ())
     fields: dict[str, Any] = {key: _lookup(resolved, key) for key in keys}
-    size = _data_size(str(resolved.get("data", {}).get("path", "")))
+    for key, default in DATA_KEYS_IF_SET.items():
+        if _lookup(resolved, key) not in (None, default):
+            fields[key] = _lookup(resolved, key)
+    data = resolved.get("data", {})
+    paths = [str(s.get("path", "")) for s in data.get("sources") or [] if isinstance(s, dict)] or [str(data.get("path") or "")]
+    sizes = [_data_size(path) for path in paths]
+    size = None if all(s is None for s in sizes) else sum(s or 0 for s in sizes)
     if size is not None:
         fields["data.bytes"] = size  # the same file name with other rows changes the data order
     fields["world_size"] = world_size  # batches are split across ranks; ZeRO shards per rank

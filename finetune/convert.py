@@ -27,65 +27,54 @@ import re
 import shutil
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Optional
 
 import torch
 
-from finetune.fsutil import atomic_dir, remove_stale_partials, write_atomic
+from finetune.checkpoint import Checkpoint, checkpoint_dirs, checkpoint_step, inspect_checkpoint
+from finetune.fsutil import atomic_dir, write_atomic
 from finetune.lora_math import PEFT_PREFIX, lora_scaling
 from finetune.safetensors_io import (CONFIG_FILES, DEFAULT_MAX_SHARD_SIZE, DTYPES, ST_TO_TORCH, TORCH_TO_ST, BaseTensor,
-                                     MergeError, OnWrite, OutTensor, Plan, ShardWriter, WriteCounter, assign_shards,
-                                     check_disk_space, copy_tokenizer, human_size, shard_names, sigterm_as_interrupt,
-                                     write_index)
+                                     MergeError, OnWrite, OutTensor, Plan, ShardWriter, WriteCounter, copy_tokenizer,
+                                     human_size, prepare_output, prepare_shards, sigterm_as_interrupt, write_index)
 
 # Parameter names PEFT gives LoRA weights in the model (before the adapter name is stripped for saving).
 _LORA_PARAM = re.compile(r"\.(lora_A|lora_B|lora_embedding_A|lora_embedding_B|lora_magnitude_vector)\.([^.]+)(\.|$)")
-_STEP_DIR = re.compile(r"^global_step\d+$")
+_STEP_DIR = re.compile(r"^global_step(\d+)$")
 
 
 class ConvertError(MergeError):
     """A problem with the checkpoint or the output, worded for the user."""
 
 
-@dataclass
-class Checkpoint:
-    root: Path  # the directory holding `latest` (checkpoint-N)
-    tag: str  # global_stepN
-    model_states: dict  # rank 0's *_model_states.pt, loaded memory-mapped
+def trainable_shapes(ckpt: Checkpoint) -> dict[str, tuple]:
+    """name -> shape of every parameter the optimizer trained, in the model's order."""
+    return {name: tuple(shape) for group in ckpt.model_states["param_shapes"] for name, shape in group.items()}
 
-    @property
-    def step_dir(self) -> Path:
-        return self.root / self.tag
 
-    @property
-    def trainable(self) -> dict[str, tuple]:
-        """name -> shape of every parameter the optimizer trained, in the model's order."""
-        return {name: tuple(shape) for group in self.model_states["param_shapes"] for name, shape in group.items()}
+def training_dtype(ckpt: Checkpoint, name: str) -> torch.dtype:
+    """The parameter's dtype during training: ZeRO keeps a (maybe empty, partitioned) 16-bit copy in `module`."""
+    tensor = (ckpt.model_states.get("module") or {}).get(name)
+    if tensor is not None and tensor.is_floating_point():
+        return tensor.dtype
+    config = ckpt.model_states.get("ds_config") or {}
+    for key, dtype in (("bf16", torch.bfloat16), ("bfloat16", torch.bfloat16), ("fp16", torch.float16)):
+        if str((config.get(key) or {}).get("enabled", False)).lower() == "true":
+            return dtype
+    return torch.float32
 
-    def dtype_of(self, name: str) -> torch.dtype:
-        """The parameter's dtype during training: ZeRO keeps a (maybe empty, partitioned) 16-bit copy in `module`."""
-        tensor = (self.model_states.get("module") or {}).get(name)
-        if tensor is not None and tensor.is_floating_point():
-            return tensor.dtype
-        config = self.model_states.get("ds_config") or {}
-        for key, dtype in (("bf16", torch.bfloat16), ("bfloat16", torch.bfloat16), ("fp16", torch.float16)):
-            if str((config.get(key) or {}).get("enabled", False)).lower() == "true":
-                return dtype
-        return torch.float32
 
-    @property
-    def is_lora(self) -> bool:
-        return any(_LORA_PARAM.search(name) for name in self.trainable)
+def is_lora(ckpt: Checkpoint) -> bool:
+    return any(_LORA_PARAM.search(name) for name in trainable_shapes(ckpt))
 
 
 def _run_dir_hint(path: Path) -> str:
     """For a run directory given where a checkpoint belongs: its checkpoint-N directories, newest last."""
-    numbered = [p for p in path.glob("checkpoint-*") if p.is_dir() and p.name.split("-", 1)[1].isdigit()]
+    numbered = checkpoint_dirs(path)
     if numbered:
-        names = [str(p) for p in sorted(numbered, key=lambda p: int(p.name.split("-", 1)[1]))]
-        return f". It is a run directory; its checkpoints: {', '.join(names)}"
+        return f". It is a run directory; its checkpoints: {', '.join(str(p) for _, p in numbered)}"
     if (path / "recipe.yaml").is_file():
         saved = [name for name in ("adapter", "model") if (path / name).is_dir()]
         if saved:
@@ -119,7 +108,17 @@ def find_checkpoint(path: Path) -> Checkpoint:
                                                         "zero_pp_rank_0_mp_rank_00_model_states.pt")), model_files[0])
     for file in model_files + optim_files:
         refuse_foreign_globals(file)
-    return Checkpoint(root, tag, _load_model_states(rank0))
+    states = _load_model_states(rank0)
+    step = _step_of(root.name, tag)
+    # The COMPLETE marker is only reported: checkpoints written outside `finetune train` never have one.
+    found = inspect_checkpoint(root, step) if step is not None else Checkpoint(None, root, False, "no step in its name")
+    return replace(found, tag=tag, model_states=states)
+
+
+def _step_of(folder: str, tag: str) -> Optional[int]:
+    step = checkpoint_step(folder)
+    match = _STEP_DIR.match(tag)
+    return step if step is not None else int(match.group(1)) if match else None
 
 
 # The classes DeepSpeed pickles into ZeRO checkpoints beside tensors and plain containers. Found by
@@ -198,7 +197,7 @@ def fp32_state_dict(ckpt: Checkpoint, exclude_frozen: bool) -> dict:
     try:
         # zero_to_fp32 prints progress to stdout; keep stdout for our own report.
         with contextlib.redirect_stdout(sys.stderr), weights_only_loads():
-            return get_fp32_state_dict_from_zero_checkpoint(str(ckpt.root), tag=ckpt.tag,
+            return get_fp32_state_dict_from_zero_checkpoint(str(ckpt.path), tag=ckpt.tag,
                                                             exclude_frozen_parameters=exclude_frozen, lazy_mode=True)
     except (ValueError, FileNotFoundError, NotImplementedError, KeyError) as exc:
         raise ConvertError(f"{ckpt.step_dir}: DeepSpeed cannot reconstruct the weights: {exc}") from None
@@ -245,12 +244,12 @@ def find_adapter_config(ckpt: Checkpoint, explicit: Optional[Path]) -> Path:
         if not explicit.is_file():
             raise ConvertError(f"--adapter-config {explicit}: no such file")
         return explicit
-    for candidate in (ckpt.root / "adapter_config.json", ckpt.root.parent / "adapter" / "adapter_config.json",
-                      ckpt.root.parent / "adapter_config.json"):
+    for candidate in (ckpt.path / "adapter_config.json", ckpt.path.parent / "adapter" / "adapter_config.json",
+                      ckpt.path.parent / "adapter_config.json"):
         if candidate.is_file():
             return candidate
-    raise ConvertError(f"{ckpt.root}: a LoRA checkpoint, but no adapter_config.json in it or in "
-                       f"{ckpt.root.parent / 'adapter'}; pass --adapter-config")
+    raise ConvertError(f"{ckpt.path}: a LoRA checkpoint, but no adapter_config.json in it or in "
+                       f"{ckpt.path.parent / 'adapter'}; pass --adapter-config")
 
 
 def convert_lora(ckpt: Checkpoint, output: Path, dtype, adapter_config: Optional[Path],
@@ -261,7 +260,7 @@ def convert_lora(ckpt: Checkpoint, output: Path, dtype, adapter_config: Optional
     config = json.loads(config_path.read_text(encoding="utf-8"))
     if config.get("peft_type") != "LORA":
         raise ConvertError(f"{config_path}: peft_type {config.get('peft_type')!r}, expected LORA")
-    trainable = ckpt.trainable
+    trainable = trainable_shapes(ckpt)
     adapter = adapter_name_of(trainable)
     state = fp32_state_dict(ckpt, exclude_frozen=True)
     tensors = {}
@@ -269,13 +268,11 @@ def convert_lora(ckpt: Checkpoint, output: Path, dtype, adapter_config: Optional
         if name not in state:
             raise ConvertError(f"{ckpt.step_dir}: trained parameter {name} is missing from the optimizer states")
         tensor = state[name].contiguous()
-        target = dtype or ckpt.dtype_of(name)
+        target = dtype or training_dtype(ckpt, name)
         tensors[peft_key(name, adapter)] = tensor.to(target) if tensor.is_floating_point() else tensor
     _check_rank(tensors, config, config_path)
     size = sum(t.numel() * t.element_size() for t in tensors.values())
-    check_disk_space(output, size)
-    for line in remove_stale_partials(output):
-        log(line)
+    prepare_output(output, size, log)
     with sigterm_as_interrupt(), atomic_dir(output, overwrite=overwrite) as tmp:
         save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
         WriteCounter(size, len(tensors), on_write).add(size, len(tensors))  # one file, written in one call
@@ -314,16 +311,12 @@ def convert_full(ckpt: Checkpoint, output: Path, dtype, overwrite: bool, max_sha
         if name in aliases or id(tensor) in seen:
             continue
         seen.add(id(tensor))
-        target = (dtype or ckpt.dtype_of(name)) if tensor.dtype.is_floating_point else tensor.dtype
+        target = (dtype or training_dtype(ckpt, name)) if tensor.dtype.is_floating_point else tensor.dtype
         shape = tuple(tensor.shape)
         nbytes = math.prod(shape) * torch.empty(0, dtype=target).element_size()
         plan.tensors.append(OutTensor(name, BaseTensor(name, ckpt.step_dir, TORCH_TO_ST[target], shape),
                                       TORCH_TO_ST[target], nbytes))
-    assign_shards(plan, max_shard_size)
-    check_disk_space(output, plan.total_bytes)
-    names = shard_names(len(plan.shards))
-    for line in remove_stale_partials(output):
-        log(line)
+    names = prepare_shards(plan, output, max_shard_size, log)
     counter = WriteCounter(plan.total_bytes, len(plan.tensors), on_write)
     with sigterm_as_interrupt(), atomic_dir(output, overwrite=overwrite) as tmp:
         for shard_name, shard in zip(names, plan.shards):
@@ -342,14 +335,14 @@ def convert_full(ckpt: Checkpoint, output: Path, dtype, overwrite: bool, max_sha
             write_index(tmp, plan, names)
         for name in CONFIG_FILES:
             # checkpoint-N/ has them when the Trainer saved the model there; a run's final model/ does too
-            source = next((d / name for d in (ckpt.root, ckpt.root.parent / "model") if (d / name).is_file()), None)
+            source = next((d / name for d in (ckpt.path, ckpt.path.parent / "model") if (d / name).is_file()), None)
             if source is not None:
                 shutil.copy2(source, tmp / name)
         if dtype is not None and (tmp / "config.json").is_file():
             _set_config_dtype(tmp / "config.json", dtype)
         _copy_tokenizer(ckpt, tmp)
     if not (output / "config.json").is_file():
-        log(f"warning: no config.json in {ckpt.root}; copy the model's config.json into {output} to load it")
+        log(f"warning: no config.json in {ckpt.path}; copy the model's config.json into {output} to load it")
     return ConvertResult(output, "full", len(plan.tensors), plan.total_bytes, len(names),
                          str(ST_TO_TORCH[plan.tensors[0].dtype]) if plan.tensors else "-")
 
@@ -365,7 +358,7 @@ def _set_config_dtype(path: Path, dtype: torch.dtype) -> None:
 
 def _copy_tokenizer(ckpt: Checkpoint, out: Path) -> None:
     """From the checkpoint (the Trainer saves its processing_class there), else the run's tokenizer/."""
-    copy_tokenizer([ckpt.root, ckpt.root.parent / "tokenizer"], out)
+    copy_tokenizer([ckpt.path, ckpt.path.parent / "tokenizer"], out)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -393,11 +386,11 @@ def convert(checkpoint: Path, output: Path, *, dtype: Optional[str] = None, over
         raise ConvertError(f"{output} already exists (use --overwrite to replace it)")
     ckpt = find_checkpoint(checkpoint)
     out = output.resolve()
-    if out == ckpt.root.resolve() or ckpt.root.resolve() in out.parents or out in ckpt.root.resolve().parents:
-        raise ConvertError(f"-o {output} overlaps the checkpoint {ckpt.root}; write somewhere else")
+    if out == ckpt.path.resolve() or ckpt.path.resolve() in out.parents or out in ckpt.path.resolve().parents:
+        raise ConvertError(f"-o {output} overlaps the checkpoint {ckpt.path}; write somewhere else")
     start = time.perf_counter()
     target = DTYPES[dtype] if dtype else None
-    if ckpt.is_lora:
+    if is_lora(ckpt):
         result = convert_lora(ckpt, output, target, adapter_config, overwrite, log, on_write)
     else:
         result = convert_full(ckpt, output, target, overwrite, max_shard_size, log, on_write)

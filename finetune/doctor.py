@@ -21,32 +21,39 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import platform
-import re
 import sys
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Optional
+
+from finetune.requirements import extra_floors, python_requirement, satisfies
 
 if TYPE_CHECKING:
     from finetune.recipe import Recipe
 
 # Libraries whose versions the report shows (trl only matters when installed: some users mix it in).
 PACKAGES = ("torch", "deepspeed", "transformers", "peft", "bitsandbytes", "accelerate", "datasets", "trl", "flash-attn",
-            "liger-kernel")
+            "liger-kernel", "tensorboard", "tensorboardX")
+# Checked only for the recipes that use them (training.report_to), though `train` installs them.
+CHECKED_BY_FEATURE = {"tensorboard"}
 
-# The floors of pyproject's `train` extra: below them the runner itself does not work
-# (e.g. transformers 5 reads warmup_steps < 1 as a ratio, see dsconfig.render_training_args).
-TRAIN_FLOORS = {
-    "torch": ">=2.3",
-    "deepspeed": ">=0.15.4",
-    "transformers": ">=5.0",
-    "peft": ">=0.14",
-    "accelerate": ">=1.0.1",
-    "datasets": ">=2.20",
-}
+
+def train_floors() -> dict[str, str]:
+    """The floors of pyproject's `train` extra (finetune.requirements): below them the runner itself
+    does not work (e.g. transformers 5 reads warmup_steps < 1 as a ratio, see
+    dsconfig.render_training_args). Only the libraries the report shows: safetensors and tokenizers
+    come with transformers; tensorboard and matplotlib are checked by what uses them."""
+    return {name: spec for name, spec in extra_floors("train").items()
+            if name in PACKAGES and name not in CHECKED_BY_FEATURE}
+
+
+def extra_install(extra: str) -> str:
+    return f"pip install 'finetune[{extra}]'"
+
 
 # QLoRA under ZeRO-3 crashes with "Cannot copy out of meta tensor" on older stacks; these are the
 # releases that taught each library to shard 4-bit weights (bnb quant_storage, accelerate's
-# zero3 init, the HF/PEFT/TRL loaders). `trl` counts only when installed.
+# zero3 init, the HF/PEFT/TRL loaders). `trl` counts only when installed. Not pyproject's floors:
+# what the bug reports name for this one combination (transformers and trl are not even floors there).
 QLORA_ZERO3_FLOORS = {
     "bitsandbytes": ">=0.43.3",
     "accelerate": ">=1.0.1",
@@ -56,7 +63,6 @@ QLORA_ZERO3_FLOORS = {
 }
 OPTIONAL_FOR_QLORA_ZERO3 = {"trl"}
 
-MIN_PYTHON = (3, 10)
 BF16_MIN_CAPABILITY = (8, 0)  # Ampere: the first GPUs with bf16 tensor cores
 
 
@@ -182,32 +188,6 @@ def _one_line(exc: BaseException) -> str:
 # ----------------------------------------------------------------------------------------------
 # Versions
 
-_SPEC_RE = re.compile(r"^(>=|>|==)\s*([0-9][0-9A-Za-z.+!-]*)$")
-
-
-def satisfies(version: str, spec: str) -> bool:
-    """'0.43.1' satisfies '>=0.43.3'? Uses `packaging` when present (it always is beside transformers)."""
-    match = _SPEC_RE.match(spec.strip())
-    if not match:
-        raise ValueError(f"unsupported version spec {spec!r}")
-    op, floor = match.groups()
-    have, need = _parse_version(version), _parse_version(floor)
-    return {">=": have >= need, ">": have > need, "==": have == need}[op]
-
-
-def _parse_version(text: str):
-    try:
-        from packaging.version import Version
-
-        return Version(text)
-    except ImportError:
-        # Release numbers only ("2.5.1+cu124" -> (2, 5, 1)); enough for the floors above.
-        numbers = re.match(r"\d+(\.\d+)*", text)
-        return tuple(int(p) for p in numbers.group(0).split(".")) if numbers else (0,)
-    except Exception:  # an unparseable local build string: treat as 0, i.e. "too old", so it is looked at
-        return _parse_version("0")
-
-
 def pip_fix(package: str, spec: str) -> str:
     return f"pip install -U '{package}{spec}'"
 
@@ -237,7 +217,7 @@ def floor_checks(facts: Facts, floors: dict[str, str], topic: str, why: str,
 def machine_checks(facts: Facts) -> list[Check]:
     checks = [python_check(facts)]
     checks += torch_checks(facts)
-    checks += floor_checks(facts, {k: v for k, v in TRAIN_FLOORS.items() if k != "torch"}, "train",
+    checks += floor_checks(facts, {k: v for k, v in train_floors().items() if k != "torch"}, "train",
                            "for `finetune train`")
     # Only QLoRA + ZeRO-3 needs these, so on the machine as a whole they warn; a recipe that uses
     # the combination fails on them in `finetune train` (checks_for_recipe).
@@ -252,11 +232,10 @@ def machine_checks(facts: Facts) -> list[Check]:
 
 
 def python_check(facts: Facts) -> Check:
-    parts = tuple(int(p) for p in re.findall(r"\d+", facts.python)[:2])
-    need = ".".join(map(str, MIN_PYTHON))
-    if parts < MIN_PYTHON:
-        return Check("python", "fail", f"Python {facts.python} is too old: needs >= {need}",
-                     f"use Python >= {need} (e.g. uv venv --python 3.11)")
+    need = str(python_requirement())  # pyproject's requires-python
+    if not satisfies(facts.python, need):
+        return Check("python", "fail", f"Python {facts.python} is not supported: needs {need}",
+                     f"use Python {need} (e.g. uv venv --python 3.11)")
     return Check("python", "ok", f"Python {facts.python}")
 
 
@@ -294,13 +273,14 @@ def stop_timeout_checks(recipe: "Recipe", facts: Facts) -> list[Check]:
 
 def torch_checks(facts: Facts) -> list[Check]:
     version = facts.version("torch")
+    floor = train_floors().get("torch", "")
     if version is None:
         return [Check("torch", "fail", "torch is not installed",
-                      "pip install 'torch>=2.3' (see https://pytorch.org/get-started/locally/ for the CUDA build)")]
+                      f"pip install 'torch{floor}' (see https://pytorch.org/get-started/locally/ for the CUDA build)")]
     if "torch" in facts.import_errors:
         return [Check("torch", "fail", f"`import torch` fails: {facts.import_errors['torch']}",
-                      "pip install --force-reinstall 'torch>=2.3'")]
-    checks = floor_checks(facts, {"torch": TRAIN_FLOORS["torch"]}, "train", "for `finetune train`")
+                      f"pip install --force-reinstall 'torch{floor}'")]
+    checks = floor_checks(facts, {"torch": floor}, "train", "for `finetune train`")
     if not facts.cuda_available:
         build = f"CUDA {facts.torch_cuda} build" if facts.torch_cuda else "CPU-only build"
         hint = ("check the NVIDIA driver (nvidia-smi) and CUDA_VISIBLE_DEVICES" if facts.torch_cuda else
@@ -326,7 +306,8 @@ def torch_checks(facts: Facts) -> list[Check]:
 
 def recipe_imports(recipe: "Recipe") -> tuple[str, ...]:
     """Modules to really import before training this recipe (the ones that break on import)."""
-    return ("bitsandbytes",) if recipe.method == "qlora" else ()
+    return (("bitsandbytes",) if recipe.method == "qlora" else ()) + \
+        (("tensorboard",) if "tensorboard" in recipe.training.report_to else ())
 
 
 def checks_for_recipe(recipe: "Recipe", facts: Optional[Facts] = None) -> list[Check]:
@@ -334,10 +315,12 @@ def checks_for_recipe(recipe: "Recipe", facts: Optional[Facts] = None) -> list[C
     if facts is None:
         facts = collect_facts(recipe_imports(recipe))
     checks = torch_install_checks(facts)
-    needed = {k: v for k, v in TRAIN_FLOORS.items() if k != "torch" and not (k == "peft" and recipe.method == "full")}
+    needed = {k: v for k, v in train_floors().items() if k != "torch" and not (k == "peft" and recipe.method == "full")}
     checks += floor_checks(facts, needed, "train", "for `finetune train`")
     if recipe.method == "qlora":
         checks += qlora_checks(recipe, facts)
+    if "tensorboard" in recipe.training.report_to:
+        checks += tensorboard_checks(facts)
     if recipe.model.attn_implementation.startswith("flash_attention"):
         checks += flash_attention_checks(recipe, facts)
     if recipe.training.loss_kernel == "liger":
@@ -358,9 +341,10 @@ def liger_checks(facts: Facts) -> list[Check]:
     checks = []
     if facts.version("liger-kernel") is None:
         checks.append(Check("liger-kernel", "fail", "training.loss_kernel: liger needs the liger-kernel package",
-                            "pip install 'finetune[liger]', or set training.loss_kernel: chunked"))
+                            f"{extra_install('liger')}, or set training.loss_kernel: chunked"))
     else:
-        checks += floor_checks(facts, {"liger-kernel": ">=0.3.0"}, "liger", "for training.loss_kernel: liger")
+        checks += floor_checks(facts, {"liger-kernel": extra_floors("liger")["liger-kernel"]}, "liger",
+                               "for training.loss_kernel: liger")
     if not (facts.cuda_available and facts.gpus):
         checks.append(Check("liger-kernel.gpu", "fail", "training.loss_kernel: liger runs Triton kernels on a CUDA GPU; "
                             "none is visible here", "set training.loss_kernel: chunked, which works on CPU too"))
@@ -375,15 +359,30 @@ def qlora_checks(recipe: "Recipe", facts: Facts) -> list[Check]:
     checks = []
     if facts.version("bitsandbytes") is None:
         checks.append(Check("qlora.bitsandbytes", "fail", "method: qlora needs bitsandbytes, which is not installed",
-                            pip_fix("bitsandbytes", ">=0.43.3")))
+                            extra_install("qlora")))
     elif "bitsandbytes" in facts.import_errors:
+        floor = extra_floors("qlora").get("bitsandbytes", "")
         checks.append(Check("qlora.bitsandbytes", "fail",
                             f"method: qlora needs bitsandbytes, but `import bitsandbytes` fails: {facts.import_errors['bitsandbytes']}",
-                            "pip install --force-reinstall 'bitsandbytes>=0.43.3'"))
+                            f"pip install --force-reinstall 'bitsandbytes{floor}'"))
     if recipe.deepspeed.stage == 3:
         checks += floor_checks(facts, QLORA_ZERO3_FLOORS, "qlora-zero3", "for QLoRA + ZeRO-3",
                                optional=OPTIONAL_FOR_QLORA_ZERO3)
     return checks
+
+
+def tensorboard_checks(facts: Facts) -> list[Check]:
+    """The Trainer's TensorBoardCallback raises on every rank, after the model is loaded, when neither
+    tensorboard nor tensorboardX is installed (transformers.integrations.is_tensorboard_available)."""
+    floor = extra_floors("train").get("tensorboard", "")
+    instead = "or set training.report_to: [none]"
+    if facts.version("tensorboard") is None and facts.version("tensorboardX") is None:
+        return [Check("tensorboard", "fail", "training.report_to: tensorboard needs the tensorboard package, "
+                      "which is not installed", f"pip install 'tensorboard{floor}' (part of finetune[train]), {instead}")]
+    if "tensorboard" in facts.import_errors and facts.version("tensorboardX") is None:
+        return [Check("tensorboard", "fail", f"training.report_to: tensorboard, but `import tensorboard` fails: "
+                      f"{facts.import_errors['tensorboard']}", f"pip install --force-reinstall 'tensorboard{floor}', {instead}")]
+    return []
 
 
 def flash_attention_checks(recipe: "Recipe", facts: Facts) -> list[Check]:

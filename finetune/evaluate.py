@@ -85,7 +85,9 @@ def eval_rows(run_dir: Path, recipe, tokenizer, data: Optional[Path], log: Calla
     if recipe.objective != "sft" and data is None:
         raise EvalError(f"{run_dir} trained with objective: {recipe.objective}: its preference rows have no loss to "
                         "score; summary.json holds its rewards (pass --data FILE with SFT rows to score those)")
-    section = recipe.data.model_dump(mode="json")
+    from finetune.data.sources import describe, section_for_tokenizing
+
+    section = section_for_tokenizing(recipe)
     try:
         if data is not None:
             raw = load_raw(str(data))
@@ -98,7 +100,7 @@ def eval_rows(run_dir: Path, recipe, tokenizer, data: Optional[Path], log: Calla
     if held is not None:
         return [dict(r) for r in held], "the run's validation split", True
     log(f"note: {run_dir} has no validation split (data.validation_split: 0); scoring its training data")
-    return [dict(r) for r in train], f"the training data ({recipe.data.path})", False
+    return [dict(r) for r in train], f"the training data ({describe(recipe.data)})", False
 
 
 def evaluate(run_dir: Path, data: Optional[Path] = None, device: str = "auto", batch_size: int = 8,

@@ -29,13 +29,13 @@ from typing import Callable, Optional
 
 import torch
 
-from finetune.fsutil import atomic_dir, remove_stale_partials, write_atomic
+from finetune.fsutil import atomic_dir, write_atomic
 from finetune.lora_math import (Adapter, LoraUpdate, Workspace, orient_update, output_tensor, read_adapter, target_name,
                                 tied_embedding)
 from finetune.safetensors_io import (CONFIG_FILES, DEFAULT_MAX_SHARD_SIZE, DTYPES, TORCH_TO_ST, BaseModel, MergeError,
                                      ITEMSIZE, OnWrite, OutTensor, Plan, ShardWriter, TensorReader, WriteCounter,
-                                     assign_shards, check_disk_space, copy_tokenizer, human_size, read_base,
-                                     shard_names, sigterm_as_interrupt, write_index)
+                                     copy_tokenizer, human_size, prepare_shards, read_base, sigterm_as_interrupt,
+                                     write_index)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -230,11 +230,7 @@ def merge(base_path: Path, adapter_path: Path, output: Path, *, dtype: Optional[
     plan = plan_merge(base, adapter, out_dtype)
     for line in plan.warnings:
         log(f"warning: {line}")
-    assign_shards(plan, max_shard_size)
-    check_disk_space(output, plan.total_bytes)
-    names = shard_names(len(plan.shards))
-    for line in remove_stale_partials(output):
-        log(line)
+    names = prepare_shards(plan, output, max_shard_size, log)
     with sigterm_as_interrupt(), atomic_dir(output, overwrite=overwrite) as tmp:
         write_shards(plan, names, tmp, log, fsync=fsync, on_write=on_write)
         if len(names) > 1:

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Optional
 
 from finetune.safetensors_io import MergeError, read_json
+from finetune.tiny import is_builtin
 
 ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 
@@ -64,7 +65,7 @@ def _run_base(run_dir: Path, adapter: Path) -> Path:
         except (DocumentError, OSError) as exc:
             raise MergeError(f"{recipe}: cannot read: {exc}") from None
         name = (data.get("model") or {}).get("name_or_path") if isinstance(data, dict) else None
-        if isinstance(name, str) and name.startswith("builtin:"):
+        if isinstance(name, str) and is_builtin(name):
             from finetune.tiny import resolve_model_path  # the demo model, built locally on first use
 
             name = resolve_model_path(name)

@@ -28,6 +28,28 @@ def columns_for(objective: str) -> tuple[str, ...]:
     return UNPAIRED if objective == "kto" else PAIRED
 
 
+def check_data(data, objective: str) -> tuple[list[str], list[str]]:
+    """(notes, errors) for the recipe's data section: one source (data.path), every row checked when local."""
+    from finetune.data.sources import SourceProblem, data_files
+    from finetune.references import is_local
+
+    if data.sources:
+        return [], [f"dataset: objective {objective} reads one file or folder (data.path); data.sources mixtures "
+                    "are for sft"]
+    if not is_local(data.path):
+        return [f"dataset {data.path}: a hub id, not checked here (read at launch; needs network)"], []
+    try:
+        files = data_files(Path(data.path).expanduser(), data.split)
+    except SourceProblem as exc:
+        return [], [f"dataset {exc}"]
+    if any(f.suffix == ".arrow" for f in files):
+        return [f"dataset {data.path}: a saved dataset, rows checked at launch"], []
+    count, problems = check_files(files, objective)
+    if problems:
+        return [], [f"dataset {problem}" for problem in problems]
+    return [f"dataset {data.path}: {count} {objective} row(s), all look right"], []
+
+
 def check_files(files: list[Path], objective: str) -> tuple[int, list[str]]:
     """(rows read, problems) over every row of `files` for `objective`."""
     count, problems = 0, []

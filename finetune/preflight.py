@@ -4,7 +4,7 @@ Every check adds to one `Preflight` (all problems are reported at once, torchtun
 
 - lint: the same rules as `finetune lint` (errors stop the run, warnings are shown),
 - environment: finetune.doctor.checks_for_recipe (versions, bitsandbytes, GPU count, bf16),
-- dataset: the file exists and its first rows have the columns `data.format` needs,
+- dataset: every row of every local source converts with its format (finetune.data.validate),
 - model: a local directory with config.json, a `builtin:` tiny model, or a hub id (a warning:
   it is downloaded at launch),
 - output directory: never a non-empty directory unless --overwrite, and --overwrite only replaces
@@ -17,20 +17,17 @@ Nothing here writes into the run directory; launch happens only when `Preflight.
 
 from __future__ import annotations
 
-import csv
-import json
+import itertools
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
 from finetune.recipe import LoadedRecipe, Recipe
-from finetune.references import DATA_SUFFIXES, is_local, is_model_path
+from finetune.references import is_local, is_model_path
+from finetune.tiny import is_builtin
 
-SAMPLE_ROWS = 20  # enough to catch a wrong format, cheap on a 100 GB file
-# A .json array is read only up to here to find its first rows (raw_decode needs whole objects).
-JSON_PREFIX_BYTES = 4 * 2**20
-BUILTIN_PREFIX = "builtin:"
+SAMPLE_ROWS = 20  # rows a data.chat_template is rendered on before launch
 RUN_MARKER = "recipe.yaml"  # a directory holding this is a finetune run directory
 
 
@@ -49,10 +46,6 @@ class Preflight:
     @property
     def ok(self) -> bool:
         return not self.errors and not self.lint_errors and not self.run_dir_errors
-
-
-class DataProblem(Exception):
-    """The dataset cannot be used as configured (message names the file and row)."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -113,26 +106,24 @@ def lint_step(loaded: LoadedRecipe, result: Preflight, world_size: Optional[int]
 
 
 def dataset_step(recipe: Recipe, result: Preflight) -> None:
-    path = recipe.data.path
-    if not is_local(path):
-        result.notes.append(f"dataset {path}: a hub id, not checked here (read at launch; needs network)")
-        return
-    try:
-        files = data_files(Path(path).expanduser())
-        if recipe.objective != "sft":  # every row of every file (finetune/preference_rows.py)
-            from finetune.preference_rows import check_files
+    """Every row of every local source (finetune.data.validate); hub ids are read at launch."""
+    if recipe.objective != "sft":  # preference rows, every row of every file (finetune/preference_rows.py)
+        from finetune.preference_rows import check_data
 
-            count, problems = check_files(files, recipe.objective)
-            result.errors += [f"dataset {problem}" for problem in problems]
-            if not problems:
-                result.notes.append(f"dataset {path}: {count} {recipe.objective} row(s), all look right")
-            return
-        rows = 0
-        for file in files[:1]:  # the first file speaks for a directory of shards
-            rows = check_rows(file, recipe.data.format)
-        result.notes.append(f"dataset {path}: {recipe.data.format} format, first {rows} row(s) look right")
-    except DataProblem as exc:
-        result.errors.append(f"dataset {exc}")
+        notes, errors = check_data(recipe.data, recipe.objective)
+        result.notes += notes
+        result.errors += errors
+        return
+    from finetune.data.sources import sources_of
+    from finetune.data.validate import validate
+
+    checked = validate(sources_of(recipe.data))
+    for path in checked.skipped:
+        result.notes.append(f"dataset {path}: a hub id, not checked here (read at launch; needs network)")
+    result.errors.extend(f"dataset {message}" for message in checked.messages())
+    if checked.ok:
+        for check in checked.checks:
+            result.notes.append(f"dataset {check.source.path}: {check.source.format} format, all {check.rows} row(s) look right")
 
 
 # A conversation to render the template on when the dataset's rows cannot be read here (a hub id).
@@ -152,33 +143,40 @@ def chat_template_step(recipe: Recipe, result: Preflight) -> None:
     A template the sandbox refuses (`__class__`, mutating a list) or that raises on this data otherwise
     fails in every rank's data loading after launch, as one traceback per process.
     """
+    from finetune.data.formats import CHAT_FORMATS
+    from finetune.data.sources import sources_of
+
     template = recipe.data.chat_template
-    if recipe.data.format != "messages" or not template:
+    if not template:
         return
-    problem = None
-    try:
-        for where, messages in _sample_conversations(recipe.data.path):
+    for source in sources_of(recipe.data):
+        if source.format not in CHAT_FORMATS:
+            continue
+        for where, messages in _sample_conversations(source):
             problem = render_problem(template, messages, recipe.data.mask_prompt)
             if problem:
-                problem = f"{where}: {problem}"
-                break
-    except DataProblem:
-        return  # dataset_step reported it
-    if problem:
-        result.errors.append(f"data.chat_template: {problem}")
+                result.errors.append(f"data.chat_template: {where}: {problem}")
+                return
 
 
-def _sample_conversations(path: str) -> Iterator[tuple[str, list]]:
-    if not is_local(path):
+def _sample_conversations(source) -> Iterator[tuple[str, list]]:
+    """The first rows' conversations, as the format makes them (role names mapped)."""
+    from finetune.data.formats import RowProblem, to_example
+    from finetune.data.sources import SourceProblem, data_files
+    from finetune.data.validate import Unreadable, iter_rows
+
+    if not is_local(source.path):
         yield "a sample conversation", _SAMPLE_CONVERSATION
         return
-    file = data_files(Path(path).expanduser())[0]
-    for number, row in first_rows(file):
-        messages = row.get("messages") if isinstance(row, dict) else None
-        if isinstance(messages, str):
-            messages = json.loads(messages)  # CSV cells; check_row has already parsed it once
-        if isinstance(messages, list):
-            yield f"{file}: row {number}", messages
+    try:
+        rows = iter_rows(data_files(Path(source.path).expanduser(), source.split)[0])
+        for where, row in itertools.islice(rows, SAMPLE_ROWS):
+            try:
+                yield where, to_example(row, source.spec).messages
+            except (RowProblem, AttributeError):
+                continue  # dataset_step reports the row
+    except (SourceProblem, Unreadable):
+        return  # dataset_step reported it
 
 
 def render_problem(template: str, messages: list, mask_prompt: bool) -> Optional[str]:
@@ -202,192 +200,14 @@ def render_problem(template: str, messages: list, mask_prompt: bool) -> Optional
     return None
 
 
-def data_files(path: Path) -> list[Path]:
-    if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in DATA_SUFFIXES and not p.name.startswith("."))
-        if not files:
-            raise DataProblem(f"{path}: directory holds no {'/'.join(DATA_SUFFIXES)} files")
-        return files
-    if not path.exists():
-        raise DataProblem(f"{path}: file does not exist")
-    if path.suffix not in DATA_SUFFIXES:
-        raise DataProblem(f"{path}: unsupported file type `{path.suffix}` (use {', '.join(DATA_SUFFIXES)})")
-    return [path]
-
-
-def check_rows(path: Path, fmt: str) -> int:
-    """Read the first rows of `path` and check them against `fmt`. Returns how many were checked."""
-    count = 0
-    for number, row in first_rows(path):
-        check_row(row, fmt, f"{path}: row {number}")
-        count += 1
-    if count == 0:
-        raise DataProblem(f"{path}: no rows")
-    return count
-
-
-def first_rows(path: Path, limit: int = SAMPLE_ROWS) -> Iterator[tuple[int, Any]]:
-    readers = {".jsonl": _jsonl_rows, ".json": _json_rows, ".csv": _csv_rows, ".parquet": _parquet_rows}
-    try:
-        yield from readers[path.suffix](path, limit)
-    except UnicodeDecodeError as exc:
-        raise DataProblem(f"{path}: not UTF-8 text (byte {exc.start})") from None
-    except OSError as exc:
-        raise DataProblem(f"{path}: cannot read: {exc.strerror or exc}") from None
-
-
-def _jsonl_rows(path: Path, limit: int) -> Iterator[tuple[int, Any]]:
-    with path.open(encoding="utf-8") as handle:
-        seen = 0
-        for line_no, line in enumerate(handle, 1):
-            if not line.strip():
-                continue
-            try:
-                yield line_no, json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DataProblem(f"{path}:{line_no}: not valid JSON ({exc.msg})") from None
-            seen += 1
-            if seen >= limit:
-                return
-
-
-def _json_rows(path: Path, limit: int) -> Iterator[tuple[int, Any]]:
-    """A JSON array of rows, or JSON lines in a .json file (both are what `datasets` reads)."""
-    with path.open(encoding="utf-8") as handle:
-        text = handle.read(JSON_PREFIX_BYTES)
-    start = len(text) - len(text.lstrip())
-    if text[start:start + 1] != "[":
-        if len(text) < JSON_PREFIX_BYTES and "\n" in text.strip() and _is_one_object(text):
-            yield from _column_rows(path, json.loads(text), limit)  # one pretty-printed object
-        else:
-            yield from _jsonl_rows(path, limit)
-        return
-    decoder, pos, seen = json.JSONDecoder(), start + 1, 0
-    while seen < limit:
-        pos = _skip(text, pos, ",")
-        if pos >= len(text) or text[pos] == "]":
-            return
-        try:
-            row, pos = decoder.raw_decode(text, pos)
-        except json.JSONDecodeError as exc:
-            if len(text) == JSON_PREFIX_BYTES and exc.pos >= len(text) - 1:
-                return  # the row runs past the prefix we read: the rows before it were fine
-            line = text.count("\n", 0, exc.pos) + 1
-            raise DataProblem(f"{path}:{line}: not valid JSON ({exc.msg})") from None
-        seen += 1
-        yield seen, row
-
-
-def _column_rows(path: Path, data: dict, limit: int) -> Iterator[tuple[int, Any]]:
-    """`{"instruction": [...], "output": [...]}`: columns, which `datasets` reads as rows."""
-    columns = list(data.values())
-    if not columns or not all(isinstance(c, list) for c in columns) or len({len(c) for c in columns}) != 1:
-        raise DataProblem(f"{path}: one JSON object that is not a table of equal-length columns "
-                          f"(expected JSON lines, an array of rows, or {{column: [values]}})")
-    for number in range(min(len(columns[0]), limit)):
-        yield number + 1, {key: values[number] for key, values in data.items()}
-
-
-def _is_one_object(text: str) -> bool:
-    try:
-        return isinstance(json.loads(text), dict)
-    except json.JSONDecodeError:
-        return False
-
-
-def _skip(text: str, pos: int, separators: str) -> int:
-    while pos < len(text) and (text[pos].isspace() or text[pos] in separators):
-        pos += 1
-    return pos
-
-
-def _csv_rows(path: Path, limit: int) -> Iterator[tuple[int, Any]]:
-    with path.open(encoding="utf-8", newline="") as handle:
-        reader = csv.DictReader(handle)
-        if not reader.fieldnames:
-            return
-        for number, row in enumerate(reader, 1):
-            yield number, row
-            if number >= limit:
-                return
-
-
-def _parquet_rows(path: Path, limit: int) -> Iterator[tuple[int, Any]]:
-    try:
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise DataProblem(f"{path}: reading parquet needs pyarrow (pip install pyarrow)") from None
-    try:
-        parquet = pq.ParquetFile(path)
-        batch = next(parquet.iter_batches(batch_size=limit), None)
-    except Exception as exc:  # pyarrow raises ArrowInvalid and friends for a damaged file
-        raise DataProblem(f"{path}: not a readable parquet file ({exc})") from None
-    for number, row in enumerate(batch.to_pylist() if batch is not None else [], 1):
-        yield number, row
-
-
-def check_row(row: Any, fmt: str, where: str) -> None:
-    if not isinstance(row, dict):
-        raise DataProblem(f"{where}: expected an object with named columns, got {type(row).__name__}")
-    if fmt == "alpaca":
-        _need_text(row, ("instruction", "output"), where, fmt)
-        if row.get("input") is not None and not isinstance(row["input"], str):
-            raise DataProblem(f"{where}: `input` must be text, got {type(row['input']).__name__}")
-    elif fmt == "text":
-        _need_text(row, ("text",), where, fmt)
-    elif fmt == "messages":
-        _check_messages(row, where)
-
-
-_FORMAT_COLUMNS = {"alpaca": {"instruction", "output"}, "text": {"text"}, "messages": {"messages"}}
-
-
-def _need_text(row: dict, columns: tuple[str, ...], where: str, fmt: str) -> None:
-    missing = [c for c in columns if c not in row or row[c] is None]
-    if missing:
-        found = ", ".join(f"`{k}`" for k in row) or "none"
-        raise DataProblem(f"{where}: no {' or '.join(f'`{c}`' for c in missing)} column "
-                          f"(data.format: {fmt} needs {', '.join(f'`{c}`' for c in columns)}; found {found})"
-                          f"{_format_hint(row, fmt)}")
-    for column in columns:
-        if not isinstance(row[column], str):
-            raise DataProblem(f"{where}: `{column}` must be text, got {type(row[column]).__name__}")
-
-
-def _format_hint(row: dict, fmt: str) -> str:
-    for other, columns in _FORMAT_COLUMNS.items():
-        if other != fmt and columns <= set(row):
-            return f"; did you mean data.format: {other}?"
-    return ""
-
-
-def _check_messages(row: dict, where: str) -> None:
-    messages = row.get("messages")
-    if messages is None:
-        found = ", ".join(f"`{k}`" for k in row) or "none"
-        raise DataProblem(f"{where}: no `messages` column (data.format: messages needs a list of "
-                          f"{{role, content}}; found {found}){_format_hint(row, 'messages')}")
-    if isinstance(messages, str):
-        # CSV cells are text; a JSON-encoded list in a cell is what people put there.
-        try:
-            messages = json.loads(messages)
-        except json.JSONDecodeError:
-            raise DataProblem(f"{where}: `messages` must be a list of {{role, content}}, got text") from None
-    if not isinstance(messages, list) or not messages:
-        raise DataProblem(f"{where}: `messages` must be a non-empty list of {{role, content}}")
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str) or "content" not in message:
-            raise DataProblem(f"{where}: messages[{i}] must be an object with `role` and `content`")
-
-
 # ----------------------------------------------------------------------------------------------
 # Model
 
 
 def model_step(recipe: Recipe, result: Preflight) -> None:
     reference = recipe.model.name_or_path
-    if reference.startswith(BUILTIN_PREFIX):
-        _builtin_model(reference[len(BUILTIN_PREFIX):], result)
+    if is_builtin(reference):
+        _builtin_model(reference, result)
     elif is_model_path(reference):
         _local_model(reference, "model.name_or_path", result)
     else:
@@ -403,17 +223,17 @@ def model_step(recipe: Recipe, result: Preflight) -> None:
             result.errors.append(f"model.adapter {recipe.model.adapter}: {problem}")
 
 
-def _builtin_model(name: str, result: Preflight) -> None:
+def _builtin_model(reference: str, result: Preflight) -> None:
     from finetune.tiny import BuiltinModelError, builtin_name, ensure_builtin_model
 
     try:
-        builtin_name(BUILTIN_PREFIX + name)
+        builtin_name(reference)
     except BuiltinModelError as exc:
         result.errors.append(f"model.name_or_path: {exc}")
         return
     # Built once into a cache outside the run directory (seconds, CPU), so the ranks do not race to build it.
-    path = ensure_builtin_model(BUILTIN_PREFIX + name)
-    result.notes.append(f"model {BUILTIN_PREFIX}{name}: built-in tiny model at {path}")
+    path = ensure_builtin_model(reference)
+    result.notes.append(f"model {reference}: built-in tiny model at {path}")
 
 
 def _local_model(reference: str, key: str, result: Preflight) -> None:

@@ -20,7 +20,7 @@ import re
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from finetune.yamlio import DocumentError, load_yaml, read_text
 
@@ -108,11 +108,41 @@ class QuantizationSection(_Section):
     storage_dtype: Dtype = Field("bfloat16", description="bnb_4bit_quant_storage. ZeRO-3 shards it like any tensor, so it must equal compute_dtype (and the model dtype) under ZeRO-3.")
 
 
-class DataSection(_Section):
-    path: str = Field(min_length=1, description="Local .json/.jsonl/.parquet/.csv file (relative to the recipe) or a hub dataset id.")
-    format: Literal["alpaca", "messages", "text"] = Field("alpaca", description="alpaca: instruction/input/output columns; messages: a list of {role, content}; text: one `text` column.")
+def known_roles(value: dict[str, str]) -> dict[str, str]:
+    bad = sorted({v for v in value.values() if v not in ("system", "user", "assistant", "tool")})
+    if bad:
+        raise ValueError(f"roles map to system, user, assistant or tool, not {', '.join(bad)}")
+    return value
+
+
+DataFormat = Literal["alpaca", "messages", "sharegpt", "text"]
+_FORMAT_DOC = ("alpaca: instruction/input/output columns; messages: OpenAI-style list of {role, content} (system/user/assistant/tool); "
+               "sharegpt: `conversations` of {from, value} (human/gpt/system/function_call/observation); text: one `text` column.")
+
+
+class SourceSection(_Section):
+    path: str = Field(min_length=1, description="Local .json/.jsonl/.parquet/.csv file, folder of them or save_to_disk folder (relative to the recipe), or a hub dataset id.")
+    format: DataFormat = Field("alpaca", description=_FORMAT_DOC)
     split: str = Field("train", description="Split to read from a hub dataset.")
-    chat_template: Optional[str] = Field(None, description="Jinja chat template for `messages` (default: the tokenizer's own).")
+    columns: dict[str, str] = Field(default_factory=dict, description="Column names of this source, by the name the format uses (e.g. {output: completion}, {messages: dialog}, {role: speaker}).")
+    roles: dict[str, str] = Field(default_factory=dict, description="Role names of this source mapped to system/user/assistant/tool (e.g. {bot: assistant}).")
+    weight: Optional[float] = Field(None, gt=0, le=1e6, description="Share of the mixture, relative to the other sources' weights; the largest-weighted source is used whole.")
+    samples: Optional[int] = Field(None, ge=1, le=MAX_COUNT, description="Exactly this many examples of the source (a seeded subset, or repeated when larger).")
+
+    _paths = field_validator("path")(plain_path)
+    _roles = field_validator("roles")(known_roles)
+
+
+class DataSection(_Section):
+    path: Optional[str] = Field(None, description="One source: local .json/.jsonl/.parquet/.csv file, folder or save_to_disk folder (relative to the recipe), or a hub dataset id. Or give `sources`.")
+    format: DataFormat = Field("alpaca", description=_FORMAT_DOC)
+    split: str = Field("train", description="Split to read from a hub dataset.")
+    columns: dict[str, str] = Field(default_factory=dict, description="Column names, by the name the format uses (as in sources[].columns).")
+    roles: dict[str, str] = Field(default_factory=dict, description="Role names mapped to system/user/assistant/tool (as in sources[].roles).")
+    sources: Optional[list[SourceSection]] = Field(None, description="Several sources mixed by weight or samples (keys below); replaces path. README: Mixing sources.")
+    seed: Optional[int] = Field(None, ge=0, le=2**32 - 1, description="Seed of the mixture's subsets, repeats and order (default: training.seed).")
+    think: Literal["train", "mask"] = Field("train", description="`<think>...</think>` spans in assistant turns: train on them, or keep them in the context but out of the loss.")
+    chat_template: Optional[str] = Field(None, description="Jinja chat template for messages/sharegpt (default: the tokenizer's own).")
     max_length: int = Field(2048, ge=8, le=1_048_576, description="Sequences are truncated to this many tokens.")
     packing: bool = Field(False, description="Concatenate examples into max_length blocks (no padding waste); examples never attend to each other, with every model.attn_implementation.")
     padding_free: bool = Field(False, description="No padding: each micro batch becomes one row of its examples end to end (up to micro_batch_size x max_length tokens), kept apart like packed ones. The throughput mode for flash attention.")
@@ -120,6 +150,18 @@ class DataSection(_Section):
     mask_prompt: bool = Field(True, description="Exclude prompt tokens from the loss (train on responses only).")
 
     _paths = field_validator("path")(plain_path)
+    _roles = field_validator("roles")(known_roles)
+
+    @model_validator(mode="after")
+    def _one_way_to_name_the_data(self) -> "DataSection":
+        if self.sources and self.path:
+            raise ValueError("give either data.path (one source) or data.sources, not both")
+        if not self.sources and not self.path:
+            raise ValueError("data needs `path` (one source) or `sources` (a list of them)")
+        return self
+
+    def source_formats(self) -> list[str]:
+        return [s.format for s in self.sources] if self.sources else [self.format]
 
 
 PREFERENCE_OBJECTIVES = ("dpo", "orpo", "kto", "simpo")
@@ -434,6 +476,8 @@ def _load_chain(path: Path, seen: list[Path]) -> tuple[dict, dict]:
         line, col = doc.pos(("extends",))
         raise RecipeProblem([Problem(shown, line, col, "extends", f"extended recipe {_short(str(parent_path))} {unusable}", rule="R003")])
     base, base_origin = _load_chain(parent_path, seen + [resolved])
+    if isinstance(data.get("data"), dict) and "sources" in data["data"] and isinstance(base.get("data"), dict):
+        base["data"] = {k: v for k, v in base["data"].items() if k != "path"}  # sources replace the parent's one path
     merged = _deep_merge(base, data)
     merged.pop("extends", None)
     base_origin.update(origin)
@@ -464,10 +508,15 @@ _PATH_KEYS = (("data", "path"), ("model", "name_or_path"), ("model", "tokenizer"
 
 def _rebase_paths(data: dict, base: Path) -> None:
     """Make relative local paths relative to the recipe's folder (hub ids are left alone)."""
+    sources = data.get("data", {}).get("sources") if isinstance(data.get("data"), dict) else None
+    blocks = []
     for *sections, key in _PATH_KEYS:
         block = data
         for section in sections:
             block = block.get(section) if isinstance(block, dict) else None
+        blocks.append((block, key))
+    blocks += [(item, "path") for item in (sources if isinstance(sources, list) else [])]
+    for block, key in blocks:
         if not isinstance(block, dict):
             continue
         value = block.get(key)

@@ -34,8 +34,9 @@ def resolved_recipe(recipe: Recipe, run_dir: Path) -> dict[str, Any]:
     data = recipe.model_dump(mode="json")
     data.pop("extends", None)  # already applied
     data["output_dir"] = str(Path(run_dir).absolute())
-    if is_local(data["data"]["path"]):
-        data["data"]["path"] = str(Path(data["data"]["path"]).expanduser().absolute())
+    for block in [data["data"], *(data["data"].get("sources") or [])]:
+        if block.get("path") and is_local(block["path"]):
+            block["path"] = str(Path(block["path"]).expanduser().absolute())
     for section, key in ((data["model"], "name_or_path"), (data["model"], "tokenizer"), (data["model"], "adapter"),
                          (data["preference"]["reference"], "name_or_path")):
         value = section.get(key)

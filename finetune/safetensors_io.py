@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterator, NamedTuple, Optional
 import torch
 from safetensors import safe_open
 
-from finetune.fsutil import write_atomic
+from finetune.fsutil import remove_stale_partials, write_atomic
 
 INDEX_NAME = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # "5GB", save_pretrained's default
@@ -280,6 +280,21 @@ def check_disk_space(output: Path, need: int) -> None:
     need = int(need * 1.01) + 64 * 2**20  # headers, config and tokenizer files, some slack
     if free < need:
         raise MergeError(f"not enough disk space in {probe}: the merged model needs {human_size(need)}, {human_size(free)} free")
+
+
+def prepare_output(output: Path, need: int, log: Callable[[str], None]) -> None:
+    """Before writing about `need` bytes into `output`: refuse when its disk cannot take them, and clear
+    what an interrupted earlier write of this host left beside it (fsutil.remove_stale_partials)."""
+    check_disk_space(output, need)
+    for line in remove_stale_partials(output):
+        log(line)
+
+
+def prepare_shards(plan: Plan, output: Path, max_shard_size: int, log: Callable[[str], None]) -> list[str]:
+    """Cut `plan` into shards of at most `max_shard_size` bytes and prepare_output for them; the shard file names."""
+    assign_shards(plan, max_shard_size)
+    prepare_output(output, plan.total_bytes, log)
+    return shard_names(len(plan.shards))
 
 
 def write_index(tmp: Path, plan: Plan, names: list[str]) -> None:

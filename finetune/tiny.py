@@ -26,7 +26,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-PREFIX = "builtin:"
+# The one spelling of the prefix: everything else asks is_builtin() / builtin_name().
+BUILTIN_PREFIX = "builtin:"
 
 # transformers LlamaConfig keyword arguments. 4 layers x hidden 128 with 768 tokens is ~0.8M
 # parameters, a few milliseconds a step on a CPU. 4 query heads over 2 key/value heads, so
@@ -64,15 +65,15 @@ class BuiltinModelError(ValueError):
 
 
 def is_builtin(name_or_path: str) -> bool:
-    return name_or_path.startswith(PREFIX)
+    return name_or_path.startswith(BUILTIN_PREFIX)
 
 
 def builtin_name(name_or_path: str) -> str:
     """'builtin:tiny-llama' -> 'tiny-llama' (raises BuiltinModelError for an unknown name)."""
-    name = name_or_path[len(PREFIX):] if is_builtin(name_or_path) else name_or_path
+    name = name_or_path[len(BUILTIN_PREFIX):] if is_builtin(name_or_path) else name_or_path
     if name not in BUILTIN_CONFIGS:
-        known = ", ".join(PREFIX + n for n in BUILTIN_CONFIGS)
-        raise BuiltinModelError(f"unknown built-in model `{PREFIX}{name}` (known: {known})")
+        known = ", ".join(BUILTIN_PREFIX + n for n in BUILTIN_CONFIGS)
+        raise BuiltinModelError(f"unknown built-in model `{BUILTIN_PREFIX}{name}` (known: {known})")
     return name
 
 
@@ -272,3 +273,35 @@ def write_demo_jsonl(path: Path) -> int:
     examples = demo_examples()
     write_atomic(Path(path), "".join(json.dumps(e, ensure_ascii=False) + "\n" for e in examples))
     return len(examples)
+
+
+# ShareGPT chats for the mixing recipe (recipes/tiny/mix_alpaca_sharegpt.yaml): two demo questions
+# per conversation, in the demo's own words (the tiny tokenizer knows no others), the second turn's
+# answer sometimes switched out of the loss to exercise the per-message flag.
+DEMO_CHATS_SEED = 4321
+DEMO_CHATS = 80
+
+
+def demo_conversations() -> list[dict[str, Any]]:
+    rng = random.Random(DEMO_CHATS_SEED)
+    examples = demo_examples()
+    chats = []
+    for _ in range(DEMO_CHATS):
+        first, second = rng.sample(examples, 2)
+        turns = []
+        for example in (first, second):
+            question = f"{example['instruction']} {example['input']}".strip()
+            turns += [{"from": "human", "value": question}, {"from": "gpt", "value": example["output"]}]
+        if rng.random() < 0.25:
+            turns[1]["train"] = False
+        chats.append({"conversations": turns})
+    return chats
+
+
+def write_demo_sharegpt(path: Path) -> int:
+    """Write demo_conversations() as JSON lines (the shipped recipes/data/demo_chats_sharegpt.jsonl)."""
+    from finetune.fsutil import write_atomic
+
+    chats = demo_conversations()
+    write_atomic(Path(path), "".join(json.dumps(c, ensure_ascii=False) + "\n" for c in chats))
+    return len(chats)

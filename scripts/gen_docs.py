@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,7 @@ README = Path(__file__).resolve().parent.parent / "README.md"
 
 
 def _type_name(annotation: Any) -> str:
-    text = str(annotation).replace("typing.", "").replace("NoneType", "null")
+    text = str(annotation).replace("typing.", "").replace("NoneType", "null").replace("finetune.recipe.", "")
     for prefix in ("<class '", "'>"):
         text = text.replace(prefix, "")
     return text.replace("Literal", "one of ").replace("Optional", "optional ").replace("Union", "")
@@ -47,15 +48,28 @@ def recipe_reference() -> str:
 
 
 def _section_rows(name: str, field: Any, section: Any) -> list[str]:
-    """A section's heading row and its keys; a section inside it (preference.reference) the same way."""
+    """A section's heading row and its keys; a section inside it (preference.reference) the same way, and the
+    keys of a list of sections (data.sources[]) as rows of their own."""
     lines = [f"| **`{name}`** | section | | {field.description or ''} |"]
     for sub, subfield in section.model_fields.items():
         inner = section_model(subfield.annotation)
-        if inner is not None:
+        if inner is not None and _list_item_model(subfield.annotation) is None:
             lines += _section_rows(f"{name}.{sub}", subfield, inner)
-        else:
-            lines.append(f"| `{name}.{sub}` | {_type_name(subfield.annotation)} | {_default(subfield)} | {subfield.description or ''} |")
+            continue
+        lines.append(f"| `{name}.{sub}` | {_type_name(subfield.annotation)} | {_default(subfield)} | {subfield.description or ''} |")
+        item = _list_item_model(subfield.annotation)
+        for key, itemfield in (item.model_fields.items() if item else ()):
+            lines.append(f"| `{name}.{sub}[].{key}` | {_type_name(itemfield.annotation)} | {_default(itemfield)} | {itemfield.description or ''} |")
     return lines
+
+
+def _list_item_model(annotation: Any):
+    """The model of a `list[Model]` (optional or not) field: its keys get rows of their own."""
+    for arg in typing.get_args(annotation) or ():
+        for inner in typing.get_args(arg) or (arg,):
+            if isinstance(inner, type) and issubclass(inner, BaseModel):
+                return inner
+    return None
 
 
 def rule_table() -> str:

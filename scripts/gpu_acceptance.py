@@ -41,6 +41,8 @@ from typing import Any, Optional
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from finetune.tiny import BUILTIN_PREFIX, is_builtin  # noqa: E402 (after the path above)
+
 # Dense (no sparsity) bf16 tensor-core peak of one GPU, in TFLOP/s, matched against
 # torch.cuda.get_device_name() in this order (the first substring that matches wins).
 PEAK_BF16_TFLOPS = (
@@ -66,7 +68,7 @@ MODELS = {
         num_key_value_heads=8, vocab_size=128_256, tie_word_embeddings=False, rope_theta=500_000.0,
         max_position_embeddings=8192, rms_norm_eps=1e-5),
 }
-TINY = "builtin:tiny-llama"
+TINY = f"{BUILTIN_PREFIX}tiny-llama"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,7 +84,7 @@ class Case:
     @property
     def name(self) -> str:
         attn = {"sdpa": "sdpa", "flash_attention_2": "fa2", "eager": "eager"}.get(self.attn, self.attn)
-        model = self.model.replace("builtin:", "")
+        model = self.model.removeprefix(BUILTIN_PREFIX)
         return (f"{model}_{self.method}_z{self.stage}{'_off' if self.offload else ''}"
                 f"{'_pack' if self.packing else ''}_{attn}_{self.gpus}gpu")
 
@@ -362,7 +364,7 @@ def flops_per_token(model_dir: Path, method: str, trainable: int, seq_len: int) 
 
 
 def model_dir_of(case: Case, out: Path) -> Path:
-    if case.model.startswith("builtin:"):
+    if is_builtin(case.model):
         from finetune.tiny import ensure_builtin_model
 
         return ensure_builtin_model(case.model)  # built on first use (preflight does the same)

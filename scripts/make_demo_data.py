@@ -1,4 +1,5 @@
-"""Write recipes/data/demo_instructions.jsonl, the demo data set, from finetune.tiny.demo_examples().
+"""Write recipes/data/demo_instructions.jsonl (alpaca) and demo_chats_sharegpt.jsonl (ShareGPT), the
+demo data sets, from finetune.tiny.demo_examples() and demo_conversations().
 
     python scripts/make_demo_data.py            # rewrite the shipped file
     python scripts/make_demo_data.py --check    # exit 1 if the shipped file differs (used by tests)
@@ -15,26 +16,31 @@ import sys
 import tempfile
 from pathlib import Path
 
-from finetune.tiny import write_demo_jsonl
+from finetune.tiny import write_demo_jsonl, write_demo_sharegpt
 
 TARGET = Path(__file__).resolve().parent.parent / "recipes" / "data" / "demo_instructions.jsonl"
+CHATS = TARGET.parent / "demo_chats_sharegpt.jsonl"
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="compare with the shipped file instead of writing it")
     parser.add_argument("-o", "--output", type=Path, default=TARGET)
+    parser.add_argument("--chats", type=Path, default=CHATS, help="where the ShareGPT chats go")
     args = parser.parse_args()
+    writers = [(write_demo_jsonl, args.output), (write_demo_sharegpt, args.chats)]
     if args.check:
-        with tempfile.TemporaryDirectory() as tmp:
-            write_demo_jsonl(Path(tmp) / "demo.jsonl")
-            fresh = (Path(tmp) / "demo.jsonl").read_text()
-        if not args.output.is_file() or args.output.read_text() != fresh:
-            print(f"{args.output} is out of date: run python scripts/make_demo_data.py", file=sys.stderr)
-            return 1
-        return 0
-    count = write_demo_jsonl(args.output)
-    print(f"wrote {count} examples to {args.output}")
+        stale = 0
+        for write, target in writers:
+            with tempfile.TemporaryDirectory() as tmp:
+                write(Path(tmp) / "fresh.jsonl")
+                fresh = (Path(tmp) / "fresh.jsonl").read_text()
+            if not target.is_file() or target.read_text() != fresh:
+                print(f"{target} is out of date: run python scripts/make_demo_data.py", file=sys.stderr)
+                stale += 1
+        return 1 if stale else 0
+    for write, target in writers:
+        print(f"wrote {write(target)} examples to {target}")
     return 0
 
 

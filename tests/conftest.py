@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.train_fixtures import cache_dir
+
 REPO = Path(__file__).resolve().parent.parent
 FINETUNE = [sys.executable, "-m", "finetune.cli"]
 
@@ -18,6 +20,21 @@ model:
 data:
   path: org/some-dataset
 """
+
+
+def hub_recipe(**sections):
+    """A valid Recipe naming a hub model and data set (nothing is read), `sections` replacing its own."""
+    from finetune.recipe import Recipe
+
+    return Recipe.model_validate({"model": {"name_or_path": "org/m"}, "data": {"path": "org/d"}, **sections})
+
+
+def write_local_inputs(folder: Path) -> None:
+    """A local model directory (a config.json only: preflight reads no weights) and a one-row alpaca
+    data.jsonl in `folder`, for recipes that say `name_or_path: ./model` and `path: data.jsonl`."""
+    (folder / "model").mkdir()
+    (folder / "model" / "config.json").write_text('{"model_type": "llama"}')
+    (folder / "data.jsonl").write_text('{"instruction": "Add 2 and 3.", "output": "5"}\n')
 
 
 @pytest.fixture
@@ -31,6 +48,40 @@ def write_recipe(tmp_path):
         return path
 
     return write
+
+
+@pytest.fixture(scope="session")
+def tiny_cache(tmp_path_factory) -> Path:
+    """The session's FINETUNE_CACHE with the built-in tiny model built in it, before any run starts
+    (as `finetune train`'s preflight does, so that the ranks never race to build it)."""
+    from finetune.tiny import ensure_builtin_model
+
+    root = cache_dir(tmp_path_factory)
+    ensure_builtin_model("builtin:tiny-llama", root)
+    return root
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tiny_cache) -> Path:
+    """The built-in tiny model's directory (config, weights, tokenizer)."""
+    from finetune.tiny import ensure_builtin_model
+
+    return ensure_builtin_model("builtin:tiny-llama", tiny_cache)
+
+
+@pytest.fixture
+def no_launch(monkeypatch):
+    """Fails the test if anything tries to start the launcher; the list of plans it was handed stays empty."""
+    import finetune.launch.supervision
+
+    started = []
+
+    def spawn(plan):
+        started.append(plan)
+        raise AssertionError("nothing should have been launched")
+
+    monkeypatch.setattr(finetune.launch.supervision, "spawn", spawn)
+    return started
 
 
 def run_cli(*args: str, cwd: Path | None = None, timeout: float = 120) -> subprocess.CompletedProcess:

@@ -108,6 +108,16 @@ def peft_merged_state_dict(base: Path, adapter: Path, dtype: Optional[str] = Non
 # Real ZeRO checkpoints: this file run under torchrun (2 processes, DeepSpeed on its CPU accelerator).
 
 
+def assert_same(ours: dict, reference: dict) -> None:
+    """The same tensor names, dtypes and values, bit for bit."""
+    import torch
+
+    assert sorted(ours) == sorted(reference)
+    for name, expected in reference.items():
+        assert ours[name].dtype == expected.dtype, name
+        assert torch.equal(ours[name], expected), f"{name} differs"
+
+
 def safetensors_data_bytes(path: Path) -> int:
     """The tensor bytes of a safetensors file: its size less the 8-byte length and the header."""
     with open(path, "rb") as handle:

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import run_cli
-from tests.train_fixtures import (REPO, TINY_RECIPES, assert_run_report, cache_dir, free_port, runner_env,
+from tests.train_fixtures import (REPO, TINY_RECIPES, assert_run_report, free_port, runner_env,
                                   write_run_dir)
 
 RECIPE = TINY_RECIPES / "lora_zero2.yaml"
@@ -27,25 +27,16 @@ STEPS = 12
 PROMPTS = ("Name a primary colour.", "What is the capital of France?")
 
 
-def cli(*args: str, cache: Path, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "finetune.cli", *map(str, args)], cwd=REPO, env=runner_env(cache),
+def cli(*args: str, tiny_cache: Path, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "finetune.cli", *map(str, args)], cwd=REPO, env=runner_env(tiny_cache),
                           capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    from finetune.tiny import ensure_builtin_model
-
-    root = cache_dir(tmp_path_factory)
-    ensure_builtin_model("builtin:tiny-llama", root)
-    return root
-
-
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory, cache):
+def trained(tmp_path_factory, tiny_cache):
     """(run directory, `finetune train` result) of one short real run."""
     out = tmp_path_factory.mktemp("trained") / "run"
-    result = cli("train", RECIPE, "--output-dir", out, "--master-port", free_port(), cache=cache)
+    result = cli("train", RECIPE, "--output-dir", out, "--master-port", free_port(), tiny_cache=tiny_cache)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return out, result
 
@@ -62,10 +53,10 @@ def test_a_run_writes_its_plot_and_report_and_says_what_next(trained):
 
 
 @pytest.mark.slow
-def test_chat_gives_the_same_greedy_text_from_the_adapter_and_from_the_merged_model(trained, tmp_path, cache):
+def test_chat_gives_the_same_greedy_text_from_the_adapter_and_from_the_merged_model(trained, tmp_path, tiny_cache):
     run_dir, _ = trained
     merged = tmp_path / "merged"
-    done = cli("merge", run_dir, "-o", merged, cache=cache)
+    done = cli("merge", run_dir, "-o", merged, tiny_cache=tiny_cache)
     assert done.returncode == 0, done.stderr[-3000:]
     assert (merged / "finetune_recipe.yaml").is_file()  # the merged model knows the run's prompt format
     prompts = [arg for p in PROMPTS for arg in ("--prompt", p)]
@@ -73,8 +64,8 @@ def test_chat_gives_the_same_greedy_text_from_the_adapter_and_from_the_merged_mo
     # mid-sentence (plain-text continuation) makes it produce tokens, so the comparison has text.
     cut = "### Instruction:\nWhat is the capital of Russia?\n\n### Response:\nThe capital of"
     for args in ([*prompts], ["--format", "text", "--prompt", cut]):
-        from_adapter = cli("chat", run_dir, *args, "--max-new-tokens", 16, cache=cache)
-        from_merged = cli("chat", merged, *args, "--max-new-tokens", 16, cache=cache)
+        from_adapter = cli("chat", run_dir, *args, "--max-new-tokens", 16, tiny_cache=tiny_cache)
+        from_merged = cli("chat", merged, *args, "--max-new-tokens", 16, tiny_cache=tiny_cache)
         assert from_adapter.returncode == 0, from_adapter.stderr[-3000:]
         assert from_merged.returncode == 0, from_merged.stderr[-3000:]
         assert from_merged.stdout == from_adapter.stdout
@@ -82,9 +73,9 @@ def test_chat_gives_the_same_greedy_text_from_the_adapter_and_from_the_merged_mo
 
 
 @pytest.mark.slow
-def test_eval_scores_the_fine_tuned_model_below_its_base(trained, cache):
+def test_eval_scores_the_fine_tuned_model_below_its_base(trained, tiny_cache):
     run_dir, _ = trained
-    result = cli("eval", run_dir, cache=cache)
+    result = cli("eval", run_dir, tiny_cache=tiny_cache)
     assert result.returncode == 0, result.stderr[-3000:]
     scores = json.loads((run_dir / "eval.json").read_text())
     assert scores["tuned"]["loss"] < scores["base"]["loss"] - 1.0, scores
@@ -95,7 +86,7 @@ def test_eval_scores_the_fine_tuned_model_below_its_base(trained, cache):
     sample = run_dir.parent / "five.jsonl"
     rows = (REPO / "recipes" / "data" / "demo_instructions.jsonl").read_text().splitlines()[:5]
     sample.write_text("\n".join(rows) + "\n")
-    on_file = cli("eval", run_dir, "--data", sample, cache=cache)
+    on_file = cli("eval", run_dir, "--data", sample, tiny_cache=tiny_cache)
     assert on_file.returncode == 0, on_file.stderr[-3000:]
     assert json.loads((run_dir / "eval.json").read_text())["sequences"] == 5
 

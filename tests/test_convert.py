@@ -27,7 +27,7 @@ from finetune.cli import app  # noqa: E402
 from finetune.convert import ConvertError, convert, peft_key  # noqa: E402
 from finetune.merge import merge  # noqa: E402
 from finetune.safetensors_io import Written  # noqa: E402
-from tests.merge_fixtures import build_llama, peft_merged_state_dict, safetensors_data_bytes  # noqa: E402
+from tests.merge_fixtures import assert_same, build_llama, peft_merged_state_dict, safetensors_data_bytes  # noqa: E402
 
 FIXTURES = Path(__file__).with_name("merge_fixtures.py")
 runner = CliRunner()
@@ -53,13 +53,6 @@ def runs(tmp_path_factory):
         "lora-zero2": train(base, root / "lora-zero2", 2, "lora"),
         "full-zero3": train(base, root / "full-zero3", 3, "full"),
     }
-
-
-def assert_same(ours: dict, reference: dict) -> None:
-    assert sorted(ours) == sorted(reference)
-    for name, expected in reference.items():
-        assert ours[name].dtype == expected.dtype, name
-        assert torch.equal(ours[name], expected), name
 
 
 @pytest.mark.slow
@@ -224,3 +217,26 @@ def test_weights_only_loads_refuse_what_the_scan_cannot_see(tmp_path):
         torch.load(str(path), weights_only=False)  # what zero_to_fp32 asks for
     assert not (tmp_path / "executed").exists()
     assert torch.load.__module__ == "torch.serialization"  # restored afterwards
+
+
+def test_convert_opens_the_checkpoint_type_resume_judges(tmp_path):
+    """One Checkpoint type: convert reads the step, DeepSpeed's tag and the COMPLETE marker of the folder
+    the same way `finetune train` does when it resumes (finetune.checkpoint)."""
+    from finetune import checkpoint as ckpt
+    from finetune.convert import find_checkpoint
+
+    folder = tmp_path / "checkpoint-4"
+    (folder / "global_step4").mkdir(parents=True)
+    (folder / "latest").write_text("global_step4")
+    torch.save({"param_shapes": [{"w": torch.Size([2])}], "module": {}, "ds_config": {}},
+               folder / "global_step4" / "mp_rank_00_model_states.pt")
+    torch.save({"optimizer_state_dict": {"zero_stage": 2}}, folder / "global_step4" / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    found = find_checkpoint(folder)
+    assert isinstance(found, ckpt.Checkpoint)
+    assert (found.step, found.path, found.tag, found.step_dir) == (4, folder, "global_step4", folder / "global_step4")
+    assert not found.complete and "no COMPLETE marker" in found.problem
+    assert found.model_states["param_shapes"] == [{"w": torch.Size([2])}]
+    ckpt.publish(folder, 4)
+    assert find_checkpoint(folder / "global_step4").complete  # the step folder itself names the same checkpoint
+    [listed] = ckpt.list_checkpoints(tmp_path)
+    assert (listed.step, listed.path, listed.complete) == (found.step, found.path, True)

@@ -12,11 +12,12 @@ from finetune.cli import app
 from finetune.doctor import (
     Facts, Gpu, checks_for_recipe, failed, machine_checks, report, run_doctor, satisfies,
 )
-from finetune.recipe import Recipe
+from tests.conftest import hub_recipe as recipe
 from tests.conftest import run_cli
 
 GOOD = {"torch": "2.5.1+cu124", "deepspeed": "0.16.2", "transformers": "4.46.3", "peft": "0.14.0",
-        "bitsandbytes": "0.45.0", "accelerate": "1.2.1", "datasets": "3.2.0", "trl": None, "flash-attn": None}
+        "bitsandbytes": "0.45.0", "accelerate": "1.2.1", "datasets": "3.2.0", "trl": None, "flash-attn": None,
+        "tensorboard": "2.18.0"}
 # transformers 5 is the runner's floor; 4.46 is fine for QLoRA + ZeRO-3 but not for `finetune train`.
 GOOD["transformers"] = "5.0.0"
 RTX_4070 = Gpu(0, "NVIDIA GeForce RTX 4070", 12 * 2**30, (8, 9))
@@ -31,13 +32,6 @@ def facts(gpus=(RTX_4070, RTX_4070), **versions) -> Facts:
                  cuda_available=bool(gpus), nccl="2.21.5" if gpus else None, gpus=gpus)
 
 
-def recipe(**sections) -> Recipe:
-    data = {"model": {"name_or_path": "org/m"}, "data": {"path": "org/d"}}
-    for key, value in sections.items():
-        data[key] = value
-    return Recipe.model_validate(data)
-
-
 def by_name(checks):
     return {c.name: c for c in checks}
 
@@ -47,9 +41,16 @@ QLORA_Z3 = dict(method="qlora", deepspeed={"stage": 3})
 
 @pytest.mark.parametrize("version,spec,ok", [
     ("0.43.3", ">=0.43.3", True), ("0.43.2", ">=0.43.3", False), ("0.44.0", ">=0.43.3", True),
-    ("4.44.2", ">4.44.2", False), ("4.45.0.dev0", ">4.44.2", True), ("4.44.2.post1", ">4.44.2", True),
+    ("4.44.2", ">4.44.2", False), ("4.45.0.dev0", ">4.44.2", True),
+    # PEP 440: `>V` excludes V's post-releases (pip reads it so; the hand-written parser let it through)
+    ("4.44.2.post1", ">4.44.2", False), ("4.44.3", ">4.44.2", True),
     ("2.5.1+cu124", ">=2.3", True), ("1.0.1", ">=1.0.1", True), ("1.0.1rc1", ">=1.0.1", False),
     ("0.13.0", ">0.13.0", False), ("0.13.1", ">0.13.0", True),
+    # local builds and pre-releases as pip installs them
+    ("2.13.0+cpu", ">=2.13", True), ("2.13.0+cpu", ">=2.3", True), ("2.12.1+cu124", ">=2.13", False),
+    ("0.19.8.dev0", ">=0.15.4", True), ("0.19.8.dev0", ">=0.19.8", False), ("0.19.8", ">=0.19.8.dev0", True),
+    ("2.6.0", ">=2.6,<3", True), ("3.0.0", ">=2.6,<3", False),
+    ("not a version", ">=1.0", False),  # unparseable: reported as too old, so it is looked at
 ])
 def test_version_floors(version, spec, ok):
     assert satisfies(version, spec) is ok
@@ -87,6 +88,33 @@ def test_qlora_needs_an_importable_bitsandbytes():
 def test_missing_deepspeed_fails_the_recipe():
     check = by_name(checks_for_recipe(recipe(), facts(deepspeed=None)))["train.deepspeed"]
     assert check.status == "fail" and check.fix.startswith("pip install")
+
+
+def test_qlora_without_bitsandbytes_names_the_extra_to_install(tmp_path):
+    check = by_name(checks_for_recipe(recipe(method="qlora"), facts(bitsandbytes=None)))["qlora.bitsandbytes"]
+    assert check.fix == "pip install 'finetune[qlora]'"
+    # ... and `finetune train`'s preflight says it in one line
+    from finetune.preflight import run_preflight
+    from finetune.recipe import load_recipe
+
+    path = tmp_path / "r.yaml"
+    path.write_text("model: {name_or_path: org/m}\nmethod: qlora\ndata: {path: org/d}\n")
+    errors = run_preflight(load_recipe(path), tmp_path / "run", facts=facts(bitsandbytes=None)).errors
+    assert [e for e in errors if "bitsandbytes" in e] == [
+        "environment: method: qlora needs bitsandbytes, which is not installed (fix: pip install 'finetune[qlora]')"]
+
+
+def test_reporting_to_tensorboard_needs_it_installed():
+    missing = by_name(checks_for_recipe(recipe(), facts(tensorboard=None)))["tensorboard"]
+    assert missing.status == "fail" and "training.report_to: tensorboard" in missing.message
+    assert missing.fix.startswith("pip install 'tensorboard>=2.15'") and "report_to: [none]" in missing.fix
+    assert "tensorboard" not in by_name(checks_for_recipe(recipe(training={"report_to": ["none"]}), facts(tensorboard=None)))
+    # the Trainer's callback falls back to tensorboardX
+    assert "tensorboard" not in by_name(checks_for_recipe(recipe(), facts(tensorboard=None, tensorboardX="2.6.2")))
+    broken_facts = facts()
+    broken_facts.import_errors["tensorboard"] = "ImportError: cannot import name 'builder' from 'google.protobuf.internal'"
+    broken = by_name(checks_for_recipe(recipe(), broken_facts))["tensorboard"]
+    assert broken.status == "fail" and "protobuf" in broken.message and "--force-reinstall" in broken.fix
 
 
 def test_more_processes_than_gpus():
@@ -187,3 +215,76 @@ def test_cli_doctor_json():
 def test_cli_doctor_rejects_unknown_format():
     done = run_cli("doctor", "--format", "xml")
     assert done.returncode == 2 and "--format" in done.stderr
+
+
+# ----------------------------------------------------------------------------------------------
+# The floors are pyproject's, read back from the installed package (finetune.requirements)
+
+
+def _metadata_with(monkeypatch, **changed):
+    """The installed package's Requires-Dist lines with some `train` floors replaced."""
+    import importlib.metadata
+
+    real = importlib.metadata.requires
+
+    def requires(name):
+        lines = real(name)
+        if name != "finetune":
+            return lines
+        for package, spec in changed.items():
+            lines = [f'{package}{spec}; extra == "train"' if line.startswith(package) and 'extra == "train"' in line
+                     else line for line in lines]
+        return lines
+
+    monkeypatch.setattr(importlib.metadata, "requires", requires)
+
+
+def test_a_floor_raised_in_the_package_metadata_changes_the_verdict(monkeypatch):
+    assert by_name(checks_for_recipe(recipe(), facts(peft="0.14.0")))["train.peft"].status == "ok"
+    _metadata_with(monkeypatch, peft=">=0.15")
+    check = by_name(checks_for_recipe(recipe(), facts(peft="0.14.0")))["train.peft"]
+    assert check.status == "fail" and check.fix == "pip install -U 'peft>=0.15'"
+    _metadata_with(monkeypatch, torch=">=2.13")
+    assert by_name(checks_for_recipe(recipe(), facts(torch="2.13.0+cpu")))["train.torch"].status == "ok"
+    old = by_name(machine_checks(facts(torch="2.12.1+cu124")))["train.torch"]
+    assert old.status == "fail" and old.fix == "pip install -U 'torch>=2.13'"
+
+
+def test_markers_and_extras_decide_which_requirements_count():
+    from packaging.requirements import Requirement
+
+    from finetune.requirements import floors
+
+    lines = ['typer>=0.12', 'peft>=0.14; extra == "train"', 'bitsandbytes>=0.43.3; extra == "qlora"',
+             'old-lib>=1; extra == "train" and python_version < "3"', 'torch>=2.3; extra == "train"',
+             'torch<3; extra == "train"']
+    train = floors("train", [Requirement(line) for line in lines])
+    assert {name: str(spec) for name, spec in train.items()} == {"peft": ">=0.14", "torch": "<3,>=2.3"}
+    assert list(floors("qlora", [Requirement(line) for line in lines])) == ["bitsandbytes"]
+
+
+def test_a_source_checkout_reads_the_same_floors_from_pyproject(monkeypatch):
+    import importlib.metadata
+
+    from finetune import requirements
+
+    installed = {extra: requirements.extra_floors(extra) for extra in ("train", "qlora", "liger", "merge")}
+    python = requirements.python_requirement()
+
+    def not_installed(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "requires", not_installed)
+    monkeypatch.setattr(importlib.metadata, "metadata", not_installed)
+    assert {extra: requirements.extra_floors(extra) for extra in installed} == installed
+    assert requirements.python_requirement() == python
+    # bitsandbytes is QLoRA's alone: a LoRA-only GPU box does not install it
+    assert "bitsandbytes" not in installed["train"] and installed["qlora"] == {"bitsandbytes": ">=0.43.3"}
+
+
+def test_python_older_than_requires_python_fails():
+    old = facts()
+    old.python = "3.9.18"
+    check = by_name(machine_checks(old))["python"]
+    assert check.status == "fail" and "needs >=3.10" in check.message
+    assert by_name(machine_checks(facts()))["python"].status == "ok"

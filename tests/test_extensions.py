@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 
 from finetune.cli import app
 from finetune.extensions import CPU_COMM_OP, LOCK_GRACE_S, BuildWatch, is_built, lock_note
+from tests.conftest import write_local_inputs
 
 
 @pytest.fixture
@@ -75,9 +76,7 @@ def test_first_run_compile_is_announced_and_its_end_reported(cache):
 def test_train_says_so_before_launch_and_a_dry_run_removes_nothing(cache, tmp_path, monkeypatch):
     lock = stale_lock(cache / CPU_COMM_OP)
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "model").mkdir()
-    (tmp_path / "model" / "config.json").write_text('{"model_type": "llama"}')
-    (tmp_path / "data.jsonl").write_text('{"instruction": "Add 2 and 3.", "output": "5"}\n')
+    write_local_inputs(tmp_path)
     (tmp_path / "r.yaml").write_text("model: {name_or_path: ./model}\ndata: {path: data.jsonl}\n")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # the CPU path, where the comm op is compiled
     result = CliRunner().invoke(app, ["train", "r.yaml", "--output-dir", "out", "--dry-run"])

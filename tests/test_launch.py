@@ -22,13 +22,14 @@ from finetune.launch import (
 )
 from finetune.recipe import Recipe, load_recipe
 from finetune.rundir import write_run_dir
+from tests.conftest import hub_recipe
 from tests.train_fixtures import os_free_port
 
 RUN = Path("/runs/demo")
 
 
 def recipe(**launch) -> Recipe:
-    return Recipe.model_validate({"model": {"name_or_path": "org/m"}, "data": {"path": "org/d"}, "launch": launch})
+    return hub_recipe(launch=launch)
 
 
 # ----------------------------------------------------------------------------------------------

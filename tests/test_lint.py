@@ -107,6 +107,26 @@ def test_local_dataset_checks(write_recipe, tmp_path):
     assert ("R109", "error", "data.path") in rules_of(wrong)
 
 
+def test_data_sources_and_mixture(write_recipe, tmp_path):
+    (tmp_path / "a.jsonl").write_text('{"instruction": "a", "output": "b"}\n')
+    path = write_recipe("model: {name_or_path: org/m}\ndata:\n  think: mask\n  sources:\n"
+                        "    - {path: ./a.jsonl, weight: 3, samples: 4, roles: {bot: assistant}}\n"
+                        "    - {path: ./a.jsonl, columns: {instrution: q}}\n"
+                        "    - {path: ./gone.jsonl, format: sharegpt, weight: 1}\n")
+    found = rules_of(path)
+    assert ("R115", "error", "data.sources.0.samples") in found
+    assert ("R115", "error", "data.sources.1.path") in found
+    assert ("R116", "warning", "data.sources.0.roles") in found
+    assert ("R116", "error", "data.sources.1.columns.instrution") in found
+    assert ("R117", "warning", "data.sources.1.path") in found
+    assert ("R109", "warning", "data.sources.2.path") in found
+    assert not [f for f in found if f[2] == "data.think"]  # a sharegpt source is there
+    alone = write_recipe("model: {name_or_path: org/m}\ndata: {path: ./a.jsonl, think: mask}\n", name="t.yaml")
+    assert ("R116", "warning", "data.think") in rules_of(alone)
+    both = write_recipe("model: {name_or_path: org/m}\ndata: {path: ./a.jsonl, sources: [{path: ./a.jsonl}]}\n", name="b.yaml")
+    assert [f for f in rules_of(both) if f[0] == "R004"]
+
+
 def test_eval_without_split_and_ignored_sections(write_recipe):
     path = write_recipe(MINIMAL + "method: full\nlora:\n  r: 8\nquantization:\n  quant_type: fp4\ntraining:\n  eval_steps: 10\n")
     found = rules_of(path)

@@ -30,8 +30,8 @@ from finetune.merge_inputs import resolve_inputs  # noqa: E402
 from finetune.merge_verify import verify  # noqa: E402
 from finetune.safetensors_io import MergeError, human_size  # noqa: E402
 from tests.conftest import REPO  # noqa: E402
-from tests.merge_fixtures import (build_adapter, build_gpt2, build_llama, peft_merged_state_dict,  # noqa: E402
-                                  safetensors_data_bytes)
+from tests.merge_fixtures import (assert_same, build_adapter, build_gpt2, build_llama,  # noqa: E402
+                                  peft_merged_state_dict, safetensors_data_bytes)
 
 runner = CliRunner()
 
@@ -41,13 +41,6 @@ def load_dir(path: Path) -> dict:
     for file in sorted(glob.glob(str(path / "*.safetensors"))):
         tensors.update(load_file(file))
     return tensors
-
-
-def assert_same(ours: dict, reference: dict) -> None:
-    assert sorted(ours) == sorted(reference)
-    for name, expected in reference.items():
-        assert ours[name].dtype == expected.dtype, name
-        assert torch.equal(ours[name], expected), f"{name} differs from PEFT's merge"
 
 
 @pytest.fixture(scope="module")

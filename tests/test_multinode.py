@@ -21,7 +21,8 @@ import pytest
 
 from finetune.launch import commands_per_node, deepspeed_env_text, plan_launch
 from finetune.recipe import Recipe
-from tests.train_fixtures import REPO, TINY_RECIPES, cache_dir, os_free_port, runner_env
+from tests.conftest import hub_recipe, write_local_inputs
+from tests.train_fixtures import REPO, TINY_RECIPES, os_free_port, runner_env
 
 GOLDEN = Path(__file__).parent / "golden"
 RUN = Path("/runs/demo")
@@ -35,7 +36,7 @@ def check_golden(name: str, text: str) -> None:
 
 
 def recipe(**launch) -> Recipe:
-    return Recipe.model_validate({"model": {"name_or_path": "org/m"}, "data": {"path": "org/d"}, "launch": launch})
+    return hub_recipe(launch=launch)
 
 
 def render(commands: list[tuple[str, str]]) -> str:
@@ -90,9 +91,7 @@ def test_dry_run_prints_every_node(tmp_path, monkeypatch):
     from finetune.cli import app
 
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "model").mkdir()
-    (tmp_path / "model" / "config.json").write_text('{"model_type": "llama"}')
-    (tmp_path / "data.jsonl").write_text('{"instruction": "Add 2 and 3.", "output": "5"}\n')
+    write_local_inputs(tmp_path)
     (tmp_path / "r.yaml").write_text("model: {name_or_path: ./model}\ndata: {path: data.jsonl}\nlaunch: {procs_per_node: 2}\n")
     result = CliRunner().invoke(app, ["train", "r.yaml", "--output-dir", "out", "--dry-run", "--nnodes", "3",
                                       "--node-rank", "2", "--master-addr", "10.0.0.1", "--master-port", "29700"])
@@ -111,17 +110,8 @@ def test_dry_run_prints_every_node(tmp_path, monkeypatch):
 # Slow: two nodes on one box
 
 
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    from finetune.tiny import ensure_builtin_model
-
-    root = cache_dir(tmp_path_factory)
-    ensure_builtin_model("builtin:tiny-llama", root)
-    return root
-
-
 @pytest.mark.slow
-def test_two_nodes_on_localhost_train_to_the_end(tmp_path, cache):
+def test_two_nodes_on_localhost_train_to_the_end(tmp_path, tiny_cache):
     port = os_free_port()
     procs = []
     for rank in (0, 1):
@@ -129,7 +119,7 @@ def test_two_nodes_on_localhost_train_to_the_end(tmp_path, cache):
                 "--output-dir", str(tmp_path / f"node{rank}"), "--set", "launch.procs_per_node=1",
                 "--set", "training.save_steps=6", "--nnodes", "2", "--node-rank", str(rank),
                 "--master-addr", "127.0.0.1", "--master-port", str(port)]
-        procs.append(subprocess.Popen(argv, cwd=REPO, env=runner_env(cache), stdout=subprocess.PIPE,
+        procs.append(subprocess.Popen(argv, cwd=REPO, env=runner_env(tiny_cache), stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True))
     outputs = [p.communicate(timeout=600)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], "\n\n".join(o[-3000:] for o in outputs)

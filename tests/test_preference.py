@@ -1,4 +1,4 @@
-"""Preference objectives without training (fast): recipe keys and ranges, lint R115-R117, every row checked
+"""Preference objectives without training (fast): recipe keys and ranges, lint R118-R120, every row checked
 before launch, the planner's preference terms, TRL's config keys, summary metrics, the shipped data.
 
 The real runs are in tests/test_preference_runs.py (slow).
@@ -59,22 +59,22 @@ def test_adapter_and_reference_paths_are_relative_to_the_recipe(tmp_path, write_
 
 
 def test_preference_keys_the_objective_does_not_read_are_errors(write_recipe):
-    assert ("R115", "error", "preference") in rules_of(write_recipe(MINIMAL + "preference: {beta: 0.2}\n"))
+    assert ("R118", "error", "preference") in rules_of(write_recipe(MINIMAL + "preference: {beta: 0.2}\n"))
     found = rules_of(write_recipe(DPO + "preference:\n  simpo_gamma: 1.0\n  loss_type: apo_zero_unpaired\n"))
-    assert ("R115", "error", "preference.simpo_gamma") in found
-    assert ("R115", "error", "preference.loss_type") in found  # a kto loss under dpo
+    assert ("R118", "error", "preference.simpo_gamma") in found
+    assert ("R118", "error", "preference.loss_type") in found  # a kto loss under dpo
     found = rules_of(write_recipe(MINIMAL + "objective: orpo\npreference: {reference: {mode: model}}\n"))
-    assert ("R115", "error", "preference.reference") in found  # ORPO is reference-free
+    assert ("R118", "error", "preference.reference") in found  # ORPO is reference-free
     found = rules_of(write_recipe(DPO + "method: full\n"))
-    assert ("R115", "error", "preference.reference.mode") in found  # no adapter to switch off
+    assert ("R118", "error", "preference.reference.mode") in found  # no adapter to switch off
     assert rules_of(write_recipe(DPO + "method: full\npreference: {reference: {mode: precomputed}}\n")) == []
 
 
 def test_sft_data_keys_are_errors_under_a_preference_objective(write_recipe):
     text = DPO.replace("  path: org/some-dataset\n", "  path: org/some-dataset\n  format: messages\n  packing: true\n")
     found = rules_of(write_recipe(text + "training: {loss_kernel: chunked}\n"))
-    assert {("R116", "error", "data.format"), ("R116", "error", "data.packing"),
-            ("R116", "error", "training.loss_kernel")} <= set(found)
+    assert {("R119", "error", "data.format"), ("R119", "error", "data.packing"),
+            ("R119", "error", "training.loss_kernel")} <= set(found)
     # inherited from an SFT recipe it extends: that data section is the parent's business
     write_recipe(MINIMAL.replace("  path: org/some-dataset\n", "  path: org/some-dataset\n  format: alpaca\n"),
                  name="sft.yaml")
@@ -83,11 +83,11 @@ def test_sft_data_keys_are_errors_under_a_preference_objective(write_recipe):
 
 def test_model_adapter_rules(tmp_path, write_recipe):
     full = DPO.replace("model:\n", "model:\n  adapter: ./sft\n") + "method: full\npreference: {reference: {mode: model}}\n"
-    assert ("R117", "error", "model.adapter") in rules_of(write_recipe(full))
+    assert ("R120", "error", "model.adapter") in rules_of(write_recipe(full))
     missing = write_recipe(DPO.replace("model:\n", "model:\n  adapter: ./nowhere\n") + "lora: {r: 4}\n")
-    assert {("R117", "info", "model.adapter"), ("R117", "warning", "lora")} <= set(rules_of(missing))
+    assert {("R120", "info", "model.adapter"), ("R120", "warning", "lora")} <= set(rules_of(missing))
     sft = write_recipe(MINIMAL.replace("model:\n", "model:\n  adapter: ./sft\n"), name="sft.yaml")
-    assert ("R117", "error", "model.adapter") in rules_of(sft)  # the SFT runner would ignore it
+    assert ("R120", "error", "model.adapter") in rules_of(sft)  # the SFT runner would ignore it
 
 
 def test_shipped_preference_recipes_lint_clean():
@@ -285,23 +285,13 @@ def test_every_preference_tiny_recipe_is_trained_by_a_slow_test():
     assert shipped == set(TRAINED)
 
 
-def test_resume_refuses_a_changed_objective_and_keeps_sft_keys_as_they_were():
-    from finetune.checkpoint import changed_fields, resume_fields
-
-    sft = {"method": "lora", "data": {"path": ""}, "objective": "sft"}
-    assert "objective" not in resume_fields(sft, 2)  # resume keys written before preference training still match
-    dpo = resume_fields({**sft, "objective": "dpo", "preference": {"beta": 0.1}}, 2)
-    changed = changed_fields(dpo, resume_fields({**sft, "objective": "orpo", "preference": {"beta": 0.2}}, 2))
-    assert changed == ["objective: dpo -> orpo", "preference.beta: 0.1 -> 0.2"]
-
-
 def test_chat_prompts_a_preference_run_with_the_chat_template_and_eval_says_what_it_cannot_score(tmp_path):
-    from finetune.chat import _trained_format
+    from finetune.chat import _chat_format
     from finetune.evaluate import EvalError, eval_rows
     from finetune.recipe import Recipe
 
     recipe = Recipe.model_validate({"model": {"name_or_path": "m"}, "data": {"path": "d"}, "objective": "dpo"})
-    assert _trained_format(recipe) == "messages"
+    assert _chat_format(recipe) == "messages"
     with pytest.raises(EvalError, match="objective: dpo: its preference rows have no loss to score"):
         eval_rows(tmp_path, recipe, None, None, print)
 

@@ -1,7 +1,7 @@
 """`finetune train`'s preflight: every failure has a clear message, starts no process and writes nothing.
 
 The CLI runs in-process (typer's CliRunner) with `finetune.launch.supervision.spawn` replaced, so a test would
-notice any launch attempt; the dataset readers are tested directly on small files of each kind.
+notice any launch attempt. The dataset readers are tested in tests/test_data_validate.py.
 """
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-import finetune.launch.supervision
 from finetune.cli import app
-from finetune.preflight import DataProblem, Preflight, check_rows, model_step, output_dir_problem
+from finetune.preflight import Preflight, model_step, output_dir_problem
 from finetune.recipe import Recipe, load_recipe
 from finetune.rundir import write_run_dir
+from tests.conftest import write_local_inputs
 
 ALPACA = [{"instruction": "Add 2 and 3.", "input": "", "output": "5"},
           {"instruction": "Capital of France?", "output": "Paris"}]
@@ -24,24 +24,10 @@ MESSAGES = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant
 
 
 @pytest.fixture
-def no_launch(monkeypatch):
-    """Fails the test if anything tries to start the launcher."""
-    started = []
-
-    def spawn(plan):
-        started.append(plan)
-        raise AssertionError("preflight should have stopped before launching")
-
-    monkeypatch.setattr(finetune.launch.supervision, "spawn", spawn)
-    return started
-
-
-@pytest.fixture
 def workspace(tmp_path, monkeypatch):
     """A folder with a good dataset, a local model directory and a recipe using both."""
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "model").mkdir()
-    (tmp_path / "model" / "config.json").write_text('{"model_type": "llama"}')
+    write_local_inputs(tmp_path)
     write_jsonl(tmp_path / "data.jsonl", ALPACA)
     return tmp_path
 
@@ -83,8 +69,8 @@ def test_missing_dataset(workspace, no_launch):
 def test_wrong_columns(workspace, no_launch):
     write_jsonl(workspace / "chat.jsonl", MESSAGES)
     result = train(recipe_file(workspace, data="chat.jsonl"), "--output-dir", workspace / "out")
-    assert_refused(result, workspace / "out", "row 1: no `instruction` or `output` column",
-                   "did you mean data.format: messages?")
+    assert_refused(result, workspace / "out", "chat.jsonl:1: no `instruction` column",
+                   "did you mean format: messages?")
 
 
 def test_missing_model(workspace, no_launch):
@@ -155,64 +141,6 @@ def test_hub_model_is_a_warning_not_an_error(workspace, no_launch):
 
 
 # ----------------------------------------------------------------------------------------------
-# Dataset readers
-
-
-@pytest.mark.parametrize("fmt,rows", [("alpaca", ALPACA), ("messages", MESSAGES), ("text", [{"text": "hello"}])])
-def test_formats_in_jsonl_json_and_parquet(tmp_path, fmt, rows):
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    write_jsonl(tmp_path / "d.jsonl", rows)
-    (tmp_path / "d.json").write_text(json.dumps(rows, indent=2))
-    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "d.parquet")
-    for suffix in ("jsonl", "json", "parquet"):
-        assert check_rows(tmp_path / f"d.{suffix}", fmt) == len(rows)
-
-
-def test_csv(tmp_path):
-    (tmp_path / "d.csv").write_text("instruction,input,output\nAdd 1 and 1.,,2\n")
-    assert check_rows(tmp_path / "d.csv", "alpaca") == 1
-    (tmp_path / "q.csv").write_text("question,answer\nwhy,because\n")
-    with pytest.raises(DataProblem, match=r"row 1: no `instruction` or `output` column .*found `question`, `answer`"):
-        check_rows(tmp_path / "q.csv", "alpaca")
-
-
-def test_json_lines_in_a_json_file(tmp_path):
-    write_jsonl(tmp_path / "d.json", ALPACA)
-    assert check_rows(tmp_path / "d.json", "alpaca") == 2
-
-
-def test_a_json_object_of_columns(tmp_path):
-    (tmp_path / "cols.json").write_text(json.dumps({"instruction": ["a", "b"], "output": ["1", "2"]}, indent=2))
-    assert check_rows(tmp_path / "cols.json", "alpaca") == 2
-    (tmp_path / "one.json").write_text(json.dumps({"instruction": "a", "output": "1"}, indent=2))
-    with pytest.raises(DataProblem, match="not a table of equal-length columns"):
-        check_rows(tmp_path / "one.json", "alpaca")
-
-
-def test_bad_rows(tmp_path):
-    (tmp_path / "broken.jsonl").write_text('{"text": "a"}\n{"text": \n')
-    with pytest.raises(DataProblem, match=r"broken.jsonl:2: not valid JSON"):
-        check_rows(tmp_path / "broken.jsonl", "text")
-    (tmp_path / "empty.jsonl").write_text("\n")
-    with pytest.raises(DataProblem, match="no rows"):
-        check_rows(tmp_path / "empty.jsonl", "text")
-    write_jsonl(tmp_path / "roles.jsonl", [{"messages": [{"content": "no role"}]}])
-    with pytest.raises(DataProblem, match=r"messages\[0\] must be an object with `role` and `content`"):
-        check_rows(tmp_path / "roles.jsonl", "messages")
-    write_jsonl(tmp_path / "num.jsonl", [{"text": 3}])
-    with pytest.raises(DataProblem, match="`text` must be text, got int"):
-        check_rows(tmp_path / "num.jsonl", "text")
-
-
-def test_only_the_first_rows_are_read(tmp_path):
-    # A bad row far down is the tokenizer's business at launch; the preflight stays cheap on big files.
-    write_jsonl(tmp_path / "d.jsonl", [{"text": "ok"}] * 50 + [{"oops": 1}])
-    assert check_rows(tmp_path / "d.jsonl", "text") == 20
-
-
-# ----------------------------------------------------------------------------------------------
 # Model and output directory
 
 
@@ -270,7 +198,7 @@ def test_chat_template_is_rendered_on_the_first_rows_before_launch(workspace, no
     path = workspace / "r.yaml"
     path.write_text(f"model: {{name_or_path: ./model, dtype: float32}}\n{extra}")
     result = train(path, "--output-dir", workspace / "out")
-    assert_refused(result, workspace / "out", "data.chat_template", "chat.jsonl: row 1", needle)
+    assert_refused(result, workspace / "out", "data.chat_template", "chat.jsonl:1", needle)
     assert not no_launch
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: data.chat_template")]
     assert len(errors) == 1

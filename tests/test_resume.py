@@ -24,12 +24,12 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-import finetune.launch.supervision
 from finetune import checkpoint as ckpt
 from finetune.cli import app
 from finetune.recipe import load_recipe
 from finetune.rundir import resolved_recipe, write_run_dir
-from tests.train_fixtures import REPO, TINY_RECIPES, assert_run_report, cache_dir, os_free_port, runner_env
+from tests.conftest import write_local_inputs
+from tests.train_fixtures import REPO, TINY_RECIPES, assert_run_report, os_free_port, runner_env
 
 RECIPE = TINY_RECIPES / "lora_zero2.yaml"
 SETS = ("--set", "training.save_steps=4")
@@ -38,15 +38,6 @@ STEPS = 12
 
 # ------------------------------------------------------------------------------------------------
 # Slow: the real CLI, the real runner
-
-
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    from finetune.tiny import ensure_builtin_model
-
-    root = cache_dir(tmp_path_factory)
-    ensure_builtin_model("builtin:tiny-llama", root)
-    return root
 
 
 def train_argv(out: Path, *extra: str) -> list[str]:
@@ -58,11 +49,11 @@ def train_argv(out: Path, *extra: str) -> list[str]:
 class Run:
     """`finetune train` in the background, its output in a file the test can watch."""
 
-    def __init__(self, argv: list[str], cache: Path, log: Path, own_group: bool = False):
+    def __init__(self, argv: list[str], tiny_cache: Path, log: Path, own_group: bool = False):
         self.log = log
         self.handle = open(log, "wb")
         # own_group: `finetune train` leads a process group, as in a shell, so the test can kill the group
-        self.proc = subprocess.Popen(argv, cwd=REPO, env=runner_env(cache), stdout=self.handle,
+        self.proc = subprocess.Popen(argv, cwd=REPO, env=runner_env(tiny_cache), stdout=self.handle,
                                      stderr=subprocess.STDOUT, start_new_session=own_group)
 
     def text(self) -> str:
@@ -103,8 +94,8 @@ class Run:
         self.finish()
 
 
-def run_to_end(out: Path, cache: Path, log: Path) -> subprocess.CompletedProcess:
-    result = subprocess.run(train_argv(out), cwd=REPO, env=runner_env(cache), capture_output=True, text=True,
+def run_to_end(out: Path, tiny_cache: Path, log: Path) -> subprocess.CompletedProcess:
+    result = subprocess.run(train_argv(out), cwd=REPO, env=runner_env(tiny_cache), capture_output=True, text=True,
                             timeout=600)
     log.write_text(result.stdout + result.stderr)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -112,10 +103,10 @@ def run_to_end(out: Path, cache: Path, log: Path) -> subprocess.CompletedProcess
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, cache):
+def reference(tmp_path_factory, tiny_cache):
     """One uninterrupted run: what every interrupted and resumed run must end with."""
     out = tmp_path_factory.mktemp("reference") / "run"
-    run_to_end(out, cache, out.parent / "log.txt")
+    run_to_end(out, tiny_cache, out.parent / "log.txt")
     return out
 
 
@@ -143,9 +134,9 @@ def assert_same_training(run_dir: Path, reference: Path) -> None:
 
 
 @pytest.mark.slow
-def test_sigterm_saves_a_checkpoint_and_the_next_run_continues_it_exactly(reference, tmp_path, cache):
+def test_sigterm_saves_a_checkpoint_and_the_next_run_continues_it_exactly(reference, tmp_path, tiny_cache):
     out = tmp_path / "run"
-    first = Run(train_argv(out), cache, tmp_path / "first.log")
+    first = Run(train_argv(out), tiny_cache, tmp_path / "first.log")
     first.wait_for(lambda: first.steps_logged() >= 5)
     first.proc.send_signal(signal.SIGTERM)
     assert first.finish() == ckpt.EXIT_PREEMPTED, first.text()[-4000:]
@@ -156,7 +147,7 @@ def test_sigterm_saves_a_checkpoint_and_the_next_run_continues_it_exactly(refere
     assert f"stopped: SIGTERM at step {step}: checkpoint-{step} is complete" in first.text()
     assert not (out / "adapter").exists() and not (out / "summary.json").exists()  # no final outputs
 
-    second = subprocess.run(train_argv(out), cwd=REPO, env=runner_env(cache), capture_output=True, text=True, timeout=600)
+    second = subprocess.run(train_argv(out), cwd=REPO, env=runner_env(tiny_cache), capture_output=True, text=True, timeout=600)
     assert second.returncode == 0, second.stderr[-4000:]
     assert f"resuming from checkpoint-{step} (step {step})" in second.stderr
     assert not (out / ckpt.STOP_RECORD).exists()
@@ -168,9 +159,9 @@ def test_sigterm_saves_a_checkpoint_and_the_next_run_continues_it_exactly(refere
 
 
 @pytest.mark.slow
-def test_sigkill_while_a_checkpoint_is_written_resumes_from_the_previous_one(reference, tmp_path, cache):
+def test_sigkill_while_a_checkpoint_is_written_resumes_from_the_previous_one(reference, tmp_path, tiny_cache):
     out = tmp_path / "run"
-    first = Run(train_argv(out), cache, tmp_path / "first.log")
+    first = Run(train_argv(out), tiny_cache, tmp_path / "first.log")
     first.wait_for(lambda: (out / "checkpoint-8").is_dir(), poll=0.002)
     first.kill_all()
     half = out / "checkpoint-8"
@@ -182,7 +173,7 @@ def test_sigkill_while_a_checkpoint_is_written_resumes_from_the_previous_one(ref
         state.write_bytes(state.read_bytes()[:10])
     assert [(c.step, c.complete) for c in ckpt.list_checkpoints(out)] == [(4, True), (8, False)]
 
-    second = subprocess.run(train_argv(out), cwd=REPO, env=runner_env(cache), capture_output=True, text=True, timeout=600)
+    second = subprocess.run(train_argv(out), cwd=REPO, env=runner_env(tiny_cache), capture_output=True, text=True, timeout=600)
     assert second.returncode == 0, second.stderr[-4000:]
     assert "resuming from checkpoint-4 (step 4)" in second.stderr
     assert "checkpoint-8 is incomplete" in second.stderr
@@ -191,14 +182,14 @@ def test_sigkill_while_a_checkpoint_is_written_resumes_from_the_previous_one(ref
 
 
 @pytest.mark.slow
-def test_sighup_is_a_stop_and_a_killed_finetune_train_takes_its_launcher_and_ranks(tmp_path, cache):
+def test_sighup_is_a_stop_and_a_killed_finetune_train_takes_its_launcher_and_ranks(tmp_path, tiny_cache):
     """A dropped SSH session (SIGHUP) saves a checkpoint and exits 75; `kill -9` of the process group of
     `finetune train` leaves no launcher or rank running (finetune.lifeline), and no lock behind."""
     import psutil
 
     out = tmp_path / "run"
     argv = train_argv(out, "--set", "training.max_steps=60")
-    first = Run(argv, cache, tmp_path / "first.log", own_group=True)
+    first = Run(argv, tiny_cache, tmp_path / "first.log", own_group=True)
     first.wait_for(lambda: first.steps_logged() >= 3)
     first.proc.send_signal(signal.SIGHUP)
     assert first.finish() == ckpt.EXIT_PREEMPTED, first.text()[-4000:]
@@ -206,7 +197,7 @@ def test_sighup_is_a_stop_and_a_killed_finetune_train_takes_its_launcher_and_ran
     assert ckpt.latest_complete(out).step == step
     assert f"stopped: SIGHUP at step {step}: checkpoint-{step} is complete" in first.text()
 
-    second = Run(argv, cache, tmp_path / "second.log", own_group=True)
+    second = Run(argv, tiny_cache, tmp_path / "second.log", own_group=True)
     second.wait_for(lambda: second.steps_logged() >= 2)
     tree = psutil.Process(second.proc.pid).children(recursive=True)
     ranks = [p for p in tree if "finetune.train.runner" in " ".join(p.cmdline()) and "torch.distributed.run" not in " ".join(p.cmdline())]
@@ -321,19 +312,9 @@ def test_free_space_check(tmp_path):
 
 
 @pytest.fixture
-def no_launch(monkeypatch):
-    def spawn(plan):
-        raise AssertionError("nothing should be launched")
-
-    monkeypatch.setattr(finetune.launch.supervision, "spawn", spawn)
-
-
-@pytest.fixture
 def workspace(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "model").mkdir()
-    (tmp_path / "model" / "config.json").write_text('{"model_type": "llama"}')
-    (tmp_path / "data.jsonl").write_text('{"instruction": "Add 2 and 3.", "output": "5"}\n')
+    write_local_inputs(tmp_path)
     recipe = tmp_path / "r.yaml"
     recipe.write_text("model: {name_or_path: ./model, dtype: float32}\ndata: {path: data.jsonl}\n"
                       "launch: {procs_per_node: 2}\ntraining: {save_steps: 4}\n")

@@ -11,12 +11,7 @@ import pytest
 from finetune.tiny import (
     BUILTIN_CONFIGS, BuiltinModelError, builtin_config, builtin_model_dir, ensure_builtin_model, resolve_model_path,
 )
-from tests.train_fixtures import REPO, cache_dir
-
-
-@pytest.fixture(scope="session")
-def tiny_dir(tmp_path_factory):
-    return ensure_builtin_model("builtin:tiny-llama", cache_dir(tmp_path_factory))
+from tests.train_fixtures import REPO
 
 
 def test_hub_ids_and_paths_pass_through():

@@ -15,16 +15,9 @@ from finetune.train.data import (
     IGNORE_INDEX, Collator, DataError, cache_key, format_alpaca, load_raw, pack, split_eval,
     tokenize_examples, tokenize_for_training,
 )
-from tests.train_fixtures import REPO, cache_dir
+from tests.train_fixtures import REPO
 
 DEMO = REPO / "recipes" / "data" / "demo_instructions.jsonl"
-
-
-@pytest.fixture(scope="session")
-def tiny_dir(tmp_path_factory):
-    from finetune.tiny import ensure_builtin_model
-
-    return ensure_builtin_model("builtin:tiny-llama", cache_dir(tmp_path_factory))
 
 
 @pytest.fixture(scope="session")
@@ -112,9 +105,9 @@ def test_truncation_keeps_max_length_and_drops_examples_with_no_response_left(to
 
 
 def test_bad_examples_name_the_index(tokenizer):
-    with pytest.raises(DataError, match="example 1: alpaca examples need string"):
+    with pytest.raises(DataError, match="example 1: `output` must be text, got int"):
         tokenize_examples([{"instruction": "a", "output": "b"}, {"instruction": "a", "output": 3}], tokenizer, "alpaca", 64)
-    with pytest.raises(DataError, match="example 0: messages examples need a `messages` list"):
+    with pytest.raises(DataError, match="example 0: `messages` must be a list of turns, got text that is not JSON"):
         tokenize_examples([{"messages": "hello"}], tokenizer, "messages", 64)
 
 
@@ -195,7 +188,7 @@ def test_missing_and_unsupported_files(tmp_path):
 
 
 def test_wrong_format_names_the_columns(tmp_path, tokenizer):
-    with pytest.raises(DataError, match="format `messages` needs column\\(s\\) messages; found instruction, input, output"):
+    with pytest.raises(DataError, match="example 0: no `messages` column .*found `instruction`, `input`, `output`\\); did you mean format: alpaca\\?"):
         tokenize_for_training(_data(DEMO, format="messages"), tokenizer, tmp_path, log=lambda m: None)
 
 

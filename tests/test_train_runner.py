@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.train_fixtures import REPO, TINY_RECIPES, cache_dir, launch_runner, reload_logits, write_run_dir
+from tests.train_fixtures import REPO, TINY_RECIPES, launch_runner, reload_logits, write_run_dir
 
 # recipe file -> what it saves
 COMBINATIONS = {
@@ -28,28 +28,20 @@ COMBINATIONS = {
     "full_zero3_offload": "model",
     "full_zero0": "model",
     "full_zero3_chunked": "model",  # training.loss_kernel: chunked
+    "mix_alpaca_sharegpt": "adapter",  # data.sources: alpaca + ShareGPT, 3:1
 }
-
-
-@pytest.fixture(scope="session")
-def cache(tmp_path_factory):
-    from finetune.tiny import ensure_builtin_model
-
-    root = cache_dir(tmp_path_factory)
-    ensure_builtin_model("builtin:tiny-llama", root)  # once, before the runs (as preflight does)
-    return root
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(COMBINATIONS))
-def test_two_process_run_learns_and_saves_what_it_trained(name, tmp_path, cache):
+def test_two_process_run_learns_and_saves_what_it_trained(name, tmp_path, tiny_cache):
     import torch
 
     from finetune.tiny import builtin_model_dir
 
     run_dir = tmp_path / "run"
     recipe = write_run_dir(TINY_RECIPES / f"{name}.yaml", run_dir, world_size=2)
-    result = launch_runner(run_dir, cache)
+    result = launch_runner(run_dir, tiny_cache)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
 
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -70,6 +62,8 @@ def test_two_process_run_learns_and_saves_what_it_trained(name, tmp_path, cache)
     assert effective["optimizer"]["params"]["torch_adam"] is True  # CPU accelerator: no FusedAdam
     assert effective["train_batch_size"] == recipe.training.micro_batch_size * 2
 
+    if recipe.data.sources:
+        _check_mixture_report(result, run_dir, recipe)
     output = COMBINATIONS[name]
     assert summary["output"] == output
     assert (run_dir / output).is_dir() and not list(run_dir.glob(".*.partial"))
@@ -77,10 +71,23 @@ def test_two_process_run_learns_and_saves_what_it_trained(name, tmp_path, cache)
     if output == "adapter":
         _check_adapter_files(run_dir, recipe)
 
-    expected, reloaded, untrained = reload_logits(run_dir, base=builtin_model_dir("builtin:tiny-llama", cache))
+    expected, reloaded, untrained = reload_logits(run_dir, base=builtin_model_dir("builtin:tiny-llama", tiny_cache))
     torch.testing.assert_close(reloaded, expected, rtol=1e-4, atol=1e-4)
     # ... and training changed the model: the untrained base predicts something else.
     assert (untrained - expected).abs().max() > 1e-2
+
+
+def _check_mixture_report(result, run_dir, recipe):
+    """alpaca + ShareGPT 3:1: one report (rank 0 tokenizes, rank 1 loads the cache), alpaca whole, chats to a third."""
+    alpaca, chats = (Path(s.path) for s in recipe.data.sources)
+    rows = len(alpaca.read_text().splitlines())
+    report = [line.removeprefix("[finetune] ") for line in result.stdout.splitlines() if line.startswith("[finetune] data: ")]
+    assert report == [f"data: {alpaca} (alpaca): {rows} rows -> {rows} examples; {rows} in the mixture (all)",
+                      f"data: {chats} (sharegpt): 80 rows -> 80 examples; {round(rows / 3)} in the mixture "
+                      f"(repeated {round(rows / 3) / 80:.2f}x)"]
+    mix = json.loads((run_dir / "data_mix.json").read_text())
+    assert [(m["format"], m["rows"], m["dropped"], m["mixed"]) for m in mix] == [
+        ("alpaca", rows, 0, rows), ("sharegpt", 80, 0, round(rows / 3))]
 
 
 def _check_adapter_files(run_dir, recipe):
@@ -175,7 +182,8 @@ def test_tiny_and_demo_recipes_load(path):
 
     recipe = load_recipe(TINY_RECIPES / path).recipe
     assert recipe.model.name_or_path == "builtin:tiny-llama"
-    assert Path(recipe.data.path).is_file()  # relative to the recipe, which was given absolute
+    for source in recipe.data.sources or [recipe.data]:
+        assert Path(source.path).is_file()  # relative to the recipe, which was given absolute
 
 
 def test_every_tested_combination_has_a_recipe():

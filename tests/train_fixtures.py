@@ -31,7 +31,9 @@ def write_run_dir(recipe_path: Path, run_dir: Path, world_size: int = 2, overrid
     from finetune.recipe import load_recipe
 
     recipe = load_recipe(recipe_path, list(overrides)).recipe
-    recipe.data.path = str(Path(recipe.data.path).resolve())  # the launcher writes absolute paths
+    for block in [recipe.data, *(recipe.data.sources or [])]:  # the launcher writes absolute paths
+        if block.path:
+            block.path = str(Path(block.path).resolve())
     run_dir = Path(run_dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     yaml = YAML(typ="safe", pure=True)

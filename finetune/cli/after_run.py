@@ -9,7 +9,7 @@ from typing import List, Optional
 
 import typer
 
-from finetune.cli.common import fail
+from finetune.cli.common import fail, shard_size_or_exit
 
 
 def merge(
@@ -37,14 +37,10 @@ def merge(
     from finetune.merge_inputs import resolve_inputs
     from finetune.merge_verify import verify as run_verify
     from finetune.safetensors_io import human_size
-    from finetune.recipe import parse_size
 
     if run_dir is None and (base is None or adapter is None):
         raise fail("give a run directory, or both --base and --adapter", 2)
-    try:
-        shard_bytes = parse_size(max_shard_size)
-    except ValueError as exc:
-        raise fail(f"--max-shard-size: {exc}", 2) from None
+    shard_bytes = shard_size_or_exit(max_shard_size)
     with _write_errors("merge", output):
         inputs = resolve_inputs(run_dir, base, adapter)
         with _write_progress("merging") as (log, on_write):
@@ -108,12 +104,8 @@ def convert(
         converted runs/x/checkpoint-500 (LoRA adapter, bfloat16) into runs/x/adapter-500
     """
     from finetune.convert import convert as run_convert
-    from finetune.recipe import parse_size
 
-    try:
-        shard_bytes = parse_size(max_shard_size)
-    except ValueError as exc:
-        raise fail(f"--max-shard-size: {exc}", 2) from None
+    shard_bytes = shard_size_or_exit(max_shard_size)
     with _write_errors("convert", output):
         with _write_progress("converting") as (log, on_write):
             result = run_convert(checkpoint, output, dtype=dtype, overwrite=overwrite, adapter_config=adapter_config,

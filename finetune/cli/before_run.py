@@ -8,7 +8,7 @@ from typing import List, Optional
 
 import typer
 
-from finetune.cli.common import SET_HELP, fail, load_or_exit, path_exists, usable_path
+from finetune.cli.common import SET_HELP, fail, load_or_exit, path_exists, problems_exit, usable_path
 
 
 def lint(
@@ -191,13 +191,12 @@ def plan(
             the_recipe = load_or_exit(recipe, sets).recipe
         else:
             the_recipe = planner.recipe_without_file(sets)
-        setup = planner.setup_from_recipe(the_recipe, gpus, gpu_bytes, nodes, cpu_bytes, deepspeed=zero != "none")
+        setup = planner.setup_from_recipe(the_recipe, gpus, gpu_bytes, nodes, cpu_bytes, deepspeed=zero != "none",
+                                          data_lengths=recipe is not None and seq_len is None)
         result = planner.plan(setup)
         advice = planner.recommend(setup, the_recipe.training.gradient_accumulation_steps) if recommend else None
     except RecipeProblem as exc:
-        for problem in exc.problems:
-            typer.echo(problem.render(), err=True)
-        raise typer.Exit(1) from None
+        raise problems_exit(exc) from None
     except planner.PlanError as exc:
         raise fail(str(exc)) from None
     if fmt == "json":

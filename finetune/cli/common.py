@@ -45,6 +45,21 @@ def load_or_exit(recipe: Path, overrides: Optional[List[str]]):
     try:
         return load_recipe(recipe, overrides or [])
     except RecipeProblem as exc:
-        for problem in exc.problems:
-            typer.echo(problem.render(), err=True)
-        raise typer.Exit(1) from None
+        raise problems_exit(exc) from None
+
+
+def problems_exit(exc) -> "typer.Exit":
+    """Print every problem of a finetune.recipe.RecipeProblem (file:line:col); the exit (1) to raise."""
+    for problem in exc.problems:
+        typer.echo(problem.render(), err=True)
+    return typer.Exit(1)
+
+
+def shard_size_or_exit(text: str) -> int:
+    """--max-shard-size in bytes ("5GB", "500MB", a number); exit 2 on anything else."""
+    from finetune.recipe import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise fail(f"--max-shard-size: {exc}", 2) from None

@@ -38,8 +38,8 @@ from finetune.lint.ds_schema import ACCELERATE_DEFAULTS, HF_FILLED, OFFLOAD_DEVI
 from finetune.lint.ds_setup_rules import SetupRules
 from finetune.lint.ds_structure import StructureChecks
 from finetune.lint.ds_values import (
-    MISSING, UNKNOWN, _as_bool, _as_int, _auto_leaves, _dotted, _json_type, _pydantic, _show, _training_args,
-    _warmup_steps)
+    MISSING, UNKNOWN, as_bool, as_int, auto_leaves, dotted, json_type, read_by_pydantic, show, with_ta_defaults,
+    hf_warmup_steps)
 
 
 RULES: dict[str, str] = {
@@ -100,7 +100,7 @@ def check_config(config: object, ctx: Optional[DSContext] = None) -> list[RawFin
     """Every problem in one DeepSpeed config, as DeepSpeed + HF + accelerate would see them (and more)."""
     ctx = ctx or DSContext()
     if not isinstance(config, dict):
-        kind = "empty" if config is None else f"a JSON {_json_type(config)}"
+        kind = "empty" if config is None else f"a JSON {json_type(config)}"
         return [RawFinding("DS100", "error", (), f"a DeepSpeed config must be a JSON object, this file is {kind}",
                            'start from {"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": "auto"}')]
     return _Checker(config, ctx).run()
@@ -111,7 +111,7 @@ class _Checker(StructureChecks, SetupRules, OptimizerRules):
         self.config = config
         self.ctx = ctx
         self.hf = ctx.hf_integration
-        self.ta = _training_args(ctx.training_args) if (ctx.training_args is not None and self.hf) else None
+        self.ta = with_ta_defaults(ctx.training_args) if (ctx.training_args is not None and self.hf) else None
         self.findings: list[RawFinding] = []
         self.claimed: set[tuple] = set()  # key paths already reported (the "auto" pass skips them)
         self.accumulation_missing = False  # DS125 error: the batch check fails because of it
@@ -162,7 +162,7 @@ class _Checker(StructureChecks, SetupRules, OptimizerRules):
         raw = zero.get("stage", 0)
         if raw == "auto":
             return 2 if self.hf else 0  # accelerate's default; raw DeepSpeed drops "auto" -> 0
-        value = _as_int(raw, allow_bool=True)
+        value = as_int(raw, allow_bool=True)
         return value if value in (0, 1, 2, 3) else None
 
     def device(self, block: str) -> Optional[str]:
@@ -192,7 +192,7 @@ class _Checker(StructureChecks, SetupRules, OptimizerRules):
             if not self.hf:
                 return False  # dropped by DeepSpeed -> disabled
             return UNKNOWN if self.ta is None else bool(self.ta[section] or self.ta[f"{section}_full_eval"])
-        coerced = _as_bool(value)
+        coerced = as_bool(value)
         return UNKNOWN if coerced is None else coerced
 
     def resolved(self, path: tuple) -> Any:
@@ -221,13 +221,13 @@ class _Checker(StructureChecks, SetupRules, OptimizerRules):
             ("fp16", "enabled"): (bool(ta["fp16"] or ta["fp16_full_eval"]), "fp16|fp16_full_eval"),
             ("bf16", "enabled"): (bool(ta["bf16"] or ta["bf16_full_eval"]), "bf16|bf16_full_eval"),
         }
-        micro, gas = _as_int(ta["per_device_train_batch_size"]), _as_int(ta["gradient_accumulation_steps"])
+        micro, gas = as_int(ta["per_device_train_batch_size"]), as_int(ta["gradient_accumulation_steps"])
         if world and micro is not None and gas is not None:
             expected[("train_batch_size",)] = (world * micro * gas, "train_batch_size (calculated)")
-        steps = _as_int(ta["max_steps"])
+        steps = as_int(ta["max_steps"])
         if steps is not None and steps > 0:  # the Trainer's num_training_steps is max_steps when that is set
             expected[("scheduler", "params", "total_num_steps")] = (steps, "num_training_steps (calculated)")
-            warmup = _warmup_steps(ta["warmup_steps"], steps)
+            warmup = hf_warmup_steps(ta["warmup_steps"], steps)
             if warmup is not None:  # HF keeps it >= 1: deepspeed >= 0.19.6 refuses 0
                 expected[("scheduler", "params", "warmup_num_steps")] = (max(1, warmup), "warmup_steps")
         return expected
@@ -255,16 +255,16 @@ class _Checker(StructureChecks, SetupRules, OptimizerRules):
     # "auto" (DS170-DS175)
 
     def auto_rules(self) -> None:
-        for path, in_list in _auto_leaves(self.config, ()):
+        for path, in_list in auto_leaves(self.config, ()):
             if path in self.claimed or (in_list and path[:-1] in self.claimed):
                 continue
             if any(path[:n] in self.unknown_paths for n in range(1, len(path))):
                 continue
             if in_list:
                 parent = path[:-1]
-                self.add("DS171", "error", parent, f"`{_dotted(parent)}` holds \"auto\" inside a list: HF and "
+                self.add("DS171", "error", parent, f"`{dotted(parent)}` holds \"auto\" inside a list: HF and "
                          "accelerate only fill a whole value, so DeepSpeed gets the string \"auto\"",
-                         f'write "{_dotted(parent)}": "auto" (the whole value) or the numbers')
+                         f'write "{dotted(parent)}": "auto" (the whole value) or the numbers')
                 continue
             if self.hf:
                 self.hf_auto(path)
@@ -284,9 +284,9 @@ class _Checker(StructureChecks, SetupRules, OptimizerRules):
                              f"accelerate's default false (or ${env}): at ZeRO-3 the Trainer then saves no "
                              "usable model weights, only the sharded checkpoint", "write true")
                 return
-            self.add("DS172", "warning", path, f"`{_dotted(path)}` \"auto\" is not taken from TrainingArguments: "
-                     f"accelerate fills it with its own default {_show(default)} (or ${env})",
-                     f"write the value you want, e.g. {_show(default)}")
+            self.add("DS172", "warning", path, f"`{dotted(path)}` \"auto\" is not taken from TrainingArguments: "
+                     f"accelerate fills it with its own default {show(default)} (or ${env})",
+                     f"write the value you want, e.g. {show(default)}")
             return
         if path == ("data_types", "keep_in_fp32_modules"):
             self.add("DS170", "error", path, "`data_types.keep_in_fp32_modules` \"auto\" is DeepSpeed's own default, "
@@ -294,20 +294,20 @@ class _Checker(StructureChecks, SetupRules, OptimizerRules):
                      "(\"`data_types.keep_in_fp32_modules` not found in kwargs\")",
                      "delete the key: DeepSpeed's default is already \"auto\"")
             return
-        self.add("DS170", "error", path, f"`{_dotted(path)}` is \"auto\", but neither HF nor accelerate fills this "
-                 "key: accelerate stops with \"`" + _dotted(path) + "` not found in kwargs\"",
+        self.add("DS170", "error", path, f"`{dotted(path)}` is \"auto\", but neither HF nor accelerate fills this "
+                 "key: accelerate stops with \"`" + dotted(path) + "` not found in kwargs\"",
                  "write a concrete value (\"auto\" works for batch sizes, gradient_clipping, fp16/bf16.enabled, "
                  "optimizer lr/betas/eps/weight_decay, scheduler warmup/total steps and the ZeRO bucket sizes)")
 
     def raw_auto(self, path: tuple) -> None:
         fix = "write a concrete value: without the HF Trainer nothing replaces \"auto\""
-        if not _pydantic(path):
-            self.add("DS175", "error", path, f"`{_dotted(path)}` is \"auto\", but without the HF integration nothing "
+        if not read_by_pydantic(path):
+            self.add("DS175", "error", path, f"`{dotted(path)}` is \"auto\", but without the HF integration nothing "
                      "fills it in: DeepSpeed gets the string \"auto\" and fails or misbehaves with it", fix)
         elif path[-1] in ("enabled", "stage", "device"):
             meaning = {"enabled": "disabled", "stage": "stage 0 (no ZeRO)", "device": "no offload"}[path[-1]]
-            self.add("DS175", "error", path, f"`{_dotted(path)}` is \"auto\": without the HF integration DeepSpeed "
+            self.add("DS175", "error", path, f"`{dotted(path)}` is \"auto\": without the HF integration DeepSpeed "
                      f"drops it, which means {meaning}", fix)
         else:
-            self.add("DS175", "warning", path, f"`{_dotted(path)}` is \"auto\": without the HF integration DeepSpeed "
+            self.add("DS175", "warning", path, f"`{dotted(path)}` is \"auto\": without the HF integration DeepSpeed "
                      "drops it and uses its default", fix)

@@ -6,8 +6,8 @@ from typing import Optional
 
 from finetune.lint.ds_schema import (
     DEEPSPEED_OPTIMIZERS, DEEPSPEED_SCHEDULERS, OPTIMIZER_PARAMS, TORCH_OPTIMIZERS, TORCH_SCHEDULERS,
-    ZERO_TESTED_TYPES, _ADAM_POPPED)
-from finetune.lint.ds_values import MISSING, _as_bool, _show, _suggest
+    ZERO_TESTED_TYPES, ADAM_POPPED)
+from finetune.lint.ds_values import MISSING, as_bool, show, suggest
 
 
 # What a block with no `type` gets: rule, message, the note added under HF, the fix under HF, the fix without.
@@ -55,10 +55,10 @@ class OptimizerRules:
             kind = name
         else:
             choices = ["Adam", "AdamW", "Lion", "Adagrad", "Lamb", *TORCH_OPTIMIZERS]
-            suggestion = _suggest(name, choices, case_insensitive=True)
-            self.add("DS150", "error", ("optimizer", "type"), f"unknown optimizer type {_show(name)}: DeepSpeed knows "
+            suggestion = suggest(name, choices, case_insensitive=True)
+            self.add("DS150", "error", ("optimizer", "type"), f"unknown optimizer type {show(name)}: DeepSpeed knows "
                      f"{', '.join(sorted(DEEPSPEED_OPTIMIZERS))} (any case) and torch.optim classes by their exact "
-                     "name (SGD, RMSprop, ...)", f"did you mean {_show(suggestion)}?" if suggestion else None)
+                     "name (SGD, RMSprop, ...)", f"did you mean {show(suggestion)}?" if suggestion else None)
             return
         params = block.get("params")
         if isinstance(params, dict):
@@ -67,7 +67,7 @@ class OptimizerRules:
                          "optimizer parameter for DeepSpeed: it refuses it", 'delete it and set "gradient_clipping"')
             self.optimizer_params(kind, params)
         if self.stage and kind not in ZERO_TESTED_TYPES and \
-                _as_bool(self.config.get("zero_allow_untested_optimizer", False)) is not True:
+                as_bool(self.config.get("zero_allow_untested_optimizer", False)) is not True:
             self.add("DS153", "error", ("optimizer", "type"), f"ZeRO has not been tested with {name}: DeepSpeed "
                      'refuses it unless the config says "zero_allow_untested_optimizer": true',
                      'add "zero_allow_untested_optimizer": true, or use AdamW')
@@ -81,8 +81,8 @@ class OptimizerRules:
         offload = self.device("offload_optimizer") in ("cpu", "nvme")
         popped: set = set()
         if kind in ("adam", "adamw"):
-            popped = _ADAM_POPPED
-            if _as_bool(params.get("torch_adam", False)) is True:
+            popped = ADAM_POPPED
+            if as_bool(params.get("torch_adam", False)) is True:
                 cls = "torch.optim.AdamW"
                 popped = popped | {"foreach"}
             else:
@@ -99,9 +99,9 @@ class OptimizerRules:
         for key in params:
             if key in allowed or key == "max_grad_norm":
                 continue
-            suggestion = _suggest(str(key), sorted(allowed))
+            suggestion = suggest(str(key), sorted(allowed))
             self.add("DS151", "error", ("optimizer", "params", key), f"`{key}` is not a parameter of {cls}, which "
-                     f"DeepSpeed builds for type {_show(self.config['optimizer'].get('type'))}"
+                     f"DeepSpeed builds for type {show(self.config['optimizer'].get('type'))}"
                      + (" with optimizer offload" if offload and cls.startswith("DeepSpeedCPU") else "")
                      + ": the optimizer refuses it (TypeError at deepspeed.initialize)",
                      f"did you mean `{suggestion}`?" if suggestion else f"valid: {', '.join(sorted(allowed - popped))}")
@@ -115,10 +115,10 @@ class OptimizerRules:
             return
         block = self.config["scheduler"]
         if name not in DEEPSPEED_SCHEDULERS and name not in TORCH_SCHEDULERS:
-            suggestion = _suggest(name, [*DEEPSPEED_SCHEDULERS, *TORCH_SCHEDULERS], case_insensitive=True)
-            self.add("DS160", "error", ("scheduler", "type"), f"unknown scheduler type {_show(name)}: DeepSpeed "
+            suggestion = suggest(name, [*DEEPSPEED_SCHEDULERS, *TORCH_SCHEDULERS], case_insensitive=True)
+            self.add("DS160", "error", ("scheduler", "type"), f"unknown scheduler type {show(name)}: DeepSpeed "
                      f"knows {', '.join(DEEPSPEED_SCHEDULERS)} and torch.optim.lr_scheduler classes (exact name)",
-                     f"did you mean {_show(suggestion)}?" if suggestion else None)
+                     f"did you mean {show(suggestion)}?" if suggestion else None)
             return
         params = block.get("params")
         if params is None:
@@ -133,7 +133,7 @@ class OptimizerRules:
         signature = DEEPSPEED_SCHEDULERS[name]
         for key in params:
             if key not in signature:
-                suggestion = _suggest(str(key), list(signature))
+                suggestion = suggest(str(key), list(signature))
                 why = (" (HF fills warmup_min_lr/warmup_max_lr, but WarmupCosineLR takes ratios)"
                        if name == "WarmupCosineLR" and key in ("warmup_min_lr", "warmup_max_lr") else "")
                 self.add("DS161", "error", ("scheduler", "params", key), f"{name} has no parameter `{key}`{why}: it "
@@ -147,9 +147,9 @@ class OptimizerRules:
         if steps is not MISSING and steps != "auto" and "warmup_num_steps" in signature:
             if not isinstance(steps, int) or isinstance(steps, bool) or steps <= 0:
                 self.add("DS161", "error", ("scheduler", "params", "warmup_num_steps"), f"warmup_num_steps is "
-                         f"{_show(steps)}: {name} needs a positive integer", '"auto", or a whole number >= 1')
+                         f"{show(steps)}: {name} needs a positive integer", '"auto", or a whole number >= 1')
         warmup_type = params.get("warmup_type", MISSING)
         if warmup_type is not MISSING and warmup_type != "auto" and "warmup_type" in signature and \
                 warmup_type not in ("log", "linear"):
-            self.add("DS161", "warning", ("scheduler", "params", "warmup_type"), f"warmup_type {_show(warmup_type)} "
+            self.add("DS161", "warning", ("scheduler", "params", "warmup_type"), f"warmup_type {show(warmup_type)} "
                      "is unknown: DeepSpeed falls back to log", 'use "linear" or "log"')

@@ -252,7 +252,7 @@ TORCH_OPTIMIZERS = ("ASGD", "Adadelta", "Adafactor", "Adagrad", "Adam", "AdamW",
 ZERO_TESTED_TYPES = {"adam", "adamw", "adagrad", "lion", "muon", "Adam", "AdamW", "Adagrad"}
 
 # Keyword arguments of the optimizer class DeepSpeed builds for each type (engine._configure_basic_optimizer).
-_ADAM_POPPED = {"torch_adam", "adam_w_mode", "fp32_optimizer_states"}  # taken out before the call
+ADAM_POPPED = {"torch_adam", "adam_w_mode", "fp32_optimizer_states"}  # taken out before the call
 OPTIMIZER_PARAMS = {
     "FusedAdam": {"lr", "bias_correction", "betas", "eps", "weight_decay", "amsgrad", "set_grad_none"},
     "DeepSpeedCPUAdam": {"lr", "bias_correction", "betas", "eps", "weight_decay", "amsgrad"},

@@ -7,7 +7,7 @@ from typing import Any
 
 from finetune.lint.ds_schema import BATCH_KEYS, DTYPE_NAMES, ZERO_FIELD_NAMES
 from finetune.lint.ds_values import (
-    MISSING, UNKNOWN, _as_bool, _as_int, _batch_fix, _dotted, _parse_number, _show)
+    MISSING, UNKNOWN, as_bool, as_int, batch_fix, dotted, parse_number, show)
 
 
 class SetupRules:
@@ -33,7 +33,7 @@ class SetupRules:
         """Optimizer offload asked for only with the deprecated `cpu_offload` (DeepSpeed maps it to
         offload_optimizer.device cpu in DeepSpeedZeroConfig; nothing else reads it)."""
         zero = self.zero()
-        return "offload_optimizer" not in zero and _as_bool(zero.get("cpu_offload")) is True
+        return "offload_optimizer" not in zero and as_bool(zero.get("cpu_offload")) is True
 
     def missing_accumulation(self) -> None:
         """accelerate's DeepSpeedPlugin writes gradient_accumulation_steps=1 when the config has none.
@@ -45,7 +45,7 @@ class SetupRules:
         """
         gas = None if self.ta is None else self.ta["gradient_accumulation_steps"]
         fix = 'add "gradient_accumulation_steps": "auto"'
-        if gas is not None and _as_int(gas) == 1:
+        if gas is not None and as_int(gas) == 1:
             return
         if gas is not None and "train_batch_size" in self.config:
             self.add("DS125", "error", (), f"no `gradient_accumulation_steps`: accelerate writes 1 into the config, "
@@ -71,14 +71,14 @@ class SetupRules:
                 continue  # already reported as a wrong type; one finding per mistake
             if value != hf_value:  # the same comparison HF makes (so 1 == 1.0 and true == 1)
                 where = ("the recipe's training settings" if self.ctx.from_recipe else "TrainingArguments")
-                self.add("DS180", "error", path, f"`{_dotted(path)}` is {_show(value)} but {where} give {hf_key}="
-                         f"{_show(hf_value)}: the HF Trainer refuses mismatches",
-                         f'set it to "auto" (or {_show(hf_value)})')
+                self.add("DS180", "error", path, f"`{dotted(path)}` is {show(value)} but {where} give {hf_key}="
+                         f"{show(hf_value)}: the HF Trainer refuses mismatches",
+                         f'set it to "auto" (or {show(hf_value)})')
 
     def client_optimizer_offload(self) -> None:
         if "optimizer" in self.config:
             return
-        if self.offload_by_deprecated_key() and _as_bool(self.config.get("zero_force_ds_cpu_optimizer", True)) is not False:
+        if self.offload_by_deprecated_key() and as_bool(self.config.get("zero_force_ds_cpu_optimizer", True)) is not False:
             self.add("DS156", "error", ("zero_optimization", "cpu_offload"),
                      "`cpu_offload: true` without an `optimizer` block: DeepSpeed reads it as optimizer offload to "
                      "the CPU, but accelerate swaps the Trainer's optimizer for DeepSpeedCPUAdam only when "
@@ -90,7 +90,7 @@ class SetupRules:
             return
         if self.stage == 0:
             return  # DS131 covers it
-        if _as_bool(self.config.get("zero_force_ds_cpu_optimizer", True)) is False:
+        if as_bool(self.config.get("zero_force_ds_cpu_optimizer", True)) is False:
             return
         optim = "" if self.ta is None else str(self.ctx.training_args.get("optim", "adamw_torch"))
         # accelerate keeps AdamW semantics only for torch's AdamW (and 32-bit bitsandbytes AdamW)
@@ -113,12 +113,12 @@ class SetupRules:
             if key == "gradient_accumulation_steps" and value is MISSING and self.hf:
                 value = 1  # accelerate's DeepSpeedPlugin adds it
             if value is not MISSING and value is not UNKNOWN:
-                number = _as_int(value) if isinstance(value, (int, float)) else None
+                number = as_int(value) if isinstance(value, (int, float)) else None
                 if number is None or isinstance(value, bool):
                     value = UNKNOWN  # a type error, reported by structure()
                 else:
                     if number <= 0 and (key,) not in self.claimed:
-                        self.add("DS123", "error", (key,), f"`{key}` is {_show(value)}: DeepSpeed needs it > 0")
+                        self.add("DS123", "error", (key,), f"`{key}` is {show(value)}: DeepSpeed needs it > 0")
                     value = number if number > 0 else UNKNOWN
             values[key] = value
         train, micro, gas = (values[k] for k in BATCH_KEYS)
@@ -137,7 +137,7 @@ class SetupRules:
         elif MISSING not in (train, micro, gas) and train % (micro * gas):
             self.add("DS124", "error", ("train_batch_size",), f"train_batch_size {train} is not a multiple of micro "
                      f"batch {micro} x gradient accumulation {gas}: no world size satisfies train_batch_size = "
-                     "micro x accumulation x world size", _batch_fix(self.hf))
+                     "micro x accumulation x world size", batch_fix(self.hf))
 
     def batch_arithmetic(self, train: Any, micro: Any, gas: Any, world: int) -> None:
         """DeepSpeed derives the missing values with floor division, then asserts the product."""
@@ -162,11 +162,11 @@ class SetupRules:
         if micro <= 0 or gas <= 0:
             self.add("DS121", "error", key, f"with world size {world}, train_batch_size {train} leaves "
                      f"{'a micro batch' if micro <= 0 else 'gradient accumulation'} of 0{how}: DeepSpeed refuses it",
-                     _batch_fix(self.hf))
+                     batch_fix(self.hf))
         elif train != micro * gas * world and not self.accumulation_missing:  # DS125 says why
             self.add("DS121", "error", key, f"train_batch_size {train} != micro batch {micro} x gradient accumulation "
                      f"{gas} x world size {world} = {micro * gas * world}{how}: DeepSpeed refuses it",
-                     _batch_fix(self.hf))
+                     batch_fix(self.hf))
 
     # ------------------------------------------------------------------------------------------
     # Precision (DS120, DS136, DS190, DS193)
@@ -191,19 +191,19 @@ class SetupRules:
             return
         loss_scale = block.get("loss_scale", 0)
         if isinstance(loss_scale, str):
-            loss_scale = _parse_number(loss_scale)
+            loss_scale = parse_number(loss_scale)
         if not isinstance(loss_scale, (int, float)) or isinstance(loss_scale, bool) or not math.isfinite(loss_scale):
             return
         if loss_scale < 0:
-            self.add("DS193", "error", ("fp16", "loss_scale"), f"`fp16.loss_scale` is {_show(block['loss_scale'])}: "
+            self.add("DS193", "error", ("fp16", "loss_scale"), f"`fp16.loss_scale` is {show(block['loss_scale'])}: "
                      "DeepSpeed needs a number >= 0 (0 = dynamic loss scaling)", "use 0 (dynamic) or a positive scale")
             return
         if fp16_enabled is True and loss_scale == 0:
             for key in ("loss_scale_window", "min_loss_scale"):
                 value = block.get(key)
-                number = _as_int(value)
+                number = as_int(value)
                 if number is not None and not isinstance(value, bool) and number <= 0:
-                    self.add("DS193", "error", ("fp16", key), f"`fp16.{key}` is {_show(value)}: with dynamic loss "
+                    self.add("DS193", "error", ("fp16", key), f"`fp16.{key}` is {show(value)}: with dynamic loss "
                              "scaling DeepSpeed needs it > 0", "delete it to use DeepSpeed's default")
 
     def master_weights(self) -> None:
@@ -211,11 +211,11 @@ class SetupRules:
         checks = [("fp16", "fp16_master_weights_and_grads"), ("bf16", "bf16_master_weights_and_grads"),
                   ("bf16", "bf16_optimizer_states")]
         for section, key in checks:
-            if _as_bool(self.get(section, key)) is True and stage == 0:
+            if as_bool(self.get(section, key)) is True and stage == 0:
                 self.add("DS136", "error", (section, key), f"`{section}.{key}` needs ZeRO stage 1, 2 or 3: "
                          "DeepSpeed refuses it at stage 0")
-        if _as_bool(self.get("bf16", "bf16_optimizer_states")) is True and \
-                _as_bool(self.get("bf16", "bf16_master_weights_and_grads")) is not True:
+        if as_bool(self.get("bf16", "bf16_optimizer_states")) is True and \
+                as_bool(self.get("bf16", "bf16_master_weights_and_grads")) is not True:
             self.add("DS136", "error", ("bf16", "bf16_optimizer_states"), "`bf16.bf16_optimizer_states` needs "
                      "`bf16.bf16_master_weights_and_grads`: DeepSpeed refuses it alone",
                      'add "bf16_master_weights_and_grads": true')
@@ -226,7 +226,7 @@ class SetupRules:
             return
         mode = "fp16" if fp16 else "bf16" if bf16 else "fp32"
         if DTYPE_NAMES[value] != mode:
-            self.add("DS190", "error", ("data_types", "param_dtype"), f"`data_types.param_dtype` is {_show(value)} "
+            self.add("DS190", "error", ("data_types", "param_dtype"), f"`data_types.param_dtype` is {show(value)} "
                      f"but the enabled precision is {mode}: DeepSpeed refuses the combination",
                      "delete param_dtype (it follows the fp16/bf16 setting)")
 
@@ -238,7 +238,7 @@ class SetupRules:
         mode = "fp16" if fp16 else "bf16" if bf16 else "fp32"
         if DTYPE_NAMES[value] != mode:
             self.add("DS191", "error", ("data_types", "grad_accum_dtype"), f"`data_types.grad_accum_dtype` is "
-                     f"{_show(value)} but the model trains in {mode} at ZeRO stage 0: deepspeed.initialize raises "
+                     f"{show(value)} but the model trains in {mode} at ZeRO stage 0: deepspeed.initialize raises "
                      "NotImplementedError (\"unsupported mix of model_dtype and grad_accum_dtype\")",
                      "delete grad_accum_dtype, or use ZeRO stage 1 or higher (which accumulates in fp32)")
 
@@ -267,7 +267,7 @@ class SetupRules:
             self.add("DS134", "error", ("zero_optimization", "offload_optimizer", "ratio"), "partial optimizer offload "
                      f"(ratio {ratio}) works only with ZeRO stage 3: DeepSpeed refuses it at stage {stage}",
                      "delete ratio, or use stage 3")
-        if _as_bool(zero.get("compute_grad_norm", True)) is False and stage not in (1, 2):
+        if as_bool(zero.get("compute_grad_norm", True)) is False and stage not in (1, 2):
             self.add("DS135", "error", ("zero_optimization", "compute_grad_norm"), "compute_grad_norm=false is "
                      f"supported only with ZeRO stage 1 or 2: DeepSpeed refuses it at stage {stage}",
                      "delete compute_grad_norm")
@@ -294,13 +294,13 @@ class SetupRules:
             self.add("DS133", "error", key, "`nvme_path` \"auto\" is dropped by DeepSpeed, leaving no swap directory",
                      "write the directory of a fast local NVMe disk")
         elif isinstance(path, str) and path.strip().lower() in ("none", ""):
-            self.add("DS133", "error", key, f"`nvme_path` is {_show(path)}: DeepSpeed would swap into the current "
+            self.add("DS133", "error", key, f"`nvme_path` is {show(path)}: DeepSpeed would swap into the current "
                      "directory" + (" (a directory named `none`)" if path.strip() else ""),
                      "write the directory of a fast local NVMe disk")
 
     def allgather_bucket(self, stage: int) -> None:
         value = self.zero().get("allgather_bucket_size")
-        number = _as_int(value)
+        number = as_int(value)
         if stage not in (1, 2) or number is None or isinstance(value, bool) or number < 0:
             return
         if number == 0:

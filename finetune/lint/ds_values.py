@@ -9,8 +9,8 @@ from typing import Any, Iterator, Optional
 from finetune.lint.ds_schema import COMMON_MISNAMES, PYDANTIC_TOP, TA_DEFAULTS, Field
 
 
-_BOOL_STRINGS = {"0", "off", "f", "false", "n", "no", "1", "on", "t", "true", "y", "yes"}
-_TRUE_STRINGS = {"1", "on", "t", "true", "y", "yes"}
+BOOL_STRINGS = {"0", "off", "f", "false", "n", "no", "1", "on", "t", "true", "y", "yes"}
+TRUE_STRINGS = {"1", "on", "t", "true", "y", "yes"}
 
 
 class _Unknown:
@@ -28,38 +28,38 @@ MISSING = object()
 # Helpers
 
 
-_KIND_WORDS = {"bool": "true or false", "int": "an integer", "float": "a number", "str": "a string",
+KIND_WORDS = {"bool": "true or false", "int": "an integer", "float": "a number", "str": "a string",
                "path": "a directory path", "list": "a list", "dict": "an object", "enum": "one of its choices",
                "section": "an object", "lenient": "an object", "pyobject": "a Python object"}
-_SECTION_WORDS = {"zero_optimization": "ZeRO", "offload_param": "offload_param", "offload_optimizer": "offload_optimizer",
+SECTION_WORDS = {"zero_optimization": "ZeRO", "offload_param": "offload_param", "offload_optimizer": "offload_optimizer",
                   "fp16": "fp16", "bf16": "bf16", "bfloat16": "bf16"}
 
 
-def _training_args(args: dict) -> dict:
+def with_ta_defaults(args: dict) -> dict:
     merged = dict(TA_DEFAULTS)
     merged.update({k: v for k, v in dict(args).items() if v is not None or k not in TA_DEFAULTS})
     return merged
 
 
-def _warmup_steps(warmup: Any, steps: int) -> Optional[int]:
+def hf_warmup_steps(warmup: Any, steps: int) -> Optional[int]:
     """TrainingArguments.get_warmup_steps: >= 1 is a step count, below 1 a ratio of the total."""
     if isinstance(warmup, bool) or not isinstance(warmup, (int, float)):
         return None
     return int(warmup) if warmup >= 1 else math.ceil(steps * warmup)
 
 
-def _auto_leaves(node: Any, path: tuple, in_list: bool = False) -> Iterator[tuple[tuple, bool]]:
+def auto_leaves(node: Any, path: tuple, in_list: bool = False) -> Iterator[tuple[tuple, bool]]:
     if isinstance(node, dict):
         for key, value in node.items():
-            yield from _auto_leaves(value, path + (key,), False)
+            yield from auto_leaves(value, path + (key,), False)
     elif isinstance(node, list):
         for index, value in enumerate(node):
-            yield from _auto_leaves(value, path + (index,), True)
+            yield from auto_leaves(value, path + (index,), True)
     elif node == "auto":
         yield path, in_list
 
 
-def _as_int(value: Any, allow_bool: bool = False) -> Optional[int]:
+def as_int(value: Any, allow_bool: bool = False) -> Optional[int]:
     """The integer pydantic/DeepSpeed arithmetic would get from `value`, or None."""
     if isinstance(value, bool):
         return int(value) if allow_bool else None
@@ -68,24 +68,24 @@ def _as_int(value: Any, allow_bool: bool = False) -> Optional[int]:
     if isinstance(value, float):
         return int(value) if math.isfinite(value) and value.is_integer() else None
     if isinstance(value, str):
-        number = _parse_number(value)
+        number = parse_number(value)
         if number is not None and math.isfinite(number) and float(number).is_integer():
             return int(number)
     return None
 
 
-def _as_bool(value: Any) -> Optional[bool]:
+def as_bool(value: Any) -> Optional[bool]:
     """pydantic's lax bool: true/false, 0/1, and the usual strings; None when it would refuse."""
     if isinstance(value, bool):
         return value
     if isinstance(value, (int, float)) and value in (0, 1):
         return bool(value)
-    if isinstance(value, str) and value.strip().lower() in _BOOL_STRINGS:
-        return value.strip().lower() in _TRUE_STRINGS
+    if isinstance(value, str) and value.strip().lower() in BOOL_STRINGS:
+        return value.strip().lower() in TRUE_STRINGS
     return None
 
 
-def _parse_number(text: str) -> Optional[float]:
+def parse_number(text: str) -> Optional[float]:
     try:
         number = float(text.strip())
     except (ValueError, AttributeError):
@@ -93,14 +93,14 @@ def _parse_number(text: str) -> Optional[float]:
     return int(number) if number.is_integer() and "e" not in text.lower() and "." not in text else number
 
 
-def _pydantic(path: tuple) -> bool:
+def read_by_pydantic(path: tuple) -> bool:
     """Whether DeepSpeed reads `path` through a pydantic model (lax conversion, "auto" dropped)."""
     return path[0] in PYDANTIC_TOP or tuple(path[:2]) == ("timers", "throughput")
 
 
-def _pydantic_number(text: str, kind: str) -> Optional[float]:
+def pydantic_number(text: str, kind: str) -> Optional[float]:
     """The number pydantic's lax mode makes of a string: ints accept "12" and "2.0" but not "5e8"."""
-    number = _parse_number(text)
+    number = parse_number(text)
     if number is None or kind != "int":
         return number
     stripped = text.strip().lstrip("+-")
@@ -110,7 +110,7 @@ def _pydantic_number(text: str, kind: str) -> Optional[float]:
     return None
 
 
-def _violated_bound(number: Any, spec: Field) -> Optional[str]:
+def violated_bound(number: Any, spec: Field) -> Optional[str]:
     if spec.gt is not None and not number > spec.gt:
         return f"> {_num(spec.gt)}"
     if spec.ge is not None and not number >= spec.ge:
@@ -126,7 +126,7 @@ def _num(value: float) -> str:
     return str(int(value)) if float(value).is_integer() else str(value)
 
 
-def _suggest(name: str, candidates: list, case_insensitive: bool = False) -> Optional[str]:
+def suggest(name: str, candidates: list, case_insensitive: bool = False) -> Optional[str]:
     """The closest real key (difflib), or a known confusion (micro_batch_size -> train_micro_...)."""
     if name in COMMON_MISNAMES and COMMON_MISNAMES[name] != name:
         target = COMMON_MISNAMES[name]
@@ -144,16 +144,16 @@ def _suggest(name: str, candidates: list, case_insensitive: bool = False) -> Opt
     return match[0] if match else None
 
 
-def _did_you_mean(value: str, choices: list) -> Optional[str]:
+def did_you_mean(value: str, choices: list) -> Optional[str]:
     match = difflib.get_close_matches(str(value).lower(), [str(c).lower() for c in choices], n=1, cutoff=0.6)
-    return f"did you mean {_show(match[0])}?" if match else None
+    return f"did you mean {show(match[0])}?" if match else None
 
 
-def _dotted(path: tuple) -> str:
+def dotted(path: tuple) -> str:
     return ".".join(str(p) for p in path)
 
 
-def _json_type(value: Any) -> str:
+def json_type(value: Any) -> str:
     if value is None:
         return "null"
     if isinstance(value, bool):
@@ -169,7 +169,7 @@ def _json_type(value: Any) -> str:
     return type(value).__name__
 
 
-def _show(value: Any) -> str:
+def show(value: Any) -> str:
     if isinstance(value, bool):
         return str(value).lower()
     if value is None:
@@ -180,12 +180,12 @@ def _show(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _section_example(section: str) -> Optional[str]:
+def section_example(section: str) -> Optional[str]:
     return {"zero_optimization": 'e.g. "zero_optimization": {"stage": 2}', "fp16": 'e.g. "fp16": {"enabled": true}',
             "bf16": 'e.g. "bf16": {"enabled": true}'}.get(section)
 
 
-def _batch_fix(hf: bool) -> str:
+def batch_fix(hf: bool) -> str:
     if hf:
         return 'set train_batch_size, train_micro_batch_size_per_gpu and gradient_accumulation_steps to "auto"'
     return "make train_batch_size = train_micro_batch_size_per_gpu x gradient_accumulation_steps x world size"

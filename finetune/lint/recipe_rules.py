@@ -35,9 +35,12 @@ RULES: dict[str, str] = {
     "R112": "More processes per node than the declared GPUs.",
     "R113": "Launch settings that cannot work (hostfile missing, multi-node on loopback).",
     "R114": "Packing or padding_free with a model that cannot keep the examples apart (no position_ids; remote code).",
-    "R115": "Preference settings the objective does not read (a `preference` key, a loss of another objective, a reference that cannot exist).",
-    "R116": "Data or training keys that preference objectives do not use (format, packing, mask_prompt, loss_kernel).",
-    "R117": "`model.adapter` that cannot be continued from (objective sft, full fine-tune, missing adapter, a `lora` section it overrides).",
+    "R115": "A data mixture that cannot be built: weight and samples on one source, or weights on only some sources.",
+    "R116": "A data key the source's format ignores (roles on alpaca/text, an unknown `columns` name, think or chat_template without a chat source).",
+    "R117": "The same data source listed twice (its examples would count double in the mixture).",
+    "R118": "Preference settings the objective does not read (a `preference` key, a loss of another objective, a reference that cannot exist).",
+    "R119": "Data or training keys that preference objectives do not use (format, packing, mask_prompt, loss_kernel).",
+    "R120": "`model.adapter` that cannot be continued from (objective sft, full fine-tune, missing adapter, a `lora` section it overrides).",
 }
 
 DATA_SUFFIXES = (".json", ".jsonl", ".parquet", ".csv")
@@ -203,18 +206,71 @@ def looks_local(path: str) -> bool:
     return p.is_absolute() or path.startswith(("./", "../", "~")) or p.suffix in DATA_SUFFIXES or p.exists()
 
 
+def _source_keys(loaded: LoadedRecipe) -> list[tuple]:
+    """The recipe key of each source: ("data",) for the shorthand, ("data", "sources", i) in a list."""
+    sources = loaded.recipe.data.sources
+    return [("data", "sources", i) for i in range(len(sources))] if sources else [("data",)]
+
+
 @rule
 def dataset_file(loaded: LoadedRecipe) -> Iterator[RawFinding]:
-    path = loaded.recipe.data.path
-    if not looks_local(path):
-        return
-    p = Path(path).expanduser()
-    if p.suffix and p.suffix not in DATA_SUFFIXES and not p.is_dir():
-        yield RawFinding("R109", "error", ("data", "path"), f"unsupported data file type `{p.suffix}`",
-                         f"use one of {', '.join(DATA_SUFFIXES)}")
-    elif not p.exists():
-        # A warning, not an error: CI often lints recipes whose data lives only on the training box.
-        yield RawFinding("R109", "warning", ("data", "path"), f"dataset {p} not found here (`finetune train` will refuse to start)")
+    from finetune.data.sources import sources_of
+
+    for key, source in zip(_source_keys(loaded), sources_of(loaded.recipe.data)):
+        if not looks_local(source.path):
+            continue
+        p = Path(source.path).expanduser()
+        if p.suffix and p.suffix not in DATA_SUFFIXES and not p.is_dir():
+            yield RawFinding("R109", "error", (*key, "path"), f"unsupported data file type `{p.suffix}`",
+                             f"use one of {', '.join(DATA_SUFFIXES)}, or a folder written by datasets' save_to_disk")
+        elif not p.exists():
+            # A warning, not an error: CI often lints recipes whose data lives only on the training box.
+            yield RawFinding("R109", "warning", (*key, "path"), f"dataset {p} not found here (`finetune train` will refuse to start)")
+
+
+@rule
+def data_mixture(loaded: LoadedRecipe) -> Iterator[RawFinding]:
+    from finetune.data.mix import spec_problems
+
+    sources = loaded.recipe.data.sources or []
+    for i, problem in spec_problems([s.weight for s in sources], [s.samples for s in sources]):
+        key = "samples" if sources[i].samples is not None else "weight" if sources[i].weight is not None else "path"
+        yield RawFinding("R115", "error", ("data", "sources", i, key), f"data.sources[{i}] {problem}",
+                         "weights are shares of the mixture (README: Mixing sources)")
+
+
+@rule
+def data_keys_ignored(loaded: LoadedRecipe) -> Iterator[RawFinding]:
+    from finetune.data.formats import CHAT_FORMATS, DEFAULT_COLUMNS
+
+    data = loaded.recipe.data
+    blocks = data.sources or [data]
+    for key, block in zip(_source_keys(loaded), blocks):
+        if block.roles and block.format not in CHAT_FORMATS:
+            yield RawFinding("R116", "warning", (*key, "roles"), f"roles are ignored by format {block.format}",
+                             "remove roles, or set format: messages or sharegpt")
+        known = DEFAULT_COLUMNS.get(block.format, {})
+        for name in block.columns:
+            if known and name not in known:
+                yield RawFinding("R116", "error", (*key, "columns", name),
+                                 f"format {block.format} reads no column called `{name}` (it reads {', '.join(known)})",
+                                 "the keys of columns are the format's names, the values your file's column names")
+    chat = any(f in CHAT_FORMATS for f in data.source_formats())
+    for name, active in (("think", data.think != "train"), ("chat_template", data.chat_template is not None)):
+        if active and not chat:
+            yield RawFinding("R116", "warning", ("data", name), f"data.{name} only affects messages/sharegpt sources; none is given")
+
+
+@rule
+def duplicate_sources(loaded: LoadedRecipe) -> Iterator[RawFinding]:
+    seen: dict[tuple[str, str], int] = {}
+    for i, source in enumerate(loaded.recipe.data.sources or []):
+        ident = (str(Path(source.path).expanduser().resolve()) if looks_local(source.path) else source.path, source.split)
+        if ident in seen:
+            yield RawFinding("R117", "warning", ("data", "sources", i, "path"),
+                             f"data.sources[{i}] repeats data.sources[{seen[ident]}] ({source.path})",
+                             "list a source once and give it a larger weight or samples")
+        seen.setdefault(ident, i)
 
 
 @rule
@@ -313,19 +369,19 @@ def preference_keys(loaded: LoadedRecipe) -> Iterator[RawFinding]:
         written = {}
     if r.objective == "sft":
         if written:
-            yield RawFinding("R115", "error", ("preference",), "`preference` is only read by the preference objectives",
+            yield RawFinding("R118", "error", ("preference",), "`preference` is only read by the preference objectives",
                              "set objective: dpo (or orpo, kto, simpo), or remove the section")
         return
     used = PREFERENCE_KEYS[r.objective]
     for key in written:
         if key not in used:
             users = [o for o, keys in PREFERENCE_KEYS.items() if key in keys]
-            yield RawFinding("R115", "error", ("preference", key),
+            yield RawFinding("R118", "error", ("preference", key),
                              f"`preference.{key}` does nothing with objective: {r.objective}"
                              + (f" (it is read by {', '.join(users)})" if users else ""), "remove it")
     losses = {"dpo": DPO_LOSSES, "kto": KTO_LOSSES}.get(r.objective, ())
     if "loss_type" in used and r.preference.loss_type is not None and r.preference.loss_type not in losses:
-        yield RawFinding("R115", "error", ("preference", "loss_type"),
+        yield RawFinding("R118", "error", ("preference", "loss_type"),
                          f"loss_type {r.preference.loss_type!r} is not a {r.objective} loss",
                          f"use one of {', '.join(losses)}")
     if "reference" in used:
@@ -336,11 +392,11 @@ def _reference_mode(loaded: LoadedRecipe) -> Iterator[RawFinding]:
     r = loaded.recipe
     ref = r.preference.reference
     if ref.mode == "adapter_disabled" and r.method == "full":
-        yield RawFinding("R115", "error", ("preference", "reference", "mode"),
+        yield RawFinding("R118", "error", ("preference", "reference", "mode"),
                          "a full fine-tune has no adapter to switch off: its reference is a second model",
                          "set preference.reference.mode: model (or precomputed)")
     if ref.name_or_path is not None and ref.mode != "model":
-        yield RawFinding("R115", "error", ("preference", "reference", "name_or_path"),
+        yield RawFinding("R118", "error", ("preference", "reference", "name_or_path"),
                          f"preference.reference.name_or_path is only loaded with mode: model (mode is {ref.mode})",
                          "remove it, or set preference.reference.mode: model")
 
@@ -348,6 +404,7 @@ def _reference_mode(loaded: LoadedRecipe) -> Iterator[RawFinding]:
 # Data and training keys the SFT data path reads and TRL's preference trainers do not.
 PREFERENCE_IGNORED = {
     ("data", "format"): "preference rows are recognised by their columns (prompt/chosen/rejected, or prompt/completion/label for kto)",
+    ("data", "sources"): "a preference objective reads one file or folder (data.path); mixtures are for sft",
     ("data", "packing"): "TRL's preference trainers keep each pair apart in its own padded rows",
     ("data", "padding_free"): "TRL's preference trainers keep each pair apart in its own padded rows",
     ("data", "mask_prompt"): "the preference losses score only the answers",
@@ -363,7 +420,7 @@ def preference_ignored_keys(loaded: LoadedRecipe) -> Iterator[RawFinding]:
     # Written by this file (or --set): a DPO recipe may extend an SFT one whose data section it replaces.
     for key, why in PREFERENCE_IGNORED.items():
         if _written_here(loaded, *key):
-            yield RawFinding("R116", "error", key, f"`{'.'.join(key)}` is not used with objective: "
+            yield RawFinding("R119", "error", key, f"`{'.'.join(key)}` is not used with objective: "
                              f"{loaded.recipe.objective}: {why}", "remove it")
 
 
@@ -375,12 +432,12 @@ def continued_adapter(loaded: LoadedRecipe) -> Iterator[RawFinding]:
         return
     if r.objective == "sft":
         # The SFT runner builds a fresh adapter (finetune.train.model.prepare_model) and would ignore it.
-        yield RawFinding("R117", "error", ("model", "adapter"),
+        yield RawFinding("R120", "error", ("model", "adapter"),
                          "model.adapter is continued by the preference objectives (dpo, orpo, kto, simpo) only",
                          "remove it, or set objective: dpo (or orpo, kto, simpo)")
         return
     if r.method == "full":
-        yield RawFinding("R117", "error", ("model", "adapter"),
+        yield RawFinding("R120", "error", ("model", "adapter"),
                          "a full fine-tune continues from full weights, not an adapter",
                          "set model.name_or_path to the SFT run's model/ directory and remove model.adapter")
         return
@@ -389,8 +446,8 @@ def continued_adapter(loaded: LoadedRecipe) -> Iterator[RawFinding]:
     if not found:
         # Info, not a warning: the SFT run a DPO recipe continues from usually exists only on the training box
         # (and later than the recipe); `finetune train`'s preflight refuses to start without it.
-        yield RawFinding("R117", "info", ("model", "adapter"),
+        yield RawFinding("R120", "info", ("model", "adapter"),
                          f"no adapter_config.json in {path} or {path / 'adapter'} here (`finetune train` will refuse to start)")
     if _written_here(loaded, "lora"):
-        yield RawFinding("R117", "warning", ("lora",), "`lora` is ignored with model.adapter: the adapter keeps the "
+        yield RawFinding("R120", "warning", ("lora",), "`lora` is ignored with model.adapter: the adapter keeps the "
                          "rank, alpha and target modules it was trained with", "remove the lora section")

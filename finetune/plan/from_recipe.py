@@ -17,20 +17,23 @@ from finetune.plan.planner import plan
 from finetune.plan.preference import rows_per_example
 from finetune.plan.result import PlanResult
 from finetune.plan.setup import PlanError, Setup, overflow_as_plan_error
+from finetune.tiny import is_builtin
 
 
 def plan_recipe(recipe, gpus: Optional[int] = None, gpu_memory_bytes: Optional[int] = None,
                 nodes: Optional[int] = None, cpu_memory_bytes: Optional[int] = None,
-                deepspeed: bool = True) -> PlanResult:
+                deepspeed: bool = True, data_lengths: bool = False) -> PlanResult:
     """Plan a validated `finetune.recipe.Recipe`. Missing hardware comes from the recipe's `hardware`
     and `launch` sections. Raises PlanError (for example: a hub id the table does not know)."""
-    return plan(setup_from_recipe(recipe, gpus, gpu_memory_bytes, nodes, cpu_memory_bytes, deepspeed))
+    return plan(setup_from_recipe(recipe, gpus, gpu_memory_bytes, nodes, cpu_memory_bytes, deepspeed, data_lengths))
 
 
 @overflow_as_plan_error
 def setup_from_recipe(recipe, gpus: Optional[int] = None, gpu_memory_bytes: Optional[int] = None,
                       nodes: Optional[int] = None, cpu_memory_bytes: Optional[int] = None,
-                      deepspeed: bool = True) -> Setup:
+                      deepspeed: bool = True, data_lengths: bool = False) -> Setup:
+    """`data_lengths`: read the recipe's local data for its longest example (finetune.plan.data_lengths);
+    off for lint, which must stay fast on recipes whose data is large."""
     from finetune.dsconfig import render_deepspeed
     from finetune.recipe import parse_size
 
@@ -72,6 +75,11 @@ def setup_from_recipe(recipe, gpus: Optional[int] = None, gpu_memory_bytes: Opti
     lora = recipe.lora
     targets = LAYER_LINEARS if lora.target_modules == "all-linear" else tuple(lora.target_modules)
     overlap = zero.get("overlap_comm")
+    seq_len, data_note = recipe.data.max_length, ""
+    if data_lengths:
+        from finetune.plan.data_lengths import data_seq_len
+
+        seq_len, data_note = data_seq_len(recipe)
     return Setup(
         arch=arch, params=params, model_label=label,
         method=recipe.method, dtype=recipe.model.dtype, attn=recipe.model.attn_implementation,
@@ -84,8 +92,7 @@ def setup_from_recipe(recipe, gpus: Optional[int] = None, gpu_memory_bytes: Opti
         offload_optimizer=_device(zero.get("offload_optimizer")) if stage >= 1 else "none",
         offload_param=_device(zero.get("offload_param")) if stage == 3 else "none",
         gpus_per_node=gpus, nodes=nodes,
-        micro_batch=recipe.training.micro_batch_size * rows_per_example(recipe.objective),
-        seq_len=recipe.data.max_length,
+        micro_batch=recipe.training.micro_batch_size * rows_per_example(recipe.objective), seq_len=seq_len,
         packing=recipe.data.packing, padding_free=recipe.data.padding_free,
         gradient_checkpointing=recipe.training.gradient_checkpointing,
         loss_kernel=recipe.training.loss_kernel, loss_chunk_tokens=recipe.training.loss_chunk_tokens,
@@ -103,7 +110,7 @@ def setup_from_recipe(recipe, gpus: Optional[int] = None, gpu_memory_bytes: Opti
         sub_group_size=_size_value(zero, "sub_group_size", DS_SUB_GROUP_SIZE, None),
         gpu_memory=gpu_memory_bytes, cpu_memory=cpu_memory_bytes,
         gpu_type=hw.gpu_type if hw is not None else None,
-        launch_note=launch_note,
+        launch_note=launch_note, data_note=data_note,
         objective=recipe.objective,
         reference_model=recipe.objective in ("dpo", "kto") and recipe.preference.reference.mode == "model",
         reference_adapter=(recipe.objective in ("dpo", "kto") and recipe.method != "full"
@@ -156,14 +163,15 @@ def resolve_model(name: str) -> tuple[Optional[Arch], int, str]:
     if count:
         params = int(float(count.group(1)) * _COUNT_UNITS[count.group(2).lower()])
         return None, params, f"{text} parameters (model states only)"
-    if text.startswith("builtin:"):
+    if is_builtin(text):
         from finetune.archs import arch_from_config
-        from finetune.tiny import BUILTIN_CONFIGS
+        from finetune.tiny import BuiltinModelError, builtin_config
 
-        key = text[len("builtin:"):]
-        if key not in BUILTIN_CONFIGS:
-            raise PlanError(f"unknown built-in model {text!r} (known: {', '.join('builtin:' + k for k in BUILTIN_CONFIGS)})")
-        arch = replace(arch_from_config({"model_type": "llama", **BUILTIN_CONFIGS[key]}, text), name=text)
+        try:
+            config = builtin_config(text)
+        except BuiltinModelError as exc:
+            raise PlanError(str(exc)) from None
+        arch = replace(arch_from_config({"model_type": "llama", **config}, text), name=text)
         return arch, arch.total_params, arch.describe()
     path = Path(text).expanduser()
     if path.exists():

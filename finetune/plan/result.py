@@ -154,6 +154,8 @@ class PlanResult:
         lines.append(f"setup    {s.describe()}")
         if s.launch_note:
             lines.append(f"launch   {s.launch_note}")
+        if s.data_note:
+            lines.append(f"data     {s.data_note}")
         lines.append("")
         lines.append(f"per GPU{'':35}GiB")
         g = self.per_gpu

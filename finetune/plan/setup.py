@@ -86,6 +86,7 @@ class Setup:
     gpu_type: Optional[str] = None  # hardware.gpu_type: sizes cuBLAS' workspaces (unknown: Hopper's, the larger)
     model_label: str = ""
     launch_note: str = ""  # how the recipe's launch section chooses the process count, for the text
+    data_note: str = ""  # where seq_len came from when the data's lengths set it (finetune.plan.data_lengths)
     # Recipe `objective` (finetune/plan/preference.py): micro_batch already counts a pair as 2 rows for
     # dpo/orpo/simpo; reference_model: a frozen second copy of the weights (reference.mode: model).
     objective: str = "sft"

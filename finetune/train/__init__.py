@@ -5,5 +5,6 @@
 `finetune train RECIPE` (finetune.train_run) writes the run directory and starts that command; the
 runner reads recipe.yaml, deepspeed.json and training_args.json from it. Modules: `data` (formats,
 loss masking, packing, tokenization cache), `model` (tokenizer, base model, LoRA/QLoRA), `callbacks`
-(summary, effective DeepSpeed config), `runner` (the order of it all, and the outputs).
+(summary, effective DeepSpeed config), `dist` (the collectives every rank calls),
+`runner` (the order of it all, and the outputs).
 """

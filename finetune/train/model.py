@@ -36,10 +36,11 @@ def load_tokenizer(recipe: Recipe, model_path: str):
         # LoRA, need embed_tokens trained and saved); padding with EOS is safe because padded
         # positions are masked out of attention and of the loss.
         tokenizer.pad_token = tokenizer.eos_token
-    if recipe.data.format == "messages" and not tokenizer.chat_template:
+    chat = [f for f in recipe.data.source_formats() if f in ("messages", "sharegpt")]
+    if chat and not tokenizer.chat_template:
         from finetune.train.data import DataError
 
-        raise DataError(f"{source}: the tokenizer has no chat template; set data.chat_template for format: messages")
+        raise DataError(f"{source}: the tokenizer has no chat template; set data.chat_template for format: {chat[0]}")
     return tokenizer
 
 

@@ -43,6 +43,7 @@ from transformers import TrainerCallback
 
 from finetune import checkpoint as ckpt
 from finetune.recipe import Recipe
+from finetune.train.dist import all_gather, barrier, local_rank, process_group, rank
 
 DUPLICATE_WINDOW = ckpt.SECOND_SIGNAL_WINDOW  # the same rule as `finetune train`'s (finetune.launch)
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -63,36 +64,7 @@ def nccl_timeout(recipe: Recipe) -> timedelta:
 
 
 # ------------------------------------------------------------------------------------------------
-# Distributed helpers (every rank calls them, or none)
-
-
-def _dist():
-    import torch.distributed as dist
-
-    return dist if dist.is_available() and dist.is_initialized() else None
-
-
-def _all_gather(value: Any) -> list[Any]:
-    dist = _dist()
-    if dist is None:
-        return [value]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, value)
-    return out
-
-
-def _barrier() -> None:
-    dist = _dist()
-    if dist is not None:
-        dist.barrier()
-
-
-def _local_rank() -> int:
-    return int(os.environ.get("LOCAL_RANK", "0"))
-
-
-def _rank() -> int:
-    return int(os.environ.get("RANK", "0"))
+# Output from the ranks
 
 
 def _say(message: str) -> None:
@@ -105,7 +77,7 @@ def _say(message: str) -> None:
 
 
 def _log(message: str) -> None:
-    if _rank() == 0:
+    if rank() == 0:
         print(f"[finetune] {message}", flush=True)
 
 
@@ -149,18 +121,18 @@ def setup(run_dir: Path, recipe: Recipe, ds_config: dict[str, Any], args_kwargs:
 
 def run_dir_is_shared(run_dir: Path) -> bool:
     """Whether every rank sees the same run directory: rank 0 writes a probe file, all look for it."""
-    dist = _dist()
+    dist = process_group()
     if dist is None or dist.get_world_size() == 1:
         return True
     # Probed even on one machine (two collectives, once): cheaper than trusting launcher variables.
-    token = _all_gather(secrets.token_hex(8) if _rank() == 0 else None)[0]
+    token = all_gather(secrets.token_hex(8) if rank() == 0 else None)[0]
     probe = run_dir / f".probe-{token}"
-    if _rank() == 0:
+    if rank() == 0:
         probe.write_text(platform.node(), encoding="utf-8")
-    _barrier()
-    seen = _all_gather(probe.exists())
-    _barrier()
-    if _rank() == 0:
+    barrier()
+    seen = all_gather(probe.exists())
+    barrier()
+    if rank() == 0:
         probe.unlink(missing_ok=True)
     return all(seen)
 
@@ -171,7 +143,7 @@ def agreed_checkpoint(run_dir: Path, resume: bool) -> Optional[str]:
     Each node may have its own disk; every rank must load the same step."""
     mine = {"host": platform.node(), "resume": resume,
             "steps": [c.step for c in ckpt.complete_checkpoints(run_dir)] if resume else []}
-    views = _all_gather(mine)
+    views = all_gather(mine)
     if not any(v["resume"] for v in views):
         return None
     common = set(views[0]["steps"]).intersection(*(set(v["steps"]) for v in views[1:]))
@@ -222,10 +194,10 @@ class PreemptionCallback(TrainerCallback):
         name = signal.Signals(signum).name
         if self.signal_at is None:
             self.signal_at, self.signal_name = now, name
-            _say(f"[finetune] rank {_rank()}: {name}: saving a checkpoint at the end of this step, then stopping "
+            _say(f"[finetune] rank {rank()}: {name}: saving a checkpoint at the end of this step, then stopping "
                  f"(a second signal aborts)")
         elif now - self.signal_at > DUPLICATE_WINDOW:
-            _say(f"[finetune] rank {_rank()}: second {name}: aborting without a checkpoint")
+            _say(f"[finetune] rank {rank()}: second {name}: aborting without a checkpoint")
             self.uninstall()
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
@@ -234,7 +206,7 @@ class PreemptionCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         self.install()
-        if _local_rank() == 0:
+        if local_rank() == 0:
             discard_incomplete_if_owned(self.run_dir)
         if model is not None:
             self.first_estimate = self._model_estimate(model)
@@ -243,7 +215,7 @@ class PreemptionCallback(TrainerCallback):
         saving = bool(control.should_save)
         requested = self.signal_at is not None
         short = None
-        if (saving or requested) and _local_rank() == 0:
+        if (saving or requested) and local_rank() == 0:
             short = ckpt.space_problem(self.run_dir, self._estimate())
         # One collective for both decisions, at every step: cheap (two numbers), and all ranks agree.
         stop, no_space = self._agree(args, requested, short is not None)
@@ -261,8 +233,8 @@ class PreemptionCallback(TrainerCallback):
     def on_save(self, args, state, control, **kwargs):
         step = state.global_step
         path = self.run_dir / f"{ckpt.CHECKPOINT_PREFIX}{step}"
-        _barrier()  # every rank's shards, RNG state and (rank 0) trainer state are written
-        if _local_rank() == 0 and (self.node_local or _rank() == 0):
+        barrier()  # every rank's shards, RNG state and (rank 0) trainer state are written
+        if local_rank() == 0 and (self.node_local or rank() == 0):
             if self.node_local:
                 write_deepspeed_latest(path)
             record = ckpt.publish(path, step, {"world_size": args.world_size, "resume_hash": self.resume_hash,
@@ -272,7 +244,7 @@ class PreemptionCallback(TrainerCallback):
             _log(f"{path.name} complete ({size / 2**20:.1f} MiB)")
             if self.stopped_at is not None:
                 ckpt.write_stop_record(self.run_dir, step, path.name, self.signal_name or "a signal")
-        _barrier()  # nobody stops (or writes more) before the marker is down
+        barrier()  # nobody stops (or writes more) before the marker is down
         self.saved = path.name
         return control
 
@@ -285,7 +257,7 @@ class PreemptionCallback(TrainerCallback):
 
     @staticmethod
     def _agree(args, requested: bool, short: bool) -> tuple[bool, bool]:
-        dist = _dist()
+        dist = process_group()
         if dist is None:
             return requested, short
         import torch
@@ -360,5 +332,5 @@ def exit_code_for(exc: BaseException, run_dir: Path) -> Optional[int]:
     message = str(exc) if isinstance(exc, ckpt.CheckpointError) else ckpt.disk_error_message(exc, run_dir)
     if message is None:
         return None
-    print(f"error: rank {_rank()} on {platform.node()}: {message}", file=sys.stderr, flush=True)
+    print(f"error: rank {rank()} on {platform.node()}: {message}", file=sys.stderr, flush=True)
     return 1

@@ -40,6 +40,8 @@ from typing import Any, Optional
 
 from finetune.recipe import Recipe
 from finetune.rundir import RunDirError, read_run_dir
+from finetune.train.dist import all_gather, barrier, is_cpu_accelerator
+from finetune.train.dist import rank as process_rank
 
 LOGITS_FILE = "final_logits.safetensors"
 LOGITS_BATCH = 4  # sequences in the fixed verification batch (the first training sequences)
@@ -76,33 +78,6 @@ def training_arguments_kwargs(kwargs: dict[str, Any], field_names: set[str]) -> 
                      ("gradient_checkpointing_kwargs", "activation_checkpointing_kwargs")):
         if old in out and new in field_names and old in field_names and new not in out:
             out[new] = out.pop(old)
-    return out
-
-
-# ------------------------------------------------------------------------------------------------
-# Small distributed helpers (torch imported lazily: `--help` stays fast)
-
-
-def _is_cpu_accelerator() -> bool:
-    from deepspeed.accelerator import get_accelerator
-
-    return get_accelerator().device_name() == "cpu"
-
-
-def _barrier() -> None:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-
-
-def _gather(value: Any) -> list[Any]:
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return [value]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, value)
     return out
 
 
@@ -180,13 +155,13 @@ def save_weights(trainer, recipe: Recipe, ds_config: dict[str, Any], run_dir: Pa
     tmp = run_dir / f".{name}.partial"
     if is_main:
         shutil.rmtree(tmp, ignore_errors=True)
-    _barrier()
+    barrier()
     processing_class, trainer.processing_class = trainer.processing_class, None  # tokenizer/ holds it
     try:
         trainer.save_model(str(tmp))
     finally:
         trainer.processing_class = processing_class
-    _barrier()  # a ZeRO checkpoint is written by every rank
+    barrier()  # a ZeRO checkpoint is written by every rank
     if is_main:
         (tmp / "training_args.bin").unlink(missing_ok=True)  # a pickle; training_args.json says the same
         if name == "adapter":
@@ -194,7 +169,7 @@ def save_weights(trainer, recipe: Recipe, ds_config: dict[str, Any], run_dir: Pa
         if gathered and not any(tmp.glob("*.safetensors")):
             raise RuntimeError(f"saving {name}/ wrote no safetensors weights")
         _replace_dir(tmp, run_dir / name)
-    _barrier()
+    barrier()
     return name
 
 
@@ -292,11 +267,12 @@ def run(run_dir: Path, resume: bool = False) -> None:
 
     from finetune.tiny import cache_root, ensure_builtin_model, is_builtin
     from finetune.train.callbacks import EffectiveDeepSpeedConfig, LossPlot, ProgressLines, TrainClock
-    from finetune.train.data import make_collator, split_eval, tokenize_for_training
+    from finetune.data.sources import section_for_tokenizing
+    from finetune.train.data import make_collator, mix_report, split_eval, tokenize_for_training
     from finetune.train import preference
     from finetune.train.model import count_parameters, load_model, load_tokenizer, prepare_model
 
-    on_cpu = _is_cpu_accelerator()
+    on_cpu = is_cpu_accelerator()
     ds_config = adapt_deepspeed_config(ds_config, on_cpu)
     # 1. Process group first: TrainingArguments reads the world size from it, and zero.Init in
     #    from_pretrained computes the batch size from that.
@@ -329,8 +305,10 @@ def run(run_dir: Path, resume: bool = False) -> None:
     tokenizer = load_tokenizer(recipe, model_path)
     if recipe.objective == "sft":
         with training_args.main_process_first(local=True, desc="tokenize"):
-            dataset = tokenize_for_training(recipe.data.model_dump(mode="json"), tokenizer, cache_root() / "tokenized",
-                                            log=_log_main(is_main))
+            section = section_for_tokenizing(recipe)
+            dataset = tokenize_for_training(section, tokenizer, cache_root() / "tokenized", log=_log_main(is_main))
+        if is_main:  # the run directory says what it trained on: rows per source, dropped, mixed
+            _write_json(run_dir / "data_mix.json", mix_report(section, tokenizer, cache_root() / "tokenized"))
         train_set, eval_set = split_eval(dataset, recipe.data.validation_split, recipe.training.seed)
         collator = make_collator(tokenizer.pad_token_id, recipe.model.attn_implementation, recipe.data.packing,
                                  recipe.data.padding_free)
@@ -378,8 +356,8 @@ def run(run_dir: Path, resume: bool = False) -> None:
     save_final_logits(trainer.model, batch, training_args.device, run_dir / LOGITS_FILE if is_main else None)
     trainer.model.config.use_cache = use_cache
     saved = save_weights(trainer, recipe, ds_config, run_dir, is_main)
-    memory = _gather(peak_memory())
-    reserved = _gather(peak_memory_reserved())
+    memory = all_gather(peak_memory())
+    reserved = all_gather(peak_memory_reserved())
     if is_main:
         tmp_tok = run_dir / ".tokenizer.partial"
         shutil.rmtree(tmp_tok, ignore_errors=True)
@@ -407,7 +385,7 @@ def run(run_dir: Path, resume: bool = False) -> None:
         if saved == "zero_checkpoint":
             _log_main(True)("the weights are a ZeRO checkpoint (gather_16bit_weights_on_model_save is false): "
                             f"run `finetune convert {run_dir}` for an adapter or model")
-    _barrier()
+    barrier()
 
 
 def _fmt(value: Optional[float]) -> str:
@@ -424,7 +402,7 @@ def _log_main(is_main: bool):
 
 def _quiet_libraries() -> None:
     """Rank 0 keeps transformers' warnings; the others only report errors (N copies help nobody)."""
-    rank = int(os.environ.get("RANK", "0"))
+    rank = process_rank()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # Deprecations raised by one library calling another, once per step and rank; nothing to act on here.
     warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)

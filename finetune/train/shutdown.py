@@ -29,9 +29,10 @@ def close_process_group() -> None:
     """Destroy the default process group if this process started one."""
     if "torch" not in sys.modules:
         return
-    import torch.distributed as dist
+    from finetune.train.dist import process_group
 
-    if dist.is_available() and dist.is_initialized():
+    dist = process_group()
+    if dist is not None:
         dist.destroy_process_group()
 
 

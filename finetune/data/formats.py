@@ -1,0 +1,228 @@
+"""Row formats: one row of a source -> one example with what it trains on.
+
+Three shapes come out (`to_example`):
+- `Prompted` (alpaca): a prompt and a response; the loss covers the response and the EOS after it.
+- `Text` (text): every token is trained.
+- `Chat` (messages, sharegpt): OpenAI-style messages rendered with the chat template, and one train flag
+  per message. Assistant turns train by default; a message with `"train": false` (or axolotl's
+  `"weight": 0`) stays in the context but out of the loss; system, user and tool turns never train.
+
+Role names are mapped to system / user / assistant / tool: ShareGPT's `human`, `gpt`, `observation`,
+`function_call` ... by `SHAREGPT_ROLES`, anything else by the source's `roles:` map. `function_call`
+turns become assistant tool calls, `observation` turns tool results.
+
+A format is a function row -> example that raises `RowProblem`; `register_format` adds one (a
+preference format registers its own row check this way).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Optional, Union
+
+ROLES = ("system", "user", "assistant", "tool")
+# ShareGPT as LLaMA-Factory, FastChat and axolotl write it.
+SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                  "chatgpt": "assistant", "bing": "assistant", "bard": "assistant", "model": "assistant",
+                  "function_call": "assistant", "observation": "tool", "tool": "tool", "function": "tool",
+                  "ipython": "tool"}
+MESSAGE_ROLES = {role: role for role in ROLES}
+# The columns each format reads, by canonical name; a source's `columns:` renames them.
+DEFAULT_COLUMNS = {
+    "alpaca": {"instruction": "instruction", "input": "input", "output": "output"},
+    "text": {"text": "text"},
+    "messages": {"messages": "messages", "role": "role", "content": "content", "system": "system"},
+    "sharegpt": {"messages": "conversations", "role": "from", "content": "value", "system": "system"},
+}
+ALPACA_PROMPT = "### Instruction:\n{instruction}\n\n### Response:\n"
+ALPACA_PROMPT_WITH_INPUT = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
+
+
+class RowProblem(ValueError):
+    """One row cannot be used: the message names the column (the caller adds file and line)."""
+
+
+@dataclass
+class Prompted:
+    prompt: str
+    response: str
+
+
+@dataclass
+class Text:
+    text: str
+
+
+@dataclass
+class Chat:
+    messages: list[dict[str, Any]]
+    train: list[bool] = field(default_factory=list)  # one flag per message
+
+
+Example = Union[Prompted, Text, Chat]
+
+
+@dataclass(frozen=True)
+class RowSpec:
+    """How to read a source's rows: format, column names, role map (resolved by finetune.data.sources)."""
+    format: str = "alpaca"
+    columns: Mapping[str, str] = field(default_factory=dict)
+    roles: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        # Resolved once: validation asks for a column name several times per row, millions of rows.
+        object.__setattr__(self, "_names", {**DEFAULT_COLUMNS.get(self.format, {}), **self.columns})
+
+    def column(self, name: str) -> str:
+        return self._names.get(name, name)
+
+    def role_map(self) -> dict[str, str]:
+        base = SHAREGPT_ROLES if self.format == "sharegpt" else MESSAGE_ROLES
+        return {**base, **self.roles}
+
+
+def _text(row: Mapping[str, Any], spec: RowSpec, name: str, required: bool = True) -> Optional[str]:
+    column = spec.column(name)
+    value = row.get(column)
+    if value is None:
+        if required:
+            found = ", ".join(f"`{k}`" for k in row) or "none"
+            raise RowProblem(f"no `{column}` column (format {spec.format} needs it; found {found}){_hint(row, spec)}")
+        return None
+    if not isinstance(value, str):
+        raise RowProblem(f"`{column}` must be text, got {type(value).__name__}")
+    return value
+
+
+def _hint(row: Mapping[str, Any], spec: RowSpec) -> str:
+    for other, columns in (("alpaca", {"instruction", "output"}), ("text", {"text"}), ("messages", {"messages"}),
+                           ("sharegpt", {"conversations"})):
+        if other != spec.format and columns <= set(row):
+            return f"; did you mean format: {other}?"
+    return ""
+
+
+def alpaca(row: Mapping[str, Any], spec: RowSpec) -> Prompted:
+    instruction, output = _text(row, spec, "instruction"), _text(row, spec, "output")
+    if not output.strip():
+        raise RowProblem(f"`{spec.column('output')}` is empty: nothing to train on")
+    return Prompted(alpaca_prompt(instruction, _text(row, spec, "input", required=False)), output)
+
+
+def alpaca_prompt(instruction: str, extra: Optional[str] = None) -> str:
+    if extra:
+        return ALPACA_PROMPT_WITH_INPUT.format(instruction=instruction, input=extra)
+    return ALPACA_PROMPT.format(instruction=instruction)
+
+
+def text(row: Mapping[str, Any], spec: RowSpec) -> Text:
+    value = _text(row, spec, "text")
+    if not value.strip():
+        raise RowProblem(f"`{spec.column('text')}` is empty: nothing to train on")
+    return Text(value)
+
+
+def chat(row: Mapping[str, Any], spec: RowSpec) -> Chat:
+    column = spec.column("messages")
+    raw = row.get(column)
+    if raw is None:
+        found = ", ".join(f"`{k}`" for k in row) or "none"
+        raise RowProblem(f"no `{column}` column (format {spec.format} needs a list of turns; found {found}){_hint(row, spec)}")
+    if isinstance(raw, str):  # CSV cells are text; a JSON-encoded list in a cell is what people put there
+        try:
+            raw = json.loads(raw)
+        except json.JSONDecodeError:
+            raise RowProblem(f"`{column}` must be a list of turns, got text that is not JSON") from None
+    if not isinstance(raw, list) or not raw:
+        raise RowProblem(f"`{column}` must be a non-empty list of turns")
+    messages: list[dict[str, Any]] = []
+    train: list[bool] = []
+    system = _text(row, spec, "system", required=False) if spec.column("system") in row else None
+    if system:
+        messages.append({"role": "system", "content": system})
+        train.append(False)
+    roles = spec.role_map()
+    for i, turn in enumerate(raw):
+        message, trains = _turn(turn, i, column, spec, roles)
+        messages.append(message)
+        train.append(trains)
+    if not any(train):
+        raise RowProblem(f"`{column}` has no assistant turn to train on")
+    return Chat(messages, train)
+
+
+def _turn(turn: Any, i: int, column: str, spec: RowSpec, roles: dict[str, str]) -> tuple[dict[str, Any], bool]:
+    role_key, content_key = spec.column("role"), spec.column("content")
+    where = f"{column}[{i}]"
+    if not isinstance(turn, dict):
+        raise RowProblem(f"{where} must be an object with `{role_key}` and `{content_key}`, got {type(turn).__name__}")
+    name = turn.get(role_key)
+    if not isinstance(name, str):
+        raise RowProblem(f"{where} has no `{role_key}` (text)")
+    role = roles.get(name)
+    if role not in ROLES:
+        known = ", ".join(sorted(roles))
+        raise RowProblem(f"{where}: unknown role `{name}` (known: {known}; map it with roles: {{{name}: user|assistant|system|tool}})")
+    content = turn.get(content_key)
+    tool_calls = turn.get("tool_calls")
+    if content is not None and not isinstance(content, (str, list)):
+        raise RowProblem(f"{where}.{content_key} must be text, got {type(content).__name__}")
+    if content is None and not tool_calls:
+        raise RowProblem(f"{where} has no `{content_key}`")
+    message: dict[str, Any] = {"role": role}
+    if name == "function_call" and isinstance(content, str):
+        call = _function_call(content)
+        if call is not None:
+            message["tool_calls"] = [call]
+            content = None
+    if content is not None:
+        message["content"] = content
+    for key in ("tool_calls", "tool_call_id", "name", "reasoning_content"):
+        if turn.get(key) is not None:
+            message[key] = turn[key]
+    return message, role == "assistant" and _trains(turn, where)
+
+
+def _trains(turn: dict, where: str) -> bool:
+    """The per-message switch: `train: false`, or axolotl's `weight: 0`."""
+    flag = turn.get("train", True)
+    if not isinstance(flag, bool):
+        raise RowProblem(f"{where}.train must be true or false, got {flag!r}")
+    weight = turn.get("weight", 1)
+    if weight not in (0, 1) or isinstance(weight, bool):
+        raise RowProblem(f"{where}.weight must be 0 or 1, got {weight!r}")
+    return flag and weight == 1
+
+
+def _function_call(value: str) -> Optional[dict[str, Any]]:
+    """LLaMA-Factory's function_call turn holds `{"name": ..., "arguments": ...}` as JSON text."""
+    try:
+        call = json.loads(value)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        return None
+    return {"type": "function", "function": {"name": call["name"], "arguments": call.get("arguments", {})}}
+
+
+FORMATS: dict[str, Callable[[Mapping[str, Any], RowSpec], Any]] = {
+    "alpaca": alpaca, "text": text, "messages": chat, "sharegpt": chat,
+}
+CHAT_FORMATS = ("messages", "sharegpt")
+
+
+def register_format(name: str, convert: Callable[[Mapping[str, Any], RowSpec], Any]) -> None:
+    """Add a row format: `convert(row, spec)` returns an example or raises RowProblem (validation and
+    tokenization both call it, so a check written once runs on every row before launch)."""
+    FORMATS[name] = convert
+
+
+def to_example(row: Any, spec: RowSpec) -> Any:
+    if not isinstance(row, dict):
+        raise RowProblem(f"expected an object with named columns, got {type(row).__name__}")
+    try:
+        convert = FORMATS[spec.format]
+    except KeyError:
+        raise RowProblem(f"unknown format `{spec.format}` (known: {', '.join(FORMATS)})") from None
+    return convert(row, spec)

@@ -1,0 +1,96 @@
+"""The data sources of a recipe: `data.sources`, or the one source of the `data.path` shorthand.
+
+A source is a local file (.jsonl, .json, .parquet, .csv), a folder of such files, a folder written by
+`datasets.Dataset.save_to_disk` (arrow), or a hub dataset id (read at launch; not checked before).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from finetune.data.formats import RowSpec
+from finetune.references import DATA_SUFFIXES, is_local
+
+__all__ = ["DATA_SUFFIXES", "is_local"]  # the single definitions, in finetune.references
+ARROW_MARKER = "dataset_info.json"  # written by Dataset.save_to_disk next to its .arrow files
+SPLITS_MARKER = "dataset_dict.json"  # DatasetDict.save_to_disk: one such folder per split
+
+
+@dataclass(frozen=True)
+class Source:
+    path: str
+    split: str
+    spec: RowSpec
+    weight: Optional[float] = None
+    samples: Optional[int] = None
+
+    @property
+    def format(self) -> str:
+        return self.spec.format
+
+    @property
+    def name(self) -> str:
+        return Path(self.path).name if is_local(self.path) else self.path
+
+
+def sources_of(data: Any) -> list[Source]:
+    """The sources of a recipe's data section (a pydantic DataSection or its dict dump)."""
+    get = data.get if isinstance(data, dict) else (lambda key, default=None: getattr(data, key, default))
+    listed = get("sources")
+    if not listed:
+        return [Source(str(get("path")), get("split") or "train",
+                       RowSpec(get("format") or "alpaca", dict(get("columns") or {}), dict(get("roles") or {})))]
+    out = []
+    for item in listed:
+        item_get = item.get if isinstance(item, dict) else (lambda key, default=None, item=item: getattr(item, key, default))
+        out.append(Source(str(item_get("path")), item_get("split") or "train",
+                          RowSpec(item_get("format") or "alpaca", dict(item_get("columns") or {}),
+                                  dict(item_get("roles") or {})),
+                          item_get("weight"), item_get("samples")))
+    return out
+
+
+def section_for_tokenizing(recipe: Any) -> dict[str, Any]:
+    """The data section as finetune.train.data reads it, with the mixture's seed resolved."""
+    data = recipe.data.model_dump(mode="json")
+    data["seed"] = recipe.training.seed if recipe.data.seed is None else recipe.data.seed
+    return data
+
+
+def describe(data: Any) -> str:
+    return ", ".join(source.path for source in sources_of(data))
+
+
+def is_arrow_dir(path: Path) -> bool:
+    return path.is_dir() and ((path / ARROW_MARKER).is_file() or (path / SPLITS_MARKER).is_file())
+
+
+class SourceProblem(Exception):
+    """A source that cannot be read at all (missing, wrong type): the message names the path."""
+
+
+def data_files(path: Path, split: str = "train") -> list[Path]:
+    """The files of a local source, in a stable order (a folder of shards: sorted)."""
+    if is_arrow_dir(path):
+        if (path / SPLITS_MARKER).is_file():
+            if not (path / split / ARROW_MARKER).is_file():
+                found = sorted(p.name for p in path.iterdir() if (p / ARROW_MARKER).is_file())
+                raise SourceProblem(f"{path}: no split `{split}` in this saved dataset (found {', '.join(found) or 'none'})")
+            path = path / split
+        files = sorted(path.glob("*.arrow"))
+        if not files:
+            raise SourceProblem(f"{path}: a saved dataset folder without .arrow files")
+        return files
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in DATA_SUFFIXES and not p.name.startswith("."))
+        if not files:
+            raise SourceProblem(f"{path}: directory holds no {'/'.join(DATA_SUFFIXES)} files")
+        return files
+    if not path.exists():
+        raise SourceProblem(f"{path}: file does not exist")
+    if path.suffix not in DATA_SUFFIXES:
+        raise SourceProblem(f"{path}: unsupported file type `{path.suffix}` (use {', '.join(DATA_SUFFIXES)}, "
+                            f"or a folder written by datasets' save_to_disk)")
+    return [path]

@@ -1,0 +1,275 @@
+"""Every row of every local source, checked before launch: file and line of each problem, all at once.
+
+`validate(sources)` reads each local source to its end, streaming (one line, CSV record or Arrow batch
+at a time, so a file larger than RAM is fine), and converts every row with its format
+(finetune.data.formats.to_example: the same function tokenization uses, so what passes here does not
+fail in the ranks). It reports a malformed line, bytes that are not UTF-8, a missing or wrongly-typed
+column, an unknown role and a row with nothing to train on, as `file:line: problem` (1-based lines for
+JSON lines and CSV, `file: row N` for JSON arrays, parquet and Arrow). The first MAX_SHOWN problems
+are shown, the rest counted. A format registered with finetune.data.formats.register_format is
+checked here too: its converter is the row check.
+
+A JSON lines file is first checked in bulk (finetune.data.fastcheck: pyarrow's streaming JSON reader
+and Arrow compute); only when that pass cannot prove every row fine is it read row by row, parsed with
+orjson when installed (the json module otherwise), to name each problem by line.
+scripts/bench_validate.py measures all three.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from array import array
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+from finetune.data.fastcheck import clean_rows
+from finetune.data.formats import Chat, Prompted, RowProblem, Text, to_example
+from finetune.data.sources import Source, SourceProblem, data_files, is_local
+
+try:
+    import orjson
+
+    _loads = orjson.loads
+    _JSONError: tuple[type[Exception], ...] = (orjson.JSONDecodeError,)
+except ImportError:  # pragma: no cover - orjson is a dependency; the json module is the fallback
+    orjson = None
+    _loads = json.loads
+    _JSONError = (json.JSONDecodeError, UnicodeDecodeError)
+
+MAX_SHOWN = 20
+# A source whose every row is wrong (the wrong format) is not read to its end: its first problems say why.
+MAX_PER_SOURCE = 1000
+ARROW_BATCH = 4096
+
+
+class Unreadable(Exception):
+    """A problem that ends the reading of one file (bad JSON array, damaged parquet): file and position."""
+
+
+@dataclass
+class SourceCheck:
+    source: Source
+    rows: int = 0
+    problems: int = 0
+    stopped: bool = False  # gave up after MAX_PER_SOURCE problems
+    lengths: array = field(default_factory=lambda: array("I"))  # characters per good row, for the planner
+
+    def length_stats(self) -> Optional[dict[str, int]]:
+        return length_stats(self.lengths)
+
+
+@dataclass
+class Validation:
+    checks: list[SourceCheck] = field(default_factory=list)
+    shown: list[str] = field(default_factory=list)
+    total: int = 0
+    skipped: list[str] = field(default_factory=list)  # hub sources: read at launch
+
+    @property
+    def ok(self) -> bool:
+        return self.total == 0
+
+    def messages(self) -> list[str]:
+        hidden = self.total - len(self.shown)
+        return self.shown + ([f"... and {hidden} more problem(s) not shown"] if hidden > 0 else [])
+
+    def add(self, check: SourceCheck, message: str) -> None:
+        check.problems += 1
+        self.total += 1
+        if len(self.shown) < MAX_SHOWN:
+            self.shown.append(message)
+
+
+def validate(sources: list[Source]) -> Validation:
+    result = Validation()
+    for source in sources:
+        if not is_local(source.path):
+            result.skipped.append(source.path)
+            continue
+        check = SourceCheck(source)
+        result.checks.append(check)
+        try:
+            files = data_files(Path(source.path).expanduser(), source.split)
+        except SourceProblem as exc:
+            result.add(check, str(exc))
+            continue
+        for file in files:
+            if not check.stopped:
+                _check_file(file, check, result)
+        if check.rows == 0 and check.problems == 0:
+            result.add(check, f"{source.path}: no rows")
+    return result
+
+
+def _check_file(path: Path, check: SourceCheck, result: Validation) -> None:
+    spec = check.source.spec
+    if path.suffix == ".jsonl":
+        clean = clean_rows(path, spec)
+        if clean is not None:
+            for counts in clean:
+                check.rows += len(counts)
+                check.lengths.frombytes(counts.clip(0, 2**32 - 1).astype("uint32").tobytes())
+            return
+    try:
+        for where, row in iter_rows(path):
+            if isinstance(row, _Bad):
+                result.add(check, f"{where}: {row.message}")
+            else:
+                check.rows += 1
+                try:
+                    check.lengths.append(min(_characters(to_example(row, spec)), 2**32 - 1))
+                    continue
+                except RowProblem as exc:
+                    result.add(check, f"{where}: {exc}")
+            if check.problems >= MAX_PER_SOURCE:
+                check.stopped = True
+                result.add(check, f"{path}: stopped reading after {MAX_PER_SOURCE} problems")
+                return
+    except Unreadable as exc:
+        result.add(check, str(exc))
+
+
+def _characters(example: Any) -> int:
+    if isinstance(example, Prompted):
+        return len(example.prompt) + len(example.response)
+    if isinstance(example, Text):
+        return len(example.text)
+    if isinstance(example, Chat):
+        return sum(len(m["content"]) if isinstance(m.get("content"), str) else 0 for m in example.messages)
+    return 0
+
+
+def length_stats(lengths: array) -> Optional[dict[str, int]]:
+    """p50 / p95 / max characters per example (None without rows)."""
+    if not lengths:
+        return None
+    ordered = sorted(lengths)
+    pick = lambda q: ordered[min(len(ordered) - 1, math.ceil(q * len(ordered)) - 1)]  # noqa: E731
+    return {"rows": len(ordered), "p50": pick(0.5), "p95": pick(0.95), "max": ordered[-1]}
+
+
+# ------------------------------------------------------------------------------------------------
+# Readers: (where, row) for every row, or (where, _Bad) for a row that cannot be parsed
+
+
+@dataclass
+class _Bad:
+    message: str
+
+
+def iter_rows(path: Path) -> Iterator[tuple[str, Any]]:
+    if path.suffix == ".arrow":
+        return _arrow_rows(path)
+    readers = {".jsonl": _jsonl_rows, ".json": _json_rows, ".csv": _csv_rows, ".parquet": _parquet_rows}
+    return _guarded(path, readers[path.suffix](path))
+
+
+def _guarded(path: Path, rows: Iterator[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+    try:
+        yield from rows
+    except UnicodeDecodeError as exc:
+        raise Unreadable(f"{path}: not UTF-8 text (byte {exc.start})") from None
+    except OSError as exc:
+        raise Unreadable(f"{path}: cannot read: {exc.strerror or exc}") from None
+
+
+def _jsonl_rows(path: Path) -> Iterator[tuple[str, Any]]:
+    with path.open("rb") as handle:
+        for line_no, line in enumerate(handle, 1):
+            try:
+                yield f"{path}:{line_no}", _loads(line)
+            except _JSONError as exc:
+                if not line.strip():
+                    continue  # blank lines: datasets skips them too
+                yield f"{path}:{line_no}", _Bad(_json_message(line, exc))
+
+
+def _json_message(line: bytes, exc: Exception) -> str:
+    try:
+        text = line.decode("utf-8")
+    except UnicodeDecodeError as bad:
+        return f"not UTF-8 text (byte {bad.start} of the line)"
+    try:
+        json.loads(text)
+    except json.JSONDecodeError as std:  # the json module's wording names what is wrong and where
+        return f"not valid JSON ({std.msg}, column {std.colno})"
+    return f"not valid JSON ({exc})"
+
+
+def _json_rows(path: Path) -> Iterator[tuple[str, Any]]:
+    """A JSON array of rows, an object of columns, or JSON lines in a .json file (what `datasets` reads)."""
+    with path.open("rb") as handle:
+        head = handle.read(64).lstrip()
+    if not head.startswith((b"[", b"{")) or (head.startswith(b"{") and _is_jsonl(path)):
+        yield from _jsonl_rows(path)
+        return
+    raw = path.read_bytes()
+    try:
+        data = _loads(raw)
+    except _JSONError:
+        try:
+            json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError as bad:
+            raise Unreadable(f"{path}: not UTF-8 text (byte {bad.start})") from None
+        except json.JSONDecodeError as exc:
+            raise Unreadable(f"{path}:{exc.lineno}: not valid JSON ({exc.msg})") from None
+        raise
+    if isinstance(data, dict):
+        columns = list(data.values())
+        if not columns or not all(isinstance(c, list) for c in columns) or len({len(c) for c in columns}) != 1:
+            raise Unreadable(f"{path}: one JSON object that is not a table of equal-length columns "
+                             f"(expected JSON lines, an array of rows, or {{column: [values]}})")
+        data = [{key: values[i] for key, values in data.items()} for i in range(len(columns[0]))]
+    for number, row in enumerate(data, 1):
+        yield f"{path}: row {number}", row
+
+
+def _is_jsonl(path: Path) -> bool:
+    """A .json file starting with `{`: JSON lines when its first line is a whole object."""
+    with path.open("rb") as handle:
+        first = handle.readline()
+    try:
+        return isinstance(_loads(first), dict)
+    except _JSONError:
+        return False
+
+
+def _csv_rows(path: Path) -> Iterator[tuple[str, Any]]:
+    with path.open(encoding="utf-8", newline="") as handle:
+        reader = csv.DictReader(handle)
+        if not reader.fieldnames:
+            return
+        for row in reader:
+            yield f"{path}:{reader.line_num}", row
+
+
+def _parquet_rows(path: Path) -> Iterator[tuple[str, Any]]:
+    import pyarrow.parquet as pq
+
+    try:
+        batches = pq.ParquetFile(path).iter_batches(batch_size=ARROW_BATCH)
+        yield from _numbered(path, batches)
+    except (OSError, ValueError) as exc:  # pyarrow's ArrowInvalid is a ValueError
+        raise Unreadable(f"{path}: not a readable parquet file ({exc})") from None
+
+
+def _arrow_rows(path: Path) -> Iterator[tuple[str, Any]]:
+    """The .arrow files of a save_to_disk folder: Arrow IPC streams, memory-mapped as datasets does."""
+    import pyarrow as pa
+
+    try:
+        with pa.memory_map(str(path)) as source:
+            yield from _numbered(path, pa.ipc.open_stream(source))
+    except (OSError, ValueError) as exc:
+        raise Unreadable(f"{path}: not a readable Arrow file ({exc})") from None
+
+
+def _numbered(path: Path, batches) -> Iterator[tuple[str, Any]]:
+    number = 0
+    for batch in batches:
+        for row in batch.to_pylist():
+            number += 1
+            yield f"{path}: row {number}", row

@@ -1,0 +1,49 @@
+"""The distributed helpers the runner and the preemption callback share: every rank calls a
+collective or none does, and a single process (no process group) gets the one-rank answer.
+
+torch and deepspeed are imported inside the functions: `python -m finetune.train.runner --help`
+stays fast, and importing this module never starts CUDA or picks a DeepSpeed accelerator.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+
+def process_group():
+    """torch.distributed when this process joined a process group, else None."""
+    import torch.distributed as dist
+
+    return dist if dist.is_available() and dist.is_initialized() else None
+
+
+def barrier() -> None:
+    dist = process_group()
+    if dist is not None:
+        dist.barrier()
+
+
+def all_gather(value: Any) -> list[Any]:
+    """Every rank's `value`, in rank order (picklable objects; `[value]` without a process group)."""
+    dist = process_group()
+    if dist is None:
+        return [value]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def rank() -> int:
+    # From the launcher's environment: valid before the process group exists, and in signal handlers.
+    return int(os.environ.get("RANK", "0"))
+
+
+def local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def is_cpu_accelerator() -> bool:
+    from deepspeed.accelerator import get_accelerator
+
+    return get_accelerator().device_name() == "cpu"

@@ -1,0 +1,129 @@
+"""Time the full-row validation `finetune train` runs before launch on a ~1 GB JSON lines file.
+
+    python scripts/bench_validate.py                    # 1 GiB of alpaca rows in /tmp, then removed
+    python scripts/bench_validate.py --size 256MiB --format sharegpt --no-datasets
+
+Writes a generated file (alpaca or ShareGPT rows of a few hundred bytes), then times:
+- finetune.data.validate.validate on the clean file (the bulk pyarrow pass proves it clean),
+- the same after one bad row is appended at the end: the bulk pass fails, and the row-by-row pass
+  (orjson, as shipped; then the json module, the fallback) reads the whole file to name the line,
+- datasets.load_dataset("json", ...) into a fresh cache: what a user would otherwise run to find out
+  whether the file loads (it stops at the first bad row, with no line number).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+from finetune.recipe import parse_size
+
+WORDS = ("the cat sat on a mat while rain fell over river stone bread milk book door cloud snow "
+         "green blue red tree apple moon star sun bird dog").split()
+
+
+def sentence(rng: random.Random, words: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(words)).capitalize() + "."
+
+
+def row(rng: random.Random, fmt: str) -> dict:
+    if fmt == "alpaca":
+        return {"instruction": sentence(rng, rng.randint(5, 30)), "input": "", "output": sentence(rng, rng.randint(10, 60))}
+    turns = []
+    for _ in range(rng.randint(1, 3)):
+        turns += [{"from": "human", "value": sentence(rng, rng.randint(5, 30))},
+                  {"from": "gpt", "value": sentence(rng, rng.randint(10, 60))}]
+    return {"conversations": turns}
+
+
+BAD_ROW = {"alpaca": '{"instruction": "a bad row near the end", "input": ""}\n',
+           "sharegpt": '{"conversations": [{"from": "human", "value": "no answer"}]}\n'}
+
+
+def write(path: Path, size: int, fmt: str) -> int:
+    rng = random.Random(0)
+    block = [json.dumps(row(rng, fmt)) + "\n" for _ in range(5000)]  # repeated: writing stays fast
+    lines = written = 0
+    with path.open("w", encoding="utf-8") as handle:
+        while written < size:
+            for line in block:
+                handle.write(line)
+                written += len(line)
+                lines += 1
+    return lines
+
+
+def time_validate(path: Path, fmt: str, use_orjson: bool) -> tuple[float, list[str], int]:
+    import finetune.data.validate as v
+    from finetune.data.formats import RowSpec
+    from finetune.data.sources import Source
+
+    saved = v._loads, v._JSONError
+    if not use_orjson:
+        v._loads, v._JSONError = json.loads, (json.JSONDecodeError, UnicodeDecodeError)
+    try:
+        start = time.perf_counter()
+        result = v.validate([Source(str(path), "train", RowSpec(fmt))])
+        return time.perf_counter() - start, result.messages(), result.checks[0].rows
+    finally:
+        v._loads, v._JSONError = saved
+
+
+def time_datasets(path: Path) -> tuple[float, str]:
+    import datasets
+
+    datasets.disable_progress_bars()
+    cache = tempfile.mkdtemp(prefix="bench-validate-cache-")
+    start = time.perf_counter()
+    try:
+        loaded = datasets.load_dataset("json", data_files=str(path), split="train", cache_dir=cache)
+        outcome = f"loaded {len(loaded)} rows"
+    except Exception as exc:  # noqa: BLE001 - what it says is the point of the comparison
+        outcome = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:150]}"
+    finally:
+        elapsed = time.perf_counter() - start
+        shutil.rmtree(cache, ignore_errors=True)
+    return elapsed, outcome
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", default="1GiB", help="file size, e.g. 1GiB or 256MiB")
+    parser.add_argument("--format", choices=["alpaca", "sharegpt"], default="alpaca")
+    parser.add_argument("--no-datasets", action="store_true", help="skip the datasets.load_dataset comparison")
+    parser.add_argument("--no-json", action="store_true", help="skip the json-module fallback")
+    args = parser.parse_args()
+    folder = Path(tempfile.mkdtemp(prefix="bench-validate-"))
+    try:
+        path = folder / "data.jsonl"
+        start = time.perf_counter()
+        lines = write(path, parse_size(args.size), args.format)
+        mb = path.stat().st_size / 1e6
+        print(f"wrote {path}: {mb:,.0f} MB, {lines:,} rows ({args.format}) in {time.perf_counter() - start:.1f} s")
+        seconds, problems, rows = time_validate(path, args.format, True)
+        print(f"finetune validate, clean file (bulk pass): {seconds:.1f} s ({mb / seconds:,.0f} MB/s, {rows:,} rows); found: {problems}")
+        if not args.no_datasets:
+            seconds, outcome = time_datasets(path)
+            print(f"datasets.load_dataset('json'), clean file: {seconds:.1f} s ({mb / seconds:,.0f} MB/s); {outcome}")
+        with path.open("a", encoding="utf-8") as handle:
+            handle.write(BAD_ROW[args.format])
+        runs = [("bad last row (bulk pass, then row by row with orjson)", True)]
+        runs += [] if args.no_json else [("bad last row (bulk pass, then row by row with the json module)", False)]
+        for label, use_orjson in runs:
+            seconds, problems, rows = time_validate(path, args.format, use_orjson)
+            print(f"{label}: {seconds:.1f} s ({mb / seconds:,.0f} MB/s, {rows:,} rows); found: {problems}")
+        if not args.no_datasets:
+            seconds, outcome = time_datasets(path)
+            print(f"datasets.load_dataset('json'), bad last row: {seconds:.1f} s ({mb / seconds:,.0f} MB/s); {outcome}")
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

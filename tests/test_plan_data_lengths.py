@@ -1,0 +1,50 @@
+"""`finetune plan RECIPE` sizes activations for the data's longest example when it is shorter than
+data.max_length (finetune.plan.data_lengths), and says how it counted the tokens."""
+
+from __future__ import annotations
+
+import json
+import math
+
+from finetune.plan import setup_from_recipe
+from finetune.plan.data_lengths import CHARS_PER_TOKEN, TEMPLATE_TOKENS
+from finetune.recipe import load_recipe
+
+
+def recipe(tmp_path, data: str, model: str = "meta-llama/Meta-Llama-3-8B"):
+    path = tmp_path / "r.yaml"
+    path.write_text(f"model: {{name_or_path: {model}}}\ndata: {data}\nhardware: {{gpus: 1}}\n")
+    return load_recipe(path).recipe
+
+
+def test_the_longest_example_sets_the_tokens_per_sequence(tmp_path):
+    rows = [{"instruction": "q" * n, "output": "a" * n} for n in (10, 200, 400)]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    r = recipe(tmp_path, "{path: ./d.jsonl, max_length: 4096}")
+    setup = setup_from_recipe(r, data_lengths=True)
+    assert setup.seq_len == math.ceil(800 / CHARS_PER_TOKEN) + TEMPLATE_TOKENS
+    assert "characters/4, no tokenizer here" in setup.data_note and "not max_length 4096" in setup.data_note
+    assert setup_from_recipe(r).seq_len == 4096  # lint and the run report do not read the data
+    short = recipe(tmp_path, "{path: ./d.jsonl, max_length: 64}")
+    assert setup_from_recipe(short, data_lengths=True).seq_len == 64
+
+
+def test_packed_rows_hub_sources_and_bad_data_keep_max_length(tmp_path):
+    (tmp_path / "d.jsonl").write_text(json.dumps({"text": "x"}) + "\n")
+    for data in ("{path: ./d.jsonl, format: text, packing: true, max_length: 512}",
+                 "{sources: [{path: ./d.jsonl, format: text}, {path: org/hub-set, format: text}], max_length: 512}",
+                 "{path: ./d.jsonl, format: alpaca, max_length: 512}"):
+        setup = setup_from_recipe(recipe(tmp_path, data), data_lengths=True)
+        assert setup.seq_len == 512 and setup.data_note == "", data
+
+
+def test_the_models_own_tokenizer_counts_when_it_is_here(tmp_path):
+    from finetune.tiny import ensure_builtin_model
+
+    ensure_builtin_model("builtin:tiny-llama")
+    rows = [{"instruction": "What is the capital of France?", "output": "The capital of France is Paris."}] * 5
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    setup = setup_from_recipe(recipe(tmp_path, "{path: ./d.jsonl, max_length: 512}", model='"builtin:tiny-llama"'),
+                              data_lengths=True)
+    assert "characters per token of tiny-llama" in setup.data_note and "on 5 rows" in setup.data_note
+    assert setup.seq_len < 512
