@@ -78,6 +78,8 @@ def resolve_source(path: Optional[Path], base: Optional[str] = None, adapter: Op
 def _chat_format(recipe) -> str:
     """How to prompt a model trained on `recipe`'s data: the chat template when any source was a
     conversation (sharegpt trains through it too), else the format of its sources."""
+    if recipe.objective != "sft":  # TRL renders message rows with the chat template (text rows: --format text)
+        return "messages"
     formats = recipe.data.source_formats()
     return "messages" if any(f in ("messages", "sharegpt") for f in formats) else formats[0]
 

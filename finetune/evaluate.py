@@ -82,6 +82,9 @@ def eval_rows(run_dir: Path, recipe, tokenizer, data: Optional[Path], log: Calla
     from finetune.tiny import cache_root
     from finetune.train.data import DataError, load_raw, split_eval, tokenize_examples, tokenize_for_training
 
+    if recipe.objective != "sft" and data is None:
+        raise EvalError(f"{run_dir} trained with objective: {recipe.objective}: its preference rows have no loss to "
+                        "score; summary.json holds its rewards (pass --data FILE with SFT rows to score those)")
     from finetune.data.sources import describe, section_for_tokenizing
 
     section = section_for_tokenizing(recipe)

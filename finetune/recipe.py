@@ -84,8 +84,9 @@ class ModelSection(_Section):
         "sdpa", description="Attention kernel passed to from_pretrained.")
     trust_remote_code: bool = Field(False, description="Run modelling code shipped with the checkpoint. Off by default: it executes code from the hub.")
     tokenizer: Optional[str] = Field(None, description="Tokenizer location when it differs from the model's.")
+    adapter: Optional[str] = Field(None, description="LoRA adapter to continue training (lora/qlora): an SFT run directory (its adapter/) or an adapter directory. Full fine-tunes start from an SFT run's model/ through name_or_path instead.")
 
-    _paths = field_validator("name_or_path", "tokenizer")(plain_path)
+    _paths = field_validator("name_or_path", "tokenizer", "adapter")(plain_path)
 
 
 class LoraSection(_Section):
@@ -161,6 +162,44 @@ class DataSection(_Section):
 
     def source_formats(self) -> list[str]:
         return [s.format for s in self.sources] if self.sources else [self.format]
+
+
+PREFERENCE_OBJECTIVES = ("dpo", "orpo", "kto", "simpo")
+# TRL's loss variants per objective (trl 1.16: DPOConfig.loss_type, KTOConfig.loss_type); ORPO has one loss,
+# SimPO is CPOConfig(loss_type="simpo").
+DPO_LOSSES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot",
+              "aot_unpaired", "apo_zero", "apo_down", "discopop", "sigmoid_norm")
+KTO_LOSSES = ("kto", "apo_zero_unpaired")
+
+
+class ReferenceSection(_Section):
+    mode: Literal["adapter_disabled", "model", "precomputed"] = Field(
+        "adapter_disabled", description="adapter_disabled (lora/qlora): the policy with its adapter switched off is the reference, no second copy; model: load a reference model (full fine-tunes; sharded like the policy under ZeRO-3); precomputed: reference log-probs computed once before training, then no reference in memory.")
+    name_or_path: Optional[str] = Field(None, description="mode model: the reference model (default: model.name_or_path, i.e. the policy's starting point).")
+
+    _paths = field_validator("name_or_path")(plain_path)
+
+
+class PreferenceSection(_Section):
+    beta: Optional[float] = Field(None, gt=0, le=1000, description="Strength of the preference term: DPO/KTO/SimPO beta, ORPO's lambda (default: TRL's, 0.1; SimPO papers use 2-10).")
+    loss_type: Optional[str] = Field(None, description=f"dpo: one of {', '.join(DPO_LOSSES)} (default sigmoid); kto: one of {', '.join(KTO_LOSSES)} (default kto).")
+    label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="dpo (robust, cDPO) and simpo: probability that a preference label is flipped.")
+    max_completion_length: Optional[int] = Field(None, ge=1, le=1_048_576, description="orpo and simpo: answers are cut to this many tokens (data.max_length bounds prompt + answer; TRL 1.16 has no separate prompt limit).")
+    reference: ReferenceSection = Field(default_factory=ReferenceSection, description="dpo and kto: where the reference log-probs come from.")
+    simpo_gamma: float = Field(0.5, ge=0, le=100, description="simpo: target reward margin (gamma).")
+    cpo_alpha: float = Field(0.0, ge=0, le=100, description="simpo: weight of the added NLL term on the chosen answer (0: pure SimPO; 1: CPO).")
+    desirable_weight: float = Field(1.0, gt=0, le=100, description="kto: loss weight of desirable (label true) rows.")
+    undesirable_weight: float = Field(1.0, gt=0, le=100, description="kto: loss weight of undesirable (label false) rows.")
+
+    @field_validator("loss_type")
+    @classmethod
+    def _known_loss(cls, value: Optional[str]) -> Optional[str]:
+        known = DPO_LOSSES + KTO_LOSSES
+        if value is not None and value not in known:
+            guess = difflib.get_close_matches(value, known, n=1, cutoff=0.6)
+            raise ValueError(f"unknown loss_type {value!r}" + (f", did you mean {guess[0]!r}?" if guess else "")
+                             + f" (dpo: {', '.join(DPO_LOSSES)}; kto: {', '.join(KTO_LOSSES)})")
+        return value
 
 
 class TrainingSection(_Section):
@@ -265,6 +304,8 @@ class Recipe(_Section):
     name: Optional[str] = Field(None, description="Run name (default: the recipe's file name).")
     model: ModelSection = Field(description="The base model.")
     method: Literal["full", "lora", "qlora"] = Field("lora", description="full: every weight; lora: adapters on a frozen 16-bit base; qlora: adapters on a frozen 4-bit base.")
+    objective: Literal["sft", "dpo", "orpo", "kto", "simpo"] = Field("sft", description="sft: next-token loss on the data; dpo, orpo, kto, simpo: preference optimisation with TRL's trainers on prompt/chosen/rejected rows (kto: prompt/completion/label).")
+    preference: PreferenceSection = Field(default_factory=PreferenceSection, description="Preference objectives' settings (dpo, orpo, kto, simpo).")
     lora: LoraSection = Field(default_factory=LoraSection, description="LoRA adapter settings (lora and qlora).")
     quantization: QuantizationSection = Field(default_factory=QuantizationSection, description="4-bit quantization of the frozen base (qlora).")
     data: DataSection = Field(description="The training data.")
@@ -461,13 +502,19 @@ def _short(text: str, limit: int = 120) -> str:
 
 
 # Keys whose string value is a filesystem path, resolved against the recipe that wrote it.
-_PATH_KEYS = (("data", "path"), ("model", "name_or_path"), ("model", "tokenizer"), ("launch", "hostfile"))
+_PATH_KEYS = (("data", "path"), ("model", "name_or_path"), ("model", "tokenizer"), ("model", "adapter"),
+              ("launch", "hostfile"), ("preference", "reference", "name_or_path"))
 
 
 def _rebase_paths(data: dict, base: Path) -> None:
     """Make relative local paths relative to the recipe's folder (hub ids are left alone)."""
     sources = data.get("data", {}).get("sources") if isinstance(data.get("data"), dict) else None
-    blocks = [(data.get(section), key) for section, key in _PATH_KEYS]
+    blocks = []
+    for *sections, key in _PATH_KEYS:
+        block = data
+        for section in sections:
+            block = block.get(section) if isinstance(block, dict) else None
+        blocks.append((block, key))
     blocks += [(item, "path") for item in (sources if isinstance(sources, list) else [])]
     for block, key in blocks:
         if not isinstance(block, dict):

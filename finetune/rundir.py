@@ -37,10 +37,11 @@ def resolved_recipe(recipe: Recipe, run_dir: Path) -> dict[str, Any]:
     for block in [data["data"], *(data["data"].get("sources") or [])]:
         if block.get("path") and is_local(block["path"]):
             block["path"] = str(Path(block["path"]).expanduser().absolute())
-    for key in ("name_or_path", "tokenizer"):
-        value = data["model"].get(key)
+    for section, key in ((data["model"], "name_or_path"), (data["model"], "tokenizer"), (data["model"], "adapter"),
+                         (data["preference"]["reference"], "name_or_path")):
+        value = section.get(key)
         if value and not is_builtin(value) and is_model_path(value):
-            data["model"][key] = str(Path(value).expanduser().absolute())
+            section[key] = str(Path(value).expanduser().absolute())
     if data["launch"].get("hostfile"):
         data["launch"]["hostfile"] = str(Path(data["launch"]["hostfile"]).expanduser().absolute())
     return data

@@ -43,13 +43,24 @@ def recipe_reference() -> str:
         if section is None:
             lines.append(f"| `{name}` | {_type_name(field.annotation)} | {_default(field)} | {field.description or ''} |")
             continue
-        lines.append(f"| **`{name}`** | section | | {field.description or ''} |")
-        for sub, subfield in section.model_fields.items():
-            lines.append(f"| `{name}.{sub}` | {_type_name(subfield.annotation)} | {_default(subfield)} | {subfield.description or ''} |")
-            item = _list_item_model(subfield.annotation)
-            for key, itemfield in (item.model_fields.items() if item else ()):
-                lines.append(f"| `{name}.{sub}[].{key}` | {_type_name(itemfield.annotation)} | {_default(itemfield)} | {itemfield.description or ''} |")
+        lines += _section_rows(name, field, section)
     return "\n".join(lines)
+
+
+def _section_rows(name: str, field: Any, section: Any) -> list[str]:
+    """A section's heading row and its keys; a section inside it (preference.reference) the same way, and the
+    keys of a list of sections (data.sources[]) as rows of their own."""
+    lines = [f"| **`{name}`** | section | | {field.description or ''} |"]
+    for sub, subfield in section.model_fields.items():
+        inner = section_model(subfield.annotation)
+        if inner is not None and _list_item_model(subfield.annotation) is None:
+            lines += _section_rows(f"{name}.{sub}", subfield, inner)
+            continue
+        lines.append(f"| `{name}.{sub}` | {_type_name(subfield.annotation)} | {_default(subfield)} | {subfield.description or ''} |")
+        item = _list_item_model(subfield.annotation)
+        for key, itemfield in (item.model_fields.items() if item else ()):
+            lines.append(f"| `{name}.{sub}[].{key}` | {_type_name(itemfield.annotation)} | {_default(itemfield)} | {itemfield.description or ''} |")
+    return lines
 
 
 def _list_item_model(annotation: Any):

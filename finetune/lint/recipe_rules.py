@@ -38,6 +38,9 @@ RULES: dict[str, str] = {
     "R115": "A data mixture that cannot be built: weight and samples on one source, or weights on only some sources.",
     "R116": "A data key the source's format ignores (roles on alpaca/text, an unknown `columns` name, think or chat_template without a chat source).",
     "R117": "The same data source listed twice (its examples would count double in the mixture).",
+    "R118": "Preference settings the objective does not read (a `preference` key, a loss of another objective, a reference that cannot exist).",
+    "R119": "Data or training keys that preference objectives do not use (format, packing, mask_prompt, loss_kernel).",
+    "R120": "`model.adapter` that cannot be continued from (objective sft, full fine-tune, missing adapter, a `lora` section it overrides).",
 }
 
 DATA_SUFFIXES = (".json", ".jsonl", ".parquet", ".csv")
@@ -345,3 +348,106 @@ def packing_isolation(loaded: LoadedRecipe) -> Iterator[RawFinding]:
                          f"{mode} with trust_remote_code: the repository's own attention code decides whether packed "
                          "examples stay apart (they do only if it honours position_ids / cu_seq_lens like transformers)",
                          f"check the model's attention code, or set data.{mode}: false")
+
+
+# Which `preference` keys each objective reads (finetune/train/preference.py passes exactly these to TRL).
+PREFERENCE_KEYS = {
+    "dpo": {"beta", "loss_type", "label_smoothing", "reference"},
+    "kto": {"beta", "loss_type", "reference", "desirable_weight", "undesirable_weight"},
+    "orpo": {"beta", "max_completion_length"},
+    "simpo": {"beta", "label_smoothing", "max_completion_length", "simpo_gamma", "cpo_alpha"},
+}
+
+
+@rule
+def preference_keys(loaded: LoadedRecipe) -> Iterator[RawFinding]:
+    from finetune.recipe import DPO_LOSSES, KTO_LOSSES
+
+    r = loaded.recipe
+    written = loaded.raw.get("preference")
+    if not isinstance(written, dict) or not written:
+        written = {}
+    if r.objective == "sft":
+        if written:
+            yield RawFinding("R118", "error", ("preference",), "`preference` is only read by the preference objectives",
+                             "set objective: dpo (or orpo, kto, simpo), or remove the section")
+        return
+    used = PREFERENCE_KEYS[r.objective]
+    for key in written:
+        if key not in used:
+            users = [o for o, keys in PREFERENCE_KEYS.items() if key in keys]
+            yield RawFinding("R118", "error", ("preference", key),
+                             f"`preference.{key}` does nothing with objective: {r.objective}"
+                             + (f" (it is read by {', '.join(users)})" if users else ""), "remove it")
+    losses = {"dpo": DPO_LOSSES, "kto": KTO_LOSSES}.get(r.objective, ())
+    if "loss_type" in used and r.preference.loss_type is not None and r.preference.loss_type not in losses:
+        yield RawFinding("R118", "error", ("preference", "loss_type"),
+                         f"loss_type {r.preference.loss_type!r} is not a {r.objective} loss",
+                         f"use one of {', '.join(losses)}")
+    if "reference" in used:
+        yield from _reference_mode(loaded)
+
+
+def _reference_mode(loaded: LoadedRecipe) -> Iterator[RawFinding]:
+    r = loaded.recipe
+    ref = r.preference.reference
+    if ref.mode == "adapter_disabled" and r.method == "full":
+        yield RawFinding("R118", "error", ("preference", "reference", "mode"),
+                         "a full fine-tune has no adapter to switch off: its reference is a second model",
+                         "set preference.reference.mode: model (or precomputed)")
+    if ref.name_or_path is not None and ref.mode != "model":
+        yield RawFinding("R118", "error", ("preference", "reference", "name_or_path"),
+                         f"preference.reference.name_or_path is only loaded with mode: model (mode is {ref.mode})",
+                         "remove it, or set preference.reference.mode: model")
+
+
+# Data and training keys the SFT data path reads and TRL's preference trainers do not.
+PREFERENCE_IGNORED = {
+    ("data", "format"): "preference rows are recognised by their columns (prompt/chosen/rejected, or prompt/completion/label for kto)",
+    ("data", "sources"): "a preference objective reads one file or folder (data.path); mixtures are for sft",
+    ("data", "packing"): "TRL's preference trainers keep each pair apart in its own padded rows",
+    ("data", "padding_free"): "TRL's preference trainers keep each pair apart in its own padded rows",
+    ("data", "mask_prompt"): "the preference losses score only the answers",
+    ("training", "loss_kernel"): "TRL's preference trainers compute their own log-probabilities",
+    ("training", "loss_chunk_tokens"): "TRL's preference trainers compute their own log-probabilities",
+}
+
+
+@rule
+def preference_ignored_keys(loaded: LoadedRecipe) -> Iterator[RawFinding]:
+    if loaded.recipe.objective == "sft":
+        return
+    # Written by this file (or --set): a DPO recipe may extend an SFT one whose data section it replaces.
+    for key, why in PREFERENCE_IGNORED.items():
+        if _written_here(loaded, *key):
+            yield RawFinding("R119", "error", key, f"`{'.'.join(key)}` is not used with objective: "
+                             f"{loaded.recipe.objective}: {why}", "remove it")
+
+
+@rule
+def continued_adapter(loaded: LoadedRecipe) -> Iterator[RawFinding]:
+    r = loaded.recipe
+    adapter = r.model.adapter
+    if adapter is None:
+        return
+    if r.objective == "sft":
+        # The SFT runner builds a fresh adapter (finetune.train.model.prepare_model) and would ignore it.
+        yield RawFinding("R120", "error", ("model", "adapter"),
+                         "model.adapter is continued by the preference objectives (dpo, orpo, kto, simpo) only",
+                         "remove it, or set objective: dpo (or orpo, kto, simpo)")
+        return
+    if r.method == "full":
+        yield RawFinding("R120", "error", ("model", "adapter"),
+                         "a full fine-tune continues from full weights, not an adapter",
+                         "set model.name_or_path to the SFT run's model/ directory and remove model.adapter")
+        return
+    path = Path(adapter).expanduser()
+    found = any((p / "adapter_config.json").is_file() for p in (path, path / "adapter"))
+    if not found:
+        # Info, not a warning: the SFT run a DPO recipe continues from usually exists only on the training box
+        # (and later than the recipe); `finetune train`'s preflight refuses to start without it.
+        yield RawFinding("R120", "info", ("model", "adapter"),
+                         f"no adapter_config.json in {path} or {path / 'adapter'} here (`finetune train` will refuse to start)")
+    if _written_here(loaded, "lora"):
+        yield RawFinding("R120", "warning", ("lora",), "`lora` is ignored with model.adapter: the adapter keeps the "
+                         "rank, alpha and target modules it was trained with", "remove the lora section")

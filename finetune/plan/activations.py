@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 from finetune.archs import LAYER_LINEARS
+from finetune.plan.preference import FUSED_LOGPROB_OBJECTIVES, fused_logprob_bytes, fused_logprob_note
 from finetune.plan.setup import Setup, Term
 
 
@@ -184,6 +185,8 @@ def logits_bytes(setup: Setup) -> int:
     arch = setup.arch
     assert arch is not None
     tokens = setup.micro_batch * setup.seq_len
+    if setup.objective in FUSED_LOGPROB_OBJECTIVES:
+        return fused_logprob_bytes(setup)
     if setup.loss_kernel == "liger":
         return liger_logits_bytes(setup)
     if setup.loss_kernel == "chunked":
@@ -225,6 +228,8 @@ def logits_note(setup: Setup) -> str:
     arch = setup.arch
     assert arch is not None
     tokens = setup.micro_batch * setup.seq_len
+    if setup.objective in FUSED_LOGPROB_OBJECTIVES:
+        return fused_logprob_note(setup)
     if setup.loss_kernel == "liger":
         return (f"liger: {_liger_chunk(setup):,}-token chunk x vocab {arch.vocab:,} x {setup.element_bytes} B "
                 f"+ input gradient")

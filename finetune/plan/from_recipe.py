@@ -14,6 +14,7 @@ from finetune.plan.constants import (
     DS_REDUCE_BUCKET_SIZE, DS_SUB_GROUP_SIZE,
 )
 from finetune.plan.planner import plan
+from finetune.plan.preference import rows_per_example
 from finetune.plan.result import PlanResult
 from finetune.plan.setup import PlanError, Setup, overflow_as_plan_error
 from finetune.tiny import is_builtin
@@ -91,7 +92,7 @@ def setup_from_recipe(recipe, gpus: Optional[int] = None, gpu_memory_bytes: Opti
         offload_optimizer=_device(zero.get("offload_optimizer")) if stage >= 1 else "none",
         offload_param=_device(zero.get("offload_param")) if stage == 3 else "none",
         gpus_per_node=gpus, nodes=nodes,
-        micro_batch=recipe.training.micro_batch_size, seq_len=seq_len,
+        micro_batch=recipe.training.micro_batch_size * rows_per_example(recipe.objective), seq_len=seq_len,
         packing=recipe.data.packing, padding_free=recipe.data.padding_free,
         gradient_checkpointing=recipe.training.gradient_checkpointing,
         loss_kernel=recipe.training.loss_kernel, loss_chunk_tokens=recipe.training.loss_chunk_tokens,
@@ -110,6 +111,10 @@ def setup_from_recipe(recipe, gpus: Optional[int] = None, gpu_memory_bytes: Opti
         gpu_memory=gpu_memory_bytes, cpu_memory=cpu_memory_bytes,
         gpu_type=hw.gpu_type if hw is not None else None,
         launch_note=launch_note, data_note=data_note,
+        objective=recipe.objective,
+        reference_model=recipe.objective in ("dpo", "kto") and recipe.preference.reference.mode == "model",
+        reference_adapter=(recipe.objective in ("dpo", "kto") and recipe.method != "full"
+                           and recipe.model.adapter is not None and recipe.preference.reference.mode == "adapter_disabled"),
     )
 
 

@@ -87,6 +87,11 @@ class Setup:
     model_label: str = ""
     launch_note: str = ""  # how the recipe's launch section chooses the process count, for the text
     data_note: str = ""  # where seq_len came from when the data's lengths set it (finetune.plan.data_lengths)
+    # Recipe `objective` (finetune/plan/preference.py): micro_batch already counts a pair as 2 rows for
+    # dpo/orpo/simpo; reference_model: a frozen second copy of the weights (reference.mode: model).
+    objective: str = "sft"
+    reference_model: bool = False
+    reference_adapter: bool = False  # TRL's frozen copy of a continued adapter (model.adapter)
 
     @property
     def world(self) -> int:
@@ -115,7 +120,9 @@ class Setup:
         if self.deepspeed and self.stage == 3 and self.offload_param != "none":
             parts.append(f"params->{self.offload_param}")
         parts.append(f"on {where}")
-        parts.append(f"micro batch {self.micro_batch} x {self.seq_len} tokens")
+        rows = "" if self.objective == "sft" else \
+            f" ({self.objective}: {'chosen + rejected rows' if self.objective != 'kto' else 'completion rows'})"
+        parts.append(f"micro batch {self.micro_batch}{rows} x {self.seq_len} tokens")
         parts.append("checkpointing" if self.gradient_checkpointing else "no checkpointing")
         parts.append(self.attn)
         return ", ".join(parts)

@@ -46,7 +46,7 @@ from finetune.train.dist import rank as process_rank
 LOGITS_FILE = "final_logits.safetensors"
 LOGITS_BATCH = 4  # sequences in the fixed verification batch (the first training sequences)
 LIBRARIES = ("torch", "deepspeed", "transformers", "peft", "bitsandbytes", "accelerate", "datasets",
-             "safetensors", "tokenizers")
+             "safetensors", "tokenizers", "trl")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -223,7 +223,8 @@ def summarize(trainer, clock, world_size: int, memory: list[tuple[int, str]], ex
         "eval_loss_last": evals[-1]["eval_loss"] if evals else None,
         "tokens_trained": tokens,
         # throughput of this process's run only: after a resume the clock restarts, so do the tokens
-        "tokens_per_second": (tokens - clock.tokens_at_start) / seconds if seconds > 0 else None,
+        # None when the trainer counts no tokens (TRL's ORPO/CPO batches have no `input_ids` column to count)
+        "tokens_per_second": (tokens - clock.tokens_at_start) / seconds if seconds > 0 and tokens else None,
         "wall_seconds": seconds,
         "world_size": world_size,
         "peak_memory_bytes": [m[0] for m in memory],
@@ -268,6 +269,7 @@ def run(run_dir: Path, resume: bool = False) -> None:
     from finetune.train.callbacks import EffectiveDeepSpeedConfig, LossPlot, ProgressLines, TrainClock
     from finetune.data.sources import section_for_tokenizing
     from finetune.train.data import make_collator, mix_report, split_eval, tokenize_for_training
+    from finetune.train import preference
     from finetune.train.model import count_parameters, load_model, load_tokenizer, prepare_model
 
     on_cpu = is_cpu_accelerator()
@@ -286,8 +288,9 @@ def run(run_dir: Path, resume: bool = False) -> None:
     if on_cpu:
         args_kwargs["use_cpu"] = True
     os.environ.setdefault("TENSORBOARD_LOGGING_DIR", str(run_dir / "tensorboard"))
-    # 2. The DeepSpeed config, registered with transformers (before the model is created).
-    training_args = TrainingArguments(**args_kwargs)
+    # 2. The DeepSpeed config, registered with transformers (before the model is created). Preference
+    #    objectives use TRL's config class, a TrainingArguments subclass with their own keys.
+    training_args = preference.arguments(recipe, TrainingArguments, args_kwargs)
     _ = training_args.device  # sets the CUDA device of this rank (bitsandbytes quantizes onto it)
     is_main = training_args.process_index == 0
     world_size = training_args.world_size
@@ -300,14 +303,17 @@ def run(run_dir: Path, resume: bool = False) -> None:
         model_path = str(ensure_builtin_model(recipe.model.name_or_path)) if is_builtin(recipe.model.name_or_path) \
             else recipe.model.name_or_path
     tokenizer = load_tokenizer(recipe, model_path)
-    with training_args.main_process_first(local=True, desc="tokenize"):
-        section = section_for_tokenizing(recipe)
-        dataset = tokenize_for_training(section, tokenizer, cache_root() / "tokenized", log=_log_main(is_main))
-    if is_main:  # the run directory says what it trained on: rows per source, dropped, mixed
-        _write_json(run_dir / "data_mix.json", mix_report(section, tokenizer, cache_root() / "tokenized"))
-    train_set, eval_set = split_eval(dataset, recipe.data.validation_split, recipe.training.seed)
-    collator = make_collator(tokenizer.pad_token_id, recipe.model.attn_implementation, recipe.data.packing,
-                             recipe.data.padding_free)
+    if recipe.objective == "sft":
+        with training_args.main_process_first(local=True, desc="tokenize"):
+            section = section_for_tokenizing(recipe)
+            dataset = tokenize_for_training(section, tokenizer, cache_root() / "tokenized", log=_log_main(is_main))
+        if is_main:  # the run directory says what it trained on: rows per source, dropped, mixed
+            _write_json(run_dir / "data_mix.json", mix_report(section, tokenizer, cache_root() / "tokenized"))
+        train_set, eval_set = split_eval(dataset, recipe.data.validation_split, recipe.training.seed)
+        collator = make_collator(tokenizer.pad_token_id, recipe.model.attn_implementation, recipe.data.packing,
+                                 recipe.data.padding_free)
+    else:  # raw rows: TRL's trainer tokenizes them (chat template, EOS, truncation) and collates
+        (train_set, eval_set), collator = preference.split_rows(recipe), None
 
     # 4. The model, built partitioned under ZeRO-3, then LoRA and gradient checkpointing.
     model = load_model(recipe, model_path)
@@ -315,20 +321,26 @@ def run(run_dir: Path, resume: bool = False) -> None:
     # No KV cache while training: it is for generation, and with one transformers skips the packed-
     # sequence mask (masking_utils). Restored before saving, so model/ generates with a cache.
     use_cache, model.config.use_cache = getattr(model.config, "use_cache", True), False
-    model = prepare_model(model, recipe)
+    if recipe.objective == "sft":
+        model = prepare_model(model, recipe)
+    else:  # the adapter is TRL's to add (peft_config), or continued from model.adapter; maybe a reference model
+        model, peft_config, ref_model = preference.prepare_policy(model, recipe, model_path)
     if recipe.training.loss_kernel == "chunked":
         from finetune.train.loss import chunk_count, use_chunked_loss
 
         t = recipe.training
         use_chunked_loss(model, chunk_count(t.micro_batch_size * recipe.data.max_length, model.config.vocab_size,
                                             t.loss_chunk_tokens))
-    trainable, total = count_parameters(model)
-    _log_main(is_main)(f"parameters: {trainable:,} trainable of {total:,} ({recipe.method})")
-
     clock = TrainClock()
-    trainer = Trainer(model=model, args=training_args, train_dataset=train_set, eval_dataset=eval_set,
-                      data_collator=collator, processing_class=tokenizer,
-                      callbacks=[clock, EffectiveDeepSpeedConfig(run_dir), LossPlot(run_dir), resilience.callback])
+    callbacks = [clock, EffectiveDeepSpeedConfig(run_dir), LossPlot(run_dir), resilience.callback]
+    if recipe.objective == "sft":
+        trainer = Trainer(model=model, args=training_args, train_dataset=train_set, eval_dataset=eval_set,
+                          data_collator=collator, processing_class=tokenizer, callbacks=callbacks)
+    else:
+        trainer = preference.make_trainer(recipe, model, ref_model, peft_config, training_args, train_set, eval_set,
+                                          tokenizer, callbacks)
+    trainable, total = count_parameters(trainer.model)
+    _log_main(is_main)(f"parameters: {trainable:,} trainable of {total:,} ({recipe.method})")
     if os.environ.get("TQDM_DISABLE"):  # output relayed line by line (see finetune.launch.supervision): plain progress lines
         from finetune.progress import PROGRESS_ENV
 
@@ -339,8 +351,9 @@ def run(run_dir: Path, resume: bool = False) -> None:
     resilience.raise_if_stopped()  # stopped by a signal: the checkpoint is complete; no final outputs
 
     # 5. Outputs.
-    save_final_logits(trainer.model, fixed_batch(train_set, collator), training_args.device,
-                      run_dir / LOGITS_FILE if is_main else None)
+    batch = fixed_batch(train_set, collator) if recipe.objective == "sft" else \
+        preference.fixed_batch(trainer, tokenizer.pad_token_id, LOGITS_BATCH, recipe.data.max_length)
+    save_final_logits(trainer.model, batch, training_args.device, run_dir / LOGITS_FILE if is_main else None)
     trainer.model.config.use_cache = use_cache
     saved = save_weights(trainer, recipe, ds_config, run_dir, is_main)
     memory = all_gather(peak_memory())
@@ -356,11 +369,14 @@ def run(run_dir: Path, resume: bool = False) -> None:
                  "resumed_from": checkpoint, "total_seconds": time.perf_counter() - started,
                  "peak_memory_reserved_bytes": reserved if any(r is not None for r in reserved) else None,
                  "loss_kernel": recipe.training.loss_kernel}
+        extra.update(preference.summary_extra(recipe, trainer.state.log_history))
         summary = summarize(trainer, clock, world_size, memory, extra)
         _write_json(run_dir / "summary.json", summary)
         _log_main(True)(f"done: {summary['steps']} steps, loss {_fmt(summary['train_loss_first'])} -> "
                         f"{_fmt(summary['train_loss_last'])}, {summary['tokens_per_second'] or 0:.0f} tokens/s; "
                         f"{saved}/ in {run_dir}")
+        if summary.get("preference_metrics"):
+            _log_main(True)(preference.summary_line(summary["preference_metrics"]))
         from finetune.train.report import write_run_report
 
         for note in write_run_report(run_dir, trainer.state.log_history):
@@ -390,7 +406,8 @@ def _quiet_libraries() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # Deprecations raised by one library calling another, once per step and rank; nothing to act on here.
     warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
-    warnings.filterwarnings("ignore", message=r".*is_gradient_checkpointing. is deprecated", category=FutureWarning)
+    warnings.filterwarnings("ignore", message=r".*(is_gradient_checkpointing|gradient_checkpointing_(en|dis)able). is deprecated",
+                            category=FutureWarning)  # TRL toggles checkpointing around each reference forward
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     if rank != 0:
         import datasets

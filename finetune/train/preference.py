@@ -1,0 +1,228 @@
+"""Preference objectives (dpo, orpo, kto, simpo) inside the per-rank runner, with TRL's trainers.
+
+The runner (finetune.train.runner) stays the spine: the same process group, DeepSpeed config, callbacks,
+checkpoints, resume and save_weights. This module only swaps what differs from SFT:
+
+- the arguments class: TRL's config (a TrainingArguments subclass) with the recipe's `preference` keys;
+- the data: raw rows (prompt/chosen/rejected, or prompt/completion/label for kto), as text or as chat
+  messages. TRL tokenizes them itself (its chat-template handling, EOS, truncation), so no SFT tokenizing;
+- the model: a fresh LoRA adapter is handed to TRL as a `peft_config` (TRL wraps the model; the reference is
+  the same model with the adapter switched off). A continued adapter (`model.adapter`) is loaded trainable;
+  TRL then copies it into a frozen adapter named `ref`, so the reference is the SFT policy, not the bare base;
+- the reference for full fine-tunes: a second model loaded after TrainingArguments, so under ZeRO-3 it is built
+  partitioned like the policy, and TRL wraps it in a DeepSpeed inference engine with the same config
+  (trl.models.prepare_deepspeed). `reference.mode: precomputed` has TRL compute the reference log-probs once,
+  before training, and keeps no reference in memory.
+
+Which trainer (trl 1.16): DPOTrainer and KTOTrainer are in `trl`; ORPOTrainer and CPOTrainer in
+`trl.experimental`. SimPO is CPOTrainer with loss_type "simpo" (cpo_alpha 0: no NLL term).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+from finetune.recipe import Recipe
+
+# objective -> (module, config class, trainer class)
+TRAINERS = {
+    "dpo": ("trl", "DPOConfig", "DPOTrainer"),
+    "kto": ("trl", "KTOConfig", "KTOTrainer"),
+    "orpo": ("trl.experimental.orpo", "ORPOConfig", "ORPOTrainer"),
+    "simpo": ("trl.experimental.cpo", "CPOConfig", "CPOTrainer"),
+}
+PAIRED_COLUMNS = ("prompt", "chosen", "rejected")
+KTO_COLUMNS = ("prompt", "completion", "label")
+# What summary.json keeps, first and last value: the reward statistics every preference trainer logs, and
+# the objective's own terms (ORPO's NLL and log odds, KTO's KL estimate).
+METRIC_PREFIXES = ("rewards/", "logps/")
+METRIC_NAMES = ("nll_loss", "log_odds_ratio", "log_odds_chosen", "kl")
+
+
+def columns(recipe: Recipe) -> tuple[str, ...]:
+    return KTO_COLUMNS if recipe.objective == "kto" else PAIRED_COLUMNS
+
+
+def _trl(recipe: Recipe) -> tuple[Any, Any]:
+    import importlib
+    import warnings
+
+    module_name, config_name, trainer_name = TRAINERS[recipe.objective]
+    with warnings.catch_warnings():
+        # trl.experimental warns on import that its API may change; the pinned floor is what we test.
+        warnings.simplefilter("ignore")
+        module = importlib.import_module(module_name)
+    return getattr(module, config_name), getattr(module, trainer_name)
+
+
+def arguments(recipe: Recipe, training_arguments_class, kwargs: dict[str, Any]):
+    """TrainingArguments for sft; TRL's config class (a subclass) with the `preference` keys otherwise."""
+    if recipe.objective == "sft":
+        return training_arguments_class(**kwargs)
+    return _trl(recipe)[0](**kwargs, **config_kwargs(recipe))
+
+
+def config_kwargs(recipe: Recipe) -> dict[str, Any]:
+    """The TRL config keys the recipe sets: only those the objective reads (lint R115 refuses the others)."""
+    p = recipe.preference
+    out: dict[str, Any] = {"max_length": recipe.data.max_length}
+    if p.beta is not None:
+        out["beta"] = p.beta
+    if recipe.objective in ("dpo", "kto"):
+        if p.loss_type is not None:
+            out["loss_type"] = [p.loss_type] if recipe.objective == "dpo" else p.loss_type
+        out["precompute_ref_log_probs"] = p.reference.mode == "precomputed"
+    if recipe.objective == "dpo":
+        out["label_smoothing"] = p.label_smoothing
+    if recipe.objective == "kto":
+        out["desirable_weight"] = p.desirable_weight
+        out["undesirable_weight"] = p.undesirable_weight
+    if recipe.objective in ("orpo", "simpo") and p.max_completion_length is not None:
+        out["max_completion_length"] = p.max_completion_length
+    if recipe.objective == "simpo":
+        out.update(loss_type="simpo", simpo_gamma=p.simpo_gamma, cpo_alpha=p.cpo_alpha,
+                   label_smoothing=p.label_smoothing)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# Data
+
+
+def load_rows(recipe: Recipe):
+    """The preference rows as a `datasets.Dataset` with only the columns the objective reads.
+
+    Preflight checked every row's columns and types (finetune.train.preference_rows); this is the same
+    file read by `datasets`, the way TRL expects it."""
+    from finetune.train.data import DataError, load_raw
+
+    dataset = load_raw(recipe.data.path, recipe.data.split)
+    wanted = columns(recipe)
+    missing = [c for c in wanted if c not in dataset.column_names]
+    if missing:
+        raise DataError(f"{recipe.data.path}: objective {recipe.objective} needs columns "
+                        f"{', '.join(wanted)}; missing {', '.join(missing)}")
+    return dataset.select_columns(list(wanted))
+
+
+def split_rows(recipe: Recipe):
+    """(train, eval or None): the rows with data.validation_split held out, seeded like SFT's split_eval."""
+    dataset = load_rows(recipe)
+    if recipe.data.validation_split <= 0:
+        return dataset, None
+    parts = dataset.train_test_split(test_size=recipe.data.validation_split, seed=recipe.training.seed, shuffle=True)
+    return parts["train"], parts["test"]
+
+
+# ------------------------------------------------------------------------------------------------
+# Models
+
+
+def adapter_dir(reference: str) -> Path:
+    """model.adapter: an SFT run directory (its adapter/) or the adapter directory itself."""
+    from finetune.train.data import DataError
+
+    path = Path(reference).expanduser()
+    for candidate in (path, path / "adapter"):
+        if (candidate / "adapter_config.json").is_file():
+            return candidate
+    raise DataError(f"model.adapter: no adapter_config.json in {path} or {path / 'adapter'} "
+                    "(give an SFT run directory or an adapter directory)")
+
+
+def prepare_policy(model, recipe: Recipe, model_path: str) -> tuple[Any, Any, Any]:
+    """(model, peft_config for TRL or None, reference model or None).
+
+    Gradient checkpointing is left to the Trainer (training_args.json has it): TRL adjusts its kwargs for
+    PEFT under ZeRO-3 (reentrant, trl#2514) and enables input gradients for the frozen embeddings."""
+    reference = load_reference(recipe, model_path)
+    if recipe.method == "full":
+        return model, None, reference
+    if recipe.model.adapter is None:
+        from finetune.train.model import lora_config
+
+        return model, lora_config(recipe), reference
+    from peft import PeftModel
+
+    adapter = str(adapter_dir(recipe.model.adapter))
+    return PeftModel.from_pretrained(model, adapter, is_trainable=True), None, reference
+
+
+def load_reference(recipe: Recipe, model_path: str):
+    """The reference model for reference.mode: model (dpo, kto), else None.
+
+    Loaded after TrainingArguments exist, like the policy: under ZeRO-3 from_pretrained builds it inside
+    zero.Init, partitioned, and TRL wraps it with the engine's config (trl.models.prepare_deepspeed)."""
+    if recipe.objective not in ("dpo", "kto") or recipe.preference.reference.mode != "model":
+        return None
+    from finetune.tiny import resolve_model_path
+    from finetune.train.model import load_model
+
+    source = recipe.preference.reference.name_or_path
+    reference = load_model(recipe, resolve_model_path(source) if source else model_path)
+    reference.eval()
+    return reference
+
+
+def make_trainer(recipe: Recipe, model, ref_model, peft_config, args, train_set, eval_set, tokenizer, callbacks):
+    _, trainer_class = _trl(recipe)
+    kwargs: dict[str, Any] = {"model": model, "args": args, "train_dataset": train_set, "eval_dataset": eval_set,
+                              "processing_class": tokenizer, "callbacks": callbacks, "peft_config": peft_config}
+    if recipe.objective in ("dpo", "kto"):
+        kwargs["ref_model"] = ref_model
+    return trainer_class(**kwargs)
+
+
+def fixed_batch(trainer, pad_id: int, size: int, max_length: int) -> dict[str, Any]:
+    """prompt + chosen (kto: prompt + completion) of the first tokenized rows, right-padded: the batch
+    final_logits.safetensors is computed on, as the SFT runner's first training sequences are."""
+    import torch
+
+    dataset = trainer.train_dataset
+    rows = [_answered_sequence(dataset[i])[:max_length] for i in range(min(size, len(dataset)))]
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, :len(r)] = torch.tensor(r, dtype=torch.long)
+        mask[i, :len(r)] = 1
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def _answered_sequence(row: dict[str, Any]) -> list[int]:
+    if "chosen_input_ids" in row:  # ORPO/CPO tokenize prompt + chosen as one sequence
+        return list(row["chosen_input_ids"])
+    answer = row["chosen_ids"] if "chosen_ids" in row else row["completion_ids"]  # DPO / KTO: answer alone
+    return list(row["prompt_ids"]) + list(answer)
+
+
+# ------------------------------------------------------------------------------------------------
+# Summary
+
+
+def metric_summary(log_history: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """{metric: {first, last}} of the preference metrics the trainer logged during training (not eval)."""
+    out: dict[str, dict[str, float]] = {}
+    for entry in log_history:
+        if "loss" not in entry:
+            continue
+        for key, value in entry.items():
+            if not (key.startswith(METRIC_PREFIXES) or key in METRIC_NAMES) or not isinstance(value, (int, float)):
+                continue
+            slot = out.setdefault(key, {"first": float(value)})
+            slot["last"] = float(value)
+    return out
+
+
+def summary_extra(recipe: Recipe, log_history: list[dict[str, Any]]) -> dict[str, Any]:
+    """summary.json's keys for the objective: which one, and the preference metrics' first and last values."""
+    if recipe.objective == "sft":
+        return {"objective": "sft"}
+    return {"objective": recipe.objective, "preference_metrics": metric_summary(log_history)}
+
+
+def summary_line(metrics: dict[str, dict[str, float]]) -> str:
+    parts = [f"{name} {metrics[name]['first']:.3f} -> {metrics[name]['last']:.3f}"
+             for name in ("rewards/margins", "rewards/accuracies") if name in metrics]
+    return ", ".join(parts) or "no reward metrics logged"
