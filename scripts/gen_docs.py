@@ -21,7 +21,7 @@ README = Path(__file__).resolve().parent.parent / "README.md"
 
 
 def _type_name(annotation: Any) -> str:
-    text = str(annotation).replace("typing.", "").replace("NoneType", "null").replace("finetune.recipe.", "")
+    text = str(annotation).replace("typing.", "").replace("NoneType", "null").replace("finetune.recipe.schema.", "")
     for prefix in ("<class '", "'>"):
         text = text.replace(prefix, "")
     return text.replace("Literal", "one of ").replace("Optional", "optional ").replace("Union", "")

@@ -21,7 +21,7 @@ Which trainer (trl 1.16): DPOTrainer and KTOTrainer are in `trl`; ORPOTrainer an
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from finetune.recipe import Recipe
 
