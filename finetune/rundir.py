@@ -4,7 +4,7 @@
     RUN/recipe.yaml          the resolved recipe (extends and --set applied, local paths absolute)
     RUN/deepspeed.json       finetune.dsconfig.render_deepspeed(recipe, real world size)
     RUN/training_args.json   finetune.dsconfig.render_training_args(recipe, output_dir=RUN)
-    RUN/resume_key.json      what a resumed run must share with this one (finetune.checkpoint)
+    RUN/resume_key.json      what a resumed run must share with this one (finetune.resume_key)
     RUN/logs/                launcher output, per-rank logs
 
 The runner adds env.json, adapter/ or model/, tokenizer/ and summary.json.
@@ -66,7 +66,7 @@ def run_files(loaded: LoadedRecipe, run_dir: Path, world_size: int) -> dict[str,
     run_dir = Path(run_dir).absolute()
     header = (f"# The recipe this run trained, written by `finetune train` from {Path(loaded.path).absolute()}\n"
               f"# (extends and --set applied, every default written out, local paths absolute).\n")
-    from finetune.checkpoint import RESUME_KEY_FILE, resume_fields, resume_key_text
+    from finetune.resume_key import RESUME_KEY_FILE, resume_fields, resume_key_text
 
     resolved = resolved_recipe(recipe, run_dir)
     # Written in this order, recipe.yaml last: another node of the same run that sees recipe.yaml

@@ -273,7 +273,7 @@ def test_a_bad_mixture_is_a_data_error(tmp_path, tokenizer):
 
 def test_sources_in_a_recipe_rebase_paths_replace_the_parents_path_and_key_the_resume():
     from finetune.chat import _chat_format
-    from finetune.checkpoint import resume_fields
+    from finetune.resume_key import resume_fields
     from finetune.recipe import load_recipe
     from finetune.rundir import resolved_recipe
 

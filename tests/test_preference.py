@@ -307,3 +307,19 @@ def test_the_run_directory_records_the_adapter_and_reference_as_absolute_paths(t
     data = resolved_recipe(recipe, tmp_path / "runs" / "dpo")
     assert data["model"]["adapter"] == data["preference"]["reference"]["name_or_path"] == str(tmp_path / "runs" / "sft")
     assert data["model"]["name_or_path"] == "org/m"  # a hub id stays one
+
+
+def test_resume_key_covers_the_objective_and_its_settings():
+    """A DPO run resumed with another beta (or as SFT) is refused; an SFT run's key is as before."""
+    from finetune.resume_key import changed_fields, resume_fields
+
+    base = {"model": {"name_or_path": "builtin:tiny-llama"}, "method": "lora", "data": {"path": "d.jsonl"},
+            "objective": "dpo", "preference": {"beta": 0.1, "loss_type": "sigmoid"}}
+    other = {**base, "preference": {"beta": 0.5, "loss_type": "sigmoid"}}
+    changes = changed_fields(resume_fields(base, 2), resume_fields(other, 2))
+    assert changes == ['preference: {"beta": 0.1, "loss_type": "sigmoid"} -> {"beta": 0.5, "loss_type": "sigmoid"}']
+    assert "objective: dpo -> unset" in changed_fields(resume_fields(base, 2), resume_fields({**base, "objective": "sft"}, 2))
+    sft = {**base, "objective": "sft"}
+    assert not {"objective", "preference", "model.adapter"} & set(resume_fields(sft, 2))
+    adapter = {**sft, "model": {"name_or_path": "builtin:tiny-llama", "adapter": "/runs/sft/adapter"}}
+    assert changed_fields(resume_fields(sft, 2), resume_fields(adapter, 2)) == ["model.adapter: unset -> /runs/sft/adapter"]

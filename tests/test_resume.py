@@ -25,6 +25,7 @@ import pytest
 from typer.testing import CliRunner
 
 from finetune import checkpoint as ckpt
+from finetune import resume_key
 from finetune.cli import app
 from finetune.recipe import load_recipe
 from finetune.rundir import resolved_recipe, write_run_dir
@@ -274,15 +275,15 @@ def test_stop_record_round_trip(tmp_path):
 def test_resume_key_names_what_changed():
     recipe = load_recipe(RECIPE).recipe
     base = resolved_recipe(recipe, Path("/runs/x"))
-    old = ckpt.resume_fields(base, world_size=2)
-    assert ckpt.changed_fields(old, ckpt.resume_fields(base, world_size=2)) == []
+    old = resume_key.resume_fields(base, world_size=2)
+    assert resume_key.changed_fields(old, resume_key.resume_fields(base, world_size=2)) == []
     # Cadence, logging and launch details do not matter for resuming ...
     same = load_recipe(RECIPE, ["training.save_steps=7", "training.logging_steps=3", "launch.nccl_timeout=600",
                                 "deepspeed.offload_optimizer=cpu", "training.report_to=[tensorboard]"]).recipe
-    assert ckpt.resume_hash(ckpt.resume_fields(resolved_recipe(same, Path("/runs/x")), 2)) == ckpt.resume_hash(old)
+    assert resume_key.resume_hash(resume_key.resume_fields(resolved_recipe(same, Path("/runs/x")), 2)) == resume_key.resume_hash(old)
     # ... the optimisation, the data, the ZeRO stage and the world size do.
     other = load_recipe(RECIPE, ["training.learning_rate=0.02", "data.max_length=32", "deepspeed.stage=3"]).recipe
-    changes = ckpt.changed_fields(old, ckpt.resume_fields(resolved_recipe(other, Path("/runs/x")), world_size=4))
+    changes = resume_key.changed_fields(old, resume_key.resume_fields(resolved_recipe(other, Path("/runs/x")), world_size=4))
     assert changes == ["data.max_length: 64 -> 32", "deepspeed.stage: 2 -> 3", "training.learning_rate: 0.01 -> 0.02",
                        "world size (processes): 2 -> 4"]
 

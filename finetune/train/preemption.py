@@ -42,6 +42,7 @@ from typing import Any, Optional
 from transformers import TrainerCallback
 
 from finetune import checkpoint as ckpt
+from finetune import resume_key
 from finetune.recipe import Recipe
 from finetune.train.dist import all_gather, barrier, local_rank, process_group, rank
 
@@ -112,10 +113,10 @@ def setup(run_dir: Path, recipe: Recipe, ds_config: dict[str, Any], args_kwargs:
         args_kwargs["save_on_each_node"] = True
         _log("the nodes do not share the run directory: each node keeps its own copy of the checkpoints")
     checkpoint = agreed_checkpoint(run_dir, resume)
-    key = ckpt.read_resume_key(run_dir)
+    key = resume_key.read_resume_key(run_dir)
     callback = PreemptionCallback(run_dir, keep=recipe.training.save_total_limit,
                                   dtype_bytes=_DTYPE_BYTES.get(recipe.model.dtype, 4), full=recipe.method == "full",
-                                  resume_hash=ckpt.resume_hash(key) if key else None, node_local=not shared)
+                                  resume_hash=resume_key.resume_hash(key) if key else None, node_local=not shared)
     return Resilience(ds_config, args_kwargs, checkpoint, callback)
 
 
