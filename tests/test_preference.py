@@ -323,3 +323,14 @@ def test_resume_key_covers_the_objective_and_its_settings():
     assert not {"objective", "preference", "model.adapter"} & set(resume_fields(sft, 2))
     adapter = {**sft, "model": {"name_or_path": "builtin:tiny-llama", "adapter": "/runs/sft/adapter"}}
     assert changed_fields(resume_fields(sft, 2), resume_fields(adapter, 2)) == ["model.adapter: unset -> /runs/sft/adapter"]
+
+
+def test_next_steps_after_a_preference_run_do_not_offer_eval(tmp_path):
+    """eval scores a perplexity on SFT rows; after DPO it would only say it cannot, so it is not suggested."""
+    from finetune.cli.run import next_steps_lines
+    from finetune.train.report import next_steps
+
+    assert any("finetune eval" in line for line in next_steps_lines(tmp_path, ["adapter"]))
+    assert not any("finetune eval" in line for line in next_steps_lines(tmp_path, ["adapter"], "dpo"))
+    assert not any("finetune eval" in command for _, command in next_steps(tmp_path, {"objective": "dpo"}))
+    assert any("finetune eval" in command for _, command in next_steps(tmp_path, {"objective": "sft"}))

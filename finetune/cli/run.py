@@ -102,7 +102,7 @@ def train(
         saved = [name for name in ("adapter", "model") if (prepared.run_dir / name).is_dir()]
         where = f" ({' and '.join(saved)} in {', '.join(str(prepared.run_dir / s) for s in saved)})" if saved else ""
         typer.echo(f"finished: {prepared.run_dir}{where}", err=True)
-        for line in next_steps_lines(prepared.run_dir, saved):
+        for line in next_steps_lines(prepared.run_dir, saved, prepared.loaded.recipe.objective):
             typer.echo(line, err=True)
         return
     if outcome.returncode == EXIT_PREEMPTED:
@@ -147,14 +147,16 @@ def _run_with_display(prepared, start_run):
         return start_run(prepared, console=display)
 
 
-def next_steps_lines(run_dir: Path, saved: List[str]) -> List[str]:
-    """What to do after a finished run, with the commands for this run directory."""
+def next_steps_lines(run_dir: Path, saved: List[str], objective: str = "sft") -> List[str]:
+    """What to do after a finished run, with the commands for this run directory (no `eval` after a
+    preference objective: its loss over prompt/chosen/rejected rows is not a perplexity)."""
     steps = []
     if (run_dir / "report.html").is_file():
         steps.append((f"open {run_dir / 'report.html'}", "loss plot, memory, config, versions"))
     if saved:
         steps.append((f"finetune chat {run_dir}", "talk to it (--prompt TEXT for one answer)"))
-        steps.append((f"finetune eval {run_dir}", "loss and perplexity, base vs fine-tuned"))
+        if objective == "sft":
+            steps.append((f"finetune eval {run_dir}", "loss and perplexity, base vs fine-tuned"))
     if "adapter" in saved:
         steps.append((f"finetune merge {run_dir} -o merged/{run_dir.name}", "one model to serve (CPU, streaming)"))
     if (run_dir / "tensorboard").is_dir():

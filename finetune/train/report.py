@@ -120,8 +120,9 @@ def next_steps(run_dir: Path, summary: dict[str, Any]) -> list[tuple[str, str]]:
     """(what, command) pairs for what a user does after this run."""
     run = str(run_dir)
     name = run_dir.name
-    steps = [("chat with it", f"finetune chat {run}"),
-             ("loss and perplexity, base vs fine-tuned", f"finetune eval {run}")]
+    steps = [("chat with it", f"finetune chat {run}")]
+    if summary.get("objective", "sft") == "sft":  # a preference loss is not a perplexity
+        steps.append(("loss and perplexity, base vs fine-tuned", f"finetune eval {run}"))
     output = summary.get("output")
     if output == "adapter":
         steps.append(("merge the adapter into the base (CPU, streaming)", f"finetune merge {run} -o merged/{name}"))
