@@ -16,7 +16,7 @@ from tests.conftest import hub_recipe as recipe
 from tests.conftest import run_cli
 
 GOOD = {"torch": "2.5.1+cu124", "deepspeed": "0.16.2", "transformers": "4.46.3", "peft": "0.14.0",
-        "bitsandbytes": "0.45.0", "accelerate": "1.2.1", "datasets": "3.2.0", "trl": None, "flash-attn": None,
+        "bitsandbytes": "0.45.0", "accelerate": "1.2.1", "datasets": "3.2.0", "trl": "1.16.0", "flash-attn": None,
         "tensorboard": "2.18.0"}
 # transformers 5 is the runner's floor; 4.46 is fine for QLoRA + ZeRO-3 but not for `finetune train`.
 GOOD["transformers"] = "5.0.0"
@@ -57,7 +57,7 @@ def test_version_floors(version, spec, ok):
 
 
 def test_qlora_zero3_floors_fail_with_the_pip_command():
-    checks = by_name(checks_for_recipe(recipe(**QLORA_Z3), facts(bitsandbytes="0.43.1", peft="0.13.0")))
+    checks = by_name(checks_for_recipe(recipe(**QLORA_Z3), facts(bitsandbytes="0.43.1", peft="0.13.0", trl=None)))
     bnb, peft = checks["qlora-zero3.bitsandbytes"], checks["qlora-zero3.peft"]
     assert bnb.status == "fail" and "0.43.1" in bnb.message and bnb.fix == "pip install -U 'bitsandbytes>=0.43.3'"
     assert peft.status == "fail" and peft.fix == "pip install -U 'peft>0.13.0'"
