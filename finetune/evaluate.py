@@ -3,8 +3,8 @@
 Both are measured on the same sequences, tokenized and masked exactly as the run trained
 (finetune.train.data: the prompt is not scored when data.mask_prompt is true), so the two numbers
 compare the models and nothing else. The data is the run's validation split (the same seeded
-hold-out the trainer evaluated on), or `--data FILE` in the run's format; a run without a
-validation split is measured on its training data, and the table says so.
+hold-out the trainer evaluated on), or `--data FILE`, read as the run's source with that path, in
+`--format`, or as the run's only source; a run without a validation split is measured on its training data, and the table says so.
 
 Loss is the mean cross-entropy per scored token over all sequences (not a mean of batch means), and
 perplexity is exp(loss). The result goes to RUN/eval.json.
@@ -77,7 +77,37 @@ def score(model, rows: list[dict[str, list[int]]], collator, device, batch_size:
     return Score(loss=mean, perplexity=math.exp(min(mean, 700.0)), tokens=count)
 
 
-def eval_rows(run_dir: Path, recipe, tokenizer, data: Optional[Path], log: Callable[[str], None]):
+def file_spec(data: Path, recipe_data: Any, fmt: Optional[str] = None):
+    """How to read `--data FILE`: as the run's source with the same path (format, columns, roles), in
+    --format when given, else as the only way the run's sources are read; ambiguous is an EvalError."""
+    from finetune.data.formats import FORMATS, RowSpec
+    from finetune.data.sources import is_local, sources_of
+
+    sources = sources_of(recipe_data)
+    same = [s.spec for s in sources if is_local(s.path) and _same_file(Path(s.path), Path(data))]
+    if fmt is not None:
+        if fmt not in FORMATS:
+            raise EvalError(f"--format {fmt}: unknown format (known: {', '.join(FORMATS)})")
+        return next((spec for spec in same if spec.format == fmt), RowSpec(fmt))
+    if same:
+        return same[0]
+    specs = [s.spec for i, s in enumerate(sources) if s.spec not in [t.spec for t in sources[:i]]]
+    if len(specs) == 1:
+        return specs[0]
+    read_as = ", ".join(f"{s.name}: {s.format}" for s in sources)
+    raise EvalError(f"--data {data}: not one of the run's sources, which are read differently ({read_as}); "
+                    f"say how to read the file with --format ({'|'.join(FORMATS)})")
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return a.expanduser().resolve() == b.expanduser().resolve()
+    except OSError:
+        return False
+
+
+def eval_rows(run_dir: Path, recipe, tokenizer, data: Optional[Path], log: Callable[[str], None],
+              fmt: Optional[str] = None):
     """(rows, description, held out?) of the sequences to score."""
     from finetune.tiny import cache_root
     from finetune.train.data import DataError, load_raw, split_eval, tokenize_examples, tokenize_for_training
@@ -90,8 +120,10 @@ def eval_rows(run_dir: Path, recipe, tokenizer, data: Optional[Path], log: Calla
     section = section_for_tokenizing(recipe)
     try:
         if data is not None:
+            spec = file_spec(data, recipe.data, fmt)
             raw = load_raw(str(data))
-            rows = tokenize_examples(raw, tokenizer, section["format"], section["max_length"], section["mask_prompt"])
+            rows = tokenize_examples(raw, tokenizer, spec.format, section["max_length"], section["mask_prompt"],
+                                     spec=spec, think=section["think"])
             return rows, str(data), True
         dataset = tokenize_for_training(section, tokenizer, cache_root() / "tokenized", log=lambda s: None)
         train, held = split_eval(dataset, recipe.data.validation_split, recipe.training.seed)
@@ -104,7 +136,7 @@ def eval_rows(run_dir: Path, recipe, tokenizer, data: Optional[Path], log: Calla
 
 
 def evaluate(run_dir: Path, data: Optional[Path] = None, device: str = "auto", batch_size: int = 8,
-             log: Callable[[str], None] = print) -> EvalResult:
+             log: Callable[[str], None] = print, fmt: Optional[str] = None) -> EvalResult:
     from finetune.chat import ChatError, load_chat_model, resolve_source
     from finetune.train.data import Collator
 
@@ -116,11 +148,13 @@ def evaluate(run_dir: Path, data: Optional[Path] = None, device: str = "auto", b
     started = time.perf_counter()
     try:
         source = resolve_source(run_dir)
+        if data is not None:
+            file_spec(data, source.recipe.data, fmt)  # an ambiguous file fails before the models load
         chat = load_chat_model(source, device)
     except ChatError as exc:
         raise EvalError(str(exc)) from None
     recipe = source.recipe
-    rows, described, held_out = eval_rows(run_dir, recipe, chat.tokenizer, data, log)
+    rows, described, held_out = eval_rows(run_dir, recipe, chat.tokenizer, data, log, fmt)
     if not rows:
         raise EvalError(f"{described}: no sequence to score")
     collator = Collator(chat.tokenizer.pad_token_id if chat.tokenizer.pad_token_id is not None else chat.tokenizer.eos_token_id)

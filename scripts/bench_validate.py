@@ -5,8 +5,10 @@
 
 Writes a generated file (alpaca or ShareGPT rows of a few hundred bytes), then times:
 - finetune.data.validate.validate on the clean file (the bulk pyarrow pass proves it clean),
-- the same after one bad row is appended at the end: the bulk pass fails, and the row-by-row pass
-  (orjson, as shipped; then the json module, the fallback) reads the whole file to name the line,
+- the same after one bad row is appended at the end: the bulk pass proves every range of lines clean
+  but the last, and the row-by-row pass (orjson, as shipped; then the json module, the fallback) reads
+  that range to name the line (--range sets the range size, finetune.data.fastcheck.RANGE),
+- a copy with one bad row in the middle instead: the row-by-row pass reads one whole range there,
 - datasets.load_dataset("json", ...) into a fresh cache: what a user would otherwise run to find out
   whether the file loads (it stops at the first bad row, with no line number).
 """
@@ -58,7 +60,17 @@ def write(path: Path, size: int, fmt: str) -> int:
     return lines
 
 
-def time_validate(path: Path, fmt: str, use_orjson: bool) -> tuple[float, list[str], int]:
+def with_bad_row_in_the_middle(path: Path, bad: str) -> Path:
+    """A copy of `path` with `bad` after the line that holds its middle byte."""
+    copy = path.with_name("middle.jsonl")
+    with path.open("rb") as source, copy.open("wb") as target:
+        target.write(source.read(path.stat().st_size // 2) + source.readline() + bad.encode())
+        shutil.copyfileobj(source, target, 2**24)
+    return copy
+
+
+def time_validate(path: Path, fmt: str, use_orjson: bool) -> tuple[str, list[str], int]:
+    """(wall and CPU seconds, the problems found, rows read): CPU seconds vary less on a shared box."""
     import finetune.data.validate as v
     from finetune.data.formats import RowSpec
     from finetune.data.sources import Source
@@ -67,9 +79,12 @@ def time_validate(path: Path, fmt: str, use_orjson: bool) -> tuple[float, list[s
     if not use_orjson:
         v._loads, v._JSONError = json.loads, (json.JSONDecodeError, UnicodeDecodeError)
     try:
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         result = v.validate([Source(str(path), "train", RowSpec(fmt))])
-        return time.perf_counter() - start, result.messages(), result.checks[0].rows
+        wall = time.perf_counter() - start
+        mb = path.stat().st_size / 1e6
+        timing = f"{wall:.1f} s, {time.process_time() - cpu:.1f} s CPU ({mb / wall:,.0f} MB/s"
+        return timing, result.messages(), result.checks[0].rows
     finally:
         v._loads, v._JSONError = saved
 
@@ -97,7 +112,12 @@ def main() -> int:
     parser.add_argument("--format", choices=["alpaca", "sharegpt"], default="alpaca")
     parser.add_argument("--no-datasets", action="store_true", help="skip the datasets.load_dataset comparison")
     parser.add_argument("--no-json", action="store_true", help="skip the json-module fallback")
+    parser.add_argument("--range", default=None, help="bytes per range of the bulk pass, e.g. 4MiB (default: as shipped)")
     args = parser.parse_args()
+    if args.range:
+        from finetune.data import fastcheck
+
+        fastcheck.RANGE = parse_size(args.range)
     folder = Path(tempfile.mkdtemp(prefix="bench-validate-"))
     try:
         path = folder / "data.jsonl"
@@ -106,17 +126,21 @@ def main() -> int:
         mb = path.stat().st_size / 1e6
         print(f"wrote {path}: {mb:,.0f} MB, {lines:,} rows ({args.format}) in {time.perf_counter() - start:.1f} s")
         seconds, problems, rows = time_validate(path, args.format, True)
-        print(f"finetune validate, clean file (bulk pass): {seconds:.1f} s ({mb / seconds:,.0f} MB/s, {rows:,} rows); found: {problems}")
+        print(f"finetune validate, clean file (bulk pass): {seconds}, {rows:,} rows); found: {problems}")
         if not args.no_datasets:
             seconds, outcome = time_datasets(path)
             print(f"datasets.load_dataset('json'), clean file: {seconds:.1f} s ({mb / seconds:,.0f} MB/s); {outcome}")
+        middle = with_bad_row_in_the_middle(path, BAD_ROW[args.format])
+        seconds, problems, rows = time_validate(middle, args.format, True)
+        print(f"bad row in the middle (bulk pass, then row by row with orjson): {seconds}, {rows:,} rows); found: {problems}")
+        middle.unlink()
         with path.open("a", encoding="utf-8") as handle:
             handle.write(BAD_ROW[args.format])
         runs = [("bad last row (bulk pass, then row by row with orjson)", True)]
         runs += [] if args.no_json else [("bad last row (bulk pass, then row by row with the json module)", False)]
         for label, use_orjson in runs:
             seconds, problems, rows = time_validate(path, args.format, use_orjson)
-            print(f"{label}: {seconds:.1f} s ({mb / seconds:,.0f} MB/s, {rows:,} rows); found: {problems}")
+            print(f"{label}: {seconds}, {rows:,} rows); found: {problems}")
         if not args.no_datasets:
             seconds, outcome = time_datasets(path)
             print(f"datasets.load_dataset('json'), bad last row: {seconds:.1f} s ({mb / seconds:,.0f} MB/s); {outcome}")

@@ -117,6 +117,38 @@ def test_chat_prompts_an_alpaca_run_exactly_as_it_trained():
     assert conversation.prompt_ids(example["instruction"]) == prompt
 
 
+def test_eval_reads_a_data_file_as_the_mixtures_source_with_that_path(tmp_path):
+    """`--data FILE` of a run mixing alpaca and ShareGPT: the ShareGPT file scored as chats, another
+    file needs --format, an unknown --format is a usage error."""
+    from finetune.evaluate import EvalError, eval_rows, file_spec
+    from finetune.recipe import load_recipe
+    from finetune.tiny import ensure_builtin_model
+    from finetune.train.data import tokenize_examples
+    from transformers import AutoTokenizer
+
+    run_dir = tmp_path / "run"
+    write_run_dir(TINY_RECIPES / "mix_alpaca_sharegpt.yaml", run_dir)
+    recipe = load_recipe(run_dir / "recipe.yaml").recipe
+    chats = REPO / "recipes" / "data" / "demo_chats_sharegpt.jsonl"
+    tokenizer = AutoTokenizer.from_pretrained(str(ensure_builtin_model("builtin:tiny-llama")))
+    rows, described, _ = eval_rows(run_dir, recipe, tokenizer, chats, log=print)
+    lines = [json.loads(line) for line in chats.read_text().splitlines()]
+    assert described == str(chats) and rows == tokenize_examples(lines, tokenizer, "sharegpt", 96)
+
+    copy = tmp_path / "more_chats.jsonl"
+    copy.write_text(chats.read_text())
+    with pytest.raises(EvalError, match=r"not one of the run's sources.*demo_instructions.jsonl: alpaca, "
+                                        r"demo_chats_sharegpt.jsonl: sharegpt.*--format"):
+        eval_rows(run_dir, recipe, tokenizer, copy, log=print)
+    assert eval_rows(run_dir, recipe, tokenizer, copy, log=print, fmt="sharegpt")[0] == rows
+    recipe.data.sources = recipe.data.sources[1:]  # one source: its format, whatever the file's path
+    assert file_spec(copy, recipe.data).format == "sharegpt"
+
+    result = run_cli("eval", run_dir, "--data", copy, "--format", "chatml")
+    assert result.returncode == 2 and "--format chatml: unknown format (known: alpaca, " in result.stderr
+    assert "Traceback" not in result.stderr
+
+
 def test_chat_with_a_run_that_has_no_model_yet_names_its_checkpoints(tmp_path):
     run_dir = tmp_path / "run"
     write_run_dir(RECIPE, run_dir)

@@ -115,6 +115,76 @@ def test_every_assistant_turn_trains_and_ends_with_eos(tokenizer):
         len(tokenizer(text, add_special_tokens=False)["input_ids"]) for text in ("Lima.</s>", "Santiago.</s>"))
 
 
+CHATS = [[("Capital of Peru?", "Lima."), ("And of Chile?", "Santiago.")],
+         [("Name a colour.", "Red."), ("Another one?", "Blue.")],
+         [("Two plus two?", "Four.")],
+         [("Say hello.", "Hello there.")]]
+
+
+def _train_tiny_on_chats(tokenizer, model_dir: Path, eos_trained: bool, steps: int = 40):
+    """The tiny model trained in full on CHATS through tokenize_examples (format messages); with
+    eos_trained False, the label of every EOS is masked (the control)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from finetune.train.data import Collator
+
+    torch.manual_seed(0)
+    rows = tokenize_examples([{"messages": [{"role": role, "content": text} for turn in chat
+                                            for role, text in zip(("user", "assistant"), turn)]} for chat in CHATS],
+                             tokenizer, "messages", 96)
+    if not eos_trained:
+        rows = [{**r, "labels": [IGNORE_INDEX if t == tokenizer.eos_token_id else t for t in r["labels"]]} for r in rows]
+    batch = Collator(tokenizer.pad_token_id)(rows)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model.train()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # 4 rows of 40 tokens: a second thread only waits (8x slower on a busy 2-core box)
+    try:
+        for _ in range(steps):
+            loss = model(**batch).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    finally:
+        torch.set_num_threads(threads)
+    return model.eval(), loss.item()
+
+
+def _greedy(model, tokenizer, turns: list[tuple[str, str]], question: str, limit: int = 24) -> list[int]:
+    import torch
+
+    messages = [{"role": role, "content": text} for turn in turns for role, text in zip(("user", "assistant"), turn)]
+    prompt = tokenizer.apply_chat_template(messages + [{"role": "user", "content": question}],
+                                           add_generation_prompt=True, tokenize=False)
+    ids = torch.tensor([tokenizer(prompt, add_special_tokens=False)["input_ids"]])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=limit, do_sample=False,
+                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    return out[0, ids.shape[1]:].tolist()
+
+
+def test_a_model_trained_on_these_labels_stops_after_each_assistant_turn(tokenizer, tmp_path_factory):
+    """Generation, not only labels: greedy decoding after a first and after a second user turn emits the
+    answer, then EOS, well before max_new_tokens; the same training with EOS masked never stops."""
+    from finetune.tiny import ensure_builtin_model
+
+    model_dir = ensure_builtin_model("builtin:tiny-llama", cache_dir(tmp_path_factory))
+    model, loss = _train_tiny_on_chats(tokenizer, model_dir, eos_trained=True)
+    assert loss < 0.1, loss
+    for turns, question, answer in (([], "Capital of Peru?", "Lima."), ([CHATS[0][0]], "And of Chile?", "Santiago."),
+                                    ([CHATS[1][0]], "Another one?", "Blue.")):
+        new = _greedy(model, tokenizer, turns, question)
+        assert new[-1] == tokenizer.eos_token_id and len(new) < 24, tokenizer.decode(new)
+        assert tokenizer.decode(new[:-1]).strip() == answer
+
+    control, _ = _train_tiny_on_chats(tokenizer, model_dir, eos_trained=False)
+    for turns, question, _answer in (([], "Capital of Peru?", None), ([CHATS[0][0]], "And of Chile?", None)):
+        new = _greedy(control, tokenizer, turns, question)
+        assert tokenizer.eos_token_id not in new and len(new) == 24, tokenizer.decode(new)
+
+
 def test_a_turn_switched_off_stays_in_the_context_but_out_of_the_loss(tokenizer):
     messages = [dict(m) for m in CONVERSATION]
     messages[2]["train"] = False

@@ -188,8 +188,9 @@ GOOD_ROWS = {"alpaca": ALPACA, "text": [{"text": "hello"}], "sharegpt": SHAREGPT
 
 @pytest.mark.parametrize("fmt", list(BAD_ROWS))
 def test_the_bulk_pass_proves_clean_files_and_defers_every_bad_row(tmp_path, fmt):
-    from finetune.data.fastcheck import clean_rows
+    from finetune.data.fastcheck import clean_counts
 
+    clean_rows = lambda path, spec: clean_counts(path.read_bytes(), spec)  # noqa: E731 - the file as one range
     good = write_jsonl(tmp_path / "good.jsonl", GOOD_ROWS[fmt] * 3)
     counts = clean_rows(good, RowSpec(fmt))
     assert counts is not None and sum(len(c) for c in counts) == len(GOOD_ROWS[fmt]) * 3
@@ -211,6 +212,64 @@ def test_both_passes_give_the_same_length_statistics(tmp_path):
     rows = [{"conversations": [{"from": "human", "value": "q" * n}, {"from": "gpt", "value": "a" * (2 * n)}]} for n in range(1, 60)]
     path = write_jsonl(tmp_path / "c.jsonl", rows)
     bulk = check(path, "sharegpt").checks[0].length_stats()
-    assert fastcheck.clean_rows(path, RowSpec("sharegpt")) is not None
+    assert fastcheck.clean_counts(path.read_bytes(), RowSpec("sharegpt")) is not None
     (tmp_path / "c.json").write_text(json.dumps(rows))  # a JSON array: row by row only
     assert check(tmp_path / "c.json", "sharegpt").checks[0].length_stats() == bulk == {"rows": 59, "p50": 90, "p95": 171, "max": 177}
+
+
+# ------------------------------------------------------------------------------------------------
+# Ranges: the bulk pass proves most of a file clean, the row-by-row pass reads only the other ranges
+
+
+def test_line_ranges_are_whole_lines_numbered_from_one(tmp_path):
+    import io
+
+    from finetune.data.fastcheck import line_ranges
+
+    data = b"a\nbb\n\nccccccccccc\nd"
+    ranges = list(line_ranges(io.BytesIO(data), size=2))
+    assert b"".join(r for _, r in ranges) == data
+    assert ranges == [(1, b"a\n"), (2, b"bb\n"), (3, b"\nccccccccccc\n"), (5, b"d")]
+
+
+def test_bad_rows_in_a_file_of_many_ranges_are_named_as_the_row_by_row_pass_names_them(tmp_path, monkeypatch):
+    from finetune.data import fastcheck
+
+    good = json.dumps({"text": "fine row"})
+    lines = [good] * 100
+    # One range is 10 lines of the same width: bad rows at the end of a range (10), at the start of the
+    # next (11), in the middle of a later one (55), blank lines, a line longer than a range, the last line.
+    lines[9] = json.dumps({"txt": "wrong co"})
+    lines[10] = json.dumps({"text": 12345678})
+    lines[54] = '{"text": "cut off'
+    lines[60] = lines[61] = ""
+    lines[70] = json.dumps({"text": "x" * 400, "more": 1})[:-1]
+    lines[99] = json.dumps({"text": "   "})
+    path = tmp_path / "d.jsonl"
+    path.write_text("\n".join(line.ljust(len(good)) for line in lines) + "\n")  # JSON allows trailing spaces
+    whole = [f"{where}: {problem}" for where, problem in _row_by_row_problems(path, RowSpec("text"))]
+    assert [m.split(": ", 1)[0] for m in whole] == [f"{path}:{n}" for n in (10, 11, 55, 71, 100)]
+
+    parsed = []
+    loads = v._loads
+    monkeypatch.setattr(v, "_loads", lambda line: parsed.append(line) or loads(line))
+    monkeypatch.setattr(fastcheck, "RANGE", 10 * (len(good) + 1))
+    result = check(path, "text")
+    assert result.messages() == whole
+    assert result.checks[0].rows == 96  # not the blank lines, nor the two that are not JSON
+    # Only the ranges holding a bad row were read row by row: lines 1-20, 51-60, 71 (a range of its
+    # own: it is longer than one), 92-100 (the ranges after 71 start one line later).
+    assert len(parsed) == 20 + 10 + 1 + 9
+
+
+def _row_by_row_problems(path: Path, spec: RowSpec):
+    from finetune.data.formats import RowProblem, to_example
+
+    for where, row in v.iter_rows(path):
+        if isinstance(row, v._Bad):
+            yield where, row.message
+            continue
+        try:
+            to_example(row, spec)
+        except RowProblem as exc:
+            yield where, str(exc)

@@ -9,23 +9,25 @@ JSON lines and CSV, `file: row N` for JSON arrays, parquet and Arrow). The first
 are shown, the rest counted. A format registered with finetune.data.formats.register_format is
 checked here too: its converter is the row check.
 
-A JSON lines file is first checked in bulk (finetune.data.fastcheck: pyarrow's streaming JSON reader
-and Arrow compute); only when that pass cannot prove every row fine is it read row by row, parsed with
-orjson when installed (the json module otherwise), to name each problem by line.
+A JSON lines file is checked in bulk, in ranges of whole lines (finetune.data.fastcheck: pyarrow's JSON
+reader and Arrow compute); only a range that pass cannot prove fine is read row by row, parsed with
+orjson when installed (the json module otherwise), to name each problem by line (the lines of the
+ranges before it counted, not parsed).
 scripts/bench_validate.py measures all three.
 """
 
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
 from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, BinaryIO, Iterator, Optional
 
-from finetune.data.fastcheck import clean_rows
+from finetune.data.fastcheck import clean_counts, line_ranges
 from finetune.data.formats import Chat, Prompted, RowProblem, Text, to_example
 from finetune.data.sources import Source, SourceProblem, data_files, is_local
 
@@ -105,31 +107,53 @@ def validate(sources: list[Source]) -> Validation:
 
 
 def _check_file(path: Path, check: SourceCheck, result: Validation) -> None:
-    spec = check.source.spec
     if path.suffix == ".jsonl":
-        clean = clean_rows(path, spec)
-        if clean is not None:
-            for counts in clean:
-                check.rows += len(counts)
-                check.lengths.frombytes(counts.clip(0, 2**32 - 1).astype("uint32").tobytes())
-            return
+        _check_jsonl(path, check, result)
+        return
     try:
-        for where, row in iter_rows(path):
-            if isinstance(row, _Bad):
-                result.add(check, f"{where}: {row.message}")
-            else:
-                check.rows += 1
-                try:
-                    check.lengths.append(min(_characters(to_example(row, spec)), 2**32 - 1))
-                    continue
-                except RowProblem as exc:
-                    result.add(check, f"{where}: {exc}")
-            if check.problems >= MAX_PER_SOURCE:
-                check.stopped = True
-                result.add(check, f"{path}: stopped reading after {MAX_PER_SOURCE} problems")
-                return
+        _check_rows(path, iter_rows(path), check, result)
     except Unreadable as exc:
         result.add(check, str(exc))
+
+
+def _check_jsonl(path: Path, check: SourceCheck, result: Validation) -> None:
+    """Range by range: the bulk pass proves most ranges clean; the others are read row by row."""
+    try:
+        with path.open("rb") as handle:
+            for first_line, data in line_ranges(handle):
+                clean = clean_counts(data, check.source.spec)
+                if clean is None:
+                    rows = _guarded(path, _jsonl_lines(path, io.BytesIO(data), first_line))
+                    if not _check_rows(path, rows, check, result):
+                        return
+                    continue
+                for counts in clean:
+                    check.rows += len(counts)
+                    check.lengths.frombytes(counts.clip(0, 2**32 - 1).astype("uint32").tobytes())
+    except OSError as exc:
+        result.add(check, f"{path}: cannot read: {exc.strerror or exc}")
+    except Unreadable as exc:
+        result.add(check, str(exc))
+
+
+def _check_rows(path: Path, rows: Iterator[tuple[str, Any]], check: SourceCheck, result: Validation) -> bool:
+    """Converts every row with its format; False once the source has too many problems to go on."""
+    spec = check.source.spec
+    for where, row in rows:
+        if isinstance(row, _Bad):
+            result.add(check, f"{where}: {row.message}")
+        else:
+            check.rows += 1
+            try:
+                check.lengths.append(min(_characters(to_example(row, spec)), 2**32 - 1))
+                continue
+            except RowProblem as exc:
+                result.add(check, f"{where}: {exc}")
+        if check.problems >= MAX_PER_SOURCE:
+            check.stopped = True
+            result.add(check, f"{path}: stopped reading after {MAX_PER_SOURCE} problems")
+            return False
+    return True
 
 
 def _characters(example: Any) -> int:
@@ -178,13 +202,17 @@ def _guarded(path: Path, rows: Iterator[tuple[str, Any]]) -> Iterator[tuple[str,
 
 def _jsonl_rows(path: Path) -> Iterator[tuple[str, Any]]:
     with path.open("rb") as handle:
-        for line_no, line in enumerate(handle, 1):
-            try:
-                yield f"{path}:{line_no}", _loads(line)
-            except _JSONError as exc:
-                if not line.strip():
-                    continue  # blank lines: datasets skips them too
-                yield f"{path}:{line_no}", _Bad(_json_message(line, exc))
+        yield from _jsonl_lines(path, handle, 1)
+
+
+def _jsonl_lines(path: Path, lines: BinaryIO, first_line: int) -> Iterator[tuple[str, Any]]:
+    for line_no, line in enumerate(lines, first_line):
+        try:
+            yield f"{path}:{line_no}", _loads(line)
+        except _JSONError as exc:
+            if not line.strip():
+                continue  # blank lines: datasets skips them too
+            yield f"{path}:{line_no}", _Bad(_json_message(line, exc))
 
 
 def _json_message(line: bytes, exc: Exception) -> str:
