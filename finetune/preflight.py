@@ -107,8 +107,8 @@ def lint_step(loaded: LoadedRecipe, result: Preflight, world_size: Optional[int]
 
 def dataset_step(recipe: Recipe, result: Preflight) -> None:
     """Every row of every local source (finetune.data.validate); hub ids are read at launch."""
-    if recipe.objective != "sft":  # preference rows, every row of every file (finetune/preference_rows.py)
-        from finetune.preference_rows import check_data
+    if recipe.objective != "sft":  # preference rows, every row of every file (finetune/data/preference.py)
+        from finetune.data.preference import check_data
 
         notes, errors = check_data(recipe.data, recipe.objective)
         result.notes += notes
@@ -216,7 +216,7 @@ def model_step(recipe: Recipe, result: Preflight) -> None:
     if tokenizer and is_model_path(tokenizer) and not Path(tokenizer).expanduser().is_dir():
         result.errors.append(f"model.tokenizer {tokenizer}: directory does not exist")
     if recipe.model.adapter:
-        from finetune.preference_rows import adapter_problem
+        from finetune.data.preference import adapter_problem
 
         problem = adapter_problem(recipe.model.adapter)
         if problem:

@@ -266,7 +266,7 @@ def _row_by_row_problems(path: Path, spec: RowSpec):
     from finetune.data.formats import RowProblem, to_example
 
     for where, row in v.iter_rows(path):
-        if isinstance(row, v._Bad):
+        if isinstance(row, v.BadRow):
             yield where, row.message
             continue
         try:

@@ -148,7 +148,7 @@ def test_kto_rows_need_a_boolean_label_and_csv_cells_are_read_as_json(tmp_path):
     assert "paired rows are for dpo, orpo and simpo" in errors[1]
     csv_text = 'prompt,completion,label\nQ,A,true\n"[{""role"": ""user"", ""content"": ""Q""}]",A,false\n'
     errors = preflight_errors(tmp_path, "kto", [], suffix=".csv", raw=csv_text)
-    assert len(errors) == 1 and "row 2: mixes text and message lists" in errors[0]
+    assert len(errors) == 1 and "data.csv:3: mixes text and message lists" in errors[0]  # the file line, as for SFT rows
     assert preflight_errors(tmp_path, "kto", [], suffix=".json", raw='[{"prompt": "Q", "completion": "A", "label": false}]') == []
     assert "not valid JSON" in preflight_errors(tmp_path, "orpo", [], raw='{"prompt": "Q"\n')[0]
 

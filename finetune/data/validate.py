@@ -140,7 +140,7 @@ def _check_rows(path: Path, rows: Iterator[tuple[str, Any]], check: SourceCheck,
     """Converts every row with its format; False once the source has too many problems to go on."""
     spec = check.source.spec
     for where, row in rows:
-        if isinstance(row, _Bad):
+        if isinstance(row, BadRow):
             result.add(check, f"{where}: {row.message}")
         else:
             check.rows += 1
@@ -176,11 +176,11 @@ def length_stats(lengths: array) -> Optional[dict[str, int]]:
 
 
 # ------------------------------------------------------------------------------------------------
-# Readers: (where, row) for every row, or (where, _Bad) for a row that cannot be parsed
+# Readers: (where, row) for every row, or (where, BadRow) for a row that cannot be parsed
 
 
 @dataclass
-class _Bad:
+class BadRow:
     message: str
 
 
@@ -212,7 +212,7 @@ def _jsonl_lines(path: Path, lines: BinaryIO, first_line: int) -> Iterator[tuple
         except _JSONError as exc:
             if not line.strip():
                 continue  # blank lines: datasets skips them too
-            yield f"{path}:{line_no}", _Bad(_json_message(line, exc))
+            yield f"{path}:{line_no}", BadRow(_json_message(line, exc))
 
 
 def _json_message(line: bytes, exc: Exception) -> str:

@@ -93,7 +93,7 @@ def config_kwargs(recipe: Recipe) -> dict[str, Any]:
 def load_rows(recipe: Recipe):
     """The preference rows as a `datasets.Dataset` with only the columns the objective reads.
 
-    Preflight checked every row's columns and types (finetune.train.preference_rows); this is the same
+    Preflight checked every row's columns and types (finetune.data.preference); this is the same
     file read by `datasets`, the way TRL expects it."""
     from finetune.train.data import DataError, load_raw
 

@@ -13,7 +13,6 @@ them (up to MAX_PROBLEMS) are reported at once.
 
 from __future__ import annotations
 
-import csv
 import json
 from pathlib import Path
 from typing import Any, Iterator
@@ -42,8 +41,6 @@ def check_data(data, objective: str) -> tuple[list[str], list[str]]:
         files = data_files(Path(data.path).expanduser(), data.split)
     except SourceProblem as exc:
         return [], [f"dataset {exc}"]
-    if any(f.suffix == ".arrow" for f in files):
-        return [f"dataset {data.path}: a saved dataset, rows checked at launch"], []
     count, problems = check_files(files, objective)
     if problems:
         return [], [f"dataset {problem}" for problem in problems]
@@ -52,6 +49,8 @@ def check_data(data, objective: str) -> tuple[list[str], list[str]]:
 
 def check_files(files: list[Path], objective: str) -> tuple[int, list[str]]:
     """(rows read, problems) over every row of `files` for `objective`."""
+    from finetune.data.validate import Unreadable
+
     count, problems = 0, []
     for path in files:
         try:
@@ -62,48 +61,20 @@ def check_files(files: list[Path], objective: str) -> tuple[int, list[str]]:
                     problems.append(f"{where}: {problem}")
                     if len(problems) >= MAX_PROBLEMS:
                         return count, problems + ["(stopped after the first problems)"]
-        except (OSError, UnicodeDecodeError, ValueError) as exc:
-            problems.append(f"{path}: cannot read: {getattr(exc, 'strerror', None) or exc}")
+        except Unreadable as exc:
+            problems.append(str(exc))
     if count == 0 and not problems:
         problems.append(f"{files[0] if files else 'data.path'}: no rows")
     return count, problems
 
 
 def rows_of(path: Path) -> Iterator[tuple[str, Any]]:
-    """(file:line or file:row N, row) for .jsonl, .json (array or JSON lines), .csv and .parquet files."""
-    suffix = path.suffix.lower()
-    if suffix == ".csv":
-        with path.open(encoding="utf-8", newline="") as handle:
-            for number, row in enumerate(csv.DictReader(handle), 1):
-                yield f"{path}: row {number}", _from_csv(row)
-        return
-    if suffix == ".parquet":
-        import pyarrow.parquet as pq  # datasets' own dependency
+    """(where, row) through the data package's readers (JSON lines, JSON, CSV, parquet, Arrow); CSV cells
+    become message lists and booleans the way a preference row needs them."""
+    from finetune.data.validate import iter_rows
 
-        for number, row in enumerate(pq.read_table(path).to_pylist(), 1):
-            yield f"{path}: row {number}", row
-        return
-    text = path.read_text(encoding="utf-8")
-    if suffix == ".json" and text.lstrip().startswith("["):
-        try:
-            rows = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"line {exc.lineno}: not valid JSON ({exc.msg})") from None
-        for number, row in enumerate(rows, 1):
-            yield f"{path}: row {number}", row
-        return
-    for line_no, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            yield f"{path}:{line_no}", json.loads(line)
-        except json.JSONDecodeError as exc:
-            yield f"{path}:{line_no}", _Invalid(exc.msg)
-
-
-class _Invalid:
-    def __init__(self, message: str) -> None:
-        self.message = message
+    for where, row in iter_rows(path):
+        yield where, _from_csv(row) if path.suffix == ".csv" and isinstance(row, dict) else row
 
 
 def _from_csv(row: dict[str, Any]) -> dict[str, Any]:
@@ -123,8 +94,10 @@ def _from_csv(row: dict[str, Any]) -> dict[str, Any]:
 
 def row_problem(row: Any, objective: str) -> str | None:
     """What is wrong with one row for `objective`, or None."""
-    if isinstance(row, _Invalid):
-        return f"not valid JSON ({row.message})"
+    from finetune.data.validate import BadRow
+
+    if isinstance(row, BadRow):
+        return row.message
     if not isinstance(row, dict):
         return f"expected an object with named columns, got {type(row).__name__}"
     wanted = columns_for(objective)
