@@ -64,7 +64,7 @@ def arguments(recipe: Recipe, training_arguments_class, kwargs: dict[str, Any]):
 
 
 def config_kwargs(recipe: Recipe) -> dict[str, Any]:
-    """The TRL config keys the recipe sets: only those the objective reads (lint R115 refuses the others)."""
+    """The TRL config keys the recipe sets: only those the objective reads (lint R118 refuses the others)."""
     p = recipe.preference
     out: dict[str, Any] = {"max_length": recipe.data.max_length}
     if p.beta is not None:
