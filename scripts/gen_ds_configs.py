@@ -1,4 +1,4 @@
-"""Regenerate ds_configs/*.json from finetune.dsconfig (the same code that renders recipes).
+"""Regenerate ds_configs/*.json from finetune.render (the same code that renders recipes).
 
     python scripts/gen_ds_configs.py           # rewrite the templates
     python scripts/gen_ds_configs.py --check   # exit 1 if a template drifted (CI / tests)
@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from finetune.dsconfig import TEMPLATES, dumps, render_template
+from finetune.render import TEMPLATES, dumps, render_template
 
 OUT = Path(__file__).resolve().parent.parent / "ds_configs"
 

@@ -12,7 +12,7 @@ all visible), it writes a recipe to OUT/recipes/, asks `finetune plan` what it n
 the plan says it does not fit, and otherwise trains it for --steps steps with `finetune train`.
 Each run records tokens/s, MFU, max_memory_allocated and max_memory_reserved per rank (summary.json),
 nvidia-smi's used memory sampled during the run, and the plan's prediction. A separate check collates two
-packed rows the way the runner does (finetune.train.data.make_collator: flattened with flash
+packed rows the way the runner does (finetune.data.tokenize.make_collator: flattened with flash
 boundaries on flash, block-diagonal masks on sdpa) and compares each example's logits there with its
 logits alone, for every attention kernel the machine has.
 
@@ -41,7 +41,7 @@ from typing import Any, Optional
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from finetune.tiny import BUILTIN_PREFIX, is_builtin  # noqa: E402 (after the path above)
+from finetune.builtin import BUILTIN_PREFIX, is_builtin  # noqa: E402 (after the path above)
 
 # Dense (no sparsity) bf16 tensor-core peak of one GPU, in TFLOP/s, matched against
 # torch.cuda.get_device_name() in this order (the first substring that matches wins).
@@ -148,7 +148,7 @@ def build_model(name: str, out: Path) -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-    from finetune.tiny import build_tokenizer
+    from finetune.builtin import build_tokenizer
 
     tmp = target.with_name(f".{name}.partial")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -173,7 +173,7 @@ def build_model(name: str, out: Path) -> Path:
 def write_text_data(out: Path, rows: int, max_length: int) -> Path:
     """Synthetic `text` rows long enough to fill max_length tokens each (packing on or off then trains
     on the same number of tokens per sequence)."""
-    from finetune.tiny import demo_examples
+    from finetune.builtin import demo_examples
 
     path = out / "data" / f"text_{max_length}.jsonl"
     if path.is_file():
@@ -351,7 +351,7 @@ def flops_per_token(model_dir: Path, method: str, trainable: int, seq_len: int) 
     appendix B). lora/qlora: the frozen weights get no weight gradient: 4N + 6 x the adapter's
     parameters + the same attention term.
     """
-    from finetune.archs import load_config_json
+    from finetune.plan.archs import load_config_json
 
     arch = load_config_json(model_dir)
     per_layer = (arch.hidden * (arch.q_dim + 2 * arch.kv_dim) + arch.q_dim * arch.hidden
@@ -365,7 +365,7 @@ def flops_per_token(model_dir: Path, method: str, trainable: int, seq_len: int) 
 
 def model_dir_of(case: Case, out: Path) -> Path:
     if is_builtin(case.model):
-        from finetune.tiny import ensure_builtin_model
+        from finetune.builtin import ensure_builtin_model
 
         return ensure_builtin_model(case.model)  # built on first use (preflight does the same)
     return out / "models" / case.model
@@ -448,7 +448,7 @@ def packing_check(model_dir: Path, attn: str, machine: Machine) -> dict[str, Any
     import torch
     from transformers import AutoModelForCausalLM
 
-    from finetune.train.data import make_collator, pack
+    from finetune.data.tokenize import make_collator, pack
 
     device = "cpu" if machine.cpu else "cuda"
     dtype = torch.float32 if machine.cpu else torch.bfloat16

@@ -1,5 +1,5 @@
 """Write recipes/data/demo_instructions.jsonl (alpaca) and demo_chats_sharegpt.jsonl (ShareGPT), the
-demo data sets, from finetune.tiny.demo_examples() and demo_conversations().
+demo data sets, from finetune.builtin.demo_examples() and demo_conversations().
 
     python scripts/make_demo_data.py            # rewrite the shipped file
     python scripts/make_demo_data.py --check    # exit 1 if the shipped file differs (used by tests)
@@ -16,7 +16,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from finetune.tiny import write_demo_jsonl, write_demo_sharegpt
+from finetune.builtin import write_demo_jsonl, write_demo_sharegpt
 
 TARGET = Path(__file__).resolve().parent.parent / "recipes" / "data" / "demo_instructions.jsonl"
 CHATS = TARGET.parent / "demo_chats_sharegpt.jsonl"

@@ -1,4 +1,4 @@
-"""Write the tiny preference data sets in recipes/data/ from the demo examples (finetune.tiny.demo_examples()).
+"""Write the tiny preference data sets in recipes/data/ from the demo examples (finetune.builtin.demo_examples()).
 
     python scripts/make_preference_data.py            # rewrite the shipped files
     python scripts/make_preference_data.py --check    # exit 1 if a shipped file differs (used by tests)
@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 from finetune.fsutil import write_atomic
-from finetune.tiny import demo_examples
+from finetune.builtin import demo_examples
 
 DATA = Path(__file__).resolve().parent.parent / "recipes" / "data"
 PAIRED = DATA / "demo_preference.jsonl"

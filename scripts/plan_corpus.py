@@ -26,7 +26,7 @@ from typing import Any, Optional
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from finetune.archs import BY_NAME, LAYER_LINEARS, arch_from_config  # noqa: E402
+from finetune.plan.archs import BY_NAME, LAYER_LINEARS, arch_from_config  # noqa: E402
 from finetune.plan import GiB, PlanResult, Setup, plan  # noqa: E402
 
 CORPUS = REPO / "tests" / "data" / "plan_corpus.json"

@@ -54,7 +54,7 @@ def write_recipe(tmp_path):
 def tiny_cache(tmp_path_factory) -> Path:
     """The session's FINETUNE_CACHE with the built-in tiny model built in it, before any run starts
     (as `finetune train`'s preflight does, so that the ranks never race to build it)."""
-    from finetune.tiny import ensure_builtin_model
+    from finetune.builtin import ensure_builtin_model
 
     root = cache_dir(tmp_path_factory)
     ensure_builtin_model("builtin:tiny-llama", root)
@@ -64,7 +64,7 @@ def tiny_cache(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_dir(tiny_cache) -> Path:
     """The built-in tiny model's directory (config, weights, tokenizer)."""
-    from finetune.tiny import ensure_builtin_model
+    from finetune.builtin import ensure_builtin_model
 
     return ensure_builtin_model("builtin:tiny-llama", tiny_cache)
 
@@ -72,7 +72,7 @@ def tiny_dir(tiny_cache) -> Path:
 @pytest.fixture
 def no_launch(monkeypatch):
     """Fails the test if anything tries to start the launcher; the list of plans it was handed stays empty."""
-    import finetune.launch.supervision
+    import finetune.run.launch.supervision
 
     started = []
 
@@ -80,7 +80,7 @@ def no_launch(monkeypatch):
         started.append(plan)
         raise AssertionError("nothing should have been launched")
 
-    monkeypatch.setattr(finetune.launch.supervision, "spawn", spawn)
+    monkeypatch.setattr(finetune.run.launch.supervision, "spawn", spawn)
     return started
 
 

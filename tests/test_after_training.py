@@ -97,9 +97,9 @@ def test_eval_scores_the_fine_tuned_model_below_its_base(trained, tiny_cache):
 
 def test_chat_prompts_an_alpaca_run_exactly_as_it_trained():
     """The first turn's ids are the masked prompt of the training row; a second turn follows whole examples."""
-    from finetune.chat import Conversation
-    from finetune.tiny import ensure_builtin_model
-    from finetune.train.data import IGNORE_INDEX, tokenize_examples
+    from finetune.use.chat import Conversation
+    from finetune.builtin import ensure_builtin_model
+    from finetune.data.tokenize import IGNORE_INDEX, tokenize_examples
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(ensure_builtin_model("builtin:tiny-llama")))
@@ -120,10 +120,10 @@ def test_chat_prompts_an_alpaca_run_exactly_as_it_trained():
 def test_eval_reads_a_data_file_as_the_mixtures_source_with_that_path(tmp_path):
     """`--data FILE` of a run mixing alpaca and ShareGPT: the ShareGPT file scored as chats, another
     file needs --format, an unknown --format is a usage error."""
-    from finetune.evaluate import EvalError, eval_rows, file_spec
+    from finetune.use.evaluate import EvalError, eval_rows, file_spec
     from finetune.recipe import load_recipe
-    from finetune.tiny import ensure_builtin_model
-    from finetune.train.data import tokenize_examples
+    from finetune.builtin import ensure_builtin_model
+    from finetune.data.tokenize import tokenize_examples
     from transformers import AutoTokenizer
 
     run_dir = tmp_path / "run"
@@ -171,7 +171,7 @@ def test_chat_with_a_missing_base_says_so(tmp_path):
 
 
 def test_chat_refuses_a_gpu_too_small_with_the_plans_estimate():
-    from finetune.chat import ChatError, Source, check_gpu_fits
+    from finetune.use.chat import ChatError, Source, check_gpu_fits
     from finetune.recipe import load_recipe
 
     recipe = load_recipe(REPO / "recipes" / "llama3" / "8b_qlora_2x12gb.yaml").recipe

@@ -24,9 +24,9 @@ from safetensors.torch import load_file  # noqa: E402
 from typer.testing import CliRunner  # noqa: E402
 
 from finetune.cli import app  # noqa: E402
-from finetune.convert import ConvertError, convert, peft_key  # noqa: E402
-from finetune.merge import merge  # noqa: E402
-from finetune.safetensors_io import Written  # noqa: E402
+from finetune.weights.convert import ConvertError, convert, peft_key  # noqa: E402
+from finetune.weights.merge import merge  # noqa: E402
+from finetune.weights.safetensors_io import Written  # noqa: E402
 from tests.merge_fixtures import assert_same, build_llama, peft_merged_state_dict, safetensors_data_bytes  # noqa: E402
 
 FIXTURES = Path(__file__).with_name("merge_fixtures.py")
@@ -209,7 +209,7 @@ def test_checkpoint_pickling_a_foreign_global_is_refused_and_nothing_runs(tmp_pa
 
 
 def test_weights_only_loads_refuse_what_the_scan_cannot_see(tmp_path):
-    from finetune.convert import weights_only_loads
+    from finetune.weights.convert import weights_only_loads
 
     path = tmp_path / "x.pt"
     torch.save({"payload": _RunsAShellCommand(tmp_path / "executed")}, path)
@@ -221,9 +221,9 @@ def test_weights_only_loads_refuse_what_the_scan_cannot_see(tmp_path):
 
 def test_convert_opens_the_checkpoint_type_resume_judges(tmp_path):
     """One Checkpoint type: convert reads the step, DeepSpeed's tag and the COMPLETE marker of the folder
-    the same way `finetune train` does when it resumes (finetune.checkpoint)."""
-    from finetune import checkpoint as ckpt
-    from finetune.convert import find_checkpoint
+    the same way `finetune train` does when it resumes (finetune.rundir.checkpoint)."""
+    from finetune.rundir import checkpoint as ckpt
+    from finetune.weights.convert import find_checkpoint
 
     folder = tmp_path / "checkpoint-4"
     (folder / "global_step4").mkdir(parents=True)

@@ -1,4 +1,4 @@
-"""Chat formats and per-turn loss masks (finetune.data.formats + finetune.train.data), and the mixing
+"""Chat formats and per-turn loss masks (finetune.data.formats + finetune.data.tokenize), and the mixing
 arithmetic (finetune.data.mix). Masks are checked label by label: -100 exactly where a token must not train."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 
 from finetune.data.formats import Chat, RowProblem, RowSpec, to_example
 from finetune.data.mix import MixError, Share, mixture, pick, spec_problems, targets
-from finetune.train.data import IGNORE_INDEX, DataError, tokenize_examples, tokenize_for_training
+from finetune.data.tokenize import IGNORE_INDEX, DataError, tokenize_examples, tokenize_for_training
 from tests.train_fixtures import REPO, cache_dir
 
 DEMO = REPO / "recipes" / "data" / "demo_instructions.jsonl"
@@ -20,7 +20,7 @@ DEMO = REPO / "recipes" / "data" / "demo_instructions.jsonl"
 def tokenizer(tmp_path_factory):
     from transformers import AutoTokenizer
 
-    from finetune.tiny import ensure_builtin_model
+    from finetune.builtin import ensure_builtin_model
 
     return AutoTokenizer.from_pretrained(str(ensure_builtin_model("builtin:tiny-llama", cache_dir(tmp_path_factory))))
 
@@ -127,7 +127,7 @@ def _train_tiny_on_chats(tokenizer, model_dir: Path, eos_trained: bool, steps: i
     import torch
     from transformers import AutoModelForCausalLM
 
-    from finetune.train.data import Collator
+    from finetune.data.tokenize import Collator
 
     torch.manual_seed(0)
     rows = tokenize_examples([{"messages": [{"role": role, "content": text} for turn in chat
@@ -168,7 +168,7 @@ def _greedy(model, tokenizer, turns: list[tuple[str, str]], question: str, limit
 def test_a_model_trained_on_these_labels_stops_after_each_assistant_turn(tokenizer, tmp_path_factory):
     """Generation, not only labels: greedy decoding after a first and after a second user turn emits the
     answer, then EOS, well before max_new_tokens; the same training with EOS masked never stops."""
-    from finetune.tiny import ensure_builtin_model
+    from finetune.builtin import ensure_builtin_model
 
     model_dir = ensure_builtin_model("builtin:tiny-llama", cache_dir(tmp_path_factory))
     model, loss = _train_tiny_on_chats(tokenizer, model_dir, eos_trained=True)
@@ -212,7 +212,7 @@ def test_think_spans_train_or_are_masked(tokenizer):
 
 
 def test_a_generation_template_gives_the_same_masks(tokenizer):
-    from finetune.tiny import CHAT_TEMPLATE
+    from finetune.builtin import CHAT_TEMPLATE
 
     tok = tokenizer.__class__.from_pretrained(tokenizer.name_or_path)
     # The built-in template with the assistant's content and EOS marked as {% generation %} blocks.
@@ -287,7 +287,7 @@ def _two_sources(tmp_path, **weights):
 
 
 def test_a_weighted_mixture_is_tokenized_reported_and_cached(tmp_path, tokenizer, monkeypatch):
-    import finetune.train.data as data
+    import finetune.data.tokenize as data
 
     section = _two_sources(tmp_path)
     lines: list[str] = []
@@ -342,10 +342,10 @@ def test_a_bad_mixture_is_a_data_error(tmp_path, tokenizer):
 
 
 def test_sources_in_a_recipe_rebase_paths_replace_the_parents_path_and_key_the_resume():
-    from finetune.chat import _chat_format
-    from finetune.resume_key import resume_fields
+    from finetune.use.chat import _chat_format
+    from finetune.rundir.resume_key import resume_fields
     from finetune.recipe import load_recipe
-    from finetune.rundir import resolved_recipe
+    from finetune.rundir.layout import resolved_recipe
 
     mixed = load_recipe(REPO / "recipes" / "tiny" / "mix_alpaca_sharegpt.yaml").recipe
     assert mixed.data.path is None  # base.yaml's path is replaced by the sources

@@ -1,4 +1,4 @@
-"""finetune.doctor: version floors and recipe checks on fake machines, and the real `finetune doctor`."""
+"""finetune.run.doctor: version floors and recipe checks on fake machines, and the real `finetune doctor`."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 
 from finetune.cli import app
 
-from finetune.doctor import (
+from finetune.run.doctor import (
     Facts, Gpu, checks_for_recipe, failed, machine_checks, report, run_doctor, satisfies,
 )
 from tests.conftest import hub_recipe as recipe
@@ -94,7 +94,7 @@ def test_qlora_without_bitsandbytes_names_the_extra_to_install(tmp_path):
     check = by_name(checks_for_recipe(recipe(method="qlora"), facts(bitsandbytes=None)))["qlora.bitsandbytes"]
     assert check.fix == "pip install 'finetune[qlora]'"
     # ... and `finetune train`'s preflight says it in one line
-    from finetune.preflight import run_preflight
+    from finetune.run.preflight import run_preflight
     from finetune.recipe import load_recipe
 
     path = tmp_path / "r.yaml"
@@ -161,7 +161,7 @@ def test_a_torchrun_without_a_configurable_grace_period_is_named():
 
 def test_the_installed_torchrun_is_probed_for_its_grace_period():
     pytest.importorskip("torch")
-    from finetune.doctor import collect_facts
+    from finetune.run.doctor import collect_facts
 
     assert collect_facts().torchrun_shutdown_timeout is True  # torch 2.13 reads TORCH_ELASTIC_SHUTDOWN_TIMEOUT
 
@@ -218,7 +218,7 @@ def test_cli_doctor_rejects_unknown_format():
 
 
 # ----------------------------------------------------------------------------------------------
-# The floors are pyproject's, read back from the installed package (finetune.requirements)
+# The floors are pyproject's, read back from the installed package (finetune.run.requirements)
 
 
 def _metadata_with(monkeypatch, **changed):
@@ -253,7 +253,7 @@ def test_a_floor_raised_in_the_package_metadata_changes_the_verdict(monkeypatch)
 def test_markers_and_extras_decide_which_requirements_count():
     from packaging.requirements import Requirement
 
-    from finetune.requirements import floors
+    from finetune.run.requirements import floors
 
     lines = ['typer>=0.12', 'peft>=0.14; extra == "train"', 'bitsandbytes>=0.43.3; extra == "qlora"',
              'old-lib>=1; extra == "train" and python_version < "3"', 'torch>=2.3; extra == "train"',
@@ -266,8 +266,7 @@ def test_markers_and_extras_decide_which_requirements_count():
 def test_a_source_checkout_reads_the_same_floors_from_pyproject(monkeypatch):
     import importlib.metadata
 
-    from finetune import requirements
-
+    from finetune.run import requirements
     installed = {extra: requirements.extra_floors(extra) for extra in ("train", "qlora", "liger", "merge")}
     python = requirements.python_requirement()
 

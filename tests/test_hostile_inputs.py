@@ -15,7 +15,7 @@ import pytest
 
 from finetune.lint import LintOptions, lint_paths
 from finetune.recipe import RecipeProblem, load_recipe
-from finetune.yamlio import MAX_DEPTH, DocumentError, load_json, load_yaml
+from finetune.recipe.yamlio import MAX_DEPTH, DocumentError, load_json, load_yaml
 from tests.conftest import MINIMAL, run_cli
 
 BOMB = "x: " + "[" * 100_000 + "]" * 100_000  # 200 KB; signal 11 in the composer before the fix

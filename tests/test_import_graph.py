@@ -53,7 +53,7 @@ def imports_of(module: str, path: Path, is_package: bool, modules: dict) -> set[
                 source = node.module or ""
             for alias in node.names:
                 submodule = f"{source}.{alias.name}"
-                # `from finetune.launch import supervision` imports the submodule itself.
+                # `from finetune.run.launch import supervision` imports the submodule itself.
                 found.add(submodule if submodule in modules else _owning_module(source, modules))
     found.discard(None)
     found.discard(module)

@@ -1,4 +1,4 @@
-"""finetune.launch: argv for torchrun and deepspeed, and supervision of real launchers with fake runners.
+"""finetune.run.launch: argv for torchrun and deepspeed, and supervision of real launchers with fake runners.
 
 The fake runners are tiny modules written to tmp_path (no torch, start in milliseconds); the
 launchers are the real torchrun and DeepSpeed launcher on CPU.
@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 
-from finetune.launch import (
+from finetune.run.launch import (
     HostfileError, free_port, parse_torchrun_failures, plan_launch, procs_per_node, read_hostfile, supervise,
 )
 from finetune.recipe import Recipe, load_recipe
-from finetune.rundir import write_run_dir
+from finetune.rundir.layout import write_run_dir
 from tests.conftest import hub_recipe
 from tests.train_fixtures import os_free_port
 
@@ -301,7 +301,7 @@ def held_port():
 
 
 def test_a_port_taken_before_torchrun_binds_it_is_replaced(fake, held_port, monkeypatch):
-    import finetune.launch.supervision as supervision
+    import finetune.run.launch.supervision as supervision
 
     plan, run_dir = fake("ok")
     supervision._set_port(plan, held_port)  # free_port said it was free; someone took it since
@@ -315,7 +315,7 @@ def test_a_port_taken_before_torchrun_binds_it_is_replaced(fake, held_port, monk
 
 
 def test_a_busy_port_that_cannot_be_replaced_is_one_line_naming_it(fake, held_port, monkeypatch):
-    import finetune.launch.supervision as supervision
+    import finetune.run.launch.supervision as supervision
 
     monkeypatch.setattr(supervision, "PORT_RETRIES", 0)
     plan, _ = fake("ok")
@@ -328,7 +328,7 @@ def test_a_busy_port_that_cannot_be_replaced_is_one_line_naming_it(fake, held_po
 
 def test_failures_are_read_from_torchruns_error_files(fake):
     """The ranks' error.json files name the rank and its exception without torchrun's printed report."""
-    import finetune.launch as launch
+    import finetune.run.launch as launch
 
     plan, run_dir = fake("raise", with_torch=True)
     supervise(plan, Sink())
@@ -349,7 +349,7 @@ def test_tests_pick_their_ports_from_the_os():
 DRIVER = '''
 import os, sys, json
 from pathlib import Path
-from finetune.launch import LaunchPlan, supervise
+from finetune.run.launch import LaunchPlan, supervise
 plan = LaunchPlan(**{**json.loads(sys.argv[1]), "run_dir": Path(json.loads(sys.argv[1])["run_dir"])})
 outcome = supervise(plan)
 sys.exit(outcome.returncode)

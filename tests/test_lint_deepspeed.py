@@ -35,7 +35,7 @@ import pytest
 from finetune.lint import deepspeed_rules as rules
 from finetune.lint import ds_schema
 from finetune.lint.deepspeed_rules import DSContext, check_config
-from finetune.yamlio import load_json
+from finetune.recipe.yamlio import load_json
 
 CORPUS = Path(__file__).parent / "ds_corpus"
 WORLD = 2
@@ -43,7 +43,7 @@ HIDDEN = 64  # hidden_size of the stand-in model HF and accelerate read for the 
 
 
 def _training_args() -> dict:
-    from finetune.dsconfig import render_training_args
+    from finetune.render import render_training_args
     from finetune.recipe import Recipe
 
     recipe = Recipe(model={"name_or_path": "org/tiny"}, data={"path": "data.jsonl"},
@@ -631,7 +631,7 @@ def test_training_args_mismatch_uses_hfs_comparison():
 
 
 def test_recipe_rendered_configs_are_clean():
-    from finetune.dsconfig import render_deepspeed, render_training_args
+    from finetune.render import render_deepspeed, render_training_args
     from finetune.recipe import Recipe
 
     for stage, offload in ((0, "none"), (1, "cpu"), (2, "cpu"), (3, "cpu"), (3, "nvme")):

@@ -193,14 +193,14 @@ def test_the_planner_follows_the_loss_kernel():
 
 
 def test_liger_is_a_training_arguments_switch():
-    from finetune.dsconfig import render_training_args
+    from finetune.render import render_training_args
 
     assert render_training_args(recipe(loss_kernel="liger"))["use_liger_kernel"] is True
     assert "use_liger_kernel" not in render_training_args(recipe(loss_kernel="chunked"))
 
 
 def test_liger_without_a_gpu_or_the_package_fails_preflight():
-    from finetune.doctor import Facts, Gpu, checks_for_recipe
+    from finetune.run.doctor import Facts, Gpu, checks_for_recipe
 
     packages = {"torch": "2.13.0", "deepspeed": "0.19.8", "transformers": "5.23.0", "peft": "0.21.2",
                 "bitsandbytes": "0.49.0", "accelerate": "1.12.0", "datasets": "4.0.0"}

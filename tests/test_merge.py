@@ -23,12 +23,12 @@ pytest.importorskip("peft")
 from safetensors.torch import load_file, save_file  # noqa: E402
 from typer.testing import CliRunner  # noqa: E402
 
-import finetune.merge as merge_mod  # noqa: E402
+import finetune.weights.merge as merge_mod  # noqa: E402
 from finetune.cli import app  # noqa: E402
-from finetune.merge import merge  # noqa: E402
-from finetune.merge_inputs import resolve_inputs  # noqa: E402
-from finetune.merge_verify import verify  # noqa: E402
-from finetune.safetensors_io import MergeError, human_size  # noqa: E402
+from finetune.weights.merge import merge  # noqa: E402
+from finetune.weights.merge_inputs import resolve_inputs  # noqa: E402
+from finetune.weights.verify import verify  # noqa: E402
+from finetune.weights.safetensors_io import MergeError, human_size  # noqa: E402
 from tests.conftest import REPO  # noqa: E402
 from tests.merge_fixtures import (assert_same, build_adapter, build_gpt2, build_llama,  # noqa: E402
                                   peft_merged_state_dict, safetensors_data_bytes)
@@ -126,7 +126,7 @@ def test_base_and_adapter_are_never_written(models, bf16_adapter, tmp_path):
 
 
 def test_merge_path_imports_neither_transformers_nor_peft():
-    code = ("import sys, finetune.merge; "
+    code = ("import sys, finetune.weights.merge; "
             "print(sorted(m for m in ('transformers', 'peft', 'deepspeed') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
@@ -331,8 +331,8 @@ def merge_cli(models, adapter, out):
 def test_merge_on_a_terminal_draws_a_progress_bar(models, bf16_adapter, tmp_path, monkeypatch):
     from rich.console import Console
 
-    from finetune import progress
-    from finetune.progress import WriteDisplay
+    from finetune.run import progress
+    from finetune.run.progress import WriteDisplay
 
     screen = io.StringIO()
     console = Console(file=screen, force_terminal=True, width=150)
@@ -474,7 +474,7 @@ def test_next_merge_removes_partial_output_of_a_killed_merge(models, bf16_adapte
 
 _SIGTERM_WHILE_WRITING = """
 import os, signal, sys
-import finetune.merge as m
+import finetune.weights.merge as m
 from finetune.cli import main
 real = m.write_shards
 def write_then_terminate(*args, **kwargs):

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from finetune.launch import commands_per_node, deepspeed_env_text, plan_launch
+from finetune.run.launch import commands_per_node, deepspeed_env_text, plan_launch
 from finetune.recipe import Recipe
 from tests.conftest import hub_recipe, write_local_inputs
 from tests.train_fixtures import REPO, TINY_RECIPES, os_free_port, runner_env

@@ -22,14 +22,14 @@ def _trees():
 def test_one_class_of_the_name(name):
     defined = [where for where, tree in _trees() for node in ast.walk(tree)
                if isinstance(node, ast.ClassDef) and node.name == name]
-    assert defined == ["finetune/checkpoint.py"]
+    assert defined == ["finetune/rundir/checkpoint.py"]
 
 
 def test_the_builtin_prefix_is_spelled_in_one_place():
-    """Everything else asks finetune.tiny (is_builtin, builtin_name, BUILTIN_PREFIX)."""
+    """Everything else asks finetune.builtin (is_builtin, builtin_name, BUILTIN_PREFIX)."""
     spelled = [f"{where}:{node.lineno}" for where, tree in _trees() for node in ast.walk(tree)
                if isinstance(node, ast.Constant) and node.value == "builtin:"]
-    assert [place.split(":")[0] for place in spelled] == ["finetune/tiny.py"], spelled
+    assert [place.split(":")[0] for place in spelled] == ["finetune/builtin.py"], spelled
 
 
 def test_the_collectives_have_one_home():
@@ -55,7 +55,7 @@ def test_no_private_name_is_imported_from_another_module():
 def test_every_reader_of_a_builtin_name_answers_alike():
     from finetune.plan.from_recipe import resolve_model
     from finetune.plan.setup import PlanError
-    from finetune.preflight import Preflight, model_step
+    from finetune.run.preflight import Preflight, model_step
     from tests.conftest import hub_recipe
 
     unknown = r"unknown built-in model `builtin:tiny-gpt` \(known: builtin:tiny-llama\)"

@@ -13,7 +13,7 @@ import json
 
 import pytest
 
-from finetune.train.data import (
+from finetune.data.tokenize import (
     IGNORE_INDEX, FlatteningCollator, cache_key, make_collator, pack, split_packed, tokenize_examples,
 )
 from tests.test_train_data import DEMO, _data, tokenizer  # noqa: F401  (a session fixture)
@@ -203,7 +203,7 @@ def test_packed_rows_without_boundaries_mix_examples_under_flash(varlen_model, t
     and the examples attend to each other. Also shows the logits check above can see mixing."""
     import torch
 
-    from finetune.train.data import Collator
+    from finetune.data.tokenize import Collator
 
     model, calls = varlen_model
     calls.clear()
@@ -220,7 +220,7 @@ def test_the_runner_refuses_a_model_without_position_ids(layout, tiny_dir):
 
     from transformers import AutoModelForCausalLM, BloomConfig, BloomForCausalLM
 
-    from finetune.train.data import DataError
+    from finetune.data.tokenize import DataError
     from finetune.train.runner import check_packing_support
 
     recipe = SimpleNamespace(data=SimpleNamespace(**LAYOUTS[layout]))

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from finetune.archs import BUILTIN, BY_NAME, arch_from_config, match_hub_id
+from finetune.plan.archs import BUILTIN, BY_NAME, arch_from_config, match_hub_id
 from finetune.plan import (
     DS_ALLGATHER_BUCKET_SIZE, DS_MAX_LIVE_PARAMETERS, DS_MAX_REUSE_DISTANCE, DS_PARAM_PERSISTENCE_THRESHOLD,
     DS_PARAM_SWAP_BUFFER_SIZE, DS_PARAM_SWAP_BUFFERS, DS_OPTIMIZER_SWAP_BUFFERS, DS_PREFETCH_BUCKET_SIZE,
@@ -333,7 +333,7 @@ def test_auto_buckets_are_what_transformers_fills_in(write_recipe):
 
     from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
 
-    from finetune.dsconfig import render_deepspeed
+    from finetune.render import render_deepspeed
 
     recipe = load_recipe(write_recipe(MINIMAL.replace("org/some-model", "Qwen/Qwen2.5-7B-Instruct")
                                       + "deepspeed:\n  stage: 3\n"), []).recipe
@@ -620,7 +620,7 @@ def test_attention_mask_term_equals_the_mask_transformers_builds(attn, layout):
     from transformers.masking_utils import create_causal_mask
 
     from finetune.plan import attention_mask_bytes
-    from finetune.train.data import make_collator
+    from finetune.data.tokenize import make_collator
 
     b, s = 4, 64
     if layout == "packing":  # full blocks of two examples each
@@ -650,7 +650,7 @@ def test_layer_activations_of_packed_and_flattened_batches(attn, layout):
     scores span it)."""
     import torch
 
-    from finetune.train.data import make_collator
+    from finetune.data.tokenize import make_collator
 
     b, s = 2, 48
     rows = [{"input_ids": [7] * s, "labels": [7] * s, "position_ids": list(range(16)) + list(range(s - 16))}] * b

@@ -12,7 +12,7 @@ from dataclasses import replace
 
 import pytest
 
-from finetune.archs import BY_NAME, arch_from_config
+from finetune.plan.archs import BY_NAME, arch_from_config
 from finetune.plan import GiB, MiB, Setup, plan, plan_recipe
 from finetune.plan.activations import logits_bytes
 from finetune.plan.constants import CUBLAS_WORKSPACE, CUDA_CONTEXT

@@ -39,7 +39,7 @@ def test_packed_rows_hub_sources_and_bad_data_keep_max_length(tmp_path):
 
 
 def test_the_models_own_tokenizer_counts_when_it_is_here(tmp_path):
-    from finetune.tiny import ensure_builtin_model
+    from finetune.builtin import ensure_builtin_model
 
     ensure_builtin_model("builtin:tiny-llama")
     rows = [{"instruction": "What is the capital of France?", "output": "The capital of France is Paris."}] * 5

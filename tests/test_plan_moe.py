@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from finetune.archs import BY_NAME, ArchError, arch_from_config
+from finetune.plan.archs import BY_NAME, ArchError, arch_from_config
 from finetune.plan import GiB, Setup, largest_module_numel, layer_activation_bytes, param_groups, plan
 
 TINY_MOE = {

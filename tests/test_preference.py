@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from finetune.lint import LintOptions, lint_paths
-from finetune.preflight import Preflight, dataset_step, model_step
+from finetune.run.preflight import Preflight, dataset_step, model_step
 from finetune.recipe import RecipeProblem, load_recipe
 from tests.conftest import MINIMAL, REPO
 
@@ -286,8 +286,8 @@ def test_every_preference_tiny_recipe_is_trained_by_a_slow_test():
 
 
 def test_chat_prompts_a_preference_run_with_the_chat_template_and_eval_says_what_it_cannot_score(tmp_path):
-    from finetune.chat import _chat_format
-    from finetune.evaluate import EvalError, eval_rows
+    from finetune.use.chat import _chat_format
+    from finetune.use.evaluate import EvalError, eval_rows
     from finetune.recipe import Recipe
 
     recipe = Recipe.model_validate({"model": {"name_or_path": "m"}, "data": {"path": "d"}, "objective": "dpo"})
@@ -298,7 +298,7 @@ def test_chat_prompts_a_preference_run_with_the_chat_template_and_eval_says_what
 
 def test_the_run_directory_records_the_adapter_and_reference_as_absolute_paths(tmp_path, monkeypatch):
     from finetune.recipe import Recipe
-    from finetune.rundir import resolved_recipe
+    from finetune.rundir.layout import resolved_recipe
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "runs" / "sft").mkdir(parents=True)
@@ -311,7 +311,7 @@ def test_the_run_directory_records_the_adapter_and_reference_as_absolute_paths(t
 
 def test_resume_key_covers_the_objective_and_its_settings():
     """A DPO run resumed with another beta (or as SFT) is refused; an SFT run's key is as before."""
-    from finetune.resume_key import changed_fields, resume_fields
+    from finetune.rundir.resume_key import changed_fields, resume_fields
 
     base = {"model": {"name_or_path": "builtin:tiny-llama"}, "method": "lora", "data": {"path": "d.jsonl"},
             "objective": "dpo", "preference": {"beta": 0.1, "loss_type": "sigmoid"}}
@@ -327,7 +327,7 @@ def test_resume_key_covers_the_objective_and_its_settings():
 
 def test_next_steps_after_a_preference_run_do_not_offer_eval(tmp_path):
     """eval scores a perplexity on SFT rows; after DPO it would only say it cannot, so it is not suggested."""
-    from finetune.cli.run import next_steps_lines
+    from finetune.cli.train import next_steps_lines
     from finetune.train.report import next_steps
 
     assert any("finetune eval" in line for line in next_steps_lines(tmp_path, ["adapter"]))

@@ -38,7 +38,7 @@ DPO_STEPS = 16
 
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory):
-    from finetune.tiny import ensure_builtin_model
+    from finetune.builtin import ensure_builtin_model
 
     root = cache_dir(tmp_path_factory)
     ensure_builtin_model("builtin:tiny-llama", root)
@@ -78,7 +78,7 @@ def test_sft_then_dpo_stopped_resumed_converted_and_merged(tmp_path, cache):
     import torch
     from safetensors.torch import load_file
 
-    from finetune import checkpoint as ckpt
+    from finetune.rundir import checkpoint as ckpt
 
     # 1. SFT: a LoRA adapter to continue from (one process, a few steps)
     sft = tmp_path / "sft"

@@ -1,6 +1,6 @@
 """`finetune train`'s preflight: every failure has a clear message, starts no process and writes nothing.
 
-The CLI runs in-process (typer's CliRunner) with `finetune.launch.supervision.spawn` replaced, so a test would
+The CLI runs in-process (typer's CliRunner) with `finetune.run.launch.supervision.spawn` replaced, so a test would
 notice any launch attempt. The dataset readers are tested in tests/test_data_validate.py.
 """
 
@@ -13,9 +13,9 @@ import pytest
 from typer.testing import CliRunner
 
 from finetune.cli import app
-from finetune.preflight import Preflight, model_step, output_dir_problem
+from finetune.run.preflight import Preflight, model_step, output_dir_problem
 from finetune.recipe import Recipe, load_recipe
-from finetune.rundir import write_run_dir
+from finetune.rundir.layout import write_run_dir
 from tests.conftest import write_local_inputs
 
 ALPACA = [{"instruction": "Add 2 and 3.", "input": "", "output": "5"},

@@ -6,7 +6,7 @@ import io
 
 from rich.console import Console
 
-from finetune.progress import TrainingDisplay, parse_log_line, wanted
+from finetune.run.progress import TrainingDisplay, parse_log_line, wanted
 
 
 def test_relayed_lines_drive_the_bar_and_the_rest_is_printed():

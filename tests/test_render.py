@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from finetune.dsconfig import TEMPLATES, render_deepspeed, render_template, render_training_args
+from finetune.render import TEMPLATES, render_deepspeed, render_template, render_training_args
 from finetune.recipe import load_recipe
 from tests.conftest import MINIMAL, REPO, run_cli
 

@@ -24,11 +24,11 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from finetune import checkpoint as ckpt
-from finetune import resume_key
+from finetune.rundir import checkpoint as ckpt
+from finetune.rundir import resume_key
 from finetune.cli import app
 from finetune.recipe import load_recipe
-from finetune.rundir import resolved_recipe, write_run_dir
+from finetune.rundir.layout import resolved_recipe, write_run_dir
 from tests.conftest import write_local_inputs
 from tests.train_fixtures import REPO, TINY_RECIPES, assert_run_report, os_free_port, runner_env
 
@@ -185,7 +185,7 @@ def test_sigkill_while_a_checkpoint_is_written_resumes_from_the_previous_one(ref
 @pytest.mark.slow
 def test_sighup_is_a_stop_and_a_killed_finetune_train_takes_its_launcher_and_ranks(tmp_path, tiny_cache):
     """A dropped SSH session (SIGHUP) saves a checkpoint and exits 75; `kill -9` of the process group of
-    `finetune train` leaves no launcher or rank running (finetune.lifeline), and no lock behind."""
+    `finetune train` leaves no launcher or rank running (finetune.run.lifeline), and no lock behind."""
     import psutil
 
     out = tmp_path / "run"
@@ -212,8 +212,7 @@ def test_sighup_is_a_stop_and_a_killed_finetune_train_takes_its_launcher_and_ran
     # SIGTERM to torchrun: the ranks finish their step, save, and stop (the next run resumes there)
     assert took < 30, took
     print(f"launcher and {len(ranks)} ranks gone {took:.1f} s after kill -9 of finetune train")
-    from finetune import runlock
-
+    from finetune.rundir import lock as runlock
     assert runlock.holder(out) is None
 
 
@@ -388,7 +387,7 @@ def test_another_node_of_the_same_run_may_have_written_the_directory(workspace, 
     flags = ("--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.1")
     loaded = load_recipe(workspace / "r.yaml", ["launch.nodes=2", "launch.node_rank=0", "launch.master_addr=10.0.0.1"])
     write_run_dir(loaded, out, world_size=4)  # node 0 was first
-    from finetune.runlock import acquire, lock_name
+    from finetune.rundir.lock import acquire, lock_name
 
     node0 = acquire(out, lock_name(2, 0))  # node 0's `finetune train` is running there
     try:
@@ -404,7 +403,7 @@ def test_another_node_of_the_same_run_may_have_written_the_directory(workspace, 
 HOLDER = """
 import sys, time
 from pathlib import Path
-from finetune.runlock import acquire
+from finetune.rundir.lock import acquire
 lock = acquire(Path(sys.argv[1]))
 print("held", flush=True)
 time.sleep(120)
@@ -443,7 +442,7 @@ def test_a_second_run_into_a_live_run_directory_fails_fast_and_deletes_nothing(l
 
 def test_ranks_clean_up_incomplete_checkpoints_only_under_their_own_runs_lock(live_run, monkeypatch):
     pytest.importorskip("transformers")
-    from finetune.runlock import OWNER_ENV, acquire
+    from finetune.rundir.lock import OWNER_ENV, acquire
     from finetune.train.preemption import discard_incomplete_if_owned
 
     out, pid = live_run
@@ -458,7 +457,7 @@ def test_ranks_clean_up_incomplete_checkpoints_only_under_their_own_runs_lock(li
 
 
 def test_the_lock_goes_with_its_holder(live_run):
-    from finetune.runlock import acquire, holder
+    from finetune.rundir.lock import acquire, holder
 
     out, pid = live_run
     assert holder(out) is not None
@@ -515,17 +514,17 @@ time.sleep(120)
 DRIVER = '''
 import json, sys
 from pathlib import Path
-from finetune.launch import LaunchPlan, supervise
+from finetune.run.launch import LaunchPlan, supervise
 fields = json.loads(sys.argv[1])
 sys.exit(supervise(LaunchPlan(**{**fields, "run_dir": Path(fields["run_dir"])})).returncode)
 '''
 
 
 def test_a_second_signal_kills_every_rank_at_once(tmp_path):
-    """The rule of finetune.checkpoint.SECOND_SIGNAL_WINDOW: a repeat within it is the same request;
+    """The rule of finetune.rundir.checkpoint.SECOND_SIGNAL_WINDOW: a repeat within it is the same request;
     a later one SIGKILLs every process of the run."""
-    from finetune.checkpoint import SECOND_SIGNAL_WINDOW
-    from finetune.launch import plan_launch
+    from finetune.rundir.checkpoint import SECOND_SIGNAL_WINDOW
+    from finetune.run.launch import plan_launch
     from finetune.recipe import Recipe
 
     (tmp_path / "fakes").mkdir()

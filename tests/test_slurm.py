@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from finetune.recipe import load_recipe
-from finetune.slurm import SlurmError, SlurmJob, gpus_per_node, sbatch_script
+from finetune.run.slurm import SlurmError, SlurmJob, gpus_per_node, sbatch_script
 from tests.conftest import run_cli
 from tests.test_multinode import check_golden
 from tests.train_fixtures import REPO, TINY_RECIPES, cache_dir, os_free_port, runner_env
@@ -112,7 +112,7 @@ def test_exit_75_requeues_the_job(tmp_path):
 
 @pytest.mark.slow
 def test_the_script_trains_on_two_nodes_sharing_a_run_directory(tmp_path, tmp_path_factory):
-    from finetune.tiny import ensure_builtin_model
+    from finetune.builtin import ensure_builtin_model
 
     cache = cache_dir(tmp_path_factory)
     ensure_builtin_model("builtin:tiny-llama", cache)

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from finetune.tiny import (
+from finetune.builtin import (
     BUILTIN_CONFIGS, BuiltinModelError, builtin_config, builtin_model_dir, ensure_builtin_model, resolve_model_path,
 )
 from tests.train_fixtures import REPO
@@ -59,7 +59,7 @@ def test_second_call_reuses_the_directory(tiny_dir):
 
 def test_racing_builders_agree_and_leave_one_identical_copy(tmp_path, tiny_dir):
     """Two processes build into an empty cache at once (two ranks, or preflight and a rank)."""
-    code = "import sys; from finetune.tiny import ensure_builtin_model; print(ensure_builtin_model('builtin:tiny-llama', sys.argv[1]))"
+    code = "import sys; from finetune.builtin import ensure_builtin_model; print(ensure_builtin_model('builtin:tiny-llama', sys.argv[1]))"
     procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], cwd=REPO, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for _ in range(2)]
     outputs = [p.communicate(timeout=180) for p in procs]
@@ -75,6 +75,6 @@ def test_racing_builders_agree_and_leave_one_identical_copy(tmp_path, tiny_dir):
 
 
 def test_importing_tiny_stays_light():
-    code = "import sys, finetune.tiny; print(any(m in sys.modules for m in ('torch', 'transformers', 'tokenizers')))"
+    code = "import sys, finetune.builtin; print(any(m in sys.modules for m in ('torch', 'transformers', 'tokenizers')))"
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert result.stdout.strip() == "False", result.stderr

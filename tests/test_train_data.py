@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from finetune.train.data import (
+from finetune.data.tokenize import (
     IGNORE_INDEX, Collator, DataError, cache_key, format_alpaca, load_raw, pack, split_eval,
     tokenize_examples, tokenize_for_training,
 )
@@ -193,7 +193,7 @@ def test_wrong_format_names_the_columns(tmp_path, tokenizer):
 
 
 def test_tokenized_data_is_cached_by_data_and_tokenizer(tmp_path, tokenizer, monkeypatch):
-    import finetune.train.data as data
+    import finetune.data.tokenize as data
 
     section = _data(DEMO)
     first = tokenize_for_training(section, tokenizer, tmp_path, log=lambda m: None)
@@ -213,7 +213,7 @@ def test_tokenized_data_is_cached_by_data_and_tokenizer(tmp_path, tokenizer, mon
 
 
 def test_tokenizing_reports_rows_at_the_progress_interval(tmp_path, tokenizer, monkeypatch):
-    from finetune.progress import PROGRESS_ENV
+    from finetune.run.progress import PROGRESS_ENV
 
     lines: list[str] = []
     monkeypatch.setenv(PROGRESS_ENV, "0")  # every row

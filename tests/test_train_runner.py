@@ -37,7 +37,7 @@ COMBINATIONS = {
 def test_two_process_run_learns_and_saves_what_it_trained(name, tmp_path, tiny_cache):
     import torch
 
-    from finetune.tiny import builtin_model_dir
+    from finetune.builtin import builtin_model_dir
 
     run_dir = tmp_path / "run"
     recipe = write_run_dir(TINY_RECIPES / f"{name}.yaml", run_dir, world_size=2)

@@ -27,7 +27,7 @@ def write_run_dir(recipe_path: Path, run_dir: Path, world_size: int = 2, overrid
     """recipe.yaml, deepspeed.json and training_args.json, the inputs the launcher writes. Returns the recipe."""
     from ruamel.yaml import YAML
 
-    from finetune.dsconfig import dumps, render_deepspeed, render_training_args
+    from finetune.render import dumps, render_deepspeed, render_training_args
     from finetune.recipe import load_recipe
 
     recipe = load_recipe(recipe_path, list(overrides)).recipe

@@ -6,9 +6,17 @@ import sys
 
 import typer
 
-from finetune.cli.after_run import chat, convert, eval_command, merge
-from finetune.cli.before_run import doctor, lint, plan, render, schema
-from finetune.cli.run import slurm, train
+from finetune.cli.chat import chat
+from finetune.cli.convert import convert
+from finetune.cli.doctor import doctor
+from finetune.cli.eval import eval_command
+from finetune.cli.lint import lint
+from finetune.cli.merge import merge
+from finetune.cli.plan import plan
+from finetune.cli.render import render
+from finetune.cli.schema import schema
+from finetune.cli.slurm import slurm
+from finetune.cli.train import train
 
 app = typer.Typer(
     name="finetune",

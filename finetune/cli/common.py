@@ -6,6 +6,8 @@ so `finetune --help`, `lint`, `render`, `schema` and `plan` start in a fraction 
 
 from __future__ import annotations
 
+import sys
+from contextlib import contextmanager
 from pathlib import Path
 from typing import List, Optional
 
@@ -63,3 +65,31 @@ def shard_size_or_exit(text: str) -> int:
         return parse_size(text)
     except ValueError as exc:
         raise fail(f"--max-shard-size: {exc}", 2) from None
+
+
+@contextmanager
+def write_errors(command: str, output: Path):
+    """The one-line failures of merge and convert: SIGTERM (exit 143, the partial output already removed),
+    bad input, and a write that fails."""
+    from finetune.weights.safetensors_io import MergeError, Terminated
+
+    try:
+        yield
+    except Terminated:
+        raise fail(f"{command} stopped by SIGTERM; the partial output was removed and {output} was not touched", 143) from None
+    except (MergeError, FileExistsError) as exc:
+        raise fail(str(exc)) from None
+    except OSError as exc:
+        raise fail(f"cannot write {output}: {exc.strerror or exc}") from None
+
+
+@contextmanager
+def write_progress(description: str):
+    """(log, on_write) for merge and convert: a live bar of bytes written when stderr (where their lines
+    go) is a terminal, the plain lines on stderr and no bar otherwise."""
+    from finetune.run import progress
+    if not progress.wanted(sys.stderr):
+        yield (lambda line: typer.echo(line, err=True)), None
+        return
+    with progress.WriteDisplay(description) as display:
+        yield display.log, display.update

@@ -7,7 +7,7 @@ template; one row does not mix the two (TRL tokenizes a row one way or the other
 (CSV: true/false). Reading every row costs one pass over the file, in this process, without torch: a bad
 row found after launch costs every rank's start-up on rented GPUs.
 
-finetune.preflight's dataset step calls `check_files`; it returns problems instead of raising, so all of
+finetune.run.preflight's dataset step calls `check_files`; it returns problems instead of raising, so all of
 them (up to MAX_PROBLEMS) are reported at once.
 """
 
@@ -30,7 +30,7 @@ def columns_for(objective: str) -> tuple[str, ...]:
 def check_data(data, objective: str) -> tuple[list[str], list[str]]:
     """(notes, errors) for the recipe's data section: one source (data.path), every row checked when local."""
     from finetune.data.sources import SourceProblem, data_files
-    from finetune.references import is_local
+    from finetune.recipe.references import is_local
 
     if data.sources:
         return [], [f"dataset: objective {objective} reads one file or folder (data.path); data.sources mixtures "

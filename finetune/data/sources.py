@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import Any, Optional
 
 from finetune.data.formats import RowSpec
-from finetune.references import DATA_SUFFIXES, is_local
+from finetune.recipe.references import DATA_SUFFIXES, is_local
 
-__all__ = ["DATA_SUFFIXES", "is_local"]  # the single definitions, in finetune.references
+__all__ = ["DATA_SUFFIXES", "is_local"]  # the single definitions, in finetune.recipe.references
 ARROW_MARKER = "dataset_info.json"  # written by Dataset.save_to_disk next to its .arrow files
 SPLITS_MARKER = "dataset_dict.json"  # DatasetDict.save_to_disk: one such folder per split
 
@@ -53,7 +53,7 @@ def sources_of(data: Any) -> list[Source]:
 
 
 def section_for_tokenizing(recipe: Any) -> dict[str, Any]:
-    """The data section as finetune.train.data reads it, with the mixture's seed resolved."""
+    """The data section as finetune.data.tokenize reads it, with the mixture's seed resolved."""
     data = recipe.data.model_dump(mode="json")
     data["seed"] = recipe.training.seed if recipe.data.seed is None else recipe.data.seed
     return data

@@ -1,6 +1,6 @@
 """`finetune lint`: recipes and raw DeepSpeed JSON checked in CI, without torch, in well under a second.
 
-The engine finds files, reads them with positions (finetune.yamlio), runs the rule modules and turns
+The engine finds files, reads them with positions (finetune.recipe.yamlio), runs the rule modules and turns
 each rule's key path into `file:line:col`:
 
 - recipe loading problems (R001-R006: YAML, unknown keys, types, extends, --set) come from finetune.recipe,
@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Iterable, Optional
 
 from finetune.recipe import LoadedRecipe, RecipeProblem, load_recipe, parse_size
-from finetune.yamlio import DocumentError, load_json, read_text
+from finetune.recipe.yamlio import DocumentError, load_json, read_text
 
 RECIPE_SUFFIXES = (".yaml", ".yml")
 DS_SUFFIXES = (".json",)
@@ -127,7 +127,7 @@ def lint_recipe_file(path: Path, options: LintOptions) -> list[Finding]:
 
 def lint_loaded(loaded: LoadedRecipe, options: Optional[LintOptions] = None) -> LintResult:
     """Every check on an already loaded recipe (also used by `finetune train`'s preflight)."""
-    from finetune.dsconfig import render_deepspeed, render_training_args
+    from finetune.render import render_deepspeed, render_training_args
     from finetune.lint import deepspeed_rules, recipe_rules
 
     options = options or LintOptions()
@@ -240,7 +240,7 @@ def _reference_training_args(options: LintOptions, result: LintResult) -> Option
     """With --recipe, JSON files are compared to the TrainingArguments that recipe implies."""
     if options.recipe is None:
         return None
-    from finetune.dsconfig import render_training_args
+    from finetune.render import render_training_args
 
     try:
         loaded = load_recipe(options.recipe, options.overrides)

@@ -107,7 +107,7 @@ def qlora_zero3_storage(loaded: LoadedRecipe) -> Iterator[RawFinding]:
 
 @rule
 def zero3_gather_on_save(loaded: LoadedRecipe) -> Iterator[RawFinding]:
-    from finetune.dsconfig import render_deepspeed
+    from finetune.render import render_deepspeed
 
     r = loaded.recipe
     # Read the rendered config so that a raw `overrides` value counts as much as the recipe key.
@@ -159,7 +159,7 @@ def reentrant_checkpointing(loaded: LoadedRecipe) -> Iterator[RawFinding]:
 
 @rule
 def offload_optimizer_kind(loaded: LoadedRecipe) -> Iterator[RawFinding]:
-    from finetune.dsconfig import DS_OPTIMIZERS
+    from finetune.render import DS_OPTIMIZERS
 
     r = loaded.recipe
     if r.deepspeed.offload_optimizer == "none" or r.training.optimizer in DS_OPTIMIZERS:

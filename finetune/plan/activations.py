@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from finetune.archs import LAYER_LINEARS
+from finetune.plan.archs import LAYER_LINEARS
 from finetune.plan.preference import FUSED_LOGPROB_OBJECTIVES, fused_logprob_bytes, fused_logprob_note
 from finetune.plan.setup import Setup, Term
 
@@ -148,7 +148,7 @@ def backward_working_bytes(setup: Setup, per_layer: int) -> int:
 
 
 def flattened(setup: Setup) -> bool:
-    """One row per micro batch (finetune.train.data.make_collator): padding_free, or packing under flash."""
+    """One row per micro batch (finetune.data.tokenize.make_collator): padding_free, or packing under flash."""
     return setup.padding_free or (setup.packing and setup.attn.startswith("flash"))
 
 

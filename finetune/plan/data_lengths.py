@@ -76,7 +76,7 @@ def _chars_per_token(recipe: Any, sources: list) -> tuple[float, str]:
 
 
 def _tokenizer_file(recipe: Any) -> Optional[Path]:
-    from finetune.tiny import builtin_model_dir, is_builtin
+    from finetune.builtin import builtin_model_dir, is_builtin
 
     reference = recipe.model.tokenizer or recipe.model.name_or_path
     folder = builtin_model_dir(reference) if is_builtin(reference) else Path(reference).expanduser()

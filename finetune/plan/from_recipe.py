@@ -8,7 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Optional
 
-from finetune.archs import LAYER_LINEARS, Arch, ArchError, load_config_json, match_hub_id, names
+from finetune.plan.archs import LAYER_LINEARS, Arch, ArchError, load_config_json, match_hub_id, names
 from finetune.plan.constants import (
     DS_MAX_LIVE_PARAMETERS, DS_MAX_REUSE_DISTANCE, DS_PARAM_PERSISTENCE_THRESHOLD, DS_PREFETCH_BUCKET_SIZE,
     DS_REDUCE_BUCKET_SIZE, DS_SUB_GROUP_SIZE,
@@ -17,7 +17,7 @@ from finetune.plan.planner import plan
 from finetune.plan.preference import rows_per_example
 from finetune.plan.result import PlanResult
 from finetune.plan.setup import PlanError, Setup, overflow_as_plan_error
-from finetune.tiny import is_builtin
+from finetune.builtin import is_builtin
 
 
 def plan_recipe(recipe, gpus: Optional[int] = None, gpu_memory_bytes: Optional[int] = None,
@@ -34,7 +34,7 @@ def setup_from_recipe(recipe, gpus: Optional[int] = None, gpu_memory_bytes: Opti
                       deepspeed: bool = True, data_lengths: bool = False) -> Setup:
     """`data_lengths`: read the recipe's local data for its longest example (finetune.plan.data_lengths);
     off for lint, which must stay fast on recipes whose data is large."""
-    from finetune.dsconfig import render_deepspeed
+    from finetune.render import render_deepspeed
     from finetune.recipe import parse_size
 
     arch, params, label = resolve_model(recipe.model.name_or_path)
@@ -164,8 +164,8 @@ def resolve_model(name: str) -> tuple[Optional[Arch], int, str]:
         params = int(float(count.group(1)) * _COUNT_UNITS[count.group(2).lower()])
         return None, params, f"{text} parameters (model states only)"
     if is_builtin(text):
-        from finetune.archs import arch_from_config
-        from finetune.tiny import BuiltinModelError, builtin_config
+        from finetune.plan.archs import arch_from_config
+        from finetune.builtin import BuiltinModelError, builtin_config
 
         try:
             config = builtin_config(text)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from finetune.archs import LAYER_LINEARS
+from finetune.plan.archs import LAYER_LINEARS
 from finetune.plan.constants import BNB_BLOCKSIZE, BNB_NESTED_BLOCKSIZE
 from finetune.plan.setup import Setup
 

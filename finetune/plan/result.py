@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from finetune.archs import names
+from finetune.plan.archs import names
 from finetune.plan.constants import COUNTERS, FIELDS, GiB
 from finetune.plan.setup import Setup, Term
 

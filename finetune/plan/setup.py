@@ -6,7 +6,7 @@ import functools
 from dataclasses import dataclass
 from typing import Optional
 
-from finetune.archs import LAYER_LINEARS, Arch
+from finetune.plan.archs import LAYER_LINEARS, Arch
 from finetune.plan.constants import (
     DS_MAX_LIVE_PARAMETERS, DS_MAX_REUSE_DISTANCE, DS_PARAM_PERSISTENCE_THRESHOLD, DS_PREFETCH_BUCKET_SIZE,
     DS_REDUCE_BUCKET_SIZE, DS_SUB_GROUP_SIZE,

@@ -12,7 +12,7 @@ from typing import Any, Optional, Union
 from pydantic import ValidationError
 
 from finetune.recipe.schema import Recipe, section_model
-from finetune.yamlio import DocumentError, load_yaml, read_text
+from finetune.recipe.yamlio import DocumentError, load_yaml, read_text
 
 
 class RecipeProblem(Exception):

@@ -51,7 +51,7 @@ class EffectiveDeepSpeedConfig(TrainerCallback):
         hf_config = getattr(args, "hf_deepspeed_config", None)
         if hf_config is None:
             return
-        from finetune.dsconfig import dumps
+        from finetune.render import dumps
         from finetune.fsutil import write_atomic
 
         write_atomic(self.run_dir / "deepspeed.effective.json", dumps(json_safe(hf_config.config)))

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from finetune.recipe import Recipe
-from finetune.tiny import resolve_model_path
+from finetune.builtin import resolve_model_path
 
 
 def torch_dtype(name: str):
@@ -38,7 +38,7 @@ def load_tokenizer(recipe: Recipe, model_path: str):
         tokenizer.pad_token = tokenizer.eos_token
     chat = [f for f in recipe.data.source_formats() if f in ("messages", "sharegpt")]
     if chat and not tokenizer.chat_template:
-        from finetune.train.data import DataError
+        from finetune.data.tokenize import DataError
 
         raise DataError(f"{source}: the tokenizer has no chat template; set data.chat_template for format: {chat[0]}")
     return tokenizer

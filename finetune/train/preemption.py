@@ -12,7 +12,7 @@ SLURM or systemd, to one rank or to all):
    at the same step, even when only one rank was signalled;
 3. the Trainer saves `checkpoint-<step>` (control.should_save) and stops (should_training_stop);
 4. after a barrier (every rank's shards written) the checkpoint is published with its COMPLETE
-   marker (finetune.checkpoint), older ones are rotated out, `stopped.json` is written;
+   marker (finetune.rundir.checkpoint), older ones are rotated out, `stopped.json` is written;
 5. the ranks exit with 75 and no final outputs; the next `finetune train` resumes.
 Launchers relay a signal that the system often also sent to every process itself (systemd, SLURM
 step cgroups), so a second signal within DUPLICATE_WINDOW seconds is the same request; a later one
@@ -41,12 +41,12 @@ from typing import Any, Optional
 
 from transformers import TrainerCallback
 
-from finetune import checkpoint as ckpt
-from finetune import resume_key
+from finetune.rundir import checkpoint as ckpt
+from finetune.rundir import resume_key
 from finetune.recipe import Recipe
 from finetune.train.dist import all_gather, barrier, local_rank, process_group, rank
 
-DUPLICATE_WINDOW = ckpt.SECOND_SIGNAL_WINDOW  # the same rule as `finetune train`'s (finetune.launch)
+DUPLICATE_WINDOW = ckpt.SECOND_SIGNAL_WINDOW  # the same rule as `finetune train`'s (finetune.run.launch)
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -104,7 +104,7 @@ def setup(run_dir: Path, recipe: Recipe, ds_config: dict[str, Any], args_kwargs:
     run_dir = Path(run_dir)
     ds_config = dict(ds_config)
     args_kwargs = dict(args_kwargs)
-    # Rotation is ours (finetune.checkpoint.rotate): HF's deletes old checkpoints before the new one is complete.
+    # Rotation is ours (finetune.rundir.checkpoint.rotate): HF's deletes old checkpoints before the new one is complete.
     args_kwargs["save_total_limit"] = None
     args_kwargs["ddp_timeout"] = recipe.launch.nccl_timeout
     shared = run_dir_is_shared(run_dir)
@@ -282,10 +282,9 @@ class PreemptionCallback(TrainerCallback):
 
 
 def discard_incomplete_if_owned(run_dir: Path) -> None:
-    """Remove half-written checkpoints only while this run owns the directory (finetune.runlock): an
+    """Remove half-written checkpoints only while this run owns the directory (finetune.rundir.lock): an
     incomplete checkpoint of another live run is one it is writing right now."""
-    from finetune import runlock
-
+    from finetune.rundir import lock as runlock
     owner = os.environ.get(runlock.OWNER_ENV)
     name = os.environ.get(runlock.LOCK_ENV, runlock.LOCK_FILE)
     if owner is not None:

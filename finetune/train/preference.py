@@ -95,7 +95,7 @@ def load_rows(recipe: Recipe):
 
     Preflight checked every row's columns and types (finetune.data.preference); this is the same
     file read by `datasets`, the way TRL expects it."""
-    from finetune.train.data import DataError, load_raw
+    from finetune.data.tokenize import DataError, load_raw
 
     dataset = load_raw(recipe.data.path, recipe.data.split)
     wanted = columns(recipe)
@@ -121,7 +121,7 @@ def split_rows(recipe: Recipe):
 
 def adapter_dir(reference: str) -> Path:
     """model.adapter: an SFT run directory (its adapter/) or the adapter directory itself."""
-    from finetune.train.data import DataError
+    from finetune.data.tokenize import DataError
 
     path = Path(reference).expanduser()
     for candidate in (path, path / "adapter"):
@@ -156,7 +156,7 @@ def load_reference(recipe: Recipe, model_path: str):
     zero.Init, partitioned, and TRL wraps it with the engine's config (trl.models.prepare_deepspeed)."""
     if recipe.objective not in ("dpo", "kto") or recipe.preference.reference.mode != "model":
         return None
-    from finetune.tiny import resolve_model_path
+    from finetune.builtin import resolve_model_path
     from finetune.train.model import load_model
 
     source = recipe.preference.reference.name_or_path

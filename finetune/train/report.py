@@ -107,7 +107,7 @@ def _gib(n: Optional[float]) -> str:
 def plan_estimate(run_dir: Path, world_size: int) -> tuple[Optional[dict[str, int]], str]:
     """The planner's per-GPU bytes for this run's recipe and world size, or (None, why not)."""
     from finetune import plan as planner
-    from finetune.rundir import RunDirError, read_run_dir
+    from finetune.rundir.layout import RunDirError, read_run_dir
 
     try:
         recipe, _, _ = read_run_dir(run_dir)

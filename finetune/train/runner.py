@@ -3,10 +3,10 @@
     torchrun --nproc-per-node 2 -m finetune.train.runner --run-dir runs/demo
     deepspeed --num_gpus 2 --no_local_rank --module finetune.train.runner --run-dir runs/demo
 
-The run directory is written before launch (finetune.rundir) and holds:
+The run directory is written before launch (finetune.rundir.layout) and holds:
     recipe.yaml          the resolved recipe (absolute paths)
-    deepspeed.json       finetune.dsconfig.render_deepspeed(recipe, world_size)
-    training_args.json   finetune.dsconfig.render_training_args(recipe, output_dir=run_dir)
+    deepspeed.json       finetune.render.render_deepspeed(recipe, world_size)
+    training_args.json   finetune.render.render_training_args(recipe, output_dir=run_dir)
 The runner adds (rank 0 writes; every final output appears under its name only once complete):
     env.json                  library versions, devices, world size
     deepspeed.effective.json  the DeepSpeed config as run ("auto" filled, CPU adjustments)
@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from finetune.recipe import Recipe
-from finetune.rundir import RunDirError, read_run_dir
+from finetune.rundir.layout import RunDirError, read_run_dir
 from finetune.train.dist import all_gather, barrier, is_cpu_accelerator
 from finetune.train.dist import rank as process_rank
 
@@ -246,7 +246,7 @@ def check_packing_support(model, recipe) -> None:
     column as unused."""
     import inspect
 
-    from finetune.train.data import DataError
+    from finetune.data.tokenize import DataError
 
     if not (recipe.data.packing or recipe.data.padding_free):
         return
@@ -265,10 +265,10 @@ def run(run_dir: Path, resume: bool = False) -> None:
     import transformers
     from transformers import Trainer, TrainingArguments
 
-    from finetune.tiny import cache_root, ensure_builtin_model, is_builtin
+    from finetune.builtin import cache_root, ensure_builtin_model, is_builtin
     from finetune.train.callbacks import EffectiveDeepSpeedConfig, LossPlot, ProgressLines, TrainClock
     from finetune.data.sources import section_for_tokenizing
-    from finetune.train.data import make_collator, mix_report, split_eval, tokenize_for_training
+    from finetune.data.tokenize import make_collator, mix_report, split_eval, tokenize_for_training
     from finetune.train import preference
     from finetune.train.model import count_parameters, load_model, load_tokenizer, prepare_model
 
@@ -341,8 +341,8 @@ def run(run_dir: Path, resume: bool = False) -> None:
                                           tokenizer, callbacks)
     trainable, total = count_parameters(trainer.model)
     _log_main(is_main)(f"parameters: {trainable:,} trainable of {total:,} ({recipe.method})")
-    if os.environ.get("TQDM_DISABLE"):  # output relayed line by line (see finetune.launch.supervision): plain progress lines
-        from finetune.progress import PROGRESS_ENV
+    if os.environ.get("TQDM_DISABLE"):  # output relayed line by line (see finetune.run.launch.supervision): plain progress lines
+        from finetune.run.progress import PROGRESS_ENV
 
         # every second under `finetune train`'s live display (a terminal), else every 15 s
         trainer.add_callback(ProgressLines(float(os.environ.get(PROGRESS_ENV) or 15)))
@@ -429,8 +429,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
-    from finetune.tiny import BuiltinModelError
-    from finetune.train.data import DataError
+    from finetune.builtin import BuiltinModelError
+    from finetune.data.tokenize import DataError
     from finetune.train.loss import LossKernelError
     from finetune.train.shutdown import close_process_group
 
@@ -456,7 +456,7 @@ if __name__ == "__main__":
 
     from torch.distributed.elastic.multiprocessing.errors import record
 
-    from finetune.lifeline import die_with_parent
+    from finetune.run.lifeline import die_with_parent
 
     # torchrun starts ranks in sessions of their own and does nothing for them when it is SIGKILLed:
     # a rank whose launcher is gone has nobody to publish its checkpoint, so it goes too.

@@ -1,0 +1,79 @@
+"""`finetune chat`: talk to a trained run, prompted exactly as it trained."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from finetune.cli.common import fail
+
+
+def chat(
+    path: Optional[Path] = typer.Argument(None, help="Run directory, or a merged / full model directory."),
+    base: Optional[str] = typer.Option(None, "--base", help="Base model directory or hub id (with --adapter; overrides the run's)."),
+    adapter: Optional[Path] = typer.Option(None, "--adapter", help="PEFT adapter directory (overrides the run's adapter/)."),
+    prompts: Optional[List[str]] = typer.Option(None, "--prompt", help="Answer this and exit (repeatable: one conversation, in order)."),
+    max_new_tokens: int = typer.Option(256, "--max-new-tokens", min=1, help="Longest reply, in tokens."),
+    temperature: float = typer.Option(0.0, "--temperature", min=0.0, help="0 (default): greedy, the same reply every time; > 0 samples."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Seed for sampling (with --temperature > 0)."),
+    fmt: Optional[str] = typer.Option(None, "--format", help="alpaca, messages or text (default: what the run trained on)."),
+    device: str = typer.Option("auto", "--device", help="auto (the GPU if there is one), cuda or cpu."),
+) -> None:
+    """Talk to a trained model, with the prompt format it trained on (chat template or alpaca prompt).
+
+    Loads base + adapter (QLoRA: the base in 4-bit, as it trained) or the merged model, on the GPU if
+    there is one. Interactive: /reset starts over, /exit (or Ctrl-D) leaves.
+
+    Example:
+
+    \b
+        $ finetune chat runs/demo --prompt "Name a primary colour."
+        Red.
+        $ finetune chat merged/demo
+        loaded runs/demo/... (alpaca format, cpu); /reset starts over, /exit leaves
+        you> Name a primary colour.
+        Red.
+    """
+    from finetune.use.chat import ChatError, Conversation, answer, load_chat_model, resolve_source
+
+    if path is None and base is None:
+        raise fail("give a run directory, a model directory, or --base (and --adapter)", 2)
+    try:
+        source = resolve_source(path, base, adapter, fmt)
+        model = load_chat_model(source, device)
+    except ChatError as exc:
+        raise fail(str(exc)) from None
+    conversation = Conversation(model.tokenizer, model.fmt)
+
+    def say(user: str) -> None:
+        try:
+            reply = answer(model, conversation, user, max_new_tokens=max_new_tokens, temperature=temperature,
+                           seed=seed, on_text=lambda text: typer.echo(text, nl=False))
+        except ChatError as exc:
+            raise fail(str(exc)) from None
+        typer.echo("")
+        if reply.dropped_turns:
+            typer.echo(f"(the {reply.dropped_turns} oldest turn(s) no longer fit the model's context and were left out)", err=True)
+
+    if prompts:
+        for prompt in prompts:
+            say(prompt)
+        return
+    typer.echo(f"loaded {model.label} ({model.fmt} format, {model.device}); /reset starts over, /exit leaves", err=True)
+    while True:
+        try:
+            user = input("you> ")
+        except EOFError:
+            typer.echo("")
+            return
+        command = user.strip()
+        if command in ("/exit", "/quit"):
+            return
+        if command == "/reset":
+            conversation.reset()
+            typer.echo("(conversation cleared)", err=True)
+            continue
+        if command:
+            say(user)

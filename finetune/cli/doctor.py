@@ -1,0 +1,40 @@
+"""`finetune doctor`: is this machine ready to train (versions, GPUs, DeepSpeed ops)?"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from finetune.cli.common import fail, load_or_exit
+
+
+def doctor(
+    fmt: str = typer.Option("text", "--format", help="text or json."),
+    recipe: Optional[Path] = typer.Option(None, "--recipe", help="Also run the checks this recipe needs (what `finetune train` checks)."),
+) -> None:
+    """Python, torch, CUDA, GPUs, NCCL and library versions, checked against known-bad combinations. Exit 1 if a check fails.
+
+    Example:
+
+    \b
+        $ finetune doctor
+        torch         2.5.1+cu124 (CUDA 12.4, NCCL 2.21.5; GPU available: yes)
+        GPU 0         NVIDIA GeForce RTX 4070, 12.0 GiB, sm_89, bf16
+        ...
+        fail  qlora-zero3.bitsandbytes: bitsandbytes 0.43.1 is too old for QLoRA + ZeRO-3: needs >=0.43.3
+              fix: pip install -U 'bitsandbytes>=0.43.3'
+    """
+    from finetune.run.doctor import failed, render_text, report, run_doctor
+
+    if fmt not in ("text", "json"):
+        raise fail("--format must be text or json", 2)
+    loaded = load_or_exit(recipe, None) if recipe is not None else None
+    facts, checks = run_doctor(recipe=loaded.recipe if loaded else None)
+    if fmt == "json":
+        typer.echo(json.dumps(report(facts, checks), indent=2))
+    else:
+        typer.echo(render_text(facts, checks), nl=False)
+    raise typer.Exit(1 if failed(checks) else 0)

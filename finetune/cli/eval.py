@@ -1,0 +1,46 @@
+"""`finetune eval`: loss and perplexity of the base and the fine-tuned model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from finetune.cli.common import fail
+
+
+def eval_command(
+    run_dir: Path = typer.Argument(..., help="Run directory."),
+    data: Optional[Path] = typer.Option(None, "--data", help="Score this file instead of the validation split (read as the run's source with the same path, else as its only source)."),
+    fmt: Optional[str] = typer.Option(None, "--format", help="The --data file's format (alpaca, text, messages, sharegpt), when the run mixes formats."),
+    device: str = typer.Option("auto", "--device", help="auto (the GPU if there is one), cuda or cpu."),
+    batch_size: int = typer.Option(8, "--batch-size", min=1, help="Sequences per forward pass."),
+) -> None:
+    """Loss and perplexity of the base model and the fine-tuned one, on the same tokens (written to RUN/eval.json).
+
+    The data is the run's validation split, or --data FILE (with --format when the run mixes sources
+    read in different formats and FILE is none of them); sequences are tokenized and masked as in
+    training, so only the response tokens are scored when the run masked its prompts.
+
+    Example:
+
+    \b
+        $ finetune eval runs/demo
+        data: the training data (.../demo_instructions.jsonl), 307 sequences, 2861 scored tokens (not held out: ...)
+        model             loss    perplexity
+        base            7.0830       1191.62
+        fine-tuned      1.9520          7.04
+    """
+    from finetune.data.formats import FORMATS
+    from finetune.use.evaluate import EVAL_FILE, EvalError, evaluate
+
+    if fmt is not None and fmt not in FORMATS:
+        raise fail(f"--format {fmt}: unknown format (known: {', '.join(FORMATS)})", 2)
+    try:
+        result = evaluate(run_dir, data=data, device=device, batch_size=batch_size,
+                          log=lambda line: typer.echo(line, err=True), fmt=fmt)
+    except EvalError as exc:
+        raise fail(str(exc)) from None
+    typer.echo(result.table(), nl=False)
+    typer.echo(f"wrote {run_dir / EVAL_FILE}", err=True)

@@ -1,0 +1,81 @@
+"""`finetune plan`: will a recipe fit the GPUs, before anyone rents them?"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from finetune.cli.common import SET_HELP, fail, load_or_exit, problems_exit
+
+
+def plan(
+    recipe: Optional[Path] = typer.Argument(None, help="Recipe file (omit it and pass --model for a quick what-if)."),
+    gpus: Optional[int] = typer.Option(None, "--gpus", min=1, help="GPUs per node (default: the recipe's launch/hardware, else 1)."),
+    nodes: Optional[int] = typer.Option(None, "--nodes", min=1, help="Machines (default: launch.nodes)."),
+    gpu_memory: Optional[str] = typer.Option(None, "--gpu-memory", help="Memory per GPU, e.g. 24GiB (default: hardware.gpu_memory)."),
+    cpu_memory: Optional[str] = typer.Option(None, "--cpu-memory", help="RAM per node, e.g. 256GiB (default: hardware.cpu_memory)."),
+    fmt: str = typer.Option("text", "--format", help="text or json."),
+    recommend: bool = typer.Option(False, "--recommend", help="Try ZeRO stages x offload x micro batch; print the fastest setup that fits."),
+    model: Optional[str] = typer.Option(None, "--model", help="config.json (or its directory), an architecture (llama-3-8b, qwen2.5-7b, ...) or a parameter count (7.5B: model states only)."),
+    method: Optional[str] = typer.Option(None, "--method", help="full, lora or qlora."),
+    zero: Optional[str] = typer.Option(None, "--zero", help="ZeRO stage 0-3, or none for plain PyTorch without DeepSpeed."),
+    offload_optimizer: Optional[str] = typer.Option(None, "--offload-optimizer", help="none, cpu or nvme."),
+    offload_param: Optional[str] = typer.Option(None, "--offload-param", help="none, cpu or nvme (ZeRO-3)."),
+    micro_batch: Optional[int] = typer.Option(None, "--micro-batch", min=1, help="Sequences per GPU per forward."),
+    seq_len: Optional[int] = typer.Option(None, "--seq-len", min=8, help="Tokens per sequence (data.max_length)."),
+    gradient_checkpointing: Optional[bool] = typer.Option(None, "--gradient-checkpointing/--no-gradient-checkpointing", help="Recompute activations in backward."),
+    lora_r: Optional[int] = typer.Option(None, "--lora-r", min=1, help="LoRA rank."),
+    lora_targets: Optional[str] = typer.Option(None, "--lora-targets", help="all-linear or a comma list: q_proj,v_proj."),
+    attn: Optional[str] = typer.Option(None, "--attn", help="eager, sdpa, flash_attention_2 or flash_attention_3."),
+    overrides: Optional[List[str]] = typer.Option(None, "--set", help=SET_HELP),
+) -> None:
+    """Predict per-GPU memory (weights, gradients, optimizer, DeepSpeed buffers, activations, logits, overhead) before renting.
+
+    Pure Python, offline: model shapes come from a local config.json or a built-in table.
+
+    Example:
+
+    \b
+        $ finetune plan --model llama-3-8b --method qlora --lora-r 64 --zero 2 --gpus 2 --gpu-memory 12GiB
+        $ finetune plan recipes/llama3/8b_qlora_2x12gb.yaml --recommend
+    """
+    from finetune import plan as planner
+    from finetune.recipe import RecipeProblem, parse_size
+
+    if fmt not in ("text", "json"):
+        raise fail("--format must be text or json", 2)
+    try:
+        gpu_bytes = parse_size(gpu_memory) if gpu_memory is not None else None
+        cpu_bytes = parse_size(cpu_memory) if cpu_memory is not None else None
+    except ValueError as exc:
+        raise fail(f"--gpu-memory/--cpu-memory: {exc}", 2) from None
+    try:
+        sets = (overrides or []) + planner.flag_overrides(
+            model=model, method=method, zero=zero, offload_optimizer=offload_optimizer, offload_param=offload_param,
+            micro_batch=micro_batch, seq_len=seq_len, gradient_checkpointing=gradient_checkpointing,
+            lora_r=lora_r, lora_targets=lora_targets, attn=attn)
+        if recipe is not None:
+            the_recipe = load_or_exit(recipe, sets).recipe
+        else:
+            the_recipe = planner.recipe_without_file(sets)
+        setup = planner.setup_from_recipe(the_recipe, gpus, gpu_bytes, nodes, cpu_bytes, deepspeed=zero != "none",
+                                          data_lengths=recipe is not None and seq_len is None)
+        result = planner.plan(setup)
+        advice = planner.recommend(setup, the_recipe.training.gradient_accumulation_steps) if recommend else None
+    except RecipeProblem as exc:
+        raise problems_exit(exc) from None
+    except planner.PlanError as exc:
+        raise fail(str(exc)) from None
+    if fmt == "json":
+        data = result.to_json()
+        if advice is not None:
+            data["recommendation"] = advice.to_json()
+        typer.echo(json.dumps(data, indent=2))
+        return
+    typer.echo(result.render_text(), nl=False)
+    if advice is not None:
+        typer.echo("")
+        typer.echo(advice.render_text(), nl=False)

@@ -1,0 +1,166 @@
+"""`finetune train`: preflight, launch on every GPU, supervise, and say what to do next."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from finetune.cli.common import SET_HELP, fail, load_or_exit, usable_path
+
+
+def train(
+    recipe: Path = typer.Argument(..., help="Recipe file."),
+    overrides: Optional[List[str]] = typer.Option(None, "--set", help=SET_HELP),
+    output_dir: Optional[Path] = typer.Option(None, "--output-dir", help="Run directory (default: the recipe's output_dir)."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Run the preflight, print the command and the DeepSpeed config; write and start nothing."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace a previous run directory at the same place."),
+    resume: Optional[bool] = typer.Option(None, "--resume/--no-resume", help="Continue from the newest complete checkpoint in the run directory (default: training.resume, true)."),
+    force_resume: bool = typer.Option(False, "--force-resume", help="Resume even though the recipe changed in a way that breaks resumption (or the run had finished)."),
+    nnodes: Optional[int] = typer.Option(None, "--nnodes", min=1, help="Machines in the run (launch.nodes); run this command on each one."),
+    node_rank: Optional[int] = typer.Option(None, "--node-rank", min=0, help="This machine's index, 0 to nnodes-1 (launch.node_rank)."),
+    master_addr: Optional[str] = typer.Option(None, "--master-addr", help="Address of node 0, reachable from every node (launch.master_addr)."),
+    master_port: Optional[int] = typer.Option(None, "--master-port", min=1, max=65535, help="Rendezvous port on node 0 (launch.master_port)."),
+) -> None:
+    """Check everything (lint, environment, dataset, model, output directory), then train on every GPU here.
+
+    Nothing is started or written when a check fails. Rank 0 prints to the console; every rank's
+    output is in RUN/logs/rank<K>/. Ctrl-C or SIGTERM: every rank saves a checkpoint at the end of
+    its step and the command exits 75 (run it again to resume); a second signal stops at once.
+    A run directory with a complete checkpoint is resumed (same step, LR schedule, RNG, data order);
+    it is refused when the recipe changed in a way that breaks resuming (--force-resume).
+
+    Exit codes: 0 finished, 1 failed, 2 usage, 75 stopped by a signal with a checkpoint saved.
+
+    Several machines (torchrun rendezvous; the same command on each, with its --node-rank):
+
+    \b
+        node0$ finetune train r.yaml --nnodes 2 --node-rank 0 --master-addr 10.0.0.1
+        node1$ finetune train r.yaml --nnodes 2 --node-rank 1 --master-addr 10.0.0.1
+
+    Example:
+
+    \b
+        $ finetune train recipes/demo.yaml --output-dir runs/demo
+        note: dataset data/demo.jsonl: alpaca format, first 20 row(s) look right
+        launching 2 process(es): python -m torch.distributed.run --nnodes 1 --nproc-per-node 2 ...
+        ...
+        finished: runs/demo (adapter in runs/demo/adapter)
+    """
+    from finetune.rundir.checkpoint import EXIT_PREEMPTED
+    from finetune.run.launch import LaunchError, commands_per_node, tail_of
+    from finetune.run.start import prepare, start_run
+
+    usable_path("--output-dir", output_dir)
+    launch_flags = {"nodes": nnodes, "node_rank": node_rank, "master_addr": master_addr, "master_port": master_port}
+    overrides = list(overrides or []) + [f"launch.{key}={json.dumps(value)}" for key, value in launch_flags.items() if value is not None]
+    loaded = load_or_exit(recipe, overrides)
+    prepared = prepare(loaded, output_dir, overwrite, resume=resume, force_resume=force_resume, dry_run=dry_run)
+    report = prepared.preflight
+    if report.lint_report:
+        typer.echo(report.lint_report, err=True, nl=False)
+    for note in report.notes + (prepared.plan.notes if prepared.plan else []):
+        typer.echo(f"note: {note}", err=True)
+    for warning in report.warnings:
+        typer.echo(f"warning: {warning}", err=True)
+    # A dry run writes nothing, so a refused output directory does not stop it from showing the launch.
+    show_anyway = dry_run and prepared.plan is not None and not report.errors and not report.lint_errors
+    if not report.ok:
+        prepared.release()
+        for error in report.errors + ([] if show_anyway else report.run_dir_errors):
+            typer.echo(f"error: {error}", err=True)
+        if not show_anyway:
+            count = len(report.errors) + len(report.lint_errors) + len(report.run_dir_errors)
+            raise fail(f"preflight failed ({count} problem{'s' if count != 1 else ''}); nothing was started or written")
+    plan = prepared.plan
+    if dry_run:
+        from finetune.render import dumps, render_deepspeed
+
+        typer.echo(f"# command ({plan.world_size} process{'es' if plan.world_size != 1 else ''}, run directory {prepared.run_dir})")
+        commands = commands_per_node(plan)
+        for label, line in commands:
+            if len(commands) > 1:
+                typer.echo(f"# {label}")
+            typer.echo(line)
+        typer.echo(f"# a real run would {_what_a_run_would_do(prepared)}")
+        typer.echo("# deepspeed.json")
+        typer.echo(dumps(render_deepspeed(loaded.recipe, plan.world_size)), nl=False)
+        if report.run_dir_errors:
+            raise fail(f"a real run would stop here: {report.run_dir_errors[0]}")
+        return
+    typer.echo(f"launching {plan.world_size} process{'es' if plan.world_size != 1 else ''} ({plan.device}): {plan.display()}", err=True)
+    try:
+        outcome = _run_with_display(prepared, start_run)
+    except (LaunchError, FileExistsError) as exc:
+        raise fail(str(exc)) from None
+    except OSError as exc:
+        raise fail(f"cannot write the run directory {prepared.run_dir}: {exc.strerror or exc}") from None
+    if outcome.ok:
+        saved = [name for name in ("adapter", "model") if (prepared.run_dir / name).is_dir()]
+        where = f" ({' and '.join(saved)} in {', '.join(str(prepared.run_dir / s) for s in saved)})" if saved else ""
+        typer.echo(f"finished: {prepared.run_dir}{where}", err=True)
+        for line in next_steps_lines(prepared.run_dir, saved, prepared.loaded.recipe.objective):
+            typer.echo(line, err=True)
+        return
+    if outcome.returncode == EXIT_PREEMPTED:
+        try:
+            typer.echo(f"stopped: {outcome.message} (run directory: {prepared.run_dir})", err=True)
+        except OSError:
+            pass  # SIGHUP: the terminal is gone; the exit code still says a checkpoint was saved
+        raise typer.Exit(EXIT_PREEMPTED)
+    if outcome.signal is not None:
+        raise fail(f"{outcome.message}; the run directory {prepared.run_dir} holds what was saved", outcome.returncode)
+    for log in outcome.logs:
+        if outcome.failures and outcome.failures[0].local_rank == 0 and plan.launcher == "torchrun":
+            break  # local rank 0's output is already on the console
+        typer.echo(f"--- last lines of {log} ---", err=True)
+        typer.echo(tail_of(log), err=True)
+    raise fail(f"training failed: {outcome.message} (run directory: {prepared.run_dir})", outcome.returncode)
+
+
+def _what_a_run_would_do(prepared) -> str:
+    """One line for --dry-run: resume, start fresh, join, replace, or refuse (and why)."""
+    report = prepared.preflight
+    if report.run_dir_errors:
+        return f"refuse: {report.run_dir_errors[0]}"
+    if prepared.resume_from is not None:
+        return f"resume from {prepared.resume_from.name} (step {prepared.resume_from.step}) in {prepared.run_dir}"
+    if report.join:
+        return f"join the run directory {prepared.run_dir} written by another node of this run"
+    if prepared.overwrite and prepared.run_dir.exists() and any(prepared.run_dir.iterdir()):
+        return f"replace the previous run in {prepared.run_dir} and start fresh (--overwrite)"
+    return f"start fresh in {prepared.run_dir}"
+
+
+def _run_with_display(prepared, start_run):
+    """start_run, under a live progress bar when stdout is a terminal (plain relayed lines otherwise)."""
+    import os
+
+    from finetune.run import progress
+    if not progress.wanted():
+        return start_run(prepared)
+    os.environ.setdefault(progress.PROGRESS_ENV, progress.LIVE_INTERVAL)  # the ranks inherit it
+    with progress.TrainingDisplay() as display:
+        return start_run(prepared, console=display)
+
+
+def next_steps_lines(run_dir: Path, saved: List[str], objective: str = "sft") -> List[str]:
+    """What to do after a finished run, with the commands for this run directory (no `eval` after a
+    preference objective: its loss over prompt/chosen/rejected rows is not a perplexity)."""
+    steps = []
+    if (run_dir / "report.html").is_file():
+        steps.append((f"open {run_dir / 'report.html'}", "loss plot, memory, config, versions"))
+    if saved:
+        steps.append((f"finetune chat {run_dir}", "talk to it (--prompt TEXT for one answer)"))
+        if objective == "sft":
+            steps.append((f"finetune eval {run_dir}", "loss and perplexity, base vs fine-tuned"))
+    if "adapter" in saved:
+        steps.append((f"finetune merge {run_dir} -o merged/{run_dir.name}", "one model to serve (CPU, streaming)"))
+    if (run_dir / "tensorboard").is_dir():
+        steps.append((f"tensorboard --logdir {run_dir / 'tensorboard'}", "the curves, live"))
+    if not steps:
+        return []
+    width = max(len(command) for command, _ in steps)
+    return ["next:"] + [f"  {command.ljust(width)}  # {why}" for command, why in steps]

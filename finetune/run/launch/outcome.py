@@ -1,0 +1,276 @@
+"""What a launch came to: which rank failed first and why, from torchrun's error files and report; rank logs.
+
+A failing rank is named from the error files torchrun gives every rank (error.json, written by the
+runner's @record), with exit codes and hosts from torchrun's printed failure report, which alone
+serves when there are no error files. DeepSpeed's launcher names no rank: the rank logs with a
+traceback do.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from finetune.run.launch.commands import LaunchPlan
+
+LAUNCHER_ERROR_FILE = "launcher_error.json"  # torchrun's own exception (its main is wrapped in @record)
+
+
+@dataclass
+class RankFailure:
+    rank: int
+    local_rank: int
+    exitcode: int
+    error_file: Optional[str] = None
+    message: Optional[str] = None
+    host: Optional[str] = None
+
+    def describe(self) -> str:
+        if self.exitcode < 0:
+            try:
+                how = f"was killed by {signal.Signals(-self.exitcode).name}"
+            except ValueError:
+                how = f"was killed by signal {-self.exitcode}"
+        else:
+            how = f"exited with code {self.exitcode}"
+        where = f" on {self.host}" if self.host else ""
+        return f"rank {self.rank} (local rank {self.local_rank}){where} {how}"
+
+
+@dataclass
+class Outcome:
+    returncode: int  # what `finetune train` exits with
+    failures: list[RankFailure] = field(default_factory=list)  # root cause first
+    signal: Optional[int] = None  # a signal we forwarded
+    message: str = ""
+    logs: list[Path] = field(default_factory=list)  # log files of the failed ranks
+    port_in_use: Optional[int] = None  # the launcher could not bind the rendezvous port; nothing started
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0
+
+
+
+# ----------------------------------------------------------------------------------------------
+# Reports
+
+
+_ROOT_CAUSE = "Root Cause (first observed failure):"
+_FAILURE_RE = re.compile(
+    r"(?:host\s*:\s*(?P<host>\S+)[^\n]*\n\s*)?"
+    r"rank\s*:\s*(?P<rank>-?\d+)\s*\(local_rank:\s*(?P<local>\d+)\)\s*\n"
+    r"\s*exitcode\s*:\s*(?P<code>-?\d+)[^\n]*\n"
+    r"\s*error_file\s*:\s*(?P<file>[^\n]*)")
+
+
+def parse_torchrun_failures(text: str) -> list[RankFailure]:
+    """Failed ranks from torchrun's ChildFailedError report, root cause first.
+
+    The report (torch/distributed/elastic/multiprocessing/errors) lists `rank : 1 (local_rank: 1)`,
+    `exitcode : 3 (pid: ...)` and `error_file` for each failure under "Failures:", and the first
+    observed one under "Root Cause". Ranks SIGTERMed by torchrun after the root cause are listed too.
+    """
+    if _ROOT_CAUSE not in text:
+        return []
+    before, _, root = text.rpartition(_ROOT_CAUSE)
+    others = before[before.rfind("Failures:"):] if "Failures:" in before else ""
+    failures = []
+    for block in (root, others):
+        for match in _FAILURE_RE.finditer(block):
+            error_file = match.group("file").strip()
+            failures.append(RankFailure(int(match.group("rank")), int(match.group("local")), int(match.group("code")),
+                                        None if error_file in ("", "<N/A>") else error_file, host=match.group("host")))
+    return failures
+
+
+def judge(plan: LaunchPlan, returncode: int, output: str, forwarded: Optional[int]) -> Outcome:
+    from finetune.rundir.checkpoint import EXIT_PREEMPTED, latest_complete, read_stop_record
+
+    if returncode == 0:
+        return Outcome(0, message="all ranks finished")
+    stopped = read_stop_record(plan.run_dir)  # written by the ranks once the checkpoint is complete
+    if stopped is not None:
+        # The ranks saw SIGTERM when we were sent SIGHUP (_as_stop): name what the user's side sent.
+        name = "SIGHUP" if forwarded == signal.SIGHUP else stopped.get("signal")
+        return Outcome(EXIT_PREEMPTED, signal=forwarded,
+                       message=f"{name} at step {stopped.get('step')}: "
+                               f"{stopped.get('checkpoint')} is complete; run the same command again to resume")
+    if forwarded is not None:
+        name = signal.Signals(forwarded).name
+        latest = latest_complete(plan.run_dir)
+        saved = f"the newest complete checkpoint is {latest.name}" if latest else "no checkpoint was saved"
+        return Outcome(128 + forwarded, signal=forwarded, message=f"stopped by {name} (forwarded to all ranks); {saved}")
+    launcher_error = read_error_file(plan.run_dir / "logs" / LAUNCHER_ERROR_FILE) if plan.launcher == "torchrun" else None
+    busy = port_in_use(launcher_error or "", plan.master_port) or port_in_use(output, plan.master_port)
+    if busy is not None:
+        return Outcome(1, port_in_use=busy,
+                       message=f"the rendezvous port {busy} on {plan.master_addr} is in use (another run?); "
+                               f"nothing was started. Pass --master-port with a free port")
+    failures = torchrun_failures(plan, output) if plan.launcher == "torchrun" else []
+    if failures:
+        root = failures[0]
+        logs = rank_log_files(plan, root.local_rank)
+        message = f"{root.describe()}"
+        if root.message:
+            message += f": {root.message}"
+        return Outcome(1, failures=failures, message=message, logs=logs)
+    if plan.launcher == "deepspeed":
+        return _judge_deepspeed(plan, returncode, output)
+    if launcher_error:
+        return Outcome(returncode if returncode > 0 else 1, message=f"{plan.launcher} failed: {launcher_error}")
+    return Outcome(returncode if returncode > 0 else 1,
+                   message=f"{plan.launcher} exited with code {returncode} (see {plan.run_dir / 'logs' / 'launcher.log'})")
+
+
+_PORT_IN_USE_RE = re.compile(r"EADDRINUSE|[Aa]ddress already in use")
+_PORT_RE = re.compile(r"port:?\s*(\d+)")
+
+
+def port_in_use(text: str, default: int) -> Optional[int]:
+    """The port named in a bind failure (torch's DistNetworkError: "port: 29500, ... EADDRINUSE"), or None."""
+    for line in text.splitlines():
+        if _PORT_IN_USE_RE.search(line):
+            match = _PORT_RE.search(line)
+            return int(match.group(1)) if match else default
+    return None
+
+
+def read_error_file(path: Path) -> Optional[str]:
+    """The last line of the exception in a torchrun error file (written by torch's @record), or None."""
+    import json
+
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    message = data.get("message", {}) if isinstance(data, dict) else None
+    text = message.get("message") if isinstance(message, dict) else message
+    if not isinstance(text, str) or not text.strip():
+        return None
+    return text.strip().splitlines()[-1]
+
+
+def _error_file_time(path: Path) -> float:
+    """When the rank raised (error.json's timestamp, else the file's mtime): the first one is the root cause."""
+    import json
+
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        return float(data["message"]["extraInfo"]["timestamp"])
+    except (OSError, ValueError, KeyError, TypeError):
+        try:
+            return path.stat().st_mtime
+        except OSError:
+            return float("inf")
+
+
+def torchrun_failures(plan: LaunchPlan, output: str) -> list[RankFailure]:
+    """Failed ranks, root cause first: from the error files torchrun gives every rank
+    (attempt_N/<local rank>/error.json, written by the runner's @record), exit codes and hosts from
+    torchrun's printed report. Ranks that died without an error file (a signal, os._exit) come only
+    from the printed report."""
+    printed = {f.local_rank: f for f in parse_torchrun_failures(output)}
+    attempt = torchrun_attempt_dir(plan.run_dir)
+    files = sorted(attempt.glob("*/error.json"), key=_error_file_time) if attempt else []
+    failures = []
+    for path in files:
+        local = int(path.parent.name) if path.parent.name.isdigit() else None
+        message = read_error_file(path)
+        if local is None or message is None:
+            continue
+        seen = printed.pop(local, None)
+        failures.append(RankFailure(plan.node_rank * plan.procs_per_node + local, local,
+                                    seen.exitcode if seen else 1, str(path), message,
+                                    host=seen.host if seen else socket.gethostname()))
+    rest = parse_torchrun_failures(output)  # in the report's order: root cause first
+    failures += [f for f in rest if f.local_rank in printed]
+    for failure in failures:
+        if failure.message is None and failure.error_file:
+            failure.message = read_error_file(Path(failure.error_file))
+    return failures
+
+
+def _judge_deepspeed(plan: LaunchPlan, returncode: int, output: str) -> Outcome:
+    # DeepSpeed's launcher reports only "exits with return code = N", not which rank. A Python
+    # failure leaves a traceback in that rank's log; the ranks it then kills end without one.
+    code = re.findall(r"exits with return code = (-?\d+)", output)
+    exitcode = int(code[-1]) if code else returncode
+    failures, logs = [], []
+    for path in sorted((plan.run_dir / "logs").glob("*_rank*.log")):
+        match = re.search(r"_rank(\d+)\.log$", path.name)
+        if match and "Traceback (most recent call last)" in _read_tail(path, 200):
+            rank = int(match.group(1))
+            # Rank logs under this run directory come from this machine's launch (other nodes write theirs).
+            host = socket.gethostname() if not plan.hosts or len(plan.hosts) == 1 else None
+            failures.append(RankFailure(rank, rank % max(plan.procs_per_node, 1), exitcode, host=host))
+            logs.append(path)
+    if failures:
+        return Outcome(1, failures=failures, message=failures[0].describe(), logs=logs)
+    return Outcome(1, message=f"a rank exited with code {exitcode}; DeepSpeed's launcher does not say which "
+                              f"(per-rank logs: {plan.run_dir / 'logs'})")
+
+
+def _read_tail(path: Path, lines: int) -> str:
+    try:
+        with open(path, "rb") as handle:
+            handle.seek(0, os.SEEK_END)
+            handle.seek(max(0, handle.tell() - 256 * lines))
+            return b"\n".join(handle.read().splitlines()[-lines:]).decode("utf-8", "replace")
+    except OSError:
+        return ""
+
+
+def tail_of(path: Path, lines: int = 20) -> str:
+    return _read_tail(path, lines)
+
+
+# ----------------------------------------------------------------------------------------------
+# Per-rank logs
+
+
+def torchrun_attempt_dir(run_dir: Path) -> Optional[Path]:
+    """torchrun writes RUN/logs/torchrun/<run id>_<random>/attempt_<n>/<local rank>/; the newest attempt."""
+    attempts = sorted((run_dir / "logs" / "torchrun").glob("*/attempt_*"), key=lambda p: p.stat().st_mtime)
+    return attempts[-1] if attempts else None
+
+
+def rank_log_files(plan: LaunchPlan, local_rank: int) -> list[Path]:
+    if plan.launcher == "torchrun":
+        attempt = torchrun_attempt_dir(plan.run_dir)
+        if attempt is None:
+            return []
+        return [p for p in (attempt / str(local_rank) / "stderr.log", attempt / str(local_rank) / "stdout.log") if p.exists()]
+    rank = plan.node_rank * plan.procs_per_node + local_rank
+    return sorted((plan.run_dir / "logs").glob(f"*_rank{rank}.log"))[-1:]
+
+
+def link_rank_logs(plan: LaunchPlan) -> bool:
+    """RUN/logs/rank<K> -> torchrun's folder for global rank K, so `tail logs/rank1/stderr.log` works.
+
+    Returns whether every local rank's folder was there to link."""
+    if plan.launcher != "torchrun":
+        return True
+    attempt = torchrun_attempt_dir(plan.run_dir)
+    if attempt is None:
+        return False
+    logs = plan.run_dir / "logs"
+    local_dirs = [d for d in attempt.iterdir() if d.name.isdigit()]
+    for local_dir in local_dirs:
+        if not local_dir.name.isdigit():
+            continue
+        rank = plan.node_rank * plan.procs_per_node + int(local_dir.name)
+        link = logs / f"rank{rank}"
+        try:
+            if link.is_symlink() and link.resolve() != local_dir.resolve():
+                link.unlink()  # a restarted attempt: point at the new folder
+            if not link.exists():
+                link.symlink_to(local_dir.relative_to(logs), target_is_directory=True)
+        except OSError:
+            pass  # filesystems without symlinks: the logs are still under logs/torchrun
+    return len(local_dirs) >= plan.procs_per_node

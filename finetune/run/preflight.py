@@ -1,0 +1,336 @@
+"""Checks `finetune train` runs before any process starts: each failed launch costs rented GPU time.
+
+Every check adds to one `Preflight` (all problems are reported at once, torchtune-style):
+
+- lint: the same rules as `finetune lint` (errors stop the run, warnings are shown),
+- environment: finetune.run.doctor.checks_for_recipe (versions, bitsandbytes, GPU count, bf16),
+- dataset: every row of every local source converts with its format (finetune.data.validate),
+- model: a local directory with config.json, a `builtin:` tiny model, or a hub id (a warning:
+  it is downloaded at launch),
+- output directory: never a non-empty directory unless --overwrite, and --overwrite only replaces
+  a previous run directory (one holding recipe.yaml), never an arbitrary folder. A run directory
+  with a complete checkpoint is resumed (finetune.rundir.checkpoint.plan_resume decides, or refuses when
+  the recipe changed); another node's copy of the same multi-node run is joined.
+
+Nothing here writes into the run directory; launch happens only when `Preflight.ok`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+from finetune.recipe import LoadedRecipe, Recipe
+from finetune.recipe.references import is_local, is_model_path
+from finetune.builtin import is_builtin
+
+SAMPLE_ROWS = 20  # rows a data.chat_template is rendered on before launch
+RUN_MARKER = "recipe.yaml"  # a directory holding this is a finetune run directory
+
+
+@dataclass
+class Preflight:
+    errors: list[str] = field(default_factory=list)
+    # The output directory's problems: a dry run shows them as what a real run would do, and goes on.
+    run_dir_errors: list[str] = field(default_factory=list)
+    lint_errors: list[str] = field(default_factory=list)  # also in lint_report, with file:line:col
+    warnings: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    lint_report: str = ""  # the lint findings, rendered as `finetune lint` does
+    resume_from: Optional[Any] = None  # finetune.rundir.checkpoint.Checkpoint to resume from
+    join: bool = False  # the run directory was written by another node of this run
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors and not self.lint_errors and not self.run_dir_errors
+
+
+# ----------------------------------------------------------------------------------------------
+# Entry point
+
+
+def run_preflight(loaded: LoadedRecipe, run_dir: Path, overwrite: bool = False, facts=None,
+                  world_size: Optional[int] = None, resume: Optional[bool] = None,
+                  force_resume: bool = False, in_use: Optional[str] = None) -> Preflight:
+    """All checks for training `loaded` into `run_dir`. `facts`: finetune.run.doctor.Facts (tests fake them).
+
+    `resume` None follows training.resume. `in_use`: another live run owns `run_dir` (finetune.rundir.lock):
+    that is the output directory's only finding, and nothing there is looked at further."""
+    from finetune.run.doctor import checks_for_recipe
+
+    result = Preflight()
+    recipe = loaded.recipe
+    lint_step(loaded, result, world_size)
+    for check in checks_for_recipe(recipe, facts):
+        fix = f" (fix: {check.fix})" if check.fix else ""
+        if check.status == "fail":
+            result.errors.append(f"environment: {check.message}{fix}")
+        elif check.status == "warn":
+            result.warnings.append(f"environment: {check.message}{fix}")
+        elif check.status == "info":
+            result.notes.append(check.message)
+    dataset_step(recipe, result)
+    chat_template_step(recipe, result)
+    model_step(recipe, result)
+    hostfile_step(recipe, result)
+    if resume is None:
+        resume = recipe.training.resume
+    if in_use:
+        result.run_dir_errors.append(in_use)
+    else:
+        output_dir_step(run_dir, overwrite, result, loaded, world_size, resume, force_resume)
+    result.notes.append(f"run directory: {run_dir.absolute()}")
+    return result
+
+
+def lint_step(loaded: LoadedRecipe, result: Preflight, world_size: Optional[int]) -> None:
+    from finetune.lint import LintOptions, LintResult, lint_loaded
+    from finetune.lint.report import render
+
+    lint = lint_loaded(loaded, LintOptions(world_size=world_size))
+    shown = [f for f in lint.findings if f.severity in ("error", "warning")]
+    if shown:
+        result.lint_report = render(LintResult(findings=shown, files=lint.files), "text")
+    for finding in lint.errors:
+        result.lint_errors.append(f"lint {finding.rule} `{finding.key}`: {finding.message}" if finding.key
+                             else f"lint {finding.rule}: {finding.message}")
+    if lint.warnings:
+        result.notes.append(f"lint: {len(lint.warnings)} warning(s), shown above")
+
+
+# ----------------------------------------------------------------------------------------------
+# Dataset
+
+
+def dataset_step(recipe: Recipe, result: Preflight) -> None:
+    """Every row of every local source (finetune.data.validate); hub ids are read at launch."""
+    if recipe.objective != "sft":  # preference rows, every row of every file (finetune/data/preference.py)
+        from finetune.data.preference import check_data
+
+        notes, errors = check_data(recipe.data, recipe.objective)
+        result.notes += notes
+        result.errors += errors
+        return
+    from finetune.data.sources import sources_of
+    from finetune.data.validate import validate
+
+    checked = validate(sources_of(recipe.data))
+    for path in checked.skipped:
+        result.notes.append(f"dataset {path}: a hub id, not checked here (read at launch; needs network)")
+    result.errors.extend(f"dataset {message}" for message in checked.messages())
+    if checked.ok:
+        for check in checked.checks:
+            result.notes.append(f"dataset {check.source.path}: {check.source.format} format, all {check.rows} row(s) look right")
+
+
+# A conversation to render the template on when the dataset's rows cannot be read here (a hub id).
+_SAMPLE_CONVERSATION = [{"role": "system", "content": "You are helpful."}, {"role": "user", "content": "Hi"},
+                        {"role": "assistant", "content": "Hello!"}]
+
+
+# apply_chat_template passes the tokenizer's special tokens to the template (`bos_token + ...` is
+# common); their values do not matter for whether the template renders, only that they are strings.
+_SPECIAL_TOKENS = {name: f"<{name}>" for name in ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
+                                                   "cls_token", "mask_token")}
+
+
+def chat_template_step(recipe: Recipe, result: Preflight) -> None:
+    """Render data.chat_template on the first rows, the way the ranks will (transformers' sandboxed Jinja).
+
+    A template the sandbox refuses (`__class__`, mutating a list) or that raises on this data otherwise
+    fails in every rank's data loading after launch, as one traceback per process.
+    """
+    from finetune.data.formats import CHAT_FORMATS
+    from finetune.data.sources import sources_of
+
+    template = recipe.data.chat_template
+    if not template:
+        return
+    for source in sources_of(recipe.data):
+        if source.format not in CHAT_FORMATS:
+            continue
+        for where, messages in _sample_conversations(source):
+            problem = render_problem(template, messages, recipe.data.mask_prompt)
+            if problem:
+                result.errors.append(f"data.chat_template: {where}: {problem}")
+                return
+
+
+def _sample_conversations(source) -> Iterator[tuple[str, list]]:
+    """The first rows' conversations, as the format makes them (role names mapped)."""
+    from finetune.data.formats import RowProblem, to_example
+    from finetune.data.sources import SourceProblem, data_files
+    from finetune.data.validate import Unreadable, iter_rows
+
+    if not is_local(source.path):
+        yield "a sample conversation", _SAMPLE_CONVERSATION
+        return
+    try:
+        rows = iter_rows(data_files(Path(source.path).expanduser(), source.split)[0])
+        for where, row in itertools.islice(rows, SAMPLE_ROWS):
+            try:
+                yield where, to_example(row, source.spec).messages
+            except (RowProblem, AttributeError):
+                continue  # dataset_step reports the row
+    except (SourceProblem, Unreadable):
+        return  # dataset_step reported it
+
+
+def render_problem(template: str, messages: list, mask_prompt: bool) -> Optional[str]:
+    """Why `template` cannot render `messages` (as finetune.data.tokenize does), or None."""
+    from jinja2 import TemplateSyntaxError
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    # The calls finetune.data.tokenize makes: the whole conversation, and with mask_prompt every prefix
+    # up to an assistant turn with the generation prompt.
+    calls = [(messages, False)]
+    if mask_prompt:
+        calls += [(messages[:i], True) for i, m in enumerate(messages) if i and isinstance(m, dict) and m.get("role") == "assistant"]
+    for conversation, generation_prompt in calls:
+        try:
+            render_jinja_template([conversation], chat_template=template, add_generation_prompt=generation_prompt,
+                                  **_SPECIAL_TOKENS)
+        except TemplateSyntaxError as exc:
+            return f"template line {exc.lineno}: {exc.message}"
+        except Exception as exc:  # noqa: BLE001 - the template is user code; anything it raises stops the ranks
+            return f"the template cannot render this conversation: {type(exc).__name__}: {exc}"
+    return None
+
+
+# ----------------------------------------------------------------------------------------------
+# Model
+
+
+def model_step(recipe: Recipe, result: Preflight) -> None:
+    reference = recipe.model.name_or_path
+    if is_builtin(reference):
+        _builtin_model(reference, result)
+    elif is_model_path(reference):
+        _local_model(reference, "model.name_or_path", result)
+    else:
+        result.warnings.append(f"model {reference}: {_hub_note(reference, recipe.model.revision)}")
+    tokenizer = recipe.model.tokenizer
+    if tokenizer and is_model_path(tokenizer) and not Path(tokenizer).expanduser().is_dir():
+        result.errors.append(f"model.tokenizer {tokenizer}: directory does not exist")
+    if recipe.model.adapter:
+        from finetune.data.preference import adapter_problem
+
+        problem = adapter_problem(recipe.model.adapter)
+        if problem:
+            result.errors.append(f"model.adapter {recipe.model.adapter}: {problem}")
+
+
+def _builtin_model(reference: str, result: Preflight) -> None:
+    from finetune.builtin import BuiltinModelError, builtin_name, ensure_builtin_model
+
+    try:
+        builtin_name(reference)
+    except BuiltinModelError as exc:
+        result.errors.append(f"model.name_or_path: {exc}")
+        return
+    # Built once into a cache outside the run directory (seconds, CPU), so the ranks do not race to build it.
+    path = ensure_builtin_model(reference)
+    result.notes.append(f"model {reference}: built-in tiny model at {path}")
+
+
+def _local_model(reference: str, key: str, result: Preflight) -> None:
+    path = Path(reference).expanduser()
+    if not path.exists():
+        result.errors.append(f"{key} {reference}: directory does not exist")
+    elif not path.is_dir():
+        result.errors.append(f"{key} {reference}: expected a model directory (with config.json), got a file")
+    elif not (path / "config.json").is_file():
+        result.errors.append(f"{key} {reference}: no config.json in this directory (is it a Hugging Face model folder?)")
+    else:
+        result.notes.append(f"model {reference}: local directory")
+
+
+def _hub_note(repo_id: str, revision: Optional[str]) -> str:
+    """Hub ids are downloaded at launch; say whether the local HF cache already has the config."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(repo_id, "config.json", revision=revision)
+    except Exception:  # not a valid repo id, or huggingface_hub missing: the download will tell
+        cached = None
+    if isinstance(cached, str):
+        return "a hub id, found in the local Hugging Face cache"
+    return "a hub id, not in the local cache: it will be downloaded at launch (needs network, and HF_TOKEN for gated models)"
+
+
+# ----------------------------------------------------------------------------------------------
+# Hostfile and output directory
+
+
+def hostfile_step(recipe: Recipe, result: Preflight) -> None:
+    from finetune.run.launch import HostfileError, read_hostfile
+
+    if not recipe.launch.hostfile:
+        return
+    try:
+        hosts = read_hostfile(Path(recipe.launch.hostfile).expanduser())
+    except HostfileError as exc:
+        result.errors.append(f"launch.hostfile {exc}")
+        return
+    nodes = recipe.launch.nodes
+    if len(hosts) < nodes:
+        result.errors.append(f"launch.hostfile {recipe.launch.hostfile}: {len(hosts)} host(s) but launch.nodes is {nodes}")
+    elif len(hosts) > nodes:
+        result.warnings.append(f"launch.hostfile lists {len(hosts)} hosts; only the first {nodes} are used (launch.nodes: {nodes})")
+
+
+def output_dir_step(run_dir: Path, overwrite: bool, result: Preflight, loaded: Optional[LoadedRecipe] = None,
+                    world_size: Optional[int] = None, resume: bool = False, force_resume: bool = False) -> None:
+    if loaded is not None and not overwrite and (run_dir / RUN_MARKER).is_file():
+        resume_step(run_dir, loaded.recipe, world_size, resume, force_resume, result)
+        return
+    problem = output_dir_problem(run_dir, overwrite)
+    if problem:
+        result.run_dir_errors.append(problem)
+    elif overwrite and run_dir.exists() and any(run_dir.iterdir()):
+        result.warnings.append(f"output directory {run_dir}: the previous run there will be replaced (--overwrite)")
+
+
+def resume_step(run_dir: Path, recipe: Recipe, world_size: Optional[int], resume: bool, force: bool,
+                result: Preflight) -> None:
+    """A previous run directory: resume from its newest complete checkpoint, join it, or refuse."""
+    from finetune.rundir.checkpoint import plan_resume
+    from finetune.rundir.layout import resolved_recipe
+
+    plan = plan_resume(run_dir, resolved_recipe(recipe, run_dir), world_size, recipe.launch.nodes, resume, force)
+    if plan.error:
+        result.run_dir_errors.append(plan.error)
+    result.notes.extend(plan.notes)
+    result.warnings.extend(plan.warnings)
+    result.resume_from, result.join = plan.checkpoint, plan.join
+    if not plan.error and not os.access(run_dir, os.W_OK | os.X_OK):
+        result.run_dir_errors.append(f"output directory {run_dir}: not writable")
+
+
+def output_dir_problem(run_dir: Path, overwrite: bool) -> Optional[str]:
+    if run_dir.exists() and not run_dir.is_dir():
+        return f"output directory {run_dir}: exists and is not a directory"
+    if run_dir.is_dir():
+        entries = sorted(p.name for p in run_dir.iterdir())
+        if entries and not overwrite:
+            shown = ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")
+            return (f"output directory {run_dir} is not empty ({shown}); "
+                    f"pass --overwrite to replace it, or choose another --output-dir")
+        if entries and not (run_dir / RUN_MARKER).is_file():
+            # --overwrite deletes the directory: only ever a previous run's, never a user's folder.
+            return (f"output directory {run_dir} is not empty and is not a finetune run directory "
+                    f"(no {RUN_MARKER}); --overwrite only replaces run directories: choose another --output-dir")
+    parent = _existing_ancestor(run_dir)
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"output directory {run_dir}: cannot create it ({parent} is not writable)"
+    return None
+
+
+def _existing_ancestor(path: Path) -> Path:
+    path = path.absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path

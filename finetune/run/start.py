@@ -1,0 +1,142 @@
+"""`finetune train` from a loaded recipe to an outcome: preflight, launch plan, run directory, lock, launch.
+
+The one module that brings the parts together: finetune.run.preflight checks, finetune.rundir.layout writes the
+run directory, finetune.rundir.lock owns it, finetune.run.launch starts and watches the processes. The CLI
+(finetune.cli) prints what `prepare` decided and what `start_run` returned.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Optional
+
+from finetune.run.doctor import collect_facts, recipe_imports
+from finetune.render import resolved_output_dir
+from finetune.run.extensions import BuildWatch, extensions_root, ops_needed
+from finetune.fsutil import write_atomic
+from finetune.run.launch import (
+    RUNNER_MODULE, HostfileError, LaunchError, LaunchPlan, Outcome, deepspeed_env_text, free_port, plan_launch,
+    supervise,
+)
+from finetune.run.preflight import RUN_MARKER, Preflight, run_preflight
+from finetune.recipe import LoadedRecipe, Recipe
+from finetune.rundir.layout import write_run_dir
+from finetune.rundir.lock import LOCK_ENV, OWNER_ENV, RunDirLocked, RunLock, acquire, holder, lock_name
+
+
+@dataclass
+class Prepared:
+    """Everything decided before launch. Nothing has been written yet."""
+
+    loaded: LoadedRecipe
+    run_dir: Path
+    preflight: Preflight
+    plan: Optional[LaunchPlan]
+    overwrite: bool = False
+    lock: Optional[RunLock] = None  # the existing run directory, owned from preflight to the end of the run
+    builds: Optional[BuildWatch] = None  # DeepSpeed ops compiled on first use (finetune.run.extensions)
+
+    def release(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
+
+    @property
+    def resume_from(self):
+        """The finetune.rundir.checkpoint.Checkpoint the run continues from, or None."""
+        return self.preflight.resume_from
+
+
+def run_dir_for(recipe: Recipe, output_dir: Optional[Path]) -> Path:
+    return (Path(output_dir) if output_dir is not None else Path(resolved_output_dir(recipe))).expanduser().absolute()
+
+
+def prepare(loaded: LoadedRecipe, output_dir: Optional[Path] = None, overwrite: bool = False,
+            module: str = RUNNER_MODULE, facts=None, resume: Optional[bool] = None,
+            force_resume: bool = False, dry_run: bool = False) -> Prepared:
+    """Preflight and launch plan for `loaded` on this machine (facts: finetune.run.doctor.Facts, faked in tests).
+
+    `resume`: continue from the newest complete checkpoint in the run directory (None: training.resume).
+    An existing run directory is locked first (finetune.rundir.lock; a dry run only looks), so no other live
+    run changes it between what preflight decides and the launch: release() the result when not
+    launching."""
+    recipe = loaded.recipe
+    run_dir = run_dir_for(recipe, output_dir)
+    if facts is None:
+        facts = collect_facts(recipe_imports(recipe))
+    gpu_count = len(facts.gpus) if facts.cuda_available else 0
+    plan: Optional[LaunchPlan] = None
+    try:
+        port = recipe.launch.master_port
+        if recipe.launch.nodes == 1:
+            port = free_port(port)  # a second run on the same box must not collide with the first
+        plan = plan_launch(recipe, run_dir, gpu_count, module=module, master_port=port)
+        if port != recipe.launch.master_port:
+            plan.notes.append(f"port {recipe.launch.master_port} is busy; using {port}")
+    except HostfileError:
+        pass  # preflight reports it
+    builds = watch_builds(plan, recipe, dry_run) if plan is not None else None
+    lock, in_use = lock_existing(run_dir, dry_run, recipe)
+    preflight = run_preflight(loaded, run_dir, overwrite=overwrite, facts=facts,
+                              world_size=plan.world_size if plan else None, resume=resume, force_resume=force_resume,
+                              in_use=in_use)
+    if plan is not None and preflight.resume_from is not None:
+        plan.argv.append("--resume")  # the runner's argument, last on both launchers' command lines
+    return Prepared(loaded, run_dir, preflight, plan, overwrite, lock, builds)
+
+
+def watch_builds(plan: LaunchPlan, recipe: Recipe, dry_run: bool) -> Optional[BuildWatch]:
+    """Say which DeepSpeed ops the ranks will compile first, and clear a stale build lock that would make
+    them wait forever (a dry run only says how). Single-node runs: other nodes have their own caches."""
+    ops = ops_needed(plan.device, recipe.deepspeed.offload_optimizer)
+    if not ops or plan.nodes > 1:
+        return None
+    try:
+        watch = BuildWatch(extensions_root({**os.environ, **plan.env}), ops, remove_stale=not dry_run)
+        plan.notes.extend(watch.notes())
+    except ImportError:
+        return None  # no torch: the preflight's environment checks say so
+    return watch
+
+
+def lock_existing(run_dir: Path, dry_run: bool, recipe: Recipe) -> tuple[Optional[RunLock], Optional[str]]:
+    """(our lock on an existing run directory, or None; the live holder's description, or None)."""
+    name = lock_name(recipe.launch.nodes, recipe.launch.node_rank)
+    if not (run_dir / RUN_MARKER).is_file():
+        return None, None  # nothing there for another run to own; locked once written (start_run)
+    if dry_run:
+        return None, holder(run_dir, name)
+    try:
+        return acquire(run_dir, name), None
+    except RunDirLocked as exc:
+        return None, str(exc)
+    except OSError:
+        return None, None  # not writable: preflight says so
+
+
+def start_run(prepared: Prepared, console: Optional[IO[bytes]] = None) -> Outcome:
+    """Write the run directory, then launch and supervise. Call only when prepared.preflight.ok."""
+    if not prepared.preflight.ok or prepared.plan is None:
+        raise LaunchError("preflight failed; nothing was launched")
+    plan = prepared.plan
+    try:
+        # Resuming keeps the checkpoints; the nodes of one run may share (and all write) one directory.
+        in_place = prepared.resume_from is not None or prepared.preflight.join or plan.nodes > 1
+        write_run_dir(prepared.loaded, prepared.run_dir, plan.world_size, overwrite=prepared.overwrite, in_place=in_place)
+        if prepared.lock is None or not in_place:
+            # A new directory, or --overwrite replaced the one we had locked: own the one now in place.
+            try:
+                lock = acquire(prepared.run_dir, lock_name(plan.nodes, plan.node_rank))
+            except RunDirLocked as exc:
+                raise LaunchError(str(exc)) from None
+            prepared.release()
+            prepared.lock = lock
+        if "DS_ENV_FILE" in plan.env:
+            write_atomic(Path(plan.env["DS_ENV_FILE"]), deepspeed_env_text({**os.environ, **plan.env}))
+        # The ranks clean up checkpoints only under this lock.
+        plan.env.update({OWNER_ENV: str(os.getpid()), LOCK_ENV: prepared.lock.path.name})
+        return supervise(plan, console, keep_fds=(prepared.lock.fd,), builds=prepared.builds)
+    finally:
+        prepared.release()

@@ -1,0 +1,1 @@
+"""The run directory: its layout and files, the lock, checkpoints and the resume key."""

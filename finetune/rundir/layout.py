@@ -1,0 +1,135 @@
+"""The run directory `finetune train` writes before launch: everything the ranks (and later `convert`,
+`merge` and resume) read about the run, so it describes itself.
+
+    RUN/recipe.yaml          the resolved recipe (extends and --set applied, local paths absolute)
+    RUN/deepspeed.json       finetune.render.render_deepspeed(recipe, real world size)
+    RUN/training_args.json   finetune.render.render_training_args(recipe, output_dir=RUN)
+    RUN/resume_key.json      what a resumed run must share with this one (finetune.rundir.resume_key)
+    RUN/logs/                launcher output, per-rank logs
+
+The runner adds env.json, adapter/ or model/, tokenizer/ and summary.json.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from finetune.fsutil import atomic_dir
+from finetune.recipe import LoadedRecipe, Recipe
+from finetune.recipe.references import is_local, is_model_path
+from finetune.builtin import is_builtin
+
+RECIPE_FILE = "recipe.yaml"
+DEEPSPEED_FILE = "deepspeed.json"
+TRAINING_ARGS_FILE = "training_args.json"
+RUN_INPUTS = (RECIPE_FILE, DEEPSPEED_FILE, TRAINING_ARGS_FILE)  # what the runner reads
+
+
+def resolved_recipe(recipe: Recipe, run_dir: Path) -> dict[str, Any]:
+    """The recipe as plain data, as the run sees it: local paths absolute, output_dir = the run dir."""
+    data = recipe.model_dump(mode="json")
+    data.pop("extends", None)  # already applied
+    data["output_dir"] = str(Path(run_dir).absolute())
+    for block in [data["data"], *(data["data"].get("sources") or [])]:
+        if block.get("path") and is_local(block["path"]):
+            block["path"] = str(Path(block["path"]).expanduser().absolute())
+    for section, key in ((data["model"], "name_or_path"), (data["model"], "tokenizer"), (data["model"], "adapter"),
+                         (data["preference"]["reference"], "name_or_path")):
+        value = section.get(key)
+        if value and not is_builtin(value) and is_model_path(value):
+            section[key] = str(Path(value).expanduser().absolute())
+    if data["launch"].get("hostfile"):
+        data["launch"]["hostfile"] = str(Path(data["launch"]["hostfile"]).expanduser().absolute())
+    return data
+
+
+def dump_yaml(data: dict[str, Any], header: str = "") -> str:
+    from ruamel.yaml import YAML
+
+    yaml = YAML(typ="safe", pure=True)
+    yaml.default_flow_style = False
+    yaml.sort_base_mapping_type_on_output = False  # keep the schema's order: model, method, lora, ...
+    buffer = io.StringIO()
+    yaml.dump(data, buffer)
+    return header + buffer.getvalue()
+
+
+def run_files(loaded: LoadedRecipe, run_dir: Path, world_size: int) -> dict[str, str]:
+    """File name -> text of everything written before launch."""
+    from finetune.render import dumps, render_deepspeed, render_training_args
+
+    recipe = loaded.recipe
+    run_dir = Path(run_dir).absolute()
+    header = (f"# The recipe this run trained, written by `finetune train` from {Path(loaded.path).absolute()}\n"
+              f"# (extends and --set applied, every default written out, local paths absolute).\n")
+    from finetune.rundir.resume_key import RESUME_KEY_FILE, resume_fields, resume_key_text
+
+    resolved = resolved_recipe(recipe, run_dir)
+    # Written in this order, recipe.yaml last: another node of the same run that sees recipe.yaml
+    # (what makes a folder a run directory) sees the rest too.
+    return {
+        RESUME_KEY_FILE: resume_key_text(resume_fields(resolved, world_size)),
+        DEEPSPEED_FILE: dumps(render_deepspeed(recipe, world_size)),
+        TRAINING_ARGS_FILE: dumps(render_training_args(recipe, output_dir=str(run_dir))),
+        RECIPE_FILE: dump_yaml(resolved, header),
+    }
+
+
+def write_run_dir(loaded: LoadedRecipe, run_dir: Path, world_size: int, overwrite: bool = False,
+                  in_place: bool = False) -> Path:
+    """Create RUN with the files above, all at once: a failure leaves no half-written run directory.
+
+    An existing directory is replaced only with `overwrite` (preflight has checked it is a run dir).
+    `in_place` (resuming, or another node of the same run wrote it): rewrite the files one by one,
+    each atomically, and keep everything else (checkpoints, logs)."""
+    run_dir = Path(run_dir).absolute()
+    files = run_files(loaded, run_dir, world_size)
+    if in_place and not overwrite:
+        run_dir.mkdir(parents=True, exist_ok=True)  # the other nodes may be creating it at the same time
+    # An empty directory (made by hand, or a mount point) is filled in place rather than replaced.
+    if run_dir.is_dir() and (in_place and not overwrite or not any(run_dir.iterdir())):
+        _write_into(run_dir, files)
+        return run_dir
+    with atomic_dir(run_dir, overwrite=overwrite) as tmp:
+        _write_into(tmp, files)
+    return run_dir
+
+
+def _write_into(directory: Path, files: dict[str, str]) -> None:
+    from finetune.fsutil import write_atomic
+
+    # mkdtemp/mkstemp create 0700/0600; a run directory is for the whole team on a shared box: use the umask.
+    umask = os.umask(0)
+    os.umask(umask)
+    directory.chmod(0o777 & ~umask)
+    for name, text in files.items():
+        write_atomic(directory / name, text)
+        (directory / name).chmod(0o666 & ~umask)
+    (directory / "logs").mkdir(exist_ok=True)
+
+
+class RunDirError(Exception):
+    """The run directory is missing a file or holds one the runner cannot read."""
+
+
+def read_run_dir(run_dir: Path) -> tuple[Recipe, dict[str, Any], dict[str, Any]]:
+    """(recipe, DeepSpeed config, TrainingArguments kwargs) as write_run_dir left them (the runner reads them)."""
+    from pydantic import ValidationError
+
+    from finetune.recipe.yamlio import DocumentError, load_yaml
+
+    missing = [name for name in RUN_INPUTS if not (run_dir / name).is_file()]
+    if missing:
+        raise RunDirError(f"{run_dir}: missing {', '.join(missing)} (start runs with `finetune train RECIPE`)")
+    try:
+        raw = load_yaml((run_dir / "recipe.yaml").read_text(encoding="utf-8"), str(run_dir / "recipe.yaml")).data
+        recipe = Recipe.model_validate(raw)
+        ds_config = json.loads((run_dir / "deepspeed.json").read_text(encoding="utf-8"))
+        training_args = json.loads((run_dir / "training_args.json").read_text(encoding="utf-8"))
+    except (DocumentError, ValidationError, json.JSONDecodeError, OSError) as exc:
+        raise RunDirError(f"{run_dir}: cannot read the run inputs: {exc}") from None
+    return recipe, ds_config, training_args

@@ -1,0 +1,1 @@
+"""Using a trained model: loading it, chat, eval."""

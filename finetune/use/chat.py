@@ -1,0 +1,407 @@
+"""Talk to a trained model: `finetune chat RUN_DIR | MERGED_DIR | --base BASE --adapter ADAPTER`.
+
+The prompt is built the way the run trained, with the functions the trainer used
+(finetune.data.tokenize), so sampling and training cannot drift apart:
+- alpaca: BOS + the Alpaca prompt of finetune.data.tokenize.format_alpaca; the reply ends at EOS.
+  Earlier turns go in front as whole training examples (prompt + reply + EOS), as packing lays them out.
+- messages: the tokenizer's chat template (the run's tokenizer/, which holds the recipe's template)
+  with the generation prompt, tokenized without extra special tokens, as in training.
+- text: the conversation so far is one text the model continues.
+
+A run directory names its format, dtype and quantization in recipe.yaml; a merged directory written
+by `finetune merge RUN_DIR` carries that recipe as finetune_recipe.yaml. torch and transformers are
+imported inside the functions: `finetune --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from finetune.recipe import Recipe
+
+MERGED_RECIPE = "finetune_recipe.yaml"  # the run's recipe, copied into a merged model by `finetune merge`
+FORMATS = ("alpaca", "messages", "text")
+
+
+class ChatError(ValueError):
+    """A model that cannot be loaded or talked to: the message says why and what to do."""
+
+
+@dataclass
+class Source:
+    """Where the weights, the tokenizer and the training format come from."""
+
+    model: str  # base model (with an adapter) or the full / merged model: a local dir or a hub id
+    adapter: Optional[Path] = None
+    tokenizer: Optional[str] = None
+    recipe: Optional[Recipe] = None
+    fmt: str = "messages"
+    label: str = ""
+
+
+# ------------------------------------------------------------------------------------------------
+# Finding the model
+
+
+def resolve_source(path: Optional[Path], base: Optional[str] = None, adapter: Optional[Path] = None,
+                   fmt: Optional[str] = None) -> Source:
+    """A run directory, a merged/full model directory, or --base + --adapter (which override the run's)."""
+    if fmt is not None and fmt not in FORMATS:
+        raise ChatError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
+    if path is None:
+        if base is None:
+            raise ChatError("give a run directory, a model directory, or --base (with --adapter for a LoRA adapter)")
+        source = Source(model=_local_or_hub(base), adapter=_checked_adapter(adapter) if adapter else None,
+                        label=f"{base}" + (f" + {adapter}" if adapter else ""))
+        source.fmt = fmt or "messages"  # no recipe: the chat template, or plain text without one (load time)
+        return source
+    path = Path(path)
+    if not path.is_dir():
+        raise ChatError(f"{path}: no such directory")
+    if (path / "recipe.yaml").is_file():
+        source = _run_source(path, base, adapter)
+    elif (path / "config.json").is_file():
+        source = Source(model=str(path), adapter=_checked_adapter(adapter) if adapter else None, label=str(path),
+                        recipe=_read_recipe(path / MERGED_RECIPE) if (path / MERGED_RECIPE).is_file() else None)
+    elif (path / "adapter_config.json").is_file():
+        source = _adapter_source(path, base)
+    else:
+        raise ChatError(f"{path}: not a run directory (recipe.yaml), a model (config.json) or an adapter "
+                        "(adapter_config.json)")
+    source.fmt = fmt or (_chat_format(source.recipe) if source.recipe is not None else "messages")
+    return source
+
+
+def _chat_format(recipe) -> str:
+    """How to prompt a model trained on `recipe`'s data: the chat template when any source was a
+    conversation (sharegpt trains through it too), else the format of its sources."""
+    if recipe.objective != "sft":  # TRL renders message rows with the chat template (text rows: --format text)
+        return "messages"
+    formats = recipe.data.source_formats()
+    return "messages" if any(f in ("messages", "sharegpt") for f in formats) else formats[0]
+
+
+def _run_source(run_dir: Path, base: Optional[str], adapter: Optional[Path]) -> Source:
+    recipe = _read_recipe(run_dir / "recipe.yaml")
+    tokenizer = str(run_dir / "tokenizer") if (run_dir / "tokenizer").is_dir() else None
+    if adapter is None and (run_dir / "model" / "config.json").is_file():
+        return Source(model=str(run_dir / "model"), tokenizer=tokenizer, recipe=recipe, label=f"{run_dir}/model")
+    if adapter is None:
+        if not (run_dir / "adapter" / "adapter_config.json").is_file():
+            raise ChatError(no_model_yet(run_dir))
+        adapter = run_dir / "adapter"
+    model = base or recipe_base_model(recipe)
+    return Source(model=_local_or_hub(model), adapter=_checked_adapter(adapter), tokenizer=tokenizer, recipe=recipe,
+                  label=f"{run_dir} ({recipe.method} adapter on {recipe.model.name_or_path})")
+
+
+def no_model_yet(run_dir: Path) -> str:
+    """Why a run directory has nothing to chat with, and what would give it something."""
+    checkpoints = sorted(run_dir.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[-1])
+                         if p.name.split("-")[-1].isdigit() else -1)
+    if checkpoints:
+        newest = checkpoints[-1]
+        return (f"{run_dir}: no adapter/ or model/ yet (the run has not finished). Its newest checkpoint can be "
+                f"converted: `finetune convert {newest} -o {run_dir}/adapter-{newest.name.split('-')[-1]}`, then "
+                f"`finetune chat {run_dir} --adapter {run_dir}/adapter-{newest.name.split('-')[-1]}`; "
+                f"or run `finetune train` again to finish it")
+    if (run_dir / "zero_checkpoint").is_dir():
+        return (f"{run_dir}: the weights are a ZeRO checkpoint (zero_checkpoint/); "
+                f"`finetune convert {run_dir}/zero_checkpoint -o OUT` turns them into an adapter or model")
+    return f"{run_dir}: no adapter/ or model/ yet and no checkpoint: the run has not trained (see {run_dir}/logs/)"
+
+
+def _adapter_source(adapter: Path, base: Optional[str]) -> Source:
+    config = _read_json(adapter / "adapter_config.json")
+    model = base or config.get("base_model_name_or_path")
+    if not model:
+        raise ChatError(f"{adapter}/adapter_config.json names no base model; pass --base")
+    return Source(model=_local_or_hub(model), adapter=_checked_adapter(adapter), label=f"{model} + {adapter}")
+
+
+def recipe_base_model(recipe: Recipe) -> str:
+    return recipe_base_model_name(recipe.model.name_or_path)
+
+
+def recipe_base_model_name(name: str) -> str:
+    from finetune.builtin import BuiltinModelError, resolve_model_path
+
+    try:
+        return resolve_model_path(name)  # builtin:tiny-llama is rebuilt locally if missing
+    except BuiltinModelError as exc:
+        raise ChatError(str(exc)) from None
+
+
+def _local_or_hub(model: str) -> str:
+    """A local directory must hold a model; anything else is a hub id (from_pretrained reports it)."""
+    from finetune.builtin import is_builtin
+
+    if is_builtin(model):
+        return recipe_base_model_name(model)
+    local = Path(model).expanduser()
+    looks_local = model.startswith(("/", "./", "../", "~")) or local.exists()
+    if looks_local and not (local / "config.json").is_file():
+        raise ChatError(f"base model {model} not found (no config.json there); pass --base DIR with the base model")
+    return str(local) if looks_local else model
+
+
+def _checked_adapter(adapter: Path) -> Path:
+    adapter = Path(adapter)
+    if not (adapter / "adapter_config.json").is_file():
+        raise ChatError(f"{adapter}: no adapter_config.json (not a PEFT adapter)")
+    if not any(adapter.glob("adapter_model.*")):
+        raise ChatError(f"{adapter}: no adapter_model.safetensors (an incomplete adapter)")
+    return adapter
+
+
+def _read_recipe(path: Path) -> Recipe:
+    from pydantic import ValidationError
+
+    from finetune.recipe.yamlio import DocumentError, load_yaml
+
+    try:
+        return Recipe.model_validate(load_yaml(path.read_text(encoding="utf-8"), str(path)).data)
+    except (DocumentError, ValidationError, OSError) as exc:
+        raise ChatError(f"{path}: cannot read the run's recipe: {exc}") from None
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ChatError(f"{path}: cannot read: {exc}") from None
+    return data if isinstance(data, dict) else {}
+
+
+# ------------------------------------------------------------------------------------------------
+# Loading
+
+
+@dataclass
+class ChatModel:
+    model: Any
+    tokenizer: Any
+    fmt: str
+    device: str
+    label: str
+
+
+def pick_device(requested: str = "auto") -> str:
+    import torch
+
+    if requested not in ("auto", "cpu", "cuda"):
+        raise ChatError(f"--device must be auto, cpu or cuda, got {requested!r}")
+    if requested == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise ChatError("--device cuda: no CUDA GPU is visible (torch.cuda.is_available() is false)")
+    return requested
+
+
+def weights_estimate(source: Source) -> tuple[Optional[int], str]:
+    """(bytes, how it was estimated) of the weights on the GPU: the planner's for a recipe's model."""
+    if source.recipe is not None:
+        from finetune import plan as planner
+
+        try:
+            setup = planner.setup_from_recipe(source.recipe, gpus=1, nodes=1)
+        except planner.PlanError:
+            setup = None
+        if setup is not None:
+            setup = replace(setup, deepspeed=False, stage=0, offload_optimizer="none", offload_param="none")
+            return planner.plan(setup).per_gpu["weights"], "the planner's weight estimate (finetune plan)"
+    local = Path(source.model)
+    if local.is_dir():
+        files = list(local.glob("*.safetensors")) or list(local.glob("*.bin"))
+        if files:
+            return sum(f.stat().st_size for f in files), "the size of its weight files"
+    return None, ""
+
+
+def check_gpu_fits(source: Source, free_bytes: int, device_name: str) -> None:
+    need, how = weights_estimate(source)
+    # The weights plus a tenth for the KV cache, activations and the CUDA context of a short chat.
+    if need is not None and need * 1.1 > free_bytes:
+        raise ChatError(f"the model needs about {need / 2**30:.1f} GiB for its weights ({how}); {device_name} has "
+                        f"{free_bytes / 2**30:.1f} GiB free. Chat on the CPU with --device cpu")
+
+
+def load_chat_model(source: Source, device: str = "auto") -> ChatModel:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    _quiet_loading()
+    device = pick_device(device)
+    if device == "cuda":
+        free, _ = torch.cuda.mem_get_info()
+        check_gpu_fits(source, free, torch.cuda.get_device_name(0))
+    kwargs: dict[str, Any] = {"dtype": "auto"}
+    recipe = source.recipe
+    if recipe is not None:
+        from finetune.train.model import quantization_config, torch_dtype
+
+        kwargs["attn_implementation"] = recipe.model.attn_implementation
+        kwargs["trust_remote_code"] = recipe.model.trust_remote_code
+        if source.adapter is not None:  # the base as it trained; a merged or full model keeps its saved dtype
+            kwargs["dtype"] = torch_dtype(recipe.model.dtype)
+            if recipe.model.revision:
+                kwargs["revision"] = recipe.model.revision
+            quant = quantization_config(recipe)  # QLoRA: the base in 4-bit, as it trained
+            if quant is not None:
+                kwargs["quantization_config"] = quant
+                kwargs["device_map"] = {"": 0 if device == "cuda" else "cpu"}
+    try:
+        model = AutoModelForCausalLM.from_pretrained(source.model, **kwargs)
+    except (OSError, ValueError) as exc:
+        raise ChatError(f"cannot load the model {source.model}: {str(exc).splitlines()[0]}") from None
+    if "device_map" not in kwargs:
+        model.to(device)
+    if source.adapter is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, str(source.adapter))
+    model.eval()
+    tokenizer = _load_tokenizer(source)
+    fmt = source.fmt
+    if fmt == "messages" and not tokenizer.chat_template:
+        if recipe is not None:
+            raise ChatError(f"{source.label}: trained with format: messages but the tokenizer has no chat template")
+        fmt = "text"  # a model without a recipe and without a template: continue plain text
+    return ChatModel(model=model, tokenizer=tokenizer, fmt=fmt, device=device, label=source.label)
+
+
+def _quiet_loading() -> None:
+    """The conversation is the output: no weight-loading bar, no deprecation raised between libraries."""
+    import warnings
+
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    warnings.filterwarnings("ignore", message=r".*is_gradient_checkpointing. is deprecated", category=FutureWarning)
+
+
+def _load_tokenizer(source: Source):
+    from transformers import AutoTokenizer
+
+    candidates = [source.tokenizer] if source.tokenizer else []
+    if source.adapter is not None and ((source.adapter / "tokenizer_config.json").is_file()
+                                       or (source.adapter / "tokenizer.json").is_file()):
+        candidates.append(str(source.adapter))
+    candidates.append(source.model)
+    trust = bool(source.recipe and source.recipe.model.trust_remote_code)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(candidates[0], trust_remote_code=trust)
+    except (OSError, ValueError) as exc:
+        raise ChatError(f"cannot load the tokenizer from {candidates[0]}: {str(exc).splitlines()[0]}") from None
+    if source.recipe is not None and source.recipe.data.chat_template and not source.tokenizer:
+        tokenizer.chat_template = source.recipe.data.chat_template
+    return tokenizer
+
+
+# ------------------------------------------------------------------------------------------------
+# The conversation
+
+
+@dataclass
+class Turn:
+    user: str
+    reply: str
+    reply_ids: list[int]
+
+
+@dataclass
+class Conversation:
+    """The turns so far, rendered into prompt token ids the way the run trained on them."""
+
+    tokenizer: Any
+    fmt: str
+    turns: list[Turn] = field(default_factory=list)
+
+    def reset(self) -> None:
+        self.turns.clear()
+
+    def add(self, user: str, reply: str, reply_ids: list[int]) -> None:
+        self.turns.append(Turn(user, reply, reply_ids))
+
+    def prompt_ids(self, user: str, first: int = 0) -> list[int]:
+        """Token ids the model continues to answer `user`, with the turns from `first` on before it."""
+        turns = self.turns[first:]
+        if self.fmt == "alpaca":
+            return self._alpaca(turns, user)
+        if self.fmt == "messages":
+            messages = []
+            for turn in turns:
+                messages += [{"role": "user", "content": turn.user}, {"role": "assistant", "content": turn.reply}]
+            messages.append({"role": "user", "content": user})
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        text = "".join(turn.user + turn.reply for turn in turns) + user
+        return list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
+
+    def _alpaca(self, turns: list[Turn], user: str) -> list[int]:
+        from finetune.data.tokenize import format_alpaca
+
+        eos = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
+        ids: list[int] = []
+        for turn in turns:
+            prompt, _ = format_alpaca({"instruction": turn.user, "output": ""})
+            ids += self.tokenizer(prompt, add_special_tokens=True)["input_ids"] + turn.reply_ids + eos
+        prompt, _ = format_alpaca({"instruction": user, "output": ""})
+        return ids + list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
+
+
+@dataclass
+class Reply:
+    text: str
+    ids: list[int]
+    prompt_tokens: int
+    dropped_turns: int = 0
+
+
+def context_limit(model) -> Optional[int]:
+    config = getattr(model, "config", None)
+    return getattr(config, "max_position_embeddings", None)
+
+
+def answer(chat: ChatModel, conversation: Conversation, user: str, *, max_new_tokens: int = 256,
+           temperature: float = 0.0, seed: Optional[int] = None,
+           on_text: Callable[[str], None] = lambda s: None) -> Reply:
+    """Generate the reply to `user`, streaming its text to `on_text`; the turn is added to the conversation."""
+    import torch
+    from transformers import TextStreamer, set_seed
+
+    limit = context_limit(chat.model)
+    first, ids = 0, conversation.prompt_ids(user)
+    # The oldest turns leave when the conversation outgrows the model's context.
+    while limit is not None and len(ids) + 1 > limit - min(max_new_tokens, limit // 4) and first < len(conversation.turns):
+        first += 1
+        ids = conversation.prompt_ids(user, first)
+    if limit is not None and len(ids) >= limit:
+        raise ChatError(f"the prompt is {len(ids)} tokens; the model's context is {limit}")
+    new_tokens = max_new_tokens if limit is None else min(max_new_tokens, limit - len(ids))
+
+    class Stream(TextStreamer):  # TextStreamer prints to stdout; this hands the text to the caller
+        def on_finalized_text(self, text: str, stream_end: bool = False) -> None:
+            if text:
+                on_text(text)
+
+    if seed is not None:
+        set_seed(seed)
+    tokenizer = chat.tokenizer
+    input_ids = torch.tensor([ids], dtype=torch.long, device=chat.model.device)
+    sampling: dict[str, Any] = {"do_sample": True, "temperature": temperature} if temperature > 0 else \
+        {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
+    with torch.no_grad():
+        output = chat.model.generate(
+            input_ids=input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=new_tokens,
+            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
+            streamer=Stream(tokenizer, skip_prompt=True, skip_special_tokens=True), **sampling)
+    reply_ids = output[0, len(ids):].tolist()
+    if reply_ids and reply_ids[-1] == tokenizer.eos_token_id:
+        reply_ids = reply_ids[:-1]
+    text = tokenizer.decode(reply_ids, skip_special_tokens=True)
+    conversation.add(user, text, reply_ids)
+    return Reply(text=text, ids=reply_ids, prompt_tokens=len(ids), dropped_turns=first)

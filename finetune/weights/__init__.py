@@ -1,0 +1,1 @@
+"""After training: convert DeepSpeed checkpoints, merge adapters, LoRA math, verify, safetensors I/O."""

@@ -1,0 +1,110 @@
+"""What `finetune merge` reads: the base model and adapter directories, found from a run directory or given."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from finetune.weights.safetensors_io import MergeError, read_json
+from finetune.builtin import is_builtin
+
+ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
+
+
+@dataclass
+class Inputs:
+    base: Path
+    adapter: Path
+    tokenizer_dirs: tuple = ()  # searched for tokenizer files after the adapter, before the base
+
+
+def resolve_inputs(run_dir: Optional[Path], base: Optional[Path], adapter: Optional[Path]) -> Inputs:
+    """Base and adapter from a run directory, or from --base/--adapter (which override the run's)."""
+    tokenizer_dirs: tuple = ()
+    if run_dir is not None:
+        if not run_dir.is_dir():
+            raise MergeError(f"{run_dir}: no such run directory")
+        adapter = adapter or _run_adapter(run_dir)
+        base = base or _run_base(run_dir, adapter)
+        # `finetune train` saves the tokenizer it trained with (chat template included) in tokenizer/.
+        tokenizer_dirs = (run_dir / "tokenizer", run_dir)
+    if base is None or adapter is None:
+        raise MergeError("give a run directory, or both --base and --adapter")
+    adapter_weights(adapter)  # fails early and clearly when the adapter is incomplete
+    base_local_dir(base)
+    return Inputs(base, adapter, tokenizer_dirs)
+
+
+def _run_adapter(run_dir: Path) -> Path:
+    for candidate in (run_dir / "adapter", run_dir):
+        if (candidate / "adapter_config.json").is_file():
+            return candidate
+    hint = ""
+    if any(run_dir.glob("checkpoint-*/global_step*")):
+        hint = " (it has DeepSpeed checkpoints: `finetune convert RUN_DIR/checkpoint-N -o ADAPTER` makes one)"
+    elif (run_dir / "model").is_dir() or (run_dir / "model.safetensors").is_file():
+        hint = " (it holds full weights: a full fine-tune needs no merge)"
+    elif not (run_dir / "recipe.yaml").is_file():
+        runs = sorted(str(p.parent) for p in run_dir.glob("*/recipe.yaml"))
+        if runs:  # `finetune merge runs -o x`: the folder that holds the run directories
+            hint = f" (it holds run directories: {', '.join(runs)}; give one of them)"
+    raise MergeError(f"{run_dir}: no adapter/adapter_config.json{hint}")
+
+
+def _run_base(run_dir: Path, adapter: Path) -> Path:
+    """The base model path from the run's resolved recipe, else from adapter_config.json."""
+    tried = []
+    recipe = run_dir / "recipe.yaml"
+    if recipe.is_file():
+        from finetune.recipe.yamlio import DocumentError, load_yaml, read_text
+
+        try:
+            data = load_yaml(read_text(recipe), str(recipe)).data
+        except (DocumentError, OSError) as exc:
+            raise MergeError(f"{recipe}: cannot read: {exc}") from None
+        name = (data.get("model") or {}).get("name_or_path") if isinstance(data, dict) else None
+        if isinstance(name, str) and is_builtin(name):
+            from finetune.builtin import resolve_model_path  # the demo model, built locally on first use
+
+            name = resolve_model_path(name)
+        if isinstance(name, str) and name:
+            path = Path(name) if Path(name).is_absolute() else run_dir / name
+            if path.is_dir():
+                return path
+            tried.append(f"{recipe} model.name_or_path={name!r}")
+    config = read_json(adapter / "adapter_config.json")
+    name = config.get("base_model_name_or_path")
+    if isinstance(name, str) and name:
+        if Path(name).is_dir():
+            return Path(name)
+        tried.append(f"{adapter / 'adapter_config.json'} base_model_name_or_path={name!r}")
+    if not tried:
+        raise MergeError(f"{run_dir}: no recipe.yaml and no base_model_name_or_path in the adapter config; pass --base")
+    raise MergeError(f"base model not found locally ({'; '.join(tried)}); "
+                     "download it (huggingface-cli download ID --local-dir DIR) and pass --base DIR")
+
+
+def base_local_dir(base: Path) -> None:
+    if base.is_dir():
+        if not (base / "config.json").is_file():
+            raise MergeError(f"{base}: no config.json (not a transformers model directory)")
+        return
+    if base.exists():
+        raise MergeError(f"{base}: the base model must be a directory, not a file")
+    if re.fullmatch(r"[\w.-]+/[\w.-]+", str(base)):
+        raise MergeError(f"{base}: no such directory; merge reads local files only, so for a hub id download "
+                         f"it first (huggingface-cli download {base} --local-dir DIR) and pass --base DIR")
+    raise MergeError(f"{base}: no such base model directory")
+
+
+def adapter_weights(adapter: Path) -> Path:
+    if not adapter.is_dir():
+        raise MergeError(f"{adapter}: no such adapter directory")
+    if not (adapter / "adapter_config.json").is_file():
+        raise MergeError(f"{adapter}: no adapter_config.json (not a PEFT adapter directory)")
+    for name in ADAPTER_WEIGHTS:
+        if (adapter / name).is_file():
+            return adapter / name
+    raise MergeError(f"{adapter}: no {ADAPTER_WEIGHTS[0]} (or {ADAPTER_WEIGHTS[1]})")
