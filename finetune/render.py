@@ -35,7 +35,7 @@ def render_deepspeed(recipe: Recipe, world_size: Optional[int] = None) -> dict[s
     config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": t.micro_batch_size,
         "gradient_accumulation_steps": t.gradient_accumulation_steps,
-        "train_batch_size": t.micro_batch_size * t.gradient_accumulation_steps * world if world else "auto",
+        "train_batch_size": _train_batch_size(recipe, world),
         "gradient_clipping": t.max_grad_norm,
         "bf16": {"enabled": recipe.model.dtype == "bfloat16"},
         "fp16": _fp16_block(recipe.model.dtype == "float16"),
@@ -44,12 +44,72 @@ def render_deepspeed(recipe: Recipe, world_size: Optional[int] = None) -> dict[s
     if optimizer is not None:
         config["optimizer"] = optimizer
     config["zero_optimization"] = _zero_block(recipe)
+    if recipe.parallel.tensor > 1:
+        # DeepSpeed's AutoTP for training (deepspeed/runtime/engine.py _configure_tensor_parallel); the HF
+        # integration calls deepspeed.tp_model_init with it before the engine (integrations/deepspeed.py).
+        config["tensor_parallel"] = {"autotp_size": recipe.parallel.tensor}
     if t.optimizer in HF_OPTIMIZERS and ds.offload_optimizer != "none":
         # DeepSpeed refuses a client optimizer with offload unless told it may (lint flags this).
         config["zero_force_ds_cpu_optimizer"] = False
     config["steps_per_print"] = _STEPS_PER_PRINT
     config["wall_clock_breakdown"] = False
     return deep_merge(config, ds.overrides)
+
+
+def _train_batch_size(recipe: Recipe, world: Optional[int]) -> Any:
+    """DeepSpeed's identity train_batch_size = micro x accumulation x (the world DeepSpeed's config sees).
+
+    Without Ulysses that world is every process; AutoTP ranks count in it too (DeepSpeedConfig has no mpu
+    under AutoTP, so its world is dist.get_world_size()), although they see the same rows. With Ulysses two
+    DeepSpeed configs are built from this file: zero.Init's (transformers, no mpu: every process) and the
+    engine's (accelerate rewrites train_batch_size to micro x accumulation x world / sp in
+    Accelerator._prepare_deepspeed). One number cannot be right for both, so it stays "auto"; the engine's
+    value is in deepspeed.effective.json. Rows per optimizer step: finetune.render.batch_arithmetic.
+    """
+    t = recipe.training
+    if world is None or recipe.parallel.sequence > 1:
+        return "auto"
+    return t.micro_batch_size * t.gradient_accumulation_steps * world
+
+
+def batch_arithmetic(recipe: Recipe, world: Optional[int] = None) -> dict[str, Any]:
+    """What one optimizer step consumes, with the sentence that explains it (README: Long context).
+
+    dp = world / (sequence x tensor) groups see different rows; the processes of one Ulysses group
+    process the same row, a 1/sp slice each (DeepSpeed's UlyssesSPDataLoaderAdapter gathers one batch
+    from each rank of the group and feeds them to the whole group one after another); AutoTP ranks
+    see the same rows. Sequences per step = micro x accumulation x dp; tokens up to that x max_length.
+    """
+    t, p = recipe.training, recipe.parallel
+    world = world if world is not None else recipe.world_size
+    out: dict[str, Any] = {"world_size": world, "sequence": p.sequence, "tensor": p.tensor,
+                           "data_parallel": None, "sequences_per_step": None, "max_tokens_per_step": None,
+                           "tokens_per_process": -(-recipe.data.max_length // p.sequence)}
+    if world is None or world % p.model_parallel:
+        out["explanation"] = (f"world size {world or 'unknown'}: data-parallel size = world / (sequence {p.sequence} x "
+                              f"tensor {p.tensor}) needs a world divisible by {p.model_parallel}")
+        return out
+    dp = world // p.model_parallel
+    seqs = t.micro_batch_size * t.gradient_accumulation_steps * dp
+    out.update(data_parallel=dp, sequences_per_step=seqs, max_tokens_per_step=seqs * recipe.data.max_length)
+    out["explanation"] = (f"{world} processes = {dp} data-parallel x {p.sequence} sequence x {p.tensor} tensor; "
+                          f"{t.micro_batch_size} x {t.gradient_accumulation_steps} x {dp} = {seqs} sequences per step "
+                          f"(up to {seqs * recipe.data.max_length:,} tokens); each process holds up to "
+                          f"{out['tokens_per_process']:,} tokens of a sequence")
+    return out
+
+
+def render_parallelism(recipe: Recipe) -> Optional[dict[str, Any]]:
+    """TrainingArguments.parallelism_config as JSON (the runner builds accelerate's ParallelismConfig from it;
+    its dp_shard_size, the data-parallel size accelerate uses for the engine's train_batch_size, comes from the
+    real world size there). None without sequence parallelism: AutoTP is DeepSpeed's (tensor_parallel above)."""
+    p = recipe.parallel
+    if p.sequence == 1:
+        return None
+    return {"sp_backend": "deepspeed", "sp_size": p.sequence,
+            # variable: every micro batch is padded to its own longest row (a multiple of sp), not to max_length
+            "sp_handler": {"sp_seq_length_is_variable": True,
+                           "sp_attn_implementation": recipe.model.attn_implementation}}
 
 
 def _fp16_block(enabled: bool) -> dict[str, Any]:
@@ -143,6 +203,9 @@ def render_training_args(recipe: Recipe, output_dir: Optional[str] = None) -> di
     }
     if t.optimizer in HF_OPTIMIZERS:
         args["optim"] = HF_OPTIMIZERS[t.optimizer]
+    parallelism = render_parallelism(recipe)
+    if parallelism is not None:
+        args["parallelism_config"] = parallelism
     if t.loss_kernel == "liger":
         # The Trainer applies Liger's kernels to the model (transformers/integrations/liger.py),
         # fused linear cross-entropy included; the other loss kernels are the runner's.

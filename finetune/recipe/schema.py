@@ -246,6 +246,16 @@ class DeepSpeedSection(_Section):
         return value
 
 
+class ParallelSection(_Section):
+    sequence: int = Field(1, ge=1, le=MAX_PROCS, description="Ulysses sequence parallelism (DeepSpeed ALST, through accelerate's ParallelismConfig): each sequence is split across this many processes, which exchange attention heads (all-to-all); activations and logits per process shrink by this factor. Needs heads and kv-heads divisible by it, sdpa or flash attention. README: Long context.")
+    tensor: int = Field(1, ge=1, le=MAX_PROCS, description="DeepSpeed AutoTP (tensor_parallel.autotp_size): linear layers are split across this many processes, which see the same rows. ZeRO stage 0-2 only. README: Long context.")
+
+    @property
+    def model_parallel(self) -> int:
+        """Processes that share one stream of rows (sequence x tensor)."""
+        return self.sequence * self.tensor
+
+
 class LaunchSection(_Section):
     procs_per_node: Union[int, Literal["auto"]] = Field("auto", description="Processes per machine (auto: one per visible GPU, or cpu_procs without a GPU).")
     cpu_procs: int = Field(1, ge=1, le=MAX_PROCS, description="With procs_per_node: auto and no GPU visible: CPU processes on DeepSpeed's CPU accelerator (CI, demos).")
@@ -296,6 +306,7 @@ class Recipe(_Section):
     data: DataSection = Field(description="The training data.")
     training: TrainingSection = Field(default_factory=TrainingSection, description="Optimisation hyper-parameters (HF TrainingArguments).")
     deepspeed: DeepSpeedSection = Field(default_factory=DeepSpeedSection, description="ZeRO stage, offload and buckets (rendered to DeepSpeed JSON).")
+    parallel: ParallelSection = Field(default_factory=ParallelSection, description="Model parallelism beside ZeRO's data parallelism: sequence (Ulysses) and tensor (AutoTP) degrees.")
     launch: LaunchSection = Field(default_factory=LaunchSection, description="Processes and machines.")
     hardware: Optional[HardwareSection] = Field(None, description="The machines the recipe is meant for (used by lint and plan).")
     output_dir: str = Field("runs/{name}", description="Run directory ({name} is replaced by the run name); relative to the current directory.")
@@ -319,6 +330,16 @@ class Recipe(_Section):
         if self.hardware is not None:
             return self.hardware.gpus * self.launch.nodes
         return None
+
+
+    @property
+    def data_parallel_size(self) -> Optional[int]:
+        """Processes that see different rows: world / (sequence x tensor), or None when the world is known only
+        at launch (or does not divide; lint says so)."""
+        world = self.world_size
+        if world is None or world % self.parallel.model_parallel:
+            return None
+        return world // self.parallel.model_parallel
 
 
 def section_model(annotation: Any) -> Any:

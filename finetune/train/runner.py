@@ -262,6 +262,7 @@ def run(run_dir: Path, resume: bool = False) -> None:
     _quiet_libraries()
 
     import deepspeed
+    import torch
     import transformers
     from transformers import Trainer, TrainingArguments
 
@@ -269,7 +270,7 @@ def run(run_dir: Path, resume: bool = False) -> None:
     from finetune.train.callbacks import EffectiveDeepSpeedConfig, LossPlot, ProgressLines, TrainClock
     from finetune.data.sources import section_for_tokenizing
     from finetune.data.tokenize import make_collator, mix_report, split_eval, tokenize_for_training
-    from finetune.train import preference
+    from finetune.train import parallel, preference
     from finetune.train.model import count_parameters, load_model, load_tokenizer, prepare_model
 
     on_cpu = is_cpu_accelerator()
@@ -285,6 +286,8 @@ def run(run_dir: Path, resume: bool = False) -> None:
     args_kwargs = {**args_kwargs, "output_dir": str(run_dir), "deepspeed": ds_config,
                    "include_num_input_tokens_seen": "non_padding"}
     args_kwargs = training_arguments_kwargs(args_kwargs, {f.name for f in dataclasses.fields(TrainingArguments)})
+    # Ulysses SP: accelerate's ParallelismConfig, built from its JSON (finetune.train.parallel)
+    args_kwargs = parallel.training_arguments(args_kwargs, torch.distributed.get_world_size())
     if on_cpu:
         args_kwargs["use_cpu"] = True
     os.environ.setdefault("TENSORBOARD_LOGGING_DIR", str(run_dir / "tensorboard"))
@@ -312,6 +315,7 @@ def run(run_dir: Path, resume: bool = False) -> None:
         train_set, eval_set = split_eval(dataset, recipe.data.validation_split, recipe.training.seed)
         collator = make_collator(tokenizer.pad_token_id, recipe.model.attn_implementation, recipe.data.packing,
                                  recipe.data.padding_free)
+        collator = parallel.wrap_collator(collator, args_kwargs, tokenizer.pad_token_id, recipe, on_cpu)
     else:  # raw rows: TRL's trainer tokenizes them (chat template, EOS, truncation) and collates
         (train_set, eval_set), collator = preference.split_rows(recipe), None
 

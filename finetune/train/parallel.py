@@ -1,0 +1,108 @@
+"""Sequence and tensor parallelism in the per-rank runner (recipe keys `parallel.sequence`, `parallel.tensor`).
+
+Ulysses SP (DeepSpeed ALST) is switched on through `TrainingArguments.parallelism_config`: transformers hands
+it to accelerate, whose Accelerator._prepare_deepspeed registers DeepSpeed's UlyssesSPAttentionHF in place of
+the attention kernel, passes its mpu to deepspeed.initialize and wraps the train data loader in
+UlyssesSPDataLoaderAdapter; Trainer.compute_loss then averages the per-rank shard losses by their token
+counts (transformers/integrations/deepspeed.py deepspeed_sp_compute_loss). What that machinery expects from
+us, and this module provides:
+- the ParallelismConfig object itself (training_args.json can hold only its JSON, finetune.render);
+- batches with `position_ids` (the adapter refuses a batch without them: after the all-to-all they are the
+  only causal structure left, the attention mask is dropped) whose length is a multiple of sp (the adapter
+  cuts each row into sp equal slices and refuses any other length).
+AutoTP needs nothing here: it is `tensor_parallel.autotp_size` in the DeepSpeed JSON.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+# Keys of a flattened (padding-free) batch for flash attention's varlen call. They describe the whole
+# sequence, while each SP rank holds a slice; the adapter would also try to slice them (1-D). Without them
+# flash attention finds the examples from the gathered position_ids (DeepSpeed's ulysses_sp.py notes this).
+_WHOLE_SEQUENCE_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+
+
+def parallelism_config(spec: Optional[dict[str, Any]], world_size: int):
+    """accelerate's ParallelismConfig from training_args.json's `parallelism_config` (None: no SP)."""
+    if not spec:
+        return None
+    from accelerate.parallelism_config import ParallelismConfig
+    from accelerate.utils import DeepSpeedSequenceParallelConfig
+
+    spec = dict(spec)
+    handler = DeepSpeedSequenceParallelConfig(**spec.pop("sp_handler", {}))
+    sp = int(spec["sp_size"])
+    if world_size % sp:
+        raise ValueError(f"parallel.sequence: {sp} does not divide the {world_size} processes of this run")
+    # accelerate sets the engine's train_batch_size to micro x accumulation x data_parallel_size
+    # (dp_replicate x dp_shard, both 1 unless given): the data-parallel size must be named when there is one.
+    dp = world_size // sp
+    if dp > 1:
+        spec.setdefault("dp_shard_size", dp)
+    return ParallelismConfig(sp_handler=handler, **spec)
+
+
+def training_arguments(args_kwargs: dict[str, Any], world_size: int) -> dict[str, Any]:
+    """training_args.json's kwargs with `parallelism_config` turned into the object TrainingArguments takes."""
+    out = dict(args_kwargs)
+    spec = out.pop("parallelism_config", None)
+    config = parallelism_config(spec, world_size)
+    if config is not None:
+        out["parallelism_config"] = config
+    return out
+
+
+def sequence_parallel_size(args_kwargs: dict[str, Any]) -> int:
+    spec = args_kwargs.get("parallelism_config") or {}
+    return int(spec.get("sp_size", 1)) if isinstance(spec, dict) else int(getattr(spec, "sp_size", 1) or 1)
+
+
+class SequenceParallelCollator:
+    """Wraps a collator so its batches suit Ulysses: position_ids on every row, width a multiple of sp.
+
+    Padding is at the end of each row: pad tokens, labels -100, attention mask 0, position ids continuing
+    from 0 as a separate trailing sequence (what the packing collators do with their padding), so no real
+    token attends to it or is scored on it.
+    """
+
+    def __init__(self, inner: Callable[[list[dict[str, Any]]], dict[str, Any]], sp: int, pad_token_id: int,
+                 width: Optional[int] = None):
+        self.inner, self.sp, self.pad_token_id = inner, sp, pad_token_id
+        self.width = None if width is None else -(-width // sp) * sp
+
+    def __call__(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
+        import torch
+
+        batch = {k: v for k, v in self.inner(rows).items() if k not in _WHOLE_SEQUENCE_KEYS}
+        ids = batch["input_ids"]
+        count, width = ids.shape
+        if "position_ids" not in batch:
+            batch["position_ids"] = torch.arange(width, dtype=torch.long).expand(count, width).clone()
+        pad = (self.width - width) if self.width is not None and self.width > width else -width % self.sp
+        if pad:
+            fills = {"input_ids": self.pad_token_id, "labels": -100, "attention_mask": 0}
+            for key, value in list(batch.items()):
+                if not torch.is_tensor(value) or value.dim() != 2 or value.shape[1] != width:
+                    continue
+                if key == "position_ids":
+                    tail = torch.arange(pad, dtype=value.dtype).expand(count, pad)
+                else:
+                    tail = torch.full((count, pad), fills.get(key, 0), dtype=value.dtype)
+                batch[key] = torch.cat([value, tail], dim=1)
+        return batch
+
+
+def wrap_collator(collator, args_kwargs: dict[str, Any], pad_token_id: int, recipe, on_cpu: bool):
+    """The SP collator, or `collator` itself without SP.
+
+    On gloo (the CPU accelerator) every batch is padded to one width: the adapter all-gathers each rank's
+    batch into buffers of that rank's length, which NCCL accepts and gloo refuses ("ProcessGroupGloo::allgather:
+    invalid tensor size", deepspeed 0.19.8). On a GPU each batch keeps its own length (a multiple of sp).
+    """
+    sp = sequence_parallel_size(args_kwargs)
+    if sp == 1:
+        return collator
+    d = recipe.data
+    width = d.max_length * (recipe.training.micro_batch_size if d.padding_free else 1) if on_cpu else None
+    return SequenceParallelCollator(collator, sp, pad_token_id, width)
