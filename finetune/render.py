@@ -143,6 +143,10 @@ def _offload(device: str, nvme_path: Optional[str]) -> dict[str, Any]:
 def _zero_block(recipe: Recipe) -> dict[str, Any]:
     ds = recipe.deepspeed
     zero: dict[str, Any] = {"stage": ds.stage}
+    if recipe.parallel.tensor > 1:
+        # AutoTP shards weights too: the Trainer saves them through accelerate's get_state_dict, which gathers
+        # the AutoTP shards only when this is true (else ValueError -> a ZeRO checkpoint instead of weights).
+        zero["stage3_gather_16bit_weights_on_model_save"] = ds.gather_16bit_weights_on_model_save
     if ds.stage == 0:
         return zero
     if ds.offload_optimizer != "none":

@@ -207,13 +207,15 @@ def save_final_logits(model, batch: dict[str, Any], device, path: Optional[Path]
         os.replace(tmp, path)
 
 
-def summarize(trainer, clock, world_size: int, memory: list[tuple[int, str]], extra: dict[str, Any]) -> dict[str, Any]:
+def summarize(trainer, clock, world_size: int, memory: list[tuple[int, str]], extra: dict[str, Any],
+              token_replicas: int = 1) -> dict[str, Any]:
+    """`token_replicas`: processes that see the same tokens (AutoTP ranks); the Trainer counts them on each."""
     state = trainer.state
     history = state.log_history
     losses = [{k: entry[k] for k in ("step", "epoch", "loss", "learning_rate", "grad_norm") if k in entry}
               for entry in history if "loss" in entry]
     evals = [{k: entry[k] for k in ("step", "epoch", "eval_loss") if k in entry} for entry in history if "eval_loss" in entry]
-    tokens = int(state.num_input_tokens_seen or 0)
+    tokens = int(state.num_input_tokens_seen or 0) // token_replicas
     seconds = clock.seconds
     summary: dict[str, Any] = {
         "steps": state.global_step,
@@ -374,7 +376,7 @@ def run(run_dir: Path, resume: bool = False) -> None:
                  "peak_memory_reserved_bytes": reserved if any(r is not None for r in reserved) else None,
                  "loss_kernel": recipe.training.loss_kernel}
         extra.update(preference.summary_extra(recipe, trainer.state.log_history))
-        summary = summarize(trainer, clock, world_size, memory, extra)
+        summary = summarize(trainer, clock, world_size, memory, extra, token_replicas=recipe.parallel.tensor)
         _write_json(run_dir / "summary.json", summary)
         _log_main(True)(f"done: {summary['steps']} steps, loss {_fmt(summary['train_loss_first'])} -> "
                         f"{_fmt(summary['train_loss_last'])}, {summary['tokens_per_second'] or 0:.0f} tokens/s; "
