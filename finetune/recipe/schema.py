@@ -61,6 +61,28 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_default=True, allow_inf_nan=False)
 
 
+class RopeScalingSection(_Section):
+    rope_type: Literal["linear", "dynamic", "yarn", "llama3"] = Field(description="transformers' RoPE scaling (modeling_rope_utils.ROPE_INIT_FUNCTIONS): linear (position interpolation), dynamic (NTK), yarn, llama3.")
+    factor: float = Field(gt=1, le=1024, description="How many times the model's trained positions the scaled context covers.")
+    original_max_position_embeddings: Optional[int] = Field(None, ge=1, le=1 << 24, description="Positions the model was trained with (default: its config's max_position_embeddings).")
+    low_freq_factor: Optional[float] = Field(None, gt=0, description="llama3 only (Llama 3.1 uses 1).")
+    high_freq_factor: Optional[float] = Field(None, gt=0, description="llama3 only (Llama 3.1 uses 4).")
+    beta_fast: Optional[float] = Field(None, gt=0, description="yarn only (default 32).")
+    beta_slow: Optional[float] = Field(None, gt=0, description="yarn only (default 1).")
+
+    @model_validator(mode="after")
+    def _keys_of_the_type(self) -> "RopeScalingSection":
+        llama3 = ("low_freq_factor", "high_freq_factor")
+        yarn = ("beta_fast", "beta_slow")
+        if self.rope_type == "llama3" and any(getattr(self, k) is None for k in llama3):
+            raise ValueError("rope_type llama3 needs low_freq_factor and high_freq_factor (Llama 3.1: 1 and 4)")
+        stray = [k for k in llama3 if self.rope_type != "llama3" and getattr(self, k) is not None]
+        stray += [k for k in yarn if self.rope_type != "yarn" and getattr(self, k) is not None]
+        if stray:
+            raise ValueError(f"{', '.join(stray)} do not apply to rope_type {self.rope_type}")
+        return self
+
+
 class ModelSection(_Section):
     name_or_path: str = Field(min_length=1, description="Hub id or local directory of the base model.")
     revision: Optional[str] = Field(None, description="Git revision (branch, tag or commit) of a hub model.")
@@ -69,6 +91,7 @@ class ModelSection(_Section):
         "sdpa", description="Attention kernel passed to from_pretrained.")
     trust_remote_code: bool = Field(False, description="Run modelling code shipped with the checkpoint. Off by default: it executes code from the hub.")
     tokenizer: Optional[str] = Field(None, description="Tokenizer location when it differs from the model's.")
+    rope_scaling: Optional[RopeScalingSection] = Field(None, description="Stretch the model's RoPE positions to a longer context (written into the config's rope_parameters before loading). README: Long context.")
     adapter: Optional[str] = Field(None, description="LoRA adapter to continue training (lora/qlora): an SFT run directory (its adapter/) or an adapter directory. Full fine-tunes start from an SFT run's model/ through name_or_path instead.")
 
     _paths = field_validator("name_or_path", "tokenizer", "adapter")(plain_path)

@@ -331,8 +331,20 @@ def checks_for_recipe(recipe: "Recipe", facts: Optional[Facts] = None) -> list[C
             checks.append(Check("liger-kernel.zero3", "warn", "training.loss_kernel: liger reads the output head's "
                                 "weight directly, which ZeRO-3 keeps partitioned outside the head's own forward",
                                 "use training.loss_kernel: chunked with ZeRO-3"))
+    checks += parallel_checks(recipe, facts)
     checks += device_checks(recipe, facts)
     checks += stop_timeout_checks(recipe, facts)
+    return checks
+
+
+def parallel_checks(recipe: "Recipe", facts: Facts) -> list[Check]:
+    from finetune.lint.parallel_rules import AUTOTP_FLOORS, ULYSSES_FLOORS
+
+    checks = []
+    if recipe.parallel.sequence > 1:
+        checks += floor_checks(facts, ULYSSES_FLOORS, "ulysses", "for parallel.sequence (Ulysses)")
+    if recipe.parallel.tensor > 1:
+        checks += floor_checks(facts, AUTOTP_FLOORS, "autotp", "for parallel.tensor (AutoTP)")
     return checks
 
 

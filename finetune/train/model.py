@@ -79,6 +79,10 @@ def load_model(recipe: Recipe, model_path: str):
         # No device_map: bitsandbytes' quantizer places the model on the current CUDA device (set
         # per rank by TrainingArguments) or on the CPU.
         kwargs["quantization_config"] = quant
+    if m.rope_scaling is not None:
+        from finetune.train.parallel import rope_scaled_config
+
+        kwargs["config"] = rope_scaled_config(model_path, m)
     return AutoModelForCausalLM.from_pretrained(model_path, **kwargs)
 
 

@@ -23,6 +23,10 @@ from typing import Any, Callable, Optional
 _WHOLE_SEQUENCE_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 
 
+class ParallelError(ValueError):
+    """A parallel.* setting this run's processes cannot carry out (one line, no traceback)."""
+
+
 def parallelism_config(spec: Optional[dict[str, Any]], world_size: int):
     """accelerate's ParallelismConfig from training_args.json's `parallelism_config` (None: no SP)."""
     if not spec:
@@ -34,7 +38,7 @@ def parallelism_config(spec: Optional[dict[str, Any]], world_size: int):
     handler = DeepSpeedSequenceParallelConfig(**spec.pop("sp_handler", {}))
     sp = int(spec["sp_size"])
     if world_size % sp:
-        raise ValueError(f"parallel.sequence: {sp} does not divide the {world_size} processes of this run")
+        raise ParallelError(f"parallel.sequence: {sp} does not divide the {world_size} processes of this run")
     # accelerate sets the engine's train_batch_size to micro x accumulation x data_parallel_size
     # (dp_replicate x dp_shard, both 1 unless given): the data-parallel size must be named when there is one.
     dp = world_size // sp
@@ -106,3 +110,18 @@ def wrap_collator(collator, args_kwargs: dict[str, Any], pad_token_id: int, reci
     d = recipe.data
     width = d.max_length * (recipe.training.micro_batch_size if d.padding_free else 1) if on_cpu else None
     return SequenceParallelCollator(collator, sp, pad_token_id, width)
+
+
+def rope_scaled_config(model_path: str, model_section):
+    """The model's config with `model.rope_scaling` merged into its rope_parameters (transformers 5 keeps
+    rope_theta there too, so the section is merged, not substituted); max_position_embeddings grows to the
+    scaled length, which transformers' yarn and llama3 read beside original_max_position_embeddings."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_path, revision=model_section.revision,
+                                        trust_remote_code=model_section.trust_remote_code)
+    scaling = {k: v for k, v in model_section.rope_scaling.model_dump().items() if v is not None}
+    original = scaling.setdefault("original_max_position_embeddings", config.max_position_embeddings)
+    config.rope_parameters = {**(getattr(config, "rope_parameters", None) or {}), **scaling}
+    config.max_position_embeddings = max(config.max_position_embeddings, int(original * scaling["factor"]))
+    return config

@@ -226,7 +226,7 @@ def summarize(trainer, clock, world_size: int, memory: list[tuple[int, str]], ex
         "tokens_trained": tokens,
         # throughput of this process's run only: after a resume the clock restarts, so do the tokens
         # None when the trainer counts no tokens (TRL's ORPO/CPO batches have no `input_ids` column to count)
-        "tokens_per_second": (tokens - clock.tokens_at_start) / seconds if seconds > 0 and tokens else None,
+        "tokens_per_second": (tokens - clock.tokens_at_start // token_replicas) / seconds if seconds > 0 and tokens else None,
         "wall_seconds": seconds,
         "world_size": world_size,
         "peak_memory_bytes": [m[0] for m in memory],
@@ -438,12 +438,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     from finetune.builtin import BuiltinModelError
     from finetune.data.tokenize import DataError
     from finetune.train.loss import LossKernelError
+    from finetune.train.parallel import ParallelError
     from finetune.train.shutdown import close_process_group
 
     try:
         run(args.run_dir.resolve(), resume=args.resume)
         close_process_group()
-    except (RunDirError, DataError, BuiltinModelError, LossKernelError) as exc:
+    except (RunDirError, DataError, BuiltinModelError, LossKernelError, ParallelError) as exc:
         # The launcher shows rank 0's console; one line, no traceback, for problems in the inputs.
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 1
