@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from finetune.fsutil import write_atomic
-from finetune.rundir.resume_key import RESUME_KEY_FILE, changed_fields, read_resume_key, resume_fields
+from finetune.rundir.resume_key import RESUME_KEY_FILE, process_count_change, read_resume_key, resume_fields
 
 CHECKPOINT_PREFIX = "checkpoint-"  # transformers.trainer_utils.PREFIX_CHECKPOINT_DIR + "-"
 MARKER = "COMPLETE"
@@ -279,7 +279,8 @@ def plan_resume(run_dir: Path, resolved: dict[str, Any], world_size: Optional[in
     checkpoints = list_checkpoints(run_dir)
     complete = [c for c in checkpoints if c.complete]
     old = read_resume_key(run_dir)
-    changes = changed_fields(old, resume_fields(resolved, world_size)) if old is not None and world_size else []
+    changes, count_note = process_count_change(old, resume_fields(resolved, world_size)) if old is not None and world_size \
+        else ([], None)
     finished = (run_dir / "summary.json").is_file()
     where = f"output directory {run_dir}"
     plan = ResumePlan()
@@ -308,9 +309,12 @@ def plan_resume(run_dir: Path, resolved: dict[str, Any], world_size: Optional[in
         return plan
     if changes and not force:
         plan.error = (f"the recipe changed since {latest.name} in {run_dir} was written, so resuming would not "
-                      f"continue the same run: {'; '.join(changes)}. Pass --force-resume to resume anyway, "
-                      f"or --overwrite to start over")
+                      f"continue the same run: {'; '.join(changes)}. "
+                      + (f"{count_note[0].upper()}{count_note[1:]}; or pass" if count_note else "Pass")
+                      + " --force-resume to resume anyway, or --overwrite to start over")
         return plan
+    if count_note and not changes:
+        plan.notes.append(count_note)
     if changes:
         plan.warnings.append(f"resuming from {latest.name} although the recipe changed (--force-resume): {'; '.join(changes)}")
     if old is None:

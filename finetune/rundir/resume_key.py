@@ -31,7 +31,11 @@ RESUME_KEYS = (
 # Keys added after run directories existed, with their defaults: written only when set, so that a
 # run directory started before them still resumes.
 KEYS_IF_SET = {"data.sources": None, "data.seed": None, "data.think": "train", "data.columns": {}, "data.roles": {},
-               "objective": "sft", "model.adapter": None}
+               "objective": "sft", "model.adapter": None, "parallel.sequence": 1, "parallel.tensor": 1}
+# What a change of process count may change with it: DeepSpeed's universal checkpoint re-partitions the saved
+# states for any count (finetune.train.universal), and the rows per step stay the same when micro x accumulation x
+# data-parallel size does (the Trainer then skips exactly the rows already trained).
+PROCESS_COUNT_KEYS = ("world_size", "training.gradient_accumulation_steps", "parallel.sequence", "parallel.tensor")
 QLORA_KEYS = ("quantization.quant_type", "quantization.double_quant", "quantization.compute_dtype",
               "quantization.storage_dtype")
 
@@ -109,3 +113,48 @@ def _data_size(path: str) -> Optional[int]:
     except OSError:
         return None
     return None
+
+
+def global_batch(fields: dict[str, Any]) -> Optional[int]:
+    """Sequences per optimizer step: micro x accumulation x world / (sequence x tensor)."""
+    try:
+        model_parallel = int(fields.get("parallel.sequence", 1)) * int(fields.get("parallel.tensor", 1))
+        world = int(fields["world_size"])
+        return int(fields["training.micro_batch_size"]) * int(fields["training.gradient_accumulation_steps"]) * \
+            (world // model_parallel)
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        return None
+
+
+def process_count_change(old: dict[str, Any], new: dict[str, Any]) -> tuple[list[str], Optional[str]]:
+    """(changes left that block a resume, a note) for a change of process count.
+
+    Exactly a change of process count resumes (no --force-resume): the runner converts the checkpoint to
+    DeepSpeed's universal format. It may bring a new gradient accumulation (or parallel.*) only when the rows per
+    step stay the same; otherwise the note says which accumulation would keep them."""
+    changes = changed_fields(old, new)
+    if old.get("world_size") == new.get("world_size") or old.get("world_size") is None:
+        return changes, None
+    others = [c for c in changes if not any(c.startswith(_label(k) + ":") for k in PROCESS_COUNT_KEYS)]
+    before, after = global_batch(old), global_batch(new)
+    if others or before is None or before != after:
+        hint = _accumulation_hint(old, new)
+        return changes, hint
+    return others, (f"process count {old['world_size']} -> {new['world_size']} with the same {after} sequences per "
+                    "step: the checkpoint is converted to DeepSpeed's universal format (ds_to_universal) at start")
+
+
+def _accumulation_hint(old: dict[str, Any], new: dict[str, Any]) -> Optional[str]:
+    before = global_batch(old)
+    per_accumulation = global_batch({**new, "training.gradient_accumulation_steps": 1})
+    if not before or not per_accumulation:
+        return None
+    if before % per_accumulation:
+        return (f"the checkpoint's {before} sequences per step cannot be kept on {new.get('world_size')} processes with "
+                f"micro_batch_size {new.get('training.micro_batch_size')}")
+    return (f"to resume on {new.get('world_size')} processes keep {before} sequences per step: set "
+            f"training.gradient_accumulation_steps: {before // per_accumulation}")
+
+
+def _label(key: str) -> str:
+    return "world size (processes)" if key == "world_size" else key

@@ -272,7 +272,7 @@ def run(run_dir: Path, resume: bool = False) -> None:
     from finetune.train.callbacks import EffectiveDeepSpeedConfig, LossPlot, ProgressLines, TrainClock
     from finetune.data.sources import section_for_tokenizing
     from finetune.data.tokenize import make_collator, mix_report, split_eval, tokenize_for_training
-    from finetune.train import parallel, preference
+    from finetune.train import parallel, preference, universal
     from finetune.train.model import count_parameters, load_model, load_tokenizer, prepare_model
 
     on_cpu = is_cpu_accelerator()
@@ -285,6 +285,9 @@ def run(run_dir: Path, resume: bool = False) -> None:
     # Checkpoints that are published only when complete, resume, SIGTERM -> checkpoint (preemption.py).
     resilience = preemption.setup(run_dir, recipe, ds_config, args_kwargs, resume)
     ds_config, args_kwargs = resilience.ds_config, resilience.args_kwargs
+    # A checkpoint of another process count: DeepSpeed's universal checkpoint (finetune.train.universal)
+    ds_config = universal.prepare_resume(resilience.checkpoint, ds_config, torch.distributed.get_world_size(),
+                                         process_rank() == 0, _log_main(process_rank() == 0))
     args_kwargs = {**args_kwargs, "output_dir": str(run_dir), "deepspeed": ds_config,
                    "include_num_input_tokens_seen": "non_padding"}
     args_kwargs = training_arguments_kwargs(args_kwargs, {f.name for f in dataclasses.fields(TrainingArguments)})
@@ -439,12 +442,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     from finetune.data.tokenize import DataError
     from finetune.train.loss import LossKernelError
     from finetune.train.parallel import ParallelError
+    from finetune.train.universal import UniversalCheckpointError
     from finetune.train.shutdown import close_process_group
 
     try:
         run(args.run_dir.resolve(), resume=args.resume)
         close_process_group()
-    except (RunDirError, DataError, BuiltinModelError, LossKernelError, ParallelError) as exc:
+    except (RunDirError, DataError, BuiltinModelError, LossKernelError, ParallelError,
+            UniversalCheckpointError) as exc:
         # The launcher shows rank 0's console; one line, no traceback, for problems in the inputs.
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 1
