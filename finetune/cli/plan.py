@@ -79,3 +79,7 @@ def plan(
     if advice is not None:
         typer.echo("")
         typer.echo(advice.render_text(), nl=False)
+        long_context = planner.long_context_text(the_recipe, setup, gpus, gpu_bytes, nodes, cpu_bytes)
+        if long_context:
+            typer.echo("")
+            typer.echo(long_context, nl=False)

@@ -25,6 +25,7 @@ PARALLEL_RULES: dict[str, str] = {
     "R146": "Ulysses with gradient accumulation: micro batches weigh equally, not tokens (info).",
     "R147": "data.max_length beyond the model's positions without model.rope_scaling.",
     "R148": "AutoTP with QLoRA (4-bit weights cannot be split).",
+    "R149": "Ulysses with ZeRO 0-2: gradients (and their logged norm) come out sequence times larger; clipping acts earlier.",
 }
 RULES.update(PARALLEL_RULES)
 
@@ -220,3 +221,20 @@ def positions(loaded: LoadedRecipe) -> Iterator[RawFinding]:
                          f"sequences of up to {length:,} tokens exceed the model's {limit:,} positions "
                          "(max_position_embeddings); beyond them RoPE extrapolates untrained",
                          f"set model.rope_scaling (e.g. {{rope_type: yarn, factor: {-(-length // limit)}}}) or data.max_length <= {limit}")
+
+
+@rule
+def ulysses_gradient_scale(loaded: LoadedRecipe) -> Iterator[RawFinding]:
+    r = loaded.recipe
+    sp = r.parallel.sequence
+    if sp == 1 or r.deepspeed.stage == 3:
+        return
+    # DeepSpeed ZeRO 0-2 divide the all-reduced gradients by dp / sp (zero/stage_1_and_2.py, engine.py), treating
+    # each rank's loss as its shard's; the Trainer's Ulysses loss is already the group's mean, whose backward sums
+    # the shards' contributions. ZeRO-3 comes out right. tests/test_parallel_runs.py measures the factor.
+    clip = r.training.max_grad_norm
+    yield RawFinding("R149", "warning", ("parallel", "sequence"),
+                     f"Ulysses with ZeRO-{r.deepspeed.stage}: the gradients come out {sp}x too large (DeepSpeed averages them over "
+                     f"dp / sp), so the logged grad_norm is {sp}x and clipping at {clip} acts at a true norm of {clip / sp:g}; "
+                     "Adam's update is otherwise scale-free", "use deepspeed.stage: 3 with parallel.sequence, or accept the scale "
+                     f"(training.max_grad_norm: {clip * sp:g} clips where the recipe means {clip})")

@@ -38,6 +38,7 @@ from finetune.plan.constants import (
     DS_REDUCE_BUCKET_SIZE, DS_SUB_GROUP_SIZE, GiB, MiB,
 )
 from finetune.plan.from_recipe import flag_overrides, plan_recipe, recipe_without_file, resolve_model, setup_from_recipe
+from finetune.plan.parallel import apply_parallel, long_context_text, longest_sequence
 from finetune.plan.params import ParamGroup, four_bit_bytes, largest_module_numel, param_groups, quant_constant_bytes
 from finetune.plan.planner import plan
 from finetune.plan.recommendation import Recommendation, recommend
@@ -49,7 +50,7 @@ __all__ = [
     "DS_ALLGATHER_BUCKET_SIZE", "DS_MAX_LIVE_PARAMETERS", "DS_MAX_REUSE_DISTANCE", "DS_OPTIMIZER_SWAP_BUFFERS",
     "DS_PARAM_PERSISTENCE_THRESHOLD", "DS_PARAM_SWAP_BUFFER_SIZE", "DS_PARAM_SWAP_BUFFERS", "DS_PREFETCH_BUCKET_SIZE",
     "DS_REDUCE_BUCKET_SIZE", "DS_SUB_GROUP_SIZE", "GiB", "MiB", "ParamGroup", "PlanError", "PlanResult",
-    "Recommendation", "Setup", "Term", "attention_mask_bytes", "flag_overrides", "four_bit_bytes", "gib",
-    "largest_module_numel", "layer_activation_bytes", "param_groups", "plan", "plan_recipe", "quant_constant_bytes",
+    "Recommendation", "Setup", "Term", "apply_parallel", "attention_mask_bytes", "flag_overrides", "four_bit_bytes", "gib",
+    "largest_module_numel", "layer_activation_bytes", "long_context_text", "longest_sequence", "param_groups", "plan", "plan_recipe", "quant_constant_bytes",
     "recipe_without_file", "recommend", "resolve_model", "setup_from_recipe", "zero3_live_params",
 ]

@@ -31,9 +31,19 @@ def plan_recipe(recipe, gpus: Optional[int] = None, gpu_memory_bytes: Optional[i
 @overflow_as_plan_error
 def setup_from_recipe(recipe, gpus: Optional[int] = None, gpu_memory_bytes: Optional[int] = None,
                       nodes: Optional[int] = None, cpu_memory_bytes: Optional[int] = None,
-                      deepspeed: bool = True, data_lengths: bool = False) -> Setup:
+                      deepspeed: bool = True, data_lengths: bool = False, parallel: bool = True) -> Setup:
     """`data_lengths`: read the recipe's local data for its longest example (finetune.plan.data_lengths);
-    off for lint, which must stay fast on recipes whose data is large."""
+    off for lint, which must stay fast on recipes whose data is large. `parallel`: one process of the recipe's
+    parallel.sequence / parallel.tensor (finetune.plan.parallel); False gives the Setup before them."""
+    setup = _setup_from_recipe(recipe, gpus, gpu_memory_bytes, nodes, cpu_memory_bytes, deepspeed, data_lengths)
+    if not parallel:
+        return setup
+    from finetune.plan.parallel import apply_parallel
+
+    return apply_parallel(setup, recipe.parallel.sequence, recipe.parallel.tensor)
+
+
+def _setup_from_recipe(recipe, gpus, gpu_memory_bytes, nodes, cpu_memory_bytes, deepspeed, data_lengths) -> Setup:
     from finetune.render import render_deepspeed
     from finetune.recipe import parse_size
 

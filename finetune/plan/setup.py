@@ -92,6 +92,9 @@ class Setup:
     objective: str = "sft"
     reference_model: bool = False
     reference_adapter: bool = False  # TRL's frozen copy of a continued adapter (model.adapter)
+    # parallel.sequence / parallel.tensor (finetune/plan/parallel.py): seq_len and arch are already one process's
+    sequence: int = 1
+    tensor: int = 1
 
     @property
     def world(self) -> int:

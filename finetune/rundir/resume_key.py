@@ -135,6 +135,12 @@ def process_count_change(old: dict[str, Any], new: dict[str, Any]) -> tuple[list
     changes = changed_fields(old, new)
     if old.get("world_size") == new.get("world_size") or old.get("world_size") is None:
         return changes, None
+    if int(old.get("parallel.sequence", 1) or 1) > 1:
+        # deepspeed 0.19.8 records a Ulysses run's sequence-parallel size as the checkpoint's tensor-parallel degree,
+        # and ds_to_universal then refuses it ("model-state file count 1 does not match pp_degree=1 * tp_degree=2")
+        return changes, (f"a checkpoint of a parallel.sequence {old['parallel.sequence']} run cannot be converted for "
+                         f"another process count (DeepSpeed's ds_to_universal reads its sequence groups as tensor "
+                         f"parallelism): resume on {old['world_size']} processes")
     others = [c for c in changes if not any(c.startswith(_label(k) + ":") for k in PROCESS_COUNT_KEYS)]
     before, after = global_batch(old), global_batch(new)
     if others or before is None or before != after:

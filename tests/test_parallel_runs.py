@@ -1,0 +1,135 @@
+"""Sequence parallelism (Ulysses), AutoTP and resuming on another process count: real DeepSpeed runs on CPU
+processes, each compared with a 1-process run of the same recipe (slow).
+
+    python -m pytest tests/test_parallel_runs.py -m slow
+
+Why the runs must agree: with parallel.sequence 2 on 2 processes the data-parallel size is 1, so each step
+trains the same rows as one process does (DeepSpeed's UlyssesSPDataLoaderAdapter feeds the rows of both ranks
+to the pair one after another, in the sampler's order), and the loss is the token-weighted mean over both
+halves of each sequence, i.e. the same number. AutoTP ranks see the same rows and split only the matmuls.
+What differs is the order of float32 additions (all-to-all, reductions of halves, split matmuls), so the
+losses agree to float32 rounding accumulated over a few steps: observed |diff| <= 1e-6 on losses of ~5-7;
+the bound below (1e-5 relative) leaves a margin of 10x, while a wrong row, scale or mask moves the losses by
+1e-2 or more (step 2 differs by 2e-2 when micro batches are weighted per batch instead of per token).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.train_fixtures import TINY_RECIPES, launch_runner, write_run_dir
+
+pytestmark = pytest.mark.slow
+RTOL = 1e-5
+ONE_PROCESS = ("parallel.sequence=1", "launch.procs_per_node=1")
+# Full fine-tunes of 8 rows per step, however they are spread: one process accumulating 2 micro batches of 4,
+# two data-parallel processes of 4, an AutoTP pair accumulating 2 x 4, a Ulysses pair on micro batches of 8.
+FULL = ("method=full", "training.learning_rate=2.0e-3", "deepspeed.stage=2")
+SAVE = ("training.save_steps=3", "training.save_total_limit=null")
+RUNS = {
+    "ref_lora": (1, ONE_PROCESS),
+    "sp_lora_zero3": (2, ()),  # recipes/tiny/long_context_sp2.yaml as shipped
+    "ref_full": (1, FULL + ONE_PROCESS + ("training.gradient_accumulation_steps=2",)),
+    "dp_full_zero2": (2, FULL + SAVE + ("parallel.sequence=1",)),
+    "sp_full_zero2": (2, FULL + ("training.micro_batch_size=8",)),
+    "tp_full_zero1": (2, FULL + ("parallel.sequence=1", "parallel.tensor=2", "deepspeed.stage=1",
+                                 "training.gradient_accumulation_steps=2")),
+}
+
+
+def _train(tmp, name, procs, overrides=()):
+    run_dir = Path(tmp) / name
+    write_run_dir(TINY_RECIPES / "long_context_sp2.yaml", run_dir, world_size=procs, overrides=overrides)
+    return run_dir
+
+
+def _run(run_dir, cache, procs, extra=()):
+    result = launch_runner(run_dir, cache, procs=procs, extra=extra)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    return result
+
+
+def _summary(run_dir):
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def _curve(run_dir, key="loss"):
+    return [entry[key] for entry in _summary(run_dir)["loss_history"]]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, tiny_cache):
+    """Every run once, shared by the tests below (each run is 15-30 s on 2 CPU cores)."""
+    tmp = tmp_path_factory.mktemp("parallel")
+    out = {}
+    for name, (procs, overrides) in RUNS.items():
+        out[name] = _train(tmp, name, procs, overrides)
+        out[name + ".result"] = _run(out[name], tiny_cache, procs)
+    # The data-parallel run resumed from its step-3 checkpoint on 1 process, accumulating 2 x 4 rows per step.
+    resumed = _train(tmp, "resumed_on_one", 1, RUNS["ref_full"][1])
+    shutil.copytree(out["dp_full_zero2"] / "checkpoint-3", resumed / "checkpoint-3")
+    out["resumed_on_one"], out["resumed_on_one.result"] = resumed, _run(resumed, tiny_cache, 1, extra=("--resume",))
+    return out
+
+
+@pytest.mark.parametrize("parallel,reference", [("sp_lora_zero3", "ref_lora"), ("sp_full_zero2", "ref_full"),
+                                                ("tp_full_zero1", "ref_full"), ("dp_full_zero2", "ref_full")])
+def test_parallel_run_equals_one_process(runs, parallel, reference):
+    ours, ref = runs[parallel], runs[reference]
+    assert _curve(ours) == pytest.approx(_curve(ref), rel=RTOL)
+    # the gradients too: their global norm before clipping, step by step. Ulysses under ZeRO-1/2: DeepSpeed
+    # divides the all-reduced gradients by dp / sp (stage_1_and_2.py), while the Trainer's loss is already the
+    # mean over the group, so they come out sp times larger (lint R149); clipping at max_grad_norm 1.0 (these
+    # norms are ~3-22) and Adam's scale invariance keep the losses equal.
+    scale = 2 if parallel == "sp_full_zero2" else 1
+    assert [g / scale for g in _curve(ours, "grad_norm")] == pytest.approx(_curve(ref, "grad_norm"), rel=10 * RTOL)
+    assert _curve(ours)[-1] < _curve(ours)[0] - 1.0  # and it learned
+    assert _summary(ours)["world_size"] == 2
+    # the same tokens (AutoTP ranks see them twice; the summary counts them once)
+    assert _summary(ours)["tokens_trained"] == _summary(ref)["tokens_trained"]
+    effective = json.loads((ours / "deepspeed.effective.json").read_text())
+    # the engine's batch: micro x accumulation x data-parallel size (accelerate sets it from the parallelism config
+    # under Ulysses); AutoTP counts both processes in DeepSpeed's world though they see the same 8 rows
+    assert effective["train_batch_size"] == {"sp_lora_zero3": 4, "sp_full_zero2": 8, "dp_full_zero2": 8,
+                                             "tp_full_zero1": 16}[parallel]
+    if parallel.startswith("sp"):
+        assert json.loads((ours / "training_args.json").read_text())["parallelism_config"]["sp_size"] == 2
+    if parallel.startswith("tp"):
+        assert effective["tensor_parallel"]["autotp_size"] == 2
+
+
+def test_saved_weights_match_one_process(runs):
+    import torch
+    from safetensors.torch import load_file
+
+    # AutoTP's shards are gathered on save (stage3_gather_16bit_weights_on_model_save): whole tensors come back
+    tp, ref = load_file(str(runs["tp_full_zero1"] / "model" / "model.safetensors")), \
+        load_file(str(runs["ref_full"] / "model" / "model.safetensors"))
+    assert tp.keys() == ref.keys()
+    for name, tensor in ref.items():
+        assert tp[name].shape == tensor.shape, name
+        torch.testing.assert_close(tp[name], tensor, rtol=0, atol=1e-3)  # 6 Adam steps of lr 2e-3: |diff| ~1e-4
+    # Ulysses: the final logits of the fixed batch, computed after training (SP is off in eval)
+    sp_logits = load_file(str(runs["sp_lora_zero3"] / "final_logits.safetensors"))
+    ref_logits = load_file(str(runs["ref_lora"] / "final_logits.safetensors"))
+    # on CPU the SP batch is padded to max_length (gloo); compare the real tokens of the reference's rows
+    width = ref_logits["logits"].shape[1]
+    real = ref_logits["attention_mask"].bool()
+    torch.testing.assert_close(sp_logits["logits"][:, :width][real], ref_logits["logits"][real], rtol=1e-4, atol=1e-4)
+
+
+def test_resume_on_one_process_continues_the_loss_curve(runs):
+    resumed, original = runs["resumed_on_one"], runs["dp_full_zero2"]
+    log = runs["resumed_on_one.result"].stdout
+    assert "checkpoint-3 was saved by 2 processes, this run has 1: converted to DeepSpeed's universal checkpoint" in log
+    assert (resumed / "checkpoint-3" / "latest_universal").read_text() == "global_step3_universal"
+    assert json.loads((resumed / "deepspeed.effective.json").read_text())["checkpoint"]["load_universal"] is True
+    summary = _summary(resumed)
+    assert summary["resumed_from"].endswith("checkpoint-3") and summary["steps"] == 6
+    # steps 4-6 trained on 1 process from the re-partitioned Adam states continue the 2-process curve
+    assert _curve(resumed)[3:] == pytest.approx(_curve(original)[3:], rel=RTOL)
+    assert _curve(resumed, "grad_norm")[3:] == pytest.approx(_curve(original, "grad_norm")[3:], rel=10 * RTOL)
