@@ -231,6 +231,8 @@ class TrainingSection(_Section):
         "default", description="default: full fp32 logits (12 B per token and vocabulary entry); chunked: head + cross-entropy over ~256 MiB token chunks, recomputed in backward (any device); liger: Liger-Kernel's fused linear cross-entropy (CUDA, `pip install liger-kernel`).")
     loss_chunk_tokens: Optional[int] = Field(
         None, ge=1, description="Tokens per chunk with loss_kernel: chunked (default: as many as fit 256 MiB of fp32 logits, 523 at a 128k vocabulary).")
+    tiled_mlp: bool = Field(False, description="DeepSpeed ALST's TiledMLP: each MLP runs over slices of the sequence, recomputed in backward, so its intermediate activations (3 x intermediate_size per token) exist for one slice at a time. For very long sequences; one more MLP forward per step. README: Long context.")
+    tiled_mlp_shards: Optional[int] = Field(None, ge=1, le=MAX_BATCH, description="Slices per MLP call with tiled_mlp (default: ceil(tokens per process / hidden_size), DeepSpeed's choice).")
     gradient_checkpointing: bool = Field(True, description="Recompute activations in backward (less memory, ~30% more compute).")
     gradient_checkpointing_reentrant: bool = Field(False, description="Reentrant checkpointing; breaks gradients with frozen inputs (LoRA), keep false.")
     seed: int = Field(42, ge=0, le=2**32 - 1, description="Seed for init, data order and dropout.")

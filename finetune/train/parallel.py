@@ -125,3 +125,40 @@ def rope_scaled_config(model_path: str, model_section):
     config.rope_parameters = {**(getattr(config, "rope_parameters", None) or {}), **scaling}
     config.max_position_embeddings = max(config.max_position_embeddings, int(original * scaling["factor"]))
     return config
+
+
+def use_tiled_mlp(model, shards: Optional[int] = None) -> int:
+    """DeepSpeed ALST's TiledMLP on every gated MLP (gate_proj, up_proj, down_proj, act_fn: Llama, Qwen2, Mistral,
+    Gemma...), as DeepSpeed's TiledMLP docstring patches LlamaMLP, but per instance and after PEFT (the LoRA-wrapped
+    projections are what runs). Returns how many MLPs were patched.
+
+    `shards`: slices per call (default ceil(tokens / hidden_size)); agreed across ranks (max), because under ZeRO-3
+    every call gathers the weights and all ranks must make the same calls."""
+    import math
+    import types
+
+    import torch
+    import torch.distributed as dist
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
+
+    def mlp_forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+    def tiled_forward(self, x):
+        count = shards or math.ceil(x.shape[-2] / x.shape[-1])
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 and shards is None:
+            agreed = torch.tensor(count, device=x.device)
+            dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+            count = int(agreed.item())
+        compute_params = [p for p in self.parameters() if p.requires_grad]
+        return TiledMLP.apply(mlp_forward, self, x, count, compute_params)
+
+    patched = 0
+    for module in model.modules():
+        if all(hasattr(module, name) for name in ("gate_proj", "up_proj", "down_proj", "act_fn")):
+            module.forward = types.MethodType(tiled_forward, module)
+            patched += 1
+    if not patched:
+        raise ParallelError(f"training.tiled_mlp: {type(model).__name__} has no gated MLP (gate_proj, up_proj, down_proj) "
+                            "to tile; set training.tiled_mlp: false")
+    return patched

@@ -334,6 +334,8 @@ def run(run_dir: Path, resume: bool = False) -> None:
         model = prepare_model(model, recipe)
     else:  # the adapter is TRL's to add (peft_config), or continued from model.adapter; maybe a reference model
         model, peft_config, ref_model = preference.prepare_policy(model, recipe, model_path)
+    if recipe.training.tiled_mlp:  # DeepSpeed ALST's TiledMLP (finetune.train.parallel)
+        parallel.use_tiled_mlp(model, recipe.training.tiled_mlp_shards)
     if recipe.training.loss_kernel == "chunked":
         from finetune.train.loss import chunk_count, use_chunked_loss
 
