@@ -5,8 +5,6 @@ The training runs are in tests/test_parallel_runs.py (slow)."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from finetune.lint import LintOptions, lint_paths

@@ -33,7 +33,7 @@ SAVE = ("training.save_steps=3", "training.save_total_limit=null")
 RUNS = {
     "ref_lora": (1, ONE_PROCESS),
     "sp_lora_zero3": (2, ()),  # recipes/tiny/long_context_sp2.yaml as shipped
-    "ref_full": (1, FULL + ONE_PROCESS + ("training.gradient_accumulation_steps=2",)),
+    "ref_full": (1, FULL + SAVE + ONE_PROCESS + ("training.gradient_accumulation_steps=2",)),
     "dp_full_zero2": (2, FULL + SAVE + ("parallel.sequence=1",)),
     "sp_full_zero2": (2, FULL + ("training.micro_batch_size=8",)),
     "tp_full_zero1": (2, FULL + ("parallel.sequence=1", "parallel.tensor=2", "deepspeed.stage=1",
@@ -73,6 +73,10 @@ def runs(tmp_path_factory, tiny_cache):
     resumed = _train(tmp, "resumed_on_one", 1, RUNS["ref_full"][1])
     shutil.copytree(out["dp_full_zero2"] / "checkpoint-3", resumed / "checkpoint-3")
     out["resumed_on_one"], out["resumed_on_one.result"] = resumed, _run(resumed, tiny_cache, 1, extra=("--resume",))
+    # ... and the 1-process run resumed on 2 data-parallel processes of 4 rows each
+    resumed = _train(tmp, "resumed_on_two", 2, RUNS["dp_full_zero2"][1])
+    shutil.copytree(out["ref_full"] / "checkpoint-3", resumed / "checkpoint-3")
+    out["resumed_on_two"], out["resumed_on_two.result"] = resumed, _run(resumed, tiny_cache, 2, extra=("--resume",))
     return out
 
 
@@ -122,14 +126,17 @@ def test_saved_weights_match_one_process(runs):
     torch.testing.assert_close(sp_logits["logits"][:, :width][real], ref_logits["logits"][real], rtol=1e-4, atol=1e-4)
 
 
-def test_resume_on_one_process_continues_the_loss_curve(runs):
-    resumed, original = runs["resumed_on_one"], runs["dp_full_zero2"]
-    log = runs["resumed_on_one.result"].stdout
-    assert "checkpoint-3 was saved by 2 processes, this run has 1: converted to DeepSpeed's universal checkpoint" in log
+@pytest.mark.parametrize("resumed,original,saved,now", [("resumed_on_one", "dp_full_zero2", 2, 1),
+                                                         ("resumed_on_two", "ref_full", 1, 2)])
+def test_resume_on_another_process_count_continues_the_loss_curve(runs, resumed, original, saved, now):
+    log = runs[resumed + ".result"].stdout
+    assert (f"checkpoint-3 was saved by {saved} processes, this run has {now}: converted to DeepSpeed's universal "
+            "checkpoint") in log
+    resumed, original = runs[resumed], runs[original]
     assert (resumed / "checkpoint-3" / "latest_universal").read_text() == "global_step3_universal"
     assert json.loads((resumed / "deepspeed.effective.json").read_text())["checkpoint"]["load_universal"] is True
     summary = _summary(resumed)
     assert summary["resumed_from"].endswith("checkpoint-3") and summary["steps"] == 6
-    # steps 4-6 trained on 1 process from the re-partitioned Adam states continue the 2-process curve
+    # steps 4-6 trained from the re-partitioned Adam states continue the saving run's curve
     assert _curve(resumed)[3:] == pytest.approx(_curve(original)[3:], rel=RTOL)
     assert _curve(resumed, "grad_norm")[3:] == pytest.approx(_curve(original, "grad_norm")[3:], rel=10 * RTOL)

@@ -38,7 +38,8 @@ from finetune.plan.constants import (
     DS_REDUCE_BUCKET_SIZE, DS_SUB_GROUP_SIZE, GiB, MiB,
 )
 from finetune.plan.from_recipe import flag_overrides, plan_recipe, recipe_without_file, resolve_model, setup_from_recipe
-from finetune.plan.parallel import apply_parallel, long_context_text, longest_sequence
+from finetune.plan.longest import long_context_text, longest_sequence
+from finetune.plan.parallel import apply_parallel
 from finetune.plan.params import ParamGroup, four_bit_bytes, largest_module_numel, param_groups, quant_constant_bytes
 from finetune.plan.planner import plan
 from finetune.plan.recommendation import Recommendation, recommend

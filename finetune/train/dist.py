@@ -34,6 +34,11 @@ def all_gather(value: Any) -> list[Any]:
     return out
 
 
+def world_size() -> int:
+    dist = process_group()
+    return dist.get_world_size() if dist is not None else 1
+
+
 def rank() -> int:
     # From the launcher's environment: valid before the process group exists, and in signal handlers.
     return int(os.environ.get("RANK", "0"))

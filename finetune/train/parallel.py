@@ -138,15 +138,17 @@ def use_tiled_mlp(model, shards: Optional[int] = None) -> int:
     import types
 
     import torch
-    import torch.distributed as dist
     from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
+
+    from finetune.train.dist import process_group
 
     def mlp_forward(self, x):
         return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
 
     def tiled_forward(self, x):
         count = shards or math.ceil(x.shape[-2] / x.shape[-1])
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 and shards is None:
+        dist = process_group()
+        if dist is not None and dist.get_world_size() > 1 and shards is None:
             agreed = torch.tensor(count, device=x.device)
             dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
             count = int(agreed.item())

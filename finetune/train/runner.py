@@ -42,6 +42,7 @@ from finetune.recipe import Recipe
 from finetune.rundir.layout import RunDirError, read_run_dir
 from finetune.train.dist import all_gather, barrier, is_cpu_accelerator
 from finetune.train.dist import rank as process_rank
+from finetune.train.dist import world_size as process_world_size
 
 LOGITS_FILE = "final_logits.safetensors"
 LOGITS_BATCH = 4  # sequences in the fixed verification batch (the first training sequences)
@@ -264,7 +265,6 @@ def run(run_dir: Path, resume: bool = False) -> None:
     _quiet_libraries()
 
     import deepspeed
-    import torch
     import transformers
     from transformers import Trainer, TrainingArguments
 
@@ -286,13 +286,13 @@ def run(run_dir: Path, resume: bool = False) -> None:
     resilience = preemption.setup(run_dir, recipe, ds_config, args_kwargs, resume)
     ds_config, args_kwargs = resilience.ds_config, resilience.args_kwargs
     # A checkpoint of another process count: DeepSpeed's universal checkpoint (finetune.train.universal)
-    ds_config = universal.prepare_resume(resilience.checkpoint, ds_config, torch.distributed.get_world_size(),
+    ds_config = universal.prepare_resume(resilience.checkpoint, ds_config, process_world_size(),
                                          process_rank() == 0, _log_main(process_rank() == 0))
     args_kwargs = {**args_kwargs, "output_dir": str(run_dir), "deepspeed": ds_config,
                    "include_num_input_tokens_seen": "non_padding"}
     args_kwargs = training_arguments_kwargs(args_kwargs, {f.name for f in dataclasses.fields(TrainingArguments)})
     # Ulysses SP: accelerate's ParallelismConfig, built from its JSON (finetune.train.parallel)
-    args_kwargs = parallel.training_arguments(args_kwargs, torch.distributed.get_world_size())
+    args_kwargs = parallel.training_arguments(args_kwargs, process_world_size())
     if on_cpu:
         args_kwargs["use_cpu"] = True
     os.environ.setdefault("TENSORBOARD_LOGGING_DIR", str(run_dir / "tensorboard"))
