@@ -330,3 +330,70 @@ def test_tiled_mlp_equals_the_plain_mlp(tiny_cache, method):
     assert plain_grads.keys() == tiled_grads.keys()
     for name, grad in plain_grads.items():
         torch.testing.assert_close(tiled_grads[name], grad, rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------------------------------------------
+# The planner
+
+
+def _plan(**sections):
+    from finetune.plan import plan, setup_from_recipe
+
+    recipe = hub_recipe(**{"model": {"name_or_path": "meta-llama/Llama-3.1-8B-Instruct", "attn_implementation":
+                                     "flash_attention_2"},
+                           "data": {"path": "org/d", "max_length": 65536}, "deepspeed": {"stage": 3},
+                           "launch": {"procs_per_node": 8},
+                           "hardware": {"gpus": 8, "gpu_memory": "80GiB", "gpu_type": "H100"}, **sections})
+    return plan(setup_from_recipe(recipe))
+
+
+def _term(result, name):
+    return sum(t.bytes for t in result.terms if t.name == name)
+
+
+def test_ulysses_divides_activations_and_logits_and_adds_the_all_to_all():
+    one, eight = _plan(), _plan(parallel={"sequence": 8})
+    assert eight.setup.seq_len == 65536 // 8 and eight.setup.sequence == 8
+    assert _term(eight, "loss working set") * 8 == _term(one, "loss working set")  # fp32 logits: per token
+    assert _term(eight, "layer inputs (checkpointed)") * 8 == _term(one, "layer inputs (checkpointed)")
+    llama = one.setup.arch  # 32 heads, 8 kv-heads, 128 per head, bf16: send + receive of q, k, v, out
+    assert _term(eight, "Ulysses all-to-all buffers") == 2 * 8192 * (2 * 32 + 2 * 8) * 128 * 2 and llama.heads == 32
+    assert _term(one, "Ulysses all-to-all buffers") == 0
+    assert eight.field_bytes("weights") == one.field_bytes("weights")  # ZeRO-3 still shards over all 8
+
+
+def test_autotp_splits_the_layer_weights():
+    from finetune.plan import apply_parallel, plan, setup_from_recipe
+
+    recipe = hub_recipe(model={"name_or_path": "meta-llama/Llama-3.1-8B-Instruct"}, method="full",
+                        deepspeed={"stage": 0}, launch={"procs_per_node": 2})
+    whole = setup_from_recipe(recipe, parallel=False)
+    split = apply_parallel(whole, tensor=2)
+    assert (split.arch.heads, split.arch.kv_heads, split.arch.intermediate) == (16, 4, 7168)
+    embeddings = 2 * 128256 * 4096  # embed_tokens and lm_head stay whole
+    assert split.params == pytest.approx(embeddings + (whole.params - embeddings) / 2, rel=1e-3)
+    assert split.world == 1  # ZeRO partitions over the data-parallel processes only
+    assert plan(split).field_bytes("weights") < 0.6 * plan(whole).field_bytes("weights")
+
+
+def test_longest_sequence_grows_with_the_sequence_degree():
+    from finetune.plan import longest_sequence, setup_from_recipe
+
+    recipe = hub_recipe(model={"name_or_path": "meta-llama/Llama-3.1-8B-Instruct", "attn_implementation":
+                               "flash_attention_2"}, deepspeed={"stage": 3}, launch={"procs_per_node": 8},
+                        training={"loss_kernel": "chunked"}, hardware={"gpus": 8, "gpu_memory": "80GiB"})
+    base = setup_from_recipe(recipe, parallel=False)
+    lengths = [longest_sequence(base, sp) for sp in (1, 2, 4, 8)]
+    assert all(a < b for a, b in zip(lengths, lengths[1:])) and lengths[0] > 32768
+    assert all(n % 1024 == 0 for n in lengths)
+
+
+def test_plan_recommend_prints_the_long_context_table():
+    from tests.conftest import run_cli
+
+    out = run_cli("plan", str(REPO / "recipes" / "llama3" / "8b_128k_sp8_8xh100.yaml"), "--recommend")
+    assert out.returncode == 0, out.stderr
+    assert "max_length 131,072: fits with parallel.sequence:" in out.stdout
+    assert "Ulysses all-to-all buffers" in out.stdout
+    table = out.stdout.split("longest sequence (tokens)")[1].strip().splitlines()
+    assert [int(line.split()[0]) for line in table] == [1, 2, 4, 8]
