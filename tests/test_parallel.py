@@ -154,6 +154,7 @@ def test_tiny_long_context_recipe_is_clean():
     ({"model": {"rope_scaling": {"rope_type": "yarn", "factor": 2}}, "data": {"max_length": 2048}},
      ("R147", "warning", "model.rope_scaling.factor")),
     ({"parallel": {"tensor": 2}, "method": "qlora"}, ("R148", "error", "parallel.tensor")),
+    ({"parallel": {"tensor": 2}, "method": "lora", "deepspeed": {"stage": 1}}, ("R148", "error", "parallel.tensor")),
     ({"parallel": {"sequence": 2}, "deepspeed": {"stage": 2}}, ("R149", "warning", "parallel.sequence")),
 ])
 def test_parallel_rules(write_recipe, extra, expected):

@@ -24,7 +24,7 @@ PARALLEL_RULES: dict[str, str] = {
     "R145": "Ulysses with a preference objective (TRL computes its own loss and never averages the sequence shards).",
     "R146": "Ulysses with gradient accumulation: micro batches weigh equally, not tokens (info).",
     "R147": "data.max_length beyond the model's positions without model.rope_scaling.",
-    "R148": "AutoTP with QLoRA (4-bit weights cannot be split).",
+    "R148": "AutoTP with QLoRA (4-bit weights cannot be split) or LoRA (DeepSpeed's ZeRO-1/2 optimizer fails on them).",
     "R149": "Ulysses with ZeRO 0-2: gradients (and their logged norm) come out sequence times larger; clipping acts earlier.",
 }
 RULES.update(PARALLEL_RULES)
@@ -158,12 +158,24 @@ def autotp_combinations(loaded: LoadedRecipe) -> Iterator[RawFinding]:
 
 
 @rule
-def autotp_qlora(loaded: LoadedRecipe) -> Iterator[RawFinding]:
+def autotp_adapters(loaded: LoadedRecipe) -> Iterator[RawFinding]:
     r = loaded.recipe
-    if r.parallel.tensor > 1 and r.method == "qlora":
+    if r.parallel.tensor == 1 or r.method == "full":
+        return
+    if r.method == "qlora":
         yield RawFinding("R148", "error", ("parallel", "tensor"),
                          "AutoTP splits the weight matrices of nn.Linear layers; bitsandbytes' packed 4-bit weights "
-                         "are not split", "use method: lora with parallel.tensor, or parallel.tensor: 1")
+                         "are not split", "use method: full with parallel.tensor, or parallel.tensor: 1")
+        return
+    # Measured here (deepspeed 0.19.8, 2 CPU processes, the tiny recipe with method lora): ZeRO-1 and ZeRO-2 fail in
+    # Stage1And2ZeroOptimizer._create_param_mapping with KeyError on a parameter AutoTP replaced under PEFT's
+    # LoRA layers. ZeRO-0 was not tried.
+    stage = r.deepspeed.stage
+    yield RawFinding("R148", "error" if stage in (1, 2) else "warning", ("parallel", "tensor"),
+                     f"AutoTP with LoRA: DeepSpeed's ZeRO-1/2 optimizer fails on the parameters AutoTP replaces under "
+                     f"the LoRA layers (KeyError in _create_param_mapping)" + ("" if stage in (1, 2) else
+                                                                             "; untested at ZeRO-0"),
+                     "use method: full with parallel.tensor, or parallel.tensor: 1")
 
 
 @rule

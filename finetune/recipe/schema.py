@@ -273,7 +273,7 @@ class DeepSpeedSection(_Section):
 
 class ParallelSection(_Section):
     sequence: int = Field(1, ge=1, le=MAX_PROCS, description="Ulysses sequence parallelism (DeepSpeed ALST, through accelerate's ParallelismConfig): each sequence is split across this many processes, which exchange attention heads (all-to-all); activations and logits per process shrink by this factor. Needs heads and kv-heads divisible by it, sdpa or flash attention. README: Long context.")
-    tensor: int = Field(1, ge=1, le=MAX_PROCS, description="DeepSpeed AutoTP (tensor_parallel.autotp_size): linear layers are split across this many processes, which see the same rows. ZeRO stage 0-2 only. README: Long context.")
+    tensor: int = Field(1, ge=1, le=MAX_PROCS, description="DeepSpeed AutoTP (tensor_parallel.autotp_size): linear layers are split across this many processes, which see the same rows. Full fine-tunes at ZeRO stage 0-2 (lint R143, R148). README: Long context.")
 
     @property
     def model_parallel(self) -> int:

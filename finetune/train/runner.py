@@ -417,6 +417,9 @@ def _quiet_libraries() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # Deprecations raised by one library calling another, once per step and rank; nothing to act on here.
     warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
+    # transformers' Ulysses loss (deepspeed_sp_compute_loss), every step on every rank
+    warnings.filterwarnings("ignore", message=r"torch\.distributed\.nn\.functional\.all_gather is deprecated",
+                            category=FutureWarning)
     warnings.filterwarnings("ignore", message=r".*(is_gradient_checkpointing|gradient_checkpointing_(en|dis)able). is deprecated",
                             category=FutureWarning)  # TRL toggles checkpointing around each reference forward
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
