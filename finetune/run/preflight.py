@@ -72,6 +72,10 @@ def run_preflight(loaded: LoadedRecipe, run_dir: Path, overwrite: bool = False, 
             result.warnings.append(f"environment: {check.message}{fix}")
         elif check.status == "info":
             result.notes.append(check.message)
+    if recipe.parallel.model_parallel > 1:  # what a step holds with parallel.sequence / parallel.tensor
+        from finetune.render import batch_arithmetic
+
+        result.notes.append("parallel: " + batch_arithmetic(recipe, world_size)["explanation"])
     dataset_step(recipe, result)
     chat_template_step(recipe, result)
     model_step(recipe, result)
