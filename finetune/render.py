@@ -190,7 +190,7 @@ def render_training_args(recipe: Recipe, output_dir: Optional[str] = None) -> di
         "bf16": recipe.model.dtype == "bfloat16",
         "fp16": recipe.model.dtype == "float16",
         "gradient_checkpointing": t.gradient_checkpointing,
-        "gradient_checkpointing_kwargs": {"use_reentrant": t.gradient_checkpointing_reentrant} if t.gradient_checkpointing else None,
+        "gradient_checkpointing_kwargs": _checkpointing_kwargs(t),
         "seed": t.seed,
         "data_seed": t.seed,
         "logging_steps": t.logging_steps,
@@ -215,6 +215,15 @@ def render_training_args(recipe: Recipe, output_dir: Optional[str] = None) -> di
         # fused linear cross-entropy included; the other loss kernels are the runner's.
         args["use_liger_kernel"] = True
     return args
+
+
+def _checkpointing_kwargs(t) -> Optional[dict[str, Any]]:
+    if not t.gradient_checkpointing:
+        return None
+    kwargs: dict[str, Any] = {"use_reentrant": t.gradient_checkpointing_reentrant}
+    if t.activation_offload:
+        kwargs["offload"] = True  # the Trainer pops it for activation_checkpointing_enable(offload=...)
+    return kwargs
 
 
 def resolved_output_dir(recipe: Recipe) -> str:

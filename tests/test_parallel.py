@@ -398,3 +398,31 @@ def test_plan_recommend_prints_the_long_context_table():
     assert "Ulysses all-to-all buffers" in out.stdout
     table = out.stdout.split("longest sequence (tokens)")[1].strip().splitlines()
     assert [int(line.split()[0]) for line in table] == [1, 2, 4, 8]
+
+
+def test_activation_offload_is_rendered_and_dropped_without_an_accelerator(tiny_cache):
+    """training.activation_offload: transformers' activation_checkpointing_enable(offload=True). Here (no GPU) the
+    runner gives the Trainer plain checkpointing: transformers 5.23 would ask for pinned memory, which CPU-only
+    torch refuses ("pin_memory=True requires a CUDA or other accelerator backend"). The offload itself is untested."""
+    import torch
+    from pydantic import ValidationError
+    from transformers import AutoModelForCausalLM
+
+    from finetune.builtin import builtin_model_dir
+    from finetune.render import render_training_args
+    from finetune.train.model import prepare_model
+    from finetune.train.parallel import without_offload_on_cpu
+
+    recipe = hub_recipe(method="full", training={"activation_offload": True})
+    args = render_training_args(recipe)
+    assert args["gradient_checkpointing_kwargs"] == {"use_reentrant": False, "offload": True}
+    with pytest.raises(ValidationError, match="needs gradient_checkpointing"):
+        hub_recipe(training={"activation_offload": True, "gradient_checkpointing": False})
+    said = []
+    assert without_offload_on_cpu(args, said.append)["gradient_checkpointing_kwargs"] == {"use_reentrant": False}
+    assert "no accelerator" in said[0]
+    model = prepare_model(AutoModelForCausalLM.from_pretrained(str(builtin_model_dir("builtin:tiny-llama", tiny_cache))),
+                          recipe)
+    ids = torch.arange(3, 67).view(2, 32)
+    model.train()
+    model(input_ids=ids, labels=ids).loss.backward()  # plain checkpointing, no pinned-memory error

@@ -234,6 +234,7 @@ class TrainingSection(_Section):
     tiled_mlp: bool = Field(False, description="DeepSpeed ALST's TiledMLP: each MLP runs over slices of the sequence, recomputed in backward, so its intermediate activations (3 x intermediate_size per token) exist for one slice at a time. For very long sequences; one more MLP forward per step. README: Long context.")
     tiled_mlp_shards: Optional[int] = Field(None, ge=1, le=MAX_BATCH, description="Slices per MLP call with tiled_mlp (default: ceil(tokens per process / hidden_size), DeepSpeed's choice).")
     gradient_checkpointing: bool = Field(True, description="Recompute activations in backward (less memory, ~30% more compute).")
+    activation_offload: bool = Field(False, description="With gradient_checkpointing: hold the checkpointed layer inputs (layers x tokens x hidden) in pinned host memory instead of the GPU (transformers' activation_checkpointing_enable(offload=True), ALST's activation-checkpoint offload); a copy each way per layer slows the step. README: Long context.")
     gradient_checkpointing_reentrant: bool = Field(False, description="Reentrant checkpointing; breaks gradients with frozen inputs (LoRA), keep false.")
     seed: int = Field(42, ge=0, le=2**32 - 1, description="Seed for init, data order and dropout.")
     logging_steps: int = Field(10, ge=1, le=MAX_COUNT, description="Log loss and learning rate every N steps.")
@@ -244,6 +245,13 @@ class TrainingSection(_Section):
     report_to: list[Literal["tensorboard", "wandb", "mlflow", "none"]] = Field(
         ["tensorboard"], description="Where metrics go.")
     dataloader_num_workers: int = Field(0, ge=0, le=MAX_PROCS, description="Data loader worker processes per rank.")
+
+
+    @model_validator(mode="after")
+    def _offload_needs_checkpointing(self) -> "TrainingSection":
+        if self.activation_offload and not self.gradient_checkpointing:
+            raise ValueError("activation_offload moves the checkpointed layer inputs: it needs gradient_checkpointing: true")
+        return self
 
 
 class DeepSpeedSection(_Section):

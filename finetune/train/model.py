@@ -104,13 +104,22 @@ def lora_config(recipe: Recipe):
     )
 
 
+def has_accelerator() -> bool:
+    import torch
+
+    return torch.accelerator.current_accelerator() is not None if hasattr(torch, "accelerator") else torch.cuda.is_available()
+
+
 def prepare_model(model, recipe: Recipe):
     """Gradient checkpointing, then (lora/qlora) the PEFT adapter. Returns the model to train."""
     t = recipe.training
     if t.gradient_checkpointing:
         kwargs = {"use_reentrant": t.gradient_checkpointing_reentrant}
         if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x renamed it
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+            # pinned host memory (recipe key); without an accelerator the activations are host memory already, and
+            # transformers 5.23 would still ask for pinned memory, which a CPU-only torch cannot give
+            offload = {"offload": True} if t.activation_offload and has_accelerator() else {}
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs, **offload)
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     if recipe.method == "full":

@@ -57,6 +57,19 @@ def training_arguments(args_kwargs: dict[str, Any], world_size: int) -> dict[str
     return out
 
 
+def without_offload_on_cpu(args_kwargs: dict[str, Any], log: Callable[[str], None]) -> dict[str, Any]:
+    """training.activation_offload on a machine without an accelerator: nothing to move off a device (and no pinned
+    memory to move it into, which transformers' offload asks for), so the Trainer gets plain checkpointing."""
+    from finetune.train.model import has_accelerator
+
+    for key in ("gradient_checkpointing_kwargs", "activation_checkpointing_kwargs"):
+        kwargs = args_kwargs.get(key)
+        if isinstance(kwargs, dict) and kwargs.get("offload") and not has_accelerator():
+            args_kwargs = {**args_kwargs, key: {k: v for k, v in kwargs.items() if k != "offload"}}
+            log("training.activation_offload: no accelerator here, the activations are in host memory already")
+    return args_kwargs
+
+
 def sequence_parallel_size(args_kwargs: dict[str, Any]) -> int:
     spec = args_kwargs.get("parallelism_config") or {}
     return int(spec.get("sp_size", 1)) if isinstance(spec, dict) else int(getattr(spec, "sp_size", 1) or 1)

@@ -293,6 +293,7 @@ def run(run_dir: Path, resume: bool = False) -> None:
     args_kwargs = training_arguments_kwargs(args_kwargs, {f.name for f in dataclasses.fields(TrainingArguments)})
     # Ulysses SP: accelerate's ParallelismConfig, built from its JSON (finetune.train.parallel)
     args_kwargs = parallel.training_arguments(args_kwargs, process_world_size())
+    args_kwargs = parallel.without_offload_on_cpu(args_kwargs, _log_main(process_rank() == 0))
     if on_cpu:
         args_kwargs["use_cpu"] = True
     os.environ.setdefault("TENSORBOARD_LOGGING_DIR", str(run_dir / "tensorboard"))
