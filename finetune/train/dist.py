@@ -52,3 +52,10 @@ def is_cpu_accelerator() -> bool:
     from deepspeed.accelerator import get_accelerator
 
     return get_accelerator().device_name() == "cpu"
+
+
+def has_accelerator() -> bool:
+    """Whether torch sees an accelerator (a GPU): host memory is then not where the activations live."""
+    import torch
+
+    return torch.accelerator.current_accelerator() is not None if hasattr(torch, "accelerator") else torch.cuda.is_available()

@@ -104,12 +104,6 @@ def lora_config(recipe: Recipe):
     )
 
 
-def has_accelerator() -> bool:
-    import torch
-
-    return torch.accelerator.current_accelerator() is not None if hasattr(torch, "accelerator") else torch.cuda.is_available()
-
-
 def prepare_model(model, recipe: Recipe):
     """Gradient checkpointing, then (lora/qlora) the PEFT adapter. Returns the model to train."""
     t = recipe.training
@@ -118,6 +112,8 @@ def prepare_model(model, recipe: Recipe):
         if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x renamed it
             # pinned host memory (recipe key); without an accelerator the activations are host memory already, and
             # transformers 5.23 would still ask for pinned memory, which a CPU-only torch cannot give
+            from finetune.train.dist import has_accelerator
+
             offload = {"offload": True} if t.activation_offload and has_accelerator() else {}
             model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs, **offload)
         else:

@@ -60,7 +60,7 @@ def training_arguments(args_kwargs: dict[str, Any], world_size: int) -> dict[str
 def without_offload_on_cpu(args_kwargs: dict[str, Any], log: Callable[[str], None]) -> dict[str, Any]:
     """training.activation_offload on a machine without an accelerator: nothing to move off a device (and no pinned
     memory to move it into, which transformers' offload asks for), so the Trainer gets plain checkpointing."""
-    from finetune.train.model import has_accelerator
+    from finetune.train.dist import has_accelerator
 
     for key in ("gradient_checkpointing_kwargs", "activation_checkpointing_kwargs"):
         kwargs = args_kwargs.get(key)
