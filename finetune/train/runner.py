@@ -287,7 +287,7 @@ def run(run_dir: Path, resume: bool = False) -> None:
     ds_config, args_kwargs = resilience.ds_config, resilience.args_kwargs
     # A checkpoint of another process count: DeepSpeed's universal checkpoint (finetune.train.universal)
     ds_config = universal.prepare_resume(resilience.checkpoint, ds_config, process_world_size(),
-                                         process_rank() == 0, _log_main(process_rank() == 0))
+                                         universal.converts_here(ds_config), _log_main(process_rank() == 0))
     args_kwargs = {**args_kwargs, "output_dir": str(run_dir), "deepspeed": ds_config,
                    "include_num_input_tokens_seen": "non_padding"}
     args_kwargs = training_arguments_kwargs(args_kwargs, {f.name for f in dataclasses.fields(TrainingArguments)})

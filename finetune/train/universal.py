@@ -83,6 +83,15 @@ def convert(checkpoint: Path, run: Callable[..., subprocess.CompletedProcess] = 
     return target
 
 
+def converts_here(ds_config: dict[str, Any]) -> bool:
+    """Rank 0 converts a shared run directory; each node's local rank 0 its own copy (node-local checkpoints,
+    finetune.train.preemption)."""
+    from finetune.train.dist import local_rank, rank
+
+    node_local = bool(ds_config.get("checkpoint", {}).get("use_node_local_storage"))
+    return local_rank() == 0 if node_local else rank() == 0
+
+
 def prepare_resume(checkpoint: Optional[str], ds_config: dict[str, Any], world_size: int, converts: bool,
                    log: Callable[[str], None]) -> dict[str, Any]:
     """The DeepSpeed config to resume `checkpoint` with; converts it first when another process count wrote it.
