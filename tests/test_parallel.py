@@ -426,3 +426,20 @@ def test_activation_offload_is_rendered_and_dropped_without_an_accelerator(tiny_
     ids = torch.arange(3, 67).view(2, 32)
     model.train()
     model(input_ids=ids, labels=ids).loss.backward()  # plain checkpointing, no pinned-memory error
+
+
+def test_who_converts_and_when(tmp_path, monkeypatch):
+    from finetune.rundir.checkpoint import publish
+    from finetune.train.universal import converts_here, prepare_resume
+
+    monkeypatch.setenv("RANK", "2")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert not converts_here({})  # a shared run directory: global rank 0 only
+    assert converts_here({"checkpoint": {"use_node_local_storage": True}})  # each node's copy
+    checkpoint = tmp_path / "checkpoint-3"
+    checkpoint.mkdir()
+    publish(checkpoint, 3, {"world_size": 2})
+    config = {"zero_optimization": {"stage": 2}}
+    # the same process count, or no checkpoint: the config as it was, nothing converted
+    assert prepare_resume(str(checkpoint), config, 2, True, print) is config
+    assert prepare_resume(None, config, 1, True, print) is config
