@@ -27,14 +27,15 @@ pytestmark = pytest.mark.slow
 RTOL = 1e-5
 ONE_PROCESS = ("parallel.sequence=1", "launch.procs_per_node=1")
 # Full fine-tunes of 8 rows per step, however they are spread: one process accumulating 2 micro batches of 4,
-# two data-parallel processes of 4, an AutoTP pair accumulating 2 x 4, a Ulysses pair on micro batches of 8.
+# an AutoTP pair accumulating 2 x 4, a Ulysses pair on micro batches of 8, and (resumed) two data-parallel
+# processes of 4.
 FULL = ("method=full", "training.learning_rate=2.0e-3", "deepspeed.stage=2")
-SAVE = ("training.save_steps=3", "training.save_total_limit=null")
+SAVE = ("training.save_steps=2", "training.save_total_limit=null")
+DATA_PARALLEL = FULL + SAVE + ("parallel.sequence=1",)  # 2 processes x micro batch 4
 RUNS = {
     "ref_lora": (1, ONE_PROCESS),
     "sp_lora_zero3": (2, ()),  # recipes/tiny/long_context_sp2.yaml as shipped
     "ref_full": (1, FULL + SAVE + ONE_PROCESS + ("training.gradient_accumulation_steps=2",)),
-    "dp_full_zero2": (2, FULL + SAVE + ("parallel.sequence=1",)),
     "sp_full_zero2": (2, FULL + ("training.micro_batch_size=8",)),
     "tp_full_zero1": (2, FULL + ("parallel.sequence=1", "parallel.tensor=2", "deepspeed.stage=1",
                                  "training.gradient_accumulation_steps=2")),
@@ -69,19 +70,19 @@ def runs(tmp_path_factory, tiny_cache):
     for name, (procs, overrides) in RUNS.items():
         out[name] = _train(tmp, name, procs, overrides)
         out[name + ".result"] = _run(out[name], tiny_cache, procs)
-    # The data-parallel run resumed from its step-3 checkpoint on 1 process, accumulating 2 x 4 rows per step.
-    resumed = _train(tmp, "resumed_on_one", 1, RUNS["ref_full"][1])
-    shutil.copytree(out["dp_full_zero2"] / "checkpoint-3", resumed / "checkpoint-3")
-    out["resumed_on_one"], out["resumed_on_one.result"] = resumed, _run(resumed, tiny_cache, 1, extra=("--resume",))
-    # ... and the 1-process run resumed on 2 data-parallel processes of 4 rows each
-    resumed = _train(tmp, "resumed_on_two", 2, RUNS["dp_full_zero2"][1])
-    shutil.copytree(out["ref_full"] / "checkpoint-3", resumed / "checkpoint-3")
-    out["resumed_on_two"], out["resumed_on_two.result"] = resumed, _run(resumed, tiny_cache, 2, extra=("--resume",))
+    # A chain of resumes, each on another process count: the 1-process run's step-2 checkpoint continued on 2
+    # data-parallel processes (steps 3-6), whose step-4 checkpoint is continued on 1 process again (steps 5-6).
+    two = _train(tmp, "resumed_on_two", 2, DATA_PARALLEL)
+    shutil.copytree(out["ref_full"] / "checkpoint-2", two / "checkpoint-2")
+    out["resumed_on_two"], out["resumed_on_two.result"] = two, _run(two, tiny_cache, 2, extra=("--resume",))
+    one = _train(tmp, "resumed_on_one", 1, RUNS["ref_full"][1])
+    shutil.copytree(two / "checkpoint-4", one / "checkpoint-4")
+    out["resumed_on_one"], out["resumed_on_one.result"] = one, _run(one, tiny_cache, 1, extra=("--resume",))
     return out
 
 
 @pytest.mark.parametrize("parallel,reference", [("sp_lora_zero3", "ref_lora"), ("sp_full_zero2", "ref_full"),
-                                                ("tp_full_zero1", "ref_full"), ("dp_full_zero2", "ref_full")])
+                                                ("tp_full_zero1", "ref_full")])
 def test_parallel_run_equals_one_process(runs, parallel, reference):
     ours, ref = runs[parallel], runs[reference]
     assert _curve(ours) == pytest.approx(_curve(ref), rel=RTOL)
@@ -98,8 +99,7 @@ def test_parallel_run_equals_one_process(runs, parallel, reference):
     effective = json.loads((ours / "deepspeed.effective.json").read_text())
     # the engine's batch: micro x accumulation x data-parallel size (accelerate sets it from the parallelism config
     # under Ulysses); AutoTP counts both processes in DeepSpeed's world though they see the same 8 rows
-    assert effective["train_batch_size"] == {"sp_lora_zero3": 4, "sp_full_zero2": 8, "dp_full_zero2": 8,
-                                             "tp_full_zero1": 16}[parallel]
+    assert effective["train_batch_size"] == {"sp_lora_zero3": 4, "sp_full_zero2": 8, "tp_full_zero1": 16}[parallel]
     if parallel.startswith("sp"):
         assert json.loads((ours / "training_args.json").read_text())["parallelism_config"]["sp_size"] == 2
     if parallel.startswith("tp"):
@@ -126,17 +126,17 @@ def test_saved_weights_match_one_process(runs):
     torch.testing.assert_close(sp_logits["logits"][:, :width][real], ref_logits["logits"][real], rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("resumed,original,saved,now", [("resumed_on_one", "dp_full_zero2", 2, 1),
-                                                         ("resumed_on_two", "ref_full", 1, 2)])
-def test_resume_on_another_process_count_continues_the_loss_curve(runs, resumed, original, saved, now):
+@pytest.mark.parametrize("resumed,saved,now,step", [("resumed_on_two", 1, 2, 2), ("resumed_on_one", 2, 1, 4)])
+def test_resume_on_another_process_count_continues_the_loss_curve(runs, resumed, saved, now, step):
     log = runs[resumed + ".result"].stdout
-    assert (f"checkpoint-3 was saved by {saved} processes, this run has {now}: converted to DeepSpeed's universal "
-            "checkpoint") in log
-    resumed, original = runs[resumed], runs[original]
-    assert (resumed / "checkpoint-3" / "latest_universal").read_text() == "global_step3_universal"
+    assert (f"checkpoint-{step} was saved by {saved} processes, this run has {now}: converted to DeepSpeed's "
+            "universal checkpoint") in log
+    resumed, original = runs[resumed], runs["ref_full"]
+    assert (resumed / f"checkpoint-{step}" / "latest_universal").read_text() == f"global_step{step}_universal"
     assert json.loads((resumed / "deepspeed.effective.json").read_text())["checkpoint"]["load_universal"] is True
     summary = _summary(resumed)
-    assert summary["resumed_from"].endswith("checkpoint-3") and summary["steps"] == 6
-    # steps 4-6 trained from the re-partitioned Adam states continue the saving run's curve
-    assert _curve(resumed)[3:] == pytest.approx(_curve(original)[3:], rel=RTOL)
-    assert _curve(resumed, "grad_norm")[3:] == pytest.approx(_curve(original, "grad_norm")[3:], rel=10 * RTOL)
+    assert summary["resumed_from"].endswith(f"checkpoint-{step}") and summary["steps"] == 6
+    assert summary["world_size"] == now
+    # the steps after the checkpoint, trained from the re-partitioned Adam states, continue the 1-process curve
+    assert _curve(resumed)[step:] == pytest.approx(_curve(original)[step:], rel=RTOL)
+    assert _curve(resumed, "grad_norm")[step:] == pytest.approx(_curve(original, "grad_norm")[step:], rel=10 * RTOL)
