@@ -11,7 +11,7 @@ import re
 from pathlib import Path
 from typing import Callable, Iterator
 
-from finetune.lint.ds_context import RawFinding  # one finding type for every rule module; key = recipe path here
+from finetune.lint.deepspeed.context import RawFinding  # one finding type for every rule module; key = recipe path here
 from finetune.recipe import LoadedRecipe
 
 RULES: dict[str, str] = {
