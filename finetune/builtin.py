@@ -26,6 +26,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
+from finetune.errors import FinetuneError
+
 # The one spelling of the prefix: everything else asks is_builtin() / builtin_name().
 BUILTIN_PREFIX = "builtin:"
 
@@ -60,7 +62,7 @@ CHAT_TEMPLATE = (
 )
 
 
-class BuiltinModelError(ValueError):
+class BuiltinModelError(FinetuneError, ValueError):
     """An unknown `builtin:` name."""
 
 

@@ -41,6 +41,7 @@ from finetune.data.formats import (
 )
 from finetune.data.mix import MixError, Share, mixture, targets
 from finetune.data.sources import Source, data_files, is_arrow_dir, is_local, sources_of
+from finetune.errors import FinetuneError
 
 __all__ = ["ALPACA_PROMPT", "ALPACA_PROMPT_WITH_INPUT"]
 
@@ -53,7 +54,7 @@ _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 _THINK = re.compile(r"<think>.*?</think>", re.DOTALL)
 
 
-class DataError(ValueError):
+class DataError(FinetuneError, ValueError):
     """Bad training data: the message names the file and what is wrong."""
 
 

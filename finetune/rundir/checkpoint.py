@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from finetune.errors import FinetuneError
 from finetune.fsutil import write_atomic
 from finetune.rundir.resume_key import RESUME_KEY_FILE, changed_fields, read_resume_key, resume_fields
 
@@ -55,7 +56,7 @@ SPACE_FACTOR = 1.2
 SPACE_MARGIN = 256 * MIB
 
 
-class CheckpointError(Exception):
+class CheckpointError(FinetuneError):
     """A checkpoint cannot be written or read (disk full, read-only, not enough space)."""
 
 

@@ -18,6 +18,8 @@ import functools
 import math
 from typing import Any, Optional
 
+from finetune.errors import FinetuneError
+
 # One chunk's fp32 logits take at most this much (523 tokens at Llama-3's 128,256 vocabulary,
 # 2,048 at Llama-2's 32,000). Smaller chunks save little more: the hidden states and their
 # gradient (batch x seq x hidden) are then the larger part of the loss's memory.
@@ -39,7 +41,7 @@ def chunk_count(max_tokens: int, vocab: int, chosen: Optional[int] = None) -> in
     return max(1, math.ceil(max_tokens / chunk_tokens(vocab, chosen)))
 
 
-class LossKernelError(Exception):
+class LossKernelError(FinetuneError):
     """The model cannot use the chosen loss kernel (one line for a human)."""
 
 

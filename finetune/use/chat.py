@@ -20,13 +20,14 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from finetune.errors import FinetuneError
 from finetune.recipe import Recipe
 
 MERGED_RECIPE = "finetune_recipe.yaml"  # the run's recipe, copied into a merged model by `finetune merge`
 FORMATS = ("alpaca", "messages", "text")
 
 
-class ChatError(ValueError):
+class ChatError(FinetuneError, ValueError):
     """A model that cannot be loaded or talked to: the message says why and what to do."""
 
 

@@ -19,10 +19,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from finetune.errors import FinetuneError
+
 EVAL_FILE = "eval.json"
 
 
-class EvalError(ValueError):
+class EvalError(FinetuneError, ValueError):
     """The run or the data cannot be evaluated: the message says why."""
 
 

@@ -18,6 +18,7 @@ from typing import Any, Callable, Iterator, NamedTuple, Optional
 import torch
 from safetensors import safe_open
 
+from finetune.errors import FinetuneError
 from finetune.fsutil import remove_stale_partials, write_atomic
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -49,7 +50,7 @@ for _name, _attr in (("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2"), (
 TORCH_TO_ST = {v: k for k, v in ST_TO_TORCH.items()}
 
 
-class MergeError(Exception):
+class MergeError(FinetuneError):
     """A problem with the inputs or the environment, worded for the user (no traceback)."""
 
 

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from finetune.errors import FinetuneError
 from finetune.recipe import Recipe
 
 RUNNER_MODULE = "finetune.train.runner"
@@ -46,7 +47,7 @@ PROPAGATED_ENV = ("TQDM_DISABLE", "DS_ACCELERATOR", "FINETUNE_CACHE", "HF_HOME",
                   "CUDA_DEVICE_ORDER", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT")
 
 
-class HostfileError(Exception):
+class HostfileError(FinetuneError):
     pass
 
 

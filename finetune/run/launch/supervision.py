@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Optional
 
+from finetune.errors import FinetuneError
 from finetune.run.launch.commands import LOCAL_HOSTS, LaunchPlan, free_port
 from finetune.run.launch.outcome import LAUNCHER_ERROR_FILE, Outcome, judge, link_rank_logs
 
@@ -36,7 +37,7 @@ TAIL_LINES = 400  # launcher output kept in memory to read the failure report fr
 POLL_SECONDS = 0.2
 
 
-class LaunchError(Exception):
+class LaunchError(FinetuneError):
     """The launcher could not be started at all."""
 
 
