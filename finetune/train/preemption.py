@@ -45,6 +45,7 @@ from finetune.errors import FinetuneError
 from finetune.rundir import checkpoint as ckpt
 from finetune.rundir import resume_key
 from finetune.recipe import Recipe
+from finetune.units import human_size
 from finetune.train.dist import all_gather, barrier, local_rank, process_group, rank
 
 DUPLICATE_WINDOW = ckpt.SECOND_SIGNAL_WINDOW  # the same rule as `finetune train`'s (finetune.run.launch)
@@ -245,7 +246,7 @@ class PreemptionCallback(TrainerCallback):
                                                "host": platform.node()})
             ckpt.rotate(self.run_dir, self.keep)
             size = sum(record["files"].values())
-            _log(f"{path.name} complete ({size / 2**20:.1f} MiB)")
+            _log(f"{path.name} complete ({human_size(size)})")
             if self.stopped_at is not None:
                 ckpt.write_stop_record(self.run_dir, step, path.name, self.signal_name or "a signal")
         barrier()  # nobody stops (or writes more) before the marker is down

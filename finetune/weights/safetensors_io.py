@@ -20,6 +20,7 @@ from safetensors import safe_open
 
 from finetune.errors import FinetuneError
 from finetune.fsutil import remove_stale_partials, write_atomic
+from finetune.units import human_size
 
 INDEX_NAME = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # "5GB", save_pretrained's default
@@ -343,7 +344,3 @@ def sigterm_as_interrupt() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def human_size(n: int) -> str:
-    if n >= 1e8:
-        return f"{n / 1e9:.2f} GB"
-    return f"{n / 1e6:.1f} MB" if n >= 1e5 else f"{n / 1e3:.1f} kB"
