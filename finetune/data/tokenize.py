@@ -37,7 +37,7 @@ from finetune.data.formats import (
     ALPACA_PROMPT, ALPACA_PROMPT_WITH_INPUT, Chat, Prompted, RowProblem, RowSpec, Text, to_example,
 )
 from finetune.data.mix import MixError, Share, mixture, targets
-from finetune.data.sources import DATA_SUFFIXES, Source, data_files, is_arrow_dir, is_local, sources_of
+from finetune.data.sources import ARROW_MARKER, DATA_SUFFIXES, Source, data_files, is_arrow_dir, is_local, sources_of
 from finetune.errors import FinetuneError
 from finetune.fsutil import publish_once
 
@@ -302,7 +302,7 @@ def tokenize_for_training(data: dict[str, Any], tokenizer, cache_dir: Path, log:
 
     target = Path(cache_dir) / cache_key(data, tokenizer)
     max_length = int(data["max_length"])
-    if (target / "dataset_info.json").is_file():
+    if (target / ARROW_MARKER).is_file():
         log(f"tokenized data: cached in {target}")
         for report in _read_reports(target):
             log(report.line(max_length))
@@ -385,7 +385,7 @@ def _every_interval(report: Callable[[int], None]) -> Callable[[int], None]:
 
 def _save_atomic(dataset, target: Path, extra: Optional[dict[str, str]] = None) -> None:
     # another node's main process may win the race with the same content
-    with publish_once(target, "dataset_info.json") as tmp:
+    with publish_once(target, ARROW_MARKER) as tmp:
         dataset.save_to_disk(str(tmp))
         for name, text in (extra or {}).items():
             (tmp / name).write_text(text, encoding="utf-8")
