@@ -43,19 +43,21 @@ def hf_auto(v: ConfigView, path: tuple) -> Iterator[RawFinding]:
             return  # DS133 judges it when the device is nvme; otherwise it is unused
         if path[-1] == "stage3_gather_16bit_weights_on_model_save":
             if v.stage == 3:
-                yield RawFinding("DS172", "warning", path, "`stage3_gather_16bit_weights_on_model_save` \"auto\" becomes "
-                                 f"accelerate's default false (or ${env}): at ZeRO-3 the Trainer then saves no "
-                                 "usable model weights, only the sharded checkpoint", "write true")
+                yield RawFinding(
+                    "DS172", "warning", path, "`stage3_gather_16bit_weights_on_model_save` \"auto\" becomes "
+                    f"accelerate's default false (or ${env}): at ZeRO-3 the Trainer then saves no "
+                    "usable model weights, only the sharded checkpoint", "write true")
             return
         yield RawFinding("DS172", "warning", path, f"`{dotted(path)}` \"auto\" is not taken from TrainingArguments: "
                          f"accelerate fills it with its own default {show(default)} (or ${env})",
                          f"write the value you want, e.g. {show(default)}")
         return
     if path == ("data_types", "keep_in_fp32_modules"):
-        yield RawFinding("DS170", "error", path, "`data_types.keep_in_fp32_modules` \"auto\" is DeepSpeed's own default, "
-                         "but under the HF Trainer accelerate treats every \"auto\" as a placeholder and stops "
-                         "(\"`data_types.keep_in_fp32_modules` not found in kwargs\")",
-                         "delete the key: DeepSpeed's default is already \"auto\"")
+        yield RawFinding(
+            "DS170", "error", path, "`data_types.keep_in_fp32_modules` \"auto\" is DeepSpeed's own default, "
+            "but under the HF Trainer accelerate treats every \"auto\" as a placeholder and stops "
+            "(\"`data_types.keep_in_fp32_modules` not found in kwargs\")",
+            "delete the key: DeepSpeed's default is already \"auto\"")
         return
     yield RawFinding("DS170", "error", path, f"`{dotted(path)}` is \"auto\", but neither HF nor accelerate fills this "
                      "key: accelerate stops with \"`" + dotted(path) + "` not found in kwargs\"",
@@ -66,12 +68,14 @@ def hf_auto(v: ConfigView, path: tuple) -> Iterator[RawFinding]:
 def raw_auto(v: ConfigView, path: tuple) -> Iterator[RawFinding]:
     fix = "write a concrete value: without the HF Trainer nothing replaces \"auto\""
     if not read_by_pydantic(path):
-        yield RawFinding("DS175", "error", path, f"`{dotted(path)}` is \"auto\", but without the HF integration nothing "
-                         "fills it in: DeepSpeed gets the string \"auto\" and fails or misbehaves with it", fix)
+        yield RawFinding(
+            "DS175", "error", path, f"`{dotted(path)}` is \"auto\", but without the HF integration nothing "
+            "fills it in: DeepSpeed gets the string \"auto\" and fails or misbehaves with it", fix)
     elif path[-1] in ("enabled", "stage", "device"):
         meaning = {"enabled": "disabled", "stage": "stage 0 (no ZeRO)", "device": "no offload"}[path[-1]]
         yield RawFinding("DS175", "error", path, f"`{dotted(path)}` is \"auto\": without the HF integration DeepSpeed "
                          f"drops it, which means {meaning}", fix)
     else:
-        yield RawFinding("DS175", "warning", path, f"`{dotted(path)}` is \"auto\": without the HF integration DeepSpeed "
-                         "drops it and uses its default", fix)
+        yield RawFinding(
+            "DS175", "warning", path, f"`{dotted(path)}` is \"auto\": without the HF integration DeepSpeed "
+            "drops it and uses its default", fix)

@@ -60,15 +60,17 @@ def optimizer(v: ConfigView, seen: Seen) -> Iterator[RawFinding]:
     else:
         choices = ["Adam", "AdamW", "Lion", "Adagrad", "Lamb", *TORCH_OPTIMIZERS]
         suggestion = suggest(name, choices, case_insensitive=True)
-        yield RawFinding("DS150", "error", ("optimizer", "type"), f"unknown optimizer type {show(name)}: DeepSpeed knows "
-                         f"{', '.join(sorted(DEEPSPEED_OPTIMIZERS))} (any case) and torch.optim classes by their exact "
-                         "name (SGD, RMSprop, ...)", f"did you mean {show(suggestion)}?" if suggestion else None)
+        yield RawFinding(
+            "DS150", "error", ("optimizer", "type"), f"unknown optimizer type {show(name)}: DeepSpeed knows "
+            f"{', '.join(sorted(DEEPSPEED_OPTIMIZERS))} (any case) and torch.optim classes by their exact "
+            "name (SGD, RMSprop, ...)", f"did you mean {show(suggestion)}?" if suggestion else None)
         return
     params = block.get("params")
     if isinstance(params, dict):
         if "max_grad_norm" in params:
-            yield RawFinding("DS152", "error", ("optimizer", "params", "max_grad_norm"), "`max_grad_norm` is not an "
-                             "optimizer parameter for DeepSpeed: it refuses it", 'delete it and set "gradient_clipping"')
+            yield RawFinding(
+                "DS152", "error", ("optimizer", "params", "max_grad_norm"), "`max_grad_norm` is not an "
+                "optimizer parameter for DeepSpeed: it refuses it", 'delete it and set "gradient_clipping"')
         yield from optimizer_params(v, kind, params)
     if v.stage and kind not in ZERO_TESTED_TYPES and \
             as_bool(v.config.get("zero_allow_untested_optimizer", False)) is not True:
@@ -105,11 +107,12 @@ def optimizer_params(v: ConfigView, kind: str, params: dict) -> Iterator[RawFind
         if key in allowed or key == "max_grad_norm":
             continue
         suggestion = suggest(str(key), sorted(allowed))
-        yield RawFinding("DS151", "error", ("optimizer", "params", key), f"`{key}` is not a parameter of {cls}, which "
-                         f"DeepSpeed builds for type {show(v.config['optimizer'].get('type'))}"
-                         + (" with optimizer offload" if offload and cls.startswith("DeepSpeedCPU") else "")
-                         + ": the optimizer refuses it (TypeError at deepspeed.initialize)",
-                         f"did you mean `{suggestion}`?" if suggestion else f"valid: {', '.join(sorted(allowed - popped))}")
+        yield RawFinding(
+            "DS151", "error", ("optimizer", "params", key), f"`{key}` is not a parameter of {cls}, which "
+            f"DeepSpeed builds for type {show(v.config['optimizer'].get('type'))}"
+            + (" with optimizer offload" if offload and cls.startswith("DeepSpeedCPU") else "")
+            + ": the optimizer refuses it (TypeError at deepspeed.initialize)",
+            f"did you mean `{suggestion}`?" if suggestion else f"valid: {', '.join(sorted(allowed - popped))}")
 
 # ------------------------------------------------------------------------------------------
 # Scheduler (DS160, DS161)
@@ -143,9 +146,10 @@ def scheduler_params(v: ConfigView, name: str, params: dict) -> Iterator[RawFind
             suggestion = suggest(str(key), list(signature))
             why = (" (HF fills warmup_min_lr/warmup_max_lr, but WarmupCosineLR takes ratios)"
                    if name == "WarmupCosineLR" and key in ("warmup_min_lr", "warmup_max_lr") else "")
-            yield RawFinding("DS161", "error", ("scheduler", "params", key), f"{name} has no parameter `{key}`{why}: it "
-                             "refuses it (TypeError at deepspeed.initialize)",
-                             f"did you mean `{suggestion}`?" if suggestion else f"valid: {', '.join(signature)}")
+            yield RawFinding(
+                "DS161", "error", ("scheduler", "params", key), f"{name} has no parameter `{key}`{why}: it "
+                "refuses it (TypeError at deepspeed.initialize)",
+                f"did you mean `{suggestion}`?" if suggestion else f"valid: {', '.join(signature)}")
     for key, required in signature.items():
         if required and key not in params:
             yield RawFinding("DS161", "error", ("scheduler", "params"), f"{name} needs `{key}`",

@@ -20,9 +20,10 @@ from finetune.lint.deepspeed.view import ConfigView, Seen, rule
 @rule("trainer")
 def zero_block_required(v: ConfigView, seen: Seen) -> Iterator[RawFinding]:
     if v.hf and "zero_optimization" not in v.config:
-        yield RawFinding("DS130", "error", (), "no `zero_optimization` block: accelerate's DeepSpeed plugin refuses the "
-                         "config (\"Please specify the ZeRO optimization config\")",
-                         'add "zero_optimization": {"stage": 0} for plain data parallelism, or the stage you want')
+        yield RawFinding(
+            "DS130", "error", (), "no `zero_optimization` block: accelerate's DeepSpeed plugin refuses the "
+            "config (\"Please specify the ZeRO optimization config\")",
+            'add "zero_optimization": {"stage": 0} for plain data parallelism, or the stage you want')
 
 
 def offload_by_deprecated_key(v: ConfigView) -> bool:
@@ -48,9 +49,10 @@ def missing_accumulation(v: ConfigView, seen: Seen) -> Iterator[RawFinding]:
     if gas is not None and as_int(gas) == 1:
         return
     if gas is not None and "train_batch_size" in v.config:
-        yield RawFinding("DS125", "error", (), f"no `gradient_accumulation_steps`: accelerate writes 1 into the config, "
-                         f"while `train_batch_size` counts TrainingArguments' {gas}; DeepSpeed's check "
-                         "train_batch_size = micro batch x accumulation x world size fails at launch", fix)
+        yield RawFinding(
+            "DS125", "error", (), f"no `gradient_accumulation_steps`: accelerate writes 1 into the config, "
+            f"while `train_batch_size` counts TrainingArguments' {gas}; DeepSpeed's check "
+            "train_batch_size = micro batch x accumulation x world size fails at launch", fix)
         return
     said = "whatever TrainingArguments say" if gas is None else f"not TrainingArguments' {gas}"
     yield RawFinding("DS125", "warning", (), f"no `gradient_accumulation_steps`: accelerate writes 1 into the config, "
@@ -103,12 +105,13 @@ def client_optimizer_offload(v: ConfigView, seen: Seen) -> Iterator[RawFinding]:
     # accelerate keeps AdamW semantics only for torch's AdamW (and 32-bit bitsandbytes AdamW)
     torch_adamw = optim.startswith("adamw_torch") or optim in ("adamw_hf", "")
     severity = "warning" if torch_adamw else "error"
-    yield RawFinding("DS155", severity, ("zero_optimization", "offload_optimizer"),
-                     "optimizer offload without an `optimizer` block: the HF Trainer builds its own optimizer"
-                     + (f" ({optim})" if optim else "") + ", and accelerate replaces it with DeepSpeedCPUAdam, keeping "
-                     "only lr and weight_decay (betas and eps fall back to Adam's defaults; a non-AdamW optimizer becomes Adam)",
-                     'add an "optimizer" block (type AdamW with "auto" params), or set "zero_force_ds_cpu_optimizer": '
-                     "false to keep the Trainer's optimizer (slow on CPU)")
+    yield RawFinding(
+        "DS155", severity, ("zero_optimization", "offload_optimizer"),
+        "optimizer offload without an `optimizer` block: the HF Trainer builds its own optimizer"
+        + (f" ({optim})" if optim else "") + ", and accelerate replaces it with DeepSpeedCPUAdam, keeping "
+        "only lr and weight_decay (betas and eps fall back to Adam's defaults; a non-AdamW optimizer becomes Adam)",
+        'add an "optimizer" block (type AdamW with "auto" params), or set "zero_force_ds_cpu_optimizer": '
+        "false to keep the Trainer's optimizer (slow on CPU)")
 
 # ------------------------------------------------------------------------------------------
 # Batch sizes (DS121-DS124): runtime/config.py _set_batch_related_parameters + _batch_assertion
@@ -131,9 +134,10 @@ def batch_sizes(v: ConfigView, seen: Seen) -> Iterator[RawFinding]:
         values[key] = value
     train, micro, gas = (values[k] for k in BATCH_KEYS)
     if train is MISSING and micro is MISSING:
-        yield RawFinding("DS122", "error", (), "neither `train_batch_size` nor `train_micro_batch_size_per_gpu` is set: "
-                         "DeepSpeed needs one of them", 'add "train_micro_batch_size_per_gpu": "auto"' if v.hf else
-                         'add "train_micro_batch_size_per_gpu": 1')
+        yield RawFinding(
+            "DS122", "error", (), "neither `train_batch_size` nor `train_micro_batch_size_per_gpu` is set: "
+            "DeepSpeed needs one of them", 'add "train_micro_batch_size_per_gpu": "auto"' if v.hf else
+            'add "train_micro_batch_size_per_gpu": 1')
         return
     if UNKNOWN in (train, micro, gas):
         return
@@ -143,9 +147,10 @@ def batch_sizes(v: ConfigView, seen: Seen) -> Iterator[RawFinding]:
     if world:
         yield from batch_arithmetic(v, seen, train, micro, gas, world)
     elif MISSING not in (train, micro, gas) and train % (micro * gas):
-        yield RawFinding("DS124", "error", ("train_batch_size",), f"train_batch_size {train} is not a multiple of micro "
-                         f"batch {micro} x gradient accumulation {gas}: no world size satisfies train_batch_size = "
-                         "micro x accumulation x world size", batch_fix(v.hf))
+        yield RawFinding(
+            "DS124", "error", ("train_batch_size",), f"train_batch_size {train} is not a multiple of micro "
+            f"batch {micro} x gradient accumulation {gas}: no world size satisfies train_batch_size = "
+            "micro x accumulation x world size", batch_fix(v.hf))
 
 
 def batch_arithmetic(v: ConfigView, seen: Seen, train: Any, micro: Any, gas: Any, world: int) -> Iterator[RawFinding]:
@@ -169,13 +174,15 @@ def batch_arithmetic(v: ConfigView, seen: Seen, train: Any, micro: Any, gas: Any
     how = f" (DeepSpeed derives {'; '.join(derived)})" if derived else ""
     key = ("train_batch_size",) if "train_batch_size" in v.config else ()
     if micro <= 0 or gas <= 0:
-        yield RawFinding("DS121", "error", key, f"with world size {world}, train_batch_size {train} leaves "
-                         f"{'a micro batch' if micro <= 0 else 'gradient accumulation'} of 0{how}: DeepSpeed refuses it",
-                         batch_fix(v.hf))
+        yield RawFinding(
+            "DS121", "error", key, f"with world size {world}, train_batch_size {train} leaves "
+            f"{'a micro batch' if micro <= 0 else 'gradient accumulation'} of 0{how}: DeepSpeed refuses it",
+            batch_fix(v.hf))
     elif train != micro * gas * world and not seen.has("DS125", "error"):  # DS125 says why
-        yield RawFinding("DS121", "error", key, f"train_batch_size {train} != micro batch {micro} x gradient accumulation "
-                         f"{gas} x world size {world} = {micro * gas * world}{how}: DeepSpeed refuses it",
-                         batch_fix(v.hf))
+        yield RawFinding(
+            "DS121", "error", key, f"train_batch_size {train} != micro batch {micro} x gradient accumulation "
+            f"{gas} x world size {world} = {micro * gas * world}{how}: DeepSpeed refuses it",
+            batch_fix(v.hf))
 
 # ------------------------------------------------------------------------------------------
 # Precision (DS120, DS136, DS190, DS193)
@@ -203,8 +210,9 @@ def fp16_params(v: ConfigView, seen: Seen) -> Iterator[RawFinding]:
     if not isinstance(loss_scale, (int, float)) or isinstance(loss_scale, bool) or not math.isfinite(loss_scale):
         return
     if loss_scale < 0:
-        yield RawFinding("DS193", "error", ("fp16", "loss_scale"), f"`fp16.loss_scale` is {show(block['loss_scale'])}: "
-                         "DeepSpeed needs a number >= 0 (0 = dynamic loss scaling)", "use 0 (dynamic) or a positive scale")
+        yield RawFinding(
+            "DS193", "error", ("fp16", "loss_scale"), f"`fp16.loss_scale` is {show(block['loss_scale'])}: "
+            "DeepSpeed needs a number >= 0 (0 = dynamic loss scaling)", "use 0 (dynamic) or a positive scale")
         return
     if fp16_enabled is True and loss_scale == 0:
         for key in ("loss_scale_window", "min_loss_scale"):
@@ -268,10 +276,11 @@ def zero_and_offload(v: ConfigView, seen: Seen) -> Iterator[RawFinding]:
         return
     opt_device, param_device = v.device("offload_optimizer"), v.device("offload_param")
     if opt_device in ("cpu", "nvme") and stage == 0:
-        yield RawFinding("DS131", "error", ("zero_optimization", "offload_optimizer"), "optimizer offload at ZeRO stage 0: "
-                         "DeepSpeed builds its CPU optimizer for parameters that stay on the GPU, and the first "
-                         "optimizer step fails (\"CPUAdam param is on cuda and must be 'cpu'\")",
-                         "use stage 1 or higher, or remove offload_optimizer")
+        yield RawFinding(
+            "DS131", "error", ("zero_optimization", "offload_optimizer"), "optimizer offload at ZeRO stage 0: "
+            "DeepSpeed builds its CPU optimizer for parameters that stay on the GPU, and the first "
+            "optimizer step fails (\"CPUAdam param is on cuda and must be 'cpu'\")",
+            "use stage 1 or higher, or remove offload_optimizer")
     if param_device in ("cpu", "nvme") and stage in (0, 1, 2):
         yield RawFinding("DS132", "error", ("zero_optimization", "offload_param"), f"parameter offload at ZeRO stage "
                          f"{stage} is silently ignored: only stage 3 partitions and offloads parameters, so they stay "
@@ -281,9 +290,10 @@ def zero_and_offload(v: ConfigView, seen: Seen) -> Iterator[RawFinding]:
             yield from nvme_path(v, block)
     ratio = v.get("zero_optimization", "offload_optimizer", "ratio")
     if isinstance(ratio, (int, float)) and not isinstance(ratio, bool) and ratio < 1 and stage != 3:
-        yield RawFinding("DS134", "error", ("zero_optimization", "offload_optimizer", "ratio"), "partial optimizer offload "
-                         f"(ratio {ratio}) works only with ZeRO stage 3: DeepSpeed refuses it at stage {stage}",
-                         "delete ratio, or use stage 3")
+        yield RawFinding(
+            "DS134", "error", ("zero_optimization", "offload_optimizer", "ratio"), "partial optimizer offload "
+            f"(ratio {ratio}) works only with ZeRO stage 3: DeepSpeed refuses it at stage {stage}",
+            "delete ratio, or use stage 3")
     if as_bool(zero.get("compute_grad_norm", True)) is False and stage not in (1, 2):
         yield RawFinding("DS135", "error", ("zero_optimization", "compute_grad_norm"), "compute_grad_norm=false is "
                          f"supported only with ZeRO stage 1 or 2: DeepSpeed refuses it at stage {stage}",
@@ -301,16 +311,19 @@ def nvme_path(v: ConfigView, block: str) -> Iterator[RawFinding]:
     path = v.get("zero_optimization", block, "nvme_path")
     key = ("zero_optimization", block, "nvme_path")
     if path is MISSING or path is None:
-        yield RawFinding("DS133", "error", ("zero_optimization", block, "device"), f"NVMe offload of {block[8:]} without "
-                         "`nvme_path`: DeepSpeed has no directory to swap to and fails when it sets up offloading",
-                         'add "nvme_path": "/local_nvme" (a directory on a fast local NVMe disk)')
+        yield RawFinding(
+            "DS133", "error", ("zero_optimization", block, "device"), f"NVMe offload of {block[8:]} without "
+            "`nvme_path`: DeepSpeed has no directory to swap to and fails when it sets up offloading",
+            'add "nvme_path": "/local_nvme" (a directory on a fast local NVMe disk)')
     elif path == "auto" and v.hf:
-        yield RawFinding("DS133", "error", key, "`nvme_path` \"auto\" is filled by accelerate with the string \"none\": "
-                         "DeepSpeed would swap into a directory named `none` under the working directory",
-                         "write the directory of a fast local NVMe disk")
+        yield RawFinding(
+            "DS133", "error", key, "`nvme_path` \"auto\" is filled by accelerate with the string \"none\": "
+            "DeepSpeed would swap into a directory named `none` under the working directory",
+            "write the directory of a fast local NVMe disk")
     elif path == "auto":
-        yield RawFinding("DS133", "error", key, "`nvme_path` \"auto\" is dropped by DeepSpeed, leaving no swap directory",
-                         "write the directory of a fast local NVMe disk")
+        yield RawFinding(
+            "DS133", "error", key, "`nvme_path` \"auto\" is dropped by DeepSpeed, leaving no swap directory",
+            "write the directory of a fast local NVMe disk")
     elif isinstance(path, str) and path.strip().lower() in ("none", ""):
         yield RawFinding("DS133", "error", key, f"`nvme_path` is {show(path)}: DeepSpeed would swap into the current "
                          "directory" + (" (a directory named `none`)" if path.strip() else ""),
@@ -323,8 +336,9 @@ def allgather_bucket(v: ConfigView, stage: int) -> Iterator[RawFinding]:
     if stage not in (1, 2) or number is None or isinstance(value, bool) or number < 0:
         return
     if number == 0:
-        yield RawFinding("DS140", "error", ("zero_optimization", "allgather_bucket_size"), "allgather_bucket_size 0: the "
-                         "ZeRO stage 1/2 optimizer divides by it and fails when it starts", "delete it (default 5e8)")
+        yield RawFinding(
+            "DS140", "error", ("zero_optimization", "allgather_bucket_size"), "allgather_bucket_size 0: the "
+            "ZeRO stage 1/2 optimizer divides by it and fails when it starts", "delete it (default 5e8)")
     elif number % 2:
         yield RawFinding("DS140", "error", ("zero_optimization", "allgather_bucket_size"), f"allgather_bucket_size "
                          f"{number} is odd: the ZeRO stage 1/2 optimizer asserts it is a multiple of 2 (4-byte "
@@ -339,8 +353,9 @@ def misc(v: ConfigView, seen: Seen) -> Iterator[RawFinding]:
     """gradient_allreduce_op at ZeRO-3, a negative gradient_clipping, data_types.keep_in_fp32_modules."""
     op = v.config.get("gradient_allreduce_op")
     if isinstance(op, str) and op.lower() == "sum" and v.stage == 3:
-        yield RawFinding("DS137", "error", ("gradient_allreduce_op",), "gradient_allreduce_op 'sum' is not supported with "
-                         "ZeRO stage 3: DeepSpeed refuses it", 'use "mean"')
+        yield RawFinding(
+            "DS137", "error", ("gradient_allreduce_op",), "gradient_allreduce_op 'sum' is not supported with "
+            "ZeRO stage 3: DeepSpeed refuses it", 'use "mean"')
     clip = v.config.get("gradient_clipping")
     if isinstance(clip, (int, float)) and not isinstance(clip, bool) and clip < 0 and \
             not seen.claimed(("gradient_clipping",)):
@@ -348,7 +363,9 @@ def misc(v: ConfigView, seen: Seen) -> Iterator[RawFinding]:
                          "when it is > 0, so a negative value silently turns clipping off", "use 0 to disable clipping "
                          "explicitly, or a positive norm such as 1.0")
     keep = v.get("data_types", "keep_in_fp32_modules")
-    if keep is not MISSING and keep != "auto" and not (isinstance(keep, list) and all(isinstance(n, str) for n in keep)):
-        yield RawFinding("DS110", "error", ("data_types", "keep_in_fp32_modules"), "`data_types.keep_in_fp32_modules` must "
-                         "be \"auto\" or a list of name patterns: DeepSpeed refuses anything else")
+    patterns = isinstance(keep, list) and all(isinstance(n, str) for n in keep)
+    if keep is not MISSING and keep != "auto" and not patterns:
+        yield RawFinding(
+            "DS110", "error", ("data_types", "keep_in_fp32_modules"), "`data_types.keep_in_fp32_modules` must "
+            "be \"auto\" or a list of name patterns: DeepSpeed refuses anything else")
 

@@ -39,8 +39,9 @@ def structure(v: ConfigView, seen: Seen) -> Iterator[RawFinding]:
     for key, value in v.config.items():
         path = (key,)
         if key in REMOVED_TOP:
-            yield RawFinding("DS102", "error", path, f"`{key}` configures {REMOVED_TOP[key]}, which DeepSpeed has removed: "
-                             "DeepSpeed refuses a config that still has it", f"delete `{key}`")
+            yield RawFinding(
+                "DS102", "error", path, f"`{key}` configures {REMOVED_TOP[key]}, which DeepSpeed has removed: "
+                "DeepSpeed refuses a config that still has it", f"delete `{key}`")
             continue
         spec = TOP.get(key)
         if spec is None:
@@ -56,12 +57,14 @@ def structure(v: ConfigView, seen: Seen) -> Iterator[RawFinding]:
 def deprecated_top(v: ConfigView, key: str, spec: Field) -> Iterator[RawFinding]:
     if key == "bfloat16":
         if "bf16" in v.config:
-            yield RawFinding("DS138", "warning", (key,), "`bfloat16` is DeepSpeed's old name for `bf16`; with both present "
-                             "DeepSpeed reads only `bf16`", "delete `bfloat16`")
+            yield RawFinding(
+                "DS138", "warning", (key,), "`bfloat16` is DeepSpeed's old name for `bf16`; with both present "
+                "DeepSpeed reads only `bf16`", "delete `bfloat16`")
         elif v.hf:
-            yield RawFinding("DS138", "warning", (key,), "`bfloat16` is DeepSpeed's old name for `bf16`; under the HF "
-                             "Trainer accelerate adds a `bf16` block from TrainingArguments, and DeepSpeed then ignores "
-                             "`bfloat16`", "rename it to `bf16`")
+            yield RawFinding(
+                "DS138", "warning", (key,), "`bfloat16` is DeepSpeed's old name for `bf16`; under the HF "
+                "Trainer accelerate adds a `bf16` block from TrainingArguments, and DeepSpeed then ignores "
+                "`bfloat16`", "rename it to `bf16`")
         else:
             yield RawFinding("DS138", "warning", (key,), "`bfloat16` is deprecated", "rename it to `bf16`")
     elif key == "allgather_size":
@@ -69,7 +72,8 @@ def deprecated_top(v: ConfigView, key: str, spec: Field) -> Iterator[RawFinding]
                          '`"zero_optimization": true` form', "use zero_optimization.allgather_bucket_size")
 
 
-def unknown(v: ConfigView, path: tuple, value: Any, candidates: list, strict: bool, section: str = "") -> Iterator[RawFinding]:
+def unknown(v: ConfigView, path: tuple, value: Any, candidates: list, strict: bool,
+            section: str = "") -> Iterator[RawFinding]:
     """The key is not a setting of its section: findings marked so that nothing below it is judged again."""
     key = str(path[-1])
     suggestion = suggest(key, candidates)
@@ -78,14 +82,16 @@ def unknown(v: ConfigView, path: tuple, value: Any, candidates: list, strict: bo
     if strict and value == "auto":
         tail = ("; under the HF Trainer accelerate then stops with \"`...` not found in kwargs\"" if v.hf
                 else ", and the setting you meant keeps DeepSpeed's default")
-        yield _unknown_key("DS104", "error", path, f"{where} is not a {section} setting: DeepSpeed drops \"auto\" values "
-                           f"before validating, so DeepSpeed itself lets the misspelling pass{tail}", fix or "delete it")
+        yield _unknown_key(
+            "DS104", "error", path, f"{where} is not a {section} setting: DeepSpeed drops \"auto\" values "
+            f"before validating, so DeepSpeed itself lets the misspelling pass{tail}", fix or "delete it")
     elif strict:
         yield _unknown_key("DS103", "error", path, f"{where} is not a {section} setting: DeepSpeed refuses the config",
                            fix or f"delete it (valid keys: {', '.join(sorted(candidates)[:8])}, ...)")
     elif value == "auto" and v.hf:
-        yield _unknown_key("DS104", "error", path, f"{where} is not a DeepSpeed setting, and its \"auto\" is never filled "
-                           "in: accelerate stops with \"`...` not found in kwargs\"", fix or "delete it")
+        yield _unknown_key(
+            "DS104", "error", path, f"{where} is not a DeepSpeed setting, and its \"auto\" is never filled "
+            "in: accelerate stops with \"`...` not found in kwargs\"", fix or "delete it")
     elif suggestion:
         yield _unknown_key("DS105", "error", path, f"{where} is not a DeepSpeed setting: DeepSpeed ignores it, so the "
                            "setting you meant keeps its default", fix)
@@ -152,12 +158,14 @@ def check_section(v: ConfigView, path: tuple, value: Any, section: str) -> Itera
     fields = SECTIONS[section]
     if path == ("zero_optimization",) and isinstance(value, bool):
         if v.hf:
-            yield RawFinding("DS110", "error", path, '`"zero_optimization": true/false` is DeepSpeed\'s deprecated form; '
-                             "HF and accelerate expect an object and crash on it (`'bool' object has no attribute 'get'`)",
-                             'write {"stage": 1} (true) or {"stage": 0} (false)')
+            yield RawFinding(
+                "DS110", "error", path, '`"zero_optimization": true/false` is DeepSpeed\'s deprecated form; '
+                "HF and accelerate expect an object and crash on it (`'bool' object has no attribute 'get'`)",
+                'write {"stage": 1} (true) or {"stage": 0} (false)')
         else:
-            yield RawFinding("DS138", "warning", path, '`"zero_optimization": true/false` is deprecated (DeepSpeed reads '
-                             "it as stage 1 or 0)", 'write {"stage": 1} or {"stage": 0}')
+            yield RawFinding(
+                "DS138", "warning", path, '`"zero_optimization": true/false` is deprecated (DeepSpeed reads '
+                "it as stage 1 or 0)", 'write {"stage": 1} or {"stage": 0}')
         return
     if not isinstance(value, dict):
         yield RawFinding("DS110", "error", path, f"`{dotted(path)}` must be an object, not {json_type(value)}: "
@@ -167,12 +175,14 @@ def check_section(v: ConfigView, path: tuple, value: Any, section: str) -> Itera
     for key, item in value.items():
         child = path + (key,)
         if section == "zero_optimization" and key in REMOVED_ZERO:
-            yield RawFinding("DS102", "error", child, f"`{dotted(child)}` configures {REMOVED_ZERO[key]}, which DeepSpeed "
-                             "has removed: DeepSpeed refuses a config that still has it", "delete it")
+            yield RawFinding(
+                "DS102", "error", child, f"`{dotted(child)}` configures {REMOVED_ZERO[key]}, which DeepSpeed "
+                "has removed: DeepSpeed refuses a config that still has it", "delete it")
             continue
         spec = fields.get(key)
         if spec is None:
-            yield from unknown(v, child, item, [k for k in fields if k not in ZERO_FIELD_NAMES], strict=True, section=shown)
+            candidates = [k for k in fields if k not in ZERO_FIELD_NAMES]
+            yield from unknown(v, child, item, candidates, strict=True, section=shown)
             continue
         if spec.deprecated:
             yield from deprecated_field(v, value, child, spec)
@@ -237,16 +247,19 @@ def check_bool(v: ConfigView, path: tuple, value: Any) -> Iterator[RawFinding]:
     if isinstance(value, str) and value.strip().lower() in BOOL_STRINGS:
         read_by_hf = path[-1] == "enabled" and path[0] in ("fp16", "bf16", "bfloat16")
         if read_by_hf:
-            yield RawFinding("DS110", "error", path, f"`{shown}` is the string {show(value)}: DeepSpeed converts it, but "
-                             "HF and accelerate test it with Python truthiness (so \"false\" counts as enabled)",
-                             f"write {str(value.strip().lower() in TRUE_STRINGS).lower()} without quotes")
+            yield RawFinding(
+                "DS110", "error", path, f"`{shown}` is the string {show(value)}: DeepSpeed converts it, but "
+                "HF and accelerate test it with Python truthiness (so \"false\" counts as enabled)",
+                f"write {str(value.strip().lower() in TRUE_STRINGS).lower()} without quotes")
         elif read_by_pydantic(path):
             yield RawFinding("DS113", "warning", path, f"`{shown}` is the string {show(value)}; DeepSpeed converts it",
                              f"write {str(value.strip().lower() in TRUE_STRINGS).lower()} without quotes")
         else:
             # dict.get readers (top-level keys, lenient sections) keep the string: "false" is truthy
-            yield RawFinding("DS110", "error", path, f"`{shown}` is the string {show(value)}: DeepSpeed keeps it as a "
-                             "string, and any non-empty string counts as true", f"write {str(value.strip().lower() in TRUE_STRINGS).lower()} without quotes")
+            yield RawFinding(
+                "DS110", "error", path, f"`{shown}` is the string {show(value)}: DeepSpeed keeps it as a "
+                "string, and any non-empty string counts as true",
+                f"write {str(value.strip().lower() in TRUE_STRINGS).lower()} without quotes")
         return
     if isinstance(value, (int, float)) and value in (0, 1):
         yield RawFinding("DS113", "warning", path, f"`{shown}` is the number {show(value)}; DeepSpeed reads it as "
@@ -294,8 +307,9 @@ def check_enum(v: ConfigView, path: tuple, value: Any, spec: Field) -> Iterator[
     choices = spec.choices
     if path[-1] in ("communication_data_type", "seq_parallel_communication_data_type", "gradient_allreduce_op"):
         if not isinstance(value, str):
-            yield RawFinding("DS110", "error", path, f"`{shown}` must be a string, one of {', '.join(map(str, choices))}: "
-                             "DeepSpeed crashes on anything else")
+            yield RawFinding(
+                "DS110", "error", path, f"`{shown}` must be a string, one of {', '.join(map(str, choices))}: "
+                "DeepSpeed crashes on anything else")
         elif value.lower() not in choices:
             yield RawFinding("DS112", "error", path, f"`{shown}` is {show(value)}, DeepSpeed accepts "
                              f"{', '.join(map(str, choices))}", did_you_mean(value, list(choices)))
@@ -317,8 +331,9 @@ def check_stage(v: ConfigView, path: tuple, value: Any) -> Iterator[RawFinding]:
         return
     stage = as_int(value, allow_bool=True)
     if stage not in (0, 1, 2, 3):
-        yield RawFinding("DS112", "error", path, f"`zero_optimization.stage` is {show(value)}: DeepSpeed accepts 0, 1, 2, 3",
-                         "write the stage as a number, e.g. 2")
+        yield RawFinding(
+            "DS112", "error", path, f"`zero_optimization.stage` is {show(value)}: DeepSpeed accepts 0, 1, 2, 3",
+            "write the stage as a number, e.g. 2")
         return
     if isinstance(value, float):
         yield RawFinding("DS113", "warning", path, f"the ZeRO stage is the float {value}", f"write {stage}")
@@ -348,8 +363,9 @@ def check_dtype(v: ConfigView, path: tuple, value: Any) -> Iterator[RawFinding]:
 
 def check_tag_validation(v: ConfigView, path: tuple, value: Any) -> Iterator[RawFinding]:
     if not isinstance(value, str):
-        yield RawFinding("DS110", "error", path, "`checkpoint.tag_validation` must be a string: DeepSpeed calls .upper() "
-                         "on it and crashes", 'use "Warn", "Ignore" or "Fail"')
+        yield RawFinding(
+            "DS110", "error", path, "`checkpoint.tag_validation` must be a string: DeepSpeed calls .upper() "
+            "on it and crashes", 'use "Warn", "Ignore" or "Fail"')
     elif value.upper() not in ("WARN", "IGNORE", "FAIL"):
         yield RawFinding("DS112", "error", path, f"`checkpoint.tag_validation` is {show(value)}: DeepSpeed accepts "
                          "Warn, Ignore, Fail", did_you_mean(value.upper(), ["WARN", "IGNORE", "FAIL"])
