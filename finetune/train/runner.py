@@ -429,19 +429,23 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
-    from finetune.builtin import BuiltinModelError
-    from finetune.data.tokenize import DataError
-    from finetune.train.loss import LossKernelError
+    from finetune.errors import FinetuneError
+    from finetune.rundir.checkpoint import EXIT_PREEMPTED, CheckpointError
     from finetune.train.shutdown import close_process_group
 
     try:
         run(args.run_dir.resolve(), resume=args.resume)
         close_process_group()
-    except (RunDirError, DataError, BuiltinModelError, LossKernelError) as exc:
+    except FinetuneError as exc:
+        if exc.exit_code == EXIT_PREEMPTED or isinstance(exc, CheckpointError):
+            from finetune.train.preemption import exit_code_for
+
+            return exit_code_for(exc, args.run_dir.resolve()) or 1  # the rank that stopped says so
         # The launcher shows rank 0's console; one line, no traceback, for problems in the inputs.
-        print(f"error: {exc}", file=sys.stderr, flush=True)
-        return 1
-    except Exception as exc:  # preempted (exit 75), or a full / read-only disk: one line, no traceback
+        for line in exc.lines():
+            print(line, file=sys.stderr, flush=True)
+        return exc.exit_code
+    except Exception as exc:  # a full / read-only disk: one line, no traceback
         from finetune.train.preemption import exit_code_for
 
         code = exit_code_for(exc, args.run_dir.resolve())
