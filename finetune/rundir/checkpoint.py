@@ -38,8 +38,8 @@ from typing import Any, Optional
 
 from finetune.errors import FinetuneError
 from finetune.fsutil import write_atomic
-from finetune.units import gib_text
 from finetune.rundir.resume_key import RESUME_KEY_FILE, changed_fields, read_resume_key, resume_fields
+from finetune.units import gib_text
 
 CHECKPOINT_PREFIX = "checkpoint-"  # transformers.trainer_utils.PREFIX_CHECKPOINT_DIR + "-"
 MARKER = "COMPLETE"

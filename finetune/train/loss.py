@@ -20,6 +20,7 @@ from typing import Any, Optional
 from finetune.data.tokenize import IGNORE_INDEX
 from finetune.errors import FinetuneError
 
+
 class LossKernelError(FinetuneError):
     """The model cannot use the chosen loss kernel (one line for a human)."""
 

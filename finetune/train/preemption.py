@@ -45,8 +45,8 @@ from finetune.errors import FinetuneError
 from finetune.rundir import checkpoint as ckpt
 from finetune.rundir import resume_key
 from finetune.recipe import Recipe
-from finetune.units import human_size
 from finetune.train.dist import all_gather, barrier, local_rank, process_group, rank
+from finetune.units import human_size
 
 DUPLICATE_WINDOW = ckpt.SECOND_SIGNAL_WINDOW  # the same rule as `finetune train`'s (finetune.run.launch)
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
