@@ -73,9 +73,9 @@ def _list_item_model(annotation: Any):
 
 
 def rule_table() -> str:
-    from finetune.lint import PLAN_RULES, deepspeed_rules, parallel_rules, recipe_rules  # noqa: F401 (parallel_rules adds to RULES)
+    from finetune.lint import PLAN_RULES, deepspeed, parallel_rules, recipe_rules  # noqa: F401 (parallel_rules adds to RULES)
 
-    rules = {**recipe_rules.RULES, **deepspeed_rules.RULES, **PLAN_RULES}
+    rules = {**recipe_rules.RULES, **deepspeed.RULES, **PLAN_RULES}
     lines = ["| id | what it catches |", "|---|---|"]
     lines += [f"| {rule} | {text} |" for rule, text in sorted(rules.items())]
     return "\n".join(lines)

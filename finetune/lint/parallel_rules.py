@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Iterator, Optional
 
-from finetune.lint.ds_context import RawFinding
+from finetune.lint.deepspeed.context import RawFinding
 from finetune.lint.recipe_rules import RULES, rule
 from finetune.recipe import LoadedRecipe
 
@@ -172,8 +172,8 @@ def autotp_adapters(loaded: LoadedRecipe) -> Iterator[RawFinding]:
     # LoRA layers. ZeRO-0 was not tried.
     stage = r.deepspeed.stage
     yield RawFinding("R148", "error" if stage in (1, 2) else "warning", ("parallel", "tensor"),
-                     f"AutoTP with LoRA: DeepSpeed's ZeRO-1/2 optimizer fails on the parameters AutoTP replaces under "
-                     f"the LoRA layers (KeyError in _create_param_mapping)" + ("" if stage in (1, 2) else
+                     "AutoTP with LoRA: DeepSpeed's ZeRO-1/2 optimizer fails on the parameters AutoTP replaces under "
+                     "the LoRA layers (KeyError in _create_param_mapping)" + ("" if stage in (1, 2) else
                                                                              "; untested at ZeRO-0"),
                      "use method: full with parallel.tensor, or parallel.tensor: 1")
 

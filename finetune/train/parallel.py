@@ -17,13 +17,15 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
+from finetune.errors import FinetuneError
+
 # Keys of a flattened (padding-free) batch for flash attention's varlen call. They describe the whole
 # sequence, while each SP rank holds a slice; the adapter would also try to slice them (1-D). Without them
 # flash attention finds the examples from the gathered position_ids (DeepSpeed's ulysses_sp.py notes this).
 _WHOLE_SEQUENCE_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 
 
-class ParallelError(ValueError):
+class ParallelError(FinetuneError):
     """A parallel.* setting this run's processes cannot carry out (one line, no traceback)."""
 
 

@@ -25,11 +25,13 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from finetune.errors import FinetuneError
+
 UNIVERSAL_SUFFIX = "_universal"
 LATEST_UNIVERSAL = "latest_universal"  # the file DeepSpeed reads the tag from with load_universal
 
 
-class UniversalCheckpointError(RuntimeError):
+class UniversalCheckpointError(FinetuneError):
     """The checkpoint could not be converted (one line, no traceback)."""
 
 
