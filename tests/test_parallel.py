@@ -443,3 +443,14 @@ def test_who_converts_and_when(tmp_path, monkeypatch):
     # the same process count, or no checkpoint: the config as it was, nothing converted
     assert prepare_resume(str(checkpoint), config, 2, True, print) is config
     assert prepare_resume(None, config, 1, True, print) is config
+
+
+def test_activation_offload_moves_the_checkpointed_inputs_to_the_host():
+    plain, offloaded = _plan(), _plan(training={"activation_offload": True})
+    inputs = _term(plain, "layer inputs (checkpointed)")  # 32 layers x 65,536 tokens x 4096 x 2 B
+    assert inputs == 32 * 65536 * 4096 * 2
+    assert _term(offloaded, "layer inputs (checkpointed)") == 0
+    assert _term(offloaded, "layer input being recomputed") == inputs // 32
+    cpu = sum(t.bytes for t in offloaded.cpu_terms if t.name == "offloaded layer inputs (pinned)")
+    assert cpu == (inputs - inputs // 32) * 8  # per node: 8 processes
+    assert plain.per_gpu["total"] - offloaded.per_gpu["total"] >= inputs - inputs // 32

@@ -40,7 +40,8 @@ def setup_from_recipe(recipe, gpus: Optional[int] = None, gpu_memory_bytes: Opti
         return setup
     from finetune.plan.parallel import apply_parallel
 
-    return apply_parallel(setup, recipe.parallel.sequence, recipe.parallel.tensor)
+    return apply_parallel(setup, recipe.parallel.sequence, recipe.parallel.tensor,
+                          activation_offload=recipe.training.activation_offload)
 
 
 def _setup_from_recipe(recipe, gpus, gpu_memory_bytes, nodes, cpu_memory_bytes, deepspeed, data_lengths) -> Setup:

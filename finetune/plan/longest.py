@@ -16,7 +16,8 @@ from finetune.plan.setup import Setup
 
 def fits_at(base: Setup, seq_len: int, sequence: int, tensor: int = 1) -> Optional[bool]:
     """Whether `seq_len` tokens fit one process of `base` (a Setup before apply_parallel) at these degrees."""
-    return plan(apply_parallel(replace(base, seq_len=seq_len, data_note=""), sequence, tensor)).fits
+    return plan(apply_parallel(replace(base, seq_len=seq_len, data_note=""), sequence, tensor,
+                               activation_offload=base.activation_offload)).fits
 
 
 def longest_sequence(base: Setup, sequence: int, tensor: int = 1, limit: int = 1 << 24,
@@ -89,5 +90,6 @@ def long_context_text(recipe, setup: Setup, gpus: Optional[int] = None, gpu_memo
         return ""
     base = setup_from_recipe(recipe, gpus, gpu_memory_bytes, nodes, cpu_memory_bytes, deepspeed=setup.deepspeed,
                              parallel=False)
-    base = replace(base, seq_len=recipe.data.max_length, data_note="")
+    base = replace(base, seq_len=recipe.data.max_length, data_note="",
+                   activation_offload=recipe.training.activation_offload and base.gradient_checkpointing)
     return render_table(base, base.world, recipe.data.max_length)

@@ -22,8 +22,10 @@ from dataclasses import replace
 from finetune.plan.setup import PlanError, Setup, Term
 
 
-def apply_parallel(setup: Setup, sequence: int = 1, tensor: int = 1) -> Setup:
+def apply_parallel(setup: Setup, sequence: int = 1, tensor: int = 1, activation_offload: bool = False) -> Setup:
     """The Setup of one process of a run with these degrees (sequence, tensor recorded on it)."""
+    if activation_offload and setup.gradient_checkpointing:
+        setup = replace(setup, activation_offload=True)
     if sequence == 1 and tensor == 1:
         return setup
     notes = []
@@ -60,3 +62,24 @@ def parallel_terms(setup: Setup) -> list[Term]:
     size = 2 * setup.micro_batch * setup.seq_len * per_token
     return [Term("activations", "Ulysses all-to-all buffers", size, phase="backward",
                  note=f"send + receive of q, k, v, output of one layer, {setup.seq_len:,} tokens per process")]
+
+
+CHECKPOINTED_INPUTS = "layer inputs (checkpointed)"  # finetune.plan.activations' term for what offload moves
+
+
+def offload_activations(setup: Setup, terms: list[Term]) -> tuple[list[Term], list[Term]]:
+    """(GPU terms, CPU terms) with training.activation_offload: transformers' save_on_cpu around each checkpointed
+    layer keeps its saved input in pinned host memory; one layer's is on the GPU while that layer runs."""
+    if not setup.activation_offload or setup.arch is None:
+        return terms, []
+    out, cpu = [], []
+    for term in terms:
+        if term.name != CHECKPOINTED_INPUTS:
+            out.append(term)
+            continue
+        one_layer = term.bytes // setup.arch.layers
+        out.append(replace(term, name="layer input being recomputed", bytes=one_layer,
+                           note="the rest in host memory (training.activation_offload)"))
+        cpu.append(Term("cpu", "offloaded layer inputs (pinned)", (term.bytes - one_layer) * setup.gpus_per_node,
+                        phase="backward", note=f"{setup.gpus_per_node} processes x {setup.arch.layers - 1} layers"))
+    return out, cpu

@@ -96,6 +96,7 @@ class Setup:
     # parallel.sequence / parallel.tensor (finetune/plan/parallel.py): seq_len and arch are already one process's
     sequence: int = 1
     tensor: int = 1
+    activation_offload: bool = False  # training.activation_offload: checkpointed layer inputs in pinned host memory
 
     @property
     def world(self) -> int:
