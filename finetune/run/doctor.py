@@ -341,12 +341,9 @@ def checks_for_recipe(recipe: "Recipe", facts: Optional[Facts] = None) -> list[C
 def parallel_checks(recipe: "Recipe", facts: Facts) -> list[Check]:
     from finetune.lint.parallel_rules import AUTOTP_FLOORS, ULYSSES_FLOORS
 
-    checks = []
-    if recipe.parallel.sequence > 1:
-        checks += floor_checks(facts, ULYSSES_FLOORS, "ulysses", "for parallel.sequence (Ulysses)")
-    if recipe.parallel.tensor > 1:
-        checks += floor_checks(facts, AUTOTP_FLOORS, "autotp", "for parallel.tensor (AutoTP)")
-    return checks
+    p = recipe.parallel
+    return (floor_checks(facts, ULYSSES_FLOORS, "ulysses", "for parallel.sequence (Ulysses)") if p.sequence > 1 else []) \
+        + (floor_checks(facts, AUTOTP_FLOORS, "autotp", "for parallel.tensor (AutoTP)") if p.tensor > 1 else [])
 
 
 def liger_checks(facts: Facts) -> list[Check]:
