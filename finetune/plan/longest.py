@@ -69,7 +69,8 @@ def render_table(base: Setup, world: int, length: int) -> str:
     rows = longest_table(base, world)
     smallest = smallest_sequence_degree(base, world, length)
     lines = ["long context (Ulysses sequence parallelism, parallel.sequence; planner estimates):"]
-    lines.append(f"  max_length {length:,}: " + (f"fits with parallel.sequence: {smallest}" if smallest else
+    lines.append(f"  max_length {length:,}: " + (f"fits with parallel.sequence: {smallest} (apply with: --set "
+                                                f"parallel.sequence={smallest})" if smallest else
                                                 "does not fit at any parallel.sequence on this world size"))
     lines.append(f"  {'parallel.sequence':<20}{'longest sequence (tokens)':>28}")
     for sp, longest in rows:
