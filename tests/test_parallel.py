@@ -454,3 +454,13 @@ def test_activation_offload_moves_the_checkpointed_inputs_to_the_host():
     cpu = sum(t.bytes for t in offloaded.cpu_terms if t.name == "offloaded layer inputs (pinned)")
     assert cpu == (inputs - inputs // 32) * 8  # per node: 8 processes
     assert plain.per_gpu["total"] - offloaded.per_gpu["total"] >= inputs - inputs // 32
+
+
+def test_tiled_mlp_shrinks_the_recomputed_layer():
+    plain = _plan(training={"loss_kernel": "chunked"})  # small loss buffers: the recompute term shows whole
+    tiled = _plan(training={"loss_kernel": "chunked", "tiled_mlp": True})
+    assert tiled.setup.tiled_mlp_shards == 16  # 65,536 tokens / hidden 4096
+    e, tokens, inter, hidden = 2, 65536, 14336, 4096
+    mlp = tokens * e * (3 * inter + (5 * inter - 4 * hidden) // 2)
+    drop = _term(plain, "layer recompute + gradients") - _term(tiled, "layer recompute + gradients")
+    assert drop == mlp - mlp // 16 and _term(tiled, "layer recompute + gradients") > 0

@@ -40,8 +40,9 @@ def setup_from_recipe(recipe, gpus: Optional[int] = None, gpu_memory_bytes: Opti
         return setup
     from finetune.plan.parallel import apply_parallel
 
+    t = recipe.training
     return apply_parallel(setup, recipe.parallel.sequence, recipe.parallel.tensor,
-                          activation_offload=recipe.training.activation_offload)
+                          activation_offload=t.activation_offload, tiled_mlp=t.tiled_mlp, tiled_mlp_shards=t.tiled_mlp_shards)
 
 
 def _setup_from_recipe(recipe, gpus, gpu_memory_bytes, nodes, cpu_memory_bytes, deepspeed, data_lengths) -> Setup:

@@ -18,14 +18,20 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from typing import Optional
 
 from finetune.plan.setup import PlanError, Setup, Term
 
 
-def apply_parallel(setup: Setup, sequence: int = 1, tensor: int = 1, activation_offload: bool = False) -> Setup:
+def apply_parallel(setup: Setup, sequence: int = 1, tensor: int = 1, activation_offload: bool = False,
+                   tiled_mlp: bool = False, tiled_mlp_shards: Optional[int] = None) -> Setup:
     """The Setup of one process of a run with these degrees (sequence, tensor recorded on it)."""
     if activation_offload and setup.gradient_checkpointing:
         setup = replace(setup, activation_offload=True)
+    if tiled_mlp and setup.arch is not None:
+        # finetune.train.parallel.use_tiled_mlp's default: ceil(tokens per process / hidden)
+        shards = tiled_mlp_shards or math.ceil(-(-setup.seq_len // sequence) / setup.arch.hidden)
+        setup = replace(setup, tiled_mlp_shards=max(1, shards))
     if sequence == 1 and tensor == 1:
         return setup
     notes = []
@@ -83,3 +89,25 @@ def offload_activations(setup: Setup, terms: list[Term]) -> tuple[list[Term], li
         cpu.append(Term("cpu", "offloaded layer inputs (pinned)", (term.bytes - one_layer) * setup.gpus_per_node,
                         phase="backward", note=f"{setup.gpus_per_node} processes x {setup.arch.layers - 1} layers"))
     return out, cpu
+
+
+RECOMPUTE = "layer recompute + gradients"  # activations.activation_terms' name for it
+
+
+def tile_mlp(setup: Setup, terms: list[Term]) -> list[Term]:
+    """training.tiled_mlp under gradient checkpointing: the recomputed layer's MLP activations and gradients
+    (activations.layer_activation_bytes' 3 x intermediate and backward_working_bytes' (5 x intermediate - 4 x
+    hidden) / 2 elements per token) exist for one slice at a time. Without checkpointing TiledMLP would also drop
+    the saved MLP activations; not modelled (the estimate stays high)."""
+    from finetune.plan.activations import backward_working_bytes, layer_activation_bytes, logits_bytes
+
+    arch = setup.arch
+    if setup.tiled_mlp_shards <= 1 or arch is None or not setup.gradient_checkpointing or arch.experts:
+        return terms
+    e, tokens = setup.element_bytes, setup.micro_batch * setup.seq_len
+    mlp = tokens * e * (3 * arch.intermediate + max(0, (5 * arch.intermediate - 4 * arch.hidden) // 2))
+    saved = mlp - mlp // setup.tiled_mlp_shards
+    per_layer = layer_activation_bytes(setup)
+    extra = max(0, backward_working_bytes(setup, per_layer) - saved - logits_bytes(setup))
+    return [replace(t, bytes=extra, note=f"{t.note}; MLP in {setup.tiled_mlp_shards} slices (tiled_mlp)")
+            if t.field == "activations" and t.name == RECOMPUTE else t for t in terms]

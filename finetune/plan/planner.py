@@ -10,7 +10,7 @@ from finetune.plan.constants import (
     ALLOCATOR_MIN_LARGE_ALLOC, ALLOCATOR_ROUND_LARGE, CUBLAS_HANDLES, CUBLAS_WORKSPACE, CUDA_CONTEXT,
     FRAGMENTATION, NCCL_BUFFERS, PROCESS_RSS, MiB,
 )
-from finetune.plan.parallel import offload_activations, parallel_terms
+from finetune.plan.parallel import offload_activations, parallel_terms, tile_mlp
 from finetune.plan.params import ParamGroup, four_bit_bytes, param_groups
 from finetune.plan.preference import reference_terms
 from finetune.plan.result import PlanResult
@@ -34,7 +34,7 @@ def plan(setup: Setup) -> PlanResult:
     terms += buffer_terms(setup, groups, trainable, notes)
     complete = setup.arch is not None
     if complete:
-        activations, offloaded = offload_activations(setup, activation_terms(setup))
+        activations, offloaded = offload_activations(setup, tile_mlp(setup, activation_terms(setup)))
         terms += activations + parallel_terms(setup)
         cpu += offloaded
         notes += _moe_notes(setup)

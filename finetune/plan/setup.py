@@ -97,6 +97,7 @@ class Setup:
     sequence: int = 1
     tensor: int = 1
     activation_offload: bool = False  # training.activation_offload: checkpointed layer inputs in pinned host memory
+    tiled_mlp_shards: int = 1  # training.tiled_mlp: slices per MLP call (1: not tiled)
 
     @property
     def world(self) -> int:
