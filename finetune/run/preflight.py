@@ -106,24 +106,18 @@ def lint_step(loaded: LoadedRecipe, result: Preflight, world_size: Optional[int]
 
 
 def dataset_step(recipe: Recipe, result: Preflight) -> None:
-    """Every row of every local source (finetune.data.validate); hub ids are read at launch."""
-    if recipe.objective != "sft":  # preference rows, every row of every file (finetune/data/preference.py)
-        from finetune.data.preference import check_data
-
-        notes, errors = check_data(recipe.data, recipe.objective)
-        result.notes += notes
-        result.errors += errors
-        return
+    """Every row of every local source (finetune.data.validate), read the way the objective reads it (SFT
+    formats, preference rows, GRPO prompts); hub ids are read at launch."""
     from finetune.data.sources import sources_of
     from finetune.data.validate import validate
 
-    checked = validate(sources_of(recipe.data))
+    checked = validate(sources_of(recipe.data, recipe.objective))
     for path in checked.skipped:
         result.notes.append(f"dataset {path}: a hub id, not checked here (read at launch; needs network)")
     result.errors.extend(f"dataset {message}" for message in checked.messages())
     if checked.ok:
         for check in checked.checks:
-            result.notes.append(f"dataset {check.source.path}: {check.source.format} format, all {check.rows} row(s) look right")
+            result.notes.append(f"dataset {check.source.path}: {check.rows} {check.source.format} row(s), all look right")
 
 
 # A conversation to render the template on when the dataset's rows cannot be read here (a hub id).
