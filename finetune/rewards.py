@@ -22,6 +22,7 @@ import importlib
 import importlib.util
 import inspect
 import math
+import numbers
 import re
 import sys
 from pathlib import Path
@@ -228,6 +229,76 @@ def check_call(fn: Callable, function: str, prompts: list, completions: list, co
         raise RewardError(f"reward {function}: returned {len(out)} value(s) for {len(completions)} completions "
                           "(one float per completion)")
     for value in out:
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real)):
             raise RewardError(f"reward {function}: returned a {type(value).__name__} ({value!r:.40}), expected "
                               "a float (or None) per completion")
+
+
+# ------------------------------------------------------------------------------------------------
+# Before launch (finetune.run.preflight)
+
+
+def preflight(recipe: Any) -> tuple[list[str], list[str]]:
+    """(notes, errors): every reward built (user functions imported) and called on the data's first row."""
+    errors: list[str] = []
+    if recipe.grpo.vllm != "off":
+        errors += vllm_problems(recipe.grpo.vllm)
+    functions = []
+    for spec in recipe.grpo.rewards:
+        try:
+            functions.append((spec.function, builtin(spec) if is_builtin(spec.function) else load_user(spec.function)))
+        except RewardError as exc:
+            errors.append(str(exc))
+    if errors or not functions:
+        return [], errors
+    row = first_row(recipe)
+    if row is None:
+        return ["rewards: imported; not called (the data is not local, or has no readable row)"], []
+    prompt = row["prompt"]
+    answer = row.get("answer")
+    # Two completions of the row's prompt: its reference answer (when it has one) and an empty one.
+    texts = [answer if isinstance(answer, str) else "42", ""]
+    completions = [[{"role": "assistant", "content": t}] for t in texts] if isinstance(prompt, list) else texts
+    columns = {k: [v] * len(texts) for k, v in row.items() if k != "prompt"}
+    for function, fn in functions:
+        try:
+            check_call(fn, function, [prompt] * len(texts), completions, [[1, 2, 3], []], columns)
+        except RewardError as exc:
+            errors.append(str(exc))
+    if errors:
+        return [], errors
+    return [f"rewards: {', '.join(f for f, _ in functions)} called on the first data row, each returns one float per completion"], []
+
+
+def first_row(recipe: Any) -> Optional[dict[str, Any]]:
+    """The first row of the first local source, as GRPO reads it (finetune.data.preference), or None."""
+    from finetune.data import validate
+    from finetune.data.formats import RowProblem, to_example
+    from finetune.data.sources import SourceProblem, data_files, is_local, sources_of
+
+    for source in sources_of(recipe.data, recipe.objective):
+        if not is_local(source.path):
+            continue
+        try:
+            for file in data_files(Path(source.path).expanduser(), source.split):
+                for _, row in validate.iter_rows(file):
+                    if isinstance(row, dict):
+                        try:
+                            return to_example(row, source.spec).values
+                        except RowProblem:
+                            continue
+        except (SourceProblem, validate.Unreadable):
+            continue
+    return None
+
+
+def vllm_problems(mode: str) -> list[str]:
+    """grpo.vllm needs vllm installed and a CUDA GPU; this project runs transformers' generate otherwise."""
+    if importlib.util.find_spec("vllm") is None:
+        return [f"grpo.vllm: {mode} needs vllm, which is not installed (pip install vllm on a CUDA machine); "
+                "set grpo.vllm: off to generate with transformers"]
+    import torch
+
+    if not torch.cuda.is_available():
+        return [f"grpo.vllm: {mode} needs a CUDA GPU and none is visible; set grpo.vllm: off"]
+    return []

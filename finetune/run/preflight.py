@@ -73,6 +73,7 @@ def run_preflight(loaded: LoadedRecipe, run_dir: Path, overwrite: bool = False, 
         elif check.status == "info":
             result.notes.append(check.message)
     dataset_step(recipe, result)
+    rewards_step(recipe, result)
     chat_template_step(recipe, result)
     model_step(recipe, result)
     hostfile_step(recipe, result)
@@ -118,6 +119,18 @@ def dataset_step(recipe: Recipe, result: Preflight) -> None:
     if checked.ok:
         for check in checked.checks:
             result.notes.append(f"dataset {check.source.path}: {check.rows} {check.source.format} row(s), all look right")
+
+
+def rewards_step(recipe: Recipe, result: Preflight) -> None:
+    """GRPO: every reward function imported and called on the data's first row (finetune.rewards.preflight):
+    a bad one is one line naming it here, not a traceback in every rank after the model loaded."""
+    if recipe.objective != "grpo":
+        return
+    from finetune.rewards import preflight
+
+    notes, errors = preflight(recipe)
+    result.notes += notes
+    result.errors += errors
 
 
 # A conversation to render the template on when the dataset's rows cannot be read here (a hub id).

@@ -53,7 +53,7 @@ def arguments(recipe: Recipe, training_arguments_class, kwargs: dict[str, Any]):
     """TrainingArguments for sft; TRL's config class (a subclass) with the objective's keys otherwise."""
     if not objectives.get(recipe.objective).uses_trl:
         return training_arguments_class(**kwargs)
-    return _trl(recipe)[0](**kwargs, **config_kwargs(recipe))
+    return _trl(recipe)[0](**{**kwargs, **config_kwargs(recipe)})
 
 
 # One function per objective: the TRL config keys the recipe sets, only those the objective reads (lint R118
@@ -103,6 +103,8 @@ def _grpo(recipe: Recipe) -> dict[str, Any]:
            "temperature": g.temperature, "beta": g.beta, "loss_type": g.loss_type, "scale_rewards": g.scale_rewards,
            "num_iterations": g.num_iterations, "epsilon": g.epsilon,
            "reward_weights": [float(r.weight) for r in g.rewards], "use_vllm": g.vllm != "off",
+           # The runner trains with config.use_cache off (packing masks); generation wants its KV cache.
+           "generation_kwargs": {"use_cache": True},
            # The recipe's columns go to the rewards: TRL must not drop the ones the model does not take.
            "remove_unused_columns": False}
     if g.vllm != "off":
@@ -200,16 +202,26 @@ def make_trainer(recipe: Recipe, model, ref_model, peft_config, args, train_set,
                               "processing_class": tokenizer, "callbacks": callbacks, "peft_config": peft_config}
     if objectives.get(recipe.objective).reference == "preference":
         kwargs["ref_model"] = ref_model
+    if recipe.objective == "grpo":
+        from finetune.train.grpo import reward_functions
+
+        kwargs["reward_funcs"] = reward_functions(recipe)
     return trainer_class(**kwargs)
 
 
 def fixed_batch(trainer, pad_id: int, size: int, max_length: int) -> dict[str, Any]:
-    """prompt + chosen (kto: prompt + completion) of the first tokenized rows, right-padded: the batch
-    final_logits.safetensors is computed on, as the SFT runner's first training sequences are."""
+    """prompt + chosen (kto: prompt + completion; grpo: the prompt) of the first tokenized rows, right-padded:
+    the batch final_logits.safetensors is computed on, as the SFT runner's first training sequences are."""
     import torch
 
     dataset = trainer.train_dataset
-    rows = [_answered_sequence(dataset[i])[:max_length] for i in range(min(size, len(dataset)))]
+    if "prompt" in dataset.column_names and "prompt_ids" not in dataset.column_names:  # GRPO keeps raw prompts
+        from finetune.train.grpo import prompt_ids
+
+        tokens = [prompt_ids(dataset[i], trainer.processing_class) for i in range(min(size, len(dataset)))]
+    else:
+        tokens = [_answered_sequence(dataset[i]) for i in range(min(size, len(dataset)))]
+    rows = [t[:max_length] for t in tokens]
     width = max(len(r) for r in rows)
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(rows), width), dtype=torch.long)
@@ -223,6 +235,8 @@ def _answered_sequence(row: dict[str, Any]) -> list[int]:
     if "chosen_input_ids" in row:  # ORPO/CPO tokenize prompt + chosen as one sequence
         return list(row["chosen_input_ids"])
     answer = row["chosen_ids"] if "chosen_ids" in row else row["completion_ids"]  # DPO / KTO: answer alone
+    if "prompt_ids" not in row:  # RewardTrainer tokenizes prompt + chosen as one sequence
+        return list(answer)
     return list(row["prompt_ids"]) + list(answer)
 
 
@@ -248,10 +262,15 @@ def summary_extra(recipe: Recipe, log_history: list[dict[str, Any]]) -> dict[str
     """summary.json's keys for the objective: which one, and the preference metrics' first and last values."""
     if not objectives.get(recipe.objective).uses_trl:
         return {"objective": recipe.objective}
-    return {"objective": recipe.objective, "preference_metrics": metric_summary(log_history)}
+    metrics = metric_summary(log_history)
+    out = {"objective": recipe.objective, "preference_metrics": metrics}
+    if recipe.objective == "grpo":  # TRL logs `reward`: the weighted sum, mean over the step's completions
+        out["mean_reward"] = metrics.get("reward")
+    return out
 
 
 def summary_line(metrics: dict[str, dict[str, float]]) -> str:
     parts = [f"{name} {metrics[name]['first']:.3f} -> {metrics[name]['last']:.3f}"
-             for name in ("rewards/margins", "rewards/accuracies") if name in metrics]
+             for name in ("rewards/margins", "rewards/accuracies", "reward", "kl", "completions/mean_length",
+                          "accuracy", "margin") if name in metrics]
     return ", ".join(parts) or "no reward metrics logged"

@@ -316,7 +316,12 @@ def run(run_dir: Path, resume: bool = False) -> None:
         (train_set, eval_set), collator = preference.split_rows(recipe), None
 
     # 4. The model, built partitioned under ZeRO-3, then LoRA and gradient checkpointing.
-    model = load_model(recipe, model_path)
+    if recipe.objective == "reward":  # a one-score head on the base model (TRL's RewardTrainer)
+        from finetune.train.grpo import load_reward_model
+
+        model = load_reward_model(recipe, model_path, tokenizer.pad_token_id)
+    else:
+        model = load_model(recipe, model_path)
     check_packing_support(model, recipe)
     # No KV cache while training: it is for generation, and with one transformers skips the packed-
     # sequence mask (masking_utils). Restored before saving, so model/ generates with a cache.
