@@ -154,14 +154,14 @@ def test_grpo_trl_config_reads_the_section_and_the_rewards_weights(write_recipe)
 def test_plan_counts_generation_and_the_grpo_reference(tmp_path):
     from finetune.plan import plan_recipe
 
-    lora = plan_recipe(load_recipe(TINY / "grpo_lora_zero3.yaml"))
+    lora = plan_recipe(load_recipe(TINY / "grpo_lora_zero3.yaml").recipe)
     names = {t.name: t for t in lora.terms}
     assert "generation KV cache" in names and "weights gathered for generation" in names
     # builtin:tiny-llama: 4 layers, 2 kv heads x 32; 8 completions x (prompt + 16) tokens, fp32
     setup = lora.setup
     assert names["generation KV cache"].bytes == 2 * 4 * 2 * 32 * 4 * 8 * setup.seq_len
     assert not any("reference" in t.name for t in lora.terms)  # LoRA: the adapter is switched off
-    full = plan_recipe(load_recipe(TINY / "grpo_full_zero2.yaml"))
+    full = plan_recipe(load_recipe(TINY / "grpo_full_zero2.yaml").recipe)
     assert any(t.name == "reference model" for t in full.terms)  # beta > 0, full: a frozen copy
 
 
@@ -180,4 +180,4 @@ def test_shipped_grpo_and_reward_recipes_lint_clean_and_plan():
              REPO / "recipes" / "qwen2.5" / "7b_grpo_lora_8xh100.yaml"]
     for path in paths:
         assert [f for f in lint_paths([path], LintOptions()).findings if f.severity != "info"] == [], path
-        assert plan_recipe(load_recipe(path)).terms, path
+        assert plan_recipe(load_recipe(path).recipe).terms, path
