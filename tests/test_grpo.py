@@ -181,3 +181,10 @@ def test_shipped_grpo_and_reward_recipes_lint_clean_and_plan():
     for path in paths:
         assert [f for f in lint_paths([path], LintOptions()).findings if f.severity != "info"] == [], path
         assert plan_recipe(load_recipe(path).recipe).terms, path
+
+
+def test_every_grpo_and_reward_tiny_recipe_is_trained_by_a_slow_test():
+    from tests.test_grpo_runs import TRAINED
+
+    shipped = {p.stem for p in TINY.glob("*.yaml") if load_recipe(p).recipe.objective in ("grpo", "reward")}
+    assert shipped == set(TRAINED)
