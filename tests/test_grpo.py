@@ -188,3 +188,9 @@ def test_every_grpo_and_reward_tiny_recipe_is_trained_by_a_slow_test():
 
     shipped = {p.stem for p in TINY.glob("*.yaml") if load_recipe(p).recipe.objective in ("grpo", "reward")}
     assert shipped == set(TRAINED)
+
+
+def test_a_reward_model_does_not_continue_an_sft_adapter(tmp_path):
+    path = tmp_path / "rm.yaml"
+    path.write_text(f"model: {{name_or_path: org/m, adapter: {tmp_path}}}\nobjective: reward\ndata: {{path: d.jsonl}}\n")
+    assert ("R120", "error", "model.adapter") in [(f.rule, f.severity, f.key) for f in lint_paths([path], LintOptions()).findings]

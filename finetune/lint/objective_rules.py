@@ -174,3 +174,13 @@ def _groups(loaded: LoadedRecipe) -> Iterator[RawFinding]:
                          f"gradient_accumulation_steps {t.gradient_accumulation_steps} x {world} processes), not a "
                          f"multiple of num_generations {r.grpo.num_generations}: TRL refuses it",
                          "make micro_batch_size x gradient_accumulation_steps x processes a multiple of num_generations")
+
+
+@rule
+def reward_model_adapter(loaded: LoadedRecipe) -> Iterator[RawFinding]:
+    r = loaded.recipe
+    if r.objective == "reward" and r.model.adapter is not None:
+        # An SFT adapter is a causal-LM adapter; the reward model is a sequence classifier with a new head.
+        yield RawFinding("R120", "error", ("model", "adapter"),
+                         "a reward model starts a new score head on its base: an SFT adapter cannot be continued",
+                         "merge the SFT run (finetune merge RUN -o DIR) and set model.name_or_path: DIR")
