@@ -240,9 +240,7 @@ def check_call(fn: Callable, function: str, prompts: list, completions: list, co
 
 def preflight(recipe: Any) -> tuple[list[str], list[str]]:
     """(notes, errors): every reward built (user functions imported) and called on the data's first row."""
-    errors: list[str] = []
-    if recipe.grpo.vllm != "off":
-        errors += vllm_problems(recipe.grpo.vllm)
+    errors: list[str] = []  # grpo.vllm is the environment's question: finetune.run.doctor.vllm_checks
     functions = []
     for spec in recipe.grpo.rewards:
         try:
@@ -290,15 +288,3 @@ def first_row(recipe: Any) -> Optional[dict[str, Any]]:
         except (SourceProblem, validate.Unreadable):
             continue
     return None
-
-
-def vllm_problems(mode: str) -> list[str]:
-    """grpo.vllm needs vllm installed and a CUDA GPU; this project runs transformers' generate otherwise."""
-    if importlib.util.find_spec("vllm") is None:
-        return [f"grpo.vllm: {mode} needs vllm, which is not installed (pip install vllm on a CUDA machine); "
-                "set grpo.vllm: off to generate with transformers"]
-    import torch
-
-    if not torch.cuda.is_available():
-        return [f"grpo.vllm: {mode} needs a CUDA GPU and none is visible; set grpo.vllm: off"]
-    return []

@@ -115,12 +115,16 @@ def test_every_reward_error_is_one_line_naming_the_function_before_launch(tmp_pa
 def test_vllm_is_refused_where_it_cannot_run(tmp_path):
     import importlib.util
 
-    errors = preflight_errors(grpo_recipe(tmp_path, "- {function: exact_match}\n", "  vllm: colocate\n"))
+    from finetune.run.doctor import Facts, checks_for_recipe
+
+    recipe = load_recipe(grpo_recipe(tmp_path, "- {function: exact_match}\n", "  vllm: colocate\n")).recipe
+    facts = Facts(python="3.11", platform="linux", packages={})  # a machine without a GPU
+    failed = {c.name: c.message for c in checks_for_recipe(recipe, facts) if c.status == "fail"}
+    assert failed["vllm.gpu"] == "grpo.vllm: colocate needs a CUDA GPU; none is visible here"
     if importlib.util.find_spec("vllm") is None:
-        assert errors == ["grpo.vllm: colocate needs vllm, which is not installed (pip install vllm on a CUDA "
-                          "machine); set grpo.vllm: off to generate with transformers"]
-    else:
-        assert errors  # installed here, but no CUDA GPU
+        assert failed["vllm"] == "grpo.vllm: colocate needs vllm, which is not installed"
+    off = load_recipe(grpo_recipe(tmp_path, "- {function: exact_match}\n")).recipe
+    assert not any(c.name.startswith("vllm") for c in checks_for_recipe(off, facts))
 
 
 def test_builtin_rewards():
