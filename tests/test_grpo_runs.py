@@ -89,7 +89,11 @@ def test_grpo_lora_zero3_mean_reward_rises(tmp_path, cache):
     assert summary["objective"] == "grpo" and summary["mean_reward"]["first"] == rewards[0]
     assert {"rewards/low_id_share/mean", "rewards/exact_match/mean", "kl", "completions/mean_length"} \
         <= set(summary["preference_metrics"])
-    assert (run / "rewards.png").is_file() and "Rewards, KL and completion length" in (run / "report.html").read_text()
+    report = (run / "report.html").read_text()
+    assert (run / "rewards.png").is_file() and "Rewards, KL and completion length" in report
+    samples = [json.loads(line) for line in (run / "completions.jsonl").read_text().splitlines()]
+    assert {s["step"] for s in samples} >= {1, 30} and "Sample completions" in report
+    assert all(set(s["rewards"]) == {"low_id_share", "exact_match"} for s in samples)
     assert "[finetune] reward " in done.stdout + done.stderr and (run / "adapter" / "adapter_config.json").is_file()
 
 

@@ -51,3 +51,44 @@ def load_reward_model(recipe: Recipe, model_path: str, pad_token_id: int):
     model = AutoModelForSequenceClassification.from_pretrained(model_path, num_labels=1, **model_kwargs(recipe))
     model.config.pad_token_id = pad_token_id
     return model
+
+
+SAMPLES_PER_STEP = 4  # completions written to RUN/completions.jsonl (finetune.train.report.SAMPLES_FILE) per step
+
+
+def completion_samples(run_dir, max_steps: int):
+    """A TrainerCallback (rank 0) that appends SAMPLES_PER_STEP completions of the step's generation batch,
+    with each reward and the advantage, to RUN/completions.jsonl at the first step, every quarter of the run and
+    the last: what report.html shows beside the reward curves. It reads GRPOTrainer's `_logs` (the last
+    generation batch, gathered from every rank: trl 1.16 grpo_trainer.py), set as `.trainer` after creation."""
+    import json
+    from pathlib import Path
+
+    from transformers import TrainerCallback
+
+    from finetune.rewards import text_of
+    from finetune.train.report import SAMPLES_FILE
+
+    every = max(1, max_steps // 4)
+
+    class CompletionSamples(TrainerCallback):
+        trainer = None
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            step = state.global_step
+            logs_of = getattr(self.trainer, "_logs", None)
+            if not state.is_world_process_zero or logs_of is None or "reward" not in (logs or {}):
+                return
+            if step != 1 and step % every and step != max_steps:
+                return
+            prompts, completions = list(logs_of["prompt"]), list(logs_of["completion"])
+            rewards = {name: list(values) for name, values in logs_of["rewards"].items()}
+            advantages = list(logs_of["advantages"])
+            with open(Path(run_dir) / SAMPLES_FILE, "a", encoding="utf-8") as handle:
+                for i in range(min(SAMPLES_PER_STEP, len(completions))):
+                    handle.write(json.dumps({
+                        "step": step, "prompt": text_of(prompts[i])[-300:], "completion": text_of(completions[i])[:300],
+                        "rewards": {name: values[i] for name, values in rewards.items() if i < len(values)},
+                        "advantage": advantages[i] if i < len(advantages) else None}) + "\n")
+
+    return CompletionSamples()

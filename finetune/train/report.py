@@ -24,6 +24,7 @@ from finetune.fsutil import write_atomic
 
 PLOT_FILE = "loss.png"
 REWARD_PLOT_FILE = "rewards.png"  # GRPO: mean reward (and each reward function), KL, completion length
+SAMPLES_FILE = "completions.jsonl"  # written by finetune.train.grpo.completion_samples
 REPORT_FILE = "report.html"
 PLOT_HINT = "pip install matplotlib (or pip install 'finetune[train]')"
 
@@ -156,6 +157,19 @@ def _json(path: Path) -> Optional[Any]:
         return None
 
 
+def _jsonl(path: Path) -> list[dict[str, Any]]:
+    text = _read(path) or ""
+    out = []
+    for line in text.splitlines():
+        try:
+            item = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(item, dict):
+            out.append(item)
+    return out
+
+
 def _gib(n: Optional[float]) -> str:
     return "n/a" if n is None else f"{n / 2**30:.2f} GiB"
 
@@ -265,6 +279,13 @@ def render_report(run_dir: Path, plot_written: bool) -> str:
         line = f"<p>Mean reward, first -> last step: {_num(reward.get('first'))} -> {_num(reward.get('last'))}</p>"
         parts.append(_section("Rewards, KL and completion length",
                               line + f'<img alt="mean reward, KL, completion length" src="data:image/png;base64,{data}">'))
+    samples = _jsonl(run_dir / SAMPLES_FILE)
+    if samples:
+        rows = [(str(s.get("step")), s.get("prompt", ""), s.get("completion", ""),
+                 ", ".join(f"{k} {_num(v, '.3f')}" for k, v in (s.get("rewards") or {}).items()),
+                 _num(s.get("advantage"), ".3f")) for s in samples]
+        parts.append(_section("Sample completions (first step, every quarter, last step)",
+                              _table(rows, ("step", "prompt (end)", "completion", "rewards", "advantage"))))
     memory = memory_rows(summary, per_gpu)
     note = ("<p>Planned: <code>finetune plan</code>'s per-GPU peak for this recipe on "
             f"{world} GPU{'s' if world != 1 else ''}.")

@@ -342,8 +342,14 @@ def run(run_dir: Path, resume: bool = False) -> None:
         trainer = Trainer(model=model, args=training_args, train_dataset=train_set, eval_dataset=eval_set,
                           data_collator=collator, processing_class=tokenizer, callbacks=callbacks)
     else:
+        if recipe.objective == "grpo":  # a few completions and their rewards, for report.html
+            from finetune.train.grpo import completion_samples
+
+            callbacks.append(completion_samples(run_dir, training_args.max_steps))
         trainer = preference.make_trainer(recipe, model, ref_model, peft_config, training_args, train_set, eval_set,
                                           tokenizer, callbacks)
+        if recipe.objective == "grpo":
+            callbacks[-1].trainer = trainer
     trainable, total = count_parameters(trainer.model)
     _log_main(is_main)(f"parameters: {trainable:,} trainable of {total:,} ({recipe.method})")
     if os.environ.get("TQDM_DISABLE"):  # output relayed line by line (see finetune.run.launch.supervision): plain progress lines
