@@ -84,7 +84,6 @@ NAMES = tuple(OBJECTIVES)
 # The objectives with a `preference` section: the preference-optimisation family.
 PREFERENCE = tuple(o.name for o in OBJECTIVES.values() if o.section == "preference")
 TRL = tuple(o.name for o in OBJECTIVES.values() if o.uses_trl)
-ROW_FORMATS = {o.row_format: o.columns for o in OBJECTIVES.values() if o.row_format and o.row_format != "prompts"}
 
 
 def get(name: str) -> Objective:

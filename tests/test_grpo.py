@@ -63,6 +63,11 @@ def test_lint_checks_reward_paths_and_weights_without_importing(tmp_path):
     groups = grpo_recipe(tmp_path, "- {function: exact_match}\n",
                          "  num_generations: 3\ntraining: {micro_batch_size: 2}\nlaunch: {procs_per_node: 2}\n")
     assert any("4 completions" in f[3] and "multiple of num_generations 3" in f[3] for f in findings(groups))
+    evaluated = grpo_recipe(tmp_path, "- {function: exact_match}\n", "  num_generations: 4\ntraining: "
+                            "{micro_batch_size: 1, gradient_accumulation_steps: 2}\nlaunch: {procs_per_node: 2}\n")
+    text = evaluated.read_text().replace("format: prompt}", "format: prompt, validation_split: 0.1}")
+    evaluated.write_text(text)
+    assert [f[2] for f in findings(evaluated)] == ["data.validation_split"]
     sft = tmp_path / "sft.yaml"
     sft.write_text("model: {name_or_path: org/m}\ndata: {path: d.jsonl}\ngrpo: {num_generations: 4}\n")
     assert ("R118", "error", "grpo") in [(f.rule, f.severity, f.key) for f in lint_paths([sft], LintOptions()).findings]

@@ -126,3 +126,17 @@ def test_grpo_prompts_come_from_every_prompt_format_and_keep_the_other_columns(t
     dataset_step(load_recipe(recipe_path).recipe, result)
     assert result.errors == [f"dataset {data}:2: no `prompt` column (format prompt needs it; found `question`)",
                              f"dataset {data}:3: no `prompt` column (format prompt needs it; found `messages`)"]
+
+
+def test_text_preference_rows_take_the_bulk_pass():
+    pytest.importorskip("pyarrow")
+    from finetune.data.fastcheck import clean_counts
+    from finetune.data.formats import RowSpec
+
+    good = b'{"prompt": "", "chosen": "A", "rejected": "BB"}\n{"prompt": "Q", "chosen": "A", "rejected": "B"}\n'
+    counts = clean_counts(good, RowSpec("pairs"))
+    assert counts is not None and [int(c) for c in counts[0]] == [3, 3]
+    assert clean_counts(b'{"prompt": "Q", "chosen": " ", "rejected": "B"}\n', RowSpec("pairs")) is None  # row by row
+    kto = b'{"prompt": "Q", "completion": "A", "label": true}\n'
+    assert clean_counts(kto, RowSpec("kto")) is not None
+    assert clean_counts(kto.replace(b"true", b"1"), RowSpec("kto")) is None

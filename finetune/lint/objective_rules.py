@@ -174,6 +174,11 @@ def _groups(loaded: LoadedRecipe) -> Iterator[RawFinding]:
                          f"gradient_accumulation_steps {t.gradient_accumulation_steps} x {world} processes), not a "
                          f"multiple of num_generations {r.grpo.num_generations}: TRL refuses it",
                          "make micro_batch_size x gradient_accumulation_steps x processes a multiple of num_generations")
+    if r.data.validation_split > 0 and (t.micro_batch_size * world) % r.grpo.num_generations:
+        yield RawFinding("R121", "error", ("data", "validation_split"),
+                         f"evaluation generates micro_batch_size {t.micro_batch_size} x {world} processes completions "
+                         f"at once, not a multiple of num_generations {r.grpo.num_generations}: TRL refuses it",
+                         "make micro_batch_size x processes a multiple of num_generations, or set validation_split: 0")
 
 
 @rule
