@@ -203,3 +203,10 @@ def test_a_reward_model_does_not_continue_an_sft_adapter(tmp_path):
     path = tmp_path / "rm.yaml"
     path.write_text(f"model: {{name_or_path: org/m, adapter: {tmp_path}}}\nobjective: reward\ndata: {{path: d.jsonl}}\n")
     assert ("R120", "error", "model.adapter") in [(f.rule, f.severity, f.key) for f in lint_paths([path], LintOptions()).findings]
+
+
+def test_grpo_from_an_sft_adapter_with_a_kl_term_says_what_the_reference_is(tmp_path):
+    path = grpo_recipe(tmp_path, "- {function: exact_match}\n", "  beta: 0.04\n")
+    path.write_text(path.read_text().replace("name_or_path: org/m}", f"name_or_path: org/m, adapter: {tmp_path}}}"))
+    found = [(f.rule, f.severity, f.key) for f in lint_paths([path], LintOptions()).findings]
+    assert ("R118", "warning", "grpo.beta") in found

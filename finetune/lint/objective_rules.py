@@ -189,3 +189,14 @@ def reward_model_adapter(loaded: LoadedRecipe) -> Iterator[RawFinding]:
         yield RawFinding("R120", "error", ("model", "adapter"),
                          "a reward model starts a new score head on its base: an SFT adapter cannot be continued",
                          "merge the SFT run (finetune merge RUN -o DIR) and set model.name_or_path: DIR")
+
+
+@rule
+def grpo_reference_with_adapter(loaded: LoadedRecipe) -> Iterator[RawFinding]:
+    r = loaded.recipe
+    if r.objective == "grpo" and r.model.adapter is not None and r.grpo.beta > 0:
+        # trl 1.16 GRPOTrainer: a PEFT policy's reference is the model with its adapter switched off (is_peft_model).
+        yield RawFinding("R118", "warning", ("grpo", "beta"),
+                         "with model.adapter, GRPO's KL reference is the base model without the SFT adapter "
+                         "(TRL switches the adapter off), not the SFT model",
+                         "merge the SFT run (finetune merge) and start from it, or set grpo.beta: 0")

@@ -1,4 +1,5 @@
-"""Preference objectives (dpo, orpo, kto, simpo) inside the per-rank runner, with TRL's trainers.
+"""TRL's objectives (dpo, orpo, kto, simpo; grpo and reward with finetune.train.grpo) inside the per-rank
+runner, with TRL's trainers; which trainer and which recipe keys is finetune.objectives' table.
 
 The runner (finetune.train.runner) stays the spine: the same process group, DeepSpeed config, callbacks,
 checkpoints, resume and save_weights. This module only swaps what differs from SFT:
