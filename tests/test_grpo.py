@@ -210,3 +210,13 @@ def test_grpo_from_an_sft_adapter_with_a_kl_term_says_what_the_reference_is(tmp_
     path.write_text(path.read_text().replace("name_or_path: org/m}", f"name_or_path: org/m, adapter: {tmp_path}}}"))
     found = [(f.rule, f.severity, f.key) for f in lint_paths([path], LintOptions()).findings]
     assert ("R118", "warning", "grpo.beta") in found
+
+
+def test_preflight_checks_the_groups_once_the_process_count_is_known(tmp_path):
+    path = grpo_recipe(tmp_path, "- {function: exact_match}\n", "  num_generations: 4\ntraining: {micro_batch_size: 1}\n")
+    result = Preflight()
+    rewards_step(load_recipe(path).recipe, result, world_size=2)  # procs_per_node: auto -> 2 processes at launch
+    assert result.errors[0].startswith("grpo.num_generations: a step generates 2 completions")
+    result = Preflight()
+    rewards_step(load_recipe(path).recipe, result, world_size=4)
+    assert result.errors == []

@@ -160,25 +160,31 @@ def _reward_settings(loaded: LoadedRecipe, spec, key: tuple) -> Iterator[RawFind
 
 
 def _groups(loaded: LoadedRecipe) -> Iterator[RawFinding]:
-    """TRL's GRPOConfig: the generation batch (micro batch x accumulation x processes completions) must hold
-    whole groups of num_generations completions of one prompt."""
-    r = loaded.recipe
-    world = r.world_size
-    t = r.training
-    if world is None:
-        return
+    if loaded.recipe.world_size is not None:
+        for key, message, fix in group_problems(loaded.recipe, loaded.recipe.world_size):
+            yield RawFinding("R121", "error", key, message, fix)
+
+
+def group_problems(r, world: int) -> list[tuple[tuple[str, ...], str, str]]:
+    """(key, message, fix) when TRL's GRPOConfig would refuse the batch: a step's generation batch (micro batch
+    x accumulation x processes completions), and an evaluation batch (micro batch x processes), must hold
+    whole groups of num_generations completions of one prompt. finetune.run.preflight asks again once the
+    process count is known."""
+    t, n = r.training, r.grpo.num_generations
+    out = []
     batch = t.micro_batch_size * t.gradient_accumulation_steps * world
-    if batch % r.grpo.num_generations:
-        yield RawFinding("R121", "error", ("grpo", "num_generations"),
-                         f"a step generates {batch} completions (micro_batch_size {t.micro_batch_size} x "
-                         f"gradient_accumulation_steps {t.gradient_accumulation_steps} x {world} processes), not a "
-                         f"multiple of num_generations {r.grpo.num_generations}: TRL refuses it",
-                         "make micro_batch_size x gradient_accumulation_steps x processes a multiple of num_generations")
-    if r.data.validation_split > 0 and (t.micro_batch_size * world) % r.grpo.num_generations:
-        yield RawFinding("R121", "error", ("data", "validation_split"),
-                         f"evaluation generates micro_batch_size {t.micro_batch_size} x {world} processes completions "
-                         f"at once, not a multiple of num_generations {r.grpo.num_generations}: TRL refuses it",
-                         "make micro_batch_size x processes a multiple of num_generations, or set validation_split: 0")
+    if batch % n:
+        out.append((("grpo", "num_generations"),
+                    f"a step generates {batch} completions (micro_batch_size {t.micro_batch_size} x "
+                    f"gradient_accumulation_steps {t.gradient_accumulation_steps} x {world} processes), not a "
+                    f"multiple of num_generations {n}: TRL refuses it",
+                    "make micro_batch_size x gradient_accumulation_steps x processes a multiple of num_generations"))
+    if r.data.validation_split > 0 and (t.micro_batch_size * world) % n:
+        out.append((("data", "validation_split"),
+                    f"evaluation generates micro_batch_size {t.micro_batch_size} x {world} processes completions "
+                    f"at once, not a multiple of num_generations {n}: TRL refuses it",
+                    "make micro_batch_size x processes a multiple of num_generations, or set validation_split: 0"))
+    return out
 
 
 @rule

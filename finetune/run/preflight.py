@@ -73,7 +73,7 @@ def run_preflight(loaded: LoadedRecipe, run_dir: Path, overwrite: bool = False, 
         elif check.status == "info":
             result.notes.append(check.message)
     dataset_step(recipe, result)
-    rewards_step(recipe, result)
+    rewards_step(recipe, result, world_size)
     chat_template_step(recipe, result)
     model_step(recipe, result)
     hostfile_step(recipe, result)
@@ -121,12 +121,17 @@ def dataset_step(recipe: Recipe, result: Preflight) -> None:
             result.notes.append(f"dataset {check.source.path}: {check.rows} {check.source.format} row(s), all look right")
 
 
-def rewards_step(recipe: Recipe, result: Preflight) -> None:
+def rewards_step(recipe: Recipe, result: Preflight, world_size: Optional[int] = None) -> None:
     """GRPO: every reward function imported and called on the data's first row (finetune.rewards.preflight):
-    a bad one is one line naming it here, not a traceback in every rank after the model loaded."""
+    a bad one is one line naming it here, not a traceback in every rank after the model loaded. With the
+    process count known only now (procs_per_node: auto), the groups are checked again (lint R121)."""
     if recipe.objective != "grpo":
         return
+    from finetune.lint.objective_rules import group_problems
     from finetune.rewards import preflight
+
+    if world_size and recipe.world_size is None:
+        result.errors += [f"{'.'.join(key)}: {message} (fix: {fix})" for key, message, fix in group_problems(recipe, world_size)]
 
     notes, errors = preflight(recipe)
     result.notes += notes
