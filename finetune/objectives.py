@@ -40,6 +40,7 @@ class Objective:
     trl_config: Optional[str] = None
     trl_trainer: Optional[str] = None
     fused_logprob: bool = False  # scores tokens through TRL's fused LM head (planner: no full logits)
+    score_head: bool = False  # a one-score head replaces the LM head (planner: no vocabulary-sized logits)
 
     @property
     def uses_trl(self) -> bool:
@@ -74,11 +75,11 @@ OBJECTIVES: dict[str, Objective] = {o.name: o for o in (
               keys=frozenset({"num_generations", "max_completion_length", "temperature", "beta", "loss_type",
                               "scale_rewards", "num_iterations", "epsilon", "rewards", "vllm"}),
               losses=GRPO_LOSSES, reference="beta", trl_module="trl", trl_config="GRPOConfig",
-              trl_trainer="GRPOTrainer"),
+              trl_trainer="GRPOTrainer", fused_logprob=True),  # grpo_trainer.py: model(..., fused_lm_head=True)
     # RewardTrainer scores chosen and rejected as one batch of 2 x micro_batch rows through a one-logit head.
     Objective("reward", "a reward model (sequence classification, one score) on prompt/chosen/rejected rows",
               PAIRED_COLUMNS, "pairs", rows_per_example=2, row_label=_PAIR_ROWS, trl_module="trl", trl_config="RewardConfig",
-              trl_trainer="RewardTrainer"),
+              trl_trainer="RewardTrainer", score_head=True),
 )}
 NAMES = tuple(OBJECTIVES)
 # The objectives with a `preference` section: the preference-optimisation family.

@@ -71,7 +71,7 @@ def test_schema_lint_plan_and_data_read_the_table():
     assert Recipe.model_fields["objective"].annotation.__args__ == objectives.NAMES
     assert PREFERENCE_OBJECTIVES == ("dpo", "orpo", "kto", "simpo")
     assert [rows_per_example(o) for o in ("sft", "dpo", "orpo", "kto", "simpo", "grpo", "reward")] == [1, 2, 2, 1, 2, 1, 2]
-    assert FUSED_LOGPROB_OBJECTIVES == ("dpo", "kto")
+    assert FUSED_LOGPROB_OBJECTIVES == ("dpo", "kto", "grpo")
     from finetune.data.formats import FORMATS
     from finetune.data import validate  # noqa: F401 - registers the rows of TRL's objectives
 

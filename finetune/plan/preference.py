@@ -5,7 +5,7 @@ Read off TRL 1.16:
 - DPO, ORPO and SimPO (CPOTrainer) run chosen and rejected as one concatenated batch of 2 x micro_batch
   rows, so everything sized by rows (activations, masks, logits) doubles; KTO runs its completions as one
   batch (1 x) plus a KL batch of mismatched completions under no_grad, which saves nothing for backward.
-- DPO and KTO score tokens through TRL's fused LM head (trl.trainer.utils.add_fused_lm_head, kernel
+- DPO, KTO and GRPO score tokens through TRL's fused LM head (trl.trainer.utils.add_fused_lm_head, kernel
   trl/kernels/chunked_logprob.py): fp32 tiles of at most 4,096 tokens x 32,768 vocabulary entries, never the
   full logits. ORPO and CPO compute full logits like SFT.
 - A reference model (reference.mode: model) is a second, frozen copy of the weights: partitioned 1/N under
@@ -23,6 +23,17 @@ from finetune.plan.params import four_bit_bytes
 from finetune.plan.setup import Setup, Term
 
 FUSED_LOGPROB_OBJECTIVES = tuple(o.name for o in objectives.OBJECTIVES.values() if o.fused_logprob)
+SCORE_HEAD_OBJECTIVES = tuple(o.name for o in objectives.OBJECTIVES.values() if o.score_head)
+
+
+def score_head_bytes(setup: Setup) -> int:
+    """A reward model's head (AutoModelForSequenceClassification, num_labels 1): one score per token of the
+    hidden states (the last one is picked), fp32 with its gradient, instead of vocabulary-sized logits."""
+    return 2 * 4 * setup.micro_batch * setup.seq_len
+
+
+def score_head_note(setup: Setup) -> str:
+    return f"reward head: {setup.micro_batch * setup.seq_len:,} tokens x 1 score x 4 B, and its gradient"
 TOKEN_TILE = 4096  # trl/kernels/chunked_logprob.py TOKEN_CHUNK_SIZE
 VOCAB_TILE = 32768  # trl/trainer/utils.py _CHUNKED_LOGPROB_CHUNK_SIZE
 
