@@ -28,13 +28,15 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from finetune.errors import FinetuneError
+
 BUILTINS = ("exact_match", "number_match", "regex", "length", "think_format")
 _PATH_RE = re.compile(r"^(?P<module>[A-Za-z_][\w]*(\.[A-Za-z_]\w*)*|[^:]+\.py):(?P<function>[A-Za-z_]\w*)$")
 _NUMBER_RE = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
 _THINK_RE = re.compile(r"^\s*<think>.*?</think>\s*\S", re.DOTALL)
 
 
-class RewardError(Exception):
+class RewardError(FinetuneError):
     """A reward function that cannot be used: one line naming the function."""
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from finetune.data.formats import RowSpec
+from finetune.errors import FinetuneError
 from finetune.objectives import get as objective_record
 from finetune.recipe.references import DATA_SUFFIXES, is_local
 
@@ -73,7 +74,7 @@ def is_arrow_dir(path: Path) -> bool:
     return path.is_dir() and ((path / ARROW_MARKER).is_file() or (path / SPLITS_MARKER).is_file())
 
 
-class SourceProblem(Exception):
+class SourceProblem(FinetuneError):
     """A source that cannot be read at all (missing, wrong type): the message names the path."""
 
 

@@ -8,7 +8,7 @@ import re
 from typing import Iterator
 
 from finetune import objectives
-from finetune.lint.ds_context import RawFinding
+from finetune.lint.deepspeed.context import RawFinding
 from finetune.lint.recipe_rules import written_here, rule
 from finetune.recipe import LoadedRecipe
 

@@ -4,12 +4,12 @@ chosen answer scores above the rejected one, for the trained model and for its s
 The pairs are the run's training rows (data.validation_split held out when the run had one), or `--data FILE`
 with prompt/chosen/rejected rows; each answer is scored as TRL's RewardTrainer scores it in training: prompt +
 answer, through the chat template for message rows, the score of the last token. The base is the starting
-model with the same (untrained) head for a LoRA run, so 50% is chance. The result goes to RUN/eval.json.
+model with the same (untrained) head for a LoRA run, so 50% is chance. finetune.use.evaluate writes the
+result to RUN/eval.json.
 """
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -77,7 +77,6 @@ def evaluate_reward(run_dir: Path, recipe, data: Optional[Path], device: str, ba
     from finetune.builtin import resolve_model_path
     from finetune.data.preference import load_rows
     from finetune.data.tokenize import DataError
-    from finetune.fsutil import write_atomic
 
     started = time.perf_counter()
     device = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else "cpu" if device == "auto" else device)
@@ -114,5 +113,4 @@ def evaluate_reward(run_dir: Path, recipe, data: Optional[Path], device: str, ba
             base_accuracy, _ = pairwise(model, tokenizer, pairs, device, batch_size)
     result = PairwiseResult(described, held_out, len(pairs), accuracy, base_accuracy, margin,
                             time.perf_counter() - started)
-    write_atomic(run_dir / "eval.json", json.dumps(result.to_json(), indent=2) + "\n")
     return result
