@@ -147,19 +147,24 @@ def _run_with_display(prepared, start_run):
 
 
 def next_steps_lines(run_dir: Path, saved: List[str], objective: str = "sft") -> List[str]:
-    """What to do after a finished run, with the commands for this run directory (no `eval` after a
-    preference objective: its loss over prompt/chosen/rejected rows is not a perplexity)."""
-    steps = []
+    """What to do after a finished run, with the commands for this run directory spelled so that they
+    run as printed here (finetune.hints: the venv's path when it is not activated, no `open` on Linux);
+    no `eval` after a preference objective: its loss over prompt/chosen/rejected rows is not a perplexity."""
+    from finetune import hints
+
+    finetune, steps = hints.finetune(), []
     if (run_dir / "report.html").is_file():
-        steps.append((f"open {run_dir / 'report.html'}", "loss plot, memory, config, versions"))
+        opener = hints.open_file(run_dir / "report.html")
+        steps.append((opener or str(run_dir / "report.html"),
+                      "loss plot, memory, config, versions" + ("" if opener else " (open it in a browser)")))
     if saved:
-        steps.append((f"finetune chat {run_dir}", "talk to it (--prompt TEXT for one answer)"))
+        steps.append((f"{finetune} chat {run_dir}", "talk to it (--prompt TEXT for one answer)"))
         if objective == "sft":
-            steps.append((f"finetune eval {run_dir}", "loss and perplexity, base vs fine-tuned"))
+            steps.append((f"{finetune} eval {run_dir}", "loss and perplexity, base vs fine-tuned"))
     if "adapter" in saved:
-        steps.append((f"finetune merge {run_dir} -o merged/{run_dir.name}", "one model to serve (CPU, streaming)"))
+        steps.append((f"{finetune} merge {run_dir} -o merged/{run_dir.name}", "one model to serve (CPU, streaming)"))
     if (run_dir / "tensorboard").is_dir():
-        steps.append((f"tensorboard --logdir {run_dir / 'tensorboard'}", "the curves, live"))
+        steps.append((f"{hints.tensorboard()} --logdir {run_dir / 'tensorboard'}", "the curves, live"))
     if not steps:
         return []
     width = max(len(command) for command, _ in steps)

@@ -25,6 +25,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Optional
 
+from finetune.hints import runnable
 from finetune.run.requirements import extra_floors, python_requirement, satisfies
 
 if TYPE_CHECKING:
@@ -460,7 +461,7 @@ def render_text(facts: Facts, checks: list[Check]) -> str:
     for check in checks:
         lines.append(f"{check.status:<5} {check.name}: {check.message}")
         if check.fix and check.status in ("warn", "fail"):
-            lines.append(f"      fix: {check.fix}")
+            lines.append(f"      fix: {runnable(check.fix)}")
     bad = failed(checks)
     lines.append(f"{len(bad)} check{'s' if len(bad) != 1 else ''} failed" if bad else "all checks passed")
     return "\n".join(lines) + "\n"

@@ -1,0 +1,111 @@
+"""Issue 24, a newcomer's first hour: every printed command runs as typed, the README set-up runs twice,
+errors name the fix, and no minute passes in silence. CLI output is captured from the real entry point."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import FINETUNE, REPO, run_cli
+
+VENV_BIN = Path(sys.executable).absolute().parent
+
+
+def _path_without(directory: Path) -> str:
+    return os.pathsep.join(p for p in os.environ.get("PATH", "").split(os.pathsep)
+                           if p and Path(p).absolute() != directory)
+
+
+def _finished_run(tmp_path: Path) -> Path:
+    run = tmp_path / "runs" / "demo"
+    (run / "adapter").mkdir(parents=True)
+    (run / "tensorboard").mkdir()
+    (run / "report.html").write_text("<html></html>")
+    return run
+
+
+def test_next_commands_run_as_printed_without_an_activated_venv(tmp_path, monkeypatch):
+    """`finetune: command not found` after the README set-up (the venv is not activated): the `next:`
+    block names the venv's own scripts, and each printed program really starts."""
+    from finetune.cli.train import next_steps_lines
+
+    monkeypatch.setenv("PATH", _path_without(VENV_BIN))
+    run = _finished_run(tmp_path)
+    lines = next_steps_lines(run, ["adapter"])
+    commands = [line.split("  #")[0].strip() for line in lines[1:]]
+    programs = {shlex.split(c)[0] for c in commands if not c.endswith("report.html")}
+    assert programs == {str(VENV_BIN / "finetune"), str(VENV_BIN / "tensorboard")}, lines
+    assert not any(c.startswith("open ") for c in commands), lines  # macOS only
+    if not (VENV_BIN / "finetune").is_file():
+        pytest.skip("no installed entry point")
+    started = subprocess.run([str(VENV_BIN / "finetune"), "--version"], capture_output=True, text=True,
+                             env={**os.environ, "PATH": _path_without(VENV_BIN)}, timeout=60)
+    assert started.returncode == 0 and started.stdout.startswith("finetune "), started.stderr
+
+
+def test_next_commands_say_finetune_where_path_finds_it(tmp_path, monkeypatch):
+    from finetune.cli.train import next_steps_lines
+    from finetune.train.report import next_steps
+
+    monkeypatch.setenv("PATH", os.pathsep.join([str(VENV_BIN), _path_without(VENV_BIN)]))
+    run = _finished_run(tmp_path)
+    text = "\n".join(next_steps_lines(run, ["adapter"]))
+    if not (VENV_BIN / "finetune").is_file():
+        pytest.skip("no installed entry point")
+    assert f"  finetune chat {run}" in text and f"  tensorboard --logdir {run}/tensorboard" in text
+    assert ("chat with it", f"finetune chat {run}") in next_steps(run, {"objective": "sft"})
+
+
+def test_report_link_is_xdg_open_on_a_linux_desktop_and_the_path_on_a_server(tmp_path, monkeypatch):
+    from finetune import hints
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("Linux behaviour")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    monkeypatch.setenv("PATH", str(bin_dir))
+    assert hints.open_file(Path("/r/report.html")) is None
+    opener = bin_dir / "xdg-open"
+    opener.write_text("#!/bin/sh\n")
+    opener.chmod(0o755)
+    assert hints.open_file(Path("/r/report.html")) == "xdg-open /r/report.html"
+
+
+def test_doctor_fix_names_this_environments_pip(monkeypatch):
+    from finetune import hints
+
+    monkeypatch.setenv("PATH", _path_without(VENV_BIN))
+    if not (VENV_BIN / "pip").is_file():
+        pytest.skip("no pip beside the interpreter")
+    assert hints.runnable("pip install -U 'peft>0.13.0'") == f"{VENV_BIN / 'pip'} install -U 'peft>0.13.0'"
+
+
+def _setup_lines() -> list[str]:
+    readme = (REPO / "README.md").read_text()
+    section = readme.split("## Set up a fresh machine", 1)[1].split("\n## ", 1)[0]
+    block = section.split("```bash", 1)[1].split("```", 1)[0]
+    return [line for line in block.splitlines() if line.strip() and not line.startswith("#")]
+
+
+def test_readme_setup_lines_run_twice(tmp_path):
+    """The demo line trains into runs/demo; a second run of the same line must not stop on the finished
+    run directory the first one left (checked with --dry-run: what a real run would do)."""
+    lines = _setup_lines()
+    assert len(lines) == 2
+    demo = [part.strip() for part in lines[0].split("&&") if "finetune train" in part][0]
+    args = shlex.split(demo)[2:]  # after `.venv/bin/finetune train`
+    run = tmp_path / "runs" / "demo"
+    run.mkdir(parents=True)
+    (run / "recipe.yaml").write_text((REPO / "recipes" / "demo.yaml").read_text())
+    (run / "summary.json").write_text("{}")
+    args = [str(REPO / a) if a.endswith(".yaml") else a for a in args]
+    second = run_cli("train", *args, "--dry-run", cwd=tmp_path)
+    assert second.returncode == 0, second.stderr
+    assert f"# a real run would replace the previous run in {run}" in second.stdout
+    assert "source .venv/bin/activate" in (REPO / "README.md").read_text()
