@@ -109,3 +109,41 @@ def test_readme_setup_lines_run_twice(tmp_path):
     assert second.returncode == 0, second.stderr
     assert f"# a real run would replace the previous run in {run}" in second.stdout
     assert "source .venv/bin/activate" in (REPO / "README.md").read_text()
+
+
+# ---- item 5: plan tells the truth in its exit code and advice
+
+def test_plan_exit_code_says_does_not_fit():
+    recipe = REPO / "recipes" / "llama3" / "8b_qlora_2x12gb.yaml"
+    fits = run_cli("plan", recipe)
+    assert fits.returncode == 0 and ": fits" in fits.stdout
+    over = run_cli("plan", recipe, "--gpu-memory", "8GiB")
+    assert over.returncode == 3 and "does NOT fit" in over.stdout, over.stdout
+    assert run_cli("plan", recipe, "--gpu-memory", "8GiB", "--format", "json").returncode == 3
+    assert run_cli("plan", recipe, "--gpu-memory", "80GiB", "--format", "json").returncode == 0
+
+
+def test_recommend_tries_the_chunked_loss_before_a_smaller_batch_or_offload():
+    """8B QLoRA on 2x 8 GiB: the 2.9 GiB of fp32 logits are the cheap fix (chunked loss), not micro
+    batch 1 with 16 accumulation steps, nor any offload; the reasons are sentences with no negative saving."""
+    out = run_cli("plan", REPO / "recipes" / "llama3" / "8b_qlora_2x12gb.yaml", "--gpu-memory", "8GiB", "--recommend")
+    assert out.returncode == 3
+    apply = [line for line in out.stdout.splitlines() if "apply with:" in line][0]
+    assert "training.loss_kernel=chunked" in apply and "micro_batch_size" not in apply and "offload_param" not in apply
+    reasons = [line.split("why: ", 1)[1] for line in out.stdout.splitlines() if "why: " in line]
+    assert reasons and all(r[0].isupper() and r.endswith(".") for r in reasons), reasons
+    assert not re.search(r"saves -\d", out.stdout)
+
+
+def test_recommend_reasons_never_save_a_negative_amount():
+    from finetune import plan as planner
+
+    for args in (dict(model="llama-3-8b", method="qlora", zero="3"), dict(model="qwen2.5-0.5b", method="full", zero="2"),
+                 dict(model="llama-3-8b", method="lora", zero="2", seq_len=4096, micro_batch=4)):
+        recipe = planner.recipe_without_file(planner.flag_overrides(**{
+            "offload_optimizer": None, "offload_param": None, "micro_batch": None, "seq_len": None,
+            "gradient_checkpointing": None, "lora_r": None, "lora_targets": None, "attn": None, **args}))
+        for gpus in (1, 2, 8):
+            setup = planner.setup_from_recipe(recipe, gpus, 12 * 2**30, None, None)
+            advice = planner.recommend(setup)
+            assert not any(re.search(r"-\d+\.\d+ GiB", r) for r in advice.reasons), advice.reasons

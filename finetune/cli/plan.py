@@ -10,6 +10,9 @@ import typer
 
 from finetune.cli.common import SET_HELP, fail, load_or_exit, problems_exit
 
+# Scripts and CI gate on the verdict: 1 and 2 are taken by bad input and usage errors.
+EXIT_DOES_NOT_FIT = 3
+
 
 def plan(
     recipe: Optional[Path] = typer.Argument(None, help="Recipe file (omit it and pass --model for a quick what-if)."),
@@ -35,6 +38,9 @@ def plan(
     """Predict per-GPU memory (weights, gradients, optimizer, DeepSpeed buffers, activations, logits, overhead) before renting.
 
     Pure Python, offline: model shapes come from a local config.json or a built-in table.
+
+    Exit codes: 0 fits (or no GPU memory given to judge), 3 does NOT fit (GPU or CPU memory; with
+    --recommend too: the recipe as written does not fit), 1 bad recipe or model, 2 usage.
 
     Example:
 
@@ -74,8 +80,10 @@ def plan(
         if advice is not None:
             data["recommendation"] = advice.to_json()
         typer.echo(json.dumps(data, indent=2))
-        return
-    typer.echo(result.render_text(), nl=False)
-    if advice is not None:
-        typer.echo("")
-        typer.echo(advice.render_text(), nl=False)
+    else:
+        typer.echo(result.render_text(), nl=False)
+        if advice is not None:
+            typer.echo("")
+            typer.echo(advice.render_text(), nl=False)
+    if result.fits is False:
+        raise typer.Exit(EXIT_DOES_NOT_FIT)
