@@ -147,3 +147,56 @@ def test_recommend_reasons_never_save_a_negative_amount():
             setup = planner.setup_from_recipe(recipe, gpus, 12 * 2**30, None, None)
             advice = planner.recommend(setup)
             assert not any(re.search(r"-\d+\.\d+ GiB", r) for r in advice.reasons), advice.reasons
+
+
+# ---- item 8: doctor knows the DeepSpeed releases that broke training
+
+def _facts(deepspeed):
+    from finetune.run.doctor import Facts
+
+    return Facts(python="3.11.9", platform="Linux", packages={"deepspeed": deepspeed})
+
+
+@pytest.mark.parametrize("version,broken", [
+    ("0.16.3", set()), ("0.16.4", {"7116"}), ("0.16.5", {"7116", "7203"}), ("0.16.7", {"7116"}),
+    ("0.16.8", set()), ("0.17.5", set()), ("0.17.6", {"7718"}), ("0.18.2", {"7718"}), ("0.18.3", set()),
+])
+def test_doctor_names_broken_deepspeed_releases(version, broken):
+    from finetune.run.doctor import deepspeed_release_checks
+
+    checks = deepspeed_release_checks(_facts(version))
+    assert {c.name.rsplit(".", 1)[1] for c in checks} == broken
+    assert all(c.status == "warn" and "deepspeedai/DeepSpeed#" in c.message and c.fix.startswith("pip install -U 'deepspeed")
+               for c in checks)
+
+
+def test_a_recipe_on_a_broken_release_is_refused_with_the_issue_named():
+    from finetune.run.doctor import deepspeed_release_checks
+    from tests.conftest import hub_recipe
+
+    zero2 = hub_recipe(deepspeed={"stage": 2})
+    zero3 = hub_recipe(deepspeed={"stage": 3}, training={"gradient_checkpointing": True})
+    [check] = deepspeed_release_checks(_facts("0.17.6"), zero2)
+    assert check.status == "fail" and "#7718" in check.message and "'deepspeed>=0.18.3'" in check.fix
+    assert deepspeed_release_checks(_facts("0.17.6"), zero3) == []
+    assert {c.status for c in deepspeed_release_checks(_facts("0.16.4"), zero3)} == {"fail"}
+    saves = hub_recipe(deepspeed={"stage": 3}, lora={"modules_to_save": ["lm_head"]})
+    assert [c.status for c in deepspeed_release_checks(_facts("0.19.8"), saves)] == ["warn"]
+    assert deepspeed_release_checks(_facts("0.19.8"), zero3) == []
+
+
+def test_the_installed_deepspeed_against_the_table():
+    """What `finetune doctor` says about this machine's DeepSpeed is what the table says about its version."""
+    import json
+
+    from finetune.run.bad_releases import matching
+    from finetune.run.doctor import package_version
+
+    installed = package_version("deepspeed")
+    if installed is None:
+        pytest.skip("deepspeed is not installed")
+    out = run_cli("doctor", "--format", "json")
+    named = {c["name"] for c in json.loads(out.stdout)["checks"] if c["name"].startswith("deepspeed.release.")}
+    expected = {f"deepspeed.release.{row.issue.split('#')[1].split(',')[0]}" for row in matching(installed)
+                if row.severity == "fail"}
+    assert named == expected, (installed, named)

@@ -229,7 +229,18 @@ def machine_checks(facts: Facts) -> list[Check]:
             # Optional libraries (bitsandbytes) only break the recipes that use them: warn here.
             checks.append(Check(f"import.{module}", "warn", f"`import {module}` fails: {error}",
                                 f"pip install --force-reinstall '{module}'"))
-    return checks
+    return checks + deepspeed_release_checks(facts)
+
+
+def deepspeed_release_checks(facts: Facts, recipe: Optional["Recipe"] = None) -> list[Check]:
+    """The installed DeepSpeed against finetune.run.bad_releases: on the machine, a warning per release that
+    breaks a common setup; for a recipe that uses the broken setup, the row's severity."""
+    from finetune.run.bad_releases import matching
+
+    version = facts.version("deepspeed")
+    return [Check(f"deepspeed.release.{row.issue.split('#')[1].split(',')[0]}", row.severity if recipe else "warn",
+                  f"deepspeed {version} {row.what} with {row.setup} ({row.issue})", row.fix)
+            for row in matching(version) if (row.uses(recipe) if recipe else row.severity == "fail")]
 
 
 def python_check(facts: Facts) -> Check:
@@ -334,7 +345,7 @@ def checks_for_recipe(recipe: "Recipe", facts: Optional[Facts] = None) -> list[C
                                 "use training.loss_kernel: chunked with ZeRO-3"))
     checks += device_checks(recipe, facts)
     checks += stop_timeout_checks(recipe, facts)
-    return checks
+    return checks + deepspeed_release_checks(facts, recipe)
 
 
 def liger_checks(facts: Facts) -> list[Check]:
