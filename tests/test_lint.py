@@ -101,7 +101,9 @@ def test_nvme_without_path(write_recipe):
 
 def test_local_dataset_checks(write_recipe, tmp_path):
     missing = write_recipe("model: {name_or_path: org/m}\ndata: {path: ./nope.jsonl}\n")
-    assert ("R109", "warning", "data.path") in rules_of(missing)
+    assert ("R109", "error", "data.path") in rules_of(missing)  # its folder is here: a typo (issue 24)
+    elsewhere = write_recipe("model: {name_or_path: org/m}\ndata: {path: ./box/nope.jsonl}\n", name="e.yaml")
+    assert ("R109", "warning", "data.path") in rules_of(elsewhere)  # data that lives on the training box
     (tmp_path / "d.txt").write_text("x")
     wrong = write_recipe("model: {name_or_path: org/m}\ndata: {path: ./d.txt}\n", name="w.yaml")
     assert ("R109", "error", "data.path") in rules_of(wrong)
@@ -119,7 +121,7 @@ def test_data_sources_and_mixture(write_recipe, tmp_path):
     assert ("R116", "warning", "data.sources.0.roles") in found
     assert ("R116", "error", "data.sources.1.columns.instrution") in found
     assert ("R117", "warning", "data.sources.1.path") in found
-    assert ("R109", "warning", "data.sources.2.path") in found
+    assert ("R109", "error", "data.sources.2.path") in found
     assert not [f for f in found if f[2] == "data.think"]  # a sharegpt source is there
     alone = write_recipe("model: {name_or_path: org/m}\ndata: {path: ./a.jsonl, think: mask}\n", name="t.yaml")
     assert ("R116", "warning", "data.think") in rules_of(alone)

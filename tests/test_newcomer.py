@@ -200,3 +200,56 @@ def test_the_installed_deepspeed_against_the_table():
     expected = {f"deepspeed.release.{row.issue.split('#')[1].split(',')[0]}" for row in matching(installed)
                 if row.severity == "fail"}
     assert named == expected, (installed, named)
+
+
+# ---- item 4: data errors that name the fix
+
+def _jsonl(path: Path, rows) -> Path:
+    import json
+
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_a_missing_column_is_one_line_naming_the_rows_and_the_fix(tmp_path):
+    _jsonl(tmp_path / "chats.jsonl", [{"dialog": [{"role": "user", "content": f"hi {i}"},
+                                                 {"role": "assistant", "content": "yo"}]} for i in range(50)])
+    (tmp_path / "r.yaml").write_text('model: {name_or_path: "builtin:tiny-llama"}\ndata: {path: chats.jsonl, format: messages}\n')
+    out = run_cli("train", tmp_path / "r.yaml", "--dry-run", cwd=tmp_path)
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: dataset {tmp_path / 'chats.jsonl'}: lines 1-50 (50 rows): no `messages` column (format messages "
+                      "needs a list of turns; found `dialog`); add `columns: {messages: dialog}` to the data source",
+                      "error: preflight failed (50 problems); nothing was started or written"], out.stderr
+
+
+def test_alpaca_response_column_names_columns_output(tmp_path):
+    from finetune.data.validate import validate
+    from finetune.data.formats import RowSpec
+    from finetune.data.sources import Source
+
+    path = _jsonl(tmp_path / "a.jsonl", [{"instruction": "q", "response": "a"}] * 3 + [{"instruction": "q", "output": 1}])
+    assert validate([Source(str(path), "train", RowSpec("alpaca"))]).messages() == [
+        f"{path}: lines 1-3 (3 rows): no `output` column (format alpaca needs it; found `instruction`, `response`); "
+        "add `columns: {output: response}` to the data source",
+        f"{path}:4: `output` must be text, got int"]
+
+
+def test_a_wrong_data_path_says_where_it_looked_and_what_is_close(tmp_path):
+    _jsonl(tmp_path / "chats.jsonl", [{"text": "x"}])
+    (tmp_path / "r.yaml").write_text('model: {name_or_path: "builtin:tiny-llama"}\ndata: {path: chat.jsonl, format: text}\n')
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    out = run_cli("lint", tmp_path / "r.yaml", cwd=elsewhere)
+    assert out.returncode == 1
+    assert (f"error R109 `data.path`: {tmp_path / 'chat.jsonl'}: file does not exist; "
+            f"did you mean `{tmp_path / 'chats.jsonl'}`?") in out.stdout, out.stdout
+
+
+def test_lint_errors_on_a_misspelled_builtin_model_and_hints_quotes_in_flow_style(tmp_path):
+    (tmp_path / "b.yaml").write_text('model: {name_or_path: "builtin:tiny-lama"}\ndata: {path: org/d}\n')
+    (tmp_path / "f.yaml").write_text("model: {name_or_path: builtin:tiny-llama}\ndata: {path: org/d}\n")
+    out = run_cli("lint", tmp_path / "b.yaml", tmp_path / "f.yaml")
+    assert out.returncode == 1
+    assert "error R121 `model.name_or_path`: unknown built-in model `builtin:tiny-lama`" in out.stdout
+    assert "fix: did you mean `builtin:tiny-llama`?" in out.stdout
+    assert 'must be quoted, e.g. `{name_or_path: "builtin:tiny-llama"}`' in out.stdout

@@ -72,7 +72,7 @@ def train(
         for error in report.errors + ([] if show_anyway else report.run_dir_errors):
             typer.echo(f"error: {error}", err=True)
         if not show_anyway:
-            count = len(report.errors) + len(report.lint_errors) + len(report.run_dir_errors)
+            count = report.problem_count
             raise fail(f"preflight failed ({count} problem{'s' if count != 1 else ''}); nothing was started or written")
     plan = prepared.plan
     if dry_run:

@@ -40,6 +40,7 @@ RULES: dict[str, str] = {
     "R117": "The same data source listed twice (its examples would count double in the mixture).",
     "R118": "Preference settings the objective does not read (a `preference` key, a loss of another objective, a reference that cannot exist).",
     "R119": "Data or training keys that preference objectives do not use (format, packing, mask_prompt, loss_kernel).",
+    "R121": "Unknown `builtin:` model (a misspelled name).",
     "R120": "`model.adapter` that cannot be continued from (objective sft, full fine-tune, missing adapter, a `lora` section it overrides).",
 }
 
@@ -143,6 +144,22 @@ def pre_ampere_features(loaded: LoadedRecipe) -> Iterator[RawFinding]:
 
 
 @rule
+def builtin_model(loaded: LoadedRecipe) -> Iterator[RawFinding]:
+    import difflib
+
+    from finetune.builtin import BUILTIN_CONFIGS, BUILTIN_PREFIX, is_builtin
+
+    for key in (("model", "name_or_path"), ("model", "tokenizer")):
+        value = getattr(loaded.recipe.model, key[1])
+        name = value[len(BUILTIN_PREFIX):] if value and is_builtin(value) else None
+        if name is not None and name not in BUILTIN_CONFIGS:
+            close = difflib.get_close_matches(name, list(BUILTIN_CONFIGS), n=1)
+            yield RawFinding("R121", "error", key, f"unknown built-in model `{value}` (known: "
+                             f"{', '.join(BUILTIN_PREFIX + n for n in BUILTIN_CONFIGS)})",
+                             f"did you mean `{BUILTIN_PREFIX}{close[0]}`?" if close else None)
+
+
+@rule
 def reentrant_checkpointing(loaded: LoadedRecipe) -> Iterator[RawFinding]:
     r = loaded.recipe
     t = r.training
@@ -224,8 +241,19 @@ def dataset_file(loaded: LoadedRecipe) -> Iterator[RawFinding]:
             yield RawFinding("R109", "error", (*key, "path"), f"unsupported data file type `{p.suffix}`",
                              f"use one of {', '.join(DATA_SUFFIXES)}, or a folder written by datasets' save_to_disk")
         elif not p.exists():
-            # A warning, not an error: CI often lints recipes whose data lives only on the training box.
-            yield RawFinding("R109", "warning", (*key, "path"), f"dataset {p} not found here (`finetune train` will refuse to start)")
+            # An error when the folder that should hold it is here (a typo: issue 24); a warning when the
+            # whole folder is absent: CI often lints recipes whose data lives only on the training box.
+            from finetune.data.sources import SourceProblem, data_files
+
+            if p.absolute().parent.is_dir():
+                try:
+                    data_files(p, source.split)
+                except SourceProblem as exc:
+                    yield RawFinding("R109", "error", (*key, "path"), str(exc), "fix data.path (it is relative to the recipe)")
+            else:
+                yield RawFinding("R109", "warning", (*key, "path"),
+                                 f"dataset {p} not found here: its folder {p.absolute().parent} does not exist "
+                                 "(`finetune train` will refuse to start)")
 
 
 @rule

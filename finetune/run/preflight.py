@@ -42,10 +42,16 @@ class Preflight:
     lint_report: str = ""  # the lint findings, rendered as `finetune lint` does
     resume_from: Optional[Any] = None  # finetune.rundir.checkpoint.Checkpoint to resume from
     join: bool = False  # the run directory was written by another node of this run
+    # Problems that errors holds fewer lines for (bad data rows grouped by problem, or not shown).
+    grouped_problems: int = 0
 
     @property
     def ok(self) -> bool:
         return not self.errors and not self.lint_errors and not self.run_dir_errors
+
+    @property
+    def problem_count(self) -> int:
+        return len(self.errors) + len(self.lint_errors) + len(self.run_dir_errors) + self.grouped_problems
 
 
 # ----------------------------------------------------------------------------------------------
@@ -120,7 +126,11 @@ def dataset_step(recipe: Recipe, result: Preflight) -> None:
     checked = validate(sources_of(recipe.data))
     for path in checked.skipped:
         result.notes.append(f"dataset {path}: a hub id, not checked here (read at launch; needs network)")
-    result.errors.extend(f"dataset {message}" for message in checked.messages())
+    shown = checked.messages()
+    # A missing file is lint's R109 error too: said once, with lint's file:line.
+    result.errors.extend(f"dataset {message}" for message in shown
+                         if not any(error.endswith(f": {message}") for error in result.lint_errors))
+    result.grouped_problems += checked.total - len(shown)
     if checked.ok:
         for check in checked.checks:
             result.notes.append(f"dataset {check.source.path}: {check.source.format} format, all {check.rows} row(s) look right")
