@@ -253,3 +253,59 @@ def test_lint_errors_on_a_misspelled_builtin_model_and_hints_quotes_in_flow_styl
     assert "error R121 `model.name_or_path`: unknown built-in model `builtin:tiny-lama`" in out.stdout
     assert "fix: did you mean `builtin:tiny-llama`?" in out.stdout
     assert 'must be quoted, e.g. `{name_or_path: "builtin:tiny-llama"}`' in out.stdout
+
+
+# ---- item 10 (and the loading lines of item 3): eval --data keeps its own file; chat says its prompt format
+
+@pytest.fixture
+def full_run(tmp_path, tiny_dir):
+    """A run directory of a full fine-tune whose model/ is the built-in tiny model (nothing trained: what
+    is checked is what the commands say and write, not the numbers)."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(tiny_dir, run / "model")
+    data = tmp_path / "five.jsonl"
+    data.write_text("".join((REPO / "recipes" / "data" / "demo_instructions.jsonl").read_text().splitlines(True)[:5]))
+    (run / "recipe.yaml").write_text('name: run\nmodel: {name_or_path: "builtin:tiny-llama", dtype: float32}\n'
+                                     f"method: full\ndata: {{path: {data}, format: alpaca, max_length: 64}}\n")
+    return run, data
+
+
+def _cli(*args, tiny_cache):
+    from tests.train_fixtures import runner_env
+
+    return subprocess.run([*FINETUNE, *map(str, args)], cwd=REPO, env=runner_env(tiny_cache),
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_eval_data_file_writes_its_own_result_and_says_it_is_loading(full_run, tiny_cache):
+    run, data = full_run
+    (run / "eval.json").write_text('{"the": "run\'s own numbers"}')
+    out = _cli("eval", run, "--data", data, "--device", "cpu", tiny_cache=tiny_cache)
+    assert out.returncode == 0, out.stderr
+    assert (run / "eval.json").read_text() == '{"the": "run\'s own numbers"}'
+    assert json_of(run / "eval-five.json")["sequences"] == 5
+    lines = out.stderr.splitlines()
+    assert lines[0] == f"loading {run}/model ...", out.stderr
+    assert lines[-1] == f"wrote {run / 'eval-five.json'}"
+    assert "Generating train split" not in out.stderr and "gemm_4bit_forward" not in out.stderr
+
+
+def test_chat_prompt_says_which_prompt_format_it_used(full_run, tiny_cache):
+    run, _ = full_run
+    out = _cli("chat", run, "--prompt", "Name a colour.", "--max-new-tokens", 2, "--device", "cpu", tiny_cache=tiny_cache)
+    assert out.returncode == 0, out.stderr
+    assert out.stderr.splitlines() == [f"loading {run}/model ...", "prompt format: alpaca (as the run trained), cpu"]
+    from finetune.cli.chat import _format_why
+    from finetune.use.chat import resolve_source
+
+    shared = resolve_source(run, fmt="sharegpt")  # trained through the chat template: prompted like messages
+    assert shared.fmt == "messages" and _format_why(shared, "sharegpt") == "--format"
+    assert "sharegpt" in run_cli("chat", "--help").stdout
+
+
+def json_of(path: Path):
+    import json
+
+    return json.loads(path.read_text())

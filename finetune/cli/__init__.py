@@ -56,6 +56,9 @@ for _command in (doctor, convert, plan, slurm):
 
 
 def main() -> None:
+    from finetune import quiet
+
+    quiet.install()
     try:
         app()
     except KeyboardInterrupt:

@@ -17,7 +17,7 @@ def eval_command(
     device: str = typer.Option("auto", "--device", help="auto (the GPU if there is one), cuda or cpu."),
     batch_size: int = typer.Option(8, "--batch-size", min=1, help="Sequences per forward pass."),
 ) -> None:
-    """Loss and perplexity of the base model and the fine-tuned one, on the same tokens (written to RUN/eval.json).
+    """Loss and perplexity of the base model and the fine-tuned one, on the same tokens (written to RUN/eval.json; RUN/eval-NAME.json for --data NAME.jsonl).
 
     The data is the run's validation split, or --data FILE (with --format when the run mixes sources
     read in different formats and FILE is none of them); sequences are tokenized and masked as in
@@ -32,8 +32,11 @@ def eval_command(
         base            7.0830       1191.62
         fine-tuned      1.9520          7.04
     """
+    from finetune import quiet
+
+    quiet.no_progress_bars()
     from finetune.data.formats import FORMATS
-    from finetune.use.evaluate import EVAL_FILE, EvalError, evaluate
+    from finetune.use.evaluate import EvalError, eval_file, evaluate
 
     if fmt is not None and fmt not in FORMATS:
         raise fail(f"--format {fmt}: unknown format (known: {', '.join(FORMATS)})", 2)
@@ -43,4 +46,4 @@ def eval_command(
     except EvalError as exc:
         raise fail(str(exc)) from None
     typer.echo(result.table(), nl=False)
-    typer.echo(f"wrote {run_dir / EVAL_FILE}", err=True)
+    typer.echo(f"wrote {run_dir / eval_file(data)}", err=True)

@@ -402,6 +402,9 @@ def _log_main(is_main: bool):
 
 def _quiet_libraries() -> None:
     """Rank 0 keeps transformers' warnings; the others only report errors (N copies help nobody)."""
+    from finetune import quiet
+
+    quiet.install()
     rank = process_rank()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # Deprecations raised by one library calling another, once per step and rank; nothing to act on here.
