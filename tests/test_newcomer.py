@@ -309,3 +309,75 @@ def json_of(path: Path):
     import json
 
     return json.loads(path.read_text())
+
+
+# ---- item 7: preference runs fully reported; lint, render and the run agree on use_reentrant
+
+def test_lora_under_zero3_checkpoints_reentrant_in_render_lint_and_model():
+    from finetune.render import reentrant_checkpointing, render_training_args
+    from tests.conftest import hub_recipe
+
+    lora3 = hub_recipe(deepspeed={"stage": 3})
+    assert render_training_args(lora3)["gradient_checkpointing_kwargs"] == {"use_reentrant": True}
+    assert render_training_args(hub_recipe(deepspeed={"stage": 2}))["gradient_checkpointing_kwargs"] == {"use_reentrant": False}
+    full3 = hub_recipe(method="full", deepspeed={"stage": 3})
+    assert not reentrant_checkpointing(full3)
+
+
+def test_trl_keeps_our_reentrant_setting_for_peft_under_zero3():
+    """TRL's DPOTrainer forces use_reentrant=True for PEFT + ZeRO-3 + checkpointing and logs that it does when
+    it was False: what render passes is what TRL keeps, so no such line (read from the installed TRL)."""
+    import inspect
+
+    trl = pytest.importorskip("trl")
+    source = inspect.getsource(trl.DPOTrainer.__init__)
+    assert 'args.gradient_checkpointing_kwargs["use_reentrant"] = True' in source  # still TRL's rule
+    from finetune.render import render_training_args
+    from tests.conftest import hub_recipe
+
+    for stage in (3,):
+        kwargs = render_training_args(hub_recipe(objective="dpo", deepspeed={"stage": stage}))["gradient_checkpointing_kwargs"]
+        assert kwargs["use_reentrant"] is True
+
+
+def test_orpo_batches_count_their_tokens():
+    """transformers' Trainer counts tokens of `input_ids` only; ORPO/CPO batches have chosen_*/rejected_*."""
+    import torch
+
+    from finetune.train.preference import _counting_pairs
+
+    class Base:
+        def _track_num_input_tokens(self, inputs):
+            raise AssertionError("a batch with input_ids goes to the Trainer's own count")
+
+    trainer = _counting_pairs(Base)()
+    trainer.args = type("A", (), {"include_num_input_tokens_seen": "non_padding", "device": "cpu"})()
+    trainer.state = type("S", (), {"num_input_tokens_seen": 0})()
+    trainer.accelerator = type("X", (), {"gather": staticmethod(lambda t: t.reshape(1))})()
+    trainer._track_num_input_tokens({"chosen_input_ids": torch.ones(2, 5), "chosen_attention_mask": torch.tensor([[1] * 5, [1, 1, 1, 0, 0]]),
+                                     "rejected_attention_mask": torch.tensor([[1] * 4 + [0], [1] * 5]),
+                                     "prompt_attention_mask": torch.ones(2, 3)})
+    assert trainer.state.num_input_tokens_seen == 8 + 9
+    assert type(trainer).__name__ == "Base"
+
+
+def test_report_shows_reward_curves_of_a_preference_run(tmp_path):
+    import json
+
+    from finetune.train.report import REWARDS_PLOT_FILE, write_run_report
+
+    pytest.importorskip("matplotlib")
+    history = [{"step": s, "loss": 0.69 - s / 100, "learning_rate": 1e-3, "rewards/chosen": s / 10, "rewards/rejected": -s / 10,
+                "rewards/margins": s / 5, "rewards/accuracies": min(1.0, s / 4)} for s in range(1, 9)]
+    (tmp_path / "summary.json").write_text(json.dumps({"objective": "dpo", "steps": 8, "preference_metrics": {
+        "rewards/margins": {"first": 0.2, "last": 1.6}}}))
+    write_run_report(tmp_path, history)
+    page = (tmp_path / "report.html").read_text()
+    assert (tmp_path / REWARDS_PLOT_FILE).is_file() and "Preference rewards" in page
+    assert 'alt="rewards: chosen, rejected, margins, accuracies" src="data:image/png;base64,' in page
+    assert "<td>rewards/margins</td><td>0.2000 -&gt; 1.6000</td>" in page
+    sft = tmp_path / "sft"
+    sft.mkdir()
+    (sft / "summary.json").write_text(json.dumps({"objective": "sft"}))
+    write_run_report(sft, [{"step": 1, "loss": 1.0}])
+    assert not (sft / REWARDS_PLOT_FILE).exists() and "Preference rewards" not in (sft / "report.html").read_text()

@@ -24,7 +24,7 @@ RULES: dict[str, str] = {
     "R101": "QLoRA + ZeRO-3: the 4-bit storage dtype must equal the compute dtype and the model dtype.",
     "R102": "ZeRO-3 without stage3_gather_16bit_weights_on_model_save saves no usable weights.",
     "R103": "bf16 (or FlashAttention) on a declared GPU that lacks it.",
-    "R104": "Reentrant gradient checkpointing with LoRA/QLoRA.",
+    "R104": "Reentrant checkpointing setting that is not what runs (LoRA under ZeRO-3 is always reentrant) or that is slower for nothing.",
     "R105": "Optimizer offload with an optimizer DeepSpeed cannot offload.",
     "R106": "trust_remote_code runs code from the model repository.",
     "R107": "Offload requested at a ZeRO stage that ignores it.",
@@ -163,15 +163,25 @@ def builtin_model(loaded: LoadedRecipe) -> Iterator[RawFinding]:
 def reentrant_checkpointing(loaded: LoadedRecipe) -> Iterator[RawFinding]:
     r = loaded.recipe
     t = r.training
-    if r.method == "full" or not (t.gradient_checkpointing and t.gradient_checkpointing_reentrant):
+    if r.method == "full" or not t.gradient_checkpointing:
         return
-    # Reentrant checkpointing drops gradients when no input of a checkpointed block requires grad (frozen
-    # embeddings under LoRA): "element 0 of tensors does not require grad", or silently zero LoRA grads.
-    severity = "error" if r.deepspeed.stage == 3 else "warning"
-    yield RawFinding("R104", severity, ("training", "gradient_checkpointing_reentrant"),
-                     f"reentrant gradient checkpointing with {r.method}: frozen inputs get no gradients"
-                     + (" and ZeRO-3 re-gathers parameters inconsistently" if severity == "error" else ""),
-                     "set training.gradient_checkpointing_reentrant: false")
+    if r.deepspeed.stage == 3:
+        # LoRA under ZeRO-3 always checkpoints reentrant (finetune.render.reentrant_checkpointing says why);
+        # a `false` written here is not what runs, and TRL would log that it overrides it.
+        if not t.gradient_checkpointing_reentrant and _written(loaded, "training", "gradient_checkpointing_reentrant"):
+            yield RawFinding("R104", "warning", ("training", "gradient_checkpointing_reentrant"),
+                             f"{r.method} under ZeRO-3 checkpoints reentrant whatever this says: non-reentrant "
+                             "recompute sees ZeRO-3's partitioned frozen weights (DeepSpeed#4332, crashes before "
+                             "DeepSpeed 0.19.3) and TRL forces reentrant for PEFT + ZeRO-3",
+                             "remove training.gradient_checkpointing_reentrant")
+        return
+    if t.gradient_checkpointing_reentrant:
+        # Reentrant checkpointing drops gradients when no input of a checkpointed block requires grad (frozen
+        # embeddings under LoRA) unless the embedding output is made to require grad (the runner does).
+        yield RawFinding("R104", "warning", ("training", "gradient_checkpointing_reentrant"),
+                         f"reentrant gradient checkpointing with {r.method} below ZeRO-3: slower, and frozen inputs "
+                         "get gradients only through the runner's embedding hook",
+                         "set training.gradient_checkpointing_reentrant: false")
 
 
 @rule

@@ -104,7 +104,9 @@ def prepare_model(model, recipe: Recipe):
     """Gradient checkpointing, then (lora/qlora) the PEFT adapter. Returns the model to train."""
     t = recipe.training
     if t.gradient_checkpointing:
-        kwargs = {"use_reentrant": t.gradient_checkpointing_reentrant}
+        from finetune.render import reentrant_checkpointing
+
+        kwargs = {"use_reentrant": reentrant_checkpointing(recipe)}
         if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x renamed it
             model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
         else:

@@ -23,6 +23,7 @@ from typing import Any, Optional
 from finetune.fsutil import write_atomic
 
 PLOT_FILE = "loss.png"
+REWARDS_PLOT_FILE = "rewards.png"  # preference objectives (dpo, orpo, kto, simpo): TRL's rewards/* metrics
 REPORT_FILE = "report.html"
 PLOT_HINT = "pip install matplotlib (or pip install 'finetune[train]')"
 
@@ -70,6 +71,59 @@ def plot_loss(log_history: list[dict[str, Any]], path: Path, title: str = "") ->
         bottom.set_xlabel("optimizer step")
         bottom.grid(alpha=0.3)
         bottom.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
+        fig.tight_layout()
+        buffer = io.BytesIO()
+        fig.savefig(buffer, format="png", dpi=100)
+    finally:
+        plt.close(fig)
+    write_atomic(Path(path), buffer.getvalue())
+    return True
+
+
+def reward_curves(log_history: list[dict[str, Any]]) -> dict[str, list[tuple[float, float]]]:
+    """(step, value) series of every `rewards/*` metric TRL logged while training (not eval_rewards/*)."""
+    out: dict[str, list[tuple[float, float]]] = {}
+    for entry in log_history:
+        step = entry.get("step")
+        if step is None or "loss" not in entry:
+            continue
+        for key, value in entry.items():
+            if key.startswith("rewards/") and isinstance(value, (int, float)):
+                out.setdefault(key, []).append((float(step), float(value)))
+    return out
+
+
+def plot_rewards(log_history: list[dict[str, Any]], path: Path, title: str = "") -> bool:
+    """rewards.png: chosen, rejected and margins above, accuracies below; False without matplotlib or
+    without any rewards/* metric (sft, or a trainer that logs none)."""
+    series = reward_curves(log_history)
+    if not series:
+        return False
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    import io
+
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 5.5), sharex=True, height_ratios=[3, 1.2])
+    try:
+        for key, points in sorted(series.items()):
+            if key != "rewards/accuracies":
+                top.plot(*zip(*points), label=key.split("/", 1)[1], linewidth=1.4)
+        top.axhline(0.0, color="#999", linewidth=0.8)
+        top.set_ylabel("reward")
+        top.grid(alpha=0.3)
+        top.legend(loc="upper left")
+        top.set_title(title or "rewards")
+        if "rewards/accuracies" in series:
+            bottom.plot(*zip(*series["rewards/accuracies"]), color="tab:purple", linewidth=1.2)
+        bottom.set_ylim(-0.05, 1.05)
+        bottom.set_ylabel("accuracy")
+        bottom.set_xlabel("optimizer step")
+        bottom.grid(alpha=0.3)
         fig.tight_layout()
         buffer = io.BytesIO()
         fig.savefig(buffer, format="png", dpi=100)
@@ -200,6 +254,8 @@ def render_report(run_dir: Path, plot_written: bool) -> str:
     else:
         plot = f"<p>No plot: matplotlib is not installed ({html.escape(PLOT_HINT)}).</p>"
     parts.append(_section("Loss and learning rate", plot))
+    if summary.get("objective", "sft") != "sft":
+        parts.append(_section("Preference rewards", _rewards_body(run_dir, summary)))
     memory = memory_rows(summary, per_gpu)
     note = ("<p>Planned: <code>finetune plan</code>'s per-GPU peak for this recipe on "
             f"{world} GPU{'s' if world != 1 else ''}.")
@@ -226,6 +282,17 @@ def render_report(run_dir: Path, plot_written: bool) -> str:
             + "\n".join(parts) + "</body></html>\n")
 
 
+def _rewards_body(run_dir: Path, summary: dict[str, Any]) -> str:
+    """The reward curves (rewards.png, embedded) and every preference metric's first and last value."""
+    body = ""
+    if (run_dir / REWARDS_PLOT_FILE).is_file():
+        data = base64.b64encode((run_dir / REWARDS_PLOT_FILE).read_bytes()).decode("ascii")
+        body += f'<img alt="rewards: chosen, rejected, margins, accuracies" src="data:image/png;base64,{data}">'
+    metrics = summary.get("preference_metrics") or {}
+    rows = [(name, f"{_num(v.get('first'))} -> {_num(v.get('last'))}") for name, v in sorted(metrics.items())]
+    return body + (_table(rows, ("metric", "first -> last")) if rows else "<p>No preference metric was logged.</p>")
+
+
 def _num(value: Any, spec: str = ".4f") -> str:
     return format(value, spec) if isinstance(value, (int, float)) else "n/a"
 
@@ -235,6 +302,7 @@ def write_run_report(run_dir: Path, log_history: list[dict[str, Any]]) -> list[s
     run_dir = Path(run_dir)
     notes = []
     plotted = plot_loss(log_history, run_dir / PLOT_FILE, title=run_dir.name)
+    plot_rewards(log_history, run_dir / REWARDS_PLOT_FILE, title=f"{run_dir.name}: rewards")
     if not plotted:
         notes.append(f"loss.png not written: matplotlib is not installed ({PLOT_HINT})")
     write_atomic(run_dir / REPORT_FILE, render_report(run_dir, plotted))
