@@ -381,3 +381,42 @@ def test_report_shows_reward_curves_of_a_preference_run(tmp_path):
     (sft / "summary.json").write_text(json.dumps({"objective": "sft"}))
     write_run_report(sft, [{"step": 1, "loss": 1.0}])
     assert not (sft / REWARDS_PLOT_FILE).exists() and "Preference rewards" not in (sft / "report.html").read_text()
+
+
+# ---- item 2: one line per event on screen, the whole story in the run directory
+
+def test_a_dpo_log_dict_is_one_short_line_on_the_terminal():
+    import io
+
+    from rich.console import Console
+
+    from finetune.run.progress import TrainingDisplay
+
+    dict_line = ("[rank0]: {'loss': '0.5928', 'grad_norm': '1.007', 'learning_rate': '0.005', 'entropy': '6.249', "
+                 "'num_tokens': '732', 'logits/chosen': '0.007867', 'logits/rejected': '-0.00253', 'mean_token_accuracy': '0', "
+                 "'rewards/chosen': '-0.1072', 'rewards/rejected': '-0.3343', 'rewards/accuracies': '0.75', "
+                 "'rewards/margins': '0.2271', 'logps/chosen': '-52.12', 'logps/rejected': '-75.2', 'epoch': '0.1'}\n")
+    totals = "[rank0]: {'train_runtime': '11.31', 'train_samples_per_second': '4.243', 'train_loss': '0.5862', 'epoch': '0.3'}\n"
+    out = io.StringIO()
+    with TrainingDisplay(Console(file=out, force_terminal=True, width=200)) as display:
+        display.write(dict_line.encode() + totals.encode())
+    shown = [re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", line) for line in out.getvalue().splitlines()
+             if "epoch" in line or "train_runtime" in line]
+    assert shown == ["epoch 0.10: loss 0.5928, lr 0.005, grad norm 1.01, margins 0.227, accuracy 0.75"], out.getvalue()
+
+
+def test_launcher_banners_stay_in_the_launcher_log(tmp_path):
+    import io
+
+    from finetune.run.launch.supervision import Relay
+
+    lines = [b"*****************************************\n",
+             b"Setting OMP_NUM_THREADS environment variable for each process to be 1 in default, to avoid ...\n",
+             b"*****************************************\n",
+             b"[rank0]: DeepSpeed deepspeed.ops.comm.deepspeed_shm_comm_op built successfully\n",
+             b"[rank0]: [finetune] parameters: 65,536 trainable of 853,120 (lora)\n"]
+    console = io.BytesIO()
+    relay = Relay(io.BytesIO(b"".join(lines)), console, tmp_path / "launcher.log")
+    relay.run()
+    assert console.getvalue() == lines[-1]
+    assert (tmp_path / "launcher.log").read_bytes() == b"".join(lines)
