@@ -85,7 +85,8 @@ def test_chunked_loss_with_gradient_checkpointing():
     from finetune.train.loss import use_chunked_loss
 
     default = tiny_llama()
-    default.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    from finetune.train.model import enable_checkpointing
+    enable_checkpointing(default)
     chunked = copy.deepcopy(default)
     use_chunked_loss(chunked, 4)
     assert_same(loss_and_grads(default), loss_and_grads(chunked))
