@@ -61,8 +61,12 @@ def train(
     report = prepared.preflight
     if report.lint_report:
         typer.echo(report.lint_report, err=True, nl=False)
+    from finetune.run.extensions import COMPILE_NOTE
+
+    launching = report.ok and not dry_run  # nothing compiles otherwise: no note that it will (issue 24)
     for note in report.notes + (prepared.plan.notes if prepared.plan else []):
-        typer.echo(f"note: {note}", err=True)
+        if launching or not note.startswith(COMPILE_NOTE):
+            typer.echo(f"note: {note}", err=True)
     for warning in report.warnings:
         typer.echo(f"warning: {warning}", err=True)
     # A dry run writes nothing, so a refused output directory does not stop it from showing the launch.
