@@ -420,3 +420,94 @@ def test_launcher_banners_stay_in_the_launcher_log(tmp_path):
     relay.run()
     assert console.getvalue() == lines[-1]
     assert (tmp_path / "launcher.log").read_bytes() == b"".join(lines)
+
+
+# ---- item 6: the examples in --help are real output (re-run here, or the README's recorded demo run)
+
+def _example_sessions(command: str) -> list[tuple[str, list[str]]]:
+    """[(`$ ...` line, the output lines shown under it)] of `finetune COMMAND --help`'s Example block."""
+    text = run_cli(command, "--help").stdout.split("Example:", 1)[1]
+    sessions: list[tuple[str, list[str]]] = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line.startswith("$ "):
+            sessions.append((line[2:], []))
+        elif sessions and line:
+            sessions[-1][1].append(line)
+        elif sessions:
+            break  # the blank line that ends the block
+    return sessions
+
+
+def _pattern(line: str) -> "re.Pattern":
+    return re.compile(".*".join(re.escape(part) for part in line.split("…")) + r"\Z")
+
+
+def _assert_shown(expected: list[str], actual: list[str]) -> None:
+    """Every example line (but `...`) is an output line, in order; `…` stands for any text."""
+    position = 0
+    for want in expected:
+        if want == "...":
+            continue
+        pattern = _pattern(want)
+        hits = [i for i in range(position, len(actual)) if pattern.match(actual[i].strip())]
+        assert hits, f"example line not in the real output: {want!r}\n" + "\n".join(actual)
+        position = hits[0] + 1
+
+
+def _readme_session(command: str) -> list[str]:
+    readme = (REPO / "README.md").read_text().splitlines()
+    start = readme.index(f"$ {command}")
+    out = []
+    for line in readme[start + 1:]:
+        if not line.strip() or line.startswith("$ ") or line.startswith("```"):
+            break
+        out.append(line)
+    return out
+
+
+@pytest.mark.parametrize("command", ["lint", "plan"])
+def test_help_examples_are_what_the_command_prints(command):
+    for typed, shown in _example_sessions(command):
+        if typed == "echo $?":
+            assert int(shown[0]) == last.returncode
+            continue
+        last = run_cli(*shlex.split(typed)[1:])
+        if shown:
+            _assert_shown(shown, (last.stdout + last.stderr).splitlines())
+
+
+def test_train_help_example_is_a_dry_run_and_the_readme_demo(tmp_path):
+    [(typed, shown)] = _example_sessions("train")
+    dry = run_cli(*shlex.split(typed)[1:], "--output-dir", tmp_path / "runs" / "demo", "--dry-run")
+    assert dry.returncode == 0, dry.stderr
+    notes = [line for line in shown if line.startswith("note:")]
+    _assert_shown(notes, dry.stderr.splitlines())
+    [launching] = [line for line in shown if line.startswith("launching ")]
+    _assert_shown([launching.split(": ", 1)[1]], dry.stdout.splitlines())  # the command a dry run prints
+    readme = (REPO / "README.md").read_text().splitlines()
+    _assert_shown([line for line in shown if line.startswith(("[finetune] done", "finished:"))], readme)
+
+
+@pytest.mark.parametrize("command", ["chat", "eval"])
+def test_chat_and_eval_help_examples_are_the_recorded_demo_run(command):
+    """The demo's numbers and answers come from one recorded run, shown in README's "What you get" (which
+    the issue-24 reviewer reproduced to the digit); help shows the same session."""
+    sessions = _example_sessions(command)
+    typed, shown = sessions[0]
+    assert shown == _readme_session(typed)
+
+
+def test_recipe_comments_quote_what_plan_prints():
+    from finetune import plan as planner
+    from finetune.recipe import load_recipe
+
+    path = REPO / "recipes" / "llama3" / "8b_qlora_2x12gb.yaml"
+    quoted = re.search(r"`finetune plan` shows ([\d.]+) -> ([\d.]+) GiB per GPU with 1e8", path.read_text())
+    assert quoted, "the comment this test checks moved"
+    totals = []
+    for sets in (["deepspeed.stage3_max_live_parameters=1000000000"], []):
+        recipe = load_recipe(path, sets).recipe
+        setup = planner.setup_from_recipe(recipe, None, None, None, None, data_lengths=False)
+        totals.append(f"{planner.plan(setup).per_gpu['total'] / 2**30:.2f}")
+    assert list(quoted.groups()) == totals

@@ -11,7 +11,7 @@ from finetune.cli.common import fail
 
 
 def chat(
-    path: Optional[Path] = typer.Argument(None, help="Run directory, or a merged / full model directory."),
+    path: Optional[Path] = typer.Argument(None, metavar="PATH", help="Run directory, or a merged / full model directory."),
     base: Optional[str] = typer.Option(None, "--base", help="Base model directory or hub id (with --adapter; overrides the run's)."),
     adapter: Optional[Path] = typer.Option(None, "--adapter", help="PEFT adapter directory (overrides the run's adapter/)."),
     prompts: Optional[List[str]] = typer.Option(None, "--prompt", help="Answer this and exit (repeatable: one conversation, in order)."),
@@ -29,12 +29,15 @@ def chat(
     Example:
 
     \b
-        $ finetune chat runs/demo --prompt "Name a primary colour."
-        Red.
+        $ finetune chat runs/demo --prompt "What is the capital of Russia?"
+        loading runs/demo (lora adapter on builtin:tiny-llama) ...
+        prompt format: alpaca (as the run trained), cpu
+        The capital of is isrgenti.
         $ finetune chat merged/demo
-        loaded runs/demo/... (alpaca format, cpu); /reset starts over, /exit leaves
-        you> Name a primary colour.
-        Red.
+        loading merged/demo ...
+        loaded merged/demo (alpaca format, cpu); /reset starts over, /exit leaves
+        you> What is the capital of Russia?
+        The capital of is isrgenti.
     """
     from finetune import quiet
 

@@ -11,7 +11,7 @@ from finetune.cli.common import fail
 
 
 def eval_command(
-    run_dir: Path = typer.Argument(..., help="Run directory."),
+    run_dir: Path = typer.Argument(..., metavar="RUN_DIR", help="Run directory."),
     data: Optional[Path] = typer.Option(None, "--data", help="Score this file instead of the validation split (read as the run's source with the same path, else as its only source)."),
     fmt: Optional[str] = typer.Option(None, "--format", help="The --data file's format (alpaca, text, messages, sharegpt), when the run mixes formats."),
     device: str = typer.Option("auto", "--device", help="auto (the GPU if there is one), cuda or cpu."),
@@ -27,10 +27,13 @@ def eval_command(
 
     \b
         $ finetune eval runs/demo
-        data: the training data (.../demo_instructions.jsonl), 307 sequences, 2861 scored tokens (not held out: ...)
+        loading runs/demo (lora adapter on builtin:tiny-llama) ...
+        note: runs/demo has no validation split (data.validation_split: 0); scoring its training data
+        data: the training data (.../recipes/data/demo_instructions.jsonl), 307 sequences, 2060 scored tokens (not held out: the run trained on it)
         model             loss    perplexity
-        base            7.0830       1191.62
-        fine-tuned      1.9520          7.04
+        base            7.1127       1227.47
+        fine-tuned      2.2870          9.85
+        wrote runs/demo/eval.json
     """
     from finetune import quiet
 

@@ -15,7 +15,7 @@ EXIT_DOES_NOT_FIT = 3
 
 
 def plan(
-    recipe: Optional[Path] = typer.Argument(None, help="Recipe file (omit it and pass --model for a quick what-if)."),
+    recipe: Optional[Path] = typer.Argument(None, metavar="RECIPE", help="Recipe file (omit it and pass --model for a quick what-if)."),
     gpus: Optional[int] = typer.Option(None, "--gpus", min=1, help="GPUs per node (default: the recipe's launch/hardware, else 1)."),
     nodes: Optional[int] = typer.Option(None, "--nodes", min=1, help="Machines (default: launch.nodes)."),
     gpu_memory: Optional[str] = typer.Option(None, "--gpu-memory", help="Memory per GPU, e.g. 24GiB (default: hardware.gpu_memory)."),
@@ -46,6 +46,11 @@ def plan(
 
     \b
         $ finetune plan --model llama-3-8b --method qlora --lora-r 64 --zero 2 --gpus 2 --gpu-memory 12GiB
+        model    llama-3-8b (8.03B params, hidden 4096, 32 layers, 32/8 heads, vocab 128256)
+        ...
+          total (peak, backward)                12.22  of 12.00: does NOT fit, 0.22 GiB over …
+        $ echo $?
+        3
         $ finetune plan recipes/llama3/8b_qlora_2x12gb.yaml --recommend
     """
     from finetune import plan as planner
