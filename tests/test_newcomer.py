@@ -511,3 +511,56 @@ def test_recipe_comments_quote_what_plan_prints():
         setup = planner.setup_from_recipe(recipe, None, None, None, None, data_lengths=False)
         totals.append(f"{planner.plan(setup).per_gpu['total'] / 2**30:.2f}")
     assert list(quoted.groups()) == totals
+
+
+# ---- item 9: your own data in five minutes
+
+def _walkthrough() -> list[str]:
+    readme = (REPO / "README.md").read_text()
+    block = readme.split("## Your own data in five minutes", 1)[1].split("```", 2)[1]
+    return block.strip("\n").splitlines()
+
+
+def test_readme_walkthrough_runs_as_written(tmp_path):
+    """init, data show and a dry run of train on a question/answer file, as README's walk-through shows."""
+    import json
+
+    rows = [("What is 2+2?", "4"), ("Name a colour.", "Red."), ("Capital of France?", "Paris.")] * 20
+    (tmp_path / "qa.jsonl").write_text("".join(json.dumps({"question": q, "answer": a}) + "\n" for q, a in rows))
+    lines = _walkthrough()
+    sessions: list[tuple[str, list[str]]] = []
+    for line in lines:
+        if line.startswith("$ "):
+            sessions.append((line[2:].split("  #")[0].strip(), []))
+        else:
+            sessions[-1][1].append(line)
+    ran = []
+    for typed, shown in sessions:
+        args = shlex.split(typed)[1:]
+        if args[0] == "chat":
+            continue  # needs the trained run
+        if args[0] == "train":
+            args.append("--dry-run")
+        out = run_cli(*args, cwd=tmp_path)
+        assert out.returncode == (3 if args[0] == "plan" and "does NOT fit" in out.stdout else 0), out.stderr
+        ran.append(args[0])
+        if shown:
+            assert [line for line in (out.stdout + out.stderr).splitlines() if not line.startswith("loading ")] == shown
+    assert ran == ["init", "data", "plan", "train"]
+    assert "# a real run would start fresh in" in out.stdout
+
+
+def test_init_reads_the_format_off_the_first_row_and_never_overwrites(tmp_path):
+    from finetune.recipe.starter import StarterError, guess_format
+
+    assert guess_format({"instruction": "q", "output": "a"}) == ("alpaca", {})
+    assert guess_format({"prompt": "q", "response": "a"}) == ("alpaca", {"instruction": "prompt", "output": "response"})
+    assert guess_format({"dialog": [{"role": "user", "content": "hi"}]}) == ("messages", {"messages": "dialog"})
+    assert guess_format({"conversations": [{"from": "human", "value": "hi"}]}) == ("sharegpt", {})
+    assert guess_format({"content": "x"}) == ("text", {"text": "content"})
+    with pytest.raises(StarterError, match="cannot tell the format from the columns `a`, `b`"):
+        guess_format({"a": 1, "b": 2})
+    (tmp_path / "d.jsonl").write_text('{"text": "hello"}\n')
+    (tmp_path / "d.yaml").write_text("mine\n")
+    out = run_cli("init", "--data", tmp_path / "d.jsonl")
+    assert out.returncode == 1 and "exists" in out.stderr and (tmp_path / "d.yaml").read_text() == "mine\n"

@@ -8,8 +8,10 @@ import typer
 
 from finetune.cli.chat import chat
 from finetune.cli.convert import convert
+from finetune.cli.data import data_app
 from finetune.cli.doctor import doctor
 from finetune.cli.eval import eval_command
+from finetune.cli.init import init
 from finetune.cli.lint import lint
 from finetune.cli.merge import merge
 from finetune.cli.plan import plan
@@ -48,6 +50,8 @@ def _main(version: bool = typer.Option(False, "--version", callback=_version, is
 
 
 # The order `finetune --help` lists them in.
+app.command()(init)
+app.add_typer(data_app, name="data")
 for _command in (lint, render, schema, merge, train, chat):
     app.command()(_command)
 app.command("eval")(eval_command)
