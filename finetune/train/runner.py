@@ -411,6 +411,8 @@ def _quiet_libraries() -> None:
     warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
     warnings.filterwarnings("ignore", message=r".*(is_gradient_checkpointing|gradient_checkpointing_(en|dis)able). is deprecated",
                             category=FutureWarning)  # TRL toggles checkpointing around each reference forward
+    # accelerate on a CPU: "OMP_NUM_THREADS/MKL_NUM_THREADS unset, we set it at N" (it picks cores / ranks itself).
+    warnings.filterwarnings("ignore", message=r"OMP_NUM_THREADS/MKL_NUM_THREADS unset", category=UserWarning)
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     if rank != 0:
         import datasets
