@@ -116,6 +116,9 @@ def test_sft_then_dpo_stopped_resumed_converted_and_merged(tmp_path, cache):
     assert metrics["rewards/margins"]["last"] > 0.3 and metrics["rewards/accuracies"]["last"] >= 0.5, metrics
     assert result["train_loss_last"] < result["train_loss_first"] == pytest.approx(math.log(2), abs=1e-4)
     assert "rewards/margins" in second.stderr + second.stdout  # the closing line names them
+    # report.html shows the reward curves of the whole run (issue 24), the resumed part included
+    page = (dpo / "report.html").read_text()
+    assert (dpo / "rewards.png").is_file() and "Preference rewards" in page and "data:image/png;base64," in page
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
