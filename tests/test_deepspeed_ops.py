@@ -89,7 +89,7 @@ def test_train_says_so_before_launch_and_a_dry_run_removes_nothing(cache, tmp_pa
 
 def test_each_environment_builds_in_its_own_folder(tmp_path, monkeypatch):
     """Two venvs of one Python shared ~/.cache/torch_extensions/py311_cpu and rebuilt each other's ops."""
-    from finetune.run.extensions import per_environment_root
+    from finetune.run.deepspeed_ops import per_environment_root
     from finetune.run.launch.commands import plan_launch
     from tests.conftest import hub_recipe
 

@@ -64,7 +64,7 @@ def train(
     report = prepared.preflight
     if report.lint_report:
         typer.echo(report.lint_report, err=True, nl=False)
-    from finetune.run.extensions import COMPILE_NOTE
+    from finetune.run.deepspeed_ops import COMPILE_NOTE
 
     launching = report.ok and not dry_run  # nothing compiles otherwise: no note that it will (issue 24)
     for note in report.notes + (prepared.plan.notes if prepared.plan else []):

@@ -135,7 +135,7 @@ def plan_launch(recipe: Recipe, run_dir: Path, gpu_count: int, module: str = RUN
         # redrawn progress bar turns into a new line per redraw; the loss lines are printed anyway.
         env["TQDM_DISABLE"] = "1"
     if "TORCH_EXTENSIONS_DIR" not in environ:
-        from finetune.run.extensions import per_environment_root
+        from finetune.run.deepspeed_ops import per_environment_root
 
         env["TORCH_EXTENSIONS_DIR"] = str(per_environment_root(python, environ))  # DeepSpeed's JIT ops, this venv's
     device = "cuda" if gpu_count > 0 else "cpu"

@@ -298,7 +298,7 @@ class Relay(threading.Thread):
 
 # Lines that tell the user nothing to act on: torchrun's OMP_NUM_THREADS banner (it sets 1 per rank, as it
 # says, whenever several ranks share a machine), and DeepSpeed's "built successfully" for an op that
-# finetune.run.extensions already announced (and that a cache hit merely loads).
+# finetune.run.deepspeed_ops already announced (and that a cache hit merely loads).
 _NOISE = re.compile(rb"^\*{20,}$|^Setting OMP_NUM_THREADS environment variable for each process"
                     rb"|^(\[(rank|default)\d+\]:\s?)?DeepSpeed \S+ built successfully$")
 
