@@ -551,7 +551,7 @@ def test_readme_walkthrough_runs_as_written(tmp_path):
 
 
 def test_init_reads_the_format_off_the_first_row_and_never_overwrites(tmp_path):
-    from finetune.recipe.starter import StarterError, guess_format
+    from finetune.data.starter import StarterError, guess_format
 
     assert guess_format({"instruction": "q", "output": "a"}) == ("alpaca", {})
     assert guess_format({"prompt": "q", "response": "a"}) == ("alpaca", {"instruction": "prompt", "output": "response"})

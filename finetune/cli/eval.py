@@ -39,14 +39,11 @@ def eval_command(
 
     quiet.no_progress_bars()
     from finetune.data.formats import FORMATS
-    from finetune.use.evaluate import EvalError, eval_file, evaluate
+    from finetune.use.evaluate import eval_file, evaluate
 
     if fmt is not None and fmt not in FORMATS:
         raise fail(f"--format {fmt}: unknown format (known: {', '.join(FORMATS)})", 2)
-    try:
-        result = evaluate(run_dir, data=data, device=device, batch_size=batch_size,
-                          log=lambda line: typer.echo(line, err=True), fmt=fmt)
-    except EvalError as exc:
-        raise fail(str(exc)) from None
+    result = evaluate(run_dir, data=data, device=device, batch_size=batch_size,
+                      log=lambda line: typer.echo(line, err=True), fmt=fmt)
     typer.echo(result.table(), nl=False)
     typer.echo(f"wrote {run_dir / eval_file(data)}", err=True)

@@ -28,7 +28,8 @@ def init(
     from finetune.data.formats import FORMATS
     from finetune.data.validate import BadRow, iter_rows
     from finetune.fsutil import write_atomic
-    from finetune.recipe.starter import StarterError, guess_format, starter_recipe
+    from finetune.builtin import is_builtin
+    from finetune.data.starter import StarterError, guess_format, starter_recipe
 
     if method not in ("full", "lora", "qlora"):
         raise fail("--method must be full, lora or qlora", 2)
@@ -41,15 +42,13 @@ def init(
     output = output or data.with_suffix(".yaml")
     if output.exists():
         raise fail(f"{output} exists; choose another -o (init never overwrites a recipe)")
-    try:
-        where, row = next(iter(iter_rows(data)), (str(data), None))
-        if row is None or isinstance(row, BadRow):
-            raise StarterError(f"{where}: " + (row.message if isinstance(row, BadRow) else "no rows"))
-        found, columns = guess_format(row)
-    except StarterError as exc:
-        raise fail(str(exc)) from None
+    where, row = next(iter(iter_rows(data)), (str(data), None))
+    if row is None or isinstance(row, BadRow):
+        raise StarterError(f"{where}: " + (row.message if isinstance(row, BadRow) else "no rows"))
+    found, columns = guess_format(row)
     fmt = fmt or found
-    write_atomic(output, starter_recipe(model, data, output, fmt, columns if fmt == found else {}, method))
+    write_atomic(output, starter_recipe(model, data, output, fmt, columns if fmt == found else {}, method,
+                                        tiny=is_builtin(model)))
     from finetune.lint import LintOptions, lint_paths
 
     result = lint_paths([output], LintOptions())

@@ -12,10 +12,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from finetune.errors import FinetuneError
+
 TRAINED_START, TRAINED_END = "[[", "]]"
 
 
-class ShowError(ValueError):
+class ShowError(FinetuneError, ValueError):
     """Why no example can be shown (one line)."""
 
 
@@ -29,8 +31,9 @@ class Shown:
     truncated: bool
 
 
-def show_example(recipe, row_number: int = 1) -> Shown:
-    """Row `row_number` (1-based) of the recipe's first local source, tokenized as training does."""
+def show_example(recipe, tokenizer, row_number: int = 1) -> Shown:
+    """Row `row_number` (1-based) of the recipe's first local source, tokenized as training does with
+    `tokenizer` (the run's: finetune.train.model.load_tokenizer)."""
     from finetune.data.sources import SourceProblem, data_files, is_local, sources_of
     from finetune.data.validate import BadRow, iter_rows
 
@@ -47,7 +50,6 @@ def show_example(recipe, row_number: int = 1) -> Shown:
     row, where = _nth_row((r for f in files for r in iter_rows(f)), row_number, source.path)
     if isinstance(row, BadRow):
         raise ShowError(f"{where}: {row.message}")
-    tokenizer = _tokenizer(recipe)
     from finetune.data.formats import RowProblem
     from finetune.data.tokenize import tokenize_examples
 
@@ -68,16 +70,6 @@ def _nth_row(rows, number: int, path: str) -> tuple[Any, str]:
         if index == number:
             return row, where
     raise ShowError(f"{path}: has fewer than {number} row(s)")
-
-
-def _tokenizer(recipe):
-    from finetune.builtin import resolve_model_path
-    from finetune.train.model import load_tokenizer
-
-    try:
-        return load_tokenizer(recipe, resolve_model_path(recipe.model.name_or_path))
-    except (OSError, ValueError) as exc:
-        raise ShowError(f"cannot load the tokenizer of {recipe.model.name_or_path}: {str(exc).splitlines()[0]}") from None
 
 
 def marked_text(tokenizer, ids: list[int], labels: list[int]) -> str:

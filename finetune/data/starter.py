@@ -11,10 +11,10 @@ import os
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
-from finetune.builtin import is_builtin
+from finetune.errors import FinetuneError
 
 
-class StarterError(ValueError):
+class StarterError(FinetuneError, ValueError):
     """Why no recipe can be written (one line)."""
 
 
@@ -54,12 +54,12 @@ def guess_format(row: Mapping[str, Any]) -> tuple[str, dict[str, str]]:
 
 
 def starter_recipe(model: str, data: Path, recipe_path: Path, fmt: str, columns: dict[str, str],
-                   method: str = "lora") -> str:
-    """The YAML text of a recipe in `recipe_path` that trains `model` on `data`."""
+                   method: str = "lora", tiny: bool = False) -> str:
+    """The YAML text of a recipe in `recipe_path` that trains `model` on `data` (`tiny`: a built-in model,
+    trained on a CPU)."""
     relative = os.path.relpath(Path(data).absolute(), Path(recipe_path).absolute().parent)
     if not relative.startswith((".", "/")):
         relative = "./" + relative  # a path, never read as a hub id
-    tiny = is_builtin(model)
     flow = ", ".join(f"{k}: {v}" for k, v in columns.items())
     lines = [
         f"# Written by `finetune init` for {data} (format {fmt}, read off its first row).",
