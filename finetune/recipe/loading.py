@@ -11,6 +11,7 @@ from typing import Any, Optional, Union
 
 from pydantic import ValidationError
 
+from finetune.recipe.references import DATA_SUFFIXES
 from finetune.errors import FinetuneError
 from finetune.recipe.schema import Recipe, section_model
 from finetune.recipe.yamlio import DocumentError, load_yaml, read_text
@@ -201,8 +202,23 @@ def _rebase_paths(data: dict, base: Path) -> None:
         value = block.get(key)
         if not isinstance(value, str) or not value or Path(value).is_absolute():
             continue
-        if value.startswith(("./", "../")) or _exists(base / value) or key == "hostfile":
+        # A data file name (data.jsonl) is local even when missing: rebased, its error names the recipe's
+        # folder, not the directory the command ran in.
+        data_file = key == "path" and Path(value).suffix in DATA_SUFFIXES
+        if value.startswith(("./", "../")) or _exists(base / value) or key == "hostfile" or data_file:
             block[key] = _rebased(base, value)
+    _rebase_reward_files(data, base)
+
+
+def _rebase_reward_files(data: dict, base: Path) -> None:
+    """grpo.rewards[].function `file.py:function`: the file is relative to the recipe, like data paths."""
+    grpo = data.get("grpo")
+    for item in (grpo.get("rewards") if isinstance(grpo, dict) else None) or []:
+        value = item.get("function") if isinstance(item, dict) else None
+        if isinstance(value, str) and ".py:" in value:
+            file, _, function = value.rpartition(":")
+            if not Path(file).is_absolute():
+                item["function"] = f"{_rebased(base, file)}:{function}"
 
 
 def _exists(path: Path) -> bool:

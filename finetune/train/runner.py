@@ -326,7 +326,12 @@ def run(run_dir: Path, resume: bool = False) -> None:
         (train_set, eval_set), collator = preference.split_rows(recipe), None
 
     # 4. The model, built partitioned under ZeRO-3, then LoRA and gradient checkpointing.
-    model = load_model(recipe, model_path)
+    if recipe.objective == "reward":  # a one-score head on the base model (TRL's RewardTrainer)
+        from finetune.train.grpo import load_reward_model
+
+        model = load_reward_model(recipe, model_path, tokenizer.pad_token_id)
+    else:
+        model = load_model(recipe, model_path)
     check_packing_support(model, recipe)
     # No KV cache while training: it is for generation, and with one transformers skips the packed-
     # sequence mask (masking_utils). Restored before saving, so model/ generates with a cache.
@@ -350,8 +355,14 @@ def run(run_dir: Path, resume: bool = False) -> None:
         trainer = Trainer(model=model, args=training_args, train_dataset=train_set, eval_dataset=eval_set,
                           data_collator=collator, processing_class=tokenizer, callbacks=callbacks)
     else:
+        if recipe.objective == "grpo":  # a few completions and their rewards, for report.html
+            from finetune.train.grpo import completion_samples
+
+            callbacks.append(completion_samples(run_dir, training_args.max_steps))
         trainer = preference.make_trainer(recipe, model, ref_model, peft_config, training_args, train_set, eval_set,
                                           tokenizer, callbacks)
+        if recipe.objective == "grpo":
+            callbacks[-1].trainer = trainer
     trainable, total = count_parameters(trainer.model)
     _log_main(is_main)(f"parameters: {trainable:,} trainable of {total:,} ({recipe.method})")
     if os.environ.get("TQDM_DISABLE"):  # output relayed line by line (see finetune.run.launch.supervision): plain progress lines
@@ -414,6 +425,9 @@ def _log_main(is_main: bool):
 
 def _quiet_libraries() -> None:
     """Rank 0 keeps transformers' warnings; the others only report errors (N copies help nobody)."""
+    from finetune import quiet
+
+    quiet.install()
     rank = process_rank()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # Deprecations raised by one library calling another, once per step and rank; nothing to act on here.
@@ -423,6 +437,8 @@ def _quiet_libraries() -> None:
                             category=FutureWarning)
     warnings.filterwarnings("ignore", message=r".*(is_gradient_checkpointing|gradient_checkpointing_(en|dis)able). is deprecated",
                             category=FutureWarning)  # TRL toggles checkpointing around each reference forward
+    # accelerate on a CPU: "OMP_NUM_THREADS/MKL_NUM_THREADS unset, we set it at N" (it picks cores / ranks itself).
+    warnings.filterwarnings("ignore", message=r"OMP_NUM_THREADS/MKL_NUM_THREADS unset", category=UserWarning)
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     if rank != 0:
         import datasets

@@ -51,8 +51,10 @@ class Source:
 def resolve_source(path: Optional[Path], base: Optional[str] = None, adapter: Optional[Path] = None,
                    fmt: Optional[str] = None) -> Source:
     """A run directory, a merged/full model directory, or --base + --adapter (which override the run's)."""
+    if fmt == "sharegpt":  # trained through the chat template, like messages (finetune.data.formats)
+        fmt = "messages"
     if fmt is not None and fmt not in FORMATS:
-        raise ChatError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
+        raise ChatError(f"--format must be one of {', '.join(FORMATS)} or sharegpt, got {fmt!r}")
     if path is None:
         if base is None:
             raise ChatError("give a run directory, a model directory, or --base (with --adapter for a LoRA adapter)")
@@ -80,10 +82,10 @@ def resolve_source(path: Optional[Path], base: Optional[str] = None, adapter: Op
 def _chat_format(recipe) -> str:
     """How to prompt a model trained on `recipe`'s data: the chat template when any source was a
     conversation (sharegpt trains through it too), else the format of its sources."""
-    if recipe.objective != "sft":  # TRL renders message rows with the chat template (text rows: --format text)
+    if recipe.objective not in ("sft", "grpo"):  # TRL renders message rows with the chat template (text rows: --format text)
         return "messages"
-    formats = recipe.data.source_formats()
-    return "messages" if any(f in ("messages", "sharegpt") for f in formats) else formats[0]
+    formats = recipe.data.source_formats()  # grpo: prompts read from these formats (a `prompt` column: messages)
+    return "messages" if any(f in ("messages", "sharegpt", "prompt") for f in formats) else formats[0]
 
 
 def _run_source(run_dir: Path, base: Optional[str], adapter: Optional[Path]) -> Source:
