@@ -56,6 +56,11 @@ def training_arguments(args_kwargs: dict[str, Any], world_size: int) -> dict[str
     config = parallelism_config(spec, world_size)
     if config is not None:
         out["parallelism_config"] = config
+        import warnings
+
+        # transformers' Ulysses loss (deepspeed_sp_compute_loss) warns on every step and rank; nothing to act on
+        warnings.filterwarnings("ignore", message=r"torch\.distributed\.nn\.functional\.all_gather is deprecated",
+                                category=FutureWarning)
     return out
 
 

@@ -285,14 +285,12 @@ def run(run_dir: Path, resume: bool = False) -> None:
     # Checkpoints that are published only when complete, resume, SIGTERM -> checkpoint (preemption.py).
     resilience = preemption.setup(run_dir, recipe, ds_config, args_kwargs, resume)
     ds_config, args_kwargs = resilience.ds_config, resilience.args_kwargs
-    # A checkpoint of another process count: DeepSpeed's universal checkpoint (finetune.train.universal)
-    ds_config = universal.prepare_resume(resilience.checkpoint, ds_config, process_world_size(),
+    ds_config = universal.prepare_resume(resilience.checkpoint, ds_config, process_world_size(),  # another count?
                                          universal.converts_here(ds_config), _log_main(process_rank() == 0))
     args_kwargs = {**args_kwargs, "output_dir": str(run_dir), "deepspeed": ds_config,
                    "include_num_input_tokens_seen": "non_padding"}
     args_kwargs = training_arguments_kwargs(args_kwargs, {f.name for f in dataclasses.fields(TrainingArguments)})
-    # Ulysses SP: accelerate's ParallelismConfig, built from its JSON (finetune.train.parallel)
-    args_kwargs = parallel.training_arguments(args_kwargs, process_world_size())
+    args_kwargs = parallel.training_arguments(args_kwargs, process_world_size())  # Ulysses: a ParallelismConfig
     args_kwargs = parallel.without_offload_on_cpu(args_kwargs, _log_main(process_rank() == 0))
     if on_cpu:
         args_kwargs["use_cpu"] = True
@@ -432,9 +430,6 @@ def _quiet_libraries() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # Deprecations raised by one library calling another, once per step and rank; nothing to act on here.
     warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
-    # transformers' Ulysses loss (deepspeed_sp_compute_loss), every step on every rank
-    warnings.filterwarnings("ignore", message=r"torch\.distributed\.nn\.functional\.all_gather is deprecated",
-                            category=FutureWarning)
     warnings.filterwarnings("ignore", message=r".*(is_gradient_checkpointing|gradient_checkpointing_(en|dis)able). is deprecated",
                             category=FutureWarning)  # TRL toggles checkpointing around each reference forward
     # accelerate on a CPU: "OMP_NUM_THREADS/MKL_NUM_THREADS unset, we set it at N" (it picks cores / ranks itself).
