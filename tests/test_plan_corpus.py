@@ -14,7 +14,7 @@ import pytest
 
 from finetune.plan.archs import BY_NAME, arch_from_config
 from finetune.plan import GiB, MiB, Setup, plan, plan_recipe
-from finetune.plan.activations import logits_bytes
+from finetune.plan.loss import loss_working_set
 from finetune.plan.constants import CUBLAS_WORKSPACE, CUDA_CONTEXT
 from finetune.plan.planner import is_hopper, nccl_buffer_bytes
 from finetune.recipe import load_recipe
@@ -278,7 +278,7 @@ def test_a_16bit_loss_keeps_half_the_bytes_of_an_autocast_one():
     assert saved == {"bfloat16": 2, "float32": 4}
     arch = BY_NAME["llama-3-8b"]
     base = Setup(arch=arch, params=arch.total_params, method="lora", deepspeed=False, seq_len=1024)
-    got = {dtype: logits_bytes(replace(base, loss_dtype=dtype)) for dtype in ("float32", "bfloat16")}
+    got = {dtype: loss_working_set(replace(base, loss_dtype=dtype))[0] for dtype in ("float32", "bfloat16")}
     assert got["float32"] == 1024 * arch.vocab * 3 * saved["float32"]
     assert got["bfloat16"] == 1024 * arch.vocab * 3 * saved["bfloat16"]
 

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import math
-
 from finetune.plan.archs import LAYER_LINEARS
-from finetune.plan.preference import FUSED_LOGPROB_OBJECTIVES, fused_logprob_bytes, fused_logprob_note
+from finetune.plan.loss import loss_working_set
 from finetune.plan.setup import Setup, Term
 
 
@@ -40,14 +38,14 @@ def activation_terms(setup: Setup) -> list[Term]:
     if mask:
         terms.append(Term("activations", "attention mask", mask, phase="backward",
                           note=f"4D mask, {'1 x (batch x seq)^2, padding_free bound' if flattened(setup) else 'batch x seq^2'}"))
-    logits = logits_bytes(setup)
+    logits, logits_note = loss_working_set(setup)
     # Backward's own peak comes after the loss buffers are freed (they do not coexist), so only the
     # part above them raises the total.
     extra = max(0, backward_working_bytes(setup, per_layer) - logits)
     what = "layer recompute + gradients" if setup.gradient_checkpointing else "backward temporaries"
     terms.append(Term("activations", what, extra, phase="backward",
                       note="beyond the loss buffers" if extra else "smaller than the loss buffers"))
-    terms.append(Term("logits", "loss working set", logits, phase="backward", note=logits_note(setup)))
+    terms.append(Term("logits", "loss working set", logits, phase="backward", note=logits_note))
     return terms
 
 
@@ -168,73 +166,3 @@ def attention_mask_bytes(setup: Setup) -> int:
     per = setup.element_bytes if setup.attn == "eager" else 1
     rows = 1 if flattened(setup) else setup.micro_batch
     return rows * attention_row(setup) ** 2 * per
-
-
-def loss_element_bytes(setup: Setup) -> int:
-    """Bytes of one log-prob in the cross-entropy: 4 when it runs in fp32 (transformers' upcast, or
-    autocast), 2 when a model's own loss runs on 16-bit logits without autocast (Setup.loss_dtype)."""
-    return 4 if setup.loss_dtype == "float32" else 2
-
-
-def logits_bytes(setup: Setup) -> int:
-    """The loss: transformers' ForCausalLMLoss upcasts the logits to fp32 and cross_entropy keeps the
-    fp32 log-softmax for backward; at the start of backward the log-probs, nll_loss's gradient and
-    log_softmax's gradient are alive together: 3 x 4 bytes per vocabulary entry and token (the
-    16-bit logits and the fp32 copy of the forward, 6-10 bytes, are gone by then). A 16-bit loss
-    (loss_dtype) keeps the same three tensors at 2 bytes each."""
-    arch = setup.arch
-    assert arch is not None
-    tokens = setup.micro_batch * setup.seq_len
-    if setup.objective in FUSED_LOGPROB_OBJECTIVES:
-        return fused_logprob_bytes(setup)
-    if setup.loss_kernel == "liger":
-        return liger_logits_bytes(setup)
-    if setup.loss_kernel == "chunked":
-        tokens = _loss_chunk(setup)
-    per = 3 * loss_element_bytes(setup) + (2 * setup.element_bytes if arch.logit_softcap else 0)  # Gemma 2: tanh
-    return tokens * arch.vocab * per
-
-
-def _loss_chunk(setup: Setup) -> int:
-    """Tokens whose logits exist at once with loss_kernel: chunked (finetune/train/loss.py)."""
-    from finetune.train.loss import chunk_count
-
-    tokens = setup.micro_batch * setup.seq_len
-    assert setup.arch is not None
-    return math.ceil(tokens / chunk_count(tokens, setup.arch.vocab, setup.loss_chunk_tokens))
-
-
-def _liger_chunk(setup: Setup) -> int:
-    """Liger's fused_linear_cross_entropy_forward: chunk = next_pow2(ceil(BT / ceil(V / H))), at most BT,
-    so one chunk's logits are about as large as the hidden states."""
-    arch = setup.arch
-    assert arch is not None
-    tokens = setup.micro_batch * setup.seq_len
-    per_chunk = math.ceil(tokens / math.ceil(arch.vocab / arch.hidden))
-    return min(tokens, 1 << (per_chunk - 1).bit_length())
-
-
-def liger_logits_bytes(setup: Setup) -> int:
-    """Liger computes each chunk's logits in the model dtype and overwrites them with their gradient
-    in place; beside them it keeps the input's gradient (BT x H, model dtype) and a fp32 loss per token."""
-    arch = setup.arch
-    assert arch is not None
-    tokens = setup.micro_batch * setup.seq_len
-    e = setup.element_bytes
-    return _liger_chunk(setup) * arch.vocab * e + tokens * (arch.hidden * e + 4)
-
-
-def logits_note(setup: Setup) -> str:
-    arch = setup.arch
-    assert arch is not None
-    tokens = setup.micro_batch * setup.seq_len
-    if setup.objective in FUSED_LOGPROB_OBJECTIVES:
-        return fused_logprob_note(setup)
-    if setup.loss_kernel == "liger":
-        return (f"liger: {_liger_chunk(setup):,}-token chunk x vocab {arch.vocab:,} x {setup.element_bytes} B "
-                f"+ input gradient")
-    if setup.loss_kernel == "chunked":
-        return (f"chunked: {_loss_chunk(setup):,} of {tokens:,} tokens x vocab {arch.vocab:,} x "
-                f"{3 * loss_element_bytes(setup)} B")
-    return (f"{tokens:,} tokens x vocab {arch.vocab:,} x {3 * loss_element_bytes(setup)} B "
-            f"({setup.loss_dtype} log-probs + 2 grads)")

@@ -32,22 +32,6 @@ def rows_per_example(objective: str) -> int:
     return 2 if objective in TWO_ROW_OBJECTIVES else 1
 
 
-def fused_logprob_bytes(setup: Setup) -> int:
-    """TRL's fused LM head: one fp32 tile of logits in forward and one in backward, plus the fp32 gradient
-    of the hidden states it accumulates per token."""
-    assert setup.arch is not None
-    tokens = setup.micro_batch * setup.seq_len
-    tile = min(tokens, TOKEN_TILE) * min(setup.arch.vocab, VOCAB_TILE) * 4
-    return 2 * tile + tokens * setup.arch.hidden * 4
-
-
-def fused_logprob_note(setup: Setup) -> str:
-    assert setup.arch is not None
-    tokens = setup.micro_batch * setup.seq_len
-    return (f"TRL fused log-probs: 2 x {min(tokens, TOKEN_TILE):,} tokens x {min(setup.arch.vocab, VOCAB_TILE):,} "
-            f"vocab x 4 B tiles + fp32 hidden gradient")
-
-
 def reference_terms(setup: Setup, trainable: int) -> list[Term]:
     """The reference's weights per GPU: a frozen model (reference.mode: model), or TRL's frozen `ref` copy of
     a continued adapter (model.adapter with adapter_disabled); nothing when the adapter is just switched off."""
