@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from finetune.plan.constants import BNB_BLOCKSIZE, MiB
+from finetune.plan.constants import BNB_BLOCKSIZE, GiB, MiB
 from finetune.plan.setup import PlanError, Setup
 
 KINDS = ("weights", "optimizer", "gradients", "activations", "logits", "temporaries")
@@ -55,17 +55,19 @@ class TraceResult:
                 "seconds": round(self.seconds, 2), "notes": self.notes}
 
     def render_text(self) -> str:
-        from finetune.plan.result import gib
-
         lines = [f"trace    one training step of transformers' model code on fake tensors ({self.seconds:.1f} s)",
-                 f"  peak {gib(self.peak)} GiB in {self.phase}, inside {self.module or 'the model'}; live then:"]
+                 f"  peak {_size(self.peak)} in {self.phase}, inside {self.module or 'the model'}; live then:"]
         for kind in KINDS:
-            lines.append(f"    {kind:<34}{gib(self.by_kind.get(kind, 0)):>7}")
+            lines.append(f"    {kind:<34}{_size(self.by_kind.get(kind, 0)):>12}")
         for name, size, source in self.cuda_only:
-            lines.append(f"    {name:<34}{gib(size):>7}  CUDA only: {source}")
-        lines.append("  phase peaks: " + ", ".join(f"{p} {gib(b)} GiB" for p, b in self.phase_peaks.items()))
+            lines.append(f"    {name:<34}{_size(size):>12}  CUDA only: {source}")
+        lines.append("  phase peaks: " + ", ".join(f"{p} {_size(b)}" for p, b in self.phase_peaks.items()))
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines) + "\n"
+
+
+def _size(value: int) -> str:
+    return f"{value / GiB:.2f} GiB" if value >= GiB else f"{value / MiB:.1f} MiB"
 
 
 def hf_config(setup: Setup, config: Optional[dict] = None) -> dict:
@@ -89,6 +91,27 @@ def hf_config(setup: Setup, config: Optional[dict] = None) -> dict:
     if not arch.logit_softcap and arch.model_type == "gemma2":
         out["final_logit_softcapping"] = None
     return out
+
+
+def config_of(name_or_path: str) -> Optional[dict]:
+    """The config.json dict of a model reference when there is one here (a `builtin:` model or a local
+    directory / file), else None (the planner's table shapes are used)."""
+    import json
+    from pathlib import Path
+
+    from finetune.builtin import builtin_config, is_builtin
+
+    if is_builtin(name_or_path):
+        return {"model_type": "llama", **builtin_config(name_or_path)}
+    path = Path(name_or_path).expanduser()
+    file = path / "config.json" if path.is_dir() else path
+    if file.is_file():
+        try:
+            data = json.loads(file.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None
+        return data if isinstance(data, dict) else None
+    return None
 
 
 def _torch_dtype(name: str):
@@ -142,8 +165,8 @@ def _four_bit_linears(model, setup: Setup) -> None:
 
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
-            if type(child) is torch.nn.Linear and "lm_head" not in f"{name}.{child_name}" \
-                    and ".layers." in f".{name}.":
+            path = f"{name}.{child_name}"
+            if type(child) is torch.nn.Linear and ".layers." in f".{path}" and "lora_" not in path:
                 setattr(module, child_name, FourBitLinear.from_linear(child, setup.double_quant))
 
 
