@@ -38,7 +38,7 @@ def _real_step(setup: Setup):
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.02)
-    with T.data_decisions(setup):
+    with T.data_decisions(setup), T.cuda_paths():
         batch = T.make_batch(setup, TINY["vocab_size"])
         optimizer = T.make_optimizer(model)
         T.run_step(model, optimizer, batch)

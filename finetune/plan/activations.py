@@ -5,6 +5,7 @@ from __future__ import annotations
 from finetune.plan.archs import LAYER_LINEARS
 from finetune.plan.loss import loss_working_set
 from finetune.plan.setup import Setup, Term
+from finetune.plan.states import trainable_weight_bytes
 
 
 def activation_terms(setup: Setup) -> list[Term]:
@@ -58,8 +59,11 @@ def layer_activation_bytes(setup: Setup) -> int:
       (for the norm weight's gradient);
     - a linear layer saves its input only when its weight is trained or it carries LoRA (frozen
       weights need no input for the input gradient); q/k/v share one input, as do gate/up;
-      LoRA dropout > 0 makes a private dropped-out copy per target (e) and a bool mask (1);
-    - each LoRA adapter saves lora_A's output (e x r);
+      LoRA dropout > 0 makes a private dropped-out copy per target (a, the adapter's element size: 4
+      without DeepSpeed, where peft keeps adapters in fp32, else e) and a bool mask (1); without dropout,
+      fp32 adapters still get a private fp32 copy per target (peft's _cast_input_dtype; found by the
+      trace, finetune/plan/trace.py);
+    - each LoRA adapter saves lora_A's output (a x r);
     - attention: eager saves q, k and v repeated to all heads, the fp32 softmax and its 16-bit copy
       (row x heads per token, row = seq, or micro_batch x seq when flattened: the seq^2 term); sdpa/flash
       save q, k, v, the output and an fp32 log-sum-exp per head, and sdpa with a mask (padded or packed
@@ -76,6 +80,9 @@ def layer_activation_bytes(setup: Setup) -> int:
     targets = set(setup.lora_targets) if not full else set()
     dropout = not full and setup.lora_dropout > 0
 
+    # The adapters' dtype: fp32 without DeepSpeed (peft's autocast_adapter_dtype), else the model's.
+    a = trainable_weight_bytes(setup) if not full else e
+
     def linear_inputs(names: tuple[str, ...], width: int, shared_with_output: bool = False) -> int:
         if full:
             return 0 if shared_with_output else e * width
@@ -83,7 +90,11 @@ def layer_activation_bytes(setup: Setup) -> int:
         if not hit:
             return 0
         if dropout:
-            return len(hit) * (e + 1) * width
+            return len(hit) * (a + 1) * width
+        if a != e:
+            # peft's lora.Linear.forward casts the input to the adapter's dtype for each adapter
+            # (_cast_input_dtype), and lora_A keeps that private copy for its weight gradient.
+            return len(hit) * a * width
         return 0 if shared_with_output else e * width
 
     per_token = arch.norms_per_layer * (4 * h + 4 + (e * h if full else 0))
@@ -93,7 +104,7 @@ def layer_activation_bytes(setup: Setup) -> int:
     per_token += linear_inputs(("o_proj",), arch.q_dim, shared_with_output=fused_attention)
     per_token += linear_inputs(("gate_proj", "up_proj"), h)
     per_token += linear_inputs(("down_proj",), inter)
-    per_token += e * setup.lora_r * sum(1 for n in LAYER_LINEARS if n in targets)
+    per_token += a * setup.lora_r * sum(1 for n in LAYER_LINEARS if n in targets)  # lora_A's output
     if fused_attention:
         # sdpa shares key/value heads (enable_gqa) only without a mask (sdpa_attention.use_gqa_in_sdpa).
         kv = arch.q_dim if (setup.attn == "sdpa" and attention_mask_bytes(setup)) else arch.kv_dim

@@ -299,6 +299,29 @@ def data_decisions(setup: Setup):
         masking_utils.find_packed_sequence_indices = original
 
 
+@contextlib.contextmanager
+def cuda_paths():
+    """Where an op decomposes differently on CPU than on CUDA, the CUDA path. aten/src/ATen/native/
+    Dropout.cpp: dropout takes the fused native_dropout (a bool mask) only for CUDA/XPU inputs
+    (is_fused_kernel_acceptable); on the CPU it multiplies by an fp32 noise tensor, 4 bytes per element
+    kept for backward instead of 1."""
+    import torch
+    import torch.nn.functional as F
+
+    original = F.dropout
+
+    def dropout(input, p=0.5, training=True, inplace=False):
+        if training and 0 < p < 1 and input.numel():
+            return torch.native_dropout(input, p, True)[0]
+        return original(input, p, training, inplace)
+
+    F.dropout = dropout
+    try:
+        yield
+    finally:
+        F.dropout = original
+
+
 def make_optimizer(model):
     import torch
 
@@ -342,7 +365,7 @@ def _trace_depth(setup: Setup, cfg: dict):
     model = build_model(setup, cfg)
     mode = FakeTensorMode(allow_non_fake_inputs=False)
     fake_parameters(model, mode)
-    with mode, data_decisions(setup):
+    with mode, data_decisions(setup), cuda_paths():
         batch = make_batch(setup, cfg["vocab_size"])
         optimizer = make_optimizer(model)
         run_step(model, optimizer, batch)  # creates the optimizer's states

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from finetune.plan.constants import TRAINING_ALLOC_CONF
 from finetune.recipe import Recipe
 
 RUNNER_MODULE = "finetune.train.runner"
@@ -43,7 +44,7 @@ DEEPSPEED_ENV_FILE = "deepspeed.env"
 # Never tokens: the file sits in the run directory, readable by the team; put HF_TOKEN in ~/.deepspeed_env.
 PROPAGATED_ENV = ("TQDM_DISABLE", "DS_ACCELERATOR", "FINETUNE_CACHE", "HF_HOME", "HF_HUB_CACHE", "HF_HUB_OFFLINE",
                   "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE", "TOKENIZERS_PARALLELISM", "OMP_NUM_THREADS",
-                  "CUDA_DEVICE_ORDER", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT")
+                  "CUDA_DEVICE_ORDER", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "PYTORCH_CUDA_ALLOC_CONF")
 
 
 class HostfileError(Exception):
@@ -135,6 +136,9 @@ def plan_launch(recipe: Recipe, run_dir: Path, gpu_count: int, module: str = RUN
         # redrawn progress bar turns into a new line per redraw; the loss lines are printed anyway.
         env["TQDM_DISABLE"] = "1"
     device = "cuda" if gpu_count > 0 else "cpu"
+    if device == "cuda" and "PYTORCH_CUDA_ALLOC_CONF" not in environ:
+        # Less cache held beyond what is allocated (finetune/plan/allocator.py); a user's setting wins.
+        env["PYTORCH_CUDA_ALLOC_CONF"] = TRAINING_ALLOC_CONF
     if device == "cpu" and "DS_ACCELERATOR" not in environ:
         env["DS_ACCELERATOR"] = "cpu"  # skip DeepSpeed's accelerator probing (and its warning)
     hosts = None
