@@ -130,3 +130,44 @@ def test_trace_refuses_what_it_does_not_run():
         trace(replace(_tiny(), objective="dpo"), TINY)
     with pytest.raises(PlanError, match="parameter count"):
         trace(Setup(arch=None, params=10**9), None)
+
+
+# What the analytic planner (finetune/plan/activations.py, states.py) gives against the trace of the same
+# step: LoRA and QLoRA, short and long rows, checkpointing on and off, each attention kernel, padded and
+# full rows. The trace is one GPU without DeepSpeed (its model states are checked against DeepSpeed's own
+# estimators and allocations in tests/test_plan.py).
+GRID = [
+    dict(method="lora", seq_len=256, gradient_checkpointing=True, attn="sdpa"),
+    dict(method="lora", seq_len=4096, gradient_checkpointing=True, attn="flash_attention_2", full_rows=True),
+    dict(method="qlora", seq_len=256, gradient_checkpointing=True, attn="sdpa"),
+    dict(method="qlora", seq_len=4096, gradient_checkpointing=True, attn="flash_attention_2", full_rows=True),
+    dict(method="lora", seq_len=512, micro_batch=2, gradient_checkpointing=False, attn="sdpa", lora_dropout=0.05),
+    dict(method="lora", seq_len=512, gradient_checkpointing=False, attn="eager", full_rows=True),
+    dict(method="qlora", seq_len=1024, micro_batch=2, gradient_checkpointing=False, attn="sdpa", full_rows=True),
+]
+
+
+def _analytic_against_trace(model: str, settings: dict) -> float:
+    from finetune.plan.trace import trace
+
+    arch = BY_NAME[model]
+    setup = Setup(arch=arch, params=arch.total_params, deepspeed=False, **settings)
+    traced = trace(setup)
+    return plan(setup).memory_views["allocated"] / traced.peak - 1
+
+
+@pytest.mark.parametrize("settings", GRID, ids=lambda s: "-".join(str(v) for v in s.values()))
+def test_analytic_plan_is_within_3_percent_of_the_trace(settings):
+    assert abs(_analytic_against_trace("qwen2.5-0.5b", settings)) <= 0.03
+
+
+def test_full_fine_tuning_is_within_3_percent_of_the_trace_at_2048_tokens():
+    assert abs(_analytic_against_trace("qwen2.5-0.5b", dict(method="full", seq_len=2048, attn="sdpa"))) <= 0.03
+
+
+@pytest.mark.xfail(strict=True, reason="at 256 tokens a full fine-tune peaks at backward's end: every gradient plus "
+                                       "the tied embedding's three vocab x hidden gradients (lm_head's, "
+                                       "embedding_dense_backward's and their sum), which the analytic plan leaves "
+                                       "out: -12% on Qwen2.5-0.5B (docs/plan.md, 'The trace')")
+def test_full_fine_tuning_is_within_3_percent_of_the_trace_at_256_tokens():
+    assert abs(_analytic_against_trace("qwen2.5-0.5b", dict(method="full", seq_len=256, attn="sdpa"))) <= 0.03

@@ -116,7 +116,11 @@ def gradient_and_optimizer_terms(setup: Setup, groups: list[ParamGroup], trainab
         # 16-bit modules_to_save copies and full fine-tunes).
         stored = _trainable_bytes_total(setup, groups)
         state_total = stored * states // 4 if setup.optimizer != "adamw_bnb_8bit" else trainable * 2
-        out = [Term("gradients", "gradients", stored, note="same dtype as the trainable weights"),
+        # The Trainer's zero_grad (set_to_none) frees them after each step: they are made by backward and
+        # live into the step, but not at the start of backward where the loss buffers peak (the trace,
+        # finetune/plan/trace.py, shows no gradient there).
+        out = [Term("gradients", "gradients", stored, phase="step",
+                    note="same dtype as the trainable weights; freed by zero_grad, not alive with the loss"),
                Term("optimizer", opt_name, state_total, note="torch optimizer, parameter dtype")]
         temporaries = foreach_adam_temporaries(setup)
         if temporaries:
