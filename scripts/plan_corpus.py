@@ -28,6 +28,7 @@ sys.path.insert(0, str(REPO))
 
 from finetune.plan.archs import BY_NAME, LAYER_LINEARS, arch_from_config  # noqa: E402
 from finetune.plan import GiB, PlanResult, Setup, plan  # noqa: E402
+from finetune.plan.constants import BOUND_QUANTILE, BOUND_WIDTH  # noqa: E402
 
 CORPUS = REPO / "tests" / "data" / "plan_corpus.json"
 
@@ -142,6 +143,51 @@ def summaries(rows: list[dict]) -> dict[str, dict]:
     return out
 
 
+def ratios(rows: list[dict]) -> list[float]:
+    """measured / predicted per planned case: how far above the point estimate the measurement was."""
+    return [r["measured_gib"] / r["predicted_gib"] for r in rows if r["error"] is not None]
+
+
+def bound_width(rows: list[dict], quantile: float = BOUND_QUANTILE) -> float:
+    """The bound's width: the `quantile` of measured / predicted - 1 over `rows` (inclusive method), at
+    least 0. One width for every counter and setup: the corpus has too few sources per class to
+    validate a width per class by leaving a source out."""
+    values = ratios(rows)
+    if len(values) < 2:
+        return 0.0
+    cuts = statistics.quantiles(values, n=1000, method="inclusive")
+    return max(0.0, cuts[round(quantile * 1000) - 1] - 1)
+
+
+def leave_one_source_out(rows: list[dict]) -> dict[str, Any]:
+    """Each source's cases bounded with the width the other sources give: how often the bound is at or
+    above the measurement, and how far above it is (bound / measured - 1)."""
+    covered, widths, per_source = 0, [], {}
+    planned = [r for r in rows if r["error"] is not None]
+    for source in sorted({r["source"] for r in planned}):
+        mine = [r for r in planned if r["source"] == source]
+        width = bound_width([r for r in planned if r["source"] != source])
+        hits = sum(1 for r in mine if r["predicted_gib"] * (1 + width) >= r["measured_gib"])
+        covered += hits
+        widths += [r["predicted_gib"] * (1 + width) / r["measured_gib"] - 1 for r in mine]
+        per_source[source] = {"width": width, "covered": hits, "cases": len(mine)}
+    return {"coverage": covered / len(planned), "median_over": statistics.median(widths), "sources": per_source}
+
+
+# Issue 21's targets for the corpus.
+TARGETS = {"median_abs_error": 0.06, "mean_error": 0.03, "coverage": 0.95, "median_over": 0.20}
+
+
+def targets(rows: list[dict]) -> dict[str, tuple[float, bool]]:
+    s, loso = summary(rows), leave_one_source_out(rows)
+    return {
+        "point estimate median |error| <= 6%": (s["median_abs_error"], s["median_abs_error"] <= TARGETS["median_abs_error"]),
+        "point estimate mean error within +-3%": (s["mean_error"], abs(s["mean_error"]) <= TARGETS["mean_error"]),
+        "bound >= measured in >= 95% of cases (leave-one-source-out)": (loso["coverage"], loso["coverage"] >= TARGETS["coverage"]),
+        "bound <= 20% above measured at the median (leave-one-source-out)": (loso["median_over"], loso["median_over"] <= TARGETS["median_over"]),
+    }
+
+
 def _fmt_summary(name: str, s: dict) -> str:
     if not s.get("cases"):
         return f"{name:<28} no cases"
@@ -166,7 +212,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     rows = evaluate(corpus, args.unspecified_as)
     sums = summaries(rows)
     if args.json:
-        print(json.dumps({"rows": rows, "summaries": sums}, indent=1))
+        print(json.dumps({"rows": rows, "summaries": sums, "bound": leave_one_source_out(rows),
+                          "bound_width": bound_width(rows)}, indent=1))
         return 0
     if not args.summary:
         print(f"{'case':<24}{'model':<19}{'measure':<12}{'measured':>9}{'planned':>9}{'error':>8}  row")
@@ -181,6 +228,15 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(_fmt_summary(name, s))
         if args.quantiles and s.get("cases"):
             print(f"{'':<28} quantiles " + "  ".join(f"{k} {v:+.1%}" for k, v in s["quantiles"].items()))
+    width = bound_width(rows)
+    print(f"\nupper bound: point estimate x (1 + {width:.1%}), the {BOUND_QUANTILE:.0%} quantile of measured / planned "
+          f"on the whole corpus (finetune/plan/constants.py BOUND_WIDTH = {BOUND_WIDTH:.3f})")
+    for source, v in leave_one_source_out(rows)["sources"].items():
+        print(f"  without {source:<24} width {v['width']:6.1%}  covers {v['covered']:>3} of {v['cases']:>3}")
+    print("issue 21 targets:")
+    for what, (value, met) in targets(rows).items():
+        print(f"  {'met    ' if met else 'NOT met'}  {what}: {value:+.1%}" if "mean" in what else
+              f"  {'met    ' if met else 'NOT met'}  {what}: {value:.1%}")
     return 0
 
 
