@@ -5,6 +5,7 @@ print predicted against measured, case by case, with the error distribution.
     python scripts/plan_corpus.py --summary       # the summaries only
     python scripts/plan_corpus.py --summary --quantiles   # with each part's error distribution
     python scripts/plan_corpus.py --json          # machine-readable (used by tests/test_plan_corpus.py)
+    python scripts/plan_corpus.py --trace         # the analytic plan against `finetune plan --trace`, per case
 
 error = (predicted - measured) / measured, per GPU, against the counter the source reports
 (`sources.*.measure`): max_memory_allocated -> the planner's allocated peak; max_memory_reserved and
@@ -188,6 +189,30 @@ def targets(rows: list[dict]) -> dict[str, tuple[float, bool]]:
     }
 
 
+def trace_rows(corpus: dict) -> list[dict]:
+    """The cases a trace can run (one GPU without DeepSpeed, dense): the analytic plan's allocated peak
+    against the trace's (finetune/plan/trace.py), and the measurement against the trace. Qwen v1's remote
+    code is not in transformers: its cases are traced as Qwen2 with the same shapes (q/k/v biases, gated
+    MLP), which is its layer structure, not its code."""
+    from finetune.plan.trace import trace
+
+    rows = []
+    for case in corpus["cases"]:
+        setup = setup_of(corpus, case)
+        if setup.deepspeed or is_moe(corpus, case) or setup.quant_format != "bnb-nf4":
+            continue
+        if setup.arch.model_type == "qwen":
+            setup = replace(setup, arch=replace(setup.arch, model_type="qwen2"))
+        traced = trace(setup).peak
+        analytic = plan(setup).memory_views["allocated"]
+        rows.append({"id": case["id"], "trace_gib": traced / GiB, "analytic_gib": analytic / GiB,
+                     "measured_gib": case["measured_gib"], "analytic_vs_trace": analytic / traced - 1,
+                     "measured_vs_trace": case["measured_gib"] * GiB / traced - 1})
+        print(f"{case['id']:<24}{traced / GiB:9.2f}{analytic / GiB:9.2f}{case['measured_gib']:9.2f}"
+              f"{rows[-1]['analytic_vs_trace']:+8.1%}{rows[-1]['measured_vs_trace']:+8.1%}", flush=True)
+    return rows
+
+
 def _fmt_summary(name: str, s: dict) -> str:
     if not s.get("cases"):
         return f"{name:<28} no cases"
@@ -204,11 +229,21 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--quantiles", action="store_true",
                         help="after each summary, its signed error quantiles (min, 5%%, 25%%, 50%%, 75%%, 95%%, max)")
     parser.add_argument("--corpus", type=Path, default=CORPUS)
+    parser.add_argument("--trace", action="store_true",
+                        help="trace the cases a trace can run (needs torch, transformers, peft) and compare")
     parser.add_argument("--unspecified-as", choices=("allocated", "reserved", "nvidia_smi"), default="reserved",
                         help="compare sources that do not name their counter with this figure (a sensitivity "
                              "check; the corpus rule is reserved)")
     args = parser.parse_args(argv)
     corpus = load(args.corpus)
+    if args.trace:
+        print(f"{'case':<24}{'trace':>9}{'analytic':>9}{'measured':>9}{'an/tr':>8}{'me/tr':>8}  (GiB; allocated)")
+        traced = trace_rows(corpus)
+        print(f"{len(traced)} cases: analytic vs trace median "
+              f"{statistics.median(r['analytic_vs_trace'] for r in traced):+.1%}, worst "
+              f"{min(r['analytic_vs_trace'] for r in traced):+.1%} / {max(r['analytic_vs_trace'] for r in traced):+.1%}; "
+              f"measured vs trace median {statistics.median(r['measured_vs_trace'] for r in traced):+.1%}")
+        return 0
     rows = evaluate(corpus, args.unspecified_as)
     sums = summaries(rows)
     if args.json:
