@@ -12,6 +12,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, Optional
 
+from finetune.units import human_size
+
 # Inside every partial directory while it is written: who writes it, so that a later run can tell a
 # directory whose writer was killed (SIGKILL, power cut) from one that is still being written.
 OWNER_FILE = ".finetune-owner.json"
@@ -80,6 +82,30 @@ def atomic_dir(target: Path, overwrite: bool = False) -> Iterator[Path]:
         raise
 
 
+@contextmanager
+def publish_once(target: Path, complete: str, mode: Optional[int] = None) -> Iterator[Path]:
+    """Yield a temporary directory beside `target` to fill; on success it is renamed to `target`.
+
+    For caches whose every build is the same (a built-in model, tokenized data): when processes race,
+    the first rename wins and the others discard their copy, once `complete` (a file the finished
+    directory holds) shows the winner's copy is whole. Unlike atomic_dir, `target` is never replaced.
+    """
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent))
+    try:
+        if mode is not None:
+            os.chmod(tmp, mode)  # mkdtemp makes 0700
+        yield tmp
+        try:
+            os.rename(tmp, target)
+        except OSError:  # another process won the race (a non-empty `target`)
+            if not (target / complete).is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def remove_stale_partials(target: Path) -> list[str]:
     """Remove the partial directories beside `target` left by processes of this host that are gone.
 
@@ -95,7 +121,7 @@ def remove_stale_partials(target: Path) -> list[str]:
         size = sum(f.stat().st_size for f in partial.rglob("*") if f.is_file())
         shutil.rmtree(partial, ignore_errors=True)
         if not partial.exists():
-            removed.append(f"removed {partial} ({size / 1e6:.1f} MB), left by process {owner[0]} which is gone")
+            removed.append(f"removed {partial} ({human_size(size)}), left by process {owner[0]} which is gone")
     return removed
 
 

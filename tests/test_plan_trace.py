@@ -95,8 +95,8 @@ def test_extrapolated_depth_equals_the_full_trace():
 def test_7b_and_70b_trace_in_seconds(model, method, seq):
     from finetune.plan.trace import trace
 
-    import transformers  # noqa: F401  (imports are not the trace's time)
-    import peft  # noqa: F401
+    import peft  # noqa: F401  (imports are not the trace's time)
+    import transformers  # noqa: F401
 
     arch = BY_NAME[model]
     setup = Setup(arch=arch, params=arch.total_params, method=method, deepspeed=False, seq_len=seq)

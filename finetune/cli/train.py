@@ -50,7 +50,7 @@ def train(
         finished: runs/demo (adapter in runs/demo/adapter)
     """
     from finetune.rundir.checkpoint import EXIT_PREEMPTED
-    from finetune.run.launch import LaunchError, commands_per_node, tail_of
+    from finetune.run.launch import commands_per_node, tail_of
     from finetune.run.start import prepare, start_run
 
     usable_path("--output-dir", output_dir)
@@ -93,7 +93,7 @@ def train(
     typer.echo(f"launching {plan.world_size} process{'es' if plan.world_size != 1 else ''} ({plan.device}): {plan.display()}", err=True)
     try:
         outcome = _run_with_display(prepared, start_run)
-    except (LaunchError, FileExistsError) as exc:
+    except FileExistsError as exc:
         raise fail(str(exc)) from None
     except OSError as exc:
         raise fail(f"cannot write the run directory {prepared.run_dir}: {exc.strerror or exc}") from None

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Optional
 
+from finetune.errors import FinetuneError
+
 # Projections of one decoder layer, in forward order; LoRA `target_modules` names refer to these.
 LAYER_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -243,7 +245,7 @@ def match_hub_id(name: str) -> Optional[Arch]:
     return None
 
 
-class ArchError(ValueError):
+class ArchError(FinetuneError, ValueError):
     """A config.json the planner cannot read."""
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from typing import Callable
 
+from finetune.plan.chunks import chunk_count
 from finetune.plan.preference import FUSED_LOGPROB_OBJECTIVES, TOKEN_TILE, VOCAB_TILE
 from finetune.plan.setup import Setup
 
@@ -52,8 +53,6 @@ def default_loss(setup: Setup) -> Sized:
 
 def loss_chunk_tokens(setup: Setup) -> int:
     """Tokens whose logits exist at once with loss_kernel: chunked (finetune/train/loss.py)."""
-    from finetune.train.loss import chunk_count
-
     tokens = setup.micro_batch * setup.seq_len
     assert setup.arch is not None
     return math.ceil(tokens / chunk_count(tokens, setup.arch.vocab, setup.loss_chunk_tokens))

@@ -30,7 +30,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from finetune.plan.constants import BNB_BLOCKSIZE, GiB, MiB
+from finetune.plan.constants import BNB_BLOCKSIZE
+from finetune.units import GiB, MiB, gib_text
 from finetune.plan.setup import PlanError, Setup
 
 KINDS = ("weights", "optimizer", "gradients", "activations", "logits", "temporaries")
@@ -67,7 +68,7 @@ class TraceResult:
 
 
 def _size(value: int) -> str:
-    return f"{value / GiB:.2f} GiB" if value >= GiB else f"{value / MiB:.1f} MiB"
+    return gib_text(value) if value >= GiB else f"{value / MiB:.1f} MiB"
 
 
 def hf_config(setup: Setup, config: Optional[dict] = None) -> dict:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-DATA_SUFFIXES = (".json", ".jsonl", ".csv", ".parquet")
+DATA_SUFFIXES = (".json", ".jsonl", ".parquet", ".csv")  # the data file types finetune reads
 
 
 def is_local(reference: str) -> bool:

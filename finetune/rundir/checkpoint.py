@@ -36,8 +36,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from finetune.errors import FinetuneError
 from finetune.fsutil import write_atomic
 from finetune.rundir.resume_key import RESUME_KEY_FILE, changed_fields, read_resume_key, resume_fields
+from finetune.units import gib_text
 
 CHECKPOINT_PREFIX = "checkpoint-"  # transformers.trainer_utils.PREFIX_CHECKPOINT_DIR + "-"
 MARKER = "COMPLETE"
@@ -55,7 +57,7 @@ SPACE_FACTOR = 1.2
 SPACE_MARGIN = 256 * MIB
 
 
-class CheckpointError(Exception):
+class CheckpointError(FinetuneError):
     """A checkpoint cannot be written or read (disk full, read-only, not enough space)."""
 
 
@@ -362,13 +364,9 @@ def space_problem(run_dir: Path, estimate: int, free: Optional[int] = None) -> O
     free = free_bytes(run_dir) if free is None else free
     if free >= need:
         return None
-    return (f"not enough free space for the next checkpoint in {run_dir}: about {_gib(need)} needed "
-            f"(checkpoint ~{_gib(estimate)} + headroom), {_gib(free)} free; free some space or point "
+    return (f"not enough free space for the next checkpoint in {run_dir}: about {gib_text(need)} needed "
+            f"(checkpoint ~{gib_text(estimate)} + headroom), {gib_text(free)} free; free some space or point "
             f"--output-dir at a larger disk, then run the same command again to resume")
-
-
-def _gib(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB"
 
 
 _FULL = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}

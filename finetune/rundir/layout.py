@@ -18,6 +18,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from finetune.errors import FinetuneError
 from finetune.fsutil import atomic_dir
 from finetune.recipe import LoadedRecipe, Recipe
 from finetune.recipe.references import is_local, is_model_path
@@ -112,7 +113,7 @@ def _write_into(directory: Path, files: dict[str, str]) -> None:
     (directory / "logs").mkdir(exist_ok=True)
 
 
-class RunDirError(Exception):
+class RunDirError(FinetuneError):
     """The run directory is missing a file or holds one the runner cannot read."""
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from finetune.fsutil import write_atomic
+from finetune.units import gib_text
 
 PLOT_FILE = "loss.png"
 REPORT_FILE = "report.html"
@@ -101,7 +102,7 @@ def _json(path: Path) -> Optional[Any]:
 
 
 def _gib(n: Optional[float]) -> str:
-    return "n/a" if n is None else f"{n / 2**30:.2f} GiB"
+    return "n/a" if n is None else gib_text(n)
 
 
 def plan_estimate(run_dir: Path, world_size: int) -> tuple[Optional[dict[str, int]], str]:

@@ -38,7 +38,8 @@ from finetune.fsutil import atomic_dir, write_atomic
 from finetune.weights.lora_math import PEFT_PREFIX, lora_scaling
 from finetune.weights.safetensors_io import (CONFIG_FILES, DEFAULT_MAX_SHARD_SIZE, DTYPES, ST_TO_TORCH, TORCH_TO_ST, BaseTensor,
                                      MergeError, OnWrite, OutTensor, Plan, ShardWriter, WriteCounter, copy_tokenizer,
-                                     human_size, prepare_output, prepare_shards, sigterm_as_interrupt, write_index)
+                                     prepare_output, prepare_shards, sigterm_as_interrupt, write_index)
+from finetune.units import human_size
 
 # Parameter names PEFT gives LoRA weights in the model (before the adapter name is stripped for saving).
 _LORA_PARAM = re.compile(r"\.(lora_A|lora_B|lora_embedding_A|lora_embedding_B|lora_magnitude_vector)\.([^.]+)(\.|$)")

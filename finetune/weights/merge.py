@@ -34,8 +34,9 @@ from finetune.weights.lora_math import (Adapter, LoraUpdate, Workspace, orient_u
                                 tied_embedding)
 from finetune.weights.safetensors_io import (CONFIG_FILES, DEFAULT_MAX_SHARD_SIZE, DTYPES, TORCH_TO_ST, BaseModel, MergeError,
                                      ITEMSIZE, OnWrite, OutTensor, Plan, ShardWriter, TensorReader, WriteCounter,
-                                     copy_tokenizer, human_size, prepare_shards, read_base, sigterm_as_interrupt,
+                                     copy_tokenizer, prepare_shards, read_base, sigterm_as_interrupt,
                                      write_index)
+from finetune.units import human_size
 
 
 # ------------------------------------------------------------------------------------------------

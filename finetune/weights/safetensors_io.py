@@ -18,7 +18,9 @@ from typing import Any, Callable, Iterator, NamedTuple, Optional
 import torch
 from safetensors import safe_open
 
+from finetune.errors import FinetuneError
 from finetune.fsutil import remove_stale_partials, write_atomic
+from finetune.units import human_size
 
 INDEX_NAME = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # "5GB", save_pretrained's default
@@ -49,7 +51,7 @@ for _name, _attr in (("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2"), (
 TORCH_TO_ST = {v: k for k, v in ST_TO_TORCH.items()}
 
 
-class MergeError(Exception):
+class MergeError(FinetuneError):
     """A problem with the inputs or the environment, worded for the user (no traceback)."""
 
 
@@ -342,7 +344,3 @@ def sigterm_as_interrupt() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def human_size(n: int) -> str:
-    if n >= 1e8:
-        return f"{n / 1e9:.2f} GB"
-    return f"{n / 1e6:.1f} MB" if n >= 1e5 else f"{n / 1e3:.1f} kB"
