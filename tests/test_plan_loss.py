@@ -31,7 +31,7 @@ def evaluate(note: str) -> int:
 
 SETUPS = [
     {"objective": objective, "loss_kernel": kernel, "loss_dtype": dtype, "micro_batch": b, "seq_len": s}
-    for objective in ("sft", "dpo", "kto", "orpo")
+    for objective in ("sft", "dpo", "kto", "orpo", "grpo", "reward")
     for kernel in LOSS_KERNELS
     for dtype in ("float32", "bfloat16")
     for b, s in ((1, 512), (4, 8192))

@@ -152,7 +152,9 @@ def next_steps_lines(run_dir: Path, saved: List[str], objective: str = "sft") ->
     steps = []
     if (run_dir / "report.html").is_file():
         steps.append((f"open {run_dir / 'report.html'}", "loss plot, memory, config, versions"))
-    if saved:
+    if saved and objective == "reward":  # a scoring head, not a chat model
+        steps.append((f"finetune eval {run_dir}", "pairwise accuracy on its pairs, base vs trained"))
+    elif saved:
         steps.append((f"finetune chat {run_dir}", "talk to it (--prompt TEXT for one answer)"))
         if objective == "sft":
             steps.append((f"finetune eval {run_dir}", "loss and perplexity, base vs fine-tuned"))

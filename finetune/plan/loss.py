@@ -11,7 +11,7 @@ import math
 from typing import Callable
 
 from finetune.plan.chunks import chunk_count
-from finetune.plan.preference import FUSED_LOGPROB_OBJECTIVES, TOKEN_TILE, VOCAB_TILE
+from finetune.plan.preference import FUSED_LOGPROB_OBJECTIVES, SCORE_HEAD_OBJECTIVES, TOKEN_TILE, VOCAB_TILE
 from finetune.plan.setup import Setup
 
 Sized = tuple[int, str]
@@ -21,6 +21,8 @@ def loss_working_set(setup: Setup) -> Sized:
     """The loss's bytes at the start of backward, and their arithmetic, for the setup's kernel."""
     if setup.objective in FUSED_LOGPROB_OBJECTIVES:
         return fused_logprob_loss(setup)
+    if setup.objective in SCORE_HEAD_OBJECTIVES:
+        return score_head_loss(setup)
     return LOSS_KERNELS[setup.loss_kernel](setup)
 
 
@@ -100,6 +102,13 @@ def fused_logprob_loss(setup: Setup) -> Sized:
     size = 2 * rows * cols * 4 + tokens * setup.arch.hidden * 4
     return size, (f"2 tiles x {rows:,} tokens x {cols:,} vocab x 4 B + {tokens:,} tokens x "
                   f"{setup.arch.hidden:,} hidden x 4 B; TRL fused log-probs: fp32 tiles and the hidden gradient")
+
+
+def score_head_loss(setup: Setup) -> Sized:
+    """A reward model's head (AutoModelForSequenceClassification, num_labels 1): one score per token of the
+    hidden states (the last one is picked), fp32 with its gradient, instead of vocabulary-sized logits."""
+    tokens = setup.micro_batch * setup.seq_len
+    return 2 * 4 * tokens, f"2 x {tokens:,} tokens x 4 B; reward head: one fp32 score per token and its gradient"
 
 
 LOSS_KERNELS: dict[str, Callable[[Setup], Sized]] = {

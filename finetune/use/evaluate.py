@@ -140,7 +140,8 @@ def eval_rows(run_dir: Path, recipe, tokenizer, data: Optional[Path], log: Calla
 
 
 def evaluate(run_dir: Path, data: Optional[Path] = None, device: str = "auto", batch_size: int = 8,
-             log: Callable[[str], None] = print, fmt: Optional[str] = None) -> EvalResult:
+             log: Callable[[str], None] = print, fmt: Optional[str] = None) -> Any:
+    """EvalResult (loss and perplexity); for a reward model, finetune.use.reward_eval.PairwiseResult."""
     from finetune.use.chat import ChatError, load_chat_model, resolve_source
     from finetune.data.tokenize import Collator
 
@@ -150,6 +151,20 @@ def evaluate(run_dir: Path, data: Optional[Path] = None, device: str = "auto", b
     if data is not None and not Path(data).is_file():
         raise EvalError(f"--data {data}: no such file")
     started = time.perf_counter()
+    from finetune.recipe import RecipeProblem, load_recipe
+
+    try:
+        run_recipe = load_recipe(run_dir / "recipe.yaml").recipe
+    except RecipeProblem as exc:
+        raise EvalError(f"{run_dir}/recipe.yaml: {exc}") from None
+    if run_recipe.objective == "reward":  # a reward model: pairwise accuracy (finetune.use.reward_eval)
+        from finetune.use.reward_eval import evaluate_reward
+
+        from finetune.fsutil import write_atomic
+
+        pairwise = evaluate_reward(run_dir, run_recipe, data, device, batch_size, EvalError)
+        write_atomic(run_dir / EVAL_FILE, json.dumps(pairwise.to_json(), indent=2) + "\n")
+        return pairwise
     try:
         source = resolve_source(run_dir)
         if data is not None:
