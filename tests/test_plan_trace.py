@@ -65,7 +65,7 @@ def _traced_bytes(result) -> int:
 def test_trace_equals_the_real_cpu_step(settings):
     """The fake-tensor trace is the real step's tensor bytes exactly; without checkpointing it is also
     torch's profiler's memory timeline (torch.profiler._memory_profiler, every CPU allocation of the step)
-    to within 256 bytes. With checkpointing the profiler sees up to ~5% more than any dispatch-level count
+    to within 256 bytes. With checkpointing the profiler sees 5-7% more than any dispatch-level count
     (docs/plan.md, 'The trace': allocations no aten op returns), so only the first equality is asserted."""
     from finetune.plan.trace import trace
 
