@@ -9,6 +9,7 @@ from typing import List, Optional
 import typer
 
 from finetune.cli.common import SET_HELP, fail, load_or_exit, usable_path
+from finetune.rundir.run_dir import ADAPTER_DIR, RunDir
 
 
 def train(
@@ -98,7 +99,8 @@ def train(
     except OSError as exc:
         raise fail(f"cannot write the run directory {prepared.run_dir}: {exc.strerror or exc}") from None
     if outcome.ok:
-        saved = [name for name in ("adapter", "model") if (prepared.run_dir / name).is_dir()]
+        run = RunDir(prepared.run_dir)
+        saved = [folder.name for folder in (run.adapter_path, run.model_path) if folder.is_dir()]
         where = f" ({' and '.join(saved)} in {', '.join(str(prepared.run_dir / s) for s in saved)})" if saved else ""
         typer.echo(f"finished: {prepared.run_dir}{where}", err=True)
         for line in next_steps_lines(prepared.run_dir, saved, prepared.loaded.recipe.objective):
@@ -156,7 +158,7 @@ def next_steps_lines(run_dir: Path, saved: List[str], objective: str = "sft") ->
         steps.append((f"finetune chat {run_dir}", "talk to it (--prompt TEXT for one answer)"))
         if objective == "sft":
             steps.append((f"finetune eval {run_dir}", "loss and perplexity, base vs fine-tuned"))
-    if "adapter" in saved:
+    if ADAPTER_DIR in saved:
         steps.append((f"finetune merge {run_dir} -o merged/{run_dir.name}", "one model to serve (CPU, streaming)"))
     if (run_dir / "tensorboard").is_dir():
         steps.append((f"tensorboard --logdir {run_dir / 'tensorboard'}", "the curves, live"))

@@ -139,10 +139,12 @@ def _kind(value: Any, column: str) -> tuple[str, str | None]:
 
 def adapter_problem(reference: str) -> str | None:
     """Why model.adapter (an SFT run directory or an adapter directory) cannot be continued from, or None."""
-    path = Path(reference).expanduser()
-    if any((candidate / "adapter_config.json").is_file() for candidate in (path, path / "adapter")):
+    from finetune.rundir.run_dir import MODEL_CONFIG, RunDir, find_adapter, no_adapter_message
+
+    if find_adapter(reference) is not None:
         return None
-    if (path / "model").is_dir() or (path / "config.json").is_file():
+    run = RunDir(Path(reference).expanduser())
+    if run.model_path.is_dir() or run.file(MODEL_CONFIG).is_file():
         return ("holds full weights, not an adapter: continue a full fine-tune through model.name_or_path "
                 "(and method: full)")
-    return f"no adapter_config.json in {path} or {path / 'adapter'} (give an SFT run directory or an adapter directory)"
+    return f"{no_adapter_message(reference)} (give an SFT run directory or an adapter directory)"

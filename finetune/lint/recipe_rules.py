@@ -441,13 +441,13 @@ def continued_adapter(loaded: LoadedRecipe) -> Iterator[RawFinding]:
                          "a full fine-tune continues from full weights, not an adapter",
                          "set model.name_or_path to the SFT run's model/ directory and remove model.adapter")
         return
-    path = Path(adapter).expanduser()
-    found = any((p / "adapter_config.json").is_file() for p in (path, path / "adapter"))
-    if not found:
+    from finetune.rundir.run_dir import find_adapter, no_adapter_message
+
+    if find_adapter(adapter) is None:
         # Info, not a warning: the SFT run a DPO recipe continues from usually exists only on the training box
         # (and later than the recipe); `finetune train`'s preflight refuses to start without it.
         yield RawFinding("R120", "info", ("model", "adapter"),
-                         f"no adapter_config.json in {path} or {path / 'adapter'} here (`finetune train` will refuse to start)")
+                         f"{no_adapter_message(adapter)} here (`finetune train` will refuse to start)")
     if _written_here(loaded, "lora"):
         yield RawFinding("R120", "warning", ("lora",), "`lora` is ignored with model.adapter: the adapter keeps the "
                          "rank, alpha and target modules it was trained with", "remove the lora section")

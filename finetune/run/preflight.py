@@ -26,9 +26,9 @@ from typing import Any, Iterator, Optional
 from finetune.recipe import LoadedRecipe, Recipe
 from finetune.recipe.references import is_local, is_model_path
 from finetune.builtin import is_builtin
+from finetune.rundir.run_dir import RECIPE_FILE, RunDir
 
 SAMPLE_ROWS = 20  # rows a data.chat_template is rendered on before launch
-RUN_MARKER = "recipe.yaml"  # a directory holding this is a finetune run directory
 
 
 @dataclass
@@ -284,7 +284,7 @@ def hostfile_step(recipe: Recipe, result: Preflight) -> None:
 
 def output_dir_step(run_dir: Path, overwrite: bool, result: Preflight, loaded: Optional[LoadedRecipe] = None,
                     world_size: Optional[int] = None, resume: bool = False, force_resume: bool = False) -> None:
-    if loaded is not None and not overwrite and (run_dir / RUN_MARKER).is_file():
+    if loaded is not None and not overwrite and RunDir(run_dir).is_run():
         resume_step(run_dir, loaded.recipe, world_size, resume, force_resume, result)
         return
     problem = output_dir_problem(run_dir, overwrite)
@@ -319,10 +319,10 @@ def output_dir_problem(run_dir: Path, overwrite: bool) -> Optional[str]:
             shown = ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")
             return (f"output directory {run_dir} is not empty ({shown}); "
                     f"pass --overwrite to replace it, or choose another --output-dir")
-        if entries and not (run_dir / RUN_MARKER).is_file():
+        if entries and not RunDir(run_dir).is_run():
             # --overwrite deletes the directory: only ever a previous run's, never a user's folder.
             return (f"output directory {run_dir} is not empty and is not a finetune run directory "
-                    f"(no {RUN_MARKER}); --overwrite only replaces run directories: choose another --output-dir")
+                    f"(no {RECIPE_FILE}); --overwrite only replaces run directories: choose another --output-dir")
     parent = _existing_ancestor(run_dir)
     if not os.access(parent, os.W_OK | os.X_OK):
         return f"output directory {run_dir}: cannot create it ({parent} is not writable)"

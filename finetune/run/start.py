@@ -20,9 +20,10 @@ from finetune.run.launch import (
     RUNNER_MODULE, HostfileError, LaunchError, LaunchPlan, Outcome, deepspeed_env_text, free_port, plan_launch,
     supervise,
 )
-from finetune.run.preflight import RUN_MARKER, Preflight, run_preflight
+from finetune.run.preflight import Preflight, run_preflight
 from finetune.recipe import LoadedRecipe, Recipe
 from finetune.rundir.layout import write_run_dir
+from finetune.rundir.run_dir import RunDir
 from finetune.rundir.lock import LOCK_ENV, OWNER_ENV, RunDirLocked, RunLock, acquire, holder, lock_name
 
 
@@ -104,7 +105,7 @@ def watch_builds(plan: LaunchPlan, recipe: Recipe, dry_run: bool) -> Optional[Bu
 def lock_existing(run_dir: Path, dry_run: bool, recipe: Recipe) -> tuple[Optional[RunLock], Optional[str]]:
     """(our lock on an existing run directory, or None; the live holder's description, or None)."""
     name = lock_name(recipe.launch.nodes, recipe.launch.node_rank)
-    if not (run_dir / RUN_MARKER).is_file():
+    if not RunDir(run_dir).is_run():
         return None, None  # nothing there for another run to own; locked once written (start_run)
     if dry_run:
         return None, holder(run_dir, name)

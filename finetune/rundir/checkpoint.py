@@ -37,9 +37,9 @@ from pathlib import Path
 from typing import Any, Optional
 
 from finetune.fsutil import write_atomic
+from finetune.rundir.names import CHECKPOINT_PREFIX, SUMMARY_FILE
 from finetune.rundir.resume_key import RESUME_KEY_FILE, changed_fields, read_resume_key, resume_fields
 
-CHECKPOINT_PREFIX = "checkpoint-"  # transformers.trainer_utils.PREFIX_CHECKPOINT_DIR + "-"
 MARKER = "COMPLETE"
 STOP_RECORD = "stopped.json"
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL
@@ -47,7 +47,7 @@ EXIT_PREEMPTED = 75  # EX_TEMPFAIL
 # (finetune.train.preemption): within this many seconds of the first it is the same request (systemd,
 # SLURM and launchers often signal every process and also relay it); a later one aborts at once.
 SECOND_SIGNAL_WINDOW = 5.0
-_CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
+_CHECKPOINT_RE = re.compile(rf"^{re.escape(CHECKPOINT_PREFIX)}(\d+)$")
 MIB = 2**20
 # Headroom on top of the estimate: the estimate is the previous checkpoint's size (or the model's),
 # and ZeRO shards, RNG files and trainer_state.json vary a little from one save to the next.
@@ -280,7 +280,7 @@ def plan_resume(run_dir: Path, resolved: dict[str, Any], world_size: Optional[in
     complete = [c for c in checkpoints if c.complete]
     old = read_resume_key(run_dir)
     changes = changed_fields(old, resume_fields(resolved, world_size)) if old is not None and world_size else []
-    finished = (run_dir / "summary.json").is_file()
+    finished = (run_dir / SUMMARY_FILE).is_file()
     where = f"output directory {run_dir}"
     plan = ResumePlan()
     if not complete:

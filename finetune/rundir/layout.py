@@ -23,10 +23,9 @@ from finetune.recipe import LoadedRecipe, Recipe
 from finetune.recipe.references import is_local, is_model_path
 from finetune.builtin import is_builtin
 
-RECIPE_FILE = "recipe.yaml"
-DEEPSPEED_FILE = "deepspeed.json"
-TRAINING_ARGS_FILE = "training_args.json"
-RUN_INPUTS = (RECIPE_FILE, DEEPSPEED_FILE, TRAINING_ARGS_FILE)  # what the runner reads
+from finetune.rundir.run_dir import (  # noqa: F401  (RunDirError: re-exported for the runner)
+    DEEPSPEED_FILE, LOGS_DIR, RECIPE_FILE, RUN_INPUTS, TRAINING_ARGS_FILE, RunDir, RunDirError,
+)
 
 
 def resolved_recipe(recipe: Recipe, run_dir: Path) -> dict[str, Any]:
@@ -109,27 +108,19 @@ def _write_into(directory: Path, files: dict[str, str]) -> None:
     for name, text in files.items():
         write_atomic(directory / name, text)
         (directory / name).chmod(0o666 & ~umask)
-    (directory / "logs").mkdir(exist_ok=True)
-
-
-class RunDirError(Exception):
-    """The run directory is missing a file or holds one the runner cannot read."""
+    (directory / LOGS_DIR).mkdir(exist_ok=True)
 
 
 def read_run_dir(run_dir: Path) -> tuple[Recipe, dict[str, Any], dict[str, Any]]:
     """(recipe, DeepSpeed config, TrainingArguments kwargs) as write_run_dir left them (the runner reads them)."""
-    from pydantic import ValidationError
-
-    from finetune.recipe.yamlio import DocumentError, load_yaml
-
-    missing = [name for name in RUN_INPUTS if not (run_dir / name).is_file()]
+    run = RunDir(run_dir)
+    missing = [name for name in RUN_INPUTS if not run.file(name).is_file()]
     if missing:
         raise RunDirError(f"{run_dir}: missing {', '.join(missing)} (start runs with `finetune train RECIPE`)")
     try:
-        raw = load_yaml((run_dir / "recipe.yaml").read_text(encoding="utf-8"), str(run_dir / "recipe.yaml")).data
-        recipe = Recipe.model_validate(raw)
-        ds_config = json.loads((run_dir / "deepspeed.json").read_text(encoding="utf-8"))
-        training_args = json.loads((run_dir / "training_args.json").read_text(encoding="utf-8"))
-    except (DocumentError, ValidationError, json.JSONDecodeError, OSError) as exc:
+        recipe = run.recipe()
+        ds_config = json.loads(run.file(DEEPSPEED_FILE).read_text(encoding="utf-8"))
+        training_args = json.loads(run.file(TRAINING_ARGS_FILE).read_text(encoding="utf-8"))
+    except (RunDirError, ValueError, OSError) as exc:
         raise RunDirError(f"{run_dir}: cannot read the run inputs: {exc}") from None
     return recipe, ds_config, training_args

@@ -165,11 +165,13 @@ def memory_rows(summary: dict[str, Any], per_gpu: Optional[dict[str, int]]) -> l
 
 def render_report(run_dir: Path, plot_written: bool) -> str:
     run_dir = Path(run_dir)
-    summary = _json(run_dir / "summary.json") or {}
-    env = _json(run_dir / "env.json") or {}
+    from finetune.rundir.run_dir import DEEPSPEED_FILE, ENV_FILE, RECIPE_FILE, SUMMARY_FILE
+
+    summary = _json(run_dir / SUMMARY_FILE) or {}
+    env = _json(run_dir / ENV_FILE) or {}
     ds_path = run_dir / "deepspeed.effective.json"
-    ds_text = _read(ds_path) or _read(run_dir / "deepspeed.json") or "(missing)"
-    recipe_text = _read(run_dir / "recipe.yaml") or "(missing)"
+    ds_text = _read(ds_path) or _read(run_dir / DEEPSPEED_FILE) or "(missing)"
+    recipe_text = _read(run_dir / RECIPE_FILE) or "(missing)"
     world = int(summary.get("world_size") or env.get("world_size") or 1)
     per_gpu, why_no_plan = plan_estimate(run_dir, world)
     name = run_dir.name

@@ -40,6 +40,7 @@ from typing import Any, Optional
 
 from finetune.recipe import Recipe
 from finetune.rundir.layout import RunDirError, read_run_dir
+from finetune.rundir.run_dir import ADAPTER_CONFIG, ADAPTER_DIR, ENV_FILE, MODEL_DIR, SUMMARY_FILE, TOKENIZER_DIR
 from finetune.train.dist import all_gather, barrier, is_cpu_accelerator
 from finetune.train.dist import rank as process_rank
 
@@ -151,7 +152,7 @@ def save_weights(trainer, recipe: Recipe, ds_config: dict[str, Any], run_dir: Pa
 
     zero = ds_config.get("zero_optimization", {})
     gathered = zero.get("stage", 0) != 3 or bool(zero.get("stage3_gather_16bit_weights_on_model_save", False))
-    name = ("model" if recipe.method == "full" else "adapter") if gathered else "zero_checkpoint"
+    name = (MODEL_DIR if recipe.method == "full" else ADAPTER_DIR) if gathered else "zero_checkpoint"
     tmp = run_dir / f".{name}.partial"
     if is_main:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -164,8 +165,8 @@ def save_weights(trainer, recipe: Recipe, ds_config: dict[str, Any], run_dir: Pa
     barrier()  # a ZeRO checkpoint is written by every rank
     if is_main:
         (tmp / "training_args.bin").unlink(missing_ok=True)  # a pickle; training_args.json says the same
-        if name == "adapter":
-            _record_base_model(tmp / "adapter_config.json", base_model_path(recipe))
+        if name == ADAPTER_DIR:
+            _record_base_model(tmp / ADAPTER_CONFIG, base_model_path(recipe))
         if gathered and not any(tmp.glob("*.safetensors")):
             raise RuntimeError(f"saving {name}/ wrote no safetensors weights")
         _replace_dir(tmp, run_dir / name)
@@ -296,7 +297,7 @@ def run(run_dir: Path, resume: bool = False) -> None:
     world_size = training_args.world_size
     transformers.set_seed(recipe.training.seed)
     if is_main:
-        _write_json(run_dir / "env.json", environment(world_size))
+        _write_json(run_dir / ENV_FILE, environment(world_size))
 
     # 3. Model files (the built-in tiny model is created by preflight; this is a no-op then), tokenizer, data.
     with training_args.main_process_first(local=True, desc="built-in model"):
@@ -362,7 +363,7 @@ def run(run_dir: Path, resume: bool = False) -> None:
         tmp_tok = run_dir / ".tokenizer.partial"
         shutil.rmtree(tmp_tok, ignore_errors=True)
         tokenizer.save_pretrained(str(tmp_tok))
-        _replace_dir(tmp_tok, run_dir / "tokenizer")
+        _replace_dir(tmp_tok, run_dir / TOKENIZER_DIR)
         extra = {"method": recipe.method, "zero_stage": recipe.deepspeed.stage, "output": saved,
                  "trainable_parameters": trainable, "total_parameters": total,
                  "train_sequences": len(train_set), "eval_sequences": len(eval_set) if eval_set is not None else 0,
@@ -371,7 +372,7 @@ def run(run_dir: Path, resume: bool = False) -> None:
                  "loss_kernel": recipe.training.loss_kernel}
         extra.update(preference.summary_extra(recipe, trainer.state.log_history))
         summary = summarize(trainer, clock, world_size, memory, extra)
-        _write_json(run_dir / "summary.json", summary)
+        _write_json(run_dir / SUMMARY_FILE, summary)
         _log_main(True)(f"done: {summary['steps']} steps, loss {_fmt(summary['train_loss_first'])} -> "
                         f"{_fmt(summary['train_loss_last'])}, {summary['tokens_per_second'] or 0:.0f} tokens/s; "
                         f"{saved}/ in {run_dir}")

@@ -138,11 +138,14 @@ def eval_rows(run_dir: Path, recipe, tokenizer, data: Optional[Path], log: Calla
 def evaluate(run_dir: Path, data: Optional[Path] = None, device: str = "auto", batch_size: int = 8,
              log: Callable[[str], None] = print, fmt: Optional[str] = None) -> EvalResult:
     from finetune.use.chat import ChatError, load_chat_model, resolve_source
+    from finetune.rundir.run_dir import NotARunDir, RunDir
     from finetune.data.tokenize import Collator
 
     run_dir = Path(run_dir)
-    if not (run_dir / "recipe.yaml").is_file():
-        raise EvalError(f"{run_dir}: not a run directory (no recipe.yaml)")
+    try:
+        RunDir(run_dir).require()
+    except NotARunDir as exc:
+        raise EvalError(str(exc)) from None
     if data is not None and not Path(data).is_file():
         raise EvalError(f"--data {data}: no such file")
     started = time.perf_counter()

@@ -34,6 +34,7 @@ from typing import Callable, Optional
 import torch
 
 from finetune.rundir.checkpoint import Checkpoint, checkpoint_dirs, checkpoint_step, inspect_checkpoint
+from finetune.rundir.run_dir import ADAPTER_CONFIG, RunDir, find_adapter, no_adapter_message
 from finetune.fsutil import atomic_dir, write_atomic
 from finetune.weights.lora_math import PEFT_PREFIX, lora_scaling
 from finetune.weights.safetensors_io import (CONFIG_FILES, DEFAULT_MAX_SHARD_SIZE, DTYPES, ST_TO_TORCH, TORCH_TO_ST, BaseTensor,
@@ -75,8 +76,9 @@ def _run_dir_hint(path: Path) -> str:
     numbered = checkpoint_dirs(path)
     if numbered:
         return f". It is a run directory; its checkpoints: {', '.join(str(p) for _, p in numbered)}"
-    if (path / "recipe.yaml").is_file():
-        saved = [name for name in ("adapter", "model") if (path / name).is_dir()]
+    run = RunDir(path)
+    if run.is_run():
+        saved = [folder.name for folder in (run.adapter_path, run.model_path) if folder.is_dir()]
         if saved:
             return f". It is a run directory without checkpoints; its final {saved[0]}/ needs no convert"
         return ". It is a run directory without checkpoints (training.save_steps makes some)"
@@ -240,16 +242,18 @@ def find_adapter_config(ckpt: Checkpoint, explicit: Optional[Path]) -> Path:
     """The HF Trainer saves adapter_config.json in checkpoint-N; a run directory has adapter/ beside it."""
     if explicit is not None:
         if explicit.is_dir():
-            explicit = explicit / "adapter_config.json"
+            explicit = explicit / ADAPTER_CONFIG
         if not explicit.is_file():
             raise ConvertError(f"--adapter-config {explicit}: no such file")
         return explicit
-    for candidate in (ckpt.path / "adapter_config.json", ckpt.path.parent / "adapter" / "adapter_config.json",
-                      ckpt.path.parent / "adapter_config.json"):
-        if candidate.is_file():
-            return candidate
-    raise ConvertError(f"{ckpt.path}: a LoRA checkpoint, but no adapter_config.json in it or in "
-                       f"{ckpt.path.parent / 'adapter'}; pass --adapter-config")
+    # The HF Trainer saves one in checkpoint-N itself; else the run's own adapter (RUN/adapter or RUN).
+    if (ckpt.path / ADAPTER_CONFIG).is_file():
+        return ckpt.path / ADAPTER_CONFIG
+    found = find_adapter(ckpt.path.parent)
+    if found is not None:
+        return found / ADAPTER_CONFIG
+    raise ConvertError(f"{ckpt.path}: a LoRA checkpoint, but no {ADAPTER_CONFIG} in it, and "
+                       f"{no_adapter_message(ckpt.path.parent)}; pass --adapter-config")
 
 
 def convert_lora(ckpt: Checkpoint, output: Path, dtype, adapter_config: Optional[Path],
@@ -276,7 +280,7 @@ def convert_lora(ckpt: Checkpoint, output: Path, dtype, adapter_config: Optional
     with sigterm_as_interrupt(), atomic_dir(output, overwrite=overwrite) as tmp:
         save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
         WriteCounter(size, len(tensors), on_write).add(size, len(tensors))  # one file, written in one call
-        shutil.copy2(config_path, tmp / "adapter_config.json")
+        shutil.copy2(config_path, tmp / ADAPTER_CONFIG)
         _copy_tokenizer(ckpt, tmp)
     log(f"wrote {output / 'adapter_model.safetensors'} ({len(tensors)} tensors, {human_size(size)})")
     return ConvertResult(output, "lora", len(tensors), size, 1, str(next(iter(tensors.values())).dtype))
@@ -358,7 +362,7 @@ def _set_config_dtype(path: Path, dtype: torch.dtype) -> None:
 
 def _copy_tokenizer(ckpt: Checkpoint, out: Path) -> None:
     """From the checkpoint (the Trainer saves its processing_class there), else the run's tokenizer/."""
-    copy_tokenizer([ckpt.path, ckpt.path.parent / "tokenizer"], out)
+    copy_tokenizer([ckpt.path, RunDir(ckpt.path.parent).tokenizer_path], out)
 
 
 # ------------------------------------------------------------------------------------------------

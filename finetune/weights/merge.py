@@ -30,6 +30,7 @@ from typing import Callable, Optional
 import torch
 
 from finetune.fsutil import atomic_dir, write_atomic
+from finetune.rundir.run_dir import MERGED_RECIPE, RunDir
 from finetune.weights.lora_math import (Adapter, LoraUpdate, Workspace, orient_update, output_tensor, read_adapter, target_name,
                                 tied_embedding)
 from finetune.weights.safetensors_io import (CONFIG_FILES, DEFAULT_MAX_SHARD_SIZE, DTYPES, TORCH_TO_ST, BaseModel, MergeError,
@@ -280,6 +281,6 @@ def copy_side_files(base: Path, tokenizer_sources: list[Path], out: Path, dtype:
         write_atomic(out / "config.json", json.dumps(config, indent=2) + "\n")
     copy_tokenizer([*tokenizer_sources, base], out)
     for source in tokenizer_sources:
-        if (source / "recipe.yaml").is_file():  # the run's data format: `finetune chat MERGED` prompts the same way
-            shutil.copy2(source / "recipe.yaml", out / "finetune_recipe.yaml")
+        if RunDir(source).is_run():  # the run's data format: `finetune chat MERGED` prompts the same way
+            shutil.copy2(RunDir(source).recipe_path, out / MERGED_RECIPE)
             break
