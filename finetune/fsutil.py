@@ -48,14 +48,39 @@ def _umask() -> int:
 
 
 def replace_dir(tmp: Path, target: Path, old: Path) -> None:
-    """Move the finished directory `tmp` to `target`; an existing `target` is moved aside to `old` and removed after."""
+    """Move the finished directory `tmp` to `target`; an existing `target` is moved aside to `old` and removed after.
+
+    Where the kernel can (Linux renameat2 RENAME_EXCHANGE) the two directories trade places in one step, so
+    `target` never stops existing: a run directory's lock (finetune.rundir.lock) taken in `tmp` guards it
+    from the moment it appears, and nobody can create an empty `target` in between."""
     if target.exists():
         shutil.rmtree(old, ignore_errors=True)
-        os.replace(target, old)
-        os.replace(tmp, target)
+        if exchange_dirs(tmp, target):
+            os.replace(tmp, old)  # tmp now holds the previous target
+        else:
+            os.replace(target, old)
+            os.replace(tmp, target)
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(tmp, target)
+
+
+_RENAME_EXCHANGE = 2  # linux/fs.h
+
+
+def exchange_dirs(a: Path, b: Path) -> bool:
+    """Swap `a` and `b` atomically (renameat2 RENAME_EXCHANGE); False where the system cannot (then nothing moved)."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False  # not glibc >= 2.28, or not Linux
+    at_fdcwd = -100
+    result = renameat2(at_fdcwd, os.fsencode(str(a)), at_fdcwd, os.fsencode(str(b)), _RENAME_EXCHANGE)
+    return result == 0  # EINVAL / ENOSYS (a file system without it): the caller falls back
 
 
 @contextmanager

@@ -131,7 +131,9 @@ def _what_a_run_would_do(prepared) -> str:
         return f"resume from {prepared.resume_from.name} (step {prepared.resume_from.step}) in {prepared.run_dir}"
     if report.join:
         return f"join the run directory {prepared.run_dir} written by another node of this run"
-    if prepared.overwrite and prepared.run_dir.exists() and any(prepared.run_dir.iterdir()):
+    from finetune.run.preflight import run_dir_entries
+
+    if prepared.overwrite and run_dir_entries(prepared.run_dir):
         return f"replace the previous run in {prepared.run_dir} and start fresh (--overwrite)"
     return f"start fresh in {prepared.run_dir}"
 

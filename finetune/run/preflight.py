@@ -290,7 +290,7 @@ def output_dir_step(run_dir: Path, overwrite: bool, result: Preflight, loaded: O
     problem = output_dir_problem(run_dir, overwrite)
     if problem:
         result.run_dir_errors.append(problem)
-    elif overwrite and run_dir.exists() and any(run_dir.iterdir()):
+    elif overwrite and run_dir_entries(run_dir):
         result.warnings.append(f"output directory {run_dir}: the previous run there will be replaced (--overwrite)")
 
 
@@ -311,10 +311,13 @@ def resume_step(run_dir: Path, recipe: Recipe, world_size: Optional[int], resume
 
 
 def output_dir_problem(run_dir: Path, overwrite: bool) -> Optional[str]:
+    problem = impossible_run_dir(run_dir)
+    if problem:
+        return problem
     if run_dir.exists() and not run_dir.is_dir():
         return f"output directory {run_dir}: exists and is not a directory"
     if run_dir.is_dir():
-        entries = sorted(p.name for p in run_dir.iterdir())
+        entries = run_dir_entries(run_dir)
         if entries and not overwrite:
             shown = ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")
             return (f"output directory {run_dir} is not empty ({shown}); "
@@ -326,6 +329,39 @@ def output_dir_problem(run_dir: Path, overwrite: bool) -> Optional[str]:
     parent = _existing_ancestor(run_dir)
     if not os.access(parent, os.W_OK | os.X_OK):
         return f"output directory {run_dir}: cannot create it ({parent} is not writable)"
+    return None
+
+
+def run_dir_entries(run_dir: Path) -> list[str]:
+    """What a directory holds, sorted, leaving out lock files (`finetune train` creates the directory to lock it)."""
+    from finetune.rundir.lock import is_lock_file
+
+    try:
+        return sorted(p.name for p in run_dir.iterdir() if not is_lock_file(p.name))
+    except OSError:
+        return []
+
+
+def impossible_run_dir(run_dir: Path) -> Optional[str]:
+    """Why no directory can ever be created at `run_dir` (a dry run must not show a launch a real run refuses)."""
+    import errno
+
+    for part in run_dir.absolute().parts:
+        if len(os.fsencode(part)) > 255:  # NAME_MAX on Linux and macOS file systems
+            return f"output directory {run_dir}: the name {part[:40]}... is {len(os.fsencode(part))} bytes, longer than 255"
+    if run_dir.is_symlink() and not run_dir.exists():
+        try:
+            run_dir.stat()
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                return f"output directory {run_dir}: a symbolic link loop"
+        return f"output directory {run_dir}: a symbolic link to {os.readlink(run_dir)}, which does not exist"
+    try:
+        run_dir.stat()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return f"output directory {run_dir}: {exc.strerror or exc}"
     return None
 
 

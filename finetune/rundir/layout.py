@@ -16,7 +16,7 @@ import io
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Optional
 
 from finetune.fsutil import atomic_dir
 from finetune.recipe import LoadedRecipe, Recipe
@@ -79,22 +79,30 @@ def run_files(loaded: LoadedRecipe, run_dir: Path, world_size: int) -> dict[str,
 
 
 def write_run_dir(loaded: LoadedRecipe, run_dir: Path, world_size: int, overwrite: bool = False,
-                  in_place: bool = False) -> Path:
+                  in_place: bool = False, before_swap: Optional[Callable[[Path], None]] = None) -> Path:
     """Create RUN with the files above, all at once: a failure leaves no half-written run directory.
 
-    An existing directory is replaced only with `overwrite` (preflight has checked it is a run dir).
+    An existing directory is replaced only with `overwrite` (preflight has checked it is a run dir);
+    `before_swap(new_dir)` runs when the new directory is complete and not yet in place (finetune.run.start
+    takes the new directory's lock there, so the run directory is owned across the swap). A symlinked
+    run directory is replaced at its target: the link stays and points at the new run.
     `in_place` (resuming, or another node of the same run wrote it): rewrite the files one by one,
     each atomically, and keep everything else (checkpoints, logs)."""
+    from finetune.rundir.lock import is_lock_file
+
     run_dir = Path(run_dir).absolute()
     files = run_files(loaded, run_dir, world_size)
     if in_place and not overwrite:
         run_dir.mkdir(parents=True, exist_ok=True)  # the other nodes may be creating it at the same time
-    # An empty directory (made by hand, or a mount point) is filled in place rather than replaced.
-    if run_dir.is_dir() and (in_place and not overwrite or not any(run_dir.iterdir())):
+    # An empty directory (made by hand, a mount point, or by `finetune train` to hold its lock) is filled in place.
+    if run_dir.is_dir() and (in_place and not overwrite or all(is_lock_file(p.name) for p in run_dir.iterdir())):
         _write_into(run_dir, files)
         return run_dir
-    with atomic_dir(run_dir, overwrite=overwrite) as tmp:
+    target = run_dir.resolve() if run_dir.is_symlink() else run_dir
+    with atomic_dir(target, overwrite=overwrite) as tmp:
         _write_into(tmp, files)
+        if before_swap is not None:
+            before_swap(tmp)
     return run_dir
 
 

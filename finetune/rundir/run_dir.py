@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from finetune.rundir.checkpoint import Checkpoint
     from finetune.rundir.lock import RunLock
 
-from finetune.rundir.names import (  # noqa: F401  (re-exported: the names belong to RunDir)
+from finetune.rundir.names import (  # noqa: F401 (re-exported: the names belong to RunDir)
     ADAPTER_CONFIG, ADAPTER_DIR, ADAPTER_WEIGHTS, CHECKPOINT_PREFIX, DEEPSPEED_FILE, ENV_FILE, LOGS_DIR, MERGED_RECIPE,
     MODEL_CONFIG, MODEL_DIR, RECIPE_FILE, RUN_INPUTS, SUMMARY_FILE, TOKENIZER_DIR, TRAINING_ARGS_FILE,
 )
