@@ -42,6 +42,7 @@ class Preflight:
     lint_report: str = ""  # the lint findings, rendered as `finetune lint` does
     resume_from: Optional[Any] = None  # finetune.rundir.checkpoint.Checkpoint to resume from
     join: bool = False  # the run directory was written by another node of this run
+    damaged: list = field(default_factory=list)  # checkpoints newer than resume_from that do not load: set aside
 
     @property
     def ok(self) -> bool:
@@ -300,12 +301,15 @@ def resume_step(run_dir: Path, recipe: Recipe, world_size: Optional[int], resume
     from finetune.rundir.checkpoint import plan_resume
     from finetune.rundir.layout import resolved_recipe
 
-    plan = plan_resume(run_dir, resolved_recipe(recipe, run_dir), world_size, recipe.launch.nodes, resume, force)
+    from finetune.rundir.verify import inspect
+
+    plan = plan_resume(run_dir, resolved_recipe(recipe, run_dir), world_size, recipe.launch.nodes, resume, force,
+                       inspect=inspect)
     if plan.error:
         result.run_dir_errors.append(plan.error)
     result.notes.extend(plan.notes)
     result.warnings.extend(plan.warnings)
-    result.resume_from, result.join = plan.checkpoint, plan.join
+    result.resume_from, result.join, result.damaged = plan.checkpoint, plan.join, plan.damaged
     if not plan.error and not os.access(run_dir, os.W_OK | os.X_OK):
         result.run_dir_errors.append(f"output directory {run_dir}: not writable")
 

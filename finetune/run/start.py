@@ -164,6 +164,10 @@ def start_run(prepared: Prepared, console: Optional[IO[bytes]] = None) -> Outcom
             if lock is None:
                 raise LaunchError(in_use or f"cannot lock the run directory {prepared.run_dir}")
             prepared.lock = lock
+        from finetune.rundir.checkpoint import set_aside
+
+        for damaged in prepared.preflight.damaged:  # newer than the one resumed from (preflight said which)
+            set_aside(damaged)
         # Resuming keeps the checkpoints; the nodes of one run may share (and all write) one directory.
         in_place = prepared.resume_from is not None or prepared.preflight.join or plan.nodes > 1
         replaced: list[RunLock] = []

@@ -32,7 +32,7 @@ import os
 import re
 import shutil
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -270,14 +270,44 @@ class ResumePlan:
     error: Optional[str] = None
     notes: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    damaged: list[Checkpoint] = field(default_factory=list)  # newer than `checkpoint`, set aside before launch
+
+
+DAMAGED_SUFFIX = ".damaged"
+
+
+def set_aside(checkpoint: Checkpoint) -> Path:
+    """Move a damaged checkpoint out of the way (kept, hidden, for a look): nothing resumes from it or rotates it."""
+    aside = checkpoint.path.with_name(f".{checkpoint.path.name}{DAMAGED_SUFFIX}")
+    shutil.rmtree(aside, ignore_errors=True)
+    os.replace(checkpoint.path, aside)
+    return aside
 
 
 def plan_resume(run_dir: Path, resolved: dict[str, Any], world_size: Optional[int], nodes: int,
-                resume: bool, force: bool) -> ResumePlan:
-    """For a run directory holding a previous run of the same name (recipe.yaml), not --overwrite."""
+                resume: bool, force: bool, inspect=None) -> ResumePlan:
+    """For a run directory holding a previous run of the same name (recipe.yaml), not --overwrite.
+
+    `inspect(path)` (finetune.rundir.verify.inspect; None: the marker's file sizes only) looks inside the
+    newest complete checkpoint: a damaged one is passed over for the previous one, saying so; one that
+    pickles code is refused."""
     run_dir = Path(run_dir)
     checkpoints = list_checkpoints(run_dir)
     complete = [c for c in checkpoints if c.complete]
+    damaged: list[Checkpoint] = []
+    while inspect is not None and resume and complete:
+        found = inspect(complete[-1].path)
+        if found is None:
+            break
+        kind, why = found
+        if kind == "unsafe":
+            return ResumePlan(error=f"{complete[-1].path} cannot be resumed from: {why}. Remove that checkpoint "
+                                    f"(or pass --overwrite to start over) if you did not put that there")
+        damaged.append(replace(complete.pop(), problem=why))
+    if damaged and not complete:
+        shown = "; ".join(f"{c.name}: {c.problem}" for c in damaged)
+        return ResumePlan(error=f"output directory {run_dir}: every complete checkpoint is damaged ({shown}); "
+                                f"pass --overwrite to start over")
     old = read_resume_key(run_dir)
     changes = changed_fields(old, resume_fields(resolved, world_size)) if old is not None and world_size else []
     finished = (run_dir / SUMMARY_FILE).is_file()
@@ -311,6 +341,10 @@ def plan_resume(run_dir: Path, resolved: dict[str, Any], world_size: Optional[in
                       f"continue the same run: {'; '.join(changes)}. Pass --force-resume to resume anyway, "
                       f"or --overwrite to start over")
         return plan
+    plan.damaged = damaged
+    for bad in damaged:
+        plan.warnings.append(f"{bad.name} is damaged ({bad.problem}): it is set aside as "
+                             f".{bad.name}{DAMAGED_SUFFIX} and the run resumes from {latest.name}")
     if changes:
         plan.warnings.append(f"resuming from {latest.name} although the recipe changed (--force-resume): {'; '.join(changes)}")
     if old is None:

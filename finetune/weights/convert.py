@@ -34,6 +34,7 @@ from typing import Callable, Optional
 import torch
 
 from finetune.rundir.checkpoint import Checkpoint, checkpoint_dirs, checkpoint_step, inspect_checkpoint
+from finetune.rundir import verify
 from finetune.rundir.run_dir import ADAPTER_CONFIG, RunDir, find_adapter, no_adapter_message
 from finetune.fsutil import atomic_dir, write_atomic
 from finetune.weights.lora_math import PEFT_PREFIX, lora_scaling
@@ -123,37 +124,19 @@ def _step_of(folder: str, tag: str) -> Optional[int]:
     return step if step is not None else int(match.group(1)) if match else None
 
 
-# The classes DeepSpeed pickles into ZeRO checkpoints beside tensors and plain containers. Found by
-# listing the globals of the ZeRO-1/2/3 LoRA and full checkpoints tests/merge_fixtures.py trains
-# (torch.serialization.get_unsafe_globals_in_checkpoint); DynamicLossScaler is what fp16 runs store
-# where bf16 runs store LossScaler (the optimizers' state_dict saves `self.loss_scaler`).
-DEEPSPEED_GLOBALS = (
-    "deepspeed.runtime.zero.config.ZeroStageEnum",
-    "deepspeed.runtime.fp16.loss_scaler.LossScaler",
-    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
-    "deepspeed.utils.tensor_fragment.fragment_address",
-)
-
-
 def refuse_foreign_globals(path: Path) -> None:
-    """Refuse a checkpoint file that pickles anything besides DeepSpeed's own classes, before loading it.
-
-    Reads the pickle's opcodes without executing them: a file that names `os.system` (or any other
-    callable) is reported, and nothing in it runs."""
+    """Refuse a checkpoint file that pickles anything besides DeepSpeed's own classes, before loading it
+    (finetune.rundir.verify: the same allow-list `finetune train` checks before resuming)."""
     try:
-        unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(str(path))
-    except Exception as exc:  # not a torch.save zip, truncated, unreadable
-        raise ConvertError(f"{path}: cannot read ({exc})") from None
-    foreign = [name for name in unsafe if name not in DEEPSPEED_GLOBALS]
-    if foreign:
-        raise ConvertError(f"{path}: refused to load: it pickles {', '.join(foreign)}, which DeepSpeed checkpoints "
-                           "never hold; unpickling it could run code")
+        verify.refuse_foreign_globals(path)
+    except (verify.UnsafeCheckpoint, ValueError) as exc:
+        raise ConvertError(str(exc)) from None
 
 
 def _deepspeed_classes() -> list:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # importing deepspeed picks an accelerator; conversion is CPU work
     classes = []
-    for dotted in DEEPSPEED_GLOBALS:
+    for dotted in verify.DEEPSPEED_GLOBALS:
         module, _, name = dotted.rpartition(".")
         classes.append(getattr(importlib.import_module(module), name))
     return classes
