@@ -112,7 +112,7 @@ def _file_damage(path: Path) -> Optional[str]:
         except ValueError as exc:
             return f"not valid JSON ({exc})"
     elif path.suffix == ".safetensors":
-        return _safetensors_damage(path)
+        return safetensors_damage(path)
     elif path.suffix in PICKLE_SUFFIXES:
         try:
             with zipfile.ZipFile(path) as archive:
@@ -123,7 +123,8 @@ def _file_damage(path: Path) -> Optional[str]:
     return None
 
 
-def _safetensors_damage(path: Path) -> Optional[str]:
+def safetensors_damage(path: Path) -> Optional[str]:
+    """Why a safetensors file cannot be opened (header length, header JSON, data shorter than it says), or None."""
     size = path.stat().st_size
     with open(path, "rb") as handle:
         head = handle.read(8)

@@ -257,16 +257,24 @@ def load_chat_model(source: Source, device: str = "auto") -> ChatModel:
             if quant is not None:
                 kwargs["quantization_config"] = quant
                 kwargs["device_map"] = {"": 0 if device == "cuda" else "cpu"}
+    from finetune.use.files import FileProblem, check_adapter_dir, check_model_dir, loading
+
     try:
-        model = AutoModelForCausalLM.from_pretrained(source.model, **kwargs)
-    except (OSError, ValueError) as exc:
-        raise ChatError(f"cannot load the model {source.model}: {str(exc).splitlines()[0]}") from None
+        if Path(source.model).is_dir():
+            check_model_dir(Path(source.model))
+        if source.adapter is not None:
+            check_adapter_dir(source.adapter)
+    except FileProblem as exc:
+        raise ChatError(str(exc)) from None
+    model = loading(f"the model {source.model}", lambda: AutoModelForCausalLM.from_pretrained(source.model, **kwargs),
+                    ChatError)
     if "device_map" not in kwargs:
         model.to(device)
     if source.adapter is not None:
         from peft import PeftModel
 
-        model = PeftModel.from_pretrained(model, str(source.adapter))
+        model = loading(f"the adapter {source.adapter}", lambda: PeftModel.from_pretrained(model, str(source.adapter)),
+                        ChatError)
     model.eval()
     tokenizer = _load_tokenizer(source)
     fmt = source.fmt
@@ -295,11 +303,11 @@ def _load_tokenizer(source: Source):
                                        or (source.adapter / "tokenizer.json").is_file()):
         candidates.append(str(source.adapter))
     candidates.append(source.model)
+    from finetune.use.files import loading
+
     trust = bool(source.recipe and source.recipe.model.trust_remote_code)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(candidates[0], trust_remote_code=trust)
-    except (OSError, ValueError) as exc:
-        raise ChatError(f"cannot load the tokenizer from {candidates[0]}: {str(exc).splitlines()[0]}") from None
+    tokenizer = loading(f"the tokenizer from {candidates[0]}",
+                        lambda: AutoTokenizer.from_pretrained(candidates[0], trust_remote_code=trust), ChatError)
     if source.recipe is not None and source.recipe.data.chat_template and not source.tokenizer:
         tokenizer.chat_template = source.recipe.data.chat_template
     return tokenizer
@@ -377,12 +385,18 @@ def answer(chat: ChatModel, conversation: Conversation, user: str, *, max_new_to
     import torch
     from transformers import TextStreamer, set_seed
 
+    from jinja2 import TemplateError
+
     limit = context_limit(chat.model)
-    first, ids = 0, conversation.prompt_ids(user)
-    # The oldest turns leave when the conversation outgrows the model's context.
-    while limit is not None and len(ids) + 1 > limit - min(max_new_tokens, limit // 4) and first < len(conversation.turns):
-        first += 1
-        ids = conversation.prompt_ids(user, first)
+    try:
+        first, ids = 0, conversation.prompt_ids(user)
+        # The oldest turns leave when the conversation outgrows the model's context.
+        while limit is not None and len(ids) + 1 > limit - min(max_new_tokens, limit // 4) and first < len(conversation.turns):
+            first += 1
+            ids = conversation.prompt_ids(user, first)
+    except TemplateError as exc:  # a template error, or one the sandbox refuses (SecurityError)
+        raise ChatError(f"the chat template cannot render this conversation: {type(exc).__name__}: "
+                        f"{' '.join(str(exc).split())[:300]}") from None
     if limit is not None and len(ids) >= limit:
         raise ChatError(f"the prompt is {len(ids)} tokens; the model's context is {limit}")
     new_tokens = max_new_tokens if limit is None else min(max_new_tokens, limit - len(ids))
