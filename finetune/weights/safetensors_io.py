@@ -285,9 +285,9 @@ def check_disk_space(output: Path, need: int) -> None:
 def prepare_output(output: Path, need: int, log: Callable[[str], None]) -> None:
     """Before writing about `need` bytes into `output`: refuse when its disk cannot take them, and clear
     what an interrupted earlier write of this host left beside it (fsutil.remove_stale_partials)."""
-    check_disk_space(output, need)
-    for line in remove_stale_partials(output):
+    for line in remove_stale_partials(output):  # first: what it frees counts for the space check
         log(line)
+    check_disk_space(output, need)
 
 
 def prepare_shards(plan: Plan, output: Path, max_shard_size: int, log: Callable[[str], None]) -> list[str]:
