@@ -334,3 +334,14 @@ def test_next_steps_after_a_preference_run_do_not_offer_eval(tmp_path):
     assert not any("finetune eval" in line for line in next_steps_lines(tmp_path, ["adapter"], "dpo"))
     assert not any("finetune eval" in command for _, command in next_steps(tmp_path, {"objective": "dpo"}))
     assert any("finetune eval" in command for _, command in next_steps(tmp_path, {"objective": "sft"}))
+
+
+def test_preference_rows_refuse_unknown_roles_and_name_a_null_column():
+    """Issue 25 item 10: a role SFT refuses was trained in preference rows; a null column was "missing"."""
+    from finetune.data.preference import row_problem
+
+    turn = lambda role, text: [{"role": role, "content": text}]  # noqa: E731
+    row = {"prompt": turn("narrator", "Once"), "chosen": turn("assistant", "a"), "rejected": turn("assistant", "b")}
+    assert row_problem(row, "dpo") == "`prompt`[0]: unknown role `narrator` (known: system, user, assistant, tool)"
+    assert row_problem({"prompt": "q", "chosen": None, "rejected": "b"}, "dpo") == "`chosen` is null"
+    assert row_problem({"prompt": "q", "rejected": "b"}, "dpo").startswith("no `chosen` column")

@@ -9,7 +9,7 @@ from typing import List, Optional
 import typer
 
 from finetune.cli.common import SET_HELP, fail, load_or_exit, usable_path
-from finetune.rundir.run_dir import ADAPTER_DIR, RunDir
+from finetune.rundir.run_dir import ADAPTER_DIR, RunDir, command_line
 
 
 def train(
@@ -155,15 +155,16 @@ def next_steps_lines(run_dir: Path, saved: List[str], objective: str = "sft") ->
     preference objective: its loss over prompt/chosen/rejected rows is not a perplexity)."""
     steps = []
     if (run_dir / "report.html").is_file():
-        steps.append((f"open {run_dir / 'report.html'}", "loss plot, memory, config, versions"))
+        steps.append((command_line("open", run_dir / "report.html"), "loss plot, memory, config, versions"))
     if saved:
-        steps.append((f"finetune chat {run_dir}", "talk to it (--prompt TEXT for one answer)"))
+        steps.append((command_line("finetune", "chat", run_dir), "talk to it (--prompt TEXT for one answer)"))
         if objective == "sft":
-            steps.append((f"finetune eval {run_dir}", "loss and perplexity, base vs fine-tuned"))
+            steps.append((command_line("finetune", "eval", run_dir), "loss and perplexity, base vs fine-tuned"))
     if ADAPTER_DIR in saved:
-        steps.append((f"finetune merge {run_dir} -o merged/{run_dir.name}", "one model to serve (CPU, streaming)"))
+        steps.append((command_line("finetune", "merge", run_dir, "-o", f"merged/{run_dir.name}"),
+                      "one model to serve (CPU, streaming)"))
     if (run_dir / "tensorboard").is_dir():
-        steps.append((f"tensorboard --logdir {run_dir / 'tensorboard'}", "the curves, live"))
+        steps.append((command_line("tensorboard", "--logdir", run_dir / "tensorboard"), "the curves, live"))
     if not steps:
         return []
     width = max(len(command) for command, _ in steps)

@@ -17,6 +17,8 @@ import json
 from pathlib import Path
 from typing import Any, Iterator
 
+from finetune.data.formats import ROLES
+
 PAIRED = ("prompt", "chosen", "rejected")
 UNPAIRED = ("prompt", "completion", "label")
 MAX_PROBLEMS = 10
@@ -101,7 +103,10 @@ def row_problem(row: Any, objective: str) -> str | None:
     if not isinstance(row, dict):
         return f"expected an object with named columns, got {type(row).__name__}"
     wanted = columns_for(objective)
-    missing = [c for c in wanted if row.get(c) is None]
+    nulls = [c for c in wanted if c in row and row[c] is None]
+    if nulls:  # there, but null: not the same mistake as a column the file does not have
+        return f"{' and '.join(f'`{c}`' for c in nulls)} {'is' if len(nulls) == 1 else 'are'} null"
+    missing = [c for c in wanted if c not in row]
     if missing:
         found = ", ".join(f"`{k}`" for k in row) or "none"
         hint = "; kto rows are prompt/completion/label" if objective != "kto" and "completion" in row else \
@@ -133,6 +138,9 @@ def _kind(value: Any, column: str) -> tuple[str, str | None]:
             if not isinstance(message, dict) or not isinstance(message.get("role"), str) \
                     or not isinstance(message.get("content"), str):
                 return "messages", f"`{column}`[{i}] must be an object with text `role` and `content`"
+            if message["role"] not in ROLES:  # as SFT rows (finetune.data.formats): TRL would train it as text
+                return "messages", (f"`{column}`[{i}]: unknown role `{message['role'][:40]}` "
+                                    f"(known: {', '.join(ROLES)})")
         return "messages", None
     return "", f"`{column}` must be text or a list of {{role, content}} messages, got {type(value).__name__}"
 

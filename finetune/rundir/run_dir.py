@@ -192,6 +192,14 @@ def read_recipe(path: Path) -> "Recipe":
         raise RunDirError(f"{path}: cannot read the run's recipe: {_one_line(exc)}") from None
 
 
+def command_line(*words: Union[str, Path]) -> str:
+    """A command printed for the user to paste (`next:` lines, report.html): every word shell-quoted, so a
+    run directory named `$(touch PWNED)` is a name and not a command (issue 25)."""
+    import shlex
+
+    return " ".join(shlex.quote(str(word)) for word in words)
+
+
 def _one_line(exc: BaseException) -> str:
     """An exception's text on one line (pydantic and YAML errors span several)."""
     text = " ".join(part.strip() for part in str(exc).splitlines() if part.strip())

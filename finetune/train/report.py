@@ -118,22 +118,25 @@ def plan_estimate(run_dir: Path, world_size: int) -> tuple[Optional[dict[str, in
 
 def next_steps(run_dir: Path, summary: dict[str, Any]) -> list[tuple[str, str]]:
     """(what, command) pairs for what a user does after this run."""
-    run = str(run_dir)
-    name = run_dir.name
-    steps = [("chat with it", f"finetune chat {run}")]
+    from finetune.rundir.checkpoint import checkpoint_dirs
+    from finetune.rundir.run_dir import ADAPTER_DIR, RunDir, command_line
+
+    run = RunDir(run_dir)
+    steps = [("chat with it", command_line("finetune", "chat", run_dir))]
     if summary.get("objective", "sft") == "sft":  # a preference loss is not a perplexity
-        steps.append(("loss and perplexity, base vs fine-tuned", f"finetune eval {run}"))
+        steps.append(("loss and perplexity, base vs fine-tuned", command_line("finetune", "eval", run_dir)))
     output = summary.get("output")
-    if output == "adapter":
-        steps.append(("merge the adapter into the base (CPU, streaming)", f"finetune merge {run} -o merged/{name}"))
-    checkpoints = sorted((p for p in run_dir.glob("checkpoint-*") if p.name.split("-")[-1].isdigit()),
-                         key=lambda p: int(p.name.split("-")[-1]))
+    if output == ADAPTER_DIR:
+        steps.append(("merge the adapter into the base (CPU, streaming)",
+                      command_line("finetune", "merge", run_dir, "-o", f"merged/{run_dir.name}")))
+    checkpoints = checkpoint_dirs(run_dir)
     if checkpoints:
-        newest = checkpoints[-1]
-        steps.append((f"turn {newest.name} into an adapter or weights", f"finetune convert {newest} -o {run}/{newest.name}-hf"))
+        newest = checkpoints[-1][1]
+        steps.append((f"turn {newest.name} into an adapter or weights",
+                      command_line("finetune", "convert", newest, "-o", run_dir / f"{newest.name}-hf")))
         steps.append(("train further from the newest checkpoint (after raising training.max_steps or epochs)",
-                      f"finetune train {run}/recipe.yaml --force-resume"))
-    steps.append(("TensorBoard", f"tensorboard --logdir {run}/tensorboard"))
+                      command_line("finetune", "train", run.recipe_path, "--force-resume")))
+    steps.append(("TensorBoard", command_line("tensorboard", "--logdir", run_dir / "tensorboard")))
     return steps
 
 

@@ -40,7 +40,9 @@ from typing import Any, Optional
 
 from finetune.recipe import Recipe
 from finetune.rundir.layout import RunDirError, read_run_dir
-from finetune.rundir.run_dir import ADAPTER_CONFIG, ADAPTER_DIR, ENV_FILE, MODEL_DIR, SUMMARY_FILE, TOKENIZER_DIR
+from finetune.rundir.run_dir import (
+    ADAPTER_CONFIG, ADAPTER_DIR, ENV_FILE, MODEL_DIR, SUMMARY_FILE, TOKENIZER_DIR, command_line,
+)
 from finetune.train.dist import all_gather, barrier, is_cpu_accelerator
 from finetune.train.dist import rank as process_rank
 
@@ -385,7 +387,7 @@ def run(run_dir: Path, resume: bool = False) -> None:
         _log_main(True)(f"report: {run_dir / 'report.html'}")
         if saved == "zero_checkpoint":
             _log_main(True)("the weights are a ZeRO checkpoint (gather_16bit_weights_on_model_save is false): "
-                            f"run `finetune convert {run_dir}` for an adapter or model")
+                            f"run `{command_line('finetune', 'convert', run_dir)}` for an adapter or model")
     barrier()
 
 

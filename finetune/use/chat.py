@@ -22,7 +22,7 @@ from typing import Any, Callable, Optional
 
 from finetune.recipe import Recipe
 from finetune.rundir.run_dir import (
-    ADAPTER_CONFIG, ADAPTER_WEIGHTS, MERGED_RECIPE, MODEL_CONFIG, RunDir, RunDirError, read_recipe,
+    ADAPTER_CONFIG, ADAPTER_WEIGHTS, MERGED_RECIPE, MODEL_CONFIG, RunDir, RunDirError, command_line, read_recipe,
 )
 
 FORMATS = ("alpaca", "messages", "text")
@@ -110,14 +110,16 @@ def no_model_yet(run_dir: Path) -> str:
 
     checkpoints = checkpoint_dirs(run_dir)
     if checkpoints:
-        newest = checkpoints[-1][1]
+        step, newest = checkpoints[-1]
+        adapter = run_dir / f"adapter-{step}"
         return (f"{run_dir}: no adapter/ or model/ yet (the run has not finished). Its newest checkpoint can be "
-                f"converted: `finetune convert {newest} -o {run_dir}/adapter-{newest.name.split('-')[-1]}`, then "
-                f"`finetune chat {run_dir} --adapter {run_dir}/adapter-{newest.name.split('-')[-1]}`; "
+                f"converted: `{command_line('finetune', 'convert', newest, '-o', adapter)}`, then "
+                f"`{command_line('finetune', 'chat', run_dir, '--adapter', adapter)}`; "
                 f"or run `finetune train` again to finish it")
     if (run_dir / "zero_checkpoint").is_dir():
         return (f"{run_dir}: the weights are a ZeRO checkpoint (zero_checkpoint/); "
-                f"`finetune convert {run_dir}/zero_checkpoint -o OUT` turns them into an adapter or model")
+                f"`{command_line('finetune', 'convert', run_dir / 'zero_checkpoint', '-o', 'OUT')}` turns them "
+                f"into an adapter or model")
     return f"{run_dir}: no adapter/ or model/ yet and no checkpoint: the run has not trained (see {run_dir}/logs/)"
 
 
