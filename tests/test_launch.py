@@ -418,3 +418,45 @@ def test_a_real_rank_that_raises_is_named_with_its_exception(tmp_path):
     last = done.stderr.strip().splitlines()[-1]
     assert re.search(r"error: training failed: rank \d \(local rank \d\) on \S+ exited with code 1: "
                      r"SafetensorError: .*incomplete metadata", last), done.stderr[-3000:]
+
+
+def _error_file(path: Path, message: str, timestamp: int) -> None:
+    """An error.json as torch's @record writes it (torch/distributed/elastic/multiprocessing/errors)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"message": {"message": message, "extraInfo": {"py_callstack": "...",
+                                                                              "timestamp": str(timestamp)}}}))
+
+
+def _report(*failures: tuple[int, int, str]) -> str:
+    """torchrun's ChildFailedError report: (local rank, exit code, error file) per failure, root cause first."""
+    block = lambda i, r, c, f: (f"[{i}]:\n  time      : 2026-01-01_00:00:0{i}\n  host      : box\n"  # noqa: E731
+                                f"  rank      : {r} (local_rank: {r})\n  exitcode  : {c} (pid: 1{r})\n"
+                                f"  error_file: {f}\n  traceback : ...\n")
+    root, *others = failures
+    return ("Failures:\n" + "".join(block(i + 1, *f) for i, f in enumerate(others)) +
+            "Root Cause (first observed failure):\n" + block(0, *root) + "=" * 20 + "\n")
+
+
+@pytest.mark.parametrize("case", ["sigkill-rank1", "rank1-raises-later-than-rank0-notices"])
+def test_the_rank_that_failed_first_is_named_not_its_peer(tmp_path, case):
+    """Issue 25 item 7: rank 1 killed (or failing on a corrupt shard); rank 0 then fails in gloo."""
+    import types
+
+    from finetune.run.launch.outcome import torchrun_failures
+
+    attempt = tmp_path / "logs" / "torchrun" / "id_x" / "attempt_0"
+    gloo = "RuntimeError: [pair.cc:534] Connection closed by peer [127.0.0.1]:41772"
+    _error_file(attempt / "0" / "error.json", gloo, 100)
+    if case == "sigkill-rank1":
+        output = _report((0, 1, attempt / "0" / "error.json"), (1, -9, "<N/A>"))
+        expected = ("rank 1 (local rank 1) on box was killed by SIGKILL", None)
+    else:
+        shard = "RuntimeError: PytorchStreamReader failed reading zip archive: failed finding central directory"
+        _error_file(attempt / "1" / "error.json", shard, 101)
+        output = _report((0, 1, attempt / "0" / "error.json"), (1, 1, attempt / "1" / "error.json"))
+        expected = (None, shard)
+    plan = types.SimpleNamespace(run_dir=tmp_path, node_rank=0, procs_per_node=2)
+    failures = torchrun_failures(plan, output)
+    assert [f.rank for f in failures] == [1, 0]
+    describe, message = expected
+    assert failures[0].describe() == describe if describe else failures[0].message == message
