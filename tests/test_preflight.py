@@ -276,3 +276,53 @@ def test_printed_commands_are_shell_quoted(tmp_path):
         words = shlex.split(command)  # what a shell makes of the pasted line
         assert str(run) in words or any(w.startswith(str(run) + "/") for w in words), command
         assert command == " ".join(shlex.quote(word) for word in words), command  # every word quoted
+
+
+def _chat_recipe(workspace: Path, template: str, rows: list) -> Path:
+    write_jsonl(workspace / "chat.jsonl", rows)
+    path = workspace / "r.yaml"
+    path.write_text(f"model: {{name_or_path: ./model, dtype: float32}}\n"
+                    f"data: {{path: chat.jsonl, format: messages, chat_template: {json.dumps(template)}}}\n")
+    return path
+
+
+def _turns(i: int) -> dict:
+    return {"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]}
+
+
+def test_chat_template_is_rendered_on_every_row_not_only_the_first(workspace, no_launch):
+    """Issue 25 item 9: a template that fails on row 51 passed a check of the first 20 rows."""
+    template = ("{% for m in messages %}{% if m.content == 'q50' %}{{ raise_exception('no q50 here') }}{% endif %}"
+                "<{{ m.role }}>{{ m.content }}{% endfor %}")
+    result = train(_chat_recipe(workspace, template, [_turns(i) for i in range(60)]), "--output-dir", workspace / "out")
+    assert_refused(result, workspace / "out", "data.chat_template", "chat.jsonl:51", "no q50 here")
+
+
+def test_a_chat_template_that_renders_no_reply_is_refused(workspace, no_launch):
+    template = "{% for m in messages %}{% if m.role != 'assistant' %}<{{ m.role }}>{{ m.content }}{% endif %}{% endfor %}"
+    result = train(_chat_recipe(workspace, template, [_turns(i) for i in range(3)]), "--output-dir", workspace / "out")
+    assert_refused(result, workspace / "out", "chat.jsonl:1", "holds none of the assistant's replies")
+
+
+def test_a_chat_template_too_slow_for_one_row_is_refused_in_bounded_time(workspace, no_launch, monkeypatch):
+    import time
+
+    import finetune.run.preflight as preflight
+
+    monkeypatch.setattr(preflight, "TEMPLATE_ROW_SECONDS", 0.5)
+    template = ("{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}"
+                "{% for m in messages %}{{ m.content }}{% endfor %}")
+    started = time.monotonic()
+    result = train(_chat_recipe(workspace, template, [_turns(0)]), "--output-dir", workspace / "out")
+    assert time.monotonic() - started < 30
+    assert_refused(result, workspace / "out", "chat.jsonl:1", "did not finish rendering this conversation in 0.5 s")
+
+
+def test_the_template_check_stops_at_its_budget_and_says_so(workspace):
+    from finetune.run.preflight import Preflight, chat_template_step
+
+    template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+    recipe = load_recipe(_chat_recipe(workspace, template, [_turns(i) for i in range(50)])).recipe
+    result = Preflight()
+    chat_template_step(recipe, result, budget=0.0)
+    assert not result.errors and "data.chat_template: rendered on the first 0 row(s) in 0 s" in result.notes[0]

@@ -17,7 +17,6 @@ Nothing here writes into the run directory; launch happens only when `Preflight.
 
 from __future__ import annotations
 
-import itertools
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,7 +27,11 @@ from finetune.recipe.references import is_local, is_model_path
 from finetune.builtin import is_builtin
 from finetune.rundir.run_dir import RECIPE_FILE, RunDir
 
-SAMPLE_ROWS = 20  # rows a data.chat_template is rendered on before launch
+# data.chat_template is rendered on every row before launch, for at most TEMPLATE_BUDGET seconds in all (the
+# rest render in the ranks), and at most TEMPLATE_ROW_SECONDS for one row: a template that takes longer on one
+# conversation (nested loops over the messages) would take days over a dataset.
+TEMPLATE_BUDGET = 30.0
+TEMPLATE_ROW_SECONDS = 5.0
 
 
 @dataclass
@@ -138,30 +141,42 @@ _SPECIAL_TOKENS = {name: f"<{name}>" for name in ("bos_token", "eos_token", "unk
                                                    "cls_token", "mask_token")}
 
 
-def chat_template_step(recipe: Recipe, result: Preflight) -> None:
-    """Render data.chat_template on the first rows, the way the ranks will (transformers' sandboxed Jinja).
+def chat_template_step(recipe: Recipe, result: Preflight, budget: float = TEMPLATE_BUDGET) -> None:
+    """Render data.chat_template on every row, the way the ranks will (transformers' sandboxed Jinja), within
+    `budget` seconds.
 
-    A template the sandbox refuses (`__class__`, mutating a list) or that raises on this data otherwise
-    fails in every rank's data loading after launch, as one traceback per process.
+    A template the sandbox refuses (`__class__`, mutating a list), that raises on one row (row 51 as well as
+    row 1), that leaves out the assistant's reply, or that takes seconds per row otherwise fails (or trains
+    on nothing, or hangs) in every rank's data loading after launch.
     """
+    import time
+
     from finetune.data.formats import CHAT_FORMATS
     from finetune.data.sources import sources_of
 
     template = recipe.data.chat_template
     if not template:
         return
+    deadline = time.monotonic() + budget
+    rendered = 0
     for source in sources_of(recipe.data):
         if source.format not in CHAT_FORMATS:
             continue
-        for where, messages in _sample_conversations(source):
-            problem = render_problem(template, messages, recipe.data.mask_prompt)
+        for where, messages in _conversations(source):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                result.notes.append(f"data.chat_template: rendered on the first {rendered} row(s) in {budget:.0f} s; "
+                                    f"the rest are rendered by the ranks")
+                return
+            problem = render_problem(template, messages, recipe.data.mask_prompt, min(left, TEMPLATE_ROW_SECONDS))
             if problem:
                 result.errors.append(f"data.chat_template: {where}: {problem}")
                 return
+            rendered += 1
 
 
-def _sample_conversations(source) -> Iterator[tuple[str, list]]:
-    """The first rows' conversations, as the format makes them (role names mapped)."""
+def _conversations(source) -> Iterator[tuple[str, list]]:
+    """Every row's conversation, as the format makes them (role names mapped)."""
     from finetune.data.formats import RowProblem, to_example
     from finetune.data.sources import SourceProblem, data_files
     from finetune.data.validate import Unreadable, iter_rows
@@ -171,7 +186,7 @@ def _sample_conversations(source) -> Iterator[tuple[str, list]]:
         return
     try:
         rows = iter_rows(data_files(Path(source.path).expanduser(), source.split)[0])
-        for where, row in itertools.islice(rows, SAMPLE_ROWS):
+        for where, row in rows:
             try:
                 yield where, to_example(row, source.spec).messages
             except (RowProblem, AttributeError):
@@ -180,7 +195,8 @@ def _sample_conversations(source) -> Iterator[tuple[str, list]]:
         return  # dataset_step reported it
 
 
-def render_problem(template: str, messages: list, mask_prompt: bool) -> Optional[str]:
+def render_problem(template: str, messages: list, mask_prompt: bool,
+                   seconds: float = TEMPLATE_ROW_SECONDS) -> Optional[str]:
     """Why `template` cannot render `messages` (as finetune.data.tokenize does), or None."""
     from jinja2 import TemplateSyntaxError
     from transformers.utils.chat_template_utils import render_jinja_template
@@ -190,15 +206,56 @@ def render_problem(template: str, messages: list, mask_prompt: bool) -> Optional
     calls = [(messages, False)]
     if mask_prompt:
         calls += [(messages[:i], True) for i, m in enumerate(messages) if i and isinstance(m, dict) and m.get("role") == "assistant"]
+    texts = []
     for conversation, generation_prompt in calls:
         try:
-            render_jinja_template([conversation], chat_template=template, add_generation_prompt=generation_prompt,
-                                  **_SPECIAL_TOKENS)
+            with _time_limit(seconds):
+                rendered, _ = render_jinja_template([conversation], chat_template=template,
+                                                    add_generation_prompt=generation_prompt, **_SPECIAL_TOKENS)
+            texts.append(rendered[0] if isinstance(rendered, list) and rendered else str(rendered))
         except TemplateSyntaxError as exc:
             return f"template line {exc.lineno}: {exc.message}"
+        except _TooSlow:
+            return (f"the template did not finish rendering this conversation in {seconds:g} s (loops over loops?); "
+                    f"tokenizing the dataset would take as long per row")
         except Exception as exc:  # noqa: BLE001 - the template is user code; anything it raises stops the ranks
-            return f"the template cannot render this conversation: {type(exc).__name__}: {exc}"
+            return f"the template cannot render this conversation: {type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
+    replies = [m["content"].strip() for m in messages
+               if isinstance(m, dict) and m.get("role") == "assistant" and isinstance(m.get("content"), str)
+               and m["content"].strip()]
+    if replies and not any(reply in texts[0] for reply in replies):
+        return ("the rendered conversation holds none of the assistant's replies (does the template skip "
+                "`assistant` messages?): the model would train on no reply")
     return None
+
+
+class _TooSlow(Exception):
+    pass
+
+
+def _time_limit(seconds: float):
+    """Interrupt the Python code inside after `seconds` (SIGALRM; only in the main thread, else no limit)."""
+    import contextlib
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
+        return contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def limit():
+        def expire(signum, frame):
+            raise _TooSlow()
+
+        previous = signal.signal(signal.SIGALRM, expire)
+        signal.setitimer(signal.ITIMER_REAL, max(seconds, 0.01))
+        try:
+            yield
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+
+    return limit()
 
 
 # ----------------------------------------------------------------------------------------------
