@@ -460,3 +460,22 @@ def test_the_rank_that_failed_first_is_named_not_its_peer(tmp_path, case):
     assert [f.rank for f in failures] == [1, 0]
     describe, message = expected
     assert failures[0].describe() == describe if describe else failures[0].message == message
+
+
+def test_a_rank_that_exits_with_its_own_one_line_error_is_named_with_it(tmp_path):
+    """Issue 25 item 8: a full disk is one line naming the device and the file, also in `finetune train`'s verdict."""
+    import errno
+    import types
+
+    from finetune.rundir.checkpoint import disk_error_message, mount_point
+    from finetune.run.launch.outcome import torchrun_failures
+
+    full = OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "run" / "checkpoint-4" / "shard.pt"))
+    message = disk_error_message(full, tmp_path / "run")
+    assert message.startswith(f"no space left on {mount_point(tmp_path)}: the output disk is full (writing {full.filename})")
+    attempt = tmp_path / "logs" / "torchrun" / "id_x" / "attempt_0"
+    (attempt / "0").mkdir(parents=True)
+    (attempt / "0" / "stderr.log").write_text(f"[rank0]: step 4\n[rank0]: error: rank 0 on box: {message}\n")
+    plan = types.SimpleNamespace(run_dir=tmp_path, node_rank=0, procs_per_node=2)
+    failures = torchrun_failures(plan, _report((0, 1, "<N/A>"), (1, -15, "<N/A>")))
+    assert [f.rank for f in failures] == [0, 1] and failures[0].message == message

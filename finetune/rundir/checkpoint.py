@@ -405,6 +405,20 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB"
 
 
+def mount_point(path: Path) -> str:
+    """The mount point of the file system holding `path` (what a user frees space on)."""
+    path = Path(path).absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        device = path.stat().st_dev
+        while path != path.parent and path.parent.stat().st_dev == device:
+            path = path.parent
+    except OSError:
+        pass
+    return str(path)
+
+
 _FULL = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
 
 
@@ -415,7 +429,8 @@ def disk_error_message(exc: BaseException, run_dir: Path) -> Optional[str]:
     code = getattr(exc, "errno", None)
     where = getattr(exc, "filename", None) or run_dir
     if code in _FULL:
-        return f"the output disk is full (writing {where}): free some space, then run the same command again to resume"
+        return (f"no space left on {mount_point(Path(where))}: the output disk is full (writing {where}); "
+                f"free some space, then run the same command again to resume")
     if code == errno.EROFS:
         return f"the output disk is read-only (writing {where}): remount it read-write or choose another --output-dir"
     if code == errno.EACCES and isinstance(exc, OSError):
@@ -426,7 +441,7 @@ def disk_error_message(exc: BaseException, run_dir: Path) -> Optional[str]:
         except OSError:
             free = None
         if free is not None and free < SPACE_MARGIN:
-            return (f"the output disk is full ({_gib(free)} free under {run_dir}): free some space, "
-                    f"then run the same command again to resume")
+            return (f"no space left on {mount_point(run_dir)}: the output disk is full ({_gib(free)} free under "
+                    f"{run_dir}); free some space, then run the same command again to resume")
         return f"writing a checkpoint under {run_dir} failed: {str(exc).splitlines()[0]}"
     return None

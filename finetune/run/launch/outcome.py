@@ -193,7 +193,19 @@ def torchrun_failures(plan: LaunchPlan, output: str) -> list[RankFailure]:
     for failure in failures:
         if failure.message is None and failure.error_file:
             failure.message = read_error_file(Path(failure.error_file))
-    return sorted(failures, key=_consequence)  # stable: time order within each kind
+        if failure.message is None and attempt is not None:
+            failure.message = _own_error_line(attempt / str(failure.local_rank) / "stderr.log")
+    return sorted(failures, key=_consequence)
+
+
+def _own_error_line(log: Path) -> Optional[str]:
+    """The one line a rank printed before exiting 1 without an exception (finetune.train.preemption.exit_code_for:
+    a full disk, a checkpoint problem): "error: rank N on HOST: MESSAGE" -> MESSAGE."""
+    for line in reversed(_read_tail(log, 50).splitlines()):
+        match = re.match(r"(?:\[rank\d+\]:\s*)?error: rank \d+ on \S+: (.+)", line.strip())
+        if match:
+            return match.group(1)
+    return None  # stable: time order within each kind
 
 
 # A rank whose peer died fails in its next collective with one of these (gloo: "Connection reset by peer" /
