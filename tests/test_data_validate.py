@@ -288,7 +288,14 @@ def test_a_data_path_that_is_not_a_regular_file_is_refused_without_reading_it(tm
         os.mkfifo(path)  # opening it would block until a writer comes: never, here
     else:
         path.symlink_to("/dev/zero")  # endless: read whole, it never ends
-    found = messages(path, "alpaca")
+    import threading
+
+    done: list = []  # a reader that opens the FIFO blocks forever: look from a thread, give up after 20 s
+    reader = threading.Thread(target=lambda: done.append(messages(path, "alpaca")), daemon=True)
+    reader.start()
+    reader.join(20)
+    assert done, "validation hung reading the data path"
+    found = done[0]
     what = "a named pipe (FIFO)" if kind == "fifo" else "a character device"
     assert found == [f"{path}: {what}, not a regular file: give a data file (or a folder of them)"]
 
