@@ -12,6 +12,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, Optional
 
+from finetune.units import human_size
+
 # Inside every partial directory while it is written: who writes it, so that a later run can tell a
 # directory whose writer was killed (SIGKILL, power cut) from one that is still being written.
 OWNER_FILE = ".finetune-owner.json"
@@ -107,6 +109,30 @@ def atomic_dir(target: Path, overwrite: bool = False) -> Iterator[Path]:
         raise
 
 
+@contextmanager
+def publish_once(target: Path, complete: str, mode: Optional[int] = None) -> Iterator[Path]:
+    """Yield a temporary directory beside `target` to fill; on success it is renamed to `target`.
+
+    For caches whose every build is the same (a built-in model, tokenized data): when processes race,
+    the first rename wins and the others discard their copy, once `complete` (a file the finished
+    directory holds) shows the winner's copy is whole. Unlike atomic_dir, `target` is never replaced.
+    """
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent))
+    try:
+        if mode is not None:
+            os.chmod(tmp, mode)  # mkdtemp makes 0700
+        yield tmp
+        try:
+            os.rename(tmp, target)
+        except OSError:  # another process won the race (a non-empty `target`)
+            if not (target / complete).is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def remove_stale_partials(target: Path) -> list[str]:
     """Remove what writers of `target` that are gone left beside it: partial directories (`.NAME.PID.*.partial`,
     killed while writing or between the swap's renames) and replaced outputs (`.NAME.old-PID`, killed while
@@ -125,7 +151,7 @@ def remove_stale_partials(target: Path) -> list[str]:
         size = sum(f.stat().st_size for f in leftover.rglob("*") if f.is_file())
         shutil.rmtree(leftover, ignore_errors=True)
         if not leftover.exists():
-            removed.append(f"removed {leftover} ({size / 1e6:.1f} MB), left by process {owner[0]} which is gone")
+            removed.append(f"removed {leftover} ({human_size(size)}), left by process {owner[0]} which is gone")
     return removed
 
 

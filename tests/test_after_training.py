@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import run_cli
-from tests.train_fixtures import (REPO, TINY_RECIPES, assert_run_report, free_port, runner_env,
+from tests.train_fixtures import (REPO, TINY_RECIPES, assert_run_report, runner_env,
                                   write_run_dir)
 
 RECIPE = TINY_RECIPES / "lora_zero2.yaml"
@@ -33,12 +33,9 @@ def cli(*args: str, tiny_cache: Path, timeout: float = 600) -> subprocess.Comple
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory, tiny_cache):
-    """(run directory, `finetune train` result) of one short real run."""
-    out = tmp_path_factory.mktemp("trained") / "run"
-    result = cli("train", RECIPE, "--output-dir", out, "--master-port", free_port(), tiny_cache=tiny_cache)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return out, result
+def trained(shared_sft_run):
+    """(run directory, `finetune train` result) of one short real run (the session's shared SFT run)."""
+    return shared_sft_run
 
 
 @pytest.mark.slow

@@ -160,7 +160,7 @@ def test_a_head_that_scales_its_logits_is_refused():
 
 
 def test_chunk_count_is_fixed_by_the_largest_batch():
-    from finetune.train.loss import chunk_count, chunk_tokens
+    from finetune.plan.chunks import chunk_count, chunk_tokens
 
     assert chunk_tokens(128_256) == 523  # 256 MiB of fp32 logits
     assert chunk_count(4096, 128_256) == 8

@@ -541,4 +541,4 @@ def test_the_next_merge_removes_what_a_killed_merge_left(models, bf16_adapter, t
                                  "-o", str(tmp_path / "out")])
     assert result.exit_code == 0, result.output
     assert not old.exists() and not partial.exists() and live.exists()
-    assert f"removed {old} (0.0 MB), left by process {gone.pid} which is gone" in result.output
+    assert f"removed {old} (1.0 kB), left by process {gone.pid} which is gone" in result.output

@@ -1,6 +1,6 @@
 """Preference training for real (slow): the tiny model, the shipped preference data, CPU processes.
 
-- SFT -> DPO -> merge, chained in one test to share its runs: a 1-process SFT run; DPO continuing its adapter
+- SFT -> DPO -> merge, chained in one test to share its runs: the session's shared SFT run; DPO continuing its adapter
   (2 processes, LoRA, ZeRO-3) stopped by SIGTERM and resumed; rewards/margins and rewards/accuracies rise,
   summary.json and TensorBoard hold them; `finetune convert` of the last checkpoint gives the saved adapter;
   `finetune merge` gives a model whose logits are the run's.
@@ -74,17 +74,14 @@ def logits_of(model_dir_or_model, inputs: dict):
 
 
 @pytest.mark.slow
-def test_sft_then_dpo_stopped_resumed_converted_and_merged(tmp_path, cache):
+def test_sft_then_dpo_stopped_resumed_converted_and_merged(tmp_path, cache, shared_sft_run):
     import torch
     from safetensors.torch import load_file
 
     from finetune.rundir import checkpoint as ckpt
 
-    # 1. SFT: a LoRA adapter to continue from (one process, a few steps)
-    sft = tmp_path / "sft"
-    done = finetune_cli(*train_argv(TINY_RECIPES / "lora_zero2.yaml", sft, "training.max_steps=4",
-                                    "launch.procs_per_node=1")[3:], cache=cache)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    # 1. SFT: a LoRA adapter to continue from (the session's shared SFT run; nothing here writes into it)
+    sft = shared_sft_run[0]
 
     # 2. DPO from that adapter, 2 processes, ZeRO-3; SIGTERM after 5 steps
     dpo = tmp_path / "dpo"

@@ -30,10 +30,10 @@ from finetune.cli import app
 from finetune.recipe import load_recipe
 from finetune.rundir.layout import resolved_recipe, write_run_dir
 from tests.conftest import write_local_inputs
-from tests.train_fixtures import REPO, TINY_RECIPES, assert_run_report, os_free_port, runner_env
+from tests.conftest import SHARED_SFT_RECIPE, SHARED_SFT_SETS
+from tests.train_fixtures import REPO, assert_run_report, os_free_port, runner_env
 
-RECIPE = TINY_RECIPES / "lora_zero2.yaml"
-SETS = ("--set", "training.save_steps=4")
+RECIPE, SETS = SHARED_SFT_RECIPE, SHARED_SFT_SETS  # the reference is the session's shared run of exactly these
 STEPS = 12
 
 
@@ -95,20 +95,11 @@ class Run:
         self.finish()
 
 
-def run_to_end(out: Path, tiny_cache: Path, log: Path) -> subprocess.CompletedProcess:
-    result = subprocess.run(train_argv(out), cwd=REPO, env=runner_env(tiny_cache), capture_output=True, text=True,
-                            timeout=600)
-    log.write_text(result.stdout + result.stderr)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return result
-
-
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, tiny_cache):
-    """One uninterrupted run: what every interrupted and resumed run must end with."""
-    out = tmp_path_factory.mktemp("reference") / "run"
-    run_to_end(out, tiny_cache, out.parent / "log.txt")
-    return out
+def reference(shared_sft_run):
+    """One uninterrupted run: what every interrupted and resumed run must end with (the session's shared SFT
+    run: the same recipe and --set as train_argv)."""
+    return shared_sft_run[0]
 
 
 def adapter(run_dir: Path):
@@ -494,7 +485,7 @@ def test_a_second_run_into_a_live_run_directory_fails_fast_and_deletes_nothing(l
 
 def test_ranks_clean_up_incomplete_checkpoints_only_under_their_own_runs_lock(live_run, monkeypatch):
     pytest.importorskip("transformers")
-    from finetune.rundir.lock import OWNER_ENV, acquire
+    from finetune.rundir.lock import OWNER_ENV
     from finetune.train.preemption import discard_incomplete_if_owned
 
     out, pid = live_run

@@ -11,13 +11,20 @@ import sys
 
 import pytest
 
+from finetune.data.formats import RowSpec, alpaca
 from finetune.data.tokenize import (
-    IGNORE_INDEX, Collator, DataError, cache_key, format_alpaca, load_raw, pack, split_eval,
+    IGNORE_INDEX, Collator, DataError, cache_key, load_raw, pack, split_eval,
     tokenize_examples, tokenize_for_training,
 )
 from tests.train_fixtures import REPO
 
 DEMO = REPO / "recipes" / "data" / "demo_instructions.jsonl"
+
+
+def format_alpaca(example: dict) -> tuple[str, str]:
+    """(prompt, response) of one alpaca row, read by the format the tokenizer uses (finetune.data.formats)."""
+    prompted = alpaca(example, RowSpec())
+    return prompted.prompt, prompted.response
 
 
 @pytest.fixture(scope="session")

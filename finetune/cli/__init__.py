@@ -7,6 +7,7 @@ import sys
 import typer
 
 from finetune.cli.chat import chat
+from finetune.cli.common import handled
 from finetune.cli.convert import convert
 from finetune.cli.doctor import doctor
 from finetune.cli.eval import eval_command
@@ -49,10 +50,10 @@ def _main(version: bool = typer.Option(False, "--version", callback=_version, is
 
 # The order `finetune --help` lists them in.
 for _command in (lint, render, schema, merge, train, chat):
-    app.command()(_command)
-app.command("eval")(eval_command)
+    app.command()(handled(_command))
+app.command("eval")(handled(eval_command))
 for _command in (doctor, convert, plan, slurm):
-    app.command()(_command)
+    app.command()(handled(_command))
 
 
 def main() -> None:

@@ -36,23 +36,17 @@ def chat(
         you> Name a primary colour.
         Red.
     """
-    from finetune.use.chat import ChatError, Conversation, answer, load_chat_model, resolve_source
+    from finetune.use.chat import Conversation, answer, load_chat_model, resolve_source
 
     if path is None and base is None:
         raise fail("give a run directory, a model directory, or --base (and --adapter)", 2)
-    try:
-        source = resolve_source(path, base, adapter, fmt)
-        model = load_chat_model(source, device)
-    except ChatError as exc:
-        raise fail(str(exc)) from None
+    source = resolve_source(path, base, adapter, fmt)
+    model = load_chat_model(source, device)
     conversation = Conversation(model.tokenizer, model.fmt)
 
     def say(user: str) -> None:
-        try:
-            reply = answer(model, conversation, user, max_new_tokens=max_new_tokens, temperature=temperature,
-                           seed=seed, on_text=lambda text: typer.echo(text, nl=False))
-        except ChatError as exc:
-            raise fail(str(exc)) from None
+        reply = answer(model, conversation, user, max_new_tokens=max_new_tokens, temperature=temperature,
+                       seed=seed, on_text=lambda text: typer.echo(text, nl=False))
         typer.echo("")
         if reply.dropped_turns:
             typer.echo(f"(the {reply.dropped_turns} oldest turn(s) no longer fit the model's context and were left out)", err=True)

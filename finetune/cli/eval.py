@@ -33,14 +33,11 @@ def eval_command(
         fine-tuned      1.9520          7.04
     """
     from finetune.data.formats import FORMATS
-    from finetune.use.evaluate import EVAL_FILE, EvalError, evaluate
+    from finetune.use.evaluate import EVAL_FILE, evaluate
 
     if fmt is not None and fmt not in FORMATS:
         raise fail(f"--format {fmt}: unknown format (known: {', '.join(FORMATS)})", 2)
-    try:
-        result = evaluate(run_dir, data=data, device=device, batch_size=batch_size,
-                          log=lambda line: typer.echo(line, err=True), fmt=fmt)
-    except EvalError as exc:
-        raise fail(str(exc)) from None
+    result = evaluate(run_dir, data=data, device=device, batch_size=batch_size,
+                      log=lambda line: typer.echo(line, err=True), fmt=fmt)
     typer.echo(result.table(), nl=False)
     typer.echo(f"wrote {run_dir / EVAL_FILE}", err=True)

@@ -34,7 +34,8 @@ def merge(
     from finetune.weights.merge import merge as run_merge
     from finetune.weights.merge_inputs import resolve_inputs
     from finetune.weights.verify import verify as run_verify
-    from finetune.weights.safetensors_io import MergeError, human_size
+    from finetune.units import human_size
+    from finetune.weights.safetensors_io import MergeError
 
     if run_dir is None and (base is None or adapter is None):
         raise fail("give a run directory, or both --base and --adapter", 2)

@@ -8,7 +8,7 @@ from typing import List, Optional
 
 import typer
 
-from finetune.cli.common import SET_HELP, fail, load_or_exit, problems_exit
+from finetune.cli.common import SET_HELP, fail, load_or_exit
 
 
 def plan(
@@ -43,7 +43,7 @@ def plan(
         $ finetune plan recipes/llama3/8b_qlora_2x12gb.yaml --recommend
     """
     from finetune import plan as planner
-    from finetune.recipe import RecipeProblem, parse_size
+    from finetune.recipe import parse_size
 
     if fmt not in ("text", "json"):
         raise fail("--format must be text or json", 2)
@@ -52,23 +52,18 @@ def plan(
         cpu_bytes = parse_size(cpu_memory) if cpu_memory is not None else None
     except ValueError as exc:
         raise fail(f"--gpu-memory/--cpu-memory: {exc}", 2) from None
-    try:
-        sets = (overrides or []) + planner.flag_overrides(
-            model=model, method=method, zero=zero, offload_optimizer=offload_optimizer, offload_param=offload_param,
-            micro_batch=micro_batch, seq_len=seq_len, gradient_checkpointing=gradient_checkpointing,
-            lora_r=lora_r, lora_targets=lora_targets, attn=attn)
-        if recipe is not None:
-            the_recipe = load_or_exit(recipe, sets).recipe
-        else:
-            the_recipe = planner.recipe_without_file(sets)
-        setup = planner.setup_from_recipe(the_recipe, gpus, gpu_bytes, nodes, cpu_bytes, deepspeed=zero != "none",
-                                          data_lengths=recipe is not None and seq_len is None)
-        result = planner.plan(setup)
-        advice = planner.recommend(setup, the_recipe.training.gradient_accumulation_steps) if recommend else None
-    except RecipeProblem as exc:
-        raise problems_exit(exc) from None
-    except planner.PlanError as exc:
-        raise fail(str(exc)) from None
+    sets = (overrides or []) + planner.flag_overrides(
+        model=model, method=method, zero=zero, offload_optimizer=offload_optimizer, offload_param=offload_param,
+        micro_batch=micro_batch, seq_len=seq_len, gradient_checkpointing=gradient_checkpointing,
+        lora_r=lora_r, lora_targets=lora_targets, attn=attn)
+    if recipe is not None:
+        the_recipe = load_or_exit(recipe, sets).recipe
+    else:
+        the_recipe = planner.recipe_without_file(sets)
+    setup = planner.setup_from_recipe(the_recipe, gpus, gpu_bytes, nodes, cpu_bytes, deepspeed=zero != "none",
+                                      data_lengths=recipe is not None and seq_len is None)
+    result = planner.plan(setup)
+    advice = planner.recommend(setup, the_recipe.training.gradient_accumulation_steps) if recommend else None
     if fmt == "json":
         data = result.to_json()
         if advice is not None:

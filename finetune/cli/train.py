@@ -9,7 +9,7 @@ from typing import List, Optional
 import typer
 
 from finetune.cli.common import SET_HELP, fail, load_or_exit, usable_path
-from finetune.rundir.run_dir import ADAPTER_DIR, RunDir, command_line
+from finetune.rundir.run_dir import ADAPTER_DIR, REPORT_FILE, RunDir, command_line
 
 
 def train(
@@ -51,7 +51,7 @@ def train(
         finished: runs/demo (adapter in runs/demo/adapter)
     """
     from finetune.rundir.checkpoint import EXIT_PREEMPTED
-    from finetune.run.launch import LaunchError, commands_per_node, tail_of
+    from finetune.run.launch import commands_per_node, tail_of
     from finetune.run.start import prepare, start_run
 
     usable_path("--output-dir", output_dir)
@@ -94,7 +94,7 @@ def train(
     typer.echo(f"launching {plan.world_size} process{'es' if plan.world_size != 1 else ''} ({plan.device}): {plan.display()}", err=True)
     try:
         outcome = _run_with_display(prepared, start_run)
-    except (LaunchError, FileExistsError) as exc:
+    except FileExistsError as exc:
         raise fail(str(exc)) from None
     except OSError as exc:
         raise fail(f"cannot write the run directory {prepared.run_dir}: {exc.strerror or exc}") from None
@@ -154,8 +154,8 @@ def next_steps_lines(run_dir: Path, saved: List[str], objective: str = "sft") ->
     """What to do after a finished run, with the commands for this run directory (no `eval` after a
     preference objective: its loss over prompt/chosen/rejected rows is not a perplexity)."""
     steps = []
-    if (run_dir / "report.html").is_file():
-        steps.append((command_line("open", run_dir / "report.html"), "loss plot, memory, config, versions"))
+    if (run_dir / REPORT_FILE).is_file():
+        steps.append((command_line("open", run_dir / REPORT_FILE), "loss plot, memory, config, versions"))
     if saved:
         steps.append((command_line("finetune", "chat", run_dir), "talk to it (--prompt TEXT for one answer)"))
         if objective == "sft":

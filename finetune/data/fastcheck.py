@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import BinaryIO, Iterator, Optional
 
 from finetune.data.formats import CHAT_FORMATS, RowSpec
+from finetune.errors import FinetuneError
 
 BLOCK = 2**20  # bytes per parsed block: measured fastest of 1, 16 and 64 MiB (scripts/bench_validate.py)
 # Bytes per range: a bad row costs the row-by-row pass over one range (orjson: ~30 MB/s on a shared
@@ -27,7 +28,7 @@ RANGE = 16 * 2**20
 MAX_LINE = 64 * 2**20
 
 
-class LineTooLong(ValueError):
+class LineTooLong(FinetuneError):
     """Line `line` of a JSON lines file runs past MAX_LINE bytes without a newline."""
 
     def __init__(self, line: int):

@@ -21,6 +21,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Union
 
+from finetune.errors import FinetuneError
+
 ROLES = ("system", "user", "assistant", "tool")
 # ShareGPT as LLaMA-Factory, FastChat and axolotl write it.
 SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
@@ -39,7 +41,7 @@ ALPACA_PROMPT = "### Instruction:\n{instruction}\n\n### Response:\n"
 ALPACA_PROMPT_WITH_INPUT = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
 
 
-class RowProblem(ValueError):
+class RowProblem(FinetuneError, ValueError):
     """One row cannot be used: the message names the column (the caller adds file and line)."""
 
 

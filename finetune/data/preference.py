@@ -143,16 +143,3 @@ def _kind(value: Any, column: str) -> tuple[str, str | None]:
                                     f"(known: {', '.join(ROLES)})")
         return "messages", None
     return "", f"`{column}` must be text or a list of {{role, content}} messages, got {type(value).__name__}"
-
-
-def adapter_problem(reference: str) -> str | None:
-    """Why model.adapter (an SFT run directory or an adapter directory) cannot be continued from, or None."""
-    from finetune.rundir.run_dir import MODEL_CONFIG, RunDir, find_adapter, no_adapter_message
-
-    if find_adapter(reference) is not None:
-        return None
-    run = RunDir(Path(reference).expanduser())
-    if run.model_path.is_dir() or run.file(MODEL_CONFIG).is_file():
-        return ("holds full weights, not an adapter: continue a full fine-tune through model.name_or_path "
-                "(and method: full)")
-    return f"{no_adapter_message(reference)} (give an SFT run directory or an adapter directory)"

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from finetune.data.formats import RowSpec
+from finetune.errors import FinetuneError
 from finetune.recipe.references import DATA_SUFFIXES, is_local
 
 __all__ = ["DATA_SUFFIXES", "is_local"]  # the single definitions, in finetune.recipe.references
@@ -67,7 +68,7 @@ def is_arrow_dir(path: Path) -> bool:
     return path.is_dir() and ((path / ARROW_MARKER).is_file() or (path / SPLITS_MARKER).is_file())
 
 
-class SourceProblem(Exception):
+class SourceProblem(FinetuneError):
     """A source that cannot be read at all (missing, wrong type): the message names the path."""
 
 

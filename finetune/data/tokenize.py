@@ -20,32 +20,32 @@ of this run load it from there. The per-source report is saved beside it (mix.js
 Batching (`make_collator`): padded rows, packed rows, or one flattened row per micro batch
 (`data.padding_free`, and packing under flash attention), so that examples never attend to each other.
 
-This module imports `datasets` and torch only inside functions (finetune.builtin imports format_alpaca).
+This module imports `datasets` and torch only inside functions.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
-import shutil
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
 from finetune.data.formats import (
-    ALPACA_PROMPT, ALPACA_PROMPT_WITH_INPUT, Chat, Prompted, RowProblem, RowSpec, Text, alpaca_prompt, to_example,
+    ALPACA_PROMPT, ALPACA_PROMPT_WITH_INPUT, Chat, Prompted, RowProblem, RowSpec, Text, to_example,
 )
 from finetune.data.mix import MixError, Share, mixture, targets
-from finetune.data.sources import Source, data_files, is_arrow_dir, is_local, sources_of
+from finetune.data.sources import ARROW_MARKER, DATA_SUFFIXES, Source, data_files, is_arrow_dir, is_local, sources_of
+from finetune.errors import FinetuneError
+from finetune.fsutil import publish_once
 
 __all__ = ["ALPACA_PROMPT", "ALPACA_PROMPT_WITH_INPUT"]
 
 IGNORE_INDEX = -100  # transformers' CrossEntropyLoss ignore_index
-LOCAL_SUFFIXES = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+# datasets' builder for each data file type (.jsonl files are read by the json builder)
+LOCAL_SUFFIXES = {suffix: "json" if suffix == ".jsonl" else suffix[1:] for suffix in DATA_SUFFIXES}
 # Bump when tokenization changes, so caches written by an older version are never reused.
 TOKENIZE_VERSION = 2
 MIX_REPORT = "mix.json"
@@ -53,17 +53,8 @@ _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 _THINK = re.compile(r"<think>.*?</think>", re.DOTALL)
 
 
-class DataError(ValueError):
+class DataError(FinetuneError, ValueError):
     """Bad training data: the message names the file and what is wrong."""
-
-
-def format_alpaca(example: dict[str, Any]) -> tuple[str, str]:
-    """(prompt, response) text of one alpaca example (finetune chat prompts with it, output "")."""
-    instruction = example.get("instruction")
-    output = example.get("output")
-    if not isinstance(instruction, str) or not isinstance(output, str):
-        raise DataError("alpaca examples need string `instruction` and `output` fields")
-    return alpaca_prompt(instruction, example.get("input") or ""), output
 
 
 # ------------------------------------------------------------------------------------------------
@@ -82,7 +73,8 @@ def load_raw(path: str, split: str = "train"):
         if local.is_file():
             builder = LOCAL_SUFFIXES.get(local.suffix.lower())
             if builder is None:
-                raise DataError(f"{path}: unsupported data file type `{local.suffix}` (use .json, .jsonl, .parquet or .csv)")
+                raise DataError(f"{path}: unsupported data file type `{local.suffix}` "
+                                f"(use {', '.join(DATA_SUFFIXES[:-1])} or {DATA_SUFFIXES[-1]})")
             return datasets.load_dataset(builder, data_files=str(local), split="train")
         if local.is_dir():
             if is_arrow_dir(local):
@@ -310,7 +302,7 @@ def tokenize_for_training(data: dict[str, Any], tokenizer, cache_dir: Path, log:
 
     target = Path(cache_dir) / cache_key(data, tokenizer)
     max_length = int(data["max_length"])
-    if (target / "dataset_info.json").is_file():
+    if (target / ARROW_MARKER).is_file():
         log(f"tokenized data: cached in {target}")
         for report in _read_reports(target):
             log(report.line(max_length))
@@ -376,9 +368,9 @@ def _read_reports(target: Path) -> list[SourceReport]:
 
 def _every_interval(report: Callable[[int], None]) -> Callable[[int], None]:
     """report(done), at most once per progress interval (the live display asks for 1 s, logs get 15 s)."""
-    from finetune.run.progress import PROGRESS_ENV
+    from finetune.progress_env import progress_interval
 
-    interval = float(os.environ.get(PROGRESS_ENV) or 15)
+    interval = progress_interval()
     last = time.monotonic()
 
     def maybe_report(done: int) -> None:
@@ -392,19 +384,11 @@ def _every_interval(report: Callable[[int], None]) -> Callable[[int], None]:
 
 
 def _save_atomic(dataset, target: Path, extra: Optional[dict[str, str]] = None) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent))
-    try:
+    # another node's main process may win the race with the same content
+    with publish_once(target, ARROW_MARKER) as tmp:
         dataset.save_to_disk(str(tmp))
         for name, text in (extra or {}).items():
             (tmp / name).write_text(text, encoding="utf-8")
-        try:
-            os.rename(tmp, target)
-        except OSError:  # another node's main process won the race with the same content
-            if not (target / "dataset_info.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def split_eval(dataset, fraction: float, seed: int):

@@ -30,6 +30,7 @@ from typing import Any, BinaryIO, Iterator, Optional
 from finetune.data.fastcheck import MAX_LINE, LineTooLong, bounded_lines, clean_counts, line_ranges
 from finetune.data.formats import Chat, Prompted, RowProblem, Text, to_example
 from finetune.data.sources import Source, SourceProblem, data_files, is_local
+from finetune.errors import FinetuneError
 
 try:
     import orjson
@@ -47,7 +48,7 @@ MAX_PER_SOURCE = 1000
 ARROW_BATCH = 4096
 
 
-class Unreadable(Exception):
+class Unreadable(FinetuneError):
     """A problem that ends the reading of one file (bad JSON array, damaged parquet): file and position."""
 
 

@@ -11,8 +11,9 @@ import re
 from pathlib import Path
 from typing import Callable, Iterator
 
-from finetune.lint.ds_context import RawFinding  # one finding type for every rule module; key = recipe path here
+from finetune.lint.deepspeed.context import RawFinding  # one finding type for every rule module; key = recipe path here
 from finetune.recipe import LoadedRecipe
+from finetune.recipe.references import DATA_SUFFIXES, MODEL_CONFIG, is_local
 
 RULES: dict[str, str] = {
     "R001": "The file is not a readable YAML recipe (syntax, tags, duplicate keys, size, nesting).",
@@ -42,8 +43,6 @@ RULES: dict[str, str] = {
     "R119": "Data or training keys that preference objectives do not use (format, packing, mask_prompt, loss_kernel).",
     "R120": "`model.adapter` that cannot be continued from (objective sft, full fine-tune, missing adapter, a `lora` section it overrides).",
 }
-
-DATA_SUFFIXES = (".json", ".jsonl", ".parquet", ".csv")
 
 # transformers 5.x causal LMs whose forward takes no position_ids: ALiBi (bloom, mpt), recurrent state
 # (mamba, rwkv, xlstm) or encoder-decoder heads. Packed examples are kept apart only through restarting
@@ -200,12 +199,6 @@ def nvme_path(loaded: LoadedRecipe) -> Iterator[RawFinding]:
                          "set deepspeed.nvme_path: /local_nvme")
 
 
-def looks_local(path: str) -> bool:
-    """A data or model reference that is a local path rather than a hub id."""
-    p = Path(path)
-    return p.is_absolute() or path.startswith(("./", "../", "~")) or p.suffix in DATA_SUFFIXES or p.exists()
-
-
 def _source_keys(loaded: LoadedRecipe) -> list[tuple]:
     """The recipe key of each source: ("data",) for the shorthand, ("data", "sources", i) in a list."""
     sources = loaded.recipe.data.sources
@@ -217,7 +210,7 @@ def dataset_file(loaded: LoadedRecipe) -> Iterator[RawFinding]:
     from finetune.data.sources import sources_of
 
     for key, source in zip(_source_keys(loaded), sources_of(loaded.recipe.data)):
-        if not looks_local(source.path):
+        if not is_local(source.path):
             continue
         p = Path(source.path).expanduser()
         if p.suffix and p.suffix not in DATA_SUFFIXES and not p.is_dir():
@@ -265,7 +258,7 @@ def data_keys_ignored(loaded: LoadedRecipe) -> Iterator[RawFinding]:
 def duplicate_sources(loaded: LoadedRecipe) -> Iterator[RawFinding]:
     seen: dict[tuple[str, str], int] = {}
     for i, source in enumerate(loaded.recipe.data.sources or []):
-        ident = (str(Path(source.path).expanduser().resolve()) if looks_local(source.path) else source.path, source.split)
+        ident = (str(Path(source.path).expanduser().resolve()) if is_local(source.path) else source.path, source.split)
         if ident in seen:
             yield RawFinding("R117", "warning", ("data", "sources", i, "path"),
                              f"data.sources[{i}] repeats data.sources[{seen[ident]}] ({source.path})",
@@ -320,8 +313,8 @@ def launch_settings(loaded: LoadedRecipe) -> Iterator[RawFinding]:
 
 def _local_model_type(name_or_path: str) -> str | None:
     """model_type from a local model directory's config.json (lint never reaches the hub)."""
-    config = Path(name_or_path).expanduser() / "config.json"
-    if not looks_local(name_or_path) or not config.is_file():
+    config = Path(name_or_path).expanduser() / MODEL_CONFIG
+    if not is_local(name_or_path) or not config.is_file():
         return None
     try:
         value = json.loads(config.read_text()).get("model_type")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 from finetune.plan.archs import LAYER_LINEARS
+from finetune.plan.chunks import chunk_count
 from finetune.plan.preference import FUSED_LOGPROB_OBJECTIVES, fused_logprob_bytes, fused_logprob_note
 from finetune.plan.setup import Setup, Term
 
@@ -197,8 +198,6 @@ def logits_bytes(setup: Setup) -> int:
 
 def _loss_chunk(setup: Setup) -> int:
     """Tokens whose logits exist at once with loss_kernel: chunked (finetune/train/loss.py)."""
-    from finetune.train.loss import chunk_count
-
     tokens = setup.micro_batch * setup.seq_len
     assert setup.arch is not None
     return math.ceil(tokens / chunk_count(tokens, setup.arch.vocab, setup.loss_chunk_tokens))

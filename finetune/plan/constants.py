@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-
-GiB = 2**30
-MiB = 2**20
+from finetune.units import GiB, MiB  # noqa: F401  (re-exported: the planner's modules read them here)
 
 # DeepSpeed's defaults (deepspeed/runtime/zero/config.py: DeepSpeedZeroConfig), used when a value is
 # neither in the recipe nor `"auto"`.

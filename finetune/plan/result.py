@@ -6,8 +6,9 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from finetune.plan.archs import names
-from finetune.plan.constants import COUNTERS, FIELDS, GiB
+from finetune.plan.constants import COUNTERS, FIELDS
 from finetune.plan.setup import Setup, Term
+from finetune.units import gib
 
 
 @dataclass
@@ -201,10 +202,6 @@ class PlanResult:
         for note in self.notes:
             lines.append(f"note: {note}")
         return "\n".join(lines) + "\n"
-
-
-def gib(value: int) -> str:
-    return f"{value / GiB:.2f}"
 
 
 def _method_line(result: PlanResult) -> str:

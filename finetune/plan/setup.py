@@ -6,6 +6,7 @@ import functools
 from dataclasses import dataclass
 from typing import Optional
 
+from finetune.errors import FinetuneError
 from finetune.plan.archs import LAYER_LINEARS, Arch
 from finetune.plan.constants import (
     DS_MAX_LIVE_PARAMETERS, DS_MAX_REUSE_DISTANCE, DS_PARAM_PERSISTENCE_THRESHOLD, DS_PREFETCH_BUCKET_SIZE,
@@ -13,7 +14,7 @@ from finetune.plan.constants import (
 )
 
 
-class PlanError(ValueError):
+class PlanError(FinetuneError, ValueError):
     """Input the planner cannot work with (unknown model, bad option): one line for a human."""
 
 

@@ -11,11 +11,12 @@ from typing import Any, Optional, Union
 
 from pydantic import ValidationError
 
+from finetune.errors import FinetuneError
 from finetune.recipe.schema import Recipe, section_model
 from finetune.recipe.yamlio import DocumentError, load_yaml, read_text, shorten
 
 
-class RecipeProblem(Exception):
+class RecipeProblem(FinetuneError):
     """One or more problems in a recipe, each with file, line, column and key.
 
     `partial` is the recipe validated without the offending keys (None when that is impossible), so
@@ -26,6 +27,9 @@ class RecipeProblem(Exception):
         super().__init__("\n".join(p.render() for p in problems))
         self.problems = problems
         self.partial = partial
+
+    def lines(self) -> list[str]:
+        return [problem.render() for problem in self.problems]
 
 
 class Problem:

@@ -246,13 +246,16 @@ class DeepSpeedSection(_Section):
         return value
 
 
+LOOPBACK = "127.0.0.1"  # node 0 of a single-node run: nothing leaves the machine
+
+
 class LaunchSection(_Section):
     procs_per_node: Union[int, Literal["auto"]] = Field("auto", description="Processes per machine (auto: one per visible GPU, or cpu_procs without a GPU).")
     cpu_procs: int = Field(1, ge=1, le=MAX_PROCS, description="With procs_per_node: auto and no GPU visible: CPU processes on DeepSpeed's CPU accelerator (CI, demos).")
     nodes: int = Field(1, ge=1, le=MAX_PROCS, description="Number of machines.")
     node_rank: int = Field(0, ge=0, le=MAX_PROCS - 1, description="Rank of this machine (torchrun rendezvous).")
     hostfile: Optional[str] = Field(None, description="DeepSpeed hostfile (`host slots=N` lines); launches through the deepspeed launcher.")
-    master_addr: str = Field("127.0.0.1", description="Address of node 0.")
+    master_addr: str = Field(LOOPBACK, description="Address of node 0.")
     master_port: int = Field(29500, ge=1, le=65535, description="Rendezvous port on node 0.")
     launcher: Literal["auto", "torchrun", "deepspeed"] = Field("auto", description="auto: deepspeed with a hostfile, torchrun otherwise.")
     nccl_timeout: int = Field(1800, ge=60, le=MAX_SECONDS, description="Seconds a collective (NCCL/gloo) may wait for the other ranks before the run fails instead of hanging (ddp_timeout; deepspeed.init_distributed).")

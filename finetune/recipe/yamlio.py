@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from finetune.errors import FinetuneError
+
 Path_ = tuple  # a key path inside a document: ("deepspeed", "stage") or ("lora", "target_modules", 0)
 
 MAX_BYTES = 2 * 1024 * 1024  # a recipe is a few KB; a 2 MB "recipe" is a mistake
@@ -27,7 +29,7 @@ _STD = "tag:yaml.org,2002:"
 _SCALAR_TAGS = {_STD + t for t in ("str", "int", "float", "bool", "null", "timestamp", "binary")}
 
 
-class DocumentError(Exception):
+class DocumentError(FinetuneError):
     """A document could not be read at all. Carries a position for the report."""
 
     def __init__(self, message: str, line: int = 1, col: int = 1, key: str | None = None):

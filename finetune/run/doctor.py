@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Optional
 
 from finetune.run.requirements import extra_floors, python_requirement, satisfies
+from finetune.units import gib_text
 
 if TYPE_CHECKING:
     from finetune.recipe import Recipe
@@ -451,7 +452,7 @@ def render_text(facts: Facts, checks: list[Check]) -> str:
         nccl = f", NCCL {facts.nccl}" if facts.nccl else ""
         lines.append(f"{'torch':<14}{torch_version} ({cuda}{nccl}; GPU available: {'yes' if facts.cuda_available else 'no'})")
     for g in facts.gpus:
-        lines.append(f"{f'GPU {g.index}':<14}{g.name}, {g.memory_bytes / 2**30:.1f} GiB, "
+        lines.append(f"{f'GPU {g.index}':<14}{g.name}, {gib_text(g.memory_bytes, 1)}, "
                      f"sm_{g.capability[0]}{g.capability[1]}, {'bf16' if g.bf16 else 'no bf16'}")
     for package in PACKAGES:
         if package != "torch":

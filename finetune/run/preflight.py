@@ -25,6 +25,8 @@ from typing import Any, Iterator, Optional
 from finetune.recipe import LoadedRecipe, Recipe
 from finetune.recipe.references import is_local, is_model_path
 from finetune.builtin import is_builtin
+from finetune.recipe.references import MODEL_CONFIG
+from finetune.errors import FinetuneError
 from finetune.rundir.run_dir import RECIPE_FILE, RunDir
 
 # data.chat_template is rendered on every row before launch, for at most TEMPLATE_BUDGET seconds in all (the
@@ -229,8 +231,8 @@ def render_problem(template: str, messages: list, mask_prompt: bool,
     return None
 
 
-class _TooSlow(Exception):
-    pass
+class _TooSlow(FinetuneError):
+    """A render ran past its time limit (SIGALRM): reported as a finding, never raised to the user."""
 
 
 def _time_limit(seconds: float):
@@ -274,7 +276,7 @@ def model_step(recipe: Recipe, result: Preflight) -> None:
     if tokenizer and is_model_path(tokenizer) and not Path(tokenizer).expanduser().is_dir():
         result.errors.append(f"model.tokenizer {tokenizer}: directory does not exist")
     if recipe.model.adapter:
-        from finetune.data.preference import adapter_problem
+        from finetune.rundir.run_dir import adapter_problem
 
         problem = adapter_problem(recipe.model.adapter)
         if problem:
@@ -300,7 +302,7 @@ def _local_model(reference: str, key: str, result: Preflight) -> None:
         result.errors.append(f"{key} {reference}: directory does not exist")
     elif not path.is_dir():
         result.errors.append(f"{key} {reference}: expected a model directory (with config.json), got a file")
-    elif not (path / "config.json").is_file():
+    elif not (path / MODEL_CONFIG).is_file():
         result.errors.append(f"{key} {reference}: no config.json in this directory (is it a Hugging Face model folder?)")
     else:
         result.notes.append(f"model {reference}: local directory")
@@ -311,7 +313,7 @@ def _hub_note(repo_id: str, revision: Optional[str]) -> str:
     try:
         from huggingface_hub import try_to_load_from_cache
 
-        cached = try_to_load_from_cache(repo_id, "config.json", revision=revision)
+        cached = try_to_load_from_cache(repo_id, MODEL_CONFIG, revision=revision)
     except Exception:  # not a valid repo id, or huggingface_hub missing: the download will tell
         cached = None
     if isinstance(cached, str):

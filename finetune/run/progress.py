@@ -16,7 +16,8 @@ import re
 import sys
 from typing import Optional
 
-PROGRESS_ENV = "FINETUNE_PROGRESS_INTERVAL"  # seconds between rank 0's progress lines
+from finetune.progress_env import PROGRESS_ENV  # noqa: F401  (set by `finetune train` for its ranks)
+
 LIVE_INTERVAL = "1"
 _RANK_PREFIX = re.compile(r"^\[(?:rank|default)\d+\]:\s?")
 _PROGRESS = re.compile(r"^progress: step (\d+)/(\d+)")

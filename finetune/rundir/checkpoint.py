@@ -36,9 +36,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional
 
+from finetune.errors import FinetuneError
 from finetune.fsutil import write_atomic
 from finetune.rundir.names import CHECKPOINT_PREFIX, SUMMARY_FILE
 from finetune.rundir.resume_key import RESUME_KEY_FILE, changed_fields, read_resume_key, resume_fields
+from finetune.units import gib_text
 
 MARKER = "COMPLETE"
 STOP_RECORD = "stopped.json"
@@ -55,7 +57,7 @@ SPACE_FACTOR = 1.2
 SPACE_MARGIN = 256 * MIB
 
 
-class CheckpointError(Exception):
+class CheckpointError(FinetuneError):
     """A checkpoint cannot be written or read (disk full, read-only, not enough space)."""
 
 
@@ -396,13 +398,9 @@ def space_problem(run_dir: Path, estimate: int, free: Optional[int] = None) -> O
     free = free_bytes(run_dir) if free is None else free
     if free >= need:
         return None
-    return (f"not enough free space for the next checkpoint in {run_dir}: about {_gib(need)} needed "
-            f"(checkpoint ~{_gib(estimate)} + headroom), {_gib(free)} free; free some space or point "
+    return (f"not enough free space for the next checkpoint in {run_dir}: about {gib_text(need)} needed "
+            f"(checkpoint ~{gib_text(estimate)} + headroom), {gib_text(free)} free; free some space or point "
             f"--output-dir at a larger disk, then run the same command again to resume")
-
-
-def _gib(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB"
 
 
 def mount_point(path: Path) -> str:
@@ -441,7 +439,7 @@ def disk_error_message(exc: BaseException, run_dir: Path) -> Optional[str]:
         except OSError:
             free = None
         if free is not None and free < SPACE_MARGIN:
-            return (f"no space left on {mount_point(run_dir)}: the output disk is full ({_gib(free)} free under "
+            return (f"no space left on {mount_point(run_dir)}: the output disk is full ({gib_text(free)} free under "
                     f"{run_dir}); free some space, then run the same command again to resume")
         return f"writing a checkpoint under {run_dir} failed: {str(exc).splitlines()[0]}"
     return None

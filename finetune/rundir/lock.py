@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from finetune.errors import FinetuneError
+
 LOCK_FILE = ".finetune.lock"
 OWNER_ENV = "FINETUNE_RUN_OWNER"  # the holder's PID, for the ranks it starts (finetune.train.preemption)
 LOCK_ENV = "FINETUNE_RUN_LOCK"  # the lock file's name in the run directory, for the same ranks
@@ -25,7 +27,7 @@ def lock_name(nodes: int = 1, node_rank: int = 0) -> str:
     return LOCK_FILE if nodes <= 1 else f"{LOCK_FILE}.node{node_rank}"
 
 
-class RunDirLocked(Exception):
+class RunDirLocked(FinetuneError):
     """Another live run owns the run directory (message names its PID and host)."""
 
 

@@ -25,13 +25,15 @@ if TYPE_CHECKING:
     from finetune.rundir.checkpoint import Checkpoint
     from finetune.rundir.lock import RunLock
 
+from finetune.errors import FinetuneError
 from finetune.rundir.names import (  # noqa: F401 (re-exported: the names belong to RunDir)
     ADAPTER_CONFIG, ADAPTER_DIR, ADAPTER_WEIGHTS, CHECKPOINT_PREFIX, DEEPSPEED_FILE, ENV_FILE, LOGS_DIR, MERGED_RECIPE,
-    MODEL_CONFIG, MODEL_DIR, RECIPE_FILE, RUN_INPUTS, SUMMARY_FILE, TOKENIZER_DIR, TRAINING_ARGS_FILE,
+    MODEL_CONFIG, MODEL_DIR, PLOT_FILE, RECIPE_FILE, REPORT_FILE, RUN_INPUTS, SUMMARY_FILE, TOKENIZER_DIR,
+    TRAINING_ARGS_FILE,
 )
 
 
-class RunDirError(ValueError):
+class RunDirError(FinetuneError):
     """A run directory is missing a file, or holds one that cannot be read (the message names the file)."""
 
 
@@ -56,6 +58,17 @@ def no_adapter_message(path: Union[str, Path]) -> str:
     """Why `path` holds no adapter: the one sentence every command prints."""
     path = Path(path).expanduser()
     return f"no {ADAPTER_CONFIG} in {path} or {path / ADAPTER_DIR}"
+
+
+def adapter_problem(reference: str) -> Optional[str]:
+    """Why model.adapter (an SFT run directory or an adapter directory) cannot be continued from, or None."""
+    if find_adapter(reference) is not None:
+        return None
+    run = RunDir(Path(reference).expanduser())
+    if run.model_path.is_dir() or run.file(MODEL_CONFIG).is_file():
+        return ("holds full weights, not an adapter: continue a full fine-tune through model.name_or_path "
+                "(and method: full)")
+    return f"{no_adapter_message(reference)} (give an SFT run directory or an adapter directory)"
 
 
 class RunDir:

@@ -23,6 +23,8 @@ import zipfile
 from pathlib import Path
 from typing import Optional
 
+from finetune.errors import FinetuneError
+
 # The classes DeepSpeed pickles into ZeRO checkpoints beside tensors and plain containers. Found by
 # listing the globals of the ZeRO-1/2/3 LoRA and full checkpoints tests/merge_fixtures.py trains
 # (torch.serialization.get_unsafe_globals_in_checkpoint); DynamicLossScaler is what fp16 runs store
@@ -47,7 +49,7 @@ PICKLE_SUFFIXES = (".pt", ".pth", ".bin", ".pkl")
 NEVER_LOADED = ("training_args.bin",)
 
 
-class UnsafeCheckpoint(Exception):
+class UnsafeCheckpoint(FinetuneError):
     """A checkpoint file pickles a global outside the allow-list (the message names the file and the global)."""
 
 

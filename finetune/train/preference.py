@@ -23,6 +23,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from finetune.data.preference import columns_for
 from finetune.recipe import Recipe
 
 # objective -> (module, config class, trainer class)
@@ -32,8 +33,6 @@ TRAINERS = {
     "orpo": ("trl.experimental.orpo", "ORPOConfig", "ORPOTrainer"),
     "simpo": ("trl.experimental.cpo", "CPOConfig", "CPOTrainer"),
 }
-PAIRED_COLUMNS = ("prompt", "chosen", "rejected")
-KTO_COLUMNS = ("prompt", "completion", "label")
 # What summary.json keeps, first and last value: the reward statistics every preference trainer logs, and
 # the objective's own terms (ORPO's NLL and log odds, KTO's KL estimate).
 METRIC_PREFIXES = ("rewards/", "logps/")
@@ -41,7 +40,7 @@ METRIC_NAMES = ("nll_loss", "log_odds_ratio", "log_odds_chosen", "kl")
 
 
 def columns(recipe: Recipe) -> tuple[str, ...]:
-    return KTO_COLUMNS if recipe.objective == "kto" else PAIRED_COLUMNS
+    return columns_for(recipe.objective)
 
 
 def _trl(recipe: Recipe) -> tuple[Any, Any]:

@@ -21,9 +21,9 @@ from pathlib import Path
 from typing import Any, Optional
 
 from finetune.fsutil import write_atomic
+from finetune.rundir.names import DEEPSPEED_FILE, PLOT_FILE, REPORT_FILE
+from finetune.units import gib_text
 
-PLOT_FILE = "loss.png"
-REPORT_FILE = "report.html"
 PLOT_HINT = "pip install matplotlib (or pip install 'finetune[train]')"
 
 
@@ -101,7 +101,7 @@ def _json(path: Path) -> Optional[Any]:
 
 
 def _gib(n: Optional[float]) -> str:
-    return "n/a" if n is None else f"{n / 2**30:.2f} GiB"
+    return "n/a" if n is None else gib_text(n)
 
 
 def plan_estimate(run_dir: Path, world_size: int) -> tuple[Optional[dict[str, int]], str]:
@@ -168,7 +168,7 @@ def memory_rows(summary: dict[str, Any], per_gpu: Optional[dict[str, int]]) -> l
 
 def render_report(run_dir: Path, plot_written: bool) -> str:
     run_dir = Path(run_dir)
-    from finetune.rundir.run_dir import DEEPSPEED_FILE, ENV_FILE, RECIPE_FILE, SUMMARY_FILE
+    from finetune.rundir.run_dir import ENV_FILE, RECIPE_FILE, SUMMARY_FILE
 
     summary = _json(run_dir / SUMMARY_FILE) or {}
     env = _json(run_dir / ENV_FILE) or {}
@@ -217,7 +217,7 @@ def render_report(run_dir: Path, plot_written: bool) -> str:
                           _table(memory, ("rank", "planned (per GPU)", "measured peak", "measured as")) + note))
     parts.append(_section("Next", _table([(w, c) for w, c in next_steps(run_dir, summary)], ("what", "command"))))
     parts.append(_section("Recipe (recipe.yaml, resolved)", _pre(recipe_text)))
-    parts.append(_section(f"DeepSpeed config ({ds_path.name if ds_path.is_file() else 'deepspeed.json'})", _pre(ds_text)))
+    parts.append(_section(f"DeepSpeed config ({ds_path.name if ds_path.is_file() else DEEPSPEED_FILE})", _pre(ds_text)))
     versions = env.get("versions") or {}
     rows = [(k, str(v)) for k, v in versions.items()] + [("cuda", str(env.get("cuda"))), ("platform", str(env.get("platform")))]
     parts.append(_section("Versions", _table(rows, ("library", "version"))))

@@ -41,7 +41,7 @@ from typing import Any, Optional
 from finetune.recipe import Recipe
 from finetune.rundir.layout import RunDirError, read_run_dir
 from finetune.rundir.run_dir import (
-    ADAPTER_CONFIG, ADAPTER_DIR, ENV_FILE, MODEL_DIR, SUMMARY_FILE, TOKENIZER_DIR, command_line,
+    ADAPTER_CONFIG, ADAPTER_DIR, ENV_FILE, MODEL_DIR, REPORT_FILE, SUMMARY_FILE, TOKENIZER_DIR, command_line,
 )
 from finetune.train.dist import all_gather, barrier, is_cpu_accelerator
 from finetune.train.dist import rank as process_rank
@@ -329,7 +329,8 @@ def run(run_dir: Path, resume: bool = False) -> None:
     else:  # the adapter is TRL's to add (peft_config), or continued from model.adapter; maybe a reference model
         model, peft_config, ref_model = preference.prepare_policy(model, recipe, model_path)
     if recipe.training.loss_kernel == "chunked":
-        from finetune.train.loss import chunk_count, use_chunked_loss
+        from finetune.plan.chunks import chunk_count
+        from finetune.train.loss import use_chunked_loss
 
         t = recipe.training
         use_chunked_loss(model, chunk_count(t.micro_batch_size * recipe.data.max_length, model.config.vocab_size,
@@ -345,10 +346,9 @@ def run(run_dir: Path, resume: bool = False) -> None:
     trainable, total = count_parameters(trainer.model)
     _log_main(is_main)(f"parameters: {trainable:,} trainable of {total:,} ({recipe.method})")
     if os.environ.get("TQDM_DISABLE"):  # output relayed line by line (see finetune.run.launch.supervision): plain progress lines
-        from finetune.run.progress import PROGRESS_ENV
+        from finetune.progress_env import progress_interval
 
-        # every second under `finetune train`'s live display (a terminal), else every 15 s
-        trainer.add_callback(ProgressLines(float(os.environ.get(PROGRESS_ENV) or 15)))
+        trainer.add_callback(ProgressLines(progress_interval()))
     checkpoint = resilience.checkpoint
     trainer.train(resume_from_checkpoint=checkpoint)
     resilience.raise_if_stopped()  # stopped by a signal: the checkpoint is complete; no final outputs
@@ -384,7 +384,7 @@ def run(run_dir: Path, resume: bool = False) -> None:
 
         for note in write_run_report(run_dir, trainer.state.log_history):
             _log_main(True)(note)
-        _log_main(True)(f"report: {run_dir / 'report.html'}")
+        _log_main(True)(f"report: {run_dir / REPORT_FILE}")
         if saved == "zero_checkpoint":
             _log_main(True)("the weights are a ZeRO checkpoint (gather_16bit_weights_on_model_save is false): "
                             f"run `{command_line('finetune', 'convert', run_dir)}` for an adapter or model")
@@ -432,19 +432,23 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
-    from finetune.builtin import BuiltinModelError
-    from finetune.data.tokenize import DataError
-    from finetune.train.loss import LossKernelError
+    from finetune.errors import FinetuneError
+    from finetune.rundir.checkpoint import EXIT_PREEMPTED, CheckpointError
     from finetune.train.shutdown import close_process_group
 
     try:
         run(args.run_dir.resolve(), resume=args.resume)
         close_process_group()
-    except (RunDirError, DataError, BuiltinModelError, LossKernelError) as exc:
+    except FinetuneError as exc:
+        if exc.exit_code == EXIT_PREEMPTED or isinstance(exc, CheckpointError):
+            from finetune.train.preemption import exit_code_for
+
+            return exit_code_for(exc, args.run_dir.resolve()) or 1  # the rank that stopped says so
         # The launcher shows rank 0's console; one line, no traceback, for problems in the inputs.
-        print(f"error: {exc}", file=sys.stderr, flush=True)
-        return 1
-    except Exception as exc:  # preempted (exit 75), or a full / read-only disk: one line, no traceback
+        for line in exc.lines():
+            print(line, file=sys.stderr, flush=True)
+        return exc.exit_code
+    except Exception as exc:  # a full / read-only disk: one line, no traceback
         from finetune.train.preemption import exit_code_for
 
         code = exit_code_for(exc, args.run_dir.resolve())

@@ -2,7 +2,7 @@
 
 The prompt is built the way the run trained, with the functions the trainer used
 (finetune.data.tokenize), so sampling and training cannot drift apart:
-- alpaca: BOS + the Alpaca prompt of finetune.data.tokenize.format_alpaca; the reply ends at EOS.
+- alpaca: BOS + the Alpaca prompt of finetune.data.formats.alpaca_prompt; the reply ends at EOS.
   Earlier turns go in front as whole training examples (prompt + reply + EOS), as packing lays them out.
 - messages: the tokenizer's chat template (the run's tokenizer/, which holds the recipe's template)
   with the generation prompt, tokenized without extra special tokens, as in training.
@@ -20,15 +20,17 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from finetune.errors import FinetuneError
 from finetune.recipe import Recipe
 from finetune.rundir.run_dir import (
     ADAPTER_CONFIG, ADAPTER_WEIGHTS, MERGED_RECIPE, MODEL_CONFIG, RunDir, RunDirError, command_line, read_recipe,
 )
+from finetune.units import gib_text
 
 FORMATS = ("alpaca", "messages", "text")
 
 
-class ChatError(ValueError):
+class ChatError(FinetuneError, ValueError):
     """A model that cannot be loaded or talked to: the message says why and what to do."""
 
 
@@ -231,8 +233,8 @@ def check_gpu_fits(source: Source, free_bytes: int, device_name: str) -> None:
     need, how = weights_estimate(source)
     # The weights plus a tenth for the KV cache, activations and the CUDA context of a short chat.
     if need is not None and need * 1.1 > free_bytes:
-        raise ChatError(f"the model needs about {need / 2**30:.1f} GiB for its weights ({how}); {device_name} has "
-                        f"{free_bytes / 2**30:.1f} GiB free. Chat on the CPU with --device cpu")
+        raise ChatError(f"the model needs about {gib_text(need, 1)} for its weights ({how}); {device_name} has "
+                        f"{gib_text(free_bytes, 1)} free. Chat on the CPU with --device cpu")
 
 
 def load_chat_model(source: Source, device: str = "auto") -> ChatModel:
@@ -356,15 +358,13 @@ class Conversation:
         return list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
 
     def _alpaca(self, turns: list[Turn], user: str) -> list[int]:
-        from finetune.data.tokenize import format_alpaca
+        from finetune.data.formats import alpaca_prompt
 
         eos = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
         ids: list[int] = []
         for turn in turns:
-            prompt, _ = format_alpaca({"instruction": turn.user, "output": ""})
-            ids += self.tokenizer(prompt, add_special_tokens=True)["input_ids"] + turn.reply_ids + eos
-        prompt, _ = format_alpaca({"instruction": user, "output": ""})
-        return ids + list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
+            ids += self.tokenizer(alpaca_prompt(turn.user), add_special_tokens=True)["input_ids"] + turn.reply_ids + eos
+        return ids + list(self.tokenizer(alpaca_prompt(user), add_special_tokens=True)["input_ids"])
 
 
 @dataclass

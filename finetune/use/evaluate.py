@@ -19,10 +19,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from finetune.errors import FinetuneError
+
 EVAL_FILE = "eval.json"
 
 
-class EvalError(ValueError):
+class EvalError(FinetuneError, ValueError):
     """The run or the data cannot be evaluated: the message says why."""
 
 
@@ -56,8 +58,10 @@ class EvalResult:
 
 
 def score(model, rows: list[dict[str, list[int]]], collator, device, batch_size: int = 8) -> Score:
-    """Token-weighted mean cross-entropy of `rows` (input_ids + labels, -100 not scored)."""
+    """Token-weighted mean cross-entropy of `rows` (input_ids + labels, IGNORE_INDEX not scored)."""
     import torch
+
+    from finetune.data.tokenize import IGNORE_INDEX
 
     total, count = 0.0, 0
     with torch.no_grad():
@@ -68,9 +72,9 @@ def score(model, rows: list[dict[str, list[int]]], collator, device, batch_size:
             # position t predicts token t + 1, as in transformers' ForCausalLMLoss
             shift_logits, shift_labels = logits[:, :-1], labels[:, 1:]
             loss = torch.nn.functional.cross_entropy(shift_logits.reshape(-1, shift_logits.size(-1)),
-                                                     shift_labels.reshape(-1), ignore_index=-100, reduction="sum")
+                                                     shift_labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum")
             total += float(loss)
-            count += int((shift_labels != -100).sum())
+            count += int((shift_labels != IGNORE_INDEX).sum())
     if count == 0:
         raise EvalError("no token to score (every label is masked)")
     mean = total / count

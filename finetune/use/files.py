@@ -11,12 +11,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable, TypeVar
 
+from finetune.errors import FinetuneError
 from finetune.rundir.names import ADAPTER_CONFIG, ADAPTER_WEIGHTS, MODEL_CONFIG
 
 T = TypeVar("T")
 
 
-class FileProblem(ValueError):
+class FileProblem(FinetuneError):
     """A file of a model or adapter directory that cannot be loaded (the message names it)."""
 
 

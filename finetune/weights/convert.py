@@ -40,7 +40,9 @@ from finetune.fsutil import atomic_dir, write_atomic
 from finetune.weights.lora_math import PEFT_PREFIX, lora_scaling
 from finetune.weights.safetensors_io import (CONFIG_FILES, DEFAULT_MAX_SHARD_SIZE, DTYPES, ST_TO_TORCH, TORCH_TO_ST, BaseTensor,
                                      MergeError, OnWrite, OutTensor, Plan, ShardWriter, WriteCounter, copy_tokenizer,
-                                     human_size, prepare_output, prepare_shards, sigterm_as_interrupt, write_index)
+                                     prepare_output, prepare_shards, sigterm_as_interrupt, write_index)
+from finetune.units import human_size
+from finetune.recipe.references import MODEL_CONFIG
 
 # Parameter names PEFT gives LoRA weights in the model (before the adapter name is stripped for saving).
 _LORA_PARAM = re.compile(r"\.(lora_A|lora_B|lora_embedding_A|lora_embedding_B|lora_magnitude_vector)\.([^.]+)(\.|$)")
@@ -325,10 +327,10 @@ def convert_full(ckpt: Checkpoint, output: Path, dtype, overwrite: bool, max_sha
             source = next((d / name for d in (ckpt.path, ckpt.path.parent / "model") if (d / name).is_file()), None)
             if source is not None:
                 shutil.copy2(source, tmp / name)
-        if dtype is not None and (tmp / "config.json").is_file():
-            _set_config_dtype(tmp / "config.json", dtype)
+        if dtype is not None and (tmp / MODEL_CONFIG).is_file():
+            _set_config_dtype(tmp / MODEL_CONFIG, dtype)
         _copy_tokenizer(ckpt, tmp)
-    if not (output / "config.json").is_file():
+    if not (output / MODEL_CONFIG).is_file():
         log(f"warning: no config.json in {ckpt.path}; copy the model's config.json into {output} to load it")
     return ConvertResult(output, "full", len(plan.tensors), plan.total_bytes, len(names),
                          str(ST_TO_TORCH[plan.tensors[0].dtype]) if plan.tensors else "-")

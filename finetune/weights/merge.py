@@ -35,8 +35,10 @@ from finetune.weights.lora_math import (Adapter, LoraUpdate, Workspace, orient_u
                                 tied_embedding)
 from finetune.weights.safetensors_io import (CONFIG_FILES, DEFAULT_MAX_SHARD_SIZE, DTYPES, TORCH_TO_ST, BaseModel, MergeError,
                                      ITEMSIZE, OnWrite, OutTensor, Plan, ShardWriter, TensorReader, WriteCounter,
-                                     copy_tokenizer, human_size, prepare_shards, read_base, sigterm_as_interrupt,
+                                     copy_tokenizer, prepare_shards, read_base, sigterm_as_interrupt,
                                      write_index)
+from finetune.units import human_size
+from finetune.recipe.references import MODEL_CONFIG
 
 
 # ------------------------------------------------------------------------------------------------
@@ -276,14 +278,14 @@ def copy_side_files(base: Path, tokenizer_sources: list[Path], out: Path, dtype:
         if (base / name).is_file():
             shutil.copy2(base / name, out / name)
     if dtype is not None:
-        config = json.loads((out / "config.json").read_text(encoding="utf-8"))
+        config = json.loads((out / MODEL_CONFIG).read_text(encoding="utf-8"))
         name = str(dtype).removeprefix("torch.")
         for key in ("dtype", "torch_dtype"):
             if key in config:
                 config[key] = name
         if "dtype" not in config and "torch_dtype" not in config:
             config["dtype"] = name
-        write_atomic(out / "config.json", json.dumps(config, indent=2) + "\n")
+        write_atomic(out / MODEL_CONFIG, json.dumps(config, indent=2) + "\n")
     copy_tokenizer([*tokenizer_sources, base], out)
     for source in tokenizer_sources:
         if RunDir(source).is_run():  # the run's data format: `finetune chat MERGED` prompts the same way

@@ -9,6 +9,7 @@ from typing import Optional
 
 from finetune.weights.safetensors_io import MergeError, read_json
 from finetune.builtin import is_builtin
+from finetune.recipe.references import MODEL_CONFIG
 from finetune.rundir.run_dir import (
     ADAPTER_CONFIG, ADAPTER_WEIGHTS, CHECKPOINT_PREFIX, RECIPE_FILE, RunDir, RunDirError, no_adapter_message,
 )
@@ -88,7 +89,7 @@ def _run_base(run_dir: Path, adapter: Path) -> Path:
 
 def base_local_dir(base: Path) -> None:
     if base.is_dir():
-        if not (base / "config.json").is_file():
+        if not (base / MODEL_CONFIG).is_file():
             raise MergeError(f"{base}: no config.json (not a transformers model directory)")
         return
     if base.exists():

@@ -31,13 +31,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from finetune.errors import FinetuneError
 from finetune.recipe import Recipe
+from finetune.recipe.schema import LOOPBACK
 
 RUNNER_MODULE = "finetune.train.runner"
 DEFAULT_MASTER_PORT = 29500  # torchrun's and DeepSpeed's default
 # Every rank's console line starts with its global rank (torchrun's default names the role instead).
 LOG_LINE_PREFIX = "[rank${rank}]: "
-LOCAL_HOSTS = {"localhost", "127.0.0.1", "::1"}
+LOCAL_HOSTS = {"localhost", LOOPBACK, "::1"}
 DEEPSPEED_ENV_FILE = "deepspeed.env"
 # Passed to the other nodes of a hostfile launch (DeepSpeed itself exports NCCL*, PYTHON*, UCX*, ...).
 # Never tokens: the file sits in the run directory, readable by the team; put HF_TOKEN in ~/.deepspeed_env.
@@ -46,7 +48,7 @@ PROPAGATED_ENV = ("TQDM_DISABLE", "DS_ACCELERATOR", "FINETUNE_CACHE", "HF_HOME",
                   "CUDA_DEVICE_ORDER", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT")
 
 
-class HostfileError(Exception):
+class HostfileError(FinetuneError):
     pass
 
 
@@ -63,7 +65,7 @@ class LaunchPlan:
     world_size: int
     device: str  # cuda or cpu
     notes: list[str] = field(default_factory=list)
-    master_addr: str = "127.0.0.1"
+    master_addr: str = LOOPBACK
     master_port: int = DEFAULT_MASTER_PORT
     stop_timeout: int = 300  # seconds the ranks get to save a checkpoint after a signal
     hosts: Optional[dict[str, int]] = None  # the hostfile's hosts used (deepspeed launcher)
@@ -195,7 +197,7 @@ def deepspeed_argv(recipe: Recipe, run_dir: Path, procs: int, master_port: int, 
         if not multi and hosts[0][0] in LOCAL_HOSTS:
             argv.append("--no_ssh_check")  # one local host: DeepSpeed would still ssh to it first
         # With several hosts and the default address, let DeepSpeed ask node 0 (`hostname -I` over ssh).
-        if not (multi and launch.master_addr == "127.0.0.1"):
+        if not (multi and launch.master_addr == LOOPBACK):
             argv += ["--master_addr", launch.master_addr]
     else:
         visible = [d for d in environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
@@ -213,7 +215,7 @@ def deepspeed_argv(recipe: Recipe, run_dir: Path, procs: int, master_port: int, 
     return argv, world
 
 
-def free_port(preferred: int, host: str = "127.0.0.1") -> int:
+def free_port(preferred: int, host: str = LOOPBACK) -> int:
     """`preferred` when nothing listens there, else a free port the OS picks (single-node runs only)."""
     for port in (preferred, 0):
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:

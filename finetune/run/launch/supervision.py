@@ -26,17 +26,18 @@ import time
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Optional
 
-from finetune.run.launch.commands import LOCAL_HOSTS, LaunchPlan, free_port
+from finetune.errors import FinetuneError
+from finetune.run.launch.commands import LOCAL_HOSTS, LOOPBACK, LaunchPlan, free_port
 from finetune.run.launch.outcome import LAUNCHER_ERROR_FILE, Outcome, judge, link_rank_logs
 
 if TYPE_CHECKING:
-    from finetune.run.extensions import BuildWatch
+    from finetune.run.deepspeed_ops import BuildWatch
 
 TAIL_LINES = 400  # launcher output kept in memory to read the failure report from
 POLL_SECONDS = 0.2
 
 
-class LaunchError(Exception):
+class LaunchError(FinetuneError):
     """The launcher could not be started at all."""
 
 
@@ -79,7 +80,7 @@ def supervise(plan: LaunchPlan, console: Optional[IO[bytes]] = None, keep_fds: t
         busy = outcome.port_in_use
         if busy is None or outcome.signal is not None or plan.nodes > 1 or attempt == PORT_RETRIES:
             return outcome
-        port = free_port(0, plan.master_addr if plan.master_addr in LOCAL_HOSTS else "127.0.0.1")
+        port = free_port(0, plan.master_addr if plan.master_addr in LOCAL_HOSTS else LOOPBACK)
         Relay._write(console, f"[finetune] port {busy} was taken before torchrun could bind it; "
                               f"starting again on port {port}\n".encode())
         _set_port(plan, port)
