@@ -156,7 +156,9 @@ def next_steps_lines(run_dir: Path, saved: List[str], objective: str = "sft") ->
     steps = []
     if (run_dir / REPORT_FILE).is_file():
         steps.append((command_line("open", run_dir / REPORT_FILE), "loss plot, memory, config, versions"))
-    if saved:
+    if saved and objective == "reward":  # a scoring head, not a chat model
+        steps.append((command_line("finetune", "eval", run_dir), "pairwise accuracy on its pairs, base vs trained"))
+    elif saved:
         steps.append((command_line("finetune", "chat", run_dir), "talk to it (--prompt TEXT for one answer)"))
         if objective == "sft":
             steps.append((command_line("finetune", "eval", run_dir), "loss and perplexity, base vs fine-tuned"))

@@ -77,7 +77,9 @@ def clean_counts(data: bytes, spec: RowSpec) -> Optional[list]:
         import pyarrow.json as pj
     except ImportError:
         return None
-    check = {"alpaca": _alpaca, "text": _text}.get(spec.format) or (_chat if spec.format in CHAT_FORMATS else None)
+    kind = spec.reader or spec.format
+    check = {"alpaca": _alpaca, "text": _text, "pairs": _pairs, "kto": _kto}.get(kind) or \
+        (_chat if kind in CHAT_FORMATS else None)
     if check is None:
         return None
     lengths = []
@@ -130,6 +132,30 @@ def _alpaca(batch, spec: RowSpec):
 def _text(batch, spec: RowSpec):
     text = _strings(batch, spec.column("text"), nonblank=True)
     return None if text is False else _length(text)
+
+
+def _pairs(batch, spec: RowSpec, answers: tuple[str, ...] = ("chosen", "rejected")):
+    """Text rows only (message lists go row by row): prompt a string (may be blank), answers non-blank."""
+    prompt = _strings(batch, spec.column("prompt"))
+    columns = [_strings(batch, spec.column(name), nonblank=True) for name in answers]
+    if prompt is False or any(c is False for c in columns):
+        return None
+    total = _length(prompt)
+    for column in columns:
+        total = total + _length(column)
+    return total
+
+
+def _kto(batch, spec: RowSpec):
+    import pyarrow as pa
+
+    name = spec.column("label")
+    if name not in batch.schema.names:
+        return None
+    label = batch.column(name)
+    if not pa.types.is_boolean(label.type) or label.null_count:
+        return None
+    return _pairs(batch, spec, ("completion",))
 
 
 def _chat(batch, spec: RowSpec):

@@ -12,6 +12,7 @@ from typing import Any, Optional
 
 from finetune.data.formats import RowSpec
 from finetune.errors import FinetuneError
+from finetune.objectives import get as objective_record
 from finetune.recipe.references import DATA_SUFFIXES, is_local
 
 __all__ = ["DATA_SUFFIXES", "is_local"]  # the single definitions, in finetune.recipe.references
@@ -36,21 +37,26 @@ class Source:
         return Path(self.path).name if is_local(self.path) else self.path
 
 
-def sources_of(data: Any) -> list[Source]:
-    """The sources of a recipe's data section (a pydantic DataSection or its dict dump)."""
+def sources_of(data: Any, objective: str = "sft") -> list[Source]:
+    """The sources of a recipe's data section (a pydantic DataSection or its dict dump). The objective decides
+    how rows read (finetune.objectives): a preference objective's own row format, GRPO's prompt reader."""
     get = data.get if isinstance(data, dict) else (lambda key, default=None: getattr(data, key, default))
     listed = get("sources")
-    if not listed:
-        return [Source(str(get("path")), get("split") or "train",
-                       RowSpec(get("format") or "alpaca", dict(get("columns") or {}), dict(get("roles") or {})))]
+    blocks = listed or [data]
     out = []
-    for item in listed:
+    for item in blocks:
         item_get = item.get if isinstance(item, dict) else (lambda key, default=None, item=item: getattr(item, key, default))
         out.append(Source(str(item_get("path")), item_get("split") or "train",
-                          RowSpec(item_get("format") or "alpaca", dict(item_get("columns") or {}),
-                                  dict(item_get("roles") or {})),
-                          item_get("weight"), item_get("samples")))
+                          row_spec(item_get("format"), item_get("columns"), item_get("roles"), objective),
+                          item_get("weight") if listed else None, item_get("samples") if listed else None))
     return out
+
+
+def row_spec(data_format: Optional[str], columns: Any, roles: Any, objective: str = "sft") -> RowSpec:
+    record = objective_record(objective)
+    if record.row_format and not record.data_formats:  # preference rows: data.format is not read
+        return RowSpec(record.row_format, dict(columns or {}), {})
+    return RowSpec(data_format or "alpaca", dict(columns or {}), dict(roles or {}), reader=record.row_format)
 
 
 def section_for_tokenizing(recipe: Any) -> dict[str, Any]:

@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import Any, BinaryIO, Iterator, Optional
 
 from finetune.data.fastcheck import MAX_LINE, LineTooLong, bounded_lines, clean_counts, line_ranges
-from finetune.data.formats import Chat, Prompted, RowProblem, Text, to_example
+from finetune.data import preference as _trl_rows  # noqa: F401 - registers the rows of TRL's objectives
+from finetune.data.formats import Chat, Columns, Prompted, RowProblem, Text, to_example
 from finetune.data.sources import Source, SourceProblem, data_files, is_local
 from finetune.errors import FinetuneError
 
@@ -165,8 +166,15 @@ def _characters(example: Any) -> int:
     if isinstance(example, Text):
         return len(example.text)
     if isinstance(example, Chat):
-        return sum(len(m["content"]) if isinstance(m.get("content"), str) else 0 for m in example.messages)
+        return _message_characters(example.messages)
+    if isinstance(example, Columns):  # a TRL row: its texts (the prompt once, each answer)
+        return sum(len(v) if isinstance(v, str) else _message_characters(v) if isinstance(v, list) else 0
+                   for v in example.values.values())
     return 0
+
+
+def _message_characters(messages: list) -> int:
+    return sum(len(m["content"]) if isinstance(m, dict) and isinstance(m.get("content"), str) else 0 for m in messages)
 
 
 def length_stats(lengths: array) -> Optional[dict[str, int]]:

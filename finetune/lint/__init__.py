@@ -128,7 +128,7 @@ def lint_recipe_file(path: Path, options: LintOptions) -> list[Finding]:
 def lint_loaded(loaded: LoadedRecipe, options: Optional[LintOptions] = None) -> LintResult:
     """Every check on an already loaded recipe (also used by `finetune train`'s preflight)."""
     from finetune.render import render_deepspeed, render_training_args
-    from finetune.lint import deepspeed, recipe_rules
+    from finetune.lint import deepspeed, objective_rules, recipe_rules  # noqa: F401 - objective_rules registers its rules
 
     options = options or LintOptions()
     recipe = loaded.recipe

@@ -39,9 +39,10 @@ RULES: dict[str, str] = {
     "R115": "A data mixture that cannot be built: weight and samples on one source, or weights on only some sources.",
     "R116": "A data key the source's format ignores (roles on alpaca/text, an unknown `columns` name, think or chat_template without a chat source).",
     "R117": "The same data source listed twice (its examples would count double in the mixture).",
-    "R118": "Preference settings the objective does not read (a `preference` key, a loss of another objective, a reference that cannot exist).",
-    "R119": "Data or training keys that preference objectives do not use (format, packing, mask_prompt, loss_kernel).",
+    "R118": "Objective settings the objective does not read (a `preference` or `grpo` key, a loss of another objective, a reference that cannot exist).",
+    "R119": "Data or training keys that TRL's objectives do not use (format, packing, mask_prompt, loss_kernel).",
     "R120": "`model.adapter` that cannot be continued from (objective sft, full fine-tune, missing adapter, a `lora` section it overrides).",
+    "R121": "GRPO rewards and batch that cannot work: no reward, a malformed `module:function`, weights, a built-in without its setting, a batch that does not hold whole groups.",
 }
 
 # transformers 5.x causal LMs whose forward takes no position_ids: ALiBi (bloom, mpt), recurrent state
@@ -236,17 +237,21 @@ def data_mixture(loaded: LoadedRecipe) -> Iterator[RawFinding]:
 def data_keys_ignored(loaded: LoadedRecipe) -> Iterator[RawFinding]:
     from finetune.data.formats import CHAT_FORMATS, DEFAULT_COLUMNS
 
+    from finetune.data.sources import sources_of
+
     data = loaded.recipe.data
     blocks = data.sources or [data]
-    for key, block in zip(_source_keys(loaded), blocks):
-        if block.roles and block.format not in CHAT_FORMATS:
-            yield RawFinding("R116", "warning", (*key, "roles"), f"roles are ignored by format {block.format}",
+    # The format each source is read with: a preference objective's own rows whatever data.format says.
+    formats = [source.spec.format for source in sources_of(data, loaded.recipe.objective)]
+    for key, block, fmt in zip(_source_keys(loaded), blocks, formats):
+        if block.roles and fmt not in CHAT_FORMATS:
+            yield RawFinding("R116", "warning", (*key, "roles"), f"roles are ignored by format {fmt}",
                              "remove roles, or set format: messages or sharegpt")
-        known = DEFAULT_COLUMNS.get(block.format, {})
+        known = DEFAULT_COLUMNS.get(fmt, {})
         for name in block.columns:
             if known and name not in known:
                 yield RawFinding("R116", "error", (*key, "columns", name),
-                                 f"format {block.format} reads no column called `{name}` (it reads {', '.join(known)})",
+                                 f"format {fmt} reads no column called `{name}` (it reads {', '.join(known)})",
                                  "the keys of columns are the format's names, the values your file's column names")
     chat = any(f in CHAT_FORMATS for f in data.source_formats())
     for name, active in (("think", data.think != "train"), ("chat_template", data.chat_template is not None)):
@@ -274,7 +279,7 @@ def eval_without_split(loaded: LoadedRecipe) -> Iterator[RawFinding]:
                          "set data.validation_split, e.g. 0.05")
 
 
-def _written_here(loaded: LoadedRecipe, *key: str) -> bool:
+def written_here(loaded: LoadedRecipe, *key: str) -> bool:
     """Written by this very file (or --set), not inherited through `extends`: a shared base may
     legitimately hold a `lora` section that a full fine-tune extending it does not use."""
     source = loaded.where(key)[0]
@@ -284,10 +289,10 @@ def _written_here(loaded: LoadedRecipe, *key: str) -> bool:
 @rule
 def ignored_sections(loaded: LoadedRecipe) -> Iterator[RawFinding]:
     method = loaded.recipe.method
-    if method != "qlora" and _written_here(loaded, "quantization"):
+    if method != "qlora" and written_here(loaded, "quantization"):
         yield RawFinding("R111", "warning", ("quantization",), f"`quantization` is ignored with method: {method}",
                          "remove it, or set method: qlora")
-    if method == "full" and _written_here(loaded, "lora"):
+    if method == "full" and written_here(loaded, "lora"):
         yield RawFinding("R111", "warning", ("lora",), "`lora` is ignored with method: full", "remove it, or set method: lora")
 
 
@@ -343,80 +348,6 @@ def packing_isolation(loaded: LoadedRecipe) -> Iterator[RawFinding]:
                          f"check the model's attention code, or set data.{mode}: false")
 
 
-# Which `preference` keys each objective reads (finetune/train/preference.py passes exactly these to TRL).
-PREFERENCE_KEYS = {
-    "dpo": {"beta", "loss_type", "label_smoothing", "reference"},
-    "kto": {"beta", "loss_type", "reference", "desirable_weight", "undesirable_weight"},
-    "orpo": {"beta", "max_completion_length"},
-    "simpo": {"beta", "label_smoothing", "max_completion_length", "simpo_gamma", "cpo_alpha"},
-}
-
-
-@rule
-def preference_keys(loaded: LoadedRecipe) -> Iterator[RawFinding]:
-    from finetune.recipe import DPO_LOSSES, KTO_LOSSES
-
-    r = loaded.recipe
-    written = loaded.raw.get("preference")
-    if not isinstance(written, dict) or not written:
-        written = {}
-    if r.objective == "sft":
-        if written:
-            yield RawFinding("R118", "error", ("preference",), "`preference` is only read by the preference objectives",
-                             "set objective: dpo (or orpo, kto, simpo), or remove the section")
-        return
-    used = PREFERENCE_KEYS[r.objective]
-    for key in written:
-        if key not in used:
-            users = [o for o, keys in PREFERENCE_KEYS.items() if key in keys]
-            yield RawFinding("R118", "error", ("preference", key),
-                             f"`preference.{key}` does nothing with objective: {r.objective}"
-                             + (f" (it is read by {', '.join(users)})" if users else ""), "remove it")
-    losses = {"dpo": DPO_LOSSES, "kto": KTO_LOSSES}.get(r.objective, ())
-    if "loss_type" in used and r.preference.loss_type is not None and r.preference.loss_type not in losses:
-        yield RawFinding("R118", "error", ("preference", "loss_type"),
-                         f"loss_type {r.preference.loss_type!r} is not a {r.objective} loss",
-                         f"use one of {', '.join(losses)}")
-    if "reference" in used:
-        yield from _reference_mode(loaded)
-
-
-def _reference_mode(loaded: LoadedRecipe) -> Iterator[RawFinding]:
-    r = loaded.recipe
-    ref = r.preference.reference
-    if ref.mode == "adapter_disabled" and r.method == "full":
-        yield RawFinding("R118", "error", ("preference", "reference", "mode"),
-                         "a full fine-tune has no adapter to switch off: its reference is a second model",
-                         "set preference.reference.mode: model (or precomputed)")
-    if ref.name_or_path is not None and ref.mode != "model":
-        yield RawFinding("R118", "error", ("preference", "reference", "name_or_path"),
-                         f"preference.reference.name_or_path is only loaded with mode: model (mode is {ref.mode})",
-                         "remove it, or set preference.reference.mode: model")
-
-
-# Data and training keys the SFT data path reads and TRL's preference trainers do not.
-PREFERENCE_IGNORED = {
-    ("data", "format"): "preference rows are recognised by their columns (prompt/chosen/rejected, or prompt/completion/label for kto)",
-    ("data", "sources"): "a preference objective reads one file or folder (data.path); mixtures are for sft",
-    ("data", "packing"): "TRL's preference trainers keep each pair apart in its own padded rows",
-    ("data", "padding_free"): "TRL's preference trainers keep each pair apart in its own padded rows",
-    ("data", "mask_prompt"): "the preference losses score only the answers",
-    ("training", "loss_kernel"): "TRL's preference trainers compute their own log-probabilities",
-    ("training", "loss_chunk_tokens"): "TRL's preference trainers compute their own log-probabilities",
-}
-
-
-@rule
-def preference_ignored_keys(loaded: LoadedRecipe) -> Iterator[RawFinding]:
-    if loaded.recipe.objective == "sft":
-        return
-    # Written by this file (or --set): a DPO recipe may extend an SFT one whose data section it replaces.
-    for key, why in PREFERENCE_IGNORED.items():
-        if _written_here(loaded, *key):
-            yield RawFinding("R119", "error", key, f"`{'.'.join(key)}` is not used with objective: "
-                             f"{loaded.recipe.objective}: {why}", "remove it")
-
-
 @rule
 def continued_adapter(loaded: LoadedRecipe) -> Iterator[RawFinding]:
     r = loaded.recipe
@@ -441,6 +372,6 @@ def continued_adapter(loaded: LoadedRecipe) -> Iterator[RawFinding]:
         # (and later than the recipe); `finetune train`'s preflight refuses to start without it.
         yield RawFinding("R120", "info", ("model", "adapter"),
                          f"{no_adapter_message(adapter)} here (`finetune train` will refuse to start)")
-    if _written_here(loaded, "lora"):
+    if written_here(loaded, "lora"):
         yield RawFinding("R120", "warning", ("lora",), "`lora` is ignored with model.adapter: the adapter keeps the "
                          "rank, alpha and target modules it was trained with", "remove the lora section")

@@ -6,7 +6,8 @@ import math
 
 from finetune.plan.archs import LAYER_LINEARS
 from finetune.plan.chunks import chunk_count
-from finetune.plan.preference import FUSED_LOGPROB_OBJECTIVES, fused_logprob_bytes, fused_logprob_note
+from finetune.plan.preference import (FUSED_LOGPROB_OBJECTIVES, SCORE_HEAD_OBJECTIVES, fused_logprob_bytes,
+                                      fused_logprob_note, score_head_bytes, score_head_note)
 from finetune.plan.setup import Setup, Term
 
 
@@ -188,6 +189,8 @@ def logits_bytes(setup: Setup) -> int:
     tokens = setup.micro_batch * setup.seq_len
     if setup.objective in FUSED_LOGPROB_OBJECTIVES:
         return fused_logprob_bytes(setup)
+    if setup.objective in SCORE_HEAD_OBJECTIVES:
+        return score_head_bytes(setup)
     if setup.loss_kernel == "liger":
         return liger_logits_bytes(setup)
     if setup.loss_kernel == "chunked":
@@ -229,6 +232,8 @@ def logits_note(setup: Setup) -> str:
     tokens = setup.micro_batch * setup.seq_len
     if setup.objective in FUSED_LOGPROB_OBJECTIVES:
         return fused_logprob_note(setup)
+    if setup.objective in SCORE_HEAD_OBJECTIVES:
+        return score_head_note(setup)
     if setup.loss_kernel == "liger":
         return (f"liger: {_liger_chunk(setup):,}-token chunk x vocab {arch.vocab:,} x {setup.element_bytes} B "
                 f"+ input gradient")

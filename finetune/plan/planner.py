@@ -11,7 +11,7 @@ from finetune.plan.constants import (
     FRAGMENTATION, NCCL_BUFFERS, PROCESS_RSS, MiB,
 )
 from finetune.plan.params import ParamGroup, four_bit_bytes, param_groups
-from finetune.plan.preference import reference_terms
+from finetune.plan.preference import generation_terms, reference_terms
 from finetune.plan.result import PlanResult
 from finetune.plan.setup import Setup, Term, overflow_as_plan_error
 from finetune.plan.states import (
@@ -29,6 +29,7 @@ def plan(setup: Setup) -> PlanResult:
     notes: list[str] = []
     terms += weight_terms(setup, groups, cpu, notes)
     terms += reference_terms(setup, trainable)
+    terms += generation_terms(setup)
     terms += gradient_and_optimizer_terms(setup, groups, trainable, cpu, notes)
     terms += buffer_terms(setup, groups, trainable, notes)
     complete = setup.arch is not None

@@ -203,6 +203,18 @@ def _rebase_paths(data: dict, base: Path) -> None:
             continue
         if value.startswith(("./", "../")) or _exists(base / value) or key == "hostfile":
             block[key] = _rebased(base, value)
+    _rebase_reward_files(data, base)
+
+
+def _rebase_reward_files(data: dict, base: Path) -> None:
+    """grpo.rewards[].function `file.py:function`: the file is relative to the recipe, like data paths."""
+    grpo = data.get("grpo")
+    for item in (grpo.get("rewards") if isinstance(grpo, dict) else None) or []:
+        value = item.get("function") if isinstance(item, dict) else None
+        if isinstance(value, str) and ".py:" in value:
+            file, _, function = value.rpartition(":")
+            if not Path(file).is_absolute():
+                item["function"] = f"{_rebased(base, file)}:{function}"
 
 
 def _exists(path: Path) -> bool:

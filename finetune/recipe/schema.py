@@ -9,6 +9,9 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from finetune import objectives
+from finetune.objectives import DPO_LOSSES, GRPO_LOSSES, KTO_LOSSES
+
 Dtype = Literal["bfloat16", "float16", "float32"]
 Offload = Literal["none", "cpu", "nvme"]
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
@@ -100,9 +103,11 @@ def known_roles(value: dict[str, str]) -> dict[str, str]:
     return value
 
 
-DataFormat = Literal["alpaca", "messages", "sharegpt", "text"]
+DataFormat = Literal["alpaca", "messages", "sharegpt", "text", "prompt"]
 _FORMAT_DOC = ("alpaca: instruction/input/output columns; messages: OpenAI-style list of {role, content} (system/user/assistant/tool); "
-               "sharegpt: `conversations` of {from, value} (human/gpt/system/function_call/observation); text: one `text` column.")
+               "sharegpt: `conversations` of {from, value} (human/gpt/system/function_call/observation); text: one `text` column; "
+               "prompt (objective grpo): a `prompt` column, text or messages. Preference objectives read their own rows "
+               "(prompt/chosen/rejected; kto: prompt/completion/label) and ignore format.")
 
 
 class SourceSection(_Section):
@@ -149,12 +154,7 @@ class DataSection(_Section):
         return [s.format for s in self.sources] if self.sources else [self.format]
 
 
-PREFERENCE_OBJECTIVES = ("dpo", "orpo", "kto", "simpo")
-# TRL's loss variants per objective (trl 1.16: DPOConfig.loss_type, KTOConfig.loss_type); ORPO has one loss,
-# SimPO is CPOConfig(loss_type="simpo").
-DPO_LOSSES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot",
-              "aot_unpaired", "apo_zero", "apo_down", "discopop", "sigmoid_norm")
-KTO_LOSSES = ("kto", "apo_zero_unpaired")
+PREFERENCE_OBJECTIVES = objectives.PREFERENCE
 
 
 class ReferenceSection(_Section):
@@ -185,6 +185,27 @@ class PreferenceSection(_Section):
             raise ValueError(f"unknown loss_type {value!r}" + (f", did you mean {guess[0]!r}?" if guess else "")
                              + f" (dpo: {', '.join(DPO_LOSSES)}; kto: {', '.join(KTO_LOSSES)})")
         return value
+
+
+class RewardSection(_Section):
+    function: str = Field(min_length=1, max_length=1000, description="A built-in reward (exact_match, number_match, regex, length, think_format) or your own `package.module:function` / `file.py:function` (relative to the recipe). README: GRPO.")
+    weight: float = Field(1.0, ge=-1000, le=1000, description="Weight of this reward in the sum GRPO scores a completion by.")
+    column: str = Field("answer", min_length=1, description="exact_match, number_match: the dataset column holding the reference answer.")
+    pattern: Optional[str] = Field(None, description="regex: 1.0 when the pattern matches the completion (re.search), else 0.0.")
+    target: Optional[int] = Field(None, ge=1, le=1_048_576, description="length: the completion length in tokens that scores 0; each token further away costs 1/target.")
+
+
+class GrpoSection(_Section):
+    num_generations: int = Field(8, ge=2, le=4096, description="Completions sampled per prompt (the group). micro_batch_size x gradient_accumulation_steps x processes must be a multiple of it.")
+    max_completion_length: int = Field(256, ge=1, le=1_048_576, description="Tokens generated per completion at most.")
+    temperature: float = Field(1.0, gt=0, le=100, description="Sampling temperature of the generations.")
+    beta: float = Field(0.0, ge=0, le=100, description="KL coefficient against the reference (the starting model); 0 (TRL's default) keeps no reference.")
+    loss_type: Literal[GRPO_LOSSES] = Field("dapo", description="TRL's GRPO loss: " + ", ".join(GRPO_LOSSES) + " (default dapo).")
+    scale_rewards: Literal["group", "batch", "none"] = Field("group", description="Advantages divided by the reward std of the group, of the batch, or not at all (Dr. GRPO).")
+    num_iterations: int = Field(1, ge=1, le=1000, description="Optimisation passes over each generated batch (mu).")
+    epsilon: float = Field(0.2, gt=0, lt=1, description="Clipping range of the policy ratio.")
+    rewards: list[RewardSection] = Field(default_factory=list, description="Reward functions, summed with their weights.")
+    vllm: Literal["off", "colocate", "server"] = Field("off", description="Generate with vLLM (needs vllm installed and a GPU); off: transformers' generate.")
 
 
 class TrainingSection(_Section):
@@ -292,8 +313,9 @@ class Recipe(_Section):
     name: Optional[str] = Field(None, description="Run name (default: the recipe's file name).")
     model: ModelSection = Field(description="The base model.")
     method: Literal["full", "lora", "qlora"] = Field("lora", description="full: every weight; lora: adapters on a frozen 16-bit base; qlora: adapters on a frozen 4-bit base.")
-    objective: Literal["sft", "dpo", "orpo", "kto", "simpo"] = Field("sft", description="sft: next-token loss on the data; dpo, orpo, kto, simpo: preference optimisation with TRL's trainers on prompt/chosen/rejected rows (kto: prompt/completion/label).")
-    preference: PreferenceSection = Field(default_factory=PreferenceSection, description="Preference objectives' settings (dpo, orpo, kto, simpo).")
+    objective: Literal[objectives.NAMES] = Field("sft", description=objectives.doc() + ".")
+    preference: PreferenceSection = Field(default_factory=PreferenceSection, description=f"Preference objectives' settings ({', '.join(objectives.PREFERENCE)}).")
+    grpo: GrpoSection = Field(default_factory=GrpoSection, description="objective grpo: generation, the GRPO loss and the reward functions (README: GRPO).")
     lora: LoraSection = Field(default_factory=LoraSection, description="LoRA adapter settings (lora and qlora).")
     quantization: QuantizationSection = Field(default_factory=QuantizationSection, description="4-bit quantization of the frozen base (qlora).")
     data: DataSection = Field(description="The training data.")

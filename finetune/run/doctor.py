@@ -332,8 +332,21 @@ def checks_for_recipe(recipe: "Recipe", facts: Optional[Facts] = None) -> list[C
             checks.append(Check("liger-kernel.zero3", "warn", "training.loss_kernel: liger reads the output head's "
                                 "weight directly, which ZeRO-3 keeps partitioned outside the head's own forward",
                                 "use training.loss_kernel: chunked with ZeRO-3"))
+    checks += vllm_checks(recipe.grpo.vllm, facts) if recipe.objective == "grpo" and recipe.grpo.vllm != "off" else []
     checks += device_checks(recipe, facts)
     checks += stop_timeout_checks(recipe, facts)
+    return checks
+
+
+def vllm_checks(mode: str, facts: Facts) -> list[Check]:
+    """grpo.vllm: TRL generates with vLLM, which needs vllm and a CUDA GPU (not run by this project)."""
+    checks = []
+    if package_version("vllm") is None:
+        checks.append(Check("vllm", "fail", f"grpo.vllm: {mode} needs vllm, which is not installed",
+                            "pip install vllm on a CUDA machine, or set grpo.vllm: off (transformers' generate)"))
+    if not (facts.cuda_available and facts.gpus):
+        checks.append(Check("vllm.gpu", "fail", f"grpo.vllm: {mode} needs a CUDA GPU; none is visible here",
+                            "set grpo.vllm: off (transformers' generate works on CPU too)"))
     return checks
 
 

@@ -79,6 +79,7 @@ def run_preflight(loaded: LoadedRecipe, run_dir: Path, overwrite: bool = False, 
         elif check.status == "info":
             result.notes.append(check.message)
     dataset_step(recipe, result)
+    rewards_step(recipe, result, world_size)
     chat_template_step(recipe, result)
     model_step(recipe, result)
     hostfile_step(recipe, result)
@@ -112,24 +113,35 @@ def lint_step(loaded: LoadedRecipe, result: Preflight, world_size: Optional[int]
 
 
 def dataset_step(recipe: Recipe, result: Preflight) -> None:
-    """Every row of every local source (finetune.data.validate); hub ids are read at launch."""
-    if recipe.objective != "sft":  # preference rows, every row of every file (finetune/data/preference.py)
-        from finetune.data.preference import check_data
-
-        notes, errors = check_data(recipe.data, recipe.objective)
-        result.notes += notes
-        result.errors += errors
-        return
+    """Every row of every local source (finetune.data.validate), read the way the objective reads it (SFT
+    formats, preference rows, GRPO prompts); hub ids are read at launch."""
     from finetune.data.sources import sources_of
     from finetune.data.validate import validate
 
-    checked = validate(sources_of(recipe.data))
+    checked = validate(sources_of(recipe.data, recipe.objective))
     for path in checked.skipped:
         result.notes.append(f"dataset {path}: a hub id, not checked here (read at launch; needs network)")
     result.errors.extend(f"dataset {message}" for message in checked.messages())
     if checked.ok:
         for check in checked.checks:
-            result.notes.append(f"dataset {check.source.path}: {check.source.format} format, all {check.rows} row(s) look right")
+            result.notes.append(f"dataset {check.source.path}: {check.rows} {check.source.format} row(s), all look right")
+
+
+def rewards_step(recipe: Recipe, result: Preflight, world_size: Optional[int] = None) -> None:
+    """GRPO: every reward function imported and called on the data's first row (finetune.rewards.preflight):
+    a bad one is one line naming it here, not a traceback in every rank after the model loaded. With the
+    process count known only now (procs_per_node: auto), the groups are checked again (lint R121)."""
+    if recipe.objective != "grpo":
+        return
+    from finetune.lint.objective_rules import group_problems
+    from finetune.rewards import preflight
+
+    if world_size and recipe.world_size is None:
+        result.errors += [f"{'.'.join(key)}: {message} (fix: {fix})" for key, message, fix in group_problems(recipe, world_size)]
+
+    notes, errors = preflight(recipe)
+    result.notes += notes
+    result.errors += errors
 
 
 # A conversation to render the template on when the dataset's rows cannot be read here (a hub id).

@@ -66,6 +66,11 @@ def load_model(recipe: Recipe, model_path: str):
     """The base causal LM in the recipe's dtype and attention kernel (4-bit for qlora)."""
     from transformers import AutoModelForCausalLM
 
+    return AutoModelForCausalLM.from_pretrained(model_path, **model_kwargs(recipe))
+
+
+def model_kwargs(recipe: Recipe) -> dict[str, Any]:
+    """from_pretrained's keyword arguments for the recipe: dtype, attention kernel, revision, 4-bit."""
     m = recipe.model
     kwargs: dict[str, Any] = {
         "dtype": torch_dtype(m.dtype),
@@ -79,7 +84,7 @@ def load_model(recipe: Recipe, model_path: str):
         # No device_map: bitsandbytes' quantizer places the model on the current CUDA device (set
         # per rank by TrainingArguments) or on the CPU.
         kwargs["quantization_config"] = quant
-    return AutoModelForCausalLM.from_pretrained(model_path, **kwargs)
+    return kwargs
 
 
 def lora_config(recipe: Recipe):
@@ -87,7 +92,8 @@ def lora_config(recipe: Recipe):
 
     lora = recipe.lora
     return LoraConfig(
-        task_type="CAUSAL_LM",
+        # A reward model's score head is new: SEQ_CLS makes peft train and save it (modules_to_save `score`).
+        task_type="SEQ_CLS" if recipe.objective == "reward" else "CAUSAL_LM",
         r=lora.r,
         lora_alpha=lora.alpha,
         lora_dropout=lora.dropout,

@@ -24,6 +24,8 @@ from finetune.fsutil import write_atomic
 from finetune.rundir.names import DEEPSPEED_FILE, PLOT_FILE, REPORT_FILE
 from finetune.units import gib_text
 
+REWARD_PLOT_FILE = "rewards.png"  # GRPO: mean reward (and each reward function), KL, completion length
+SAMPLES_FILE = "completions.jsonl"  # written by finetune.train.grpo.completion_samples
 PLOT_HINT = "pip install matplotlib (or pip install 'finetune[train]')"
 
 
@@ -79,6 +81,61 @@ def plot_loss(log_history: list[dict[str, Any]], path: Path, title: str = "") ->
     return True
 
 
+def reward_curves(log_history: list[dict[str, Any]]) -> dict[str, list[tuple[float, float]]]:
+    """(step, value) series of what GRPOTrainer logs per step: `reward`, `rewards/<name>/mean`, `kl`,
+    `completions/mean_length` (training entries only: those with a `loss`)."""
+    out: dict[str, list[tuple[float, float]]] = {}
+    for entry in log_history:
+        step = entry.get("step")
+        if step is None or "loss" not in entry:
+            continue
+        for key, value in entry.items():
+            wanted = key in ("reward", "kl", "completions/mean_length") or \
+                (key.startswith("rewards/") and key.endswith("/mean"))
+            if wanted and isinstance(value, (int, float)):
+                out.setdefault(key, []).append((float(step), float(value)))
+    return out
+
+
+def plot_rewards(log_history: list[dict[str, Any]], path: Path, title: str = "") -> bool:
+    """rewards.png for a GRPO run; False without matplotlib or without logged rewards."""
+    series = reward_curves(log_history)
+    if "reward" not in series:
+        return False
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    import io
+
+    fig, (top, middle, bottom) = plt.subplots(3, 1, figsize=(8, 7), sharex=True, height_ratios=[3, 1.2, 1.2])
+    try:
+        top.plot(*zip(*series["reward"]), label="mean reward (weighted sum)", color="tab:blue", linewidth=1.6)
+        for key, points in series.items():
+            if key.startswith("rewards/"):
+                top.plot(*zip(*points), label=key.split("/")[1], linewidth=1, alpha=0.7)
+        top.set_ylabel("reward")
+        top.legend(loc="best", fontsize="small")
+        top.set_title(title or "rewards")
+        for axis, key, label in ((middle, "kl", "KL to reference"), (bottom, "completions/mean_length", "completion tokens")):
+            if key in series:
+                axis.plot(*zip(*series[key]), color="tab:purple", linewidth=1.2)
+            axis.set_ylabel(label)
+            axis.grid(alpha=0.3)
+        top.grid(alpha=0.3)
+        bottom.set_xlabel("optimizer step")
+        fig.tight_layout()
+        buffer = io.BytesIO()
+        fig.savefig(buffer, format="png", dpi=100)
+    finally:
+        plt.close(fig)
+    write_atomic(Path(path), buffer.getvalue())
+    return True
+
+
 # ------------------------------------------------------------------------------------------------
 # report.html
 
@@ -98,6 +155,19 @@ def _json(path: Path) -> Optional[Any]:
         return json.loads(text)
     except json.JSONDecodeError:
         return None
+
+
+def _jsonl(path: Path) -> list[dict[str, Any]]:
+    text = _read(path) or ""
+    out = []
+    for line in text.splitlines():
+        try:
+            item = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(item, dict):
+            out.append(item)
+    return out
 
 
 def _gib(n: Optional[float]) -> str:
@@ -122,8 +192,12 @@ def next_steps(run_dir: Path, summary: dict[str, Any]) -> list[tuple[str, str]]:
     from finetune.rundir.run_dir import ADAPTER_DIR, RunDir, command_line
 
     run = RunDir(run_dir)
-    steps = [("chat with it", command_line("finetune", "chat", run_dir))]
-    if summary.get("objective", "sft") == "sft":  # a preference loss is not a perplexity
+    objective = summary.get("objective", "sft")
+    if objective == "reward":  # a scoring head, not a chat model
+        steps = [("pairwise accuracy on its pairs, base vs trained", command_line("finetune", "eval", run_dir))]
+    else:
+        steps = [("chat with it", command_line("finetune", "chat", run_dir))]
+    if objective == "sft":  # a preference loss is not a perplexity
         steps.append(("loss and perplexity, base vs fine-tuned", command_line("finetune", "eval", run_dir)))
     output = summary.get("output")
     if output == ADAPTER_DIR:
@@ -204,6 +278,19 @@ def render_report(run_dir: Path, plot_written: bool) -> str:
     else:
         plot = f"<p>No plot: matplotlib is not installed ({html.escape(PLOT_HINT)}).</p>"
     parts.append(_section("Loss and learning rate", plot))
+    if (run_dir / REWARD_PLOT_FILE).is_file():
+        data = base64.b64encode((run_dir / REWARD_PLOT_FILE).read_bytes()).decode("ascii")
+        reward = summary.get("mean_reward") or {}
+        line = f"<p>Mean reward, first -> last step: {_num(reward.get('first'))} -> {_num(reward.get('last'))}</p>"
+        parts.append(_section("Rewards, KL and completion length",
+                              line + f'<img alt="mean reward, KL, completion length" src="data:image/png;base64,{data}">'))
+    samples = _jsonl(run_dir / SAMPLES_FILE)
+    if samples:
+        rows = [(str(s.get("step")), s.get("prompt", ""), s.get("completion", ""),
+                 ", ".join(f"{k} {_num(v, '.3f')}" for k, v in (s.get("rewards") or {}).items()),
+                 _num(s.get("advantage"), ".3f")) for s in samples]
+        parts.append(_section("Sample completions (first step, every quarter, last step)",
+                              _table(rows, ("step", "prompt (end)", "completion", "rewards", "advantage"))))
     memory = memory_rows(summary, per_gpu)
     note = ("<p>Planned: <code>finetune plan</code>'s per-GPU peak for this recipe on "
             f"{world} GPU{'s' if world != 1 else ''}.")
@@ -241,5 +328,6 @@ def write_run_report(run_dir: Path, log_history: list[dict[str, Any]]) -> list[s
     plotted = plot_loss(log_history, run_dir / PLOT_FILE, title=run_dir.name)
     if not plotted:
         notes.append(f"loss.png not written: matplotlib is not installed ({PLOT_HINT})")
+    plot_rewards(log_history, run_dir / REWARD_PLOT_FILE, title=run_dir.name)
     write_atomic(run_dir / REPORT_FILE, render_report(run_dir, plotted))
     return notes

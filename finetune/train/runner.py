@@ -319,7 +319,12 @@ def run(run_dir: Path, resume: bool = False) -> None:
         (train_set, eval_set), collator = preference.split_rows(recipe), None
 
     # 4. The model, built partitioned under ZeRO-3, then LoRA and gradient checkpointing.
-    model = load_model(recipe, model_path)
+    if recipe.objective == "reward":  # a one-score head on the base model (TRL's RewardTrainer)
+        from finetune.train.grpo import load_reward_model
+
+        model = load_reward_model(recipe, model_path, tokenizer.pad_token_id)
+    else:
+        model = load_model(recipe, model_path)
     check_packing_support(model, recipe)
     # No KV cache while training: it is for generation, and with one transformers skips the packed-
     # sequence mask (masking_utils). Restored before saving, so model/ generates with a cache.
@@ -341,8 +346,14 @@ def run(run_dir: Path, resume: bool = False) -> None:
         trainer = Trainer(model=model, args=training_args, train_dataset=train_set, eval_dataset=eval_set,
                           data_collator=collator, processing_class=tokenizer, callbacks=callbacks)
     else:
+        if recipe.objective == "grpo":  # a few completions and their rewards, for report.html
+            from finetune.train.grpo import completion_samples
+
+            callbacks.append(completion_samples(run_dir, training_args.max_steps))
         trainer = preference.make_trainer(recipe, model, ref_model, peft_config, training_args, train_set, eval_set,
                                           tokenizer, callbacks)
+        if recipe.objective == "grpo":
+            callbacks[-1].trainer = trainer
     trainable, total = count_parameters(trainer.model)
     _log_main(is_main)(f"parameters: {trainable:,} trainable of {total:,} ({recipe.method})")
     if os.environ.get("TQDM_DISABLE"):  # output relayed line by line (see finetune.run.launch.supervision): plain progress lines

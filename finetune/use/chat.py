@@ -82,10 +82,10 @@ def resolve_source(path: Optional[Path], base: Optional[str] = None, adapter: Op
 def _chat_format(recipe) -> str:
     """How to prompt a model trained on `recipe`'s data: the chat template when any source was a
     conversation (sharegpt trains through it too), else the format of its sources."""
-    if recipe.objective != "sft":  # TRL renders message rows with the chat template (text rows: --format text)
+    if recipe.objective not in ("sft", "grpo"):  # TRL renders message rows with the chat template (text rows: --format text)
         return "messages"
-    formats = recipe.data.source_formats()
-    return "messages" if any(f in ("messages", "sharegpt") for f in formats) else formats[0]
+    formats = recipe.data.source_formats()  # grpo: prompts read from these formats (a `prompt` column: messages)
+    return "messages" if any(f in ("messages", "sharegpt", "prompt") for f in formats) else formats[0]
 
 
 def _run_source(run: RunDir, base: Optional[str], adapter: Optional[Path]) -> Source:

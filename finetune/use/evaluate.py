@@ -140,19 +140,28 @@ def eval_rows(run_dir: Path, recipe, tokenizer, data: Optional[Path], log: Calla
 
 
 def evaluate(run_dir: Path, data: Optional[Path] = None, device: str = "auto", batch_size: int = 8,
-             log: Callable[[str], None] = print, fmt: Optional[str] = None) -> EvalResult:
+             log: Callable[[str], None] = print, fmt: Optional[str] = None) -> Any:
+    """EvalResult (loss and perplexity); for a reward model, finetune.use.reward_eval.PairwiseResult."""
     from finetune.use.chat import ChatError, load_chat_model, resolve_source
-    from finetune.rundir.run_dir import NotARunDir, RunDir
+    from finetune.rundir.run_dir import RunDir, RunDirError
     from finetune.data.tokenize import Collator
 
     run_dir = Path(run_dir)
     try:
-        RunDir(run_dir).require()
-    except NotARunDir as exc:
+        run_recipe = RunDir(run_dir).require().recipe()  # the one reader of a run's recipe (finetune.rundir)
+    except RunDirError as exc:
         raise EvalError(str(exc)) from None
     if data is not None and not Path(data).is_file():
         raise EvalError(f"--data {data}: no such file")
     started = time.perf_counter()
+    if run_recipe.objective == "reward":  # a reward model: pairwise accuracy (finetune.use.reward_eval)
+        from finetune.use.reward_eval import evaluate_reward
+
+        from finetune.fsutil import write_atomic
+
+        pairwise = evaluate_reward(run_dir, run_recipe, data, device, batch_size, EvalError)
+        write_atomic(run_dir / EVAL_FILE, json.dumps(pairwise.to_json(), indent=2) + "\n")
+        return pairwise
     try:
         source = resolve_source(run_dir)
         if data is not None:
