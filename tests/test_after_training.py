@@ -85,7 +85,8 @@ def test_eval_scores_the_fine_tuned_model_below_its_base(trained, tiny_cache):
     sample.write_text("\n".join(rows) + "\n")
     on_file = cli("eval", run_dir, "--data", sample, tiny_cache=tiny_cache)
     assert on_file.returncode == 0, on_file.stderr[-3000:]
-    assert json.loads((run_dir / "eval.json").read_text())["sequences"] == 5
+    assert json.loads((run_dir / "eval-five.json").read_text())["sequences"] == 5  # its own file (issue 24)
+    assert json.loads((run_dir / "eval.json").read_text()) == scores  # the run's own numbers stay
 
 
 # ------------------------------------------------------------------------------------------------

@@ -65,7 +65,8 @@ def test_csv_lines_are_named(tmp_path):
     assert check(tmp_path / "d.csv", "alpaca").ok
     (tmp_path / "q.csv").write_text("question,answer\nwhy,because\n")
     assert messages(tmp_path / "q.csv", "alpaca") == [
-        f"{tmp_path / 'q.csv'}:2: no `instruction` column (format alpaca needs it; found `question`, `answer`)"]
+        f"{tmp_path / 'q.csv'}:2: no `instruction` column (format alpaca needs it; found `question`, `answer`); "
+        "add `columns: {instruction: question}` to the data source"]
 
 
 def test_json_lines_in_a_json_file_and_an_object_of_columns(tmp_path):
@@ -110,14 +111,14 @@ def test_unknown_role_and_no_assistant_turn(tmp_path):
     ])
     out = messages(path, "sharegpt")
     assert out[0].startswith(f"{path}:1: conversations[1]: unknown role `bot`") and "roles: {bot:" in out[0]
-    assert out[1] == f"{path}:2: `conversations` has no assistant turn to train on"
-    assert out[2] == f"{path}:3: `conversations` has no assistant turn to train on"
+    # The same problem on several rows is one line naming them (issue 24).
+    assert out[1] == f"{path}: lines 2-3 (2 rows): `conversations` has no assistant turn to train on"
     # The source's role map makes the first row fine.
-    assert messages(path, "sharegpt", roles={"bot": "assistant"})[0].startswith(f"{path}:2:")
+    assert messages(path, "sharegpt", roles={"bot": "assistant"})[0].startswith(f"{path}: lines 2-3 (2 rows):")
 
 
 def test_problems_are_capped_with_a_count_of_the_rest(tmp_path):
-    path = write_jsonl(tmp_path / "d.jsonl", [{"txt": "x"}] * 30)
+    path = write_jsonl(tmp_path / "d.jsonl", [{f"txt{i}": "x"} for i in range(30)])  # 30 different problems
     out = messages(path, "text")
     assert len(out) == v.MAX_SHOWN + 1
     assert out[-1] == "... and 10 more problem(s) not shown"
@@ -127,7 +128,9 @@ def test_a_source_in_the_wrong_format_stops_early(tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", [{"txt": "x"}] * (v.MAX_PER_SOURCE + 500))
     result = check(path, "text")
     assert result.checks[0].stopped and result.total == v.MAX_PER_SOURCE + 1
-    assert result.messages()[-1] == f"... and {v.MAX_PER_SOURCE + 1 - v.MAX_SHOWN} more problem(s) not shown"
+    assert result.messages() == [f"{path}: lines 1-{v.MAX_PER_SOURCE} ({v.MAX_PER_SOURCE} rows): no `text` column (format "
+                                 "text needs it; found `txt`); add `columns: {text: txt}` to the data source",
+                                 f"{path}: stopped reading after {v.MAX_PER_SOURCE} problems"]
 
 
 def test_every_source_is_checked_and_hub_ids_skipped(tmp_path):

@@ -120,7 +120,8 @@ def test_every_reward_error_is_one_line_naming_the_function_before_launch(tmp_pa
 def test_vllm_is_refused_where_it_cannot_run(tmp_path):
     import importlib.util
 
-    from finetune.run.doctor import Facts, checks_for_recipe
+    from finetune.run.doctor import checks_for_recipe
+    from finetune.run.machine import Facts
 
     recipe = load_recipe(grpo_recipe(tmp_path, "- {function: exact_match}\n", "  vllm: colocate\n")).recipe
     facts = Facts(python="3.11", platform="linux", packages={})  # a machine without a GPU

@@ -11,7 +11,7 @@ from finetune.cli.common import fail, shard_size_or_exit, write_errors, write_pr
 
 
 def merge(
-    run_dir: Optional[Path] = typer.Argument(None, help="Run directory (recipe.yaml + adapter/); gives --base and --adapter."),
+    run_dir: Optional[Path] = typer.Argument(None, metavar="RUN_DIR", help="Run directory (recipe.yaml + adapter/); gives --base and --adapter."),
     output: Path = typer.Option(..., "-o", "--output", help="Directory for the merged model (written beside it, renamed at the end)."),
     base: Optional[Path] = typer.Option(None, "--base", help="Local base model directory (safetensors); overrides the run's."),
     adapter: Optional[Path] = typer.Option(None, "--adapter", help="PEFT LoRA adapter directory; overrides the run's."),

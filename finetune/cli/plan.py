@@ -10,9 +10,12 @@ import typer
 
 from finetune.cli.common import SET_HELP, fail, load_or_exit
 
+# Scripts and CI gate on the verdict: 1 and 2 are taken by bad input and usage errors.
+EXIT_DOES_NOT_FIT = 3
+
 
 def plan(
-    recipe: Optional[Path] = typer.Argument(None, help="Recipe file (omit it and pass --model for a quick what-if)."),
+    recipe: Optional[Path] = typer.Argument(None, metavar="RECIPE", help="Recipe file (omit it and pass --model for a quick what-if)."),
     gpus: Optional[int] = typer.Option(None, "--gpus", min=1, help="GPUs per node (default: the recipe's launch/hardware, else 1)."),
     nodes: Optional[int] = typer.Option(None, "--nodes", min=1, help="Machines (default: launch.nodes)."),
     gpu_memory: Optional[str] = typer.Option(None, "--gpu-memory", help="Memory per GPU, e.g. 24GiB (default: hardware.gpu_memory)."),
@@ -36,10 +39,18 @@ def plan(
 
     Pure Python, offline: model shapes come from a local config.json or a built-in table.
 
+    Exit codes: 0 fits (or no GPU memory given to judge), 3 does NOT fit (GPU or CPU memory; with
+    --recommend too: the recipe as written does not fit), 1 bad recipe or model, 2 usage.
+
     Example:
 
     \b
         $ finetune plan --model llama-3-8b --method qlora --lora-r 64 --zero 2 --gpus 2 --gpu-memory 12GiB
+        model    llama-3-8b (8.03B params, hidden 4096, 32 layers, 32/8 heads, vocab 128256)
+        ...
+          total (peak, backward)                12.22  of 12.00: does NOT fit, 0.22 GiB over …
+        $ echo $?
+        3
         $ finetune plan recipes/llama3/8b_qlora_2x12gb.yaml --recommend
     """
     from finetune import plan as planner
@@ -69,8 +80,10 @@ def plan(
         if advice is not None:
             data["recommendation"] = advice.to_json()
         typer.echo(json.dumps(data, indent=2))
-        return
-    typer.echo(result.render_text(), nl=False)
-    if advice is not None:
-        typer.echo("")
-        typer.echo(advice.render_text(), nl=False)
+    else:
+        typer.echo(result.render_text(), nl=False)
+        if advice is not None:
+            typer.echo("")
+            typer.echo(advice.render_text(), nl=False)
+    if result.fits is False:
+        raise typer.Exit(EXIT_DOES_NOT_FIT)

@@ -12,7 +12,7 @@ from finetune.rundir.names import DEEPSPEED_FILE, TRAINING_ARGS_FILE
 
 
 def render(
-    recipe: Path = typer.Argument(..., help="Recipe file."),
+    recipe: Path = typer.Argument(..., metavar="RECIPE", help="Recipe file."),
     output: Optional[Path] = typer.Option(None, "-o", "--output", help="Directory to write deepspeed.json and training_args.json into (default: print)."),
     world_size: Optional[int] = typer.Option(None, "--world-size", min=1, help="Fix the world size (otherwise the recipe's, or auto)."),
     overrides: Optional[List[str]] = typer.Option(None, "--set", help=SET_HELP),

@@ -12,7 +12,7 @@ from finetune.cli.common import SET_HELP, fail, load_or_exit, usable_path
 
 
 def slurm(
-    recipe: Path = typer.Argument(..., help="Recipe file."),
+    recipe: Path = typer.Argument(..., metavar="RECIPE", help="Recipe file."),
     overrides: Optional[List[str]] = typer.Option(None, "--set", help=SET_HELP),
     output_dir: Optional[Path] = typer.Option(None, "--output-dir", help="Run directory, on storage every node sees (default: the recipe's output_dir)."),
     nodes: Optional[int] = typer.Option(None, "--nodes", min=1, help="Nodes to allocate (default: launch.nodes)."),

@@ -104,19 +104,32 @@ def text_column(row: Mapping[str, Any], spec: RowSpec, name: str, required: bool
     if value is None:
         if required:
             found = ", ".join(f"`{k}`" for k in row) or "none"
-            raise RowProblem(f"no `{column}` column (format {spec.format} needs it; found {found}){_hint(row, spec)}")
+            raise RowProblem(f"no `{column}` column (format {spec.format} needs it; found {found}){_hint(row, spec, name)}")
         return None
     if not isinstance(value, str):
         raise RowProblem(f"`{column}` must be text, got {type(value).__name__}")
     return value
 
 
-def _hint(row: Mapping[str, Any], spec: RowSpec) -> str:
+# The names other data sets give a column, by the name a format reads (issue 24: name the fix).
+SYNONYMS = {
+    "output": ("response", "completion", "answer", "target", "chosen"),
+    "instruction": ("prompt", "question", "query", "input_text"),
+    "text": ("content", "document", "body", "sentence"),
+    "messages": ("dialog", "dialogue", "conversation", "conversations", "chat", "turns", "messages"),
+}
+
+
+def _hint(row: Mapping[str, Any], spec: RowSpec, name: str) -> str:
+    """Another format whose columns the row has, else the `columns:` entry that maps a column it has."""
     for other, columns in (("alpaca", {"instruction", "output"}), ("text", {"text"}), ("messages", {"messages"}),
                            ("sharegpt", {"conversations"})):
         if other != spec.format and columns <= set(row):
             return f"; did you mean format: {other}?"
-    return ""
+    used = set(spec._names.values())
+    unused = [k for k in row if k not in used and (name != "messages" or isinstance(row[k], (list, str)))]
+    likely = [k for k in unused if k.lower() in SYNONYMS.get(name, ())] or (unused if len(unused) == 1 else [])
+    return f"; add `columns: {{{name}: {likely[0]}}}` to the data source" if likely else ""
 
 
 def alpaca(row: Mapping[str, Any], spec: RowSpec) -> Prompted:
@@ -144,7 +157,7 @@ def chat(row: Mapping[str, Any], spec: RowSpec) -> Chat:
     raw = row.get(column)
     if raw is None:
         found = ", ".join(f"`{k}`" for k in row) or "none"
-        raise RowProblem(f"no `{column}` column (format {spec.format} needs a list of turns; found {found}){_hint(row, spec)}")
+        raise RowProblem(f"no `{column}` column (format {spec.format} needs a list of turns; found {found}){_hint(row, spec, 'messages')}")
     if isinstance(raw, str):  # CSV cells are text; a JSON-encoded list in a cell is what people put there
         try:
             raw = json.loads(raw)

@@ -110,7 +110,8 @@ def data_files(path: Path, split: str = "train") -> list[Path]:
             raise SourceProblem(f"{path}: directory holds no {'/'.join(DATA_SUFFIXES)} files")
         return files
     if not path.exists():
-        raise SourceProblem(f"{path}: file does not exist")
+        looked = "" if path.is_absolute() else f" (looked for {path.absolute()})"
+        raise SourceProblem(f"{path}: file does not exist{looked}{_did_you_mean(path)}")
     kind = _not_regular(path)
     if kind:
         # A FIFO would block every reader (plan, --dry-run) forever; a device never ends.
@@ -119,3 +120,15 @@ def data_files(path: Path, split: str = "train") -> list[Path]:
         raise SourceProblem(f"{path}: unsupported file type `{path.suffix}` (use {', '.join(DATA_SUFFIXES)}, "
                             f"or a folder written by datasets' save_to_disk)")
     return [path]
+
+
+def _did_you_mean(path: Path) -> str:
+    """The data files beside a missing one whose names are close to it (a typo, .json for .jsonl)."""
+    import difflib
+
+    try:
+        names = [p.name for p in path.absolute().parent.iterdir() if p.suffix in DATA_SUFFIXES or p.is_dir()]
+    except OSError:
+        return ""
+    close = difflib.get_close_matches(path.name, names, n=3, cutoff=0.8)
+    return f"; did you mean {' or '.join(f'`{path.parent / n}`' for n in close)}?" if close else ""

@@ -22,6 +22,7 @@ import csv
 import io
 import json
 import math
+import re
 from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -65,10 +66,16 @@ class SourceCheck:
         return length_stats(self.lengths)
 
 
+# "file:12: problem" (JSON lines, CSV) or "file: row 12: problem" (arrays, parquet, Arrow).
+_WHERE = re.compile(r"^(?P<file>.+?)(?P<sep>:| row )(?P<n>\d+): (?P<problem>.+)$", re.S)
+
+
 @dataclass
 class Validation:
+    """Problems grouped by (file, text): 50 rows without a `messages` column are one line naming the rows
+    (issue 24: the same message 20 times, then "21 problems" for 50 bad rows, hid the fix)."""
     checks: list[SourceCheck] = field(default_factory=list)
-    shown: list[str] = field(default_factory=list)
+    groups: dict[tuple[str, str, str], list[int]] = field(default_factory=dict)  # (file, sep, problem) -> rows
     total: int = 0
     skipped: list[str] = field(default_factory=list)  # hub sources: read at launch
 
@@ -77,14 +84,36 @@ class Validation:
         return self.total == 0
 
     def messages(self) -> list[str]:
-        hidden = self.total - len(self.shown)
-        return self.shown + ([f"... and {hidden} more problem(s) not shown"] if hidden > 0 else [])
+        shown = list(self.groups.items())[:MAX_SHOWN]
+        lines = [_grouped(file, sep, problem, rows) for (file, sep, problem), rows in shown]
+        hidden = self.total - sum(max(1, len(rows)) for _, rows in shown)
+        return lines + ([f"... and {hidden} more problem(s) not shown"] if hidden > 0 else [])
 
     def add(self, check: SourceCheck, message: str) -> None:
         check.problems += 1
         self.total += 1
-        if len(self.shown) < MAX_SHOWN:
-            self.shown.append(message)
+        match = _WHERE.match(message)
+        if match is None:
+            self.groups.setdefault((message, "", ""), [])
+            return
+        key = (match["file"], match["sep"], match["problem"])
+        if key in self.groups or len(self.groups) < MAX_SHOWN:
+            self.groups.setdefault(key, []).append(int(match["n"]))
+
+
+def _grouped(file: str, sep: str, problem: str, rows: list[int]) -> str:
+    """One line per distinct problem of a file: `file:12: p`, or `file: lines 1-20, 31-50 (40 rows): p`."""
+    if not sep:
+        return file
+    if len(rows) == 1:
+        return f"{file}{sep}{rows[0]}: {problem}"
+    spans, start = [], rows[0]
+    for previous, row in zip(rows, rows[1:] + [None]):
+        if row != previous + 1:
+            spans.append(f"{start}-{previous}" if previous != start else str(start))
+            start = row
+    listed = ", ".join(spans[:5]) + (", ..." if len(spans) > 5 else "")
+    return f"{file}: {'lines' if sep == ':' else 'rows'} {listed} ({len(rows)} rows): {problem}"
 
 
 def validate(sources: list[Source]) -> Validation:

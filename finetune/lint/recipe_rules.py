@@ -25,7 +25,7 @@ RULES: dict[str, str] = {
     "R101": "QLoRA + ZeRO-3: the 4-bit storage dtype must equal the compute dtype and the model dtype.",
     "R102": "ZeRO-3 without stage3_gather_16bit_weights_on_model_save saves no usable weights.",
     "R103": "bf16 (or FlashAttention) on a declared GPU that lacks it.",
-    "R104": "Reentrant gradient checkpointing with LoRA/QLoRA.",
+    "R104": "Reentrant checkpointing setting that is not what runs (LoRA under ZeRO-3 is always reentrant) or that is slower for nothing.",
     "R105": "Optimizer offload with an optimizer DeepSpeed cannot offload.",
     "R106": "trust_remote_code runs code from the model repository.",
     "R107": "Offload requested at a ZeRO stage that ignores it.",
@@ -43,6 +43,7 @@ RULES: dict[str, str] = {
     "R119": "Data or training keys that TRL's objectives do not use (format, packing, mask_prompt, loss_kernel).",
     "R120": "`model.adapter` that cannot be continued from (objective sft, full fine-tune, missing adapter, a `lora` section it overrides).",
     "R121": "GRPO rewards and batch that cannot work: no reward, a malformed `module:function`, weights, a built-in without its setting, a batch that does not hold whole groups.",
+    "R122": "Unknown `builtin:` model (a misspelled name).",
 }
 
 # transformers 5.x causal LMs whose forward takes no position_ids: ALiBi (bloom, mpt), recurrent state
@@ -143,18 +144,44 @@ def pre_ampere_features(loaded: LoadedRecipe) -> Iterator[RawFinding]:
 
 
 @rule
+def builtin_model(loaded: LoadedRecipe) -> Iterator[RawFinding]:
+    import difflib
+
+    from finetune.builtin import BUILTIN_CONFIGS, BUILTIN_PREFIX, is_builtin
+
+    for key in (("model", "name_or_path"), ("model", "tokenizer")):
+        value = getattr(loaded.recipe.model, key[1])
+        name = value[len(BUILTIN_PREFIX):] if value and is_builtin(value) else None
+        if name is not None and name not in BUILTIN_CONFIGS:
+            close = difflib.get_close_matches(name, list(BUILTIN_CONFIGS), n=1)
+            yield RawFinding("R122", "error", key, f"unknown built-in model `{value}` (known: "
+                             f"{', '.join(BUILTIN_PREFIX + n for n in BUILTIN_CONFIGS)})",
+                             f"did you mean `{BUILTIN_PREFIX}{close[0]}`?" if close else None)
+
+
+@rule
 def reentrant_checkpointing(loaded: LoadedRecipe) -> Iterator[RawFinding]:
     r = loaded.recipe
     t = r.training
-    if r.method == "full" or not (t.gradient_checkpointing and t.gradient_checkpointing_reentrant):
+    if r.method == "full" or not t.gradient_checkpointing:
         return
-    # Reentrant checkpointing drops gradients when no input of a checkpointed block requires grad (frozen
-    # embeddings under LoRA): "element 0 of tensors does not require grad", or silently zero LoRA grads.
-    severity = "error" if r.deepspeed.stage == 3 else "warning"
-    yield RawFinding("R104", severity, ("training", "gradient_checkpointing_reentrant"),
-                     f"reentrant gradient checkpointing with {r.method}: frozen inputs get no gradients"
-                     + (" and ZeRO-3 re-gathers parameters inconsistently" if severity == "error" else ""),
-                     "set training.gradient_checkpointing_reentrant: false")
+    if r.deepspeed.stage == 3:
+        # LoRA under ZeRO-3 always checkpoints reentrant (finetune.render.reentrant_checkpointing says why);
+        # a `false` written here is not what runs, and TRL would log that it overrides it.
+        if not t.gradient_checkpointing_reentrant and _written(loaded, "training", "gradient_checkpointing_reentrant"):
+            yield RawFinding("R104", "warning", ("training", "gradient_checkpointing_reentrant"),
+                             f"{r.method} under ZeRO-3 checkpoints reentrant whatever this says: non-reentrant "
+                             "recompute sees ZeRO-3's partitioned frozen weights (DeepSpeed#4332, crashes before "
+                             "DeepSpeed 0.19.3) and TRL forces reentrant for PEFT + ZeRO-3",
+                             "remove training.gradient_checkpointing_reentrant")
+        return
+    if t.gradient_checkpointing_reentrant:
+        # Reentrant checkpointing drops gradients when no input of a checkpointed block requires grad (frozen
+        # embeddings under LoRA) unless the embedding output is made to require grad (the runner does).
+        yield RawFinding("R104", "warning", ("training", "gradient_checkpointing_reentrant"),
+                         f"reentrant gradient checkpointing with {r.method} below ZeRO-3: slower, and frozen inputs "
+                         "get gradients only through the runner's embedding hook",
+                         "set training.gradient_checkpointing_reentrant: false")
 
 
 @rule
@@ -218,8 +245,19 @@ def dataset_file(loaded: LoadedRecipe) -> Iterator[RawFinding]:
             yield RawFinding("R109", "error", (*key, "path"), f"unsupported data file type `{p.suffix}`",
                              f"use one of {', '.join(DATA_SUFFIXES)}, or a folder written by datasets' save_to_disk")
         elif not p.exists():
-            # A warning, not an error: CI often lints recipes whose data lives only on the training box.
-            yield RawFinding("R109", "warning", (*key, "path"), f"dataset {p} not found here (`finetune train` will refuse to start)")
+            # An error when the folder that should hold it is here (a typo: issue 24); a warning when the
+            # whole folder is absent: CI often lints recipes whose data lives only on the training box.
+            from finetune.data.sources import SourceProblem, data_files
+
+            if p.absolute().parent.is_dir():
+                try:
+                    data_files(p, source.split)
+                except SourceProblem as exc:
+                    yield RawFinding("R109", "error", (*key, "path"), str(exc), "fix data.path (it is relative to the recipe)")
+            else:
+                yield RawFinding("R109", "warning", (*key, "path"),
+                                 f"dataset {p} not found here: its folder {p.absolute().parent} does not exist "
+                                 "(`finetune train` will refuse to start)")
 
 
 @rule

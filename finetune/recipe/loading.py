@@ -11,6 +11,7 @@ from typing import Any, Optional, Union
 
 from pydantic import ValidationError
 
+from finetune.recipe.references import DATA_SUFFIXES
 from finetune.errors import FinetuneError
 from finetune.recipe.schema import Recipe, section_model
 from finetune.recipe.yamlio import DocumentError, load_yaml, read_text, shorten
@@ -201,7 +202,10 @@ def _rebase_paths(data: dict, base: Path) -> None:
         value = block.get(key)
         if not isinstance(value, str) or not value or Path(value).is_absolute():
             continue
-        if value.startswith(("./", "../")) or _exists(base / value) or key == "hostfile":
+        # A data file name (data.jsonl) is local even when missing: rebased, its error names the recipe's
+        # folder, not the directory the command ran in.
+        data_file = key == "path" and Path(value).suffix in DATA_SUFFIXES
+        if value.startswith(("./", "../")) or _exists(base / value) or key == "hostfile" or data_file:
             block[key] = _rebased(base, value)
     _rebase_reward_files(data, base)
 

@@ -230,7 +230,7 @@ class TrainingSection(_Section):
     loss_chunk_tokens: Optional[int] = Field(
         None, ge=1, description="Tokens per chunk with loss_kernel: chunked (default: as many as fit 256 MiB of fp32 logits, 523 at a 128k vocabulary).")
     gradient_checkpointing: bool = Field(True, description="Recompute activations in backward (less memory, ~30% more compute).")
-    gradient_checkpointing_reentrant: bool = Field(False, description="Reentrant checkpointing; breaks gradients with frozen inputs (LoRA), keep false.")
+    gradient_checkpointing_reentrant: bool = Field(False, description="Reentrant checkpointing (PyTorch recommends false). LoRA/QLoRA under ZeRO-3 is always reentrant: non-reentrant recompute sees ZeRO-3's partitioned frozen weights (DeepSpeed#4332; TRL forces it too).")
     seed: int = Field(42, ge=0, le=2**32 - 1, description="Seed for init, data order and dropout.")
     logging_steps: int = Field(10, ge=1, le=MAX_COUNT, description="Log loss and learning rate every N steps.")
     eval_steps: Optional[int] = Field(None, ge=1, le=MAX_COUNT, description="Evaluate every N steps (needs data.validation_split).")

@@ -99,6 +99,8 @@ def load_yaml(text: str, path: str = "<string>", allow_duplicates: bool = False)
             problem += f" ({exc.context} started at line {context.line + 1}, column {context.column + 1})"
         if problem.startswith("mapping values are not allowed"):  # `key: a: b`: the value holds ": "
             problem += "; a value that contains `: ` must be quoted, e.g. `name_or_path: \"builtin:tiny-llama\"`"
+        elif problem.startswith("found unexpected ':'"):  # `{name_or_path: builtin:tiny-llama}`: flow style
+            problem += "; inside `{...}` a value that contains `:` must be quoted, e.g. `{name_or_path: \"builtin:tiny-llama\"}`"
         raise DocumentError(f"invalid YAML: {problem}", line, col) from None
     except (YAMLError, RecursionError, ValueError) as exc:
         raise DocumentError(f"invalid YAML: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None

@@ -48,10 +48,16 @@ class Preflight:
     resume_from: Optional[Any] = None  # finetune.rundir.checkpoint.Checkpoint to resume from
     join: bool = False  # the run directory was written by another node of this run
     damaged: list = field(default_factory=list)  # checkpoints newer than resume_from that do not load: set aside
+    # Problems that errors holds fewer lines for (bad data rows grouped by problem, or not shown).
+    grouped_problems: int = 0
 
     @property
     def ok(self) -> bool:
         return not self.errors and not self.lint_errors and not self.run_dir_errors
+
+    @property
+    def problem_count(self) -> int:
+        return len(self.errors) + len(self.lint_errors) + len(self.run_dir_errors) + self.grouped_problems
 
 
 # ----------------------------------------------------------------------------------------------
@@ -61,7 +67,7 @@ class Preflight:
 def run_preflight(loaded: LoadedRecipe, run_dir: Path, overwrite: bool = False, facts=None,
                   world_size: Optional[int] = None, resume: Optional[bool] = None,
                   force_resume: bool = False, in_use: Optional[str] = None) -> Preflight:
-    """All checks for training `loaded` into `run_dir`. `facts`: finetune.run.doctor.Facts (tests fake them).
+    """All checks for training `loaded` into `run_dir`. `facts`: finetune.run.machine.Facts (tests fake them).
 
     `resume` None follows training.resume. `in_use`: another live run owns `run_dir` (finetune.rundir.lock):
     that is the output directory's only finding, and nothing there is looked at further."""
@@ -121,7 +127,11 @@ def dataset_step(recipe: Recipe, result: Preflight) -> None:
     checked = validate(sources_of(recipe.data, recipe.objective))
     for path in checked.skipped:
         result.notes.append(f"dataset {path}: a hub id, not checked here (read at launch; needs network)")
-    result.errors.extend(f"dataset {message}" for message in checked.messages())
+    shown = checked.messages()
+    # A missing file is lint's R109 error too: said once, with lint's file:line.
+    result.errors.extend(f"dataset {message}" for message in shown
+                         if not any(error.endswith(f": {message}") for error in result.lint_errors))
+    result.grouped_problems += checked.total - len(shown)
     if checked.ok:
         for check in checked.checks:
             result.notes.append(f"dataset {check.source.path}: {check.rows} {check.source.format} row(s), all look right")

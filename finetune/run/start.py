@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Optional
 
-from finetune.run.doctor import collect_facts, recipe_imports
+from finetune.run.doctor import recipe_imports
+from finetune.run.machine import collect_facts
 from finetune.render import resolved_output_dir
 from finetune.run.deepspeed_ops import BuildWatch, extensions_root, ops_needed
 from finetune.fsutil import write_atomic
@@ -61,7 +62,7 @@ def run_dir_for(recipe: Recipe, output_dir: Optional[Path]) -> Path:
 def prepare(loaded: LoadedRecipe, output_dir: Optional[Path] = None, overwrite: bool = False,
             module: str = RUNNER_MODULE, facts=None, resume: Optional[bool] = None,
             force_resume: bool = False, dry_run: bool = False) -> Prepared:
-    """Preflight and launch plan for `loaded` on this machine (facts: finetune.run.doctor.Facts, faked in tests).
+    """Preflight and launch plan for `loaded` on this machine (facts: finetune.run.machine.Facts, faked in tests).
 
     `resume`: continue from the newest complete checkpoint in the run directory (None: training.resume).
     The run directory is locked before anything looks at it (finetune.rundir.lock; created empty when missing,

@@ -106,15 +106,23 @@ def lora_config(recipe: Recipe):
     )
 
 
+def enable_checkpointing(model, reentrant: bool = False) -> None:
+    """Gradient checkpointing under the name this transformers has: activation_checkpointing_enable (5.x;
+    the old name warns "will be removed in v6") or gradient_checkpointing_enable."""
+    kwargs = {"use_reentrant": reentrant}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
 def prepare_model(model, recipe: Recipe):
     """Gradient checkpointing, then (lora/qlora) the PEFT adapter. Returns the model to train."""
     t = recipe.training
     if t.gradient_checkpointing:
-        kwargs = {"use_reentrant": t.gradient_checkpointing_reentrant}
-        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x renamed it
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        from finetune.render import reentrant_checkpointing
+
+        enable_checkpointing(model, reentrant_checkpointing(recipe))
     if recipe.method == "full":
         return model
     from peft import get_peft_model

@@ -198,6 +198,7 @@ def load_reference(recipe: Recipe, model_path: str):
 
 def make_trainer(recipe: Recipe, model, ref_model, peft_config, args, train_set, eval_set, tokenizer, callbacks):
     _, trainer_class = _trl(recipe)
+    trainer_class = _counting_pairs(trainer_class)
     kwargs: dict[str, Any] = {"model": model, "args": args, "train_dataset": train_set, "eval_dataset": eval_set,
                               "processing_class": tokenizer, "callbacks": callbacks, "peft_config": peft_config}
     if objectives.get(recipe.objective).reference == "preference":
@@ -207,6 +208,27 @@ def make_trainer(recipe: Recipe, model, ref_model, peft_config, args, train_set,
 
         kwargs["reward_funcs"] = reward_functions(recipe)
     return trainer_class(**kwargs)
+
+
+def _counting_pairs(trainer_class):
+    """`trainer_class` counting the tokens of batches without `input_ids` (ORPO, CPO/SimPO: chosen_* and
+    rejected_*), which transformers' Trainer skips with a warning every step: the run then ended with
+    "0 tokens/s" and a report of 0 tokens trained (issue 24). Non-padding tokens of both answers, each
+    with its prompt, as the Trainer counts a DPO batch."""
+
+    class Counted(trainer_class):
+        def _track_num_input_tokens(self, inputs):
+            masks = [value for key, value in inputs.items()
+                     if key.endswith("attention_mask") and not key.startswith("prompt")]
+            if "input_ids" in inputs or not masks or self.args.include_num_input_tokens_seen == "no":
+                return super()._track_num_input_tokens(inputs)
+            import torch
+
+            seen = torch.as_tensor(sum(int(m.sum()) for m in masks), device=self.args.device, dtype=torch.int64)
+            self.state.num_input_tokens_seen += self.accelerator.gather(seen).sum().item()
+
+    Counted.__name__ = Counted.__qualname__ = trainer_class.__name__
+    return Counted
 
 
 def fixed_batch(trainer, pad_id: int, size: int, max_length: int) -> dict[str, Any]:

@@ -24,7 +24,7 @@ from finetune.fsutil import write_atomic
 from finetune.rundir.names import DEEPSPEED_FILE, PLOT_FILE, REPORT_FILE
 from finetune.units import gib_text
 
-REWARD_PLOT_FILE = "rewards.png"  # GRPO: mean reward (and each reward function), KL, completion length
+REWARD_PLOT_FILE = "rewards.png"  # GRPO: mean reward, each reward, KL, length; dpo/orpo/kto/simpo: TRL's rewards/*
 SAMPLES_FILE = "completions.jsonl"  # written by finetune.train.grpo.completion_samples
 PLOT_HINT = "pip install matplotlib (or pip install 'finetune[train]')"
 
@@ -82,25 +82,33 @@ def plot_loss(log_history: list[dict[str, Any]], path: Path, title: str = "") ->
 
 
 def reward_curves(log_history: list[dict[str, Any]]) -> dict[str, list[tuple[float, float]]]:
-    """(step, value) series of what GRPOTrainer logs per step: `reward`, `rewards/<name>/mean`, `kl`,
-    `completions/mean_length` (training entries only: those with a `loss`)."""
+    """(step, value) series of the rewards TRL logged while training (entries with a `loss`, so no eval_*):
+    GRPOTrainer's `reward`, `rewards/<name>/mean`, `kl`, `completions/mean_length`; the preference trainers'
+    `rewards/chosen`, `rewards/rejected`, `rewards/margins`, `rewards/accuracies`. GRPO is told apart by its
+    `reward` (the weighted sum), which the preference trainers never log."""
     out: dict[str, list[tuple[float, float]]] = {}
     for entry in log_history:
         step = entry.get("step")
         if step is None or "loss" not in entry:
             continue
+        grpo = "reward" in entry
         for key, value in entry.items():
-            wanted = key in ("reward", "kl", "completions/mean_length") or \
-                (key.startswith("rewards/") and key.endswith("/mean"))
+            if grpo:
+                wanted = key in ("reward", "kl", "completions/mean_length") or \
+                    (key.startswith("rewards/") and key.endswith("/mean"))
+            else:
+                wanted = key.startswith("rewards/")
             if wanted and isinstance(value, (int, float)):
                 out.setdefault(key, []).append((float(step), float(value)))
     return out
 
 
 def plot_rewards(log_history: list[dict[str, Any]], path: Path, title: str = "") -> bool:
-    """rewards.png for a GRPO run; False without matplotlib or without logged rewards."""
+    """rewards.png: for GRPO the mean reward and each reward function, KL and completion length; for the
+    preference objectives chosen, rejected and margins above, accuracies below. False without matplotlib
+    or without any reward logged (sft)."""
     series = reward_curves(log_history)
-    if "reward" not in series:
+    if not series:
         return False
     try:
         import matplotlib
@@ -111,22 +119,9 @@ def plot_rewards(log_history: list[dict[str, Any]], path: Path, title: str = "")
         return False
     import io
 
-    fig, (top, middle, bottom) = plt.subplots(3, 1, figsize=(8, 7), sharex=True, height_ratios=[3, 1.2, 1.2])
+    draw = _draw_grpo_rewards if "reward" in series else _draw_preference_rewards
+    fig = draw(plt, series, title or "rewards")
     try:
-        top.plot(*zip(*series["reward"]), label="mean reward (weighted sum)", color="tab:blue", linewidth=1.6)
-        for key, points in series.items():
-            if key.startswith("rewards/"):
-                top.plot(*zip(*points), label=key.split("/")[1], linewidth=1, alpha=0.7)
-        top.set_ylabel("reward")
-        top.legend(loc="best", fontsize="small")
-        top.set_title(title or "rewards")
-        for axis, key, label in ((middle, "kl", "KL to reference"), (bottom, "completions/mean_length", "completion tokens")):
-            if key in series:
-                axis.plot(*zip(*series[key]), color="tab:purple", linewidth=1.2)
-            axis.set_ylabel(label)
-            axis.grid(alpha=0.3)
-        top.grid(alpha=0.3)
-        bottom.set_xlabel("optimizer step")
         fig.tight_layout()
         buffer = io.BytesIO()
         fig.savefig(buffer, format="png", dpi=100)
@@ -134,6 +129,44 @@ def plot_rewards(log_history: list[dict[str, Any]], path: Path, title: str = "")
         plt.close(fig)
     write_atomic(Path(path), buffer.getvalue())
     return True
+
+
+def _draw_grpo_rewards(plt, series, title: str):
+    fig, (top, middle, bottom) = plt.subplots(3, 1, figsize=(8, 7), sharex=True, height_ratios=[3, 1.2, 1.2])
+    top.plot(*zip(*series["reward"]), label="mean reward (weighted sum)", color="tab:blue", linewidth=1.6)
+    for key, points in series.items():
+        if key.startswith("rewards/"):
+            top.plot(*zip(*points), label=key.split("/")[1], linewidth=1, alpha=0.7)
+    top.set_ylabel("reward")
+    top.legend(loc="best", fontsize="small")
+    top.set_title(title)
+    for axis, key, label in ((middle, "kl", "KL to reference"), (bottom, "completions/mean_length", "completion tokens")):
+        if key in series:
+            axis.plot(*zip(*series[key]), color="tab:purple", linewidth=1.2)
+        axis.set_ylabel(label)
+        axis.grid(alpha=0.3)
+    top.grid(alpha=0.3)
+    bottom.set_xlabel("optimizer step")
+    return fig
+
+
+def _draw_preference_rewards(plt, series, title: str):
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 5.5), sharex=True, height_ratios=[3, 1.2])
+    for key, points in sorted(series.items()):
+        if key != "rewards/accuracies":
+            top.plot(*zip(*points), label=key.split("/", 1)[1], linewidth=1.4)
+    top.axhline(0.0, color="#999", linewidth=0.8)
+    top.set_ylabel("reward")
+    top.legend(loc="upper left")
+    top.set_title(title)
+    if "rewards/accuracies" in series:
+        bottom.plot(*zip(*series["rewards/accuracies"]), color="tab:purple", linewidth=1.2)
+    bottom.set_ylim(-0.05, 1.05)
+    bottom.set_ylabel("accuracy")
+    bottom.set_xlabel("optimizer step")
+    top.grid(alpha=0.3)
+    bottom.grid(alpha=0.3)
+    return fig
 
 
 # ------------------------------------------------------------------------------------------------
@@ -187,30 +220,32 @@ def plan_estimate(run_dir: Path, world_size: int) -> tuple[Optional[dict[str, in
 
 
 def next_steps(run_dir: Path, summary: dict[str, Any]) -> list[tuple[str, str]]:
-    """(what, command) pairs for what a user does after this run."""
+    """(what, command) pairs for what a user does after this run, spelled to run as printed (finetune.hints),
+    every argument shell-quoted."""
+    from finetune import hints
     from finetune.rundir.checkpoint import checkpoint_dirs
     from finetune.rundir.run_dir import ADAPTER_DIR, RunDir, command_line
 
-    run = RunDir(run_dir)
+    run, finetune = RunDir(run_dir), hints.finetune()
     objective = summary.get("objective", "sft")
     if objective == "reward":  # a scoring head, not a chat model
-        steps = [("pairwise accuracy on its pairs, base vs trained", command_line("finetune", "eval", run_dir))]
+        steps = [("pairwise accuracy on its pairs, base vs trained", f"{finetune} {command_line('eval', run_dir)}")]
     else:
-        steps = [("chat with it", command_line("finetune", "chat", run_dir))]
+        steps = [("chat with it", f"{finetune} {command_line('chat', run_dir)}")]
     if objective == "sft":  # a preference loss is not a perplexity
-        steps.append(("loss and perplexity, base vs fine-tuned", command_line("finetune", "eval", run_dir)))
+        steps.append(("loss and perplexity, base vs fine-tuned", f"{finetune} {command_line('eval', run_dir)}"))
     output = summary.get("output")
     if output == ADAPTER_DIR:
         steps.append(("merge the adapter into the base (CPU, streaming)",
-                      command_line("finetune", "merge", run_dir, "-o", f"merged/{run_dir.name}")))
+                      f"{finetune} {command_line('merge', run_dir, '-o', f'merged/{run_dir.name}')}"))
     checkpoints = checkpoint_dirs(run_dir)
     if checkpoints:
         newest = checkpoints[-1][1]
         steps.append((f"turn {newest.name} into an adapter or weights",
-                      command_line("finetune", "convert", newest, "-o", run_dir / f"{newest.name}-hf")))
+                      f"{finetune} {command_line('convert', newest, '-o', run_dir / f'{newest.name}-hf')}"))
         steps.append(("train further from the newest checkpoint (after raising training.max_steps or epochs)",
-                      command_line("finetune", "train", run.recipe_path, "--force-resume")))
-    steps.append(("TensorBoard", command_line("tensorboard", "--logdir", run_dir / "tensorboard")))
+                      f"{finetune} {command_line('train', run.recipe_path, '--force-resume')}"))
+    steps.append(("TensorBoard", f"{hints.tensorboard()} {command_line('--logdir', run_dir / 'tensorboard')}"))
     return steps
 
 
@@ -278,19 +313,11 @@ def render_report(run_dir: Path, plot_written: bool) -> str:
     else:
         plot = f"<p>No plot: matplotlib is not installed ({html.escape(PLOT_HINT)}).</p>"
     parts.append(_section("Loss and learning rate", plot))
-    if (run_dir / REWARD_PLOT_FILE).is_file():
-        data = base64.b64encode((run_dir / REWARD_PLOT_FILE).read_bytes()).decode("ascii")
-        reward = summary.get("mean_reward") or {}
-        line = f"<p>Mean reward, first -> last step: {_num(reward.get('first'))} -> {_num(reward.get('last'))}</p>"
-        parts.append(_section("Rewards, KL and completion length",
-                              line + f'<img alt="mean reward, KL, completion length" src="data:image/png;base64,{data}">'))
-    samples = _jsonl(run_dir / SAMPLES_FILE)
-    if samples:
-        rows = [(str(s.get("step")), s.get("prompt", ""), s.get("completion", ""),
-                 ", ".join(f"{k} {_num(v, '.3f')}" for k, v in (s.get("rewards") or {}).items()),
-                 _num(s.get("advantage"), ".3f")) for s in samples]
-        parts.append(_section("Sample completions (first step, every quarter, last step)",
-                              _table(rows, ("step", "prompt (end)", "completion", "rewards", "advantage"))))
+    objective = summary.get("objective", "sft")
+    if objective == "grpo":
+        parts.extend(_grpo_sections(run_dir, summary))
+    elif objective != "sft":
+        parts.append(_section("Preference rewards", _rewards_body(run_dir, summary)))
     memory = memory_rows(summary, per_gpu)
     note = ("<p>Planned: <code>finetune plan</code>'s per-GPU peak for this recipe on "
             f"{world} GPU{'s' if world != 1 else ''}.")
@@ -317,6 +344,36 @@ def render_report(run_dir: Path, plot_written: bool) -> str:
             + "\n".join(parts) + "</body></html>\n")
 
 
+def _grpo_sections(run_dir: Path, summary: dict[str, Any]) -> list[str]:
+    """The reward curves (rewards.png, embedded) and the sample completions of a GRPO run."""
+    parts = []
+    if (run_dir / REWARD_PLOT_FILE).is_file():
+        data = base64.b64encode((run_dir / REWARD_PLOT_FILE).read_bytes()).decode("ascii")
+        reward = summary.get("mean_reward") or {}
+        line = f"<p>Mean reward, first -> last step: {_num(reward.get('first'))} -> {_num(reward.get('last'))}</p>"
+        parts.append(_section("Rewards, KL and completion length",
+                              line + f'<img alt="mean reward, KL, completion length" src="data:image/png;base64,{data}">'))
+    samples = _jsonl(run_dir / SAMPLES_FILE)
+    if samples:
+        rows = [(str(s.get("step")), s.get("prompt", ""), s.get("completion", ""),
+                 ", ".join(f"{k} {_num(v, '.3f')}" for k, v in (s.get("rewards") or {}).items()),
+                 _num(s.get("advantage"), ".3f")) for s in samples]
+        parts.append(_section("Sample completions (first step, every quarter, last step)",
+                              _table(rows, ("step", "prompt (end)", "completion", "rewards", "advantage"))))
+    return parts
+
+
+def _rewards_body(run_dir: Path, summary: dict[str, Any]) -> str:
+    """The reward curves (rewards.png, embedded) and every preference metric's first and last value."""
+    body = ""
+    if (run_dir / REWARD_PLOT_FILE).is_file():
+        data = base64.b64encode((run_dir / REWARD_PLOT_FILE).read_bytes()).decode("ascii")
+        body += f'<img alt="rewards: chosen, rejected, margins, accuracies" src="data:image/png;base64,{data}">'
+    metrics = summary.get("preference_metrics") or {}
+    rows = [(name, f"{_num(v.get('first'))} -> {_num(v.get('last'))}") for name, v in sorted(metrics.items())]
+    return body + (_table(rows, ("metric", "first -> last")) if rows else "<p>No preference metric was logged.</p>")
+
+
 def _num(value: Any, spec: str = ".4f") -> str:
     return format(value, spec) if isinstance(value, (int, float)) else "n/a"
 
@@ -328,6 +385,6 @@ def write_run_report(run_dir: Path, log_history: list[dict[str, Any]]) -> list[s
     plotted = plot_loss(log_history, run_dir / PLOT_FILE, title=run_dir.name)
     if not plotted:
         notes.append(f"loss.png not written: matplotlib is not installed ({PLOT_HINT})")
-    plot_rewards(log_history, run_dir / REWARD_PLOT_FILE, title=run_dir.name)
+    plot_rewards(log_history, run_dir / REWARD_PLOT_FILE, title=f"{run_dir.name}: rewards")
     write_atomic(run_dir / REPORT_FILE, render_report(run_dir, plotted))
     return notes

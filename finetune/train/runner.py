@@ -416,12 +416,17 @@ def _log_main(is_main: bool):
 
 def _quiet_libraries() -> None:
     """Rank 0 keeps transformers' warnings; the others only report errors (N copies help nobody)."""
+    from finetune import quiet
+
+    quiet.install()
     rank = process_rank()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # Deprecations raised by one library calling another, once per step and rank; nothing to act on here.
     warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
     warnings.filterwarnings("ignore", message=r".*(is_gradient_checkpointing|gradient_checkpointing_(en|dis)able). is deprecated",
                             category=FutureWarning)  # TRL toggles checkpointing around each reference forward
+    # accelerate on a CPU: "OMP_NUM_THREADS/MKL_NUM_THREADS unset, we set it at N" (it picks cores / ranks itself).
+    warnings.filterwarnings("ignore", message=r"OMP_NUM_THREADS/MKL_NUM_THREADS unset", category=UserWarning)
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     if rank != 0:
         import datasets

@@ -53,8 +53,10 @@ class Source:
 def resolve_source(path: Optional[Path], base: Optional[str] = None, adapter: Optional[Path] = None,
                    fmt: Optional[str] = None) -> Source:
     """A run directory, a merged/full model directory, or --base + --adapter (which override the run's)."""
+    if fmt == "sharegpt":  # trained through the chat template, like messages (finetune.data.formats)
+        fmt = "messages"
     if fmt is not None and fmt not in FORMATS:
-        raise ChatError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
+        raise ChatError(f"--format must be one of {', '.join(FORMATS)} or sharegpt, got {fmt!r}")
     if path is None:
         if base is None:
             raise ChatError("give a run directory, a model directory, or --base (with --adapter for a LoRA adapter)")

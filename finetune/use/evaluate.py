@@ -7,7 +7,8 @@ hold-out the trainer evaluated on), or `--data FILE`, read as the run's source w
 `--format`, or as the run's only source; a run without a validation split is measured on its training data, and the table says so.
 
 Loss is the mean cross-entropy per scored token over all sequences (not a mean of batch means), and
-perplexity is exp(loss). The result goes to RUN/eval.json.
+perplexity is exp(loss). The result goes to RUN/eval.json, or RUN/eval-<FILE's name>.json for --data FILE
+(a second data set never overwrites the first's numbers).
 """
 
 from __future__ import annotations
@@ -22,6 +23,14 @@ from typing import Any, Callable, Optional
 from finetune.errors import FinetuneError
 
 EVAL_FILE = "eval.json"
+
+
+def eval_file(data: Optional[Path]) -> str:
+    """RUN/eval.json for the run's own data; eval-<stem>.json for --data FILE (issue 24)."""
+    if data is None:
+        return EVAL_FILE
+    stem = "".join(c if c.isalnum() or c in "-_." else "_" for c in Path(data).stem) or "data"
+    return f"eval-{stem}.json"
 
 
 class EvalError(FinetuneError, ValueError):
@@ -166,6 +175,7 @@ def evaluate(run_dir: Path, data: Optional[Path] = None, device: str = "auto", b
         source = resolve_source(run_dir)
         if data is not None:
             file_spec(data, source.recipe.data, fmt)  # an ambiguous file fails before the models load
+        log(f"loading {source.label} ...")  # seconds to a minute: say so (issue 24)
         chat = load_chat_model(source, device)
     except ChatError as exc:
         raise EvalError(str(exc)) from None
@@ -180,7 +190,7 @@ def evaluate(run_dir: Path, data: Optional[Path] = None, device: str = "auto", b
                         seconds=time.perf_counter() - started)
     from finetune.fsutil import write_atomic
 
-    write_atomic(run_dir / EVAL_FILE, json.dumps(result.to_json(), indent=2) + "\n")
+    write_atomic(run_dir / eval_file(data), json.dumps(result.to_json(), indent=2) + "\n")
     return result
 
 

@@ -77,7 +77,7 @@ class LaunchPlan:
 
 
 # Set for every run; not worth showing in the printed command.
-_QUIET_ENV = {"PYTHONUNBUFFERED", "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", "TQDM_DISABLE"}
+_QUIET_ENV = {"PYTHONUNBUFFERED", "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", "TQDM_DISABLE", "TORCH_EXTENSIONS_DIR"}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -136,6 +136,10 @@ def plan_launch(recipe: Recipe, run_dir: Path, gpu_count: int, module: str = RUN
         # Rank output reaches the console through log files read line by line (torchrun's tee), where a
         # redrawn progress bar turns into a new line per redraw; the loss lines are printed anyway.
         env["TQDM_DISABLE"] = "1"
+    if "TORCH_EXTENSIONS_DIR" not in environ:
+        from finetune.run.deepspeed_ops import per_environment_root
+
+        env["TORCH_EXTENSIONS_DIR"] = str(per_environment_root(python, environ))  # DeepSpeed's JIT ops, this venv's
     device = "cuda" if gpu_count > 0 else "cpu"
     if device == "cpu" and "DS_ACCELERATOR" not in environ:
         env["DS_ACCELERATOR"] = "cpu"  # skip DeepSpeed's accelerator probing (and its warning)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -269,6 +270,8 @@ class Relay(threading.Thread):
                 self._write(self.console, shown)
 
     def _filter(self, line: bytes) -> list[bytes]:
+        if _NOISE.search(line.rstrip(b"\r\n")):
+            return []  # in launcher.log only (issue 24: every line on screen worth reading)
         if line.startswith(b"Traceback (most recent call last):"):
             held, self._held = self._held, [line]
             return held
@@ -293,6 +296,12 @@ class Relay(threading.Thread):
     def tail(self) -> str:
         return b"\n".join(self._tail).decode("utf-8", "replace")
 
+
+# Lines that tell the user nothing to act on: torchrun's OMP_NUM_THREADS banner (it sets 1 per rank, as it
+# says, whenever several ranks share a machine), and DeepSpeed's "built successfully" for an op that
+# finetune.run.deepspeed_ops already announced (and that a cache hit merely loads).
+_NOISE = re.compile(rb"^\*{20,}$|^Setting OMP_NUM_THREADS environment variable for each process"
+                    rb"|^(\[(rank|default)\d+\]:\s?)?DeepSpeed \S+ built successfully$")
 
 # Exceptions torchrun raises itself when ranks fail or it is signalled (torch.distributed.elastic).
 _LAUNCHER_EXCEPTIONS = (b"torch.distributed.elastic.", b"torch.distributed.DistNetworkError")
