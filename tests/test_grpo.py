@@ -225,10 +225,10 @@ def test_preflight_checks_the_groups_once_the_process_count_is_known(tmp_path):
 
 def test_plan_scores_grpo_through_trls_fused_head_and_a_reward_model_through_its_score_head():
     from finetune.plan import plan_recipe
-    from finetune.plan.preference import fused_logprob_bytes
+    from finetune.plan.loss import fused_logprob_loss
 
     grpo = plan_recipe(load_recipe(TINY / "grpo_lora_zero3.yaml").recipe)  # trl 1.16: model(..., fused_lm_head=True)
-    assert grpo.field_bytes("logits") == fused_logprob_bytes(grpo.setup)
+    assert grpo.field_bytes("logits") == fused_logprob_loss(grpo.setup)[0]
     reward = plan_recipe(load_recipe(TINY / "reward_full_zero2.yaml").recipe)
     assert reward.field_bytes("logits") == 2 * 4 * reward.setup.micro_batch * reward.setup.seq_len  # no vocabulary
     assert "reward: chosen + rejected rows" in reward.setup.describe()

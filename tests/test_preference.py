@@ -185,7 +185,7 @@ def _plan(write_recipe, extra: str, name: str = "r.yaml", micro_batch: int = 4):
 
 
 def test_pairs_double_the_rows_and_dpo_scores_through_trls_logprob_tiles(write_recipe):
-    from finetune.plan.preference import fused_logprob_bytes
+    from finetune.plan.loss import fused_logprob_loss
 
     sft = _plan(write_recipe, "", micro_batch=8)
     dpo = _plan(write_recipe, "objective: dpo\n")
@@ -201,7 +201,7 @@ def test_pairs_double_the_rows_and_dpo_scores_through_trls_logprob_tiles(write_r
     assert saved(dpo) == saved(sft) and saved(kto) == saved(_plan(write_recipe, "", name="s4.yaml"))
     assert orpo.field_bytes("logits") == sft.field_bytes("logits") == 8 * 64 * 768 * 12
     # DPO: one 512-token x 768-vocab fp32 tile each way + the fp32 hidden gradient of 512 tokens x 128
-    assert dpo.field_bytes("logits") == fused_logprob_bytes(dpo.setup) == 2 * 512 * 768 * 4 + 512 * 128 * 4
+    assert dpo.field_bytes("logits") == fused_logprob_loss(dpo.setup)[0] == 2 * 512 * 768 * 4 + 512 * 128 * 4
     assert "dpo: chosen + rejected rows" in dpo.setup.describe()
 
 

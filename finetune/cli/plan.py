@@ -34,6 +34,7 @@ def plan(
     lora_targets: Optional[str] = typer.Option(None, "--lora-targets", help="all-linear or a comma list: q_proj,v_proj."),
     attn: Optional[str] = typer.Option(None, "--attn", help="eager, sdpa, flash_attention_2 or flash_attention_3."),
     overrides: Optional[List[str]] = typer.Option(None, "--set", help=SET_HELP),
+    trace: bool = typer.Option(False, "--trace", help="Also run one training step of transformers' model code on fake tensors (no weights, no GPU; needs torch) and report its peak by kind."),
 ) -> None:
     """Predict per-GPU memory (weights, gradients, optimizer, DeepSpeed buffers, activations, logits, overhead) before renting.
 
@@ -75,15 +76,30 @@ def plan(
                                       data_lengths=recipe is not None and seq_len is None)
     result = planner.plan(setup)
     advice = planner.recommend(setup, the_recipe.training.gradient_accumulation_steps) if recommend else None
+    traced = _trace(setup, the_recipe.model.name_or_path) if trace else None
     if fmt == "json":
         data = result.to_json()
         if advice is not None:
             data["recommendation"] = advice.to_json()
+        if traced is not None:
+            data["trace"] = traced.to_json()
         typer.echo(json.dumps(data, indent=2))
     else:
         typer.echo(result.render_text(), nl=False)
+        if traced is not None:
+            typer.echo("")
+            typer.echo(traced.render_text(), nl=False)
         if advice is not None:
             typer.echo("")
             typer.echo(advice.render_text(), nl=False)
     if result.fits is False:
         raise typer.Exit(EXIT_DOES_NOT_FIT)
+
+
+def _trace(setup, name_or_path: str):
+    """finetune.plan.trace, imported here: without --trace `finetune plan` never imports torch."""
+    try:
+        from finetune.plan.trace import config_of, trace
+    except ImportError as exc:  # pragma: no cover - the light install
+        raise fail(f"--trace needs torch, transformers and peft (pip install 'finetune[train]'): {exc}") from None
+    return trace(setup, config_of(name_or_path))

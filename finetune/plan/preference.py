@@ -24,16 +24,6 @@ from finetune.plan.setup import Setup, Term
 
 FUSED_LOGPROB_OBJECTIVES = tuple(o.name for o in objectives.OBJECTIVES.values() if o.fused_logprob)
 SCORE_HEAD_OBJECTIVES = tuple(o.name for o in objectives.OBJECTIVES.values() if o.score_head)
-
-
-def score_head_bytes(setup: Setup) -> int:
-    """A reward model's head (AutoModelForSequenceClassification, num_labels 1): one score per token of the
-    hidden states (the last one is picked), fp32 with its gradient, instead of vocabulary-sized logits."""
-    return 2 * 4 * setup.micro_batch * setup.seq_len
-
-
-def score_head_note(setup: Setup) -> str:
-    return f"reward head: {setup.micro_batch * setup.seq_len:,} tokens x 1 score x 4 B, and its gradient"
 TOKEN_TILE = 4096  # trl/kernels/chunked_logprob.py TOKEN_CHUNK_SIZE
 VOCAB_TILE = 32768  # trl/trainer/utils.py _CHUNKED_LOGPROB_CHUNK_SIZE
 
@@ -41,22 +31,6 @@ VOCAB_TILE = 32768  # trl/trainer/utils.py _CHUNKED_LOGPROB_CHUNK_SIZE
 def rows_per_example(objective: str) -> int:
     """Sequences one preference example puts through the trained forward (see the module docstring)."""
     return objectives.get(objective).rows_per_example
-
-
-def fused_logprob_bytes(setup: Setup) -> int:
-    """TRL's fused LM head: one fp32 tile of logits in forward and one in backward, plus the fp32 gradient
-    of the hidden states it accumulates per token."""
-    assert setup.arch is not None
-    tokens = setup.micro_batch * setup.seq_len
-    tile = min(tokens, TOKEN_TILE) * min(setup.arch.vocab, VOCAB_TILE) * 4
-    return 2 * tile + tokens * setup.arch.hidden * 4
-
-
-def fused_logprob_note(setup: Setup) -> str:
-    assert setup.arch is not None
-    tokens = setup.micro_batch * setup.seq_len
-    return (f"TRL fused log-probs: 2 x {min(tokens, TOKEN_TILE):,} tokens x {min(setup.arch.vocab, VOCAB_TILE):,} "
-            f"vocab x 4 B tiles + fp32 hidden gradient")
 
 
 def reference_terms(setup: Setup, trainable: int) -> list[Term]:

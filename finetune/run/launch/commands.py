@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Optional
 
 from finetune.errors import FinetuneError
+from finetune.plan.constants import TRAINING_ALLOC_CONF
 from finetune.recipe import Recipe
 from finetune.recipe.schema import LOOPBACK
 
@@ -45,7 +46,7 @@ DEEPSPEED_ENV_FILE = "deepspeed.env"
 # Never tokens: the file sits in the run directory, readable by the team; put HF_TOKEN in ~/.deepspeed_env.
 PROPAGATED_ENV = ("TQDM_DISABLE", "DS_ACCELERATOR", "FINETUNE_CACHE", "HF_HOME", "HF_HUB_CACHE", "HF_HUB_OFFLINE",
                   "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE", "TOKENIZERS_PARALLELISM", "OMP_NUM_THREADS",
-                  "CUDA_DEVICE_ORDER", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT")
+                  "CUDA_DEVICE_ORDER", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "PYTORCH_CUDA_ALLOC_CONF")
 
 
 class HostfileError(FinetuneError):
@@ -141,6 +142,9 @@ def plan_launch(recipe: Recipe, run_dir: Path, gpu_count: int, module: str = RUN
 
         env["TORCH_EXTENSIONS_DIR"] = str(per_environment_root(python, environ))  # DeepSpeed's JIT ops, this venv's
     device = "cuda" if gpu_count > 0 else "cpu"
+    if device == "cuda" and "PYTORCH_CUDA_ALLOC_CONF" not in environ:
+        # Less cache held beyond what is allocated (finetune/plan/allocator.py); a user's setting wins.
+        env["PYTORCH_CUDA_ALLOC_CONF"] = TRAINING_ALLOC_CONF
     if device == "cpu" and "DS_ACCELERATOR" not in environ:
         env["DS_ACCELERATOR"] = "cpu"  # skip DeepSpeed's accelerator probing (and its warning)
     hosts = None
