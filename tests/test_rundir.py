@@ -52,3 +52,28 @@ def test_a_corrupt_recipe_is_one_line_naming_the_file(tmp_path, text):
         run.recipe()
     message = str(info.value)
     assert message.startswith(f"{tmp_path / RECIPE_FILE}: cannot read the run's recipe") and "\n" not in message
+
+
+def test_another_node_writing_the_shared_run_directory_is_waited_for(tmp_path):
+    """Node 1 writes the shared run directory file by file, recipe.yaml last; node 0's preflight, looking in
+    between, waits for it instead of calling the folder 'not empty' (seen in the two-node slurm test under load)."""
+    import threading
+
+    from finetune.run.preflight import _wait_for_another_node
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "resume_key.json").write_text("{}")
+    (run / ".deepspeed.json.x1y2.tmp").write_text("{")
+    threading.Timer(0.5, lambda: (run / "recipe.yaml").write_text("model: {}\n")).start()
+    _wait_for_another_node(run, timeout=20)
+    assert (run / "recipe.yaml").is_file()
+
+    # a folder with anything else in it is not a run directory being written: no wait
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("x")
+    (tmp_path / "mine" / "deepspeed.json").write_text("{}")
+    import time
+    started = time.monotonic()
+    _wait_for_another_node(tmp_path / "mine", timeout=20)
+    assert time.monotonic() - started < 1

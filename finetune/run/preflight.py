@@ -364,8 +364,15 @@ def hostfile_step(recipe: Recipe, result: Preflight) -> None:
         result.warnings.append(f"launch.hostfile lists {len(hosts)} hosts; only the first {nodes} are used (launch.nodes: {nodes})")
 
 
+# Another node of a multi-node run may be writing the shared run directory at this moment: its files
+# appear one by one and recipe.yaml, written last (finetune.rundir.layout.run_files), makes it a run directory.
+OTHER_NODE_WRITE_S = 30.0
+
+
 def output_dir_step(run_dir: Path, overwrite: bool, result: Preflight, loaded: Optional[LoadedRecipe] = None,
                     world_size: Optional[int] = None, resume: bool = False, force_resume: bool = False) -> None:
+    if loaded is not None and loaded.recipe.launch.nodes > 1 and not overwrite:
+        _wait_for_another_node(run_dir)
     if loaded is not None and not overwrite and RunDir(run_dir).is_run():
         resume_step(run_dir, loaded.recipe, world_size, resume, force_resume, result)
         return
@@ -374,6 +381,26 @@ def output_dir_step(run_dir: Path, overwrite: bool, result: Preflight, loaded: O
         result.run_dir_errors.append(problem)
     elif overwrite and run_dir_entries(run_dir):
         result.warnings.append(f"output directory {run_dir}: the previous run there will be replaced (--overwrite)")
+
+
+def _wait_for_another_node(run_dir: Path, timeout: float = OTHER_NODE_WRITE_S) -> None:
+    """While the directory holds only some of a run directory's files (not yet recipe.yaml), for at most
+    `timeout`: another node of this run is writing it. A folder with anything else in it is not waited for."""
+    import time
+
+    from finetune.rundir.names import LOGS_DIR, RUN_INPUTS
+    from finetune.rundir.resume_key import RESUME_KEY_FILE
+
+    written_first = {RESUME_KEY_FILE, *RUN_INPUTS, LOGS_DIR}
+
+    def being_written() -> bool:  # only run-directory files and their temporary files (fsutil.write_atomic)
+        entries = run_dir_entries(run_dir)
+        return bool(entries) and not RunDir(run_dir).is_run() and all(
+            name in written_first or any(name.startswith(f".{known}.") for known in written_first) for name in entries)
+
+    deadline = time.monotonic() + timeout
+    while being_written() and time.monotonic() < deadline:
+        time.sleep(0.2)
 
 
 def resume_step(run_dir: Path, recipe: Recipe, world_size: Optional[int], resume: bool, force: bool,
