@@ -26,6 +26,7 @@ from typing import Any, Iterator, Optional
 
 from finetune.errors import FinetuneError
 from finetune.fsutil import publish_once
+from finetune.recipe.references import MODEL_CONFIG
 
 # The one spelling of the prefix: everything else asks is_builtin() / builtin_name().
 BUILTIN_PREFIX = "builtin:"
@@ -111,10 +112,10 @@ def ensure_builtin_model(name_or_path: str, root: Optional[Path] = None) -> Path
     wins, and the loser discards its copy (both builds are identical: fixed seed, fixed corpus).
     """
     target = builtin_model_dir(name_or_path, root)
-    if (target / "config.json").is_file():
+    if (target / MODEL_CONFIG).is_file():
         return target
     # 0o755: the cache may be shared by the users of the box
-    with publish_once(target, "config.json", mode=0o755) as tmp:
+    with publish_once(target, MODEL_CONFIG, mode=0o755) as tmp:
         _build(builtin_name(name_or_path), tmp)
     return target
 

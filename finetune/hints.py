@@ -55,11 +55,13 @@ def tensorboard() -> str:
 def open_file(path: Path) -> Optional[str]:
     """The command that opens `path` in the desktop's viewer, or None where there is none (a server:
     print the path itself). `open` is macOS's; Linux desktops have xdg-open."""
+    from finetune.rundir.run_dir import command_line  # the path shell-quoted (a run named `$(...)`, issue 25)
+
     if sys.platform == "darwin":
-        return f"open {path}"
+        return command_line("open", path)
     if sys.platform.startswith("win"):
         return f'start "" "{path}"'
-    return f"xdg-open {path}" if shutil.which("xdg-open") else None
+    return command_line("xdg-open", path) if shutil.which("xdg-open") else None
 
 
 def runnable(text: str) -> str:

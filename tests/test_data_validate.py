@@ -276,3 +276,46 @@ def _row_by_row_problems(path: Path, spec: RowSpec):
             to_example(row, spec)
         except RowProblem as exc:
             yield where, str(exc)
+
+
+# ------------------------------------------------------------------------------------------------
+# Issue 25 item 3: paths that are not regular files, lines without an end
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dev-zero-link"])
+def test_a_data_path_that_is_not_a_regular_file_is_refused_without_reading_it(tmp_path, kind):
+    import os
+
+    path = tmp_path / "data.jsonl"
+    if kind == "fifo":
+        os.mkfifo(path)  # opening it would block until a writer comes: never, here
+    else:
+        path.symlink_to("/dev/zero")  # endless: read whole, it never ends
+    import threading
+
+    done: list = []  # a reader that opens the FIFO blocks forever: look from a thread, give up after 20 s
+    reader = threading.Thread(target=lambda: done.append(messages(path, "alpaca")), daemon=True)
+    reader.start()
+    reader.join(20)
+    assert done, "validation hung reading the data path"
+    found = done[0]
+    what = "a named pipe (FIFO)" if kind == "fifo" else "a character device"
+    assert found == [f"{path}: {what}, not a regular file: give a data file (or a folder of them)"]
+
+
+@pytest.mark.parametrize("newline_at", [None, 3000])
+def test_a_line_longer_than_the_maximum_is_one_problem_read_in_bounded_memory(tmp_path, monkeypatch, newline_at):
+    from finetune.data import fastcheck
+
+    monkeypatch.setattr(fastcheck, "MAX_LINE", 1024)
+    monkeypatch.setattr(fastcheck, "RANGE", 256)  # the bulk pass's range ends inside the long line too
+    good = json.dumps({"instruction": "a", "output": "b"}).encode() + b"\n"
+    body = b'{"instruction": "' + b"x" * 5000 + b'"'
+    if newline_at is not None:
+        body = body[:newline_at] + b"\n" + body[newline_at:]
+    path = tmp_path / "long.jsonl"
+    path.write_bytes(good * 2 + body)
+    found = messages(path, "alpaca")
+    assert len(found) == 1 and found[0].startswith(f"{path}:3: line 3 is longer than") and "\n" not in found[0]
+    with pytest.raises(v.Unreadable, match=r"long.jsonl:3: line 3 is longer than"):
+        list(v.iter_rows(path))

@@ -334,3 +334,20 @@ def test_next_steps_after_a_preference_run_do_not_offer_eval(tmp_path):
     assert not any("finetune eval" in line for line in next_steps_lines(tmp_path, ["adapter"], "dpo"))
     assert not any("finetune eval" in command for _, command in next_steps(tmp_path, {"objective": "dpo"}))
     assert any("finetune eval" in command for _, command in next_steps(tmp_path, {"objective": "sft"}))
+
+
+def test_preference_rows_refuse_unknown_roles_and_name_a_null_column():
+    """Issue 25 item 10: a role SFT refuses was trained in preference rows; a null column was "missing"."""
+    from finetune.data.formats import RowProblem, RowSpec
+    from finetune.data.preference import pairs
+
+    def problem(row):
+        with pytest.raises(RowProblem) as info:
+            pairs(row, RowSpec("pairs"))
+        return str(info.value)
+
+    turn = lambda role, text: [{"role": role, "content": text}]  # noqa: E731
+    row = {"prompt": turn("narrator", "Once"), "chosen": turn("assistant", "a"), "rejected": turn("assistant", "b")}
+    assert problem(row) == "`prompt`[0]: unknown role `narrator` (known: system, user, assistant, tool)"
+    assert problem({"prompt": "q", "chosen": None, "rejected": "b"}) == "`chosen` is null"
+    assert problem({"prompt": "q", "rejected": "b"}).startswith("no `chosen` column")

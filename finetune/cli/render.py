@@ -8,6 +8,7 @@ from typing import List, Optional
 import typer
 
 from finetune.cli.common import SET_HELP, fail, load_or_exit
+from finetune.rundir.names import DEEPSPEED_FILE, TRAINING_ARGS_FILE
 
 
 def render(
@@ -39,7 +40,7 @@ def render(
         return
     try:
         output.mkdir(parents=True, exist_ok=True)
-        for name, data in (("deepspeed.json", ds), ("training_args.json", args)):
+        for name, data in ((DEEPSPEED_FILE, ds), (TRAINING_ARGS_FILE, args)):
             write_atomic(output / name, dumps(data))
             typer.echo(f"wrote {output / name}")
     except OSError as exc:

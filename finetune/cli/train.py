@@ -9,6 +9,7 @@ from typing import List, Optional
 import typer
 
 from finetune.cli.common import SET_HELP, fail, load_or_exit, usable_path
+from finetune.rundir.run_dir import ADAPTER_DIR, REPORT_FILE, RunDir, command_line
 
 
 def train(
@@ -105,7 +106,8 @@ def train(
     except OSError as exc:
         raise fail(f"cannot write the run directory {prepared.run_dir}: {exc.strerror or exc}") from None
     if outcome.ok:
-        saved = [name for name in ("adapter", "model") if (prepared.run_dir / name).is_dir()]
+        run = RunDir(prepared.run_dir)
+        saved = [folder.name for folder in (run.adapter_path, run.model_path) if folder.is_dir()]
         where = f" ({' and '.join(saved)} in {', '.join(str(prepared.run_dir / s) for s in saved)})" if saved else ""
         typer.echo(f"finished: {prepared.run_dir}{where}", err=True)
         for line in next_steps_lines(prepared.run_dir, saved, prepared.loaded.recipe.objective):
@@ -136,7 +138,9 @@ def _what_a_run_would_do(prepared) -> str:
         return f"resume from {prepared.resume_from.name} (step {prepared.resume_from.step}) in {prepared.run_dir}"
     if report.join:
         return f"join the run directory {prepared.run_dir} written by another node of this run"
-    if prepared.overwrite and prepared.run_dir.exists() and any(prepared.run_dir.iterdir()):
+    from finetune.run.preflight import run_dir_entries
+
+    if prepared.overwrite and run_dir_entries(prepared.run_dir):
         return f"replace the previous run in {prepared.run_dir} and start fresh (--overwrite)"
     return f"start fresh in {prepared.run_dir}"
 
@@ -155,25 +159,27 @@ def _run_with_display(prepared, start_run):
 
 def next_steps_lines(run_dir: Path, saved: List[str], objective: str = "sft") -> List[str]:
     """What to do after a finished run, with the commands for this run directory spelled so that they
-    run as printed here (finetune.hints: the venv's path when it is not activated, no `open` on Linux);
-    no `eval` after a preference objective: its loss over prompt/chosen/rejected rows is not a perplexity."""
+    run as printed here (finetune.hints: the venv's path when it is not activated, no `open` on Linux; every
+    argument shell-quoted); no `eval` after a preference objective: its loss over prompt/chosen/rejected rows
+    is not a perplexity."""
     from finetune import hints
 
     finetune, steps = hints.finetune(), []
-    if (run_dir / "report.html").is_file():
-        opener = hints.open_file(run_dir / "report.html")
-        steps.append((opener or str(run_dir / "report.html"),
+    if (run_dir / REPORT_FILE).is_file():
+        opener = hints.open_file(run_dir / REPORT_FILE)
+        steps.append((opener or command_line(run_dir / REPORT_FILE),
                       "loss plot, memory, config, versions" + ("" if opener else " (open it in a browser)")))
     if saved and objective == "reward":  # a scoring head, not a chat model
-        steps.append((f"{finetune} eval {run_dir}", "pairwise accuracy on its pairs, base vs trained"))
+        steps.append((f"{finetune} {command_line('eval', run_dir)}", "pairwise accuracy on its pairs, base vs trained"))
     elif saved:
-        steps.append((f"{finetune} chat {run_dir}", "talk to it (--prompt TEXT for one answer)"))
+        steps.append((f"{finetune} {command_line('chat', run_dir)}", "talk to it (--prompt TEXT for one answer)"))
         if objective == "sft":
-            steps.append((f"{finetune} eval {run_dir}", "loss and perplexity, base vs fine-tuned"))
-    if "adapter" in saved:
-        steps.append((f"{finetune} merge {run_dir} -o merged/{run_dir.name}", "one model to serve (CPU, streaming)"))
+            steps.append((f"{finetune} {command_line('eval', run_dir)}", "loss and perplexity, base vs fine-tuned"))
+    if ADAPTER_DIR in saved:
+        steps.append((f"{finetune} {command_line('merge', run_dir, '-o', f'merged/{run_dir.name}')}",
+                      "one model to serve (CPU, streaming)"))
     if (run_dir / "tensorboard").is_dir():
-        steps.append((f"{hints.tensorboard()} --logdir {run_dir / 'tensorboard'}", "the curves, live"))
+        steps.append((f"{hints.tensorboard()} {command_line('--logdir', run_dir / 'tensorboard')}", "the curves, live"))
     if not steps:
         return []
     width = max(len(command) for command, _ in steps)

@@ -16,11 +16,10 @@ CSV cells are text: a JSON list of messages in a cell is read as one, `true`/`fa
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any, Mapping, Optional
 
-from finetune.data.formats import (CHAT_FORMATS, Columns, RowProblem, RowSpec, alpaca_prompt, chat_turn, text_column,
-                                   register_format)
+from finetune.data.formats import (CHAT_FORMATS, ROLES, Columns, RowProblem, RowSpec, alpaca_prompt, chat_turn,
+                                   register_format, text_column)
 from finetune.objectives import OBJECTIVES
 
 _BOOLEANS = {"true": True, "false": False}
@@ -44,7 +43,10 @@ def _decoded(value: Any) -> Any:
 
 def _columns_of(row: Mapping[str, Any], spec: RowSpec, wanted: tuple[str, ...], hint: str) -> dict[str, Any]:
     names = {c: spec.column(c) for c in wanted}
-    missing = [names[c] for c in wanted if row.get(names[c]) is None]
+    nulls = [names[c] for c in wanted if names[c] in row and row[names[c]] is None]
+    if nulls:  # there, but null: not the same mistake as a column the file does not have
+        raise RowProblem(f"{' and '.join(f'`{c}`' for c in nulls)} {'is' if len(nulls) == 1 else 'are'} null")
+    missing = [names[c] for c in wanted if names[c] not in row]
     if missing:
         found = ", ".join(f"`{k}`" for k in row) or "none"
         raise RowProblem(f"no {' or '.join(f'`{c}`' for c in missing)} column ({'/'.join(wanted)} rows need "
@@ -75,6 +77,8 @@ def _kind(value: Any, column: str, may_be_blank: bool = False) -> str:
             if not isinstance(message, dict) or not isinstance(message.get("role"), str) \
                     or not isinstance(message.get("content"), str):
                 raise RowProblem(f"`{column}`[{i}] must be an object with text `role` and `content`")
+            if message["role"] not in ROLES:  # as SFT rows (finetune.data.formats): TRL would train it as text
+                raise RowProblem(f"`{column}`[{i}]: unknown role `{message['role'][:40]}` (known: {', '.join(ROLES)})")
         return "messages"
     raise RowProblem(f"`{column}` must be text or a list of {{role, content}} messages, got {type(value).__name__}")
 
@@ -180,14 +184,3 @@ def load_rows(data: Any, objective: str, seed: int):
     except MixError as exc:
         raise DataError(str(exc)) from None
     return datasets.Dataset.from_list([per_source[s][i] for s, i in mixture(shares, seed)])
-
-
-def adapter_problem(reference: str) -> str | None:
-    """Why model.adapter (an SFT run directory or an adapter directory) cannot be continued from, or None."""
-    path = Path(reference).expanduser()
-    if any((candidate / "adapter_config.json").is_file() for candidate in (path, path / "adapter")):
-        return None
-    if (path / "model").is_dir() or (path / "config.json").is_file():
-        return ("holds full weights, not an adapter: continue a full fine-tune through model.name_or_path "
-                "(and method: full)")
-    return f"no adapter_config.json in {path} or {path / 'adapter'} (give an SFT run directory or an adapter directory)"

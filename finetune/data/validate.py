@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, Iterator, Optional
 
-from finetune.data.fastcheck import clean_counts, line_ranges
+from finetune.data.fastcheck import MAX_LINE, LineTooLong, bounded_lines, clean_counts, line_ranges
 from finetune.data import preference as _trl_rows  # noqa: F401 - registers the rows of TRL's objectives
 from finetune.data.formats import Chat, Columns, Prompted, RowProblem, Text, to_example
 from finetune.data.sources import Source, SourceProblem, data_files, is_local
@@ -163,6 +163,8 @@ def _check_jsonl(path: Path, check: SourceCheck, result: Validation) -> None:
                     check.lengths.frombytes(counts.clip(0, 2**32 - 1).astype("uint32").tobytes())
     except OSError as exc:
         result.add(check, f"{path}: cannot read: {exc.strerror or exc}")
+    except LineTooLong as exc:
+        result.add(check, f"{path}:{exc.line}: {exc}")
     except Unreadable as exc:
         result.add(check, str(exc))
 
@@ -236,6 +238,10 @@ def _guarded(path: Path, rows: Iterator[tuple[str, Any]]) -> Iterator[tuple[str,
         raise Unreadable(f"{path}: not UTF-8 text (byte {exc.start})") from None
     except OSError as exc:
         raise Unreadable(f"{path}: cannot read: {exc.strerror or exc}") from None
+    except LineTooLong as exc:
+        raise Unreadable(f"{path}:{exc.line}: {exc}") from None
+    except csv.Error as exc:  # a field past csv.field_size_limit(), a NUL byte
+        raise Unreadable(f"{path}: not a readable CSV file ({exc})") from None
 
 
 def _jsonl_rows(path: Path) -> Iterator[tuple[str, Any]]:
@@ -244,7 +250,7 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[str, Any]]:
 
 
 def _jsonl_lines(path: Path, lines: BinaryIO, first_line: int) -> Iterator[tuple[str, Any]]:
-    for line_no, line in enumerate(lines, first_line):
+    for line_no, line in bounded_lines(lines, first_line):
         try:
             yield f"{path}:{line_no}", _loads(line)
         except _JSONError as exc:
@@ -296,7 +302,7 @@ def _json_rows(path: Path) -> Iterator[tuple[str, Any]]:
 def _is_jsonl(path: Path) -> bool:
     """A .json file starting with `{`: JSON lines when its first line is a whole object."""
     with path.open("rb") as handle:
-        first = handle.readline()
+        first = handle.readline(MAX_LINE + 1)
     try:
         return isinstance(_loads(first), dict)
     except _JSONError:

@@ -13,7 +13,7 @@ from typing import Callable, Iterator
 
 from finetune.lint.deepspeed.context import RawFinding  # one finding type for every rule module; key = recipe path here
 from finetune.recipe import LoadedRecipe
-from finetune.recipe.references import DATA_SUFFIXES, is_local
+from finetune.recipe.references import DATA_SUFFIXES, MODEL_CONFIG, is_local
 
 RULES: dict[str, str] = {
     "R001": "The file is not a readable YAML recipe (syntax, tags, duplicate keys, size, nesting).",
@@ -356,7 +356,7 @@ def launch_settings(loaded: LoadedRecipe) -> Iterator[RawFinding]:
 
 def _local_model_type(name_or_path: str) -> str | None:
     """model_type from a local model directory's config.json (lint never reaches the hub)."""
-    config = Path(name_or_path).expanduser() / "config.json"
+    config = Path(name_or_path).expanduser() / MODEL_CONFIG
     if not is_local(name_or_path) or not config.is_file():
         return None
     try:
@@ -403,13 +403,13 @@ def continued_adapter(loaded: LoadedRecipe) -> Iterator[RawFinding]:
                          "a full fine-tune continues from full weights, not an adapter",
                          "set model.name_or_path to the SFT run's model/ directory and remove model.adapter")
         return
-    path = Path(adapter).expanduser()
-    found = any((p / "adapter_config.json").is_file() for p in (path, path / "adapter"))
-    if not found:
+    from finetune.rundir.run_dir import find_adapter, no_adapter_message
+
+    if find_adapter(adapter) is None:
         # Info, not a warning: the SFT run a DPO recipe continues from usually exists only on the training box
         # (and later than the recipe); `finetune train`'s preflight refuses to start without it.
         yield RawFinding("R120", "info", ("model", "adapter"),
-                         f"no adapter_config.json in {path} or {path / 'adapter'} here (`finetune train` will refuse to start)")
+                         f"{no_adapter_message(adapter)} here (`finetune train` will refuse to start)")
     if written_here(loaded, "lora"):
         yield RawFinding("R120", "warning", ("lora",), "`lora` is ignored with model.adapter: the adapter keeps the "
                          "rank, alpha and target modules it was trained with", "remove the lora section")

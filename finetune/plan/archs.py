@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Optional
 
 from finetune.errors import FinetuneError
+from finetune.recipe.references import MODEL_CONFIG
 
 # Projections of one decoder layer, in forward order; LoRA `target_modules` names refer to these.
 LAYER_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -317,7 +318,7 @@ def _moe_fields(config: dict) -> dict:
 
 def load_config_json(path: Path) -> Arch:
     """Read `path` (a config.json, or a directory holding one)."""
-    file = path / "config.json" if path.is_dir() else path
+    file = path / MODEL_CONFIG if path.is_dir() else path
     try:
         data = json.loads(file.read_text(encoding="utf-8"))
     except OSError as exc:

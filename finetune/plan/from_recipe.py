@@ -19,6 +19,7 @@ from finetune.plan.preference import has_reference_model, rows_per_example
 from finetune.plan.result import PlanResult
 from finetune.plan.setup import PlanError, Setup, overflow_as_plan_error
 from finetune.builtin import is_builtin
+from finetune.recipe.references import MODEL_CONFIG
 
 
 def plan_recipe(recipe, gpus: Optional[int] = None, gpu_memory_bytes: Optional[int] = None,
@@ -192,7 +193,7 @@ def resolve_model(name: str) -> tuple[Optional[Arch], int, str]:
         return arch, arch.total_params, arch.describe()
     path = Path(text).expanduser()
     if path.exists():
-        if path.is_dir() and not (path / "config.json").is_file():
+        if path.is_dir() and not (path / MODEL_CONFIG).is_file():
             raise PlanError(f"{path} has no config.json: pass --model with a config.json, an architecture "
                             f"name ({', '.join(names()[:4])}, ...) or a parameter count such as 7.5B")
         try:

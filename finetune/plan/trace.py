@@ -33,6 +33,7 @@ from typing import Any, Optional
 from finetune.plan.constants import BNB_BLOCKSIZE
 from finetune.units import GiB, MiB, gib_text
 from finetune.plan.setup import PlanError, Setup
+from finetune.recipe.references import MODEL_CONFIG
 
 KINDS = ("weights", "optimizer", "gradients", "activations", "logits", "temporaries")
 
@@ -105,7 +106,7 @@ def config_of(name_or_path: str) -> Optional[dict]:
     if is_builtin(name_or_path):
         return {"model_type": "llama", **builtin_config(name_or_path)}
     path = Path(name_or_path).expanduser()
-    file = path / "config.json" if path.is_dir() else path
+    file = path / MODEL_CONFIG if path.is_dir() else path
     if file.is_file():
         try:
             data = json.loads(file.read_text(encoding="utf-8"))

@@ -14,7 +14,7 @@ from pydantic import ValidationError
 from finetune.recipe.references import DATA_SUFFIXES
 from finetune.errors import FinetuneError
 from finetune.recipe.schema import Recipe, section_model
-from finetune.recipe.yamlio import DocumentError, load_yaml, read_text
+from finetune.recipe.yamlio import DocumentError, load_yaml, read_text, shorten
 
 
 class RecipeProblem(FinetuneError):
@@ -251,11 +251,11 @@ def apply_set(raw: dict, origin: dict, item: str) -> None:
     """`--set deepspeed.stage=3`: the value is read as YAML (numbers, booleans, lists)."""
     where = "--set"
     if "=" not in item:
-        raise RecipeProblem([Problem(where, 1, 1, None, f"`--set {item}` needs the form key.path=value", rule="R006")])
+        raise RecipeProblem([Problem(where, 1, 1, None, f"`--set {shorten(item)}` needs the form key.path=value", rule="R006")])
     dotted, _, text = item.partition("=")
     keys = [k for k in dotted.strip().split(".")]
     if not all(keys):
-        raise RecipeProblem([Problem(where, 1, 1, dotted, f"`--set {item}`: empty key in `{dotted}`", rule="R006")])
+        raise RecipeProblem([Problem(where, 1, 1, shorten(dotted), f"`--set {shorten(item)}`: empty key in `{shorten(dotted)}`", rule="R006")])
     try:
         value = load_yaml(text, where).data if text.strip() else ""
     except DocumentError as exc:
@@ -269,7 +269,7 @@ def apply_set(raw: dict, origin: dict, item: str) -> None:
             raise RecipeProblem([Problem(where, 1, 1, dotted, f"`{'.'.join(keys[:i + 1])}` is not a section", rule="R006")])
         node = child
     node[keys[-1]] = value
-    origin[tuple(keys)] = (f"--set {item}", 1, 1)
+    origin[tuple(keys)] = (f"--set {shorten(item)}", 1, 1)
 
 
 def validate(raw: dict, origin: dict, path: str) -> Recipe:

@@ -198,7 +198,16 @@ class _Builder:
         try:
             return self.yaml.constructor.construct_object(node, deep=True)
         except Exception as exc:  # ruamel raises several types for odd scalars; report, don't crash
-            raise DocumentError(f"cannot read value {node.value!r}: {exc}", *_mark(node)) from None
+            raise DocumentError(f"cannot read value {shorten(repr(node.value))}: {shorten(str(exc))}",
+                                *_mark(node)) from None
+
+
+ECHO_LIMIT = 120  # characters of a user's value repeated in a message (a 100k-digit --set is not echoed whole)
+
+
+def shorten(text: str, limit: int = ECHO_LIMIT) -> str:
+    """`text` as a message repeats it: at most `limit` characters, saying how long the rest was."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text):,} characters)"
 
 
 def _mark(node: Any) -> tuple[int, int]:

@@ -184,3 +184,8 @@ def use_tiled_mlp(model, shards: Optional[int] = None) -> int:
         raise ParallelError(f"training.tiled_mlp: {type(model).__name__} has no gated MLP (gate_proj, up_proj, down_proj) "
                             "to tile; set training.tiled_mlp: false")
     return patched
+
+
+def apply_tiled_mlp(model, training) -> int:
+    """use_tiled_mlp when the recipe's training.tiled_mlp asks for it (0 MLPs patched otherwise)."""
+    return use_tiled_mlp(model, training.tiled_mlp_shards) if training.tiled_mlp else 0

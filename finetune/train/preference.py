@@ -154,13 +154,12 @@ def split_rows(recipe: Recipe):
 def adapter_dir(reference: str) -> Path:
     """model.adapter: an SFT run directory (its adapter/) or the adapter directory itself."""
     from finetune.data.tokenize import DataError
+    from finetune.rundir.run_dir import find_adapter, no_adapter_message
 
-    path = Path(reference).expanduser()
-    for candidate in (path, path / "adapter"):
-        if (candidate / "adapter_config.json").is_file():
-            return candidate
-    raise DataError(f"model.adapter: no adapter_config.json in {path} or {path / 'adapter'} "
-                    "(give an SFT run directory or an adapter directory)")
+    found = find_adapter(reference)
+    if found is None:
+        raise DataError(f"model.adapter: {no_adapter_message(reference)} (give an SFT run directory or an adapter directory)")
+    return found
 
 
 def prepare_policy(model, recipe: Recipe, model_path: str) -> tuple[Any, Any, Any]:

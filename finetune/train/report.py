@@ -21,12 +21,11 @@ from pathlib import Path
 from typing import Any, Optional
 
 from finetune.fsutil import write_atomic
+from finetune.rundir.names import DEEPSPEED_FILE, PLOT_FILE, REPORT_FILE
 from finetune.units import gib_text
 
-PLOT_FILE = "loss.png"
 REWARD_PLOT_FILE = "rewards.png"  # GRPO: mean reward, each reward, KL, length; dpo/orpo/kto/simpo: TRL's rewards/*
 SAMPLES_FILE = "completions.jsonl"  # written by finetune.train.grpo.completion_samples
-REPORT_FILE = "report.html"
 PLOT_HINT = "pip install matplotlib (or pip install 'finetune[train]')"
 
 
@@ -221,28 +220,32 @@ def plan_estimate(run_dir: Path, world_size: int) -> tuple[Optional[dict[str, in
 
 
 def next_steps(run_dir: Path, summary: dict[str, Any]) -> list[tuple[str, str]]:
-    """(what, command) pairs for what a user does after this run, spelled to run as printed (finetune.hints)."""
+    """(what, command) pairs for what a user does after this run, spelled to run as printed (finetune.hints),
+    every argument shell-quoted."""
     from finetune import hints
+    from finetune.rundir.checkpoint import checkpoint_dirs
+    from finetune.rundir.run_dir import ADAPTER_DIR, RunDir, command_line
 
-    run, name, finetune = str(run_dir), run_dir.name, hints.finetune()
+    run, finetune = RunDir(run_dir), hints.finetune()
     objective = summary.get("objective", "sft")
     if objective == "reward":  # a scoring head, not a chat model
-        steps = [("pairwise accuracy on its pairs, base vs trained", f"{finetune} eval {run}")]
+        steps = [("pairwise accuracy on its pairs, base vs trained", f"{finetune} {command_line('eval', run_dir)}")]
     else:
-        steps = [("chat with it", f"{finetune} chat {run}")]
+        steps = [("chat with it", f"{finetune} {command_line('chat', run_dir)}")]
     if objective == "sft":  # a preference loss is not a perplexity
-        steps.append(("loss and perplexity, base vs fine-tuned", f"{finetune} eval {run}"))
+        steps.append(("loss and perplexity, base vs fine-tuned", f"{finetune} {command_line('eval', run_dir)}"))
     output = summary.get("output")
-    if output == "adapter":
-        steps.append(("merge the adapter into the base (CPU, streaming)", f"{finetune} merge {run} -o merged/{name}"))
-    checkpoints = sorted((p for p in run_dir.glob("checkpoint-*") if p.name.split("-")[-1].isdigit()),
-                         key=lambda p: int(p.name.split("-")[-1]))
+    if output == ADAPTER_DIR:
+        steps.append(("merge the adapter into the base (CPU, streaming)",
+                      f"{finetune} {command_line('merge', run_dir, '-o', f'merged/{run_dir.name}')}"))
+    checkpoints = checkpoint_dirs(run_dir)
     if checkpoints:
-        newest = checkpoints[-1]
-        steps.append((f"turn {newest.name} into an adapter or weights", f"{finetune} convert {newest} -o {run}/{newest.name}-hf"))
+        newest = checkpoints[-1][1]
+        steps.append((f"turn {newest.name} into an adapter or weights",
+                      f"{finetune} {command_line('convert', newest, '-o', run_dir / f'{newest.name}-hf')}"))
         steps.append(("train further from the newest checkpoint (after raising training.max_steps or epochs)",
-                      f"{finetune} train {run}/recipe.yaml --force-resume"))
-    steps.append(("TensorBoard", f"{hints.tensorboard()} --logdir {run}/tensorboard"))
+                      f"{finetune} {command_line('train', run.recipe_path, '--force-resume')}"))
+    steps.append(("TensorBoard", f"{hints.tensorboard()} {command_line('--logdir', run_dir / 'tensorboard')}"))
     return steps
 
 
@@ -274,11 +277,13 @@ def memory_rows(summary: dict[str, Any], per_gpu: Optional[dict[str, int]]) -> l
 
 def render_report(run_dir: Path, plot_written: bool) -> str:
     run_dir = Path(run_dir)
-    summary = _json(run_dir / "summary.json") or {}
-    env = _json(run_dir / "env.json") or {}
+    from finetune.rundir.run_dir import ENV_FILE, RECIPE_FILE, SUMMARY_FILE
+
+    summary = _json(run_dir / SUMMARY_FILE) or {}
+    env = _json(run_dir / ENV_FILE) or {}
     ds_path = run_dir / "deepspeed.effective.json"
-    ds_text = _read(ds_path) or _read(run_dir / "deepspeed.json") or "(missing)"
-    recipe_text = _read(run_dir / "recipe.yaml") or "(missing)"
+    ds_text = _read(ds_path) or _read(run_dir / DEEPSPEED_FILE) or "(missing)"
+    recipe_text = _read(run_dir / RECIPE_FILE) or "(missing)"
     world = int(summary.get("world_size") or env.get("world_size") or 1)
     per_gpu, why_no_plan = plan_estimate(run_dir, world)
     name = run_dir.name
@@ -325,8 +330,8 @@ def render_report(run_dir: Path, plot_written: bool) -> str:
     parts.append(_section("Memory per rank: plan vs measured",
                           _table(memory, ("rank", "planned (per GPU)", "measured peak", "measured as")) + note))
     parts.append(_section("Next", _table([(w, c) for w, c in next_steps(run_dir, summary)], ("what", "command"))))
-    parts.append(_section("Recipe (recipe.yaml, resolved)", _pre(recipe_text)))
-    parts.append(_section(f"DeepSpeed config ({ds_path.name if ds_path.is_file() else 'deepspeed.json'})", _pre(ds_text)))
+    parts.append(_section(f"Recipe ({RECIPE_FILE}, resolved)", _pre(recipe_text)))
+    parts.append(_section(f"DeepSpeed config ({ds_path.name if ds_path.is_file() else DEEPSPEED_FILE})", _pre(ds_text)))
     versions = env.get("versions") or {}
     rows = [(k, str(v)) for k, v in versions.items()] + [("cuda", str(env.get("cuda"))), ("platform", str(env.get("platform")))]
     parts.append(_section("Versions", _table(rows, ("library", "version"))))

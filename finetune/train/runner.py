@@ -40,6 +40,9 @@ from typing import Any, Optional
 
 from finetune.recipe import Recipe
 from finetune.rundir.layout import RunDirError, read_run_dir
+from finetune.rundir.run_dir import (
+    ADAPTER_CONFIG, ADAPTER_DIR, ENV_FILE, MODEL_DIR, REPORT_FILE, SUMMARY_FILE, TOKENIZER_DIR, command_line,
+)
 from finetune.train.dist import all_gather, barrier, is_cpu_accelerator
 from finetune.train.dist import rank as process_rank
 from finetune.train.dist import world_size as process_world_size
@@ -152,7 +155,7 @@ def save_weights(trainer, recipe: Recipe, ds_config: dict[str, Any], run_dir: Pa
 
     zero = ds_config.get("zero_optimization", {})
     gathered = zero.get("stage", 0) != 3 or bool(zero.get("stage3_gather_16bit_weights_on_model_save", False))
-    name = ("model" if recipe.method == "full" else "adapter") if gathered else "zero_checkpoint"
+    name = (MODEL_DIR if recipe.method == "full" else ADAPTER_DIR) if gathered else "zero_checkpoint"
     tmp = run_dir / f".{name}.partial"
     if is_main:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -165,8 +168,8 @@ def save_weights(trainer, recipe: Recipe, ds_config: dict[str, Any], run_dir: Pa
     barrier()  # a ZeRO checkpoint is written by every rank
     if is_main:
         (tmp / "training_args.bin").unlink(missing_ok=True)  # a pickle; training_args.json says the same
-        if name == "adapter":
-            _record_base_model(tmp / "adapter_config.json", base_model_path(recipe))
+        if name == ADAPTER_DIR:
+            _record_base_model(tmp / ADAPTER_CONFIG, base_model_path(recipe))
         if gathered and not any(tmp.glob("*.safetensors")):
             raise RuntimeError(f"saving {name}/ wrote no safetensors weights")
         _replace_dir(tmp, run_dir / name)
@@ -210,13 +213,12 @@ def save_final_logits(model, batch: dict[str, Any], device, path: Optional[Path]
 
 def summarize(trainer, clock, world_size: int, memory: list[tuple[int, str]], extra: dict[str, Any],
               token_replicas: int = 1) -> dict[str, Any]:
-    """`token_replicas`: processes that see the same tokens (AutoTP ranks); the Trainer counts them on each."""
     state = trainer.state
     history = state.log_history
     losses = [{k: entry[k] for k in ("step", "epoch", "loss", "learning_rate", "grad_norm") if k in entry}
               for entry in history if "loss" in entry]
     evals = [{k: entry[k] for k in ("step", "epoch", "eval_loss") if k in entry} for entry in history if "eval_loss" in entry]
-    tokens = int(state.num_input_tokens_seen or 0) // token_replicas
+    tokens = int(state.num_input_tokens_seen or 0) // token_replicas  # AutoTP ranks each count the same tokens
     seconds = clock.seconds
     summary: dict[str, Any] = {
         "steps": state.global_step,
@@ -303,7 +305,7 @@ def run(run_dir: Path, resume: bool = False) -> None:
     world_size = training_args.world_size
     transformers.set_seed(recipe.training.seed)
     if is_main:
-        _write_json(run_dir / "env.json", environment(world_size))
+        _write_json(run_dir / ENV_FILE, environment(world_size))
 
     # 3. Model files (the built-in tiny model is created by preflight; this is a no-op then), tokenizer, data.
     with training_args.main_process_first(local=True, desc="built-in model"):
@@ -338,8 +340,7 @@ def run(run_dir: Path, resume: bool = False) -> None:
         model = prepare_model(model, recipe)
     else:  # the adapter is TRL's to add (peft_config), or continued from model.adapter; maybe a reference model
         model, peft_config, ref_model = preference.prepare_policy(model, recipe, model_path)
-    if recipe.training.tiled_mlp:  # DeepSpeed ALST's TiledMLP (finetune.train.parallel)
-        parallel.use_tiled_mlp(model, recipe.training.tiled_mlp_shards)
+    parallel.apply_tiled_mlp(model, recipe.training)  # DeepSpeed ALST's TiledMLP when training.tiled_mlp
     if recipe.training.loss_kernel == "chunked":
         from finetune.plan.chunks import chunk_count
         from finetune.train.loss import use_chunked_loss
@@ -383,7 +384,7 @@ def run(run_dir: Path, resume: bool = False) -> None:
         tmp_tok = run_dir / ".tokenizer.partial"
         shutil.rmtree(tmp_tok, ignore_errors=True)
         tokenizer.save_pretrained(str(tmp_tok))
-        _replace_dir(tmp_tok, run_dir / "tokenizer")
+        _replace_dir(tmp_tok, run_dir / TOKENIZER_DIR)
         extra = {"method": recipe.method, "zero_stage": recipe.deepspeed.stage, "output": saved,
                  "trainable_parameters": trainable, "total_parameters": total,
                  "train_sequences": len(train_set), "eval_sequences": len(eval_set) if eval_set is not None else 0,
@@ -392,7 +393,7 @@ def run(run_dir: Path, resume: bool = False) -> None:
                  "loss_kernel": recipe.training.loss_kernel}
         extra.update(preference.summary_extra(recipe, trainer.state.log_history))
         summary = summarize(trainer, clock, world_size, memory, extra, token_replicas=recipe.parallel.tensor)
-        _write_json(run_dir / "summary.json", summary)
+        _write_json(run_dir / SUMMARY_FILE, summary)
         _log_main(True)(f"done: {summary['steps']} steps, loss {_fmt(summary['train_loss_first'])} -> "
                         f"{_fmt(summary['train_loss_last'])}, {summary['tokens_per_second'] or 0:.0f} tokens/s; "
                         f"{saved}/ in {run_dir}")
@@ -402,10 +403,10 @@ def run(run_dir: Path, resume: bool = False) -> None:
 
         for note in write_run_report(run_dir, trainer.state.log_history):
             _log_main(True)(note)
-        _log_main(True)(f"report: {run_dir / 'report.html'}")
+        _log_main(True)(f"report: {run_dir / REPORT_FILE}")
         if saved == "zero_checkpoint":
             _log_main(True)("the weights are a ZeRO checkpoint (gather_16bit_weights_on_model_save is false): "
-                            f"run `finetune convert {run_dir}` for an adapter or model")
+                            f"run `{command_line('finetune', 'convert', run_dir)}` for an adapter or model")
     barrier()
 
 

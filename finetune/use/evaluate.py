@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from finetune.errors import FinetuneError
+from finetune.rundir.names import SUMMARY_FILE
 
 EVAL_FILE = "eval.json"
 
@@ -127,7 +128,7 @@ def eval_rows(run_dir: Path, recipe, tokenizer, data: Optional[Path], log: Calla
 
     if recipe.objective != "sft" and data is None:
         raise EvalError(f"{run_dir} trained with objective: {recipe.objective}: its preference rows have no loss to "
-                        "score; summary.json holds its rewards (pass --data FILE with SFT rows to score those)")
+                        f"score; {SUMMARY_FILE} holds its rewards (pass --data FILE with SFT rows to score those)")
     from finetune.data.sources import describe, section_for_tokenizing
 
     section = section_for_tokenizing(recipe)
@@ -152,20 +153,17 @@ def evaluate(run_dir: Path, data: Optional[Path] = None, device: str = "auto", b
              log: Callable[[str], None] = print, fmt: Optional[str] = None) -> Any:
     """EvalResult (loss and perplexity); for a reward model, finetune.use.reward_eval.PairwiseResult."""
     from finetune.use.chat import ChatError, load_chat_model, resolve_source
+    from finetune.rundir.run_dir import RunDir, RunDirError
     from finetune.data.tokenize import Collator
 
     run_dir = Path(run_dir)
-    if not (run_dir / "recipe.yaml").is_file():
-        raise EvalError(f"{run_dir}: not a run directory (no recipe.yaml)")
+    try:
+        run_recipe = RunDir(run_dir).require().recipe()  # the one reader of a run's recipe (finetune.rundir)
+    except RunDirError as exc:
+        raise EvalError(str(exc)) from None
     if data is not None and not Path(data).is_file():
         raise EvalError(f"--data {data}: no such file")
     started = time.perf_counter()
-    from finetune.recipe import RecipeProblem, load_recipe
-
-    try:
-        run_recipe = load_recipe(run_dir / "recipe.yaml").recipe
-    except RecipeProblem as exc:
-        raise EvalError(f"{run_dir}/recipe.yaml: {exc}") from None
     if run_recipe.objective == "reward":  # a reward model: pairwise accuracy (finetune.use.reward_eval)
         from finetune.use.reward_eval import evaluate_reward
 
