@@ -14,6 +14,7 @@ from typing import Iterator, Optional
 from finetune.lint.deepspeed.context import RawFinding
 from finetune.lint.recipe_rules import RULES, rule
 from finetune.recipe import LoadedRecipe
+from finetune.recipe.references import MODEL_CONFIG
 
 PARALLEL_RULES: dict[str, str] = {
     "R140": "The world size is not a multiple of parallel.sequence x parallel.tensor.",
@@ -73,7 +74,7 @@ def _positions(name: str, arch_name: str) -> Optional[int]:
             return None
     else:
         path = Path(name).expanduser()
-        path = path / "config.json" if path.is_dir() else path
+        path = path / MODEL_CONFIG if path.is_dir() else path
         if path.is_file():
             try:
                 config = json.loads(path.read_text(encoding="utf-8"))
