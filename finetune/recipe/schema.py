@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import difflib
 import re
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -133,6 +133,8 @@ class DataSection(_Section):
     padding_free: bool = Field(False, description="No padding: each micro batch becomes one row of its examples end to end (up to micro_batch_size x max_length tokens), kept apart like packed ones. The throughput mode for flash attention.")
     validation_split: float = Field(0.0, ge=0, lt=1, description="Fraction of examples held out for evaluation (0 = no eval).")
     mask_prompt: bool = Field(True, description="Exclude prompt tokens from the loss (train on responses only).")
+    num_proc: Union[Literal["auto"], Annotated[int, Field(ge=1, le=4096)]] = Field(
+        "auto", description="Processes that tokenize before launch (`finetune prepare`, or `finetune train` before the ranks start): auto = the cores this machine lets the command use. The rows are the same for any value.")
 
     _paths = field_validator("path")(plain_path)
     _roles = field_validator("roles")(known_roles)

@@ -268,7 +268,8 @@ def run(run_dir: Path, resume: bool = False) -> None:
     from finetune.builtin import cache_root, ensure_builtin_model, is_builtin
     from finetune.train.callbacks import EffectiveDeepSpeedConfig, LossPlot, ProgressLines, TrainClock
     from finetune.data.sources import section_for_tokenizing
-    from finetune.data.tokenize import make_collator, mix_report, split_eval, tokenize_for_training
+    from finetune.data.prepare import load_prepared, mix_report
+    from finetune.data.tokenize import make_collator, split_eval
     from finetune.train import preference
     from finetune.train.model import count_parameters, load_model, load_tokenizer, prepare_model
 
@@ -304,9 +305,9 @@ def run(run_dir: Path, resume: bool = False) -> None:
             else recipe.model.name_or_path
     tokenizer = load_tokenizer(recipe, model_path)
     if recipe.objective == "sft":
-        with training_args.main_process_first(local=True, desc="tokenize"):
-            section = section_for_tokenizing(recipe)
-            dataset = tokenize_for_training(section, tokenizer, cache_root() / "tokenized", log=_log_main(is_main))
+        # Tokenized by the launcher before this process started (finetune.run.start): memory-mapped, never made here.
+        section = section_for_tokenizing(recipe)
+        dataset = load_prepared(section, tokenizer, cache_root() / "tokenized")
         if is_main:  # the run directory says what it trained on: rows per source, dropped, mixed
             _write_json(run_dir / "data_mix.json", mix_report(section, tokenizer, cache_root() / "tokenized"))
         train_set, eval_set = split_eval(dataset, recipe.data.validation_split, recipe.training.seed)
