@@ -35,6 +35,7 @@ def test_several_processes_give_the_same_rows(name, golden, tmp_path, tiny_dir, 
     """Workers split the rows (and the blocks) between them; the result does not depend on how."""
     monkeypatch.setattr(prep, "MIN_ROWS_PER_PROC", 10)
     monkeypatch.setattr(prep, "BATCH", 16)  # several batches per worker
+    monkeypatch.setattr(prep, "CHUNK_ROWS", 40)  # several maps per source
     section, variant = cases.cases(tmp_path / "sources")[name]
     tokenizer = cases.tokenizer_for(variant, tiny_dir)
     lines: list[str] = []

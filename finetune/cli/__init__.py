@@ -13,6 +13,7 @@ from finetune.cli.eval import eval_command
 from finetune.cli.lint import lint
 from finetune.cli.merge import merge
 from finetune.cli.plan import plan
+from finetune.cli.prepare import prepare
 from finetune.cli.render import render
 from finetune.cli.schema import schema
 from finetune.cli.slurm import slurm
@@ -20,7 +21,7 @@ from finetune.cli.train import train
 
 app = typer.Typer(
     name="finetune",
-    help="Fine-tune open LLMs from one YAML recipe: lint, plan, render, train, convert, merge, chat, eval.",
+    help="Fine-tune open LLMs from one YAML recipe: lint, plan, render, prepare, train, convert, merge, chat, eval.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -44,11 +45,11 @@ def _version(value: bool) -> None:
 @app.callback()
 def _main(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
                                        help="Print the version and exit.")) -> None:
-    """Fine-tune open LLMs from one YAML recipe: lint, plan, render, train, convert, merge, chat, eval."""
+    """Fine-tune open LLMs from one YAML recipe: lint, plan, render, prepare, train, convert, merge, chat, eval."""
 
 
 # The order `finetune --help` lists them in.
-for _command in (lint, render, schema, merge, train, chat):
+for _command in (lint, render, schema, merge, prepare, train, chat):
     app.command()(_command)
 app.command("eval")(eval_command)
 for _command in (doctor, convert, plan, slurm):

@@ -29,7 +29,6 @@ import json
 import os
 import shutil
 import socket
-import sys
 import tempfile
 import time
 from contextlib import contextmanager
@@ -50,6 +49,7 @@ ROWS_DIR = "rows"  # the save_to_disk folder inside a cache entry
 # A worker process costs a fork and a pickled tokenizer: below this many rows per worker, fewer workers.
 MIN_ROWS_PER_PROC = 2000
 BATCH = 1000  # rows per tokenizer call and per Arrow write: what bounds a worker's memory
+CHUNK_ROWS = 100_000  # rows per map over the workers (at least; a source is cut in at most 20): a progress line each
 
 
 def resolve_num_proc(value: Union[str, int, None]) -> int:
@@ -145,16 +145,20 @@ def prepare(data: dict[str, Any], tokenizer, cache_dir: Path, log: Callable[[str
         log(line)
     import datasets
 
-    if not sys.stderr.isatty():
-        datasets.disable_progress_bars()  # tqdm's carriage returns would fill a log file
-    with _partial_dir(target) as tmp:
-        work = tmp / "work"
-        dataset, reports, rows_read = _build(data, tokenizer, work, procs, log)
-        dataset.save_to_disk(str(tmp / ROWS_DIR))
-        (tmp / MIX_REPORT).write_text(json.dumps([asdict(r) for r in reports], indent=2), encoding="utf-8")
-        tokens = _token_count(dataset)
-        del dataset
-        shutil.rmtree(work)
+    bars = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()  # per-chunk bars; our own progress lines say how far it is (_Progress)
+    try:
+        with _partial_dir(target) as tmp:
+            work = tmp / "work"
+            dataset, reports, rows_read = _build(data, tokenizer, work, procs, log)
+            dataset.save_to_disk(str(tmp / ROWS_DIR))
+            (tmp / MIX_REPORT).write_text(json.dumps([asdict(r) for r in reports], indent=2), encoding="utf-8")
+            tokens = _token_count(dataset)
+            del dataset
+            shutil.rmtree(work)
+    finally:
+        if bars:
+            datasets.enable_progress_bars()
     seconds = time.perf_counter() - started
     for report in reports:
         log(report.line(max_length))
@@ -234,7 +238,7 @@ def _build(data: dict[str, Any], tokenizer, work: Path, procs: int, log: Callabl
     for number, source in enumerate(sources):
         raw = load_raw(source.path, source.split)
         rows_read += len(raw)
-        tokenized = _tokenize_source(raw, source, data, tokenizer, work / f"source-{number}.arrow", procs, log)
+        tokenized = _tokenize_source(raw, source, data, tokenizer, work / f"source-{number}", procs, log)
         report = SourceReport(source.path, source.format, len(raw), len(raw) - _rows_kept(tokenized),
                               len(tokenized), len(tokenized), "all")
         per_source.append(tokenized)
@@ -249,27 +253,61 @@ def _build(data: dict[str, Any], tokenizer, work: Path, procs: int, log: Callabl
     return mixed, reports, rows_read
 
 
-def _tokenize_source(raw, source: Source, data: dict[str, Any], tokenizer, cache_file: Path, procs: int,
+def _tokenize_source(raw, source: Source, data: dict[str, Any], tokenizer, work: Path, procs: int,
                      log: Callable[[str], None]):
+    """The sequences of one source, tokenized in chunks of rows (a progress line after each), each chunk
+    by a batched map over `procs` processes."""
+    import datasets
+
     procs = max(1, min(procs, len(raw) // MIN_ROWS_PER_PROC))
-    cache_file.parent.mkdir(parents=True, exist_ok=True)
+    work.mkdir(parents=True, exist_ok=True)
     if procs > 1:
         # Each worker runs the Rust tokenizer single-threaded: the cores are already the workers.
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
     log(f"tokenizing {source.path}: {len(raw)} rows, {procs} process{'es' if procs != 1 else ''}")
     kwargs = {"spec": source.spec, "tokenizer": tokenizer, "max_length": int(data["max_length"]),
               "mask_prompt": bool(data.get("mask_prompt", True)), "think": data.get("think") or "train"}
-    try:
-        return raw.map(_encode_batch, batched=True, batch_size=BATCH, with_indices=True, fn_kwargs=kwargs,
-                       remove_columns=raw.column_names, features=_features(), num_proc=procs if procs > 1 else None,
-                       cache_file_name=str(cache_file), writer_batch_size=BATCH, load_from_cache_file=False,
-                       new_fingerprint=f"finetune-tokenize-{cache_file.stem}", desc=f"tokenizing {source.name}")
-    except RowError as exc:
-        raise DataError(f"{where(source, exc.index)}: {_problem(exc)}") from None
+    chunk = max(CHUNK_ROWS, -(-len(raw) // 20))
+    progress = _Progress(len(raw), log)
+    parts = []
+    for first in range(0, max(len(raw), 1), chunk):
+        rows = raw.select(range(first, min(first + chunk, len(raw))))  # a contiguous range: a slice, no copy
+        name = work / f"{work.name}-{first}.arrow"
+        try:
+            parts.append(rows.map(_encode_batch, batched=True, batch_size=BATCH, with_indices=True,
+                                  fn_kwargs={**kwargs, "offset": first}, remove_columns=raw.column_names,
+                                  features=_features(), num_proc=procs if procs > 1 and len(rows) >= 2 * BATCH else None,
+                                  cache_file_name=str(name), writer_batch_size=BATCH, load_from_cache_file=False,
+                                  new_fingerprint=f"finetune-tokenize-{name.stem}"))
+        except RowError as exc:
+            raise DataError(f"{where(source, exc.index)}: {_problem(exc)}") from None
+        progress.done(first + len(rows))
+    return datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
+
+
+class _Progress:
+    """`tokenizing: done/total rows` lines at the progress interval (the live display asks for 1 s, logs get
+    15 s), with the rate and the time left; finetune.run.progress shows them as the status text."""
+
+    def __init__(self, total: int, log: Callable[[str], None]):
+        from finetune.run.progress import PROGRESS_ENV
+
+        self.total, self.log = total, log
+        self.interval = float(os.environ.get(PROGRESS_ENV) or 15)
+        self.started = self.last = time.monotonic()
+
+    def done(self, rows: int) -> None:
+        now = time.monotonic()
+        if rows >= self.total or now - self.last < self.interval:
+            return
+        self.last = now
+        rate = rows / max(now - self.started, 1e-9)
+        self.log(f"tokenizing: {rows}/{self.total} rows ({rate:.0f} rows/s, about {(self.total - rows) / rate:.0f} s left)")
 
 
 def _encode_batch(batch: dict[str, list], indices: list[int], spec: RowSpec, tokenizer, max_length: int,
-                  mask_prompt: bool, think: str) -> dict[str, list]:
+                  mask_prompt: bool, think: str, offset: int) -> dict[str, list]:
+    indices = [offset + i for i in indices]
     names = list(batch)
     rows = [dict(zip(names, values)) for values in zip(*batch.values())]
     try:

@@ -259,6 +259,9 @@ def check_packing_support(model, recipe) -> None:
 def run(run_dir: Path, resume: bool = False) -> None:
     recipe, ds_config, args_kwargs = read_run_dir(run_dir)
     started = time.perf_counter()
+    from finetune.train.startup import Startup
+
+    startup = Startup(run_dir)
     _quiet_libraries()
 
     import deepspeed
@@ -281,6 +284,7 @@ def run(run_dir: Path, resume: bool = False) -> None:
 
     deepspeed.init_distributed(timeout=preemption.nccl_timeout(recipe))
     # Checkpoints that are published only when complete, resume, SIGTERM -> checkpoint (preemption.py).
+    startup.mark("process_group")
     resilience = preemption.setup(run_dir, recipe, ds_config, args_kwargs, resume)
     ds_config, args_kwargs = resilience.ds_config, resilience.args_kwargs
     args_kwargs = {**args_kwargs, "output_dir": str(run_dir), "deepspeed": ds_config,
@@ -315,6 +319,7 @@ def run(run_dir: Path, resume: bool = False) -> None:
                                  recipe.data.padding_free)
     else:  # raw rows: TRL's trainer tokenizes them (chat template, EOS, truncation) and collates
         (train_set, eval_set), collator = preference.split_rows(recipe), None
+    startup.mark("data")
 
     # 4. The model, built partitioned under ZeRO-3, then LoRA and gradient checkpointing.
     model = load_model(recipe, model_path)
@@ -332,6 +337,7 @@ def run(run_dir: Path, resume: bool = False) -> None:
         t = recipe.training
         use_chunked_loss(model, chunk_count(t.micro_batch_size * recipe.data.max_length, model.config.vocab_size,
                                             t.loss_chunk_tokens))
+    startup.mark("model")
     clock = TrainClock()
     callbacks = [clock, EffectiveDeepSpeedConfig(run_dir), LossPlot(run_dir), resilience.callback]
     if recipe.objective == "sft":
@@ -348,6 +354,7 @@ def run(run_dir: Path, resume: bool = False) -> None:
         # every second under `finetune train`'s live display (a terminal), else every 15 s
         trainer.add_callback(ProgressLines(float(os.environ.get(PROGRESS_ENV) or 15)))
     checkpoint = resilience.checkpoint
+    startup.mark("trainer")
     trainer.train(resume_from_checkpoint=checkpoint)
     resilience.raise_if_stopped()  # stopped by a signal: the checkpoint is complete; no final outputs
 
@@ -369,7 +376,7 @@ def run(run_dir: Path, resume: bool = False) -> None:
                  "train_sequences": len(train_set), "eval_sequences": len(eval_set) if eval_set is not None else 0,
                  "resumed_from": checkpoint, "total_seconds": time.perf_counter() - started,
                  "peak_memory_reserved_bytes": reserved if any(r is not None for r in reserved) else None,
-                 "loss_kernel": recipe.training.loss_kernel}
+                 "loss_kernel": recipe.training.loss_kernel, "startup": startup.split(clock)}
         extra.update(preference.summary_extra(recipe, trainer.state.log_history))
         summary = summarize(trainer, clock, world_size, memory, extra)
         _write_json(run_dir / "summary.json", summary)
