@@ -43,3 +43,95 @@ def test_several_processes_give_the_same_rows(name, golden, tmp_path, tiny_dir, 
     assert any("2 processes" in line for line in lines)
     got = cases.fingerprint(dataset, tokenizer.pad_token_id)
     assert got == {k: v for k, v in golden[name].items() if k != "report"}
+
+
+# ------------------------------------------------------------------------------------------------
+# Bad rows, the cache's atomicity, and `finetune prepare`
+
+
+def _alpaca_rows(path, count, bad_at=None, blank_every=0, bad=7):
+    """count alpaca rows as JSON lines; the row at 0-based `bad_at` has `bad` for `output`; a blank
+    line after every `blank_every` rows (datasets skips them, so lines and rows differ)."""
+    lines = []
+    for i in range(count):
+        lines.append(json.dumps({"instruction": f"Add {i} and 1.", "output": bad if i == bad_at else f"{i + 1}"}))
+        if blank_every and i % blank_every == blank_every - 1:
+            lines.append("")
+    path.write_text("\n".join(lines) + "\n")
+    return lines
+
+
+def test_a_bad_row_in_a_worker_is_named_by_file_and_line_and_nothing_is_cached(tmp_path, tiny_dir, monkeypatch):
+    from transformers import AutoTokenizer
+
+    from finetune.data.tokenize import DataError
+
+    monkeypatch.setattr(prep, "MIN_ROWS_PER_PROC", 10)
+    monkeypatch.setattr(prep, "BATCH", 8)
+    path = tmp_path / "rows.jsonl"
+    lines = _alpaca_rows(path, 120, bad_at=97, blank_every=10, bad="  ")
+    line = next(n for n, text in enumerate(lines, 1) if '"output": "  "' in text)
+    section = cases._section(path=str(path), max_length=64)
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_dir))
+    with pytest.raises(DataError) as caught:
+        prep.prepare(section, tokenizer, tmp_path / "cache", log=lambda m: None, num_proc=2)
+    assert str(caught.value) == f"{path}:{line}: `output` is empty: nothing to train on"
+    assert line == 107 and not list((tmp_path / "cache").iterdir())  # no entry, no partial folder
+
+
+def test_a_killed_prepare_leaves_nothing_a_run_takes_for_a_cache(tmp_path, tiny_dir):
+    """A partial folder whose writer is gone is not a cache; the next prepare removes it and writes one."""
+    import os
+    import socket
+
+    from transformers import AutoTokenizer
+
+    from finetune.data.tokenize import DataError
+    from finetune.fsutil import OWNER_FILE
+
+    section = cases._section(path=str(cases.SHIPPED / "demo_instructions.jsonl"))
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_dir))
+    target = prep.entry(section, tokenizer, tmp_path / "cache")
+    partial = target.parent / f".{target.name}.x1y2.partial"  # as a SIGKILLed prepare leaves it
+    partial.mkdir(parents=True)
+    (partial / "source-0-0.arrow").write_bytes(b"ARROW1")  # half written
+    dead = os.fork()
+    if dead == 0:
+        os._exit(0)
+    os.waitpid(dead, 0)
+    (partial / OWNER_FILE).write_text(json.dumps({"pid": dead, "host": socket.gethostname()}))
+    with pytest.raises(DataError, match="not in the cache"):
+        prep.load_prepared(section, tokenizer, tmp_path / "cache")
+    lines: list[str] = []
+    assert not prep.prepare(section, tokenizer, tmp_path / "cache", log=lines.append).cached
+    assert any(line.startswith(f"removed {partial}") for line in lines) and not partial.exists()
+    assert len(prep.load_prepared(section, tokenizer, tmp_path / "cache")) == 307
+    assert prep.prepare(section, tokenizer, tmp_path / "cache", log=lines.append).cached
+
+
+@pytest.mark.slow  # three CLI processes (~25 s on 2 cores)
+def test_prepare_then_train_finds_the_cache(tmp_path, tiny_cache):
+    """`finetune prepare` writes the cache, a second one finds it; bad rows stop prepare with file:line,
+    before anything is tokenized."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import FINETUNE, REPO
+
+    env = {**os.environ, "FINETUNE_CACHE": str(tiny_cache), "PYTHONPATH": str(REPO)}
+    recipe = REPO / "recipes" / "demo.yaml"
+    done = subprocess.run([*FINETUNE, "prepare", str(recipe), "--num-proc", "2"], capture_output=True, text=True,
+                          env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "[finetune] data: " in done.stderr and "prepared: " in done.stderr and "Traceback" not in done.stderr
+    again = subprocess.run([*FINETUNE, "prepare", str(recipe)], capture_output=True, text=True, env=env, timeout=300)
+    assert again.returncode == 0 and "found in the cache" in again.stderr and "already there" in again.stderr
+
+    bad = tmp_path / "bad.jsonl"
+    _alpaca_rows(bad, 30, bad_at=4)
+    broken = tmp_path / "r.yaml"
+    broken.write_text(recipe.read_text().replace("path: data/demo_instructions.jsonl", f"path: {bad}"))
+    failed = subprocess.run([*FINETUNE, "prepare", str(broken)], capture_output=True, text=True, env=env, timeout=300)
+    assert failed.returncode == 1 and f"{bad}:5: `output` must be text, got int" in failed.stderr, failed.stderr
+    assert "nothing was tokenized" in failed.stderr and "Traceback" not in failed.stderr

@@ -42,10 +42,12 @@ from finetune.data.sources import Source, data_files, is_local, sources_of
 from finetune.data.tokenize import DataError, RowError, encode_rows, load_raw, pack_starts, pack_table
 from finetune.fsutil import OWNER_FILE, remove_stale_partials
 
-# Bump when tokenization changes, so caches written by an older version are never reused.
-TOKENIZE_VERSION = 2
+# Bump when tokenization or the cache layout changes, so caches written by an older version are never reused.
+TOKENIZE_VERSION = 3
 MIX_REPORT = "mix.json"
-ROWS_DIR = "rows"  # the save_to_disk folder inside a cache entry
+# The Arrow files of a cache entry, in order, the mixture's order over them (a .npy of row numbers) and the
+# columns to drop on loading: the files are those the workers wrote, never copied.
+MANIFEST = "manifest.json"
 # A worker process costs a fork and a pickled tokenizer: below this many rows per worker, fewer workers.
 MIN_ROWS_PER_PROC = 2000
 BATCH = 1000  # rows per tokenizer call and per Arrow write: what bounds a worker's memory
@@ -126,7 +128,7 @@ def entry(data: dict[str, Any], tokenizer, cache_dir: Path) -> Path:
 
 
 def is_prepared(target: Path) -> bool:
-    return (target / ROWS_DIR / "dataset_info.json").is_file() and (target / MIX_REPORT).is_file()
+    return (target / MANIFEST).is_file() and (target / MIX_REPORT).is_file()
 
 
 def prepare(data: dict[str, Any], tokenizer, cache_dir: Path, log: Callable[[str], None] = print,
@@ -149,20 +151,29 @@ def prepare(data: dict[str, Any], tokenizer, cache_dir: Path, log: Callable[[str
     datasets.disable_progress_bars()  # per-chunk bars; our own progress lines say how far it is (_Progress)
     try:
         with _partial_dir(target) as tmp:
-            work = tmp / "work"
-            dataset, reports, rows_read = _build(data, tokenizer, work, procs, log)
-            dataset.save_to_disk(str(tmp / ROWS_DIR))
-            (tmp / MIX_REPORT).write_text(json.dumps([asdict(r) for r in reports], indent=2), encoding="utf-8")
-            tokens = _token_count(dataset)
+            dataset, reports, rows_read, order = _build(data, tokenizer, tmp, procs, log)
+            files = [Path(f["filename"]) for f in dataset.cache_files]
+            if order is not None:
+                import numpy as np
+
+                np.save(tmp / "order.npy", order)
+            lengths = _lengths(dataset)
+            sequences, tokens = (len(order), int(lengths[order].sum())) if order is not None else \
+                (len(dataset), int(lengths.sum()))
             del dataset
-            shutil.rmtree(work)
+            for stale in set(tmp.glob("*.arrow")) - set(files):  # the sources' rows, once packed
+                stale.unlink()
+            (tmp / MIX_REPORT).write_text(json.dumps([asdict(r) for r in reports], indent=2), encoding="utf-8")
+            manifest = {"files": [f.name for f in files], "order": "order.npy" if order is not None else None,
+                        "drop": ["row"]}
+            (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1), encoding="utf-8")  # last: complete
     finally:
         if bars:
             datasets.enable_progress_bars()
     seconds = time.perf_counter() - started
     for report in reports:
         log(report.line(max_length))
-    log(f"tokenized data: {rows_read} rows -> {sum(r.mixed for r in reports) if not data.get('packing') else 'packed'} "
+    log(f"tokenized data: {rows_read} rows -> {sequences} {'packed ' if data.get('packing') else ''}"
         f"sequences, {tokens} tokens in {seconds:.1f} s ({rows_read / max(seconds, 1e-9):.0f} rows/s, {procs} "
         f"process{'es' if procs != 1 else ''}) -> {target}")
     return Prepared(target, False, seconds, rows_read, procs)
@@ -176,7 +187,15 @@ def load_prepared(data: dict[str, Any], tokenizer, cache_dir: Path):
     if not is_prepared(target):
         raise DataError(f"the tokenized data is not in the cache {target}: `finetune train` prepares it before "
                         f"launching (or run `finetune prepare RECIPE`) with the same FINETUNE_CACHE")
-    return datasets.load_from_disk(str(target / ROWS_DIR))
+    manifest = json.loads((target / MANIFEST).read_text(encoding="utf-8"))
+    parts = [datasets.Dataset.from_file(str(target / name)) for name in manifest["files"]]
+    dataset = datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
+    if manifest.get("order"):
+        import numpy as np
+
+        # In memory (8 bytes a row): no indices file written into the cache by every rank.
+        dataset = dataset.select(np.load(target / manifest["order"]), keep_in_memory=True)
+    return dataset.remove_columns([c for c in manifest.get("drop", []) if c in dataset.column_names])
 
 
 def tokenize_for_training(data: dict[str, Any], tokenizer, cache_dir: Path, log: Callable[[str], None] = print,
@@ -231,36 +250,37 @@ def _features():
     return datasets.Features({"input_ids": ids, "labels": ids, "row": datasets.Value("int64")})
 
 
-def _build(data: dict[str, Any], tokenizer, work: Path, procs: int, log: Callable[[str], None]):
+def _build(data: dict[str, Any], tokenizer, folder: Path, procs: int, log: Callable[[str], None]):
+    """(dataset, reports, rows read, order or None): the sequences, written as Arrow files into `folder`; a
+    mixture's order (rows of the concatenated sources, numpy) is applied on loading, packing applies it here."""
     sources = sources_of(data)
     max_length = int(data["max_length"])
     per_source, reports, rows_read = [], [], 0
     for number, source in enumerate(sources):
         raw = load_raw(source.path, source.split)
         rows_read += len(raw)
-        tokenized = _tokenize_source(raw, source, data, tokenizer, work / f"source-{number}", procs, log)
+        tokenized = _tokenize_source(raw, source, data, tokenizer, folder / f"source-{number}", procs, log)
         report = SourceReport(source.path, source.format, len(raw), len(raw) - _rows_kept(tokenized),
                               len(tokenized), len(tokenized), "all")
         per_source.append(tokenized)
         reports.append(report)
-    mixed = _mix(sources, per_source, reports, int(data.get("seed") or 0))
-    if len(mixed) == 0:
+    combined, order = _mix(sources, per_source, reports, int(data.get("seed") or 0))
+    if (len(order) if order is not None else len(combined)) == 0:
         raise DataError(f"{', '.join(s.path for s in sources)}: no example has a trainable token after truncation "
                         f"to max_length {max_length}")
-    mixed = mixed.remove_columns("row")
     if data.get("packing"):
-        mixed = _pack(mixed, max_length, work / "packed.arrow", procs)
-    return mixed, reports, rows_read
+        mixed = combined.select(order, keep_in_memory=True) if order is not None else combined
+        return _pack(mixed.remove_columns("row"), max_length, folder / "packed.arrow", procs), reports, rows_read, None
+    return combined, reports, rows_read, order
 
 
-def _tokenize_source(raw, source: Source, data: dict[str, Any], tokenizer, work: Path, procs: int,
+def _tokenize_source(raw, source: Source, data: dict[str, Any], tokenizer, stem: Path, procs: int,
                      log: Callable[[str], None]):
     """The sequences of one source, tokenized in chunks of rows (a progress line after each), each chunk
     by a batched map over `procs` processes."""
     import datasets
 
     procs = max(1, min(procs, len(raw) // MIN_ROWS_PER_PROC))
-    work.mkdir(parents=True, exist_ok=True)
     if procs > 1:
         # Each worker runs the Rust tokenizer single-threaded: the cores are already the workers.
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
@@ -272,7 +292,7 @@ def _tokenize_source(raw, source: Source, data: dict[str, Any], tokenizer, work:
     parts = []
     for first in range(0, max(len(raw), 1), chunk):
         rows = raw.select(range(first, min(first + chunk, len(raw))))  # a contiguous range: a slice, no copy
-        name = work / f"{work.name}-{first}.arrow"
+        name = stem.parent / f"{stem.name}-{first}.arrow"  # map's workers add _0000k_of_0000n
         try:
             parts.append(rows.map(_encode_batch, batched=True, batch_size=BATCH, with_indices=True,
                                   fn_kwargs={**kwargs, "offset": first}, remove_columns=raw.column_names,
@@ -359,12 +379,14 @@ def _rows_kept(tokenized) -> int:
 
 
 def _mix(sources: list[Source], per_source: list, reports: list[SourceReport], seed: int):
-    """The training rows: one source without weight/samples keeps its order (the Trainer shuffles)."""
+    """(the sources' rows end to end, the training order over them or None). One source without weight or
+    samples keeps its order (the Trainer shuffles)."""
     import datasets
     import numpy as np
 
+    combined = datasets.concatenate_datasets(per_source) if len(per_source) > 1 else per_source[0]
     if len(sources) == 1 and sources[0].weight is None and sources[0].samples is None:
-        return per_source[0]
+        return combined, None
     try:
         shares = targets([len(rows) for rows in per_source], [s.weight for s in sources],
                          [s.samples for s in sources], [s.path for s in sources])
@@ -374,7 +396,7 @@ def _mix(sources: list[Source], per_source: list, reports: list[SourceReport], s
         report.mixed, report.how = share.target, share.describe()
     source_of, index_of = mixture_arrays(shares, seed)
     offsets = np.concatenate([[0], np.cumsum([len(rows) for rows in per_source])]).astype(np.int64)
-    return datasets.concatenate_datasets(per_source).select(offsets[source_of] + index_of)
+    return combined, offsets[source_of] + index_of
 
 
 def _pack(mixed, max_length: int, cache_file: Path, procs: int):
@@ -410,11 +432,3 @@ def _pack_batch(batch: dict[str, list], mixed) -> Any:
     rows = mixed.with_format("arrow")[first:last]
     table = pack_table(rows, np.append(np.asarray(batch["start"]) - first, last - first))
     return table
-
-
-def _token_count(dataset) -> int:
-    import pyarrow.compute as pc
-
-    column = dataset.with_format("arrow")
-    return sum(int(pc.sum(pc.list_value_length(column[i:i + 65536]["input_ids"])).as_py() or 0)
-               for i in range(0, len(dataset), 65536))
