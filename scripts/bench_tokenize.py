@@ -214,6 +214,7 @@ def main() -> None:
     parser.add_argument("--format", choices=["alpaca", "sharegpt", "both"], default="both")
     parser.add_argument("--max-length", type=int, default=512)
     parser.add_argument("--num-proc", type=int, default=None, help="default: the cores this process may use")
+    parser.add_argument("--sides", default="reference,finetune", help="which to run (finetune alone: the memory at 1M rows)")
     parser.add_argument("--keep", type=Path, default=None, help="write the generated data here and keep it")
     parser.add_argument("--worker", choices=["finetune", "reference"], help=argparse.SUPPRESS)
     parser.add_argument("--data", help=argparse.SUPPRESS)
@@ -240,10 +241,12 @@ def main() -> None:
             if not data.exists():
                 write_rows(data, fmt, args.rows)
             results = {side: measure(side, data, fmt, tokenizer, args.max_length, num_proc, folder / f"work-{side}")
-                       for side in ("reference", "finetune")}
+                       for side in args.sides.split(",")}
             for side, r in results.items():
                 print(f"{fmt:9} {side:10} {r['seconds']:8.1f} {r['cpu_seconds']:8.1f} {r['peak_rss'] / 2**30:7.2f} GB "
                       f"{r['peak_pss'] / 2**30:7.2f} GB {r['sequences']:10} {r['tokens']:12} {r['trained_tokens']:12}")
+            if len(results) < 2:
+                continue
             ours, ref = results["finetune"], results["reference"]
             same = all(ours[k] == ref[k] for k in ("sequences", "tokens", "trained_tokens"))
             print(f"{fmt:9} {'ratio':10} {ours['seconds'] / ref['seconds']:8.2f} {ours['cpu_seconds'] / ref['cpu_seconds']:8.2f} "

@@ -135,3 +135,18 @@ def test_prepare_then_train_finds_the_cache(tmp_path, tiny_cache):
     failed = subprocess.run([*FINETUNE, "prepare", str(broken)], capture_output=True, text=True, env=env, timeout=300)
     assert failed.returncode == 1 and f"{bad}:5: `output` must be text, got int" in failed.stderr, failed.stderr
     assert "nothing was tokenized" in failed.stderr and "Traceback" not in failed.stderr
+
+
+def test_the_launchers_relative_path_and_the_run_directorys_absolute_one_share_a_cache(tmp_path, tiny_dir, monkeypatch):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_dir))
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "d.jsonl").write_text('{"instruction": "a", "output": "b"}\n')
+    monkeypatch.chdir(tmp_path)
+    relative = cases._section(path="data/d.jsonl")
+    absolute = cases._section(path=str(tmp_path / "data" / "d.jsonl"))
+    assert prep.cache_key(relative, tokenizer) == prep.cache_key(absolute, tokenizer)
+    mixed = cases._section(sources=[{"path": "./data/d.jsonl", "format": "alpaca", "weight": 1}])
+    assert prep.cache_key(mixed, tokenizer) == prep.cache_key(
+        {**mixed, "sources": [{"path": str(tmp_path / "data" / "d.jsonl"), "format": "alpaca", "weight": 1}]}, tokenizer)

@@ -69,6 +69,9 @@ def cache_key(data: dict[str, Any], tokenizer) -> str:
     # padding_free and num_proc are left out on purpose: they change how rows are batched or made, not the rows.
     section = {k: data.get(k) for k in ("path", "format", "split", "columns", "roles", "sources", "seed", "think",
                                         "chat_template", "max_length", "packing", "mask_prompt")}
+    # The launcher reads `data/x.jsonl`, the ranks the run directory's absolute path: one key for both.
+    section["path"] = _absolute(section["path"])
+    section["sources"] = [{**item, "path": _absolute(item.get("path"))} for item in section["sources"] or []] or None
     files = [_identity(source.path) for source in sources_of(data)]
     backend = getattr(tokenizer, "backend_tokenizer", None)
     vocab = backend.to_str() if backend is not None else json.dumps(tokenizer.get_vocab(), sort_keys=True)
@@ -78,6 +81,13 @@ def cache_key(data: dict[str, Any], tokenizer) -> str:
     digest = hashlib.sha256(blob.encode())
     digest.update(vocab.encode())
     return digest.hexdigest()[:16]
+
+
+def _absolute(path: Any) -> Any:
+    """A local path as finetune.rundir.layout.resolved_recipe writes it into the run directory."""
+    if isinstance(path, str) and is_local(path):
+        return str(Path(path).expanduser().absolute())
+    return path
 
 
 def _identity(path: str) -> Any:
@@ -174,7 +184,7 @@ def prepare(data: dict[str, Any], tokenizer, cache_dir: Path, log: Callable[[str
     for report in reports:
         log(report.line(max_length))
     log(f"tokenized data: {rows_read} rows -> {sequences} {'packed ' if data.get('packing') else ''}"
-        f"sequences, {tokens} tokens in {seconds:.1f} s ({rows_read / max(seconds, 1e-9):.0f} rows/s, {procs} "
+        f"sequences, {tokens} tokens in {seconds:.1f} s ({rows_read / max(seconds, 1e-9):.0f} rows/s, up to {procs} "
         f"process{'es' if procs != 1 else ''}) -> {target}")
     return Prepared(target, False, seconds, rows_read, procs)
 
@@ -280,11 +290,12 @@ def _tokenize_source(raw, source: Source, data: dict[str, Any], tokenizer, stem:
     by a batched map over `procs` processes."""
     import datasets
 
-    procs = max(1, min(procs, len(raw) // MIN_ROWS_PER_PROC))
+    requested, procs = procs, max(1, min(procs, len(raw) // MIN_ROWS_PER_PROC))
     if procs > 1:
         # Each worker runs the Rust tokenizer single-threaded: the cores are already the workers.
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    log(f"tokenizing {source.path}: {len(raw)} rows, {procs} process{'es' if procs != 1 else ''}")
+    log(f"tokenizing {source.path}: {len(raw)} rows, {procs} process{'es' if procs != 1 else ''}"
+        + (f" (at least {MIN_ROWS_PER_PROC} rows each)" if procs < requested else ""))
     kwargs = {"spec": source.spec, "tokenizer": tokenizer, "max_length": int(data["max_length"]),
               "mask_prompt": bool(data.get("mask_prompt", True)), "think": data.get("think") or "train"}
     chunk = max(CHUNK_ROWS, -(-len(raw) // 20))

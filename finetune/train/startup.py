@@ -48,3 +48,19 @@ class Startup:
             "first_step": round(clock.first_step - clock.started, 3) if clock.first_step and clock.started else None,
         }
         return out
+
+
+def rows(startup: Optional[dict[str, Any]]) -> list[tuple[str, str]]:
+    """(stage, seconds) lines of summary.json's `startup` for report.html."""
+    if not startup:
+        return []
+    out = []
+    tokenize = startup.get("tokenize")
+    if tokenize:
+        how = "found in the cache" if tokenize.get("cached") else \
+            f"{tokenize.get('rows', 0):,} rows on {tokenize.get('num_proc')} process(es)"
+        out.append(("tokenize (launcher)", f"{tokenize.get('seconds', 0):.1f} s, {how}"))
+    for stage in ("launch", "process_group", "data", "model", "trainer", "deepspeed_init", "first_step"):
+        if isinstance(startup.get(stage), (int, float)):
+            out.append((stage.replace("_", " "), f"{startup[stage]:.1f} s"))
+    return out
