@@ -87,3 +87,21 @@ def no_launch(monkeypatch):
 def run_cli(*args: str, cwd: Path | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
     """Run the real `finetune` entry point in a subprocess."""
     return subprocess.run([*FINETUNE, *map(str, args)], capture_output=True, text=True, cwd=cwd or REPO, timeout=timeout)
+
+
+# ------------------------------------------------------------------------------------------------
+# Tiers: every fast test runs before the first slow (multi-process) one, and a fast failure skips the
+# slow tier, so a broken build fails in about a minute instead of after ten.
+
+def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: item.get_closest_marker("slow") is not None)  # stable: file order kept within a tier
+
+
+def pytest_runtest_setup(item):
+    session = item.session
+    if item.get_closest_marker("slow") is not None and session.testsfailed and not item.config.getoption("--keep-going"):
+        pytest.skip(f"{session.testsfailed} fast test(s) failed: the slow tier is skipped (--keep-going runs it anyway)")
+
+
+def pytest_addoption(parser):
+    parser.addoption("--keep-going", action="store_true", help="Run the slow tier even after a fast test failed.")

@@ -12,12 +12,13 @@ import time
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from finetune.cli import app
 from tests.conftest import run_cli
+from tests.fuzzing import fuzz
 from tests.test_lint_fuzz import KEYS, values
 
 runner = CliRunner()
@@ -33,10 +34,6 @@ set_values = st.one_of(
                                                               "[" * 300, "{" * 300, "a" * 300, "../../x", "", "null"]),
     st.text(max_size=40), values.map(lambda v: json.dumps(v, default=str)))
 # test_lint_fuzz.py runs 2,000+ documents through lint alone; these add the CLI, render, plan and --set.
-
-
-def fuzz(examples: int):
-    return settings(max_examples=examples, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 
 
 def invoke(*args: str):

@@ -660,7 +660,9 @@ def test_every_finding_is_well_formed():
 
 
 def test_no_crash_on_arbitrary_json():
-    from hypothesis import HealthCheck, given, settings
+    from hypothesis import given
+
+    from tests.fuzzing import fuzz
     from hypothesis import strategies as st
 
     keys = ["zero_optimization", "stage", "offload_optimizer", "offload_param", "device", "nvme_path", "fp16", "bf16",
@@ -673,7 +675,7 @@ def test_no_crash_on_arbitrary_json():
         st.lists(inner, max_size=3), st.dictionaries(st.sampled_from(keys) | st.text(max_size=5), inner, max_size=5)),
         max_leaves=20)
 
-    @settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+    @fuzz(200)
     @given(doc=st.dictionaries(st.sampled_from(keys), values, max_size=7), hf=st.booleans(), world=st.sampled_from([None, 1, 3]))
     def run(doc, hf, world):
         ctx = DSContext(world_size=world, training_args=TRAINING_ARGS if hf else None, hf_integration=hf)

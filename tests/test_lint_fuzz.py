@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from finetune.lint import LintOptions, lint_paths
 from tests.conftest import REPO, run_cli
+from tests.fuzzing import fuzz
 
 SHIPPED = sorted(p for p in (REPO / "recipes").rglob("*.yaml")) + sorted((REPO / "ds_configs").glob("*.json"))
 KEYS = ["model", "name_or_path", "data", "path", "method", "lora", "r", "alpha", "deepspeed", "stage", "overrides",
@@ -31,7 +32,7 @@ def lint_text(tmp: Path, name: str, text: str) -> None:
         assert finding.line >= 1 and finding.col >= 1 and finding.severity in ("error", "warning", "info")
 
 
-FUZZ = settings(max_examples=700, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+FUZZ = fuzz(700)
 
 
 @FUZZ
@@ -50,7 +51,7 @@ def test_random_text(tmp_path_factory, text):
     lint_text(tmp, "c.json", text)
 
 
-@settings(max_examples=700, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@FUZZ
 @given(data=st.data())
 def test_mutated_shipped_files(tmp_path_factory, data):
     source = data.draw(st.sampled_from(SHIPPED))

@@ -20,7 +20,7 @@ from typing import IO, Callable, Optional
 
 from finetune.run.doctor import collect_facts, recipe_imports
 from finetune.render import resolved_output_dir
-from finetune.run.extensions import BuildWatch, extensions_root, ops_needed
+from finetune.run.deepspeed_ops import BuildWatch, extensions_root, ops_needed
 from finetune.fsutil import write_atomic
 from finetune.run.launch import (
     RUNNER_MODULE, HostfileError, LaunchError, LaunchPlan, Outcome, deepspeed_env_text, free_port, plan_launch,
@@ -43,7 +43,7 @@ class Prepared:
     plan: Optional[LaunchPlan]
     overwrite: bool = False
     lock: Optional[RunLock] = None  # the existing run directory, owned from preflight to the end of the run
-    builds: Optional[BuildWatch] = None  # DeepSpeed ops compiled on first use (finetune.run.extensions)
+    builds: Optional[BuildWatch] = None  # DeepSpeed ops compiled on first use (finetune.run.deepspeed_ops)
 
     def release(self) -> None:
         if self.lock is not None:

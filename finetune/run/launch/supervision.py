@@ -30,7 +30,7 @@ from finetune.run.launch.commands import LOCAL_HOSTS, LaunchPlan, free_port
 from finetune.run.launch.outcome import LAUNCHER_ERROR_FILE, Outcome, judge, link_rank_logs
 
 if TYPE_CHECKING:
-    from finetune.run.extensions import BuildWatch
+    from finetune.run.deepspeed_ops import BuildWatch
 
 TAIL_LINES = 400  # launcher output kept in memory to read the failure report from
 POLL_SECONDS = 0.2

@@ -1,4 +1,4 @@
-"""finetune.run.extensions: torch's extensions cache, in a temporary TORCH_EXTENSIONS_DIR (never the real cache)."""
+"""finetune.run.deepspeed_ops: torch's extensions cache, in a temporary TORCH_EXTENSIONS_DIR (never the real cache)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from finetune.cli import app
-from finetune.run.extensions import CPU_COMM_OP, LOCK_GRACE_S, BuildWatch, is_built, lock_note
+from finetune.run.deepspeed_ops import CPU_COMM_OP, LOCK_GRACE_S, BuildWatch, is_built, lock_note
 from tests.conftest import write_local_inputs
 
 
