@@ -14,8 +14,9 @@ the JSON -> Arrow conversion):
   LLaMA-Factory and axolotl tokenize; its output stays in datasets' cache, as theirs does.
 Prints wall seconds, CPU seconds (user + system of the process and its workers: steadier than wall time
 on a shared machine), peak RSS (the sum over the process and its children, sampled every 50 ms: pages
-shared after fork count once per process, on both sides alike) and peak PSS (shared pages split between
-the processes that share them) side by side with the ratios, and checks that both sides give the same
+shared after fork count once per process, on both sides alike), peak PSS (shared pages split between
+the processes that share them) and peak anonymous PSS (PSS without memory-mapped files: what the processes
+allocate, the number that decides whether it fits in RAM) side by side with the ratios, and checks that both sides give the same
 number of sequences, tokens and trained tokens.
 """
 
@@ -169,12 +170,14 @@ def measure(side: str, data: Path, fmt: str, tokenizer: Path, max_length: int, n
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.perf_counter()
     child = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=REPO)
-    root, peak, peak_pss = psutil.Process(child.pid), 0, 0
+    root, peak, peak_pss, peak_anon = psutil.Process(child.pid), 0, 0, 0
     while child.poll() is None:
         try:
             tree = [root] + root.children(recursive=True)
             peak = max(peak, sum(_rss(p) for p in tree))
-            peak_pss = max(peak_pss, sum(_pss(p) for p in tree))
+            shares = [_pss(p.pid) for p in tree]
+            peak_pss = max(peak_pss, sum(pss for pss, _ in shares))
+            peak_anon = max(peak_anon, sum(anon for _, anon in shares))
         except psutil.NoSuchProcess:
             pass
         time.sleep(0.05)
@@ -186,7 +189,7 @@ def measure(side: str, data: Path, fmt: str, tokenizer: Path, max_length: int, n
         raise SystemExit(f"{side} failed:\n{err.decode()[-3000:]}")
     shutil.rmtree(work, ignore_errors=True)
     return {**json.loads(out.decode().strip().splitlines()[-1]), "seconds": seconds, "cpu_seconds": cpu,
-            "peak_rss": peak, "peak_pss": peak_pss}
+            "peak_rss": peak, "peak_pss": peak_pss, "peak_anon": peak_anon}
 
 
 def _rss(process) -> int:
@@ -198,14 +201,20 @@ def _rss(process) -> int:
         return 0
 
 
-def _pss(process) -> int:
-    """Proportional set size: a page shared by k processes counts 1/k in each (what the tree really holds)."""
-    import psutil
-
+def _pss(pid: int) -> tuple[int, int]:
+    """(Pss, Pss_Anon) in bytes from /proc/PID/smaps_rollup: a page shared by k processes counts 1/k in each.
+    Pss_Anon leaves out the pages of memory-mapped files (Arrow data, libraries): clean page cache the kernel
+    drops under pressure, which RSS and Pss count while they stay mapped."""
+    values = {}
     try:
-        return process.memory_full_info().pss
-    except (psutil.NoSuchProcess, psutil.AccessDenied, AttributeError):
-        return 0
+        with open(f"/proc/{pid}/smaps_rollup", encoding="ascii") as handle:
+            for line in handle:
+                name, _, rest = line.partition(":")
+                if name in ("Pss", "Pss_Anon"):
+                    values[name] = int(rest.split()[0]) * 1024
+    except (OSError, ValueError):
+        pass
+    return values.get("Pss", 0), values.get("Pss_Anon", 0)
 
 
 def main() -> None:
@@ -234,8 +243,8 @@ def main() -> None:
         tokenizer = ensure_builtin_model("builtin:tiny-llama", folder / "models")
         formats = ["alpaca", "sharegpt"] if args.format == "both" else [args.format]
         print(f"{args.rows} rows per format, max_length {args.max_length}, num_proc {num_proc}, built-in tokenizer")
-        print(f"{'format':9} {'side':10} {'seconds':>8} {'CPU s':>8} {'peak RSS':>10} {'peak PSS':>10} {'sequences':>10} "
-              f"{'tokens':>12} {'trained':>12}")
+        print(f"{'format':9} {'side':10} {'seconds':>8} {'CPU s':>8} {'peak RSS':>10} {'peak PSS':>10} {'anon PSS':>10} "
+              f"{'sequences':>10} {'tokens':>12} {'trained':>12}")
         for fmt in formats:
             data = folder / f"{fmt}.jsonl"
             if not data.exists():
@@ -244,13 +253,15 @@ def main() -> None:
                        for side in args.sides.split(",")}
             for side, r in results.items():
                 print(f"{fmt:9} {side:10} {r['seconds']:8.1f} {r['cpu_seconds']:8.1f} {r['peak_rss'] / 2**30:7.2f} GB "
-                      f"{r['peak_pss'] / 2**30:7.2f} GB {r['sequences']:10} {r['tokens']:12} {r['trained_tokens']:12}")
+                      f"{r['peak_pss'] / 2**30:7.2f} GB {r['peak_anon'] / 2**30:7.2f} GB {r['sequences']:10} {r['tokens']:12} "
+                      f"{r['trained_tokens']:12}", flush=True)
             if len(results) < 2:
                 continue
             ours, ref = results["finetune"], results["reference"]
             same = all(ours[k] == ref[k] for k in ("sequences", "tokens", "trained_tokens"))
             print(f"{fmt:9} {'ratio':10} {ours['seconds'] / ref['seconds']:8.2f} {ours['cpu_seconds'] / ref['cpu_seconds']:8.2f} "
                   f"{ours['peak_rss'] / ref['peak_rss']:9.2f}x {ours['peak_pss'] / ref['peak_pss']:9.2f}x "
+                  f"{ours['peak_anon'] / ref['peak_anon']:9.2f}x "
                   f"{'same sequences, tokens and trained tokens' if same else 'COUNTS DIFFER'}", flush=True)
     finally:
         if args.keep is None:
