@@ -150,3 +150,15 @@ def test_the_launchers_relative_path_and_the_run_directorys_absolute_one_share_a
     mixed = cases._section(sources=[{"path": "./data/d.jsonl", "format": "alpaca", "weight": 1}])
     assert prep.cache_key(mixed, tokenizer) == prep.cache_key(
         {**mixed, "sources": [{"path": str(tmp_path / "data" / "d.jsonl"), "format": "alpaca", "weight": 1}]}, tokenizer)
+
+
+def test_the_live_display_shows_the_tokenizing_rate_and_time_left():
+    import io
+
+    from rich.console import Console
+
+    from finetune.run.progress import TrainingDisplay
+
+    with TrainingDisplay(Console(file=io.StringIO(), force_terminal=True, width=160)) as display:
+        display.write(b"[finetune] tokenizing: 200000/1000000 rows (1500 rows/s, about 533 s left)\n")
+        assert display.progress.tasks[0].description == "tokenizing 200000/1000000 rows (1500 rows/s, about 533 s left)"
