@@ -21,10 +21,12 @@ import hashlib
 import json
 import os
 import random
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any, Iterator, Optional
+
+from finetune.errors import FinetuneError
+from finetune.fsutil import publish_once
+from finetune.recipe.references import MODEL_CONFIG
 
 # The one spelling of the prefix: everything else asks is_builtin() / builtin_name().
 BUILTIN_PREFIX = "builtin:"
@@ -60,7 +62,7 @@ CHAT_TEMPLATE = (
 )
 
 
-class BuiltinModelError(ValueError):
+class BuiltinModelError(FinetuneError, ValueError):
     """An unknown `builtin:` name."""
 
 
@@ -110,20 +112,11 @@ def ensure_builtin_model(name_or_path: str, root: Optional[Path] = None) -> Path
     wins, and the loser discards its copy (both builds are identical: fixed seed, fixed corpus).
     """
     target = builtin_model_dir(name_or_path, root)
-    if (target / "config.json").is_file():
+    if (target / MODEL_CONFIG).is_file():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent))
-    try:
-        os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache may be shared by users of the box
+    # 0o755: the cache may be shared by the users of the box
+    with publish_once(target, MODEL_CONFIG, mode=0o755) as tmp:
         _build(builtin_name(name_or_path), tmp)
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            if not (target / "config.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return target
 
 
@@ -174,11 +167,11 @@ def build_tokenizer(out: Path, vocab_size: int = BUILTIN_CONFIGS["tiny-llama"]["
 
 
 def _tokenizer_corpus() -> Iterator[str]:
-    from finetune.data.tokenize import format_alpaca
+    from finetune.data.formats import RowSpec, alpaca
 
     for example in demo_examples():
-        prompt, response = format_alpaca(example)
-        yield prompt + response
+        prompted = alpaca(example, RowSpec())
+        yield prompted.prompt + prompted.response
 
 
 # ------------------------------------------------------------------------------------------------

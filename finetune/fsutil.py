@@ -12,6 +12,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, Optional
 
+from finetune.units import human_size
+
 # Inside every partial directory while it is written: who writes it, so that a later run can tell a
 # directory whose writer was killed (SIGKILL, power cut) from one that is still being written.
 OWNER_FILE = ".finetune-owner.json"
@@ -48,14 +50,39 @@ def _umask() -> int:
 
 
 def replace_dir(tmp: Path, target: Path, old: Path) -> None:
-    """Move the finished directory `tmp` to `target`; an existing `target` is moved aside to `old` and removed after."""
+    """Move the finished directory `tmp` to `target`; an existing `target` is moved aside to `old` and removed after.
+
+    Where the kernel can (Linux renameat2 RENAME_EXCHANGE) the two directories trade places in one step, so
+    `target` never stops existing: a run directory's lock (finetune.rundir.lock) taken in `tmp` guards it
+    from the moment it appears, and nobody can create an empty `target` in between."""
     if target.exists():
         shutil.rmtree(old, ignore_errors=True)
-        os.replace(target, old)
-        os.replace(tmp, target)
+        if exchange_dirs(tmp, target):
+            os.replace(tmp, old)  # tmp now holds the previous target
+        else:
+            os.replace(target, old)
+            os.replace(tmp, target)
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(tmp, target)
+
+
+_RENAME_EXCHANGE = 2  # linux/fs.h
+
+
+def exchange_dirs(a: Path, b: Path) -> bool:
+    """Swap `a` and `b` atomically (renameat2 RENAME_EXCHANGE); False where the system cannot (then nothing moved)."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False  # not glibc >= 2.28, or not Linux
+    at_fdcwd = -100
+    result = renameat2(at_fdcwd, os.fsencode(str(a)), at_fdcwd, os.fsencode(str(b)), _RENAME_EXCHANGE)
+    return result == 0  # EINVAL / ENOSYS (a file system without it): the caller falls back
 
 
 @contextmanager
@@ -68,7 +95,9 @@ def atomic_dir(target: Path, overwrite: bool = False) -> Iterator[Path]:
     if target.exists() and not overwrite:
         raise FileExistsError(f"{target} already exists (use --overwrite to replace it)")
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent))
+    # The PID in the name too: the owner file is removed just before the swap, and a kill there must still
+    # leave a partial that remove_stale_partials can tell is orphaned.
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.{os.getpid()}.", suffix=".partial", dir=target.parent))
     os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700
     try:
         (tmp / OWNER_FILE).write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
@@ -80,31 +109,61 @@ def atomic_dir(target: Path, overwrite: bool = False) -> Iterator[Path]:
         raise
 
 
-def remove_stale_partials(target: Path) -> list[str]:
-    """Remove the partial directories beside `target` left by processes of this host that are gone.
+@contextmanager
+def publish_once(target: Path, complete: str, mode: Optional[int] = None) -> Iterator[Path]:
+    """Yield a temporary directory beside `target` to fill; on success it is renamed to `target`.
 
-    Returns one line per directory removed. A directory whose owner is alive, on another host (shared
-    storage), or unknown (no owner file) is left alone: it may still be written.
+    For caches whose every build is the same (a built-in model, tokenized data): when processes race,
+    the first rename wins and the others discard their copy, once `complete` (a file the finished
+    directory holds) shows the winner's copy is whole. Unlike atomic_dir, `target` is never replaced.
     """
     target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent))
+    try:
+        if mode is not None:
+            os.chmod(tmp, mode)  # mkdtemp makes 0700
+        yield tmp
+        try:
+            os.rename(tmp, target)
+        except OSError:  # another process won the race (a non-empty `target`)
+            if not (target / complete).is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def remove_stale_partials(target: Path) -> list[str]:
+    """Remove what writers of `target` that are gone left beside it: partial directories (`.NAME.PID.*.partial`,
+    killed while writing or between the swap's renames) and replaced outputs (`.NAME.old-PID`, killed while
+    deleting them). Returns one line per directory removed.
+
+    A directory whose writer is alive, or on another host (shared storage; the owner file says), is left
+    alone: it may still be written. Without an owner file (removed just before the swap) the PID in the
+    name is the writer's on this host."""
+    target = Path(target)
     removed = []
-    for partial in sorted(target.parent.glob(f".{glob.escape(target.name)}.*.partial")):
-        owner = _owner(partial)
+    name = glob.escape(target.name)
+    for leftover in sorted([*target.parent.glob(f".{name}.*.partial"), *target.parent.glob(f".{name}.old-*")]):
+        owner = _owner(leftover, target.name)
         if owner is None or owner[1] != socket.gethostname() or _alive(owner[0]):
             continue
-        size = sum(f.stat().st_size for f in partial.rglob("*") if f.is_file())
-        shutil.rmtree(partial, ignore_errors=True)
-        if not partial.exists():
-            removed.append(f"removed {partial} ({size / 1e6:.1f} MB), left by process {owner[0]} which is gone")
+        size = sum(f.stat().st_size for f in leftover.rglob("*") if f.is_file())
+        shutil.rmtree(leftover, ignore_errors=True)
+        if not leftover.exists():
+            removed.append(f"removed {leftover} ({human_size(size)}), left by process {owner[0]} which is gone")
     return removed
 
 
-def _owner(partial: Path) -> Optional[tuple[int, str]]:
+def _owner(leftover: Path, target_name: str) -> Optional[tuple[int, str]]:
     try:
-        data = json.loads((partial / OWNER_FILE).read_text())
+        data = json.loads((leftover / OWNER_FILE).read_text())
         return int(data["pid"]), str(data["host"])
     except (OSError, ValueError, KeyError, TypeError):
-        return None
+        pass
+    rest = leftover.name[len(target_name) + 2:]  # after ".NAME."
+    pid = rest[len("old-"):] if leftover.name.startswith(f".{target_name}.old-") else rest.split(".", 1)[0]
+    return (int(pid), socket.gethostname()) if pid.isdigit() else None
 
 
 def _alive(pid: int) -> bool:

@@ -104,6 +104,17 @@ def _zero_block(recipe: Recipe) -> dict[str, Any]:
     return zero
 
 
+def reentrant_checkpointing(recipe: Recipe) -> bool:
+    """use_reentrant for gradient checkpointing: the recipe's, except LoRA/QLoRA under ZeRO-3, which is
+    always reentrant. There ZeRO-3 has partitioned the frozen weights (norms) again by the time a
+    non-reentrant recompute runs, and PyTorch's metadata check fails ("Recomputed values ... have different
+    metadata", deepspeedai/DeepSpeed#4332, huggingface/transformers#47254) on DeepSpeed < 0.19.3 (fixed by
+    #8130/#8148); TRL >= 1.x forces reentrant for this combination in its trainers anyway (trl#4951,
+    #6356). Reentrant needs inputs that require grad: the runner makes the embedding output require it."""
+    t = recipe.training
+    return t.gradient_checkpointing_reentrant or (recipe.method != "full" and recipe.deepspeed.stage == 3)
+
+
 def render_training_args(recipe: Recipe, output_dir: Optional[str] = None) -> dict[str, Any]:
     """Keyword arguments for transformers.TrainingArguments (the `deepspeed` key is filled at launch)."""
     t, d = recipe.training, recipe.data
@@ -126,7 +137,7 @@ def render_training_args(recipe: Recipe, output_dir: Optional[str] = None) -> di
         "bf16": recipe.model.dtype == "bfloat16",
         "fp16": recipe.model.dtype == "float16",
         "gradient_checkpointing": t.gradient_checkpointing,
-        "gradient_checkpointing_kwargs": {"use_reentrant": t.gradient_checkpointing_reentrant} if t.gradient_checkpointing else None,
+        "gradient_checkpointing_kwargs": {"use_reentrant": reentrant_checkpointing(recipe)} if t.gradient_checkpointing else None,
         "seed": t.seed,
         "data_seed": t.seed,
         "logging_steps": t.logging_steps,

@@ -73,9 +73,9 @@ def _list_item_model(annotation: Any):
 
 
 def rule_table() -> str:
-    from finetune.lint import PLAN_RULES, deepspeed_rules, recipe_rules
+    from finetune.lint import PLAN_RULES, deepspeed, recipe_rules
 
-    rules = {**recipe_rules.RULES, **deepspeed_rules.RULES, **PLAN_RULES}
+    rules = {**recipe_rules.RULES, **deepspeed.RULES, **PLAN_RULES}
     lines = ["| id | what it catches |", "|---|---|"]
     lines += [f"| {rule} | {text} |" for rule, text in sorted(rules.items())]
     return "\n".join(lines)

@@ -5,6 +5,7 @@ print predicted against measured, case by case, with the error distribution.
     python scripts/plan_corpus.py --summary       # the summaries only
     python scripts/plan_corpus.py --summary --quantiles   # with each part's error distribution
     python scripts/plan_corpus.py --json          # machine-readable (used by tests/test_plan_corpus.py)
+    python scripts/plan_corpus.py --trace         # the analytic plan against `finetune plan --trace`, per case
 
 error = (predicted - measured) / measured, per GPU, against the counter the source reports
 (`sources.*.measure`): max_memory_allocated -> the planner's allocated peak; max_memory_reserved and
@@ -28,6 +29,7 @@ sys.path.insert(0, str(REPO))
 
 from finetune.plan.archs import BY_NAME, LAYER_LINEARS, arch_from_config  # noqa: E402
 from finetune.plan import GiB, PlanResult, Setup, plan  # noqa: E402
+from finetune.plan.constants import BOUND_QUANTILE, BOUND_WIDTH  # noqa: E402
 
 CORPUS = REPO / "tests" / "data" / "plan_corpus.json"
 
@@ -142,6 +144,75 @@ def summaries(rows: list[dict]) -> dict[str, dict]:
     return out
 
 
+def ratios(rows: list[dict]) -> list[float]:
+    """measured / predicted per planned case: how far above the point estimate the measurement was."""
+    return [r["measured_gib"] / r["predicted_gib"] for r in rows if r["error"] is not None]
+
+
+def bound_width(rows: list[dict], quantile: float = BOUND_QUANTILE) -> float:
+    """The bound's width: the `quantile` of measured / predicted - 1 over `rows` (inclusive method), at
+    least 0. One width for every counter and setup: the corpus has too few sources per class to
+    validate a width per class by leaving a source out."""
+    values = ratios(rows)
+    if len(values) < 2:
+        return 0.0
+    cuts = statistics.quantiles(values, n=1000, method="inclusive")
+    return max(0.0, cuts[round(quantile * 1000) - 1] - 1)
+
+
+def leave_one_source_out(rows: list[dict]) -> dict[str, Any]:
+    """Each source's cases bounded with the width the other sources give: how often the bound is at or
+    above the measurement, and how far above it is (bound / measured - 1)."""
+    covered, widths, per_source = 0, [], {}
+    planned = [r for r in rows if r["error"] is not None]
+    for source in sorted({r["source"] for r in planned}):
+        mine = [r for r in planned if r["source"] == source]
+        width = bound_width([r for r in planned if r["source"] != source])
+        hits = sum(1 for r in mine if r["predicted_gib"] * (1 + width) >= r["measured_gib"])
+        covered += hits
+        widths += [r["predicted_gib"] * (1 + width) / r["measured_gib"] - 1 for r in mine]
+        per_source[source] = {"width": width, "covered": hits, "cases": len(mine)}
+    return {"coverage": covered / len(planned), "median_over": statistics.median(widths), "sources": per_source}
+
+
+# Issue 21's targets for the corpus.
+TARGETS = {"median_abs_error": 0.06, "mean_error": 0.03, "coverage": 0.95, "median_over": 0.20}
+
+
+def targets(rows: list[dict]) -> dict[str, tuple[float, bool]]:
+    s, loso = summary(rows), leave_one_source_out(rows)
+    return {
+        "point estimate median |error| <= 6%": (s["median_abs_error"], s["median_abs_error"] <= TARGETS["median_abs_error"]),
+        "point estimate mean error within +-3%": (s["mean_error"], abs(s["mean_error"]) <= TARGETS["mean_error"]),
+        "bound >= measured in >= 95% of cases (leave-one-source-out)": (loso["coverage"], loso["coverage"] >= TARGETS["coverage"]),
+        "bound <= 20% above measured at the median (leave-one-source-out)": (loso["median_over"], loso["median_over"] <= TARGETS["median_over"]),
+    }
+
+
+def trace_rows(corpus: dict) -> list[dict]:
+    """The cases a trace can run (one GPU without DeepSpeed, dense): the analytic plan's allocated peak
+    against the trace's (finetune/plan/trace.py), and the measurement against the trace. Qwen v1's remote
+    code is not in transformers: its cases are traced as Qwen2 with the same shapes (q/k/v biases, gated
+    MLP), which is its layer structure, not its code."""
+    from finetune.plan.trace import trace
+
+    rows = []
+    for case in corpus["cases"]:
+        setup = setup_of(corpus, case)
+        if setup.deepspeed or is_moe(corpus, case) or setup.quant_format != "bnb-nf4":
+            continue
+        if setup.arch.model_type == "qwen":
+            setup = replace(setup, arch=replace(setup.arch, model_type="qwen2"))
+        traced = trace(setup).peak
+        analytic = plan(setup).memory_views["allocated"]
+        rows.append({"id": case["id"], "trace_gib": traced / GiB, "analytic_gib": analytic / GiB,
+                     "measured_gib": case["measured_gib"], "analytic_vs_trace": analytic / traced - 1,
+                     "measured_vs_trace": case["measured_gib"] * GiB / traced - 1})
+        print(f"{case['id']:<24}{traced / GiB:9.2f}{analytic / GiB:9.2f}{case['measured_gib']:9.2f}"
+              f"{rows[-1]['analytic_vs_trace']:+8.1%}{rows[-1]['measured_vs_trace']:+8.1%}", flush=True)
+    return rows
+
+
 def _fmt_summary(name: str, s: dict) -> str:
     if not s.get("cases"):
         return f"{name:<28} no cases"
@@ -158,15 +229,26 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--quantiles", action="store_true",
                         help="after each summary, its signed error quantiles (min, 5%%, 25%%, 50%%, 75%%, 95%%, max)")
     parser.add_argument("--corpus", type=Path, default=CORPUS)
+    parser.add_argument("--trace", action="store_true",
+                        help="trace the cases a trace can run (needs torch, transformers, peft) and compare")
     parser.add_argument("--unspecified-as", choices=("allocated", "reserved", "nvidia_smi"), default="reserved",
                         help="compare sources that do not name their counter with this figure (a sensitivity "
                              "check; the corpus rule is reserved)")
     args = parser.parse_args(argv)
     corpus = load(args.corpus)
+    if args.trace:
+        print(f"{'case':<24}{'trace':>9}{'analytic':>9}{'measured':>9}{'an/tr':>8}{'me/tr':>8}  (GiB; allocated)")
+        traced = trace_rows(corpus)
+        print(f"{len(traced)} cases: analytic vs trace median "
+              f"{statistics.median(r['analytic_vs_trace'] for r in traced):+.1%}, worst "
+              f"{min(r['analytic_vs_trace'] for r in traced):+.1%} / {max(r['analytic_vs_trace'] for r in traced):+.1%}; "
+              f"measured vs trace median {statistics.median(r['measured_vs_trace'] for r in traced):+.1%}")
+        return 0
     rows = evaluate(corpus, args.unspecified_as)
     sums = summaries(rows)
     if args.json:
-        print(json.dumps({"rows": rows, "summaries": sums}, indent=1))
+        print(json.dumps({"rows": rows, "summaries": sums, "bound": leave_one_source_out(rows),
+                          "bound_width": bound_width(rows)}, indent=1))
         return 0
     if not args.summary:
         print(f"{'case':<24}{'model':<19}{'measure':<12}{'measured':>9}{'planned':>9}{'error':>8}  row")
@@ -181,6 +263,15 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(_fmt_summary(name, s))
         if args.quantiles and s.get("cases"):
             print(f"{'':<28} quantiles " + "  ".join(f"{k} {v:+.1%}" for k, v in s["quantiles"].items()))
+    width = bound_width(rows)
+    print(f"\nupper bound: point estimate x (1 + {width:.1%}), the {BOUND_QUANTILE:.0%} quantile of measured / planned "
+          f"on the whole corpus (finetune/plan/constants.py BOUND_WIDTH = {BOUND_WIDTH:.3f})")
+    for source, v in leave_one_source_out(rows)["sources"].items():
+        print(f"  without {source:<24} width {v['width']:6.1%}  covers {v['covered']:>3} of {v['cases']:>3}")
+    print("issue 21 targets:")
+    for what, (value, met) in targets(rows).items():
+        print(f"  {'met    ' if met else 'NOT met'}  {what}: {value:+.1%}" if "mean" in what else
+              f"  {'met    ' if met else 'NOT met'}  {what}: {value:.1%}")
     return 0
 
 

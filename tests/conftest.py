@@ -69,6 +69,54 @@ def tiny_dir(tiny_cache) -> Path:
     return ensure_builtin_model("builtin:tiny-llama", tiny_cache)
 
 
+# The one SFT run several slow tests read (report and next steps, chat, merge, eval, the runner's lora_zero2
+# case, resume's uninterrupted reference): a 2-process start costs ~90% of a tiny run, so it is trained once.
+SHARED_SFT_RECIPE = REPO / "recipes" / "tiny" / "lora_zero2.yaml"
+SHARED_SFT_SETS = ("--set", "training.save_steps=4")  # checkpoints 4, 8, 12 (save_total_limit 2 keeps 8 and 12)
+
+
+@pytest.fixture(scope="session")
+def shared_sft_run(tmp_path_factory, tiny_cache):
+    """(run directory, CompletedProcess) of `finetune train recipes/tiny/lora_zero2.yaml` with SHARED_SFT_SETS,
+    trained once per session by the real CLI. Readers must not change what is in it (eval.json aside)."""
+    from tests.train_fixtures import os_free_port, runner_env
+
+    out = tmp_path_factory.mktemp("shared-sft") / "run"
+    argv = [*FINETUNE, "train", str(SHARED_SFT_RECIPE), "--output-dir", str(out), *SHARED_SFT_SETS,
+            "--master-port", str(os_free_port())]
+    result = subprocess.run(argv, cwd=REPO, env=runner_env(tiny_cache), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return out, result
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory, tiny_cache, request):
+    """tiny_run(name) -> (run directory, CompletedProcess, Recipe) of recipes/tiny/NAME.yaml run by the real
+    per-rank runner under torchrun (2 processes), once per session, saving a checkpoint of its last step: the
+    runner's tests check what it saved, convert's tests convert that checkpoint. The shared SFT recipe is the shared_sft_run (the real CLI)."""
+    from finetune.recipe import load_recipe
+    from tests.train_fixtures import TINY_RECIPES, launch_runner, write_run_dir
+
+    runs = {}
+
+    def get(name: str):
+        if name not in runs:
+            path = TINY_RECIPES / f"{name}.yaml"
+            if path == SHARED_SFT_RECIPE:
+                run_dir, result = request.getfixturevalue("shared_sft_run")
+                recipe = load_recipe(path, list(SHARED_SFT_SETS[1::2])).recipe
+            else:
+                run_dir = tmp_path_factory.mktemp(name) / "run"
+                steps = load_recipe(path).recipe.training.max_steps
+                # a checkpoint of the last step (none is saved without save_steps), for convert's tests
+                recipe = write_run_dir(path, run_dir, world_size=2, overrides=(f"training.save_steps={steps}",))
+                result = launch_runner(run_dir, tiny_cache)
+            runs[name] = (run_dir, result, recipe)
+        return runs[name]
+
+    return get
+
+
 @pytest.fixture
 def no_launch(monkeypatch):
     """Fails the test if anything tries to start the launcher; the list of plans it was handed stays empty."""

@@ -35,7 +35,8 @@ def build(case, ds):
     else:
         model = LlamaForCausalLM(cfg)
     if case.get("ckpt"):
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        from finetune.train.model import enable_checkpointing
+        enable_checkpointing(model)
     if case.get("lora"):
         from peft import LoraConfig, get_peft_model
 

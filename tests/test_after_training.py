@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import run_cli
-from tests.train_fixtures import (REPO, TINY_RECIPES, assert_run_report, free_port, runner_env,
+from tests.train_fixtures import (REPO, TINY_RECIPES, assert_run_report, runner_env,
                                   write_run_dir)
 
 RECIPE = TINY_RECIPES / "lora_zero2.yaml"
@@ -33,12 +33,9 @@ def cli(*args: str, tiny_cache: Path, timeout: float = 600) -> subprocess.Comple
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory, tiny_cache):
-    """(run directory, `finetune train` result) of one short real run."""
-    out = tmp_path_factory.mktemp("trained") / "run"
-    result = cli("train", RECIPE, "--output-dir", out, "--master-port", free_port(), tiny_cache=tiny_cache)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return out, result
+def trained(shared_sft_run):
+    """(run directory, `finetune train` result) of one short real run (the session's shared SFT run)."""
+    return shared_sft_run
 
 
 @pytest.mark.slow
@@ -88,7 +85,8 @@ def test_eval_scores_the_fine_tuned_model_below_its_base(trained, tiny_cache):
     sample.write_text("\n".join(rows) + "\n")
     on_file = cli("eval", run_dir, "--data", sample, tiny_cache=tiny_cache)
     assert on_file.returncode == 0, on_file.stderr[-3000:]
-    assert json.loads((run_dir / "eval.json").read_text())["sequences"] == 5
+    assert json.loads((run_dir / "eval-five.json").read_text())["sequences"] == 5  # its own file (issue 24)
+    assert json.loads((run_dir / "eval.json").read_text()) == scores  # the run's own numbers stay
 
 
 # ------------------------------------------------------------------------------------------------

@@ -115,7 +115,6 @@ def test_prepare_then_train_finds_the_cache(tmp_path, tiny_cache):
     before anything is tokenized."""
     import os
     import subprocess
-    import sys
 
     from tests.conftest import FINETUNE, REPO
 

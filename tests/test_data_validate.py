@@ -65,7 +65,8 @@ def test_csv_lines_are_named(tmp_path):
     assert check(tmp_path / "d.csv", "alpaca").ok
     (tmp_path / "q.csv").write_text("question,answer\nwhy,because\n")
     assert messages(tmp_path / "q.csv", "alpaca") == [
-        f"{tmp_path / 'q.csv'}:2: no `instruction` column (format alpaca needs it; found `question`, `answer`)"]
+        f"{tmp_path / 'q.csv'}:2: no `instruction` column (format alpaca needs it; found `question`, `answer`); "
+        "add `columns: {instruction: question}` to the data source"]
 
 
 def test_json_lines_in_a_json_file_and_an_object_of_columns(tmp_path):
@@ -110,14 +111,14 @@ def test_unknown_role_and_no_assistant_turn(tmp_path):
     ])
     out = messages(path, "sharegpt")
     assert out[0].startswith(f"{path}:1: conversations[1]: unknown role `bot`") and "roles: {bot:" in out[0]
-    assert out[1] == f"{path}:2: `conversations` has no assistant turn to train on"
-    assert out[2] == f"{path}:3: `conversations` has no assistant turn to train on"
+    # The same problem on several rows is one line naming them (issue 24).
+    assert out[1] == f"{path}: lines 2-3 (2 rows): `conversations` has no assistant turn to train on"
     # The source's role map makes the first row fine.
-    assert messages(path, "sharegpt", roles={"bot": "assistant"})[0].startswith(f"{path}:2:")
+    assert messages(path, "sharegpt", roles={"bot": "assistant"})[0].startswith(f"{path}: lines 2-3 (2 rows):")
 
 
 def test_problems_are_capped_with_a_count_of_the_rest(tmp_path):
-    path = write_jsonl(tmp_path / "d.jsonl", [{"txt": "x"}] * 30)
+    path = write_jsonl(tmp_path / "d.jsonl", [{f"txt{i}": "x"} for i in range(30)])  # 30 different problems
     out = messages(path, "text")
     assert len(out) == v.MAX_SHOWN + 1
     assert out[-1] == "... and 10 more problem(s) not shown"
@@ -127,7 +128,9 @@ def test_a_source_in_the_wrong_format_stops_early(tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", [{"txt": "x"}] * (v.MAX_PER_SOURCE + 500))
     result = check(path, "text")
     assert result.checks[0].stopped and result.total == v.MAX_PER_SOURCE + 1
-    assert result.messages()[-1] == f"... and {v.MAX_PER_SOURCE + 1 - v.MAX_SHOWN} more problem(s) not shown"
+    assert result.messages() == [f"{path}: lines 1-{v.MAX_PER_SOURCE} ({v.MAX_PER_SOURCE} rows): no `text` column (format "
+                                 "text needs it; found `txt`); add `columns: {text: txt}` to the data source",
+                                 f"{path}: stopped reading after {v.MAX_PER_SOURCE} problems"]
 
 
 def test_every_source_is_checked_and_hub_ids_skipped(tmp_path):
@@ -273,3 +276,46 @@ def _row_by_row_problems(path: Path, spec: RowSpec):
             to_example(row, spec)
         except RowProblem as exc:
             yield where, str(exc)
+
+
+# ------------------------------------------------------------------------------------------------
+# Issue 25 item 3: paths that are not regular files, lines without an end
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dev-zero-link"])
+def test_a_data_path_that_is_not_a_regular_file_is_refused_without_reading_it(tmp_path, kind):
+    import os
+
+    path = tmp_path / "data.jsonl"
+    if kind == "fifo":
+        os.mkfifo(path)  # opening it would block until a writer comes: never, here
+    else:
+        path.symlink_to("/dev/zero")  # endless: read whole, it never ends
+    import threading
+
+    done: list = []  # a reader that opens the FIFO blocks forever: look from a thread, give up after 20 s
+    reader = threading.Thread(target=lambda: done.append(messages(path, "alpaca")), daemon=True)
+    reader.start()
+    reader.join(20)
+    assert done, "validation hung reading the data path"
+    found = done[0]
+    what = "a named pipe (FIFO)" if kind == "fifo" else "a character device"
+    assert found == [f"{path}: {what}, not a regular file: give a data file (or a folder of them)"]
+
+
+@pytest.mark.parametrize("newline_at", [None, 3000])
+def test_a_line_longer_than_the_maximum_is_one_problem_read_in_bounded_memory(tmp_path, monkeypatch, newline_at):
+    from finetune.data import fastcheck
+
+    monkeypatch.setattr(fastcheck, "MAX_LINE", 1024)
+    monkeypatch.setattr(fastcheck, "RANGE", 256)  # the bulk pass's range ends inside the long line too
+    good = json.dumps({"instruction": "a", "output": "b"}).encode() + b"\n"
+    body = b'{"instruction": "' + b"x" * 5000 + b'"'
+    if newline_at is not None:
+        body = body[:newline_at] + b"\n" + body[newline_at:]
+    path = tmp_path / "long.jsonl"
+    path.write_bytes(good * 2 + body)
+    found = messages(path, "alpaca")
+    assert len(found) == 1 and found[0].startswith(f"{path}:3: line 3 is longer than") and "\n" not in found[0]
+    with pytest.raises(v.Unreadable, match=r"long.jsonl:3: line 3 is longer than"):
+        list(v.iter_rows(path))

@@ -61,7 +61,8 @@ def test_first_run_compile_is_announced_and_its_end_reported(cache):
     import torch
 
     watch = BuildWatch(cache, [CPU_COMM_OP])
-    assert watch.notes() == [f"compiling {CPU_COMM_OP} (first run only; about a minute on a few cores) into {cache / CPU_COMM_OP}"]
+    assert watch.notes() == [f"compiling {CPU_COMM_OP} (first run in this environment; about a minute on a few cores) "
+                             f"into {cache / CPU_COMM_OP}"]
     (cache / CPU_COMM_OP / "lock").touch()  # a rank builds it
     assert watch.poll() == []
     (cache / CPU_COMM_OP / f"{CPU_COMM_OP}.so").write_bytes(b"")
@@ -81,5 +82,23 @@ def test_train_says_so_before_launch_and_a_dry_run_removes_nothing(cache, tmp_pa
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # the CPU path, where the comm op is compiled
     result = CliRunner().invoke(app, ["train", "r.yaml", "--output-dir", "out", "--dry-run"])
     assert result.exit_code == 0, result.output
-    assert f"note: compiling {CPU_COMM_OP} (first run only" in result.stderr
+    # a dry run compiles nothing, so it does not say it will (issue 24); the stale lock is still named
+    assert "note: compiling" not in result.stderr
     assert f"rm {lock}" in result.stderr and lock.exists()
+
+
+def test_each_environment_builds_in_its_own_folder(tmp_path, monkeypatch):
+    """Two venvs of one Python shared ~/.cache/torch_extensions/py311_cpu and rebuilt each other's ops."""
+    from finetune.run.deepspeed_ops import per_environment_root
+    from finetune.run.launch.commands import plan_launch
+    from tests.conftest import hub_recipe
+
+    environ = {"XDG_CACHE_HOME": str(tmp_path)}
+    one = per_environment_root("/envs/a/bin/python", environ)
+    assert one == per_environment_root("/envs/a/bin/python", environ)
+    assert one != per_environment_root("/envs/b/bin/python", environ)
+    assert one.parent == tmp_path / "torch_extensions" and "_torch" in one.name
+    plan = plan_launch(hub_recipe(), tmp_path / "run", 0, python="/envs/a/bin/python", environ=environ)
+    assert plan.env["TORCH_EXTENSIONS_DIR"] == str(one) and "TORCH_EXTENSIONS_DIR" not in plan.display()
+    mine = plan_launch(hub_recipe(), tmp_path / "run", 0, environ={**environ, "TORCH_EXTENSIONS_DIR": "/x"})
+    assert "TORCH_EXTENSIONS_DIR" not in mine.env  # the user's own choice is inherited as it is

@@ -9,9 +9,8 @@ from typer.testing import CliRunner
 
 from finetune.cli import app
 
-from finetune.run.doctor import (
-    Facts, Gpu, checks_for_recipe, failed, machine_checks, report, run_doctor, satisfies,
-)
+from finetune.run.doctor import checks_for_recipe, failed, machine_checks, report, run_doctor, satisfies
+from finetune.run.machine import Facts, Gpu
 from tests.conftest import hub_recipe as recipe
 from tests.conftest import run_cli
 
@@ -161,7 +160,7 @@ def test_a_torchrun_without_a_configurable_grace_period_is_named():
 
 def test_the_installed_torchrun_is_probed_for_its_grace_period():
     pytest.importorskip("torch")
-    from finetune.run.doctor import collect_facts
+    from finetune.run.machine import collect_facts
 
     assert collect_facts().torchrun_shutdown_timeout is True  # torch 2.13 reads TORCH_ELASTIC_SHUTDOWN_TIMEOUT
 

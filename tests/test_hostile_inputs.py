@@ -195,3 +195,16 @@ def test_output_paths_the_os_refuses_are_one_line(write_recipe, tmp_path, comman
     assert result.exit_code in (1, 2), result.output
     assert isinstance(result.exception, SystemExit), repr(result.exception)
     assert result.stderr.startswith("error: ") and len(result.stderr.splitlines()) == 1
+
+
+@pytest.mark.parametrize("value", ["9" * 100_000, "a" * 100_000])
+@pytest.mark.parametrize("key", ["training.max_steps", "model.name_or_path", "data.format", "lora.r"])
+def test_a_huge_set_value_is_not_echoed_whole(write_recipe, key, value):
+    """Issue 25 item 10: a 100k-digit --set value was repeated whole (100 KB of output)."""
+    from typer.testing import CliRunner
+
+    from finetune.cli import app
+
+    result = CliRunner().invoke(app, ["lint", str(write_recipe()), "--set", f"{key}={value}"])
+    assert result.exit_code == 1 and len(result.output) < 1000, len(result.output)
+    assert "100,0" in result.output  # says how long the value was

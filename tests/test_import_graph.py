@@ -92,6 +92,28 @@ def test_the_package_has_no_import_cycle():
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
 
+def folder_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The same imports between the top level's folders and modules (`finetune.plan.x` -> `finetune.plan`);
+    the package's own __init__ is left out (it names the version, nothing imports through it)."""
+    def folder(module: str) -> str:
+        return ".".join(module.split(".")[:2])
+
+    folders: dict[str, set[str]] = {}
+    for module, imported in graph.items():
+        if "." not in module:
+            continue
+        edges = folders.setdefault(folder(module), set())
+        edges.update(folder(other) for other in imported if "." in other and folder(other) != folder(module))
+    return folders
+
+
+def test_no_folder_imports_itself_through_another():
+    """plan/ -> train/ -> plan/ is a loop even when no two modules form one: the folders can no longer be read
+    (or moved) one without the other. The arrows point down the workflow, toward the light core."""
+    cycle = find_cycle(folder_graph(import_graph()))
+    assert cycle is None, "folder-level import cycle: " + " -> ".join(cycle)
+
+
 def test_the_walk_sees_function_level_relative_and_submodule_imports(tmp_path):
     """The graph is only as good as its walk: a cycle through a lazy import, a relative import and a
     `from package import submodule` is found."""
@@ -107,6 +129,15 @@ def test_the_walk_sees_function_level_relative_and_submodule_imports(tmp_path):
     assert find_cycle(graph) == ["pkg.a", "pkg.sub.b", "pkg.sub.c", "pkg.a"]
     (package / "sub" / "c.py").write_text("import os\n")
     assert find_cycle(import_graph(package)) is None
+    (package / "sub" / "c.py").write_text("def g():\n    import pkg.a\n")  # pkg.a -> sub.b -> sub.c -> pkg.a
+    (package / "a.py").write_text("def f():\n    from pkg.sub import b\n")
+    (package / "d.py").write_text("from pkg.sub import c\n")  # a module-level loop, and a folder-level one:
+    (package / "sub" / "c.py").write_text("def g():\n    from pkg import e\n")
+    (package / "e.py").write_text("")
+    (package / "sub" / "b.py").write_text("from pkg import d\n")  # pkg.sub -> pkg.d -> pkg.sub, no module loop
+    graph = import_graph(package)
+    assert find_cycle(graph) is None
+    assert find_cycle(folder_graph(graph)) == ["pkg.sub", "pkg.d", "pkg.sub"]
 
 
 HEAVY = ("torch", "deepspeed", "transformers", "peft", "bitsandbytes", "accelerate", "datasets")

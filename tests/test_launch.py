@@ -254,7 +254,11 @@ def test_success_runs_every_rank(fake):
     assert b"[rank0]: rank 0 of 2 up" in console.data
     assert b"rank 1 of 2 up" not in console.data  # other ranks go to their log files only
     assert "rank 1 of 2 up" in (run_dir / "logs" / "rank1" / "stdout.log").read_text()
-    assert (run_dir / "logs" / "launcher.log").read_bytes() == console.data
+    # the launcher log has every line; the console all but torchrun's OMP_NUM_THREADS banner (issue 24)
+    log = (run_dir / "logs" / "launcher.log").read_bytes()
+    assert b"OMP_NUM_THREADS" in log and b"OMP_NUM_THREADS" not in console.data and b"*****" not in console.data
+    assert [line for line in log.splitlines(True) if b"OMP_NUM_THREADS" not in line and b"*****" not in line] == \
+        console.data.splitlines(True)
 
 
 def test_a_failing_rank_is_named(fake):
@@ -383,11 +387,14 @@ def test_signals_are_forwarded_to_every_rank(fake, sig):
 
 @pytest.mark.slow
 def test_finetune_train_demo(tmp_path):
+    """The README's demo recipe as it ships, capped at 20 of its 117 steps: the whole demo is the README's
+    set-up command (about five minutes on 2 cores); every step after the 20th is the same work again."""
     from tests.conftest import REPO, run_cli
 
     demo = REPO / "recipes" / "demo.yaml"
     out = tmp_path / "run"
-    done = run_cli("train", demo, "--output-dir", out, "--master-port", str(os_free_port()), timeout=600)
+    done = run_cli("train", demo, "--output-dir", out, "--set", "training.max_steps=20", "--master-port", str(os_free_port()),
+                   timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"finished: {out}" in done.stderr
     summary = json.loads((out / "summary.json").read_text())
@@ -418,3 +425,64 @@ def test_a_real_rank_that_raises_is_named_with_its_exception(tmp_path):
     last = done.stderr.strip().splitlines()[-1]
     assert re.search(r"error: training failed: rank \d \(local rank \d\) on \S+ exited with code 1: "
                      r"SafetensorError: .*incomplete metadata", last), done.stderr[-3000:]
+
+
+def _error_file(path: Path, message: str, timestamp: int) -> None:
+    """An error.json as torch's @record writes it (torch/distributed/elastic/multiprocessing/errors)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"message": {"message": message, "extraInfo": {"py_callstack": "...",
+                                                                              "timestamp": str(timestamp)}}}))
+
+
+def _report(*failures: tuple[int, int, str]) -> str:
+    """torchrun's ChildFailedError report: (local rank, exit code, error file) per failure, root cause first."""
+    block = lambda i, r, c, f: (f"[{i}]:\n  time      : 2026-01-01_00:00:0{i}\n  host      : box\n"  # noqa: E731
+                                f"  rank      : {r} (local_rank: {r})\n  exitcode  : {c} (pid: 1{r})\n"
+                                f"  error_file: {f}\n  traceback : ...\n")
+    root, *others = failures
+    return ("Failures:\n" + "".join(block(i + 1, *f) for i, f in enumerate(others)) +
+            "Root Cause (first observed failure):\n" + block(0, *root) + "=" * 20 + "\n")
+
+
+@pytest.mark.parametrize("case", ["sigkill-rank1", "rank1-raises-later-than-rank0-notices"])
+def test_the_rank_that_failed_first_is_named_not_its_peer(tmp_path, case):
+    """Issue 25 item 7: rank 1 killed (or failing on a corrupt shard); rank 0 then fails in gloo."""
+    import types
+
+    from finetune.run.launch.outcome import torchrun_failures
+
+    attempt = tmp_path / "logs" / "torchrun" / "id_x" / "attempt_0"
+    gloo = "RuntimeError: [pair.cc:534] Connection closed by peer [127.0.0.1]:41772"
+    _error_file(attempt / "0" / "error.json", gloo, 100)
+    if case == "sigkill-rank1":
+        output = _report((0, 1, attempt / "0" / "error.json"), (1, -9, "<N/A>"))
+        expected = ("rank 1 (local rank 1) on box was killed by SIGKILL", None)
+    else:
+        shard = "RuntimeError: PytorchStreamReader failed reading zip archive: failed finding central directory"
+        _error_file(attempt / "1" / "error.json", shard, 101)
+        output = _report((0, 1, attempt / "0" / "error.json"), (1, 1, attempt / "1" / "error.json"))
+        expected = (None, shard)
+    plan = types.SimpleNamespace(run_dir=tmp_path, node_rank=0, procs_per_node=2)
+    failures = torchrun_failures(plan, output)
+    assert [f.rank for f in failures] == [1, 0]
+    describe, message = expected
+    assert failures[0].describe() == describe if describe else failures[0].message == message
+
+
+def test_a_rank_that_exits_with_its_own_one_line_error_is_named_with_it(tmp_path):
+    """Issue 25 item 8: a full disk is one line naming the device and the file, also in `finetune train`'s verdict."""
+    import errno
+    import types
+
+    from finetune.rundir.checkpoint import disk_error_message, mount_point
+    from finetune.run.launch.outcome import torchrun_failures
+
+    full = OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "run" / "checkpoint-4" / "shard.pt"))
+    message = disk_error_message(full, tmp_path / "run")
+    assert message.startswith(f"no space left on {mount_point(tmp_path)}: the output disk is full (writing {full.filename})")
+    attempt = tmp_path / "logs" / "torchrun" / "id_x" / "attempt_0"
+    (attempt / "0").mkdir(parents=True)
+    (attempt / "0" / "stderr.log").write_text(f"[rank0]: step 4\n[rank0]: error: rank 0 on box: {message}\n")
+    plan = types.SimpleNamespace(run_dir=tmp_path, node_rank=0, procs_per_node=2)
+    failures = torchrun_failures(plan, _report((0, 1, "<N/A>"), (1, -15, "<N/A>")))
+    assert [f.rank for f in failures] == [0, 1] and failures[0].message == message

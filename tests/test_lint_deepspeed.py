@@ -32,9 +32,9 @@ from pathlib import Path
 
 import pytest
 
-from finetune.lint import deepspeed_rules as rules
-from finetune.lint import ds_schema
-from finetune.lint.deepspeed_rules import DSContext, check_config
+from finetune.lint import deepspeed as rules
+from finetune.lint.deepspeed import schema as ds_schema
+from finetune.lint.deepspeed import DSContext, check_config
 from finetune.recipe.yamlio import load_json
 
 CORPUS = Path(__file__).parent / "ds_corpus"
@@ -700,7 +700,7 @@ def test_block_without_type_message(block, ctx, message, fix):
 
 
 def test_module_imports_without_torch():
-    code = ("import sys, finetune.lint.deepspeed_rules as r; "
+    code = ("import sys, finetune.lint.deepspeed as r; "
             "bad = [m for m in ('torch', 'deepspeed', 'transformers', 'accelerate') if m in sys.modules]; "
             "assert not bad, bad; print(len(r.RULES))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,

@@ -85,7 +85,8 @@ def test_chunked_loss_with_gradient_checkpointing():
     from finetune.train.loss import use_chunked_loss
 
     default = tiny_llama()
-    default.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    from finetune.train.model import enable_checkpointing
+    enable_checkpointing(default)
     chunked = copy.deepcopy(default)
     use_chunked_loss(chunked, 4)
     assert_same(loss_and_grads(default), loss_and_grads(chunked))
@@ -160,7 +161,7 @@ def test_a_head_that_scales_its_logits_is_refused():
 
 
 def test_chunk_count_is_fixed_by_the_largest_batch():
-    from finetune.train.loss import chunk_count, chunk_tokens
+    from finetune.plan.chunks import chunk_count, chunk_tokens
 
     assert chunk_tokens(128_256) == 523  # 256 MiB of fp32 logits
     assert chunk_count(4096, 128_256) == 8
@@ -200,7 +201,8 @@ def test_liger_is_a_training_arguments_switch():
 
 
 def test_liger_without_a_gpu_or_the_package_fails_preflight():
-    from finetune.run.doctor import Facts, Gpu, checks_for_recipe
+    from finetune.run.doctor import checks_for_recipe
+    from finetune.run.machine import Facts, Gpu
 
     packages = {"torch": "2.13.0", "deepspeed": "0.19.8", "transformers": "5.23.0", "peft": "0.21.2",
                 "bitsandbytes": "0.49.0", "accelerate": "1.12.0", "datasets": "4.0.0"}

@@ -495,3 +495,50 @@ def test_sigterm_exits_143_in_one_line_and_leaves_nothing(models, bf16_adapter, 
     assert errors == [f"error: merge stopped by SIGTERM; the partial output was removed and {out} was not touched"]
     assert "Traceback" not in result.stderr
     assert not out.exists() and not list(tmp_path.glob(".out.*"))
+
+
+# ------------------------------------------------------------------------------------------------
+# Issue 25 item 5: publish only what --verify passed; the debris of a killed merge is cleaned by the next
+
+
+def test_a_merge_that_fails_verify_is_not_published(models, tmp_path, monkeypatch):
+    import finetune.weights.merge as merge_module
+
+    adapter = small_effect_adapter(models["bf16"], tmp_path / "small")
+    real_plan = merge_module.plan_merge
+
+    def lossy_plan(*args, **kwargs):  # a merge that silently lacks one LoRA layer
+        plan = real_plan(*args, **kwargs)
+        next(t for t in plan.tensors if t.update is not None).update = None
+        return plan
+
+    monkeypatch.setattr(merge_module, "plan_merge", lossy_plan)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "previous.txt").write_text("the previous output")
+    result = runner.invoke(app, ["merge", "--base", str(models["bf16"]), "--adapter", str(adapter), "-o", str(out),
+                                 "--verify", "--overwrite"])
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert "error: verify: the merged model does not reproduce base + adapter; it was not published" in result.output
+    assert sorted(p.name for p in out.iterdir()) == ["previous.txt"]  # the old output is still there
+    assert not list(tmp_path.glob(".out.*"))
+
+
+def test_the_next_merge_removes_what_a_killed_merge_left(models, bf16_adapter, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # a PID of this host whose process is gone
+    old = tmp_path / f".out.old-{gone.pid}"  # killed while deleting the output it replaced
+    partial = tmp_path / f".out.{gone.pid}.x1y2.partial"  # killed between the swap's renames (no owner file)
+    live = tmp_path / f".out.{os.getpid()}.a1b2.partial"  # a writer still alive: left alone
+    for folder in (old, partial, live):
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes(b"\0" * 1000)
+    result = runner.invoke(app, ["merge", "--base", str(models["bf16"]), "--adapter", str(bf16_adapter),
+                                 "-o", str(tmp_path / "out")])
+    assert result.exit_code == 0, result.output
+    assert not old.exists() and not partial.exists() and live.exists()
+    assert f"removed {old} (1.0 kB), left by process {gone.pid} which is gone" in result.output

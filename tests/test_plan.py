@@ -173,7 +173,8 @@ def tiny_model(cfg, attn, method, r=8, dropout=0.0, ckpt=False):
     model = LlamaForCausalLM(LlamaConfig(**cfg, attn_implementation=attn, max_position_embeddings=512))
     model = model.to(torch.bfloat16).train()
     if ckpt:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        from finetune.train.model import enable_checkpointing
+        enable_checkpointing(model)
     if method == "lora":
         from peft import LoraConfig, get_peft_model
 

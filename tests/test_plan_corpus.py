@@ -14,7 +14,7 @@ import pytest
 
 from finetune.plan.archs import BY_NAME, arch_from_config
 from finetune.plan import GiB, MiB, Setup, plan, plan_recipe
-from finetune.plan.activations import logits_bytes
+from finetune.plan.loss import loss_working_set
 from finetune.plan.constants import CUBLAS_WORKSPACE, CUDA_CONTEXT
 from finetune.plan.planner import is_hopper, nccl_buffer_bytes
 from finetune.recipe import load_recipe
@@ -111,12 +111,30 @@ def test_summaries_give_the_error_distribution(corpus_rows):
         assert q["min"] == sums[part]["worst_under"]
 
 
-@pytest.mark.xfail(strict=True, reason="issue 14's target is not met: see docs/plan.md, 'Against published "
-                                       "measurements' (median 11.2%, 73 of 140 under-predicted by >10%)")
-def test_issue_14_target_median_5_percent_and_never_10_percent_low(corpus_rows):
+def test_the_bound_width_is_the_corpus_quantile(corpus_rows):
+    """BOUND_WIDTH (finetune/plan/constants.py) is what scripts/plan_corpus.py's method gives on the corpus
+    today: recomputed, not tuned."""
+    from finetune.plan.constants import BOUND_WIDTH
+
     _, rows, script = corpus_rows
-    got = script.summaries(rows)["all"]
-    assert got["median_abs_error"] <= 0.05 and got["under_10"] == 0
+    assert BOUND_WIDTH == pytest.approx(script.bound_width(rows), abs=0.0005)
+    ratios = script.ratios(rows)
+    covered = sum(1 for r in ratios if r <= 1 + BOUND_WIDTH) / len(ratios)
+    assert covered >= 0.95  # in-sample, by construction; the leave-one-source-out figure is below
+
+
+# Issue 21's targets (scripts/plan_corpus.py --summary prints them). Today's figures: point estimate median
+# |error| 11.2%, mean -14.0%; the bound (x 1.795) covers 82.9% of the cases leave-one-source-out (swift's
+# variable-length reserved rows: 24 of 48) and is 63.5% above the measurement at the median.
+@pytest.mark.parametrize("target", [
+    "point estimate median |error| <= 6%", "point estimate mean error within +-3%",
+    "bound >= measured in >= 95% of cases (leave-one-source-out)",
+    "bound <= 20% above measured at the median (leave-one-source-out)",
+])
+@pytest.mark.xfail(strict=True, reason="issue 21's targets are not met yet: see docs/plan.md, 'The bound'")
+def test_issue_21_targets(corpus_rows, target):
+    _, rows, script = corpus_rows
+    assert script.targets(rows)[target][1]
 
 
 def test_before_calibration_the_corpus_error_was_larger(corpus_rows, monkeypatch):
@@ -146,8 +164,10 @@ def test_counters_are_ordered_and_fits_uses_nvidia_smi():
     between = replace(result.setup, gpu_memory=(views["reserved"] + views["nvidia_smi"]) // 2)
     assert plan(between).fits is False
     doc = plan(replace(result.setup, gpu_memory=12 * GiB)).to_json()
-    assert doc["memory"] == {"allocated_peak": views["allocated"], "reserved_peak": views["reserved"],
-                             "nvidia_smi": views["nvidia_smi"], "fits_uses": "nvidia_smi"}
+    assert {k: doc["memory"][k] for k in ("allocated_peak", "reserved_peak", "nvidia_smi", "fits_uses")} == \
+        {"allocated_peak": views["allocated"], "reserved_peak": views["reserved"], "nvidia_smi": views["nvidia_smi"],
+         "fits_uses": "nvidia_smi"}
+    assert doc["memory"]["upper_bound"] > views["nvidia_smi"] and doc["memory"]["upper_bound_fits"] is False
 
 
 def test_cli_text_names_the_three_counters():
@@ -278,7 +298,7 @@ def test_a_16bit_loss_keeps_half_the_bytes_of_an_autocast_one():
     assert saved == {"bfloat16": 2, "float32": 4}
     arch = BY_NAME["llama-3-8b"]
     base = Setup(arch=arch, params=arch.total_params, method="lora", deepspeed=False, seq_len=1024)
-    got = {dtype: logits_bytes(replace(base, loss_dtype=dtype)) for dtype in ("float32", "bfloat16")}
+    got = {dtype: loss_working_set(replace(base, loss_dtype=dtype))[0] for dtype in ("float32", "bfloat16")}
     assert got["float32"] == 1024 * arch.vocab * 3 * saved["float32"]
     assert got["bfloat16"] == 1024 * arch.vocab * 3 * saved["bfloat16"]
 
@@ -373,3 +393,21 @@ def test_gptq_linear_keeps_its_dequantized_weight_for_backward():
     unckpt = {t.name: t.bytes for t in plan(replace(base, gradient_checkpointing=False)).terms}
     assert unckpt["GPTQ dequantized weights (saved)"] == arch.layers * per_layer * 2
     assert "GPTQ unpacking" not in {t.name for t in plan(replace(base, quant_format="bnb-nf4")).terms}
+
+
+def test_training_sets_expandable_segments_unless_the_user_did():
+    """What the plan text says training does with PyTorch's allocator (finetune/run/launch/commands.py), and
+    the launch line (the run log) shows it."""
+    from finetune.plan.constants import TRAINING_ALLOC_CONF
+    from finetune.run.launch import plan_launch
+    from tests.test_launch import RUN, recipe
+
+    gpu = plan_launch(recipe(), RUN, gpu_count=2, python="python", environ={})
+    assert gpu.env["PYTORCH_CUDA_ALLOC_CONF"] == TRAINING_ALLOC_CONF == "expandable_segments:True"
+    assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in gpu.display()
+    mine = plan_launch(recipe(), RUN, gpu_count=2, python="python",
+                       environ={"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"})
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in mine.env
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in plan_launch(recipe(), RUN, gpu_count=0, python="python", environ={}).env
+    out = run_cli("plan", "--model", "llama-3-8b", "--method", "qlora")
+    assert f"training sets PYTORCH_CUDA_ALLOC_CONF={TRAINING_ALLOC_CONF}" in out.stdout

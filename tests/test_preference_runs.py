@@ -1,6 +1,6 @@
 """Preference training for real (slow): the tiny model, the shipped preference data, CPU processes.
 
-- SFT -> DPO -> merge, chained in one test to share its runs: a 1-process SFT run; DPO continuing its adapter
+- SFT -> DPO -> merge, chained in one test to share its runs: the session's shared SFT run; DPO continuing its adapter
   (2 processes, LoRA, ZeRO-3) stopped by SIGTERM and resumed; rewards/margins and rewards/accuracies rise,
   summary.json and TensorBoard hold them; `finetune convert` of the last checkpoint gives the saved adapter;
   `finetune merge` gives a model whose logits are the run's.
@@ -74,17 +74,14 @@ def logits_of(model_dir_or_model, inputs: dict):
 
 
 @pytest.mark.slow
-def test_sft_then_dpo_stopped_resumed_converted_and_merged(tmp_path, cache):
+def test_sft_then_dpo_stopped_resumed_converted_and_merged(tmp_path, cache, shared_sft_run):
     import torch
     from safetensors.torch import load_file
 
     from finetune.rundir import checkpoint as ckpt
 
-    # 1. SFT: a LoRA adapter to continue from (one process, a few steps)
-    sft = tmp_path / "sft"
-    done = finetune_cli(*train_argv(TINY_RECIPES / "lora_zero2.yaml", sft, "training.max_steps=4",
-                                    "launch.procs_per_node=1")[3:], cache=cache)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    # 1. SFT: a LoRA adapter to continue from (the session's shared SFT run; nothing here writes into it)
+    sft = shared_sft_run[0]
 
     # 2. DPO from that adapter, 2 processes, ZeRO-3; SIGTERM after 5 steps
     dpo = tmp_path / "dpo"
@@ -116,6 +113,9 @@ def test_sft_then_dpo_stopped_resumed_converted_and_merged(tmp_path, cache):
     assert metrics["rewards/margins"]["last"] > 0.3 and metrics["rewards/accuracies"]["last"] >= 0.5, metrics
     assert result["train_loss_last"] < result["train_loss_first"] == pytest.approx(math.log(2), abs=1e-4)
     assert "rewards/margins" in second.stderr + second.stdout  # the closing line names them
+    # report.html shows the reward curves of the whole run (issue 24), the resumed part included
+    page = (dpo / "report.html").read_text()
+    assert (dpo / "rewards.png").is_file() and "Preference rewards" in page and "data:image/png;base64," in page
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -184,7 +184,8 @@ def test_orpo_kto_and_simpo_train(tmp_path, cache):
     runs = train_tiny({"orpo_lora": 1, "kto_lora": 1, "simpo_lora": 1}, tmp_path, cache)
     orpo, kto, simpo = runs["orpo_lora"], runs["kto_lora"], runs["simpo_lora"]
     assert {"rewards/margins", "nll_loss", "log_odds_ratio"} <= set(orpo["preference_metrics"])
-    assert orpo["tokens_per_second"] is None  # ORPO batches have no input_ids for the Trainer to count
+    # ORPO batches have no input_ids; finetune.train.preference counts chosen + rejected tokens (issue 24)
+    assert orpo["tokens_per_second"] > 0 and orpo["tokens_trained"] > 0
     assert {"rewards/chosen", "rewards/rejected", "kl"} <= set(kto["preference_metrics"])
     assert {"rewards/margins", "rewards/accuracies"} <= set(simpo["preference_metrics"])
     # SimPO's reward is beta x the mean log-prob of the answer: never 0 like a reference-based one at step 1

@@ -215,3 +215,114 @@ def test_a_working_chat_template_passes_preflight(workspace, no_launch):
     result = train(path, "--output-dir", workspace / "out", "--dry-run")
     assert result.exit_code == 0, result.output
     assert "error: data.chat_template" not in result.stderr
+
+
+# ------------------------------------------------------------------------------------------------
+# Issue 25 item 10: run directories no run can create, --overwrite through a link, pasted commands
+
+
+@pytest.mark.parametrize("kind", ["dangling-link", "link-loop", "300-byte-name"])
+def test_dry_run_refuses_a_run_directory_no_run_can_create(workspace, no_launch, kind):
+    out = workspace / "out"
+    extra = ""
+    if kind == "dangling-link":
+        out.symlink_to(workspace / "nowhere")
+        expected = f"output directory {out}: a symbolic link to {workspace / 'nowhere'}, which does not exist"
+    elif kind == "link-loop":
+        out.symlink_to(workspace / "out2")
+        (workspace / "out2").symlink_to(out)
+        expected = f"output directory {out}: a symbolic link loop"
+    else:
+        out = workspace / ("n" * 300)
+        extra = f"output_dir: {out}\n"
+        expected = None  # the schema refuses it already (a finding, no dry run shown)
+    args = [recipe_file(workspace, extra=extra), "--dry-run"] + ([] if extra else ["--output-dir", out])
+    result = train(*args)
+    assert result.exit_code == 1, result.output + repr(result.exception)
+    if expected is None:
+        assert "300 bytes" in result.output
+    else:
+        assert "# a real run would refuse: " in result.stdout and expected in result.stdout, result.output
+    assert "Traceback" not in result.output and not no_launch
+
+
+def test_overwrite_through_a_symlinked_run_directory_replaces_its_target(workspace):
+    target = workspace / "disk" / "run"
+    loaded = load_recipe(recipe_file(workspace))
+    write_run_dir(loaded, target, world_size=2)
+    (target / "old-output.txt").write_text("from the previous run")
+    link = workspace / "run"
+    link.symlink_to(target)
+    write_run_dir(loaded, link, world_size=2, overwrite=True)
+    assert link.is_symlink() and link.resolve() == target.resolve()  # the link stays, pointing at the new run
+    assert not (target / "old-output.txt").exists() and (target / "recipe.yaml").is_file()
+    assert sorted(p.name for p in workspace.iterdir() if p.name.startswith(".")) == []  # no `.run.old` link
+    assert sorted(p.name for p in target.parent.iterdir()) == ["run"]
+
+
+def test_printed_commands_are_shell_quoted(tmp_path):
+    import shlex
+
+    from finetune.cli.train import next_steps_lines
+    from finetune.train.report import next_steps
+
+    run = tmp_path / "$(touch PWNED) x"
+    (run / "checkpoint-4").mkdir(parents=True)
+    (run / "report.html").write_text("")
+    lines = [line.split("  # ")[0].strip() for line in next_steps_lines(run, ["adapter"])[1:]]
+    commands = lines + [command for _, command in next_steps(run, {"output": "adapter"})]
+    assert len(commands) >= 7
+    for command in commands:
+        words = shlex.split(command)  # what a shell makes of the pasted line
+        assert str(run) in words or any(w.startswith(str(run) + "/") for w in words), command
+        assert command == " ".join(shlex.quote(word) for word in words), command  # every word quoted
+
+
+def _chat_recipe(workspace: Path, template: str, rows: list) -> Path:
+    write_jsonl(workspace / "chat.jsonl", rows)
+    path = workspace / "r.yaml"
+    path.write_text(f"model: {{name_or_path: ./model, dtype: float32}}\n"
+                    f"data: {{path: chat.jsonl, format: messages, chat_template: {json.dumps(template)}}}\n")
+    return path
+
+
+def _turns(i: int) -> dict:
+    return {"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]}
+
+
+def test_chat_template_is_rendered_on_every_row_not_only_the_first(workspace, no_launch):
+    """Issue 25 item 9: a template that fails on row 51 passed a check of the first 20 rows."""
+    template = ("{% for m in messages %}{% if m.content == 'q50' %}{{ raise_exception('no q50 here') }}{% endif %}"
+                "<{{ m.role }}>{{ m.content }}{% endfor %}")
+    result = train(_chat_recipe(workspace, template, [_turns(i) for i in range(60)]), "--output-dir", workspace / "out")
+    assert_refused(result, workspace / "out", "data.chat_template", "chat.jsonl:51", "no q50 here")
+
+
+def test_a_chat_template_that_renders_no_reply_is_refused(workspace, no_launch):
+    template = "{% for m in messages %}{% if m.role != 'assistant' %}<{{ m.role }}>{{ m.content }}{% endif %}{% endfor %}"
+    result = train(_chat_recipe(workspace, template, [_turns(i) for i in range(3)]), "--output-dir", workspace / "out")
+    assert_refused(result, workspace / "out", "chat.jsonl:1", "holds none of the assistant's replies")
+
+
+def test_a_chat_template_too_slow_for_one_row_is_refused_in_bounded_time(workspace, no_launch, monkeypatch):
+    import time
+
+    import finetune.run.preflight as preflight
+
+    monkeypatch.setattr(preflight, "TEMPLATE_ROW_SECONDS", 0.5)
+    template = ("{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}"
+                "{% for m in messages %}{{ m.content }}{% endfor %}")
+    started = time.monotonic()
+    result = train(_chat_recipe(workspace, template, [_turns(0)]), "--output-dir", workspace / "out")
+    assert time.monotonic() - started < 30
+    assert_refused(result, workspace / "out", "chat.jsonl:1", "did not finish rendering this conversation in 0.5 s")
+
+
+def test_the_template_check_stops_at_its_budget_and_says_so(workspace):
+    from finetune.run.preflight import Preflight, chat_template_step
+
+    template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+    recipe = load_recipe(_chat_recipe(workspace, template, [_turns(i) for i in range(50)])).recipe
+    result = Preflight()
+    chat_template_step(recipe, result, budget=0.0)
+    assert not result.errors and "data.chat_template: rendered on the first 0 row(s) in 0 s" in result.notes[0]

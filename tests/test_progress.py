@@ -20,7 +20,9 @@ def test_relayed_lines_drive_the_bar_and_the_rest_is_printed():
         assert (task.completed, task.total) == (12, 117) and task.description == "training"
         assert task.fields == {"loss": "5.942", "speed": "161"}
     text = out.getvalue()
-    assert "parameters: 131,072 trainable" in text and "'loss': '5.942'" in text
+    assert "parameters: 131,072 trainable" in text
+    # one short line per logging step; the whole dict stays in RUN/logs (issue 24)
+    assert "loss 5.9420, lr 0.003, grad norm 2.16" in text and "'loss'" not in text
     assert "progress: step 12/117" not in text  # shown by the bar, not as a line
 
 

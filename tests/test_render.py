@@ -93,6 +93,12 @@ def test_rendered_config_passes_the_real_hf_fill(path, monkeypatch):
     config = render_deepspeed(recipe, world)
     kwargs = render_training_args(recipe, output_dir="/tmp/unused")
     kwargs.update(report_to="none", bf16=False, fp16=False)  # CPU here; dtype flags are compared below instead
+    from dataclasses import fields
+
+    from finetune.train.runner import training_arguments_kwargs
+
+    # as the runner spells them for this transformers (activation_checkpointing*: no FutureWarning per recipe)
+    kwargs = training_arguments_kwargs(kwargs, {f.name for f in fields(transformers.TrainingArguments)})
     args = transformers.TrainingArguments(**kwargs)
     monkeypatch.setattr(type(args), "world_size", property(lambda self: world))
     hf = HfTrainerDeepSpeedConfig(json.loads(json.dumps(config)))

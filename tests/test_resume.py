@@ -30,10 +30,10 @@ from finetune.cli import app
 from finetune.recipe import load_recipe
 from finetune.rundir.layout import resolved_recipe, write_run_dir
 from tests.conftest import write_local_inputs
-from tests.train_fixtures import REPO, TINY_RECIPES, assert_run_report, os_free_port, runner_env
+from tests.conftest import SHARED_SFT_RECIPE, SHARED_SFT_SETS
+from tests.train_fixtures import REPO, assert_run_report, os_free_port, runner_env
 
-RECIPE = TINY_RECIPES / "lora_zero2.yaml"
-SETS = ("--set", "training.save_steps=4")
+RECIPE, SETS = SHARED_SFT_RECIPE, SHARED_SFT_SETS  # the reference is the session's shared run of exactly these
 STEPS = 12
 
 
@@ -95,20 +95,11 @@ class Run:
         self.finish()
 
 
-def run_to_end(out: Path, tiny_cache: Path, log: Path) -> subprocess.CompletedProcess:
-    result = subprocess.run(train_argv(out), cwd=REPO, env=runner_env(tiny_cache), capture_output=True, text=True,
-                            timeout=600)
-    log.write_text(result.stdout + result.stderr)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return result
-
-
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, tiny_cache):
-    """One uninterrupted run: what every interrupted and resumed run must end with."""
-    out = tmp_path_factory.mktemp("reference") / "run"
-    run_to_end(out, tiny_cache, out.parent / "log.txt")
-    return out
+def reference(shared_sft_run):
+    """One uninterrupted run: what every interrupted and resumed run must end with (the session's shared SFT
+    run: the same recipe and --set as train_argv)."""
+    return shared_sft_run[0]
 
 
 def adapter(run_dir: Path):
@@ -220,10 +211,16 @@ def test_sighup_is_a_stop_and_a_killed_finetune_train_takes_its_launcher_and_ran
 # Fast: the checkpoint rules
 
 
-def fake_checkpoint(run_dir: Path, step: int, complete: bool = True, size: int = 10) -> Path:
+def fake_checkpoint(run_dir: Path, step: int, complete: bool = True, size: int = 10, shard=None) -> Path:
+    """`shard`: an object torch.save writes as the DeepSpeed shard (resuming reads inside it); else `size` bytes."""
     path = run_dir / f"checkpoint-{step}"
     (path / f"global_step{step}").mkdir(parents=True)
-    (path / f"global_step{step}" / "shard.pt").write_bytes(b"x" * size)
+    if shard is None:
+        (path / f"global_step{step}" / "shard.pt").write_bytes(b"x" * size)
+    else:
+        import torch
+
+        torch.save(shard, path / f"global_step{step}" / "shard.pt")
     (path / "trainer_state.json").write_text("{}")
     if complete:
         ckpt.publish(path, step)
@@ -326,7 +323,7 @@ def previous_run(workspace: Path, *steps: int, finished: bool = False) -> Path:
     out = workspace / "out"
     write_run_dir(load_recipe(workspace / "r.yaml"), out, world_size=2)
     for step in steps:
-        fake_checkpoint(out, step)
+        fake_checkpoint(out, step, shard={"step": step})
     if finished:
         (out / "summary.json").write_text("{}")
     return out
@@ -346,6 +343,52 @@ def test_a_run_directory_with_a_checkpoint_is_resumed(workspace, no_launch):
     assert "note: resuming from checkpoint-8 (step 8)" in result.stderr
     assert "checkpoint-12 is incomplete" in result.stderr
     assert result.stdout.splitlines()[1].endswith("--run-dir " + str(workspace / "out") + " --resume")
+
+
+class _RunsAShellCommand:
+    """Unpickling this runs `touch MARKER` (what DeepSpeed's weights_only=False load of a shard would do)."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_resume_refuses_a_checkpoint_that_pickles_code(workspace, no_launch):
+    """Issue 25 item 2: the same allow-list as `finetune convert`, before anything is launched."""
+    out = previous_run(workspace, 4, 8)
+    marker = workspace / "PWNED"
+    shard = out / "checkpoint-8" / "global_step8" / "shard.pt"
+    import torch
+
+    torch.save({"state": _RunsAShellCommand(marker)}, shard)
+    ckpt.publish(out / "checkpoint-8", 8)  # the marker's sizes agree: only a look inside finds it
+    for result in (dry_run(), CliRunner().invoke(app, ["train", "r.yaml", "--output-dir", "out"])):
+        assert result.exit_code == 1, result.output
+        assert f"{shard}: refused to load: it pickles posix.system" in result.stderr
+        assert "Traceback" not in result.output
+    assert not marker.exists() and not no_launch
+
+
+def test_a_damaged_newest_checkpoint_is_passed_over_for_the_previous_one(workspace, no_launch):
+    """Issue 25 item 6: same-size garbage in trainer_state.json, which the marker's sizes cannot see."""
+    out = previous_run(workspace, 4, 8)
+    state = out / "checkpoint-8" / "trainer_state.json"
+    state.write_bytes(b"\x00" * state.stat().st_size)
+    result = dry_run()
+    assert result.exit_code == 0, result.output
+    assert "warning: checkpoint-8 is damaged (trainer_state.json: not valid JSON" in result.stderr
+    assert "set aside as .checkpoint-8.damaged and the run resumes from checkpoint-4" in result.stderr
+    assert "note: resuming from checkpoint-4 (step 4)" in result.stderr
+    assert (out / "checkpoint-8").is_dir()  # a dry run moves nothing
+    # A real run sets it aside (kept for a look) before launch; the runner then resumes from checkpoint-4.
+    (out / "checkpoint-4" / "trainer_state.json").write_text("[")
+    ckpt.publish(out / "checkpoint-4", 4)
+    both = dry_run()
+    assert both.exit_code == 1 and "every complete checkpoint is damaged (checkpoint-8: trainer_state.json" in both.stderr
+    found = ckpt.Checkpoint(8, out / "checkpoint-8", True)
+    assert ckpt.set_aside(found) == out / ".checkpoint-8.damaged" and ckpt.latest_complete(out).step == 4
 
 
 def test_no_resume_and_overwrite(workspace, no_launch):
@@ -442,7 +485,7 @@ def test_a_second_run_into_a_live_run_directory_fails_fast_and_deletes_nothing(l
 
 def test_ranks_clean_up_incomplete_checkpoints_only_under_their_own_runs_lock(live_run, monkeypatch):
     pytest.importorskip("transformers")
-    from finetune.rundir.lock import OWNER_ENV, acquire
+    from finetune.rundir.lock import OWNER_ENV
     from finetune.train.preemption import discard_incomplete_if_owned
 
     out, pid = live_run

@@ -11,13 +11,20 @@ import sys
 
 import pytest
 
+from finetune.data.formats import RowSpec, alpaca
 from finetune.data.prepare import cache_key, tokenize_for_training
 from finetune.data.tokenize import (
-    IGNORE_INDEX, Collator, DataError, format_alpaca, load_raw, pack, split_eval, tokenize_examples,
+    IGNORE_INDEX, Collator, DataError, load_raw, pack, split_eval, tokenize_examples,
 )
 from tests.train_fixtures import REPO
 
 DEMO = REPO / "recipes" / "data" / "demo_instructions.jsonl"
+
+
+def format_alpaca(example: dict) -> tuple[str, str]:
+    """(prompt, response) of one alpaca row, read by the format the tokenizer uses (finetune.data.formats)."""
+    prompted = alpaca(example, RowSpec())
+    return prompted.prompt, prompted.response
 
 
 @pytest.fixture(scope="session")
@@ -214,7 +221,7 @@ def test_tokenized_data_is_cached_by_data_and_tokenizer(tmp_path, tokenizer, mon
 
 def test_tokenizing_reports_rows_at_the_progress_interval(tmp_path, tokenizer, monkeypatch):
     import finetune.data.prepare as data
-    from finetune.run.progress import PROGRESS_ENV
+    from finetune.progress_env import PROGRESS_ENV
 
     lines: list[str] = []
     monkeypatch.setenv(PROGRESS_ENV, "0")  # after every chunk of rows

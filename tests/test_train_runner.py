@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.train_fixtures import REPO, TINY_RECIPES, launch_runner, reload_logits, write_run_dir
+from tests.train_fixtures import REPO, TINY_RECIPES, reload_logits, write_run_dir
 
 # recipe file -> what it saves
 COMBINATIONS = {
@@ -34,14 +34,12 @@ COMBINATIONS = {
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(COMBINATIONS))
-def test_two_process_run_learns_and_saves_what_it_trained(name, tmp_path, tiny_cache):
+def test_two_process_run_learns_and_saves_what_it_trained(name, tiny_run, tiny_cache):
     import torch
 
     from finetune.builtin import builtin_model_dir
 
-    run_dir = tmp_path / "run"
-    recipe = write_run_dir(TINY_RECIPES / f"{name}.yaml", run_dir, world_size=2)
-    result = launch_runner(run_dir, tiny_cache)
+    run_dir, result, recipe = tiny_run(name)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
 
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -100,10 +98,15 @@ def _check_adapter_files(run_dir, recipe):
     assert base.is_absolute() and (base / "config.json").is_file()
     assert config["r"] == recipe.lora.r
     weights = load_file(str(run_dir / "adapter" / "adapter_model.safetensors"))
-    # 4 layers x 7 linear layers x (A, B); ZeRO-3 partitions would show up as empty tensors.
-    assert len(weights) == 4 * 7 * 2
+    # 4 layers x 7 linear layers x (A, B), plus the modules trained whole; ZeRO-3 partitions would show up as
+    # empty tensors.
+    assert len([key for key in weights if ".lora_" in key]) == 4 * 7 * 2
+    whole = sorted(key.split(".")[-2] for key in weights if ".lora_" not in key)
+    assert whole == sorted(recipe.lora.modules_to_save or []), whole
     for key, tensor in weights.items():
         assert tensor.numel() > 0, key
+        if ".lora_" not in key:
+            continue
         rank_dim = 0 if "lora_A" in key else 1
         assert tensor.shape[rank_dim] == recipe.lora.r, (key, tuple(tensor.shape))
     # B starts at zero; trained, every B is non-zero.

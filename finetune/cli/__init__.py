@@ -7,9 +7,12 @@ import sys
 import typer
 
 from finetune.cli.chat import chat
+from finetune.cli.common import handled
 from finetune.cli.convert import convert
+from finetune.cli.data import data_app
 from finetune.cli.doctor import doctor
 from finetune.cli.eval import eval_command
+from finetune.cli.init import init
 from finetune.cli.lint import lint
 from finetune.cli.merge import merge
 from finetune.cli.plan import plan
@@ -49,14 +52,19 @@ def _main(version: bool = typer.Option(False, "--version", callback=_version, is
 
 
 # The order `finetune --help` lists them in.
+app.command()(handled(init))
+app.add_typer(data_app, name="data")
 for _command in (lint, render, schema, merge, prepare, train, chat):
-    app.command()(_command)
-app.command("eval")(eval_command)
+    app.command()(handled(_command))
+app.command("eval")(handled(eval_command))
 for _command in (doctor, convert, plan, slurm):
-    app.command()(_command)
+    app.command()(handled(_command))
 
 
 def main() -> None:
+    from finetune import quiet
+
+    quiet.install()
     try:
         app()
     except KeyboardInterrupt:

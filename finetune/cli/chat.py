@@ -11,14 +11,14 @@ from finetune.cli.common import fail
 
 
 def chat(
-    path: Optional[Path] = typer.Argument(None, help="Run directory, or a merged / full model directory."),
+    path: Optional[Path] = typer.Argument(None, metavar="PATH", help="Run directory, or a merged / full model directory."),
     base: Optional[str] = typer.Option(None, "--base", help="Base model directory or hub id (with --adapter; overrides the run's)."),
     adapter: Optional[Path] = typer.Option(None, "--adapter", help="PEFT adapter directory (overrides the run's adapter/)."),
     prompts: Optional[List[str]] = typer.Option(None, "--prompt", help="Answer this and exit (repeatable: one conversation, in order)."),
     max_new_tokens: int = typer.Option(256, "--max-new-tokens", min=1, help="Longest reply, in tokens."),
     temperature: float = typer.Option(0.0, "--temperature", min=0.0, help="0 (default): greedy, the same reply every time; > 0 samples."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Seed for sampling (with --temperature > 0)."),
-    fmt: Optional[str] = typer.Option(None, "--format", help="alpaca, messages or text (default: what the run trained on)."),
+    fmt: Optional[str] = typer.Option(None, "--format", help="alpaca, messages, sharegpt (the chat template, as messages) or text (default: what the run trained on)."),
     device: str = typer.Option("auto", "--device", help="auto (the GPU if there is one), cuda or cpu."),
 ) -> None:
     """Talk to a trained model, with the prompt format it trained on (chat template or alpaca prompt).
@@ -29,35 +29,37 @@ def chat(
     Example:
 
     \b
-        $ finetune chat runs/demo --prompt "Name a primary colour."
-        Red.
+        $ finetune chat runs/demo --prompt "What is the capital of Russia?"
+        loading runs/demo (lora adapter on builtin:tiny-llama) ...
+        prompt format: alpaca (as the run trained), cpu
+        The capital of is isrgenti.
         $ finetune chat merged/demo
-        loaded runs/demo/... (alpaca format, cpu); /reset starts over, /exit leaves
-        you> Name a primary colour.
-        Red.
+        loading merged/demo ...
+        loaded merged/demo (alpaca format, cpu); /reset starts over, /exit leaves
+        you> What is the capital of Russia?
+        The capital of is isrgenti.
     """
-    from finetune.use.chat import ChatError, Conversation, answer, load_chat_model, resolve_source
+    from finetune import quiet
+
+    quiet.no_progress_bars()
+    from finetune.use.chat import Conversation, answer, load_chat_model, resolve_source
 
     if path is None and base is None:
         raise fail("give a run directory, a model directory, or --base (and --adapter)", 2)
-    try:
-        source = resolve_source(path, base, adapter, fmt)
-        model = load_chat_model(source, device)
-    except ChatError as exc:
-        raise fail(str(exc)) from None
+    source = resolve_source(path, base, adapter, fmt)
+    typer.echo(f"loading {source.label} ...", err=True)  # seconds to a minute: say so (issue 24)
+    model = load_chat_model(source, device)
     conversation = Conversation(model.tokenizer, model.fmt)
 
     def say(user: str) -> None:
-        try:
-            reply = answer(model, conversation, user, max_new_tokens=max_new_tokens, temperature=temperature,
-                           seed=seed, on_text=lambda text: typer.echo(text, nl=False))
-        except ChatError as exc:
-            raise fail(str(exc)) from None
+        reply = answer(model, conversation, user, max_new_tokens=max_new_tokens, temperature=temperature,
+                       seed=seed, on_text=lambda text: typer.echo(text, nl=False))
         typer.echo("")
         if reply.dropped_turns:
             typer.echo(f"(the {reply.dropped_turns} oldest turn(s) no longer fit the model's context and were left out)", err=True)
 
     if prompts:
+        typer.echo(f"prompt format: {model.fmt} ({_format_why(source, fmt)}), {model.device}", err=True)
         for prompt in prompts:
             say(prompt)
         return
@@ -77,3 +79,9 @@ def chat(
             continue
         if command:
             say(user)
+
+
+def _format_why(source, fmt: Optional[str]) -> str:
+    if fmt is not None:
+        return "--format"
+    return "as the run trained" if source.recipe is not None else "the model's own"

@@ -1,11 +1,15 @@
 """What every command shares: one-line errors with exit codes, loading a recipe, checking a path argument.
 
+Every command runs inside `handled`: a finetune.errors.FinetuneError raised anywhere below it ends the
+command with its own lines on stderr and its exit code, so commands do not catch them one by one.
+
 Heavy libraries (torch, deepspeed, transformers) are imported inside the commands that need them,
 so `finetune --help`, `lint`, `render`, `schema` and `plan` start in a fraction of a second.
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -13,12 +17,31 @@ from typing import List, Optional
 
 import typer
 
+from finetune.errors import FinetuneError
+
 SET_HELP = "Override a recipe key, e.g. --set deepspeed.stage=3 (repeatable; the value is read as YAML)."
 
 
 def fail(message: str, code: int = 1) -> "typer.Exit":
-    typer.echo(f"error: {message}", err=True)
-    return typer.Exit(code)
+    """Print `error: message`; the exit to raise."""
+    return exit_for(FinetuneError(message, exit_code=code))
+
+
+def exit_for(exc: FinetuneError) -> "typer.Exit":
+    for line in exc.lines():
+        typer.echo(line, err=True)
+    return typer.Exit(exc.exit_code)
+
+
+def handled(command):
+    """The command, with finetune's own errors mapped to their lines and exit code (the one place that does)."""
+    @functools.wraps(command)
+    def run(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except FinetuneError as exc:
+            raise exit_for(exc) from None
+    return run
 
 
 def path_exists(path: Path, test=Path.exists) -> bool:
@@ -41,20 +64,10 @@ def usable_path(option: str, path: Optional[Path]) -> None:
 
 
 def load_or_exit(recipe: Path, overrides: Optional[List[str]]):
-    """Load a recipe or print every problem (file:line:col) and exit 1."""
-    from finetune.recipe import RecipeProblem, load_recipe
+    """Load a recipe; its RecipeProblem (every problem, file:line:col) ends the command with exit 1."""
+    from finetune.recipe import load_recipe
 
-    try:
-        return load_recipe(recipe, overrides or [])
-    except RecipeProblem as exc:
-        raise problems_exit(exc) from None
-
-
-def problems_exit(exc) -> "typer.Exit":
-    """Print every problem of a finetune.recipe.RecipeProblem (file:line:col); the exit (1) to raise."""
-    for problem in exc.problems:
-        typer.echo(problem.render(), err=True)
-    return typer.Exit(1)
+    return load_recipe(recipe, overrides or [])
 
 
 def shard_size_or_exit(text: str) -> int:
@@ -71,13 +84,13 @@ def shard_size_or_exit(text: str) -> int:
 def write_errors(command: str, output: Path):
     """The one-line failures of merge and convert: SIGTERM (exit 143, the partial output already removed),
     bad input, and a write that fails."""
-    from finetune.weights.safetensors_io import MergeError, Terminated
+    from finetune.weights.safetensors_io import Terminated
 
     try:
         yield
     except Terminated:
         raise fail(f"{command} stopped by SIGTERM; the partial output was removed and {output} was not touched", 143) from None
-    except (MergeError, FileExistsError) as exc:
+    except FileExistsError as exc:
         raise fail(str(exc)) from None
     except OSError as exc:
         raise fail(f"cannot write {output}: {exc.strerror or exc}") from None

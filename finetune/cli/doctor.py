@@ -32,6 +32,8 @@ def doctor(
     if fmt not in ("text", "json"):
         raise fail("--format must be text or json", 2)
     loaded = load_or_exit(recipe, None) if recipe is not None else None
+    if fmt == "text":  # importing torch and the GPU probe take seconds: say so (issue 24)
+        typer.echo("checking Python, torch, GPUs and library versions ...", err=True)
     facts, checks = run_doctor(recipe=loaded.recipe if loaded else None)
     if fmt == "json":
         typer.echo(json.dumps(report(facts, checks), indent=2))

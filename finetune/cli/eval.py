@@ -11,13 +11,13 @@ from finetune.cli.common import fail
 
 
 def eval_command(
-    run_dir: Path = typer.Argument(..., help="Run directory."),
+    run_dir: Path = typer.Argument(..., metavar="RUN_DIR", help="Run directory."),
     data: Optional[Path] = typer.Option(None, "--data", help="Score this file instead of the validation split (read as the run's source with the same path, else as its only source)."),
     fmt: Optional[str] = typer.Option(None, "--format", help="The --data file's format (alpaca, text, messages, sharegpt), when the run mixes formats."),
     device: str = typer.Option("auto", "--device", help="auto (the GPU if there is one), cuda or cpu."),
     batch_size: int = typer.Option(8, "--batch-size", min=1, help="Sequences per forward pass."),
 ) -> None:
-    """Loss and perplexity of the base model and the fine-tuned one, on the same tokens (written to RUN/eval.json).
+    """Loss and perplexity of the base model and the fine-tuned one, on the same tokens (written to RUN/eval.json; RUN/eval-NAME.json for --data NAME.jsonl).
 
     The data is the run's validation split, or --data FILE (with --format when the run mixes sources
     read in different formats and FILE is none of them); sequences are tokenized and masked as in
@@ -27,20 +27,23 @@ def eval_command(
 
     \b
         $ finetune eval runs/demo
-        data: the training data (.../demo_instructions.jsonl), 307 sequences, 2861 scored tokens (not held out: ...)
+        loading runs/demo (lora adapter on builtin:tiny-llama) ...
+        note: runs/demo has no validation split (data.validation_split: 0); scoring its training data
+        data: the training data (.../recipes/data/demo_instructions.jsonl), 307 sequences, 2060 scored tokens (not held out: the run trained on it)
         model             loss    perplexity
-        base            7.0830       1191.62
-        fine-tuned      1.9520          7.04
+        base            7.1127       1227.47
+        fine-tuned      2.2870          9.85
+        wrote runs/demo/eval.json
     """
+    from finetune import quiet
+
+    quiet.no_progress_bars()
     from finetune.data.formats import FORMATS
-    from finetune.use.evaluate import EVAL_FILE, EvalError, evaluate
+    from finetune.use.evaluate import eval_file, evaluate
 
     if fmt is not None and fmt not in FORMATS:
         raise fail(f"--format {fmt}: unknown format (known: {', '.join(FORMATS)})", 2)
-    try:
-        result = evaluate(run_dir, data=data, device=device, batch_size=batch_size,
-                          log=lambda line: typer.echo(line, err=True), fmt=fmt)
-    except EvalError as exc:
-        raise fail(str(exc)) from None
+    result = evaluate(run_dir, data=data, device=device, batch_size=batch_size,
+                      log=lambda line: typer.echo(line, err=True), fmt=fmt)
     typer.echo(result.table(), nl=False)
-    typer.echo(f"wrote {run_dir / EVAL_FILE}", err=True)
+    typer.echo(f"wrote {run_dir / eval_file(data)}", err=True)

@@ -11,7 +11,7 @@ from finetune.cli.common import SET_HELP, fail, path_exists
 
 
 def lint(
-    paths: List[Path] = typer.Argument(..., help="Recipes (.yaml), DeepSpeed configs (.json) or directories (searched recursively)."),
+    paths: List[Path] = typer.Argument(..., metavar="PATH", help="Recipes (.yaml), DeepSpeed configs (.json) or directories (searched recursively)."),
     fmt: str = typer.Option("text", "--format", help="text, json or github (GitHub Actions annotations)."),
     strict: bool = typer.Option(False, "--strict", help="Fail on warnings too."),
     world_size: Optional[int] = typer.Option(None, "--world-size", min=1, help="World size for DeepSpeed JSON batch-size checks."),
@@ -28,8 +28,8 @@ def lint(
 
     \b
         $ finetune lint recipes ds_configs
-        recipes/bad.yaml:7:3: error R002 `lora.rr`: unknown key (did you mean `r`?)
-        1 file with problems: 1 error, 0 warnings
+        recipes/llama3/8b_dpo_qlora_2x12gb.yaml:15:3: info R120 `model.adapter`: no adapter_config.json in runs/llama3-8b-qlora or runs/llama3-8b-qlora/adapter here (`finetune train` will refuse to start)
+        … files checked, 0 with problems: 0 errors, 0 warnings
     """
     from finetune.lint import LintOptions, lint_paths
     from finetune.lint.report import FORMATS, render

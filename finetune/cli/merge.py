@@ -11,7 +11,7 @@ from finetune.cli.common import fail, shard_size_or_exit, write_errors, write_pr
 
 
 def merge(
-    run_dir: Optional[Path] = typer.Argument(None, help="Run directory (recipe.yaml + adapter/); gives --base and --adapter."),
+    run_dir: Optional[Path] = typer.Argument(None, metavar="RUN_DIR", help="Run directory (recipe.yaml + adapter/); gives --base and --adapter."),
     output: Path = typer.Option(..., "-o", "--output", help="Directory for the merged model (written beside it, renamed at the end)."),
     base: Optional[Path] = typer.Option(None, "--base", help="Local base model directory (safetensors); overrides the run's."),
     adapter: Optional[Path] = typer.Option(None, "--adapter", help="PEFT LoRA adapter directory; overrides the run's."),
@@ -34,23 +34,28 @@ def merge(
     from finetune.weights.merge import merge as run_merge
     from finetune.weights.merge_inputs import resolve_inputs
     from finetune.weights.verify import verify as run_verify
-    from finetune.weights.safetensors_io import human_size
+    from finetune.units import human_size
+    from finetune.weights.safetensors_io import MergeError
 
     if run_dir is None and (base is None or adapter is None):
         raise fail("give a run directory, or both --base and --adapter", 2)
     shard_bytes = shard_size_or_exit(max_shard_size)
+    def verified(merged: Path) -> None:
+        # Before publishing: a merge that fails --verify never appears at OUTPUT (issue 25).
+        check = run_verify(merged, inputs.base, inputs.adapter)
+        typer.echo(f"verify: max |logits merged - logits base+adapter| = {check.max_abs_diff:.3g} "
+                   f"(tolerance {check.tolerance:.3g}, from rounding to the stored dtype: {check.rounding:.3g}; "
+                   f"the adapter moves logits by up to {check.adapter_effect:.3g})")
+        if not check.ok:
+            kept = "keeps what it held" if output.exists() else "was not written"
+            raise MergeError(f"verify: the merged model does not reproduce base + adapter; it was not published "
+                             f"({output} {kept})")
+
     with write_errors("merge", output):
         inputs = resolve_inputs(run_dir, base, adapter)
         with write_progress("merging") as (log, on_write):
             result = run_merge(inputs.base, inputs.adapter, output, dtype=dtype, overwrite=overwrite,
                                max_shard_size=shard_bytes, log=log, source_dirs=inputs.tokenizer_dirs,
-                               fsync=fsync, on_write=on_write)
+                               fsync=fsync, on_write=on_write, check=verified if verify else None)
     typer.echo(f"merged {result.merged_layers} LoRA layers into {output} ({result.shards} shard"
                f"{'s' if result.shards > 1 else ''}, {human_size(result.total_bytes)}) in {result.seconds:.1f} s")
-    if verify:
-        check = run_verify(output, inputs.base, inputs.adapter)
-        typer.echo(f"verify: max |logits merged - logits base+adapter| = {check.max_abs_diff:.3g} "
-                   f"(tolerance {check.tolerance:.3g}, from rounding to the stored dtype: {check.rounding:.3g}; "
-                   f"the adapter moves logits by up to {check.adapter_effect:.3g})")
-        if not check.ok:
-            raise fail("verify: the merged model does not reproduce base + adapter")

@@ -8,11 +8,14 @@ from typing import List, Optional
 
 import typer
 
-from finetune.cli.common import SET_HELP, fail, load_or_exit, problems_exit
+from finetune.cli.common import SET_HELP, fail, load_or_exit
+
+# Scripts and CI gate on the verdict: 1 and 2 are taken by bad input and usage errors.
+EXIT_DOES_NOT_FIT = 3
 
 
 def plan(
-    recipe: Optional[Path] = typer.Argument(None, help="Recipe file (omit it and pass --model for a quick what-if)."),
+    recipe: Optional[Path] = typer.Argument(None, metavar="RECIPE", help="Recipe file (omit it and pass --model for a quick what-if)."),
     gpus: Optional[int] = typer.Option(None, "--gpus", min=1, help="GPUs per node (default: the recipe's launch/hardware, else 1)."),
     nodes: Optional[int] = typer.Option(None, "--nodes", min=1, help="Machines (default: launch.nodes)."),
     gpu_memory: Optional[str] = typer.Option(None, "--gpu-memory", help="Memory per GPU, e.g. 24GiB (default: hardware.gpu_memory)."),
@@ -31,19 +34,28 @@ def plan(
     lora_targets: Optional[str] = typer.Option(None, "--lora-targets", help="all-linear or a comma list: q_proj,v_proj."),
     attn: Optional[str] = typer.Option(None, "--attn", help="eager, sdpa, flash_attention_2 or flash_attention_3."),
     overrides: Optional[List[str]] = typer.Option(None, "--set", help=SET_HELP),
+    trace: bool = typer.Option(False, "--trace", help="Also run one training step of transformers' model code on fake tensors (no weights, no GPU; needs torch) and report its peak by kind."),
 ) -> None:
     """Predict per-GPU memory (weights, gradients, optimizer, DeepSpeed buffers, activations, logits, overhead) before renting.
 
     Pure Python, offline: model shapes come from a local config.json or a built-in table.
 
+    Exit codes: 0 fits (or no GPU memory given to judge), 3 does NOT fit (GPU or CPU memory; with
+    --recommend too: the recipe as written does not fit), 1 bad recipe or model, 2 usage.
+
     Example:
 
     \b
         $ finetune plan --model llama-3-8b --method qlora --lora-r 64 --zero 2 --gpus 2 --gpu-memory 12GiB
+        model    llama-3-8b (8.03B params, hidden 4096, 32 layers, 32/8 heads, vocab 128256)
+        ...
+          total (peak, backward)                12.22  of 12.00: does NOT fit, 0.22 GiB over …
+        $ echo $?
+        3
         $ finetune plan recipes/llama3/8b_qlora_2x12gb.yaml --recommend
     """
     from finetune import plan as planner
-    from finetune.recipe import RecipeProblem, parse_size
+    from finetune.recipe import parse_size
 
     if fmt not in ("text", "json"):
         raise fail("--format must be text or json", 2)
@@ -52,30 +64,42 @@ def plan(
         cpu_bytes = parse_size(cpu_memory) if cpu_memory is not None else None
     except ValueError as exc:
         raise fail(f"--gpu-memory/--cpu-memory: {exc}", 2) from None
-    try:
-        sets = (overrides or []) + planner.flag_overrides(
-            model=model, method=method, zero=zero, offload_optimizer=offload_optimizer, offload_param=offload_param,
-            micro_batch=micro_batch, seq_len=seq_len, gradient_checkpointing=gradient_checkpointing,
-            lora_r=lora_r, lora_targets=lora_targets, attn=attn)
-        if recipe is not None:
-            the_recipe = load_or_exit(recipe, sets).recipe
-        else:
-            the_recipe = planner.recipe_without_file(sets)
-        setup = planner.setup_from_recipe(the_recipe, gpus, gpu_bytes, nodes, cpu_bytes, deepspeed=zero != "none",
-                                          data_lengths=recipe is not None and seq_len is None)
-        result = planner.plan(setup)
-        advice = planner.recommend(setup, the_recipe.training.gradient_accumulation_steps) if recommend else None
-    except RecipeProblem as exc:
-        raise problems_exit(exc) from None
-    except planner.PlanError as exc:
-        raise fail(str(exc)) from None
+    sets = (overrides or []) + planner.flag_overrides(
+        model=model, method=method, zero=zero, offload_optimizer=offload_optimizer, offload_param=offload_param,
+        micro_batch=micro_batch, seq_len=seq_len, gradient_checkpointing=gradient_checkpointing,
+        lora_r=lora_r, lora_targets=lora_targets, attn=attn)
+    if recipe is not None:
+        the_recipe = load_or_exit(recipe, sets).recipe
+    else:
+        the_recipe = planner.recipe_without_file(sets)
+    setup = planner.setup_from_recipe(the_recipe, gpus, gpu_bytes, nodes, cpu_bytes, deepspeed=zero != "none",
+                                      data_lengths=recipe is not None and seq_len is None)
+    result = planner.plan(setup)
+    advice = planner.recommend(setup, the_recipe.training.gradient_accumulation_steps) if recommend else None
+    traced = _trace(setup, the_recipe.model.name_or_path) if trace else None
     if fmt == "json":
         data = result.to_json()
         if advice is not None:
             data["recommendation"] = advice.to_json()
+        if traced is not None:
+            data["trace"] = traced.to_json()
         typer.echo(json.dumps(data, indent=2))
-        return
-    typer.echo(result.render_text(), nl=False)
-    if advice is not None:
-        typer.echo("")
-        typer.echo(advice.render_text(), nl=False)
+    else:
+        typer.echo(result.render_text(), nl=False)
+        if traced is not None:
+            typer.echo("")
+            typer.echo(traced.render_text(), nl=False)
+        if advice is not None:
+            typer.echo("")
+            typer.echo(advice.render_text(), nl=False)
+    if result.fits is False:
+        raise typer.Exit(EXIT_DOES_NOT_FIT)
+
+
+def _trace(setup, name_or_path: str):
+    """finetune.plan.trace, imported here: without --trace `finetune plan` never imports torch."""
+    try:
+        from finetune.plan.trace import config_of, trace
+    except ImportError as exc:  # pragma: no cover - the light install
+        raise fail(f"--trace needs torch, transformers and peft (pip install 'finetune[train]'): {exc}") from None
+    return trace(setup, config_of(name_or_path))

@@ -8,10 +8,11 @@ from typing import List, Optional
 import typer
 
 from finetune.cli.common import SET_HELP, fail, load_or_exit
+from finetune.rundir.names import DEEPSPEED_FILE, TRAINING_ARGS_FILE
 
 
 def render(
-    recipe: Path = typer.Argument(..., help="Recipe file."),
+    recipe: Path = typer.Argument(..., metavar="RECIPE", help="Recipe file."),
     output: Optional[Path] = typer.Option(None, "-o", "--output", help="Directory to write deepspeed.json and training_args.json into (default: print)."),
     world_size: Optional[int] = typer.Option(None, "--world-size", min=1, help="Fix the world size (otherwise the recipe's, or auto)."),
     overrides: Optional[List[str]] = typer.Option(None, "--set", help=SET_HELP),
@@ -39,7 +40,7 @@ def render(
         return
     try:
         output.mkdir(parents=True, exist_ok=True)
-        for name, data in (("deepspeed.json", ds), ("training_args.json", args)):
+        for name, data in ((DEEPSPEED_FILE, ds), (TRAINING_ARGS_FILE, args)):
             write_atomic(output / name, dumps(data))
             typer.echo(f"wrote {output / name}")
     except OSError as exc:

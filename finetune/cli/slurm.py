@@ -12,7 +12,7 @@ from finetune.cli.common import SET_HELP, fail, load_or_exit, usable_path
 
 
 def slurm(
-    recipe: Path = typer.Argument(..., help="Recipe file."),
+    recipe: Path = typer.Argument(..., metavar="RECIPE", help="Recipe file."),
     overrides: Optional[List[str]] = typer.Option(None, "--set", help=SET_HELP),
     output_dir: Optional[Path] = typer.Option(None, "--output-dir", help="Run directory, on storage every node sees (default: the recipe's output_dir)."),
     nodes: Optional[int] = typer.Option(None, "--nodes", min=1, help="Nodes to allocate (default: launch.nodes)."),
@@ -38,22 +38,19 @@ def slurm(
         $ sbatch job.sh
     """
     from finetune.render import resolved_output_dir
-    from finetune.run.slurm import SlurmError, SlurmJob, gpus_per_node, sbatch_script
+    from finetune.run.slurm import SlurmJob, gpus_per_node, sbatch_script
 
     usable_path("--output-dir", output_dir)
     usable_path("-o", output)
     loaded = load_or_exit(recipe, overrides)
     r = loaded.recipe
-    try:
-        job = SlurmJob(
-            recipe_path=recipe.expanduser().absolute(),
-            run_dir=(output_dir or Path(resolved_output_dir(r))).expanduser().absolute(),
-            workdir=Path.cwd(), python=sys.executable, nodes=nodes or r.launch.nodes,
-            gpus_per_node=gpus_per_node(r, gpus), job_name=job_name or r.name or recipe.stem,
-            master_port=r.launch.master_port, signal_seconds=signal_seconds or r.launch.stop_timeout,
-            overrides=tuple(overrides or ()), time=time_limit, partition=partition, account=account, cpus_per_task=cpus)
-    except SlurmError as exc:
-        raise fail(str(exc), 2) from None
+    job = SlurmJob(
+        recipe_path=recipe.expanduser().absolute(),
+        run_dir=(output_dir or Path(resolved_output_dir(r))).expanduser().absolute(),
+        workdir=Path.cwd(), python=sys.executable, nodes=nodes or r.launch.nodes,
+        gpus_per_node=gpus_per_node(r, gpus), job_name=job_name or r.name or recipe.stem,
+        master_port=r.launch.master_port, signal_seconds=signal_seconds or r.launch.stop_timeout,
+        overrides=tuple(overrides or ()), time=time_limit, partition=partition, account=account, cpus_per_task=cpus)
     text = sbatch_script(job)
     if output is None:
         typer.echo(text, nl=False)

@@ -9,10 +9,11 @@ from typing import List, Optional
 import typer
 
 from finetune.cli.common import SET_HELP, fail, load_or_exit, usable_path
+from finetune.rundir.run_dir import ADAPTER_DIR, REPORT_FILE, RunDir, command_line
 
 
 def train(
-    recipe: Path = typer.Argument(..., help="Recipe file."),
+    recipe: Path = typer.Argument(..., metavar="RECIPE", help="Recipe file."),
     overrides: Optional[List[str]] = typer.Option(None, "--set", help=SET_HELP),
     output_dir: Optional[Path] = typer.Option(None, "--output-dir", help="Run directory (default: the recipe's output_dir)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Run the preflight, print the command and the DeepSpeed config; write and start nothing."),
@@ -43,14 +44,17 @@ def train(
     Example:
 
     \b
-        $ finetune train recipes/demo.yaml --output-dir runs/demo
-        note: dataset data/demo.jsonl: alpaca format, first 20 row(s) look right
-        launching 2 process(es): python -m torch.distributed.run --nnodes 1 --nproc-per-node 2 ...
+        $ finetune train recipes/demo.yaml
+        note: no GPU: 2 CPU processes on DeepSpeed's CPU accelerator (slow; meant for tests)
+        note: dataset ./recipes/data/demo_instructions.jsonl: 307 alpaca row(s), all look right
         ...
-        finished: runs/demo (adapter in runs/demo/adapter)
+        launching 2 processes (cpu): DS_ACCELERATOR=cpu … -m torch.distributed.run --nnodes 1 --nproc-per-node 2 …
+        ...
+        [finetune] done: 117 steps, loss 7.148 -> 2.397, 387 tokens/s; adapter/ in …/runs/demo
+        finished: …/runs/demo (adapter in …/runs/demo/adapter)
     """
     from finetune.rundir.checkpoint import EXIT_PREEMPTED
-    from finetune.run.launch import LaunchError, commands_per_node, tail_of
+    from finetune.run.launch import commands_per_node, tail_of
     from finetune.run.start import prepare, start_run
 
     usable_path("--output-dir", output_dir)
@@ -61,8 +65,12 @@ def train(
     report = prepared.preflight
     if report.lint_report:
         typer.echo(report.lint_report, err=True, nl=False)
+    from finetune.run.deepspeed_ops import COMPILE_NOTE
+
+    launching = report.ok and not dry_run  # nothing compiles otherwise: no note that it will (issue 24)
     for note in report.notes + (prepared.plan.notes if prepared.plan else []):
-        typer.echo(f"note: {note}", err=True)
+        if launching or not note.startswith(COMPILE_NOTE):
+            typer.echo(f"note: {note}", err=True)
     for warning in report.warnings:
         typer.echo(f"warning: {warning}", err=True)
     # A dry run writes nothing, so a refused output directory does not stop it from showing the launch.
@@ -72,7 +80,7 @@ def train(
         for error in report.errors + ([] if show_anyway else report.run_dir_errors):
             typer.echo(f"error: {error}", err=True)
         if not show_anyway:
-            count = len(report.errors) + len(report.lint_errors) + len(report.run_dir_errors)
+            count = report.problem_count
             raise fail(f"preflight failed ({count} problem{'s' if count != 1 else ''}); nothing was started or written")
     plan = prepared.plan
     if dry_run:
@@ -93,12 +101,13 @@ def train(
     typer.echo(f"launching {plan.world_size} process{'es' if plan.world_size != 1 else ''} ({plan.device}): {plan.display()}", err=True)
     try:
         outcome = _run_with_display(prepared, start_run)
-    except (LaunchError, FileExistsError) as exc:
+    except FileExistsError as exc:
         raise fail(str(exc)) from None
     except OSError as exc:
         raise fail(f"cannot write the run directory {prepared.run_dir}: {exc.strerror or exc}") from None
     if outcome.ok:
-        saved = [name for name in ("adapter", "model") if (prepared.run_dir / name).is_dir()]
+        run = RunDir(prepared.run_dir)
+        saved = [folder.name for folder in (run.adapter_path, run.model_path) if folder.is_dir()]
         where = f" ({' and '.join(saved)} in {', '.join(str(prepared.run_dir / s) for s in saved)})" if saved else ""
         typer.echo(f"finished: {prepared.run_dir}{where}", err=True)
         for line in next_steps_lines(prepared.run_dir, saved, prepared.loaded.recipe.objective):
@@ -129,7 +138,9 @@ def _what_a_run_would_do(prepared) -> str:
         return f"resume from {prepared.resume_from.name} (step {prepared.resume_from.step}) in {prepared.run_dir}"
     if report.join:
         return f"join the run directory {prepared.run_dir} written by another node of this run"
-    if prepared.overwrite and prepared.run_dir.exists() and any(prepared.run_dir.iterdir()):
+    from finetune.run.preflight import run_dir_entries
+
+    if prepared.overwrite and run_dir_entries(prepared.run_dir):
         return f"replace the previous run in {prepared.run_dir} and start fresh (--overwrite)"
     return f"start fresh in {prepared.run_dir}"
 
@@ -147,19 +158,28 @@ def _run_with_display(prepared, start_run):
 
 
 def next_steps_lines(run_dir: Path, saved: List[str], objective: str = "sft") -> List[str]:
-    """What to do after a finished run, with the commands for this run directory (no `eval` after a
-    preference objective: its loss over prompt/chosen/rejected rows is not a perplexity)."""
-    steps = []
-    if (run_dir / "report.html").is_file():
-        steps.append((f"open {run_dir / 'report.html'}", "loss plot, memory, config, versions"))
-    if saved:
-        steps.append((f"finetune chat {run_dir}", "talk to it (--prompt TEXT for one answer)"))
+    """What to do after a finished run, with the commands for this run directory spelled so that they
+    run as printed here (finetune.hints: the venv's path when it is not activated, no `open` on Linux; every
+    argument shell-quoted); no `eval` after a preference objective: its loss over prompt/chosen/rejected rows
+    is not a perplexity."""
+    from finetune import hints
+
+    finetune, steps = hints.finetune(), []
+    if (run_dir / REPORT_FILE).is_file():
+        opener = hints.open_file(run_dir / REPORT_FILE)
+        steps.append((opener or command_line(run_dir / REPORT_FILE),
+                      "loss plot, memory, config, versions" + ("" if opener else " (open it in a browser)")))
+    if saved and objective == "reward":  # a scoring head, not a chat model
+        steps.append((f"{finetune} {command_line('eval', run_dir)}", "pairwise accuracy on its pairs, base vs trained"))
+    elif saved:
+        steps.append((f"{finetune} {command_line('chat', run_dir)}", "talk to it (--prompt TEXT for one answer)"))
         if objective == "sft":
-            steps.append((f"finetune eval {run_dir}", "loss and perplexity, base vs fine-tuned"))
-    if "adapter" in saved:
-        steps.append((f"finetune merge {run_dir} -o merged/{run_dir.name}", "one model to serve (CPU, streaming)"))
+            steps.append((f"{finetune} {command_line('eval', run_dir)}", "loss and perplexity, base vs fine-tuned"))
+    if ADAPTER_DIR in saved:
+        steps.append((f"{finetune} {command_line('merge', run_dir, '-o', f'merged/{run_dir.name}')}",
+                      "one model to serve (CPU, streaming)"))
     if (run_dir / "tensorboard").is_dir():
-        steps.append((f"tensorboard --logdir {run_dir / 'tensorboard'}", "the curves, live"))
+        steps.append((f"{hints.tensorboard()} {command_line('--logdir', run_dir / 'tensorboard')}", "the curves, live"))
     if not steps:
         return []
     width = max(len(command) for command, _ in steps)

@@ -16,16 +16,45 @@ from __future__ import annotations
 from typing import BinaryIO, Iterator, Optional
 
 from finetune.data.formats import CHAT_FORMATS, RowSpec
+from finetune.errors import FinetuneError
 
 BLOCK = 2**20  # bytes per parsed block: measured fastest of 1, 16 and 64 MiB (scripts/bench_validate.py)
 # Bytes per range: a bad row costs the row-by-row pass over one range (orjson: ~30 MB/s on a shared
 # 2-core box), while each range pays a fixed start-up in pyarrow (scripts/bench_validate.py).
 RANGE = 16 * 2**20
+# The longest line a JSON lines file may have. A row of a 1M-token conversation is ~4-8 MB of JSON; a
+# file without newlines (a JSON array saved as .jsonl, /dev/zero behind a link, a binary file) would
+# otherwise be read whole, in memory, before failing (issue 25: 6.5 GB of RAM for a 2 GB line).
+MAX_LINE = 64 * 2**20
+
+
+class LineTooLong(FinetuneError):
+    """Line `line` of a JSON lines file runs past MAX_LINE bytes without a newline."""
+
+    def __init__(self, line: int):
+        limit = f"{MAX_LINE // 2**20} MiB" if MAX_LINE % 2**20 == 0 else f"{MAX_LINE} bytes"
+        super().__init__(f"line {line} is longer than {limit} (no newline in it): JSON lines "
+                         "hold one row per line; is this a JSON lines file?")
+        self.line = line
+
+
+def bounded_lines(handle: BinaryIO, first_line: int = 1) -> Iterator[tuple[int, bytes]]:
+    """(number, line) of every line, each read with at most MAX_LINE bytes in memory (LineTooLong past that)."""
+    number = first_line
+    while True:
+        line = handle.readline(MAX_LINE + 1)
+        if not line:
+            return
+        if len(line) > MAX_LINE and not line.endswith(b"\n"):
+            raise LineTooLong(number)
+        yield number, line
+        number += 1
 
 
 def line_ranges(handle: BinaryIO, size: Optional[int] = None) -> Iterator[tuple[int, bytes]]:
     """(number of the first line, bytes) of consecutive ranges of whole lines, `size` (RANGE) bytes and
-    up to the next newline: a line longer than that makes its range longer rather than being cut."""
+    up to the next newline: a line longer than that makes its range longer rather than being cut (up to
+    MAX_LINE: LineTooLong)."""
     size = size or RANGE
     first = 1
     while True:
@@ -33,7 +62,10 @@ def line_ranges(handle: BinaryIO, size: Optional[int] = None) -> Iterator[tuple[
         if not data:
             return
         if not data.endswith(b"\n"):
-            data += handle.readline()
+            tail = handle.readline(MAX_LINE + 1)
+            if len(tail) > MAX_LINE and not tail.endswith(b"\n"):
+                raise LineTooLong(first + data.count(b"\n"))
+            data += tail
         yield first, data
         first += data.count(b"\n")
 
@@ -45,7 +77,9 @@ def clean_counts(data: bytes, spec: RowSpec) -> Optional[list]:
         import pyarrow.json as pj
     except ImportError:
         return None
-    check = {"alpaca": _alpaca, "text": _text}.get(spec.format) or (_chat if spec.format in CHAT_FORMATS else None)
+    kind = spec.reader or spec.format
+    check = {"alpaca": _alpaca, "text": _text, "pairs": _pairs, "kto": _kto}.get(kind) or \
+        (_chat if kind in CHAT_FORMATS else None)
     if check is None:
         return None
     lengths = []
@@ -98,6 +132,30 @@ def _alpaca(batch, spec: RowSpec):
 def _text(batch, spec: RowSpec):
     text = _strings(batch, spec.column("text"), nonblank=True)
     return None if text is False else _length(text)
+
+
+def _pairs(batch, spec: RowSpec, answers: tuple[str, ...] = ("chosen", "rejected")):
+    """Text rows only (message lists go row by row): prompt a string (may be blank), answers non-blank."""
+    prompt = _strings(batch, spec.column("prompt"))
+    columns = [_strings(batch, spec.column(name), nonblank=True) for name in answers]
+    if prompt is False or any(c is False for c in columns):
+        return None
+    total = _length(prompt)
+    for column in columns:
+        total = total + _length(column)
+    return total
+
+
+def _kto(batch, spec: RowSpec):
+    import pyarrow as pa
+
+    name = spec.column("label")
+    if name not in batch.schema.names:
+        return None
+    label = batch.column(name)
+    if not pa.types.is_boolean(label.type) or label.null_count:
+        return None
+    return _pairs(batch, spec, ("completion",))
 
 
 def _chat(batch, spec: RowSpec):

@@ -21,6 +21,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Union
 
+from finetune.errors import FinetuneError
+
 ROLES = ("system", "user", "assistant", "tool")
 # ShareGPT as LLaMA-Factory, FastChat and axolotl write it.
 SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
@@ -34,12 +36,16 @@ DEFAULT_COLUMNS = {
     "text": {"text": "text"},
     "messages": {"messages": "messages", "role": "role", "content": "content", "system": "system"},
     "sharegpt": {"messages": "conversations", "role": "from", "content": "value", "system": "system"},
+    # The rows of TRL's objectives (finetune.objectives; checked by finetune.data.preference).
+    "pairs": {"prompt": "prompt", "chosen": "chosen", "rejected": "rejected"},
+    "kto": {"prompt": "prompt", "completion": "completion", "label": "label"},
+    "prompt": {"prompt": "prompt"},
 }
 ALPACA_PROMPT = "### Instruction:\n{instruction}\n\n### Response:\n"
 ALPACA_PROMPT_WITH_INPUT = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
 
 
-class RowProblem(ValueError):
+class RowProblem(FinetuneError, ValueError):
     """One row cannot be used: the message names the column (the caller adds file and line)."""
 
 
@@ -60,15 +66,25 @@ class Chat:
     train: list[bool] = field(default_factory=list)  # one flag per message
 
 
-Example = Union[Prompted, Text, Chat]
+@dataclass
+class Columns:
+    """A row of one of TRL's objectives, by TRL's column names (prompt/chosen/rejected, prompt/completion/label,
+    GRPO's prompt and the columns handed to its rewards): TRL tokenizes it itself."""
+    values: dict[str, Any]
+
+
+Example = Union[Prompted, Text, Chat, Columns]
 
 
 @dataclass(frozen=True)
 class RowSpec:
-    """How to read a source's rows: format, column names, role map (resolved by finetune.data.sources)."""
+    """How to read a source's rows: format, column names, role map (resolved by finetune.data.sources).
+    `reader`: the registered format that converts the rows when it is not `format` itself (GRPO reads the
+    prompt out of a messages, sharegpt, alpaca or prompt row: finetune.data.preference)."""
     format: str = "alpaca"
     columns: Mapping[str, str] = field(default_factory=dict)
     roles: Mapping[str, str] = field(default_factory=dict)
+    reader: Optional[str] = None
 
     def __post_init__(self) -> None:
         # Resolved once: validation asks for a column name several times per row, millions of rows.
@@ -82,32 +98,45 @@ class RowSpec:
         return {**base, **self.roles}
 
 
-def _text(row: Mapping[str, Any], spec: RowSpec, name: str, required: bool = True) -> Optional[str]:
+def text_column(row: Mapping[str, Any], spec: RowSpec, name: str, required: bool = True) -> Optional[str]:
     column = spec.column(name)
     value = row.get(column)
     if value is None:
         if required:
             found = ", ".join(f"`{k}`" for k in row) or "none"
-            raise RowProblem(f"no `{column}` column (format {spec.format} needs it; found {found}){_hint(row, spec)}")
+            raise RowProblem(f"no `{column}` column (format {spec.format} needs it; found {found}){_hint(row, spec, name)}")
         return None
     if not isinstance(value, str):
         raise RowProblem(f"`{column}` must be text, got {type(value).__name__}")
     return value
 
 
-def _hint(row: Mapping[str, Any], spec: RowSpec) -> str:
+# The names other data sets give a column, by the name a format reads (issue 24: name the fix).
+SYNONYMS = {
+    "output": ("response", "completion", "answer", "target", "chosen"),
+    "instruction": ("prompt", "question", "query", "input_text"),
+    "text": ("content", "document", "body", "sentence"),
+    "messages": ("dialog", "dialogue", "conversation", "conversations", "chat", "turns", "messages"),
+}
+
+
+def _hint(row: Mapping[str, Any], spec: RowSpec, name: str) -> str:
+    """Another format whose columns the row has, else the `columns:` entry that maps a column it has."""
     for other, columns in (("alpaca", {"instruction", "output"}), ("text", {"text"}), ("messages", {"messages"}),
                            ("sharegpt", {"conversations"})):
         if other != spec.format and columns <= set(row):
             return f"; did you mean format: {other}?"
-    return ""
+    used = set(spec._names.values())
+    unused = [k for k in row if k not in used and (name != "messages" or isinstance(row[k], (list, str)))]
+    likely = [k for k in unused if k.lower() in SYNONYMS.get(name, ())] or (unused if len(unused) == 1 else [])
+    return f"; add `columns: {{{name}: {likely[0]}}}` to the data source" if likely else ""
 
 
 def alpaca(row: Mapping[str, Any], spec: RowSpec) -> Prompted:
-    instruction, output = _text(row, spec, "instruction"), _text(row, spec, "output")
+    instruction, output = text_column(row, spec, "instruction"), text_column(row, spec, "output")
     if not output.strip():
         raise RowProblem(f"`{spec.column('output')}` is empty: nothing to train on")
-    return Prompted(alpaca_prompt(instruction, _text(row, spec, "input", required=False)), output)
+    return Prompted(alpaca_prompt(instruction, text_column(row, spec, "input", required=False)), output)
 
 
 def alpaca_prompt(instruction: str, extra: Optional[str] = None) -> str:
@@ -117,7 +146,7 @@ def alpaca_prompt(instruction: str, extra: Optional[str] = None) -> str:
 
 
 def text(row: Mapping[str, Any], spec: RowSpec) -> Text:
-    value = _text(row, spec, "text")
+    value = text_column(row, spec, "text")
     if not value.strip():
         raise RowProblem(f"`{spec.column('text')}` is empty: nothing to train on")
     return Text(value)
@@ -128,7 +157,7 @@ def chat(row: Mapping[str, Any], spec: RowSpec) -> Chat:
     raw = row.get(column)
     if raw is None:
         found = ", ".join(f"`{k}`" for k in row) or "none"
-        raise RowProblem(f"no `{column}` column (format {spec.format} needs a list of turns; found {found}){_hint(row, spec)}")
+        raise RowProblem(f"no `{column}` column (format {spec.format} needs a list of turns; found {found}){_hint(row, spec, 'messages')}")
     if isinstance(raw, str):  # CSV cells are text; a JSON-encoded list in a cell is what people put there
         try:
             raw = json.loads(raw)
@@ -138,13 +167,13 @@ def chat(row: Mapping[str, Any], spec: RowSpec) -> Chat:
         raise RowProblem(f"`{column}` must be a non-empty list of turns")
     messages: list[dict[str, Any]] = []
     train: list[bool] = []
-    system = _text(row, spec, "system", required=False) if spec.column("system") in row else None
+    system = text_column(row, spec, "system", required=False) if spec.column("system") in row else None
     if system:
         messages.append({"role": "system", "content": system})
         train.append(False)
     roles = spec.role_map()
     for i, turn in enumerate(raw):
-        message, trains = _turn(turn, i, column, spec, roles)
+        message, trains = chat_turn(turn, i, column, spec, roles)
         messages.append(message)
         train.append(trains)
     if not any(train):
@@ -152,7 +181,7 @@ def chat(row: Mapping[str, Any], spec: RowSpec) -> Chat:
     return Chat(messages, train)
 
 
-def _turn(turn: Any, i: int, column: str, spec: RowSpec, roles: dict[str, str]) -> tuple[dict[str, Any], bool]:
+def chat_turn(turn: Any, i: int, column: str, spec: RowSpec, roles: dict[str, str]) -> tuple[dict[str, Any], bool]:
     role_key, content_key = spec.column("role"), spec.column("content")
     where = f"{column}[{i}]"
     if not isinstance(turn, dict):
@@ -222,7 +251,7 @@ def to_example(row: Any, spec: RowSpec) -> Any:
     if not isinstance(row, dict):
         raise RowProblem(f"expected an object with named columns, got {type(row).__name__}")
     try:
-        convert = FORMATS[spec.format]
+        convert = FORMATS[spec.reader or spec.format]
     except KeyError:
-        raise RowProblem(f"unknown format `{spec.format}` (known: {', '.join(FORMATS)})") from None
+        raise RowProblem(f"unknown format `{spec.reader or spec.format}` (known: {', '.join(FORMATS)})") from None
     return convert(row, spec)

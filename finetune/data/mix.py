@@ -22,8 +22,10 @@ import random
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+from finetune.errors import FinetuneError
 
-class MixError(ValueError):
+
+class MixError(FinetuneError, ValueError):
     """A mixture that cannot be built: the message names the source."""
 
 

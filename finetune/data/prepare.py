@@ -233,7 +233,7 @@ def _partial_dir(target: Path) -> Iterator[Path]:
     removed otherwise. An entry already complete (another node on a shared file system was faster, with
     the same rows) is kept as it is: ranks may be reading it."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.{os.getpid()}.", suffix=".partial", dir=target.parent))
     try:
         (tmp / OWNER_FILE).write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
         yield tmp
@@ -321,10 +321,10 @@ class _Progress:
     15 s), with the rate and the time left; finetune.run.progress shows them as the status text."""
 
     def __init__(self, total: int, log: Callable[[str], None]):
-        from finetune.run.progress import PROGRESS_ENV
+        from finetune.progress_env import progress_interval
 
         self.total, self.log = total, log
-        self.interval = float(os.environ.get(PROGRESS_ENV) or 15)
+        self.interval = progress_interval()
         self.started = self.last = time.monotonic()
 
     def done(self, rows: int) -> None:

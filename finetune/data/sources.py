@@ -11,6 +11,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from finetune.data.formats import RowSpec
+from finetune.errors import FinetuneError
+from finetune.objectives import get as objective_record
 from finetune.recipe.references import DATA_SUFFIXES, is_local
 
 __all__ = ["DATA_SUFFIXES", "is_local"]  # the single definitions, in finetune.recipe.references
@@ -35,21 +37,26 @@ class Source:
         return Path(self.path).name if is_local(self.path) else self.path
 
 
-def sources_of(data: Any) -> list[Source]:
-    """The sources of a recipe's data section (a pydantic DataSection or its dict dump)."""
+def sources_of(data: Any, objective: str = "sft") -> list[Source]:
+    """The sources of a recipe's data section (a pydantic DataSection or its dict dump). The objective decides
+    how rows read (finetune.objectives): a preference objective's own row format, GRPO's prompt reader."""
     get = data.get if isinstance(data, dict) else (lambda key, default=None: getattr(data, key, default))
     listed = get("sources")
-    if not listed:
-        return [Source(str(get("path")), get("split") or "train",
-                       RowSpec(get("format") or "alpaca", dict(get("columns") or {}), dict(get("roles") or {})))]
+    blocks = listed or [data]
     out = []
-    for item in listed:
+    for item in blocks:
         item_get = item.get if isinstance(item, dict) else (lambda key, default=None, item=item: getattr(item, key, default))
         out.append(Source(str(item_get("path")), item_get("split") or "train",
-                          RowSpec(item_get("format") or "alpaca", dict(item_get("columns") or {}),
-                                  dict(item_get("roles") or {})),
-                          item_get("weight"), item_get("samples")))
+                          row_spec(item_get("format"), item_get("columns"), item_get("roles"), objective),
+                          item_get("weight") if listed else None, item_get("samples") if listed else None))
     return out
+
+
+def row_spec(data_format: Optional[str], columns: Any, roles: Any, objective: str = "sft") -> RowSpec:
+    record = objective_record(objective)
+    if record.row_format and not record.data_formats:  # preference rows: data.format is not read
+        return RowSpec(record.row_format, dict(columns or {}), {})
+    return RowSpec(data_format or "alpaca", dict(columns or {}), dict(roles or {}), reader=record.row_format)
 
 
 def section_for_tokenizing(recipe: Any) -> dict[str, Any]:
@@ -67,8 +74,22 @@ def is_arrow_dir(path: Path) -> bool:
     return path.is_dir() and ((path / ARROW_MARKER).is_file() or (path / SPLITS_MARKER).is_file())
 
 
-class SourceProblem(Exception):
+class SourceProblem(FinetuneError):
     """A source that cannot be read at all (missing, wrong type): the message names the path."""
+
+
+def _not_regular(path: Path) -> Optional[str]:
+    """What `path` (links followed) is when it is not a regular file, else None."""
+    import stat
+
+    mode = path.stat().st_mode
+    if stat.S_ISREG(mode):
+        return None
+    for test, name in ((stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "not a file"
 
 
 def data_files(path: Path, split: str = "train") -> list[Path]:
@@ -89,8 +110,25 @@ def data_files(path: Path, split: str = "train") -> list[Path]:
             raise SourceProblem(f"{path}: directory holds no {'/'.join(DATA_SUFFIXES)} files")
         return files
     if not path.exists():
-        raise SourceProblem(f"{path}: file does not exist")
+        looked = "" if path.is_absolute() else f" (looked for {path.absolute()})"
+        raise SourceProblem(f"{path}: file does not exist{looked}{_did_you_mean(path)}")
+    kind = _not_regular(path)
+    if kind:
+        # A FIFO would block every reader (plan, --dry-run) forever; a device never ends.
+        raise SourceProblem(f"{path}: {kind}, not a regular file: give a data file (or a folder of them)")
     if path.suffix not in DATA_SUFFIXES:
         raise SourceProblem(f"{path}: unsupported file type `{path.suffix}` (use {', '.join(DATA_SUFFIXES)}, "
                             f"or a folder written by datasets' save_to_disk)")
     return [path]
+
+
+def _did_you_mean(path: Path) -> str:
+    """The data files beside a missing one whose names are close to it (a typo, .json for .jsonl)."""
+    import difflib
+
+    try:
+        names = [p.name for p in path.absolute().parent.iterdir() if p.suffix in DATA_SUFFIXES or p.is_dir()]
+    except OSError:
+        return ""
+    close = difflib.get_close_matches(path.name, names, n=3, cutoff=0.8)
+    return f"; did you mean {' or '.join(f'`{path.parent / n}`' for n in close)}?" if close else ""

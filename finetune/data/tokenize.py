@@ -19,7 +19,7 @@ result before the ranks start.
 Batching (`make_collator`): padded rows, packed rows, or one flattened row per micro batch
 (`data.padding_free`, and packing under flash attention), so that examples never attend to each other.
 
-This module imports `datasets`, pyarrow and torch only inside functions (finetune.builtin imports format_alpaca).
+This module imports `datasets`, pyarrow and torch only inside functions.
 """
 
 from __future__ import annotations
@@ -29,29 +29,22 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
 from finetune.data.formats import (
-    ALPACA_PROMPT, ALPACA_PROMPT_WITH_INPUT, Chat, Prompted, RowProblem, RowSpec, Text, alpaca_prompt, to_example,
+    ALPACA_PROMPT, ALPACA_PROMPT_WITH_INPUT, Chat, Prompted, RowProblem, RowSpec, Text, to_example,
 )
-from finetune.data.sources import is_arrow_dir
+from finetune.data.sources import DATA_SUFFIXES, is_arrow_dir
+from finetune.errors import FinetuneError
 
 __all__ = ["ALPACA_PROMPT", "ALPACA_PROMPT_WITH_INPUT"]
 
 IGNORE_INDEX = -100  # transformers' CrossEntropyLoss ignore_index
-LOCAL_SUFFIXES = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+# datasets' builder for each data file type (.jsonl files are read by the json builder)
+LOCAL_SUFFIXES = {suffix: "json" if suffix == ".jsonl" else suffix[1:] for suffix in DATA_SUFFIXES}
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 _THINK = re.compile(r"<think>.*?</think>", re.DOTALL)
 
 
-class DataError(ValueError):
+class DataError(FinetuneError, ValueError):
     """Bad training data: the message names the file and what is wrong."""
-
-
-def format_alpaca(example: dict[str, Any]) -> tuple[str, str]:
-    """(prompt, response) text of one alpaca example (finetune chat prompts with it, output "")."""
-    instruction = example.get("instruction")
-    output = example.get("output")
-    if not isinstance(instruction, str) or not isinstance(output, str):
-        raise DataError("alpaca examples need string `instruction` and `output` fields")
-    return alpaca_prompt(instruction, example.get("input") or ""), output
 
 
 # ------------------------------------------------------------------------------------------------
@@ -70,7 +63,8 @@ def load_raw(path: str, split: str = "train"):
         if local.is_file():
             builder = LOCAL_SUFFIXES.get(local.suffix.lower())
             if builder is None:
-                raise DataError(f"{path}: unsupported data file type `{local.suffix}` (use .json, .jsonl, .parquet or .csv)")
+                raise DataError(f"{path}: unsupported data file type `{local.suffix}` "
+                                f"(use {', '.join(DATA_SUFFIXES[:-1])} or {DATA_SUFFIXES[-1]})")
             return datasets.load_dataset(builder, data_files=str(local), split="train")
         if local.is_dir():
             if is_arrow_dir(local):

@@ -22,14 +22,17 @@ import csv
 import io
 import json
 import math
+import re
 from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, Iterator, Optional
 
-from finetune.data.fastcheck import clean_counts, line_ranges
-from finetune.data.formats import Chat, Prompted, RowProblem, Text, to_example
+from finetune.data.fastcheck import MAX_LINE, LineTooLong, bounded_lines, clean_counts, line_ranges
+from finetune.data import preference as _trl_rows  # noqa: F401 - registers the rows of TRL's objectives
+from finetune.data.formats import Chat, Columns, Prompted, RowProblem, Text, to_example
 from finetune.data.sources import Source, SourceProblem, data_files, is_local
+from finetune.errors import FinetuneError
 
 try:
     import orjson
@@ -47,7 +50,7 @@ MAX_PER_SOURCE = 1000
 ARROW_BATCH = 4096
 
 
-class Unreadable(Exception):
+class Unreadable(FinetuneError):
     """A problem that ends the reading of one file (bad JSON array, damaged parquet): file and position."""
 
 
@@ -63,10 +66,16 @@ class SourceCheck:
         return length_stats(self.lengths)
 
 
+# "file:12: problem" (JSON lines, CSV) or "file: row 12: problem" (arrays, parquet, Arrow).
+_WHERE = re.compile(r"^(?P<file>.+?)(?P<sep>:| row )(?P<n>\d+): (?P<problem>.+)$", re.S)
+
+
 @dataclass
 class Validation:
+    """Problems grouped by (file, text): 50 rows without a `messages` column are one line naming the rows
+    (issue 24: the same message 20 times, then "21 problems" for 50 bad rows, hid the fix)."""
     checks: list[SourceCheck] = field(default_factory=list)
-    shown: list[str] = field(default_factory=list)
+    groups: dict[tuple[str, str, str], list[int]] = field(default_factory=dict)  # (file, sep, problem) -> rows
     total: int = 0
     skipped: list[str] = field(default_factory=list)  # hub sources: read at launch
 
@@ -75,14 +84,36 @@ class Validation:
         return self.total == 0
 
     def messages(self) -> list[str]:
-        hidden = self.total - len(self.shown)
-        return self.shown + ([f"... and {hidden} more problem(s) not shown"] if hidden > 0 else [])
+        shown = list(self.groups.items())[:MAX_SHOWN]
+        lines = [_grouped(file, sep, problem, rows) for (file, sep, problem), rows in shown]
+        hidden = self.total - sum(max(1, len(rows)) for _, rows in shown)
+        return lines + ([f"... and {hidden} more problem(s) not shown"] if hidden > 0 else [])
 
     def add(self, check: SourceCheck, message: str) -> None:
         check.problems += 1
         self.total += 1
-        if len(self.shown) < MAX_SHOWN:
-            self.shown.append(message)
+        match = _WHERE.match(message)
+        if match is None:
+            self.groups.setdefault((message, "", ""), [])
+            return
+        key = (match["file"], match["sep"], match["problem"])
+        if key in self.groups or len(self.groups) < MAX_SHOWN:
+            self.groups.setdefault(key, []).append(int(match["n"]))
+
+
+def _grouped(file: str, sep: str, problem: str, rows: list[int]) -> str:
+    """One line per distinct problem of a file: `file:12: p`, or `file: lines 1-20, 31-50 (40 rows): p`."""
+    if not sep:
+        return file
+    if len(rows) == 1:
+        return f"{file}{sep}{rows[0]}: {problem}"
+    spans, start = [], rows[0]
+    for previous, row in zip(rows, rows[1:] + [None]):
+        if row != previous + 1:
+            spans.append(f"{start}-{previous}" if previous != start else str(start))
+            start = row
+    listed = ", ".join(spans[:5]) + (", ..." if len(spans) > 5 else "")
+    return f"{file}: {'lines' if sep == ':' else 'rows'} {listed} ({len(rows)} rows): {problem}"
 
 
 def validate(sources: list[Source]) -> Validation:
@@ -132,6 +163,8 @@ def _check_jsonl(path: Path, check: SourceCheck, result: Validation) -> None:
                     check.lengths.frombytes(counts.clip(0, 2**32 - 1).astype("uint32").tobytes())
     except OSError as exc:
         result.add(check, f"{path}: cannot read: {exc.strerror or exc}")
+    except LineTooLong as exc:
+        result.add(check, f"{path}:{exc.line}: {exc}")
     except Unreadable as exc:
         result.add(check, str(exc))
 
@@ -162,8 +195,15 @@ def _characters(example: Any) -> int:
     if isinstance(example, Text):
         return len(example.text)
     if isinstance(example, Chat):
-        return sum(len(m["content"]) if isinstance(m.get("content"), str) else 0 for m in example.messages)
+        return _message_characters(example.messages)
+    if isinstance(example, Columns):  # a TRL row: its texts (the prompt once, each answer)
+        return sum(len(v) if isinstance(v, str) else _message_characters(v) if isinstance(v, list) else 0
+                   for v in example.values.values())
     return 0
+
+
+def _message_characters(messages: list) -> int:
+    return sum(len(m["content"]) if isinstance(m, dict) and isinstance(m.get("content"), str) else 0 for m in messages)
 
 
 def length_stats(lengths: array) -> Optional[dict[str, int]]:
@@ -198,6 +238,10 @@ def _guarded(path: Path, rows: Iterator[tuple[str, Any]]) -> Iterator[tuple[str,
         raise Unreadable(f"{path}: not UTF-8 text (byte {exc.start})") from None
     except OSError as exc:
         raise Unreadable(f"{path}: cannot read: {exc.strerror or exc}") from None
+    except LineTooLong as exc:
+        raise Unreadable(f"{path}:{exc.line}: {exc}") from None
+    except csv.Error as exc:  # a field past csv.field_size_limit(), a NUL byte
+        raise Unreadable(f"{path}: not a readable CSV file ({exc})") from None
 
 
 def _jsonl_rows(path: Path) -> Iterator[tuple[str, Any]]:
@@ -206,7 +250,7 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[str, Any]]:
 
 
 def _jsonl_lines(path: Path, lines: BinaryIO, first_line: int) -> Iterator[tuple[str, Any]]:
-    for line_no, line in enumerate(lines, first_line):
+    for line_no, line in bounded_lines(lines, first_line):
         try:
             yield f"{path}:{line_no}", _loads(line)
         except _JSONError as exc:
@@ -258,7 +302,7 @@ def _json_rows(path: Path) -> Iterator[tuple[str, Any]]:
 def _is_jsonl(path: Path) -> bool:
     """A .json file starting with `{`: JSON lines when its first line is a whole object."""
     with path.open("rb") as handle:
-        first = handle.readline()
+        first = handle.readline(MAX_LINE + 1)
     try:
         return isinstance(_loads(first), dict)
     except _JSONError:

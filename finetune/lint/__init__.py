@@ -5,7 +5,7 @@ each rule's key path into `file:line:col`:
 
 - recipe loading problems (R001-R006: YAML, unknown keys, types, extends, --set) come from finetune.recipe,
 - recipe combinations that only fail at run time (R1xx) from finetune.lint.recipe_rules,
-- DeepSpeed config rules (DSxxx) from finetune.lint.deepspeed_rules, applied to raw JSON files and to
+- DeepSpeed config rules (DSxxx) from finetune.lint.deepspeed, applied to raw JSON files and to
   the config each recipe renders to,
 - the memory planner (P001) when the recipe declares `hardware` or --gpus/--gpu-memory are given.
 """
@@ -128,7 +128,7 @@ def lint_recipe_file(path: Path, options: LintOptions) -> list[Finding]:
 def lint_loaded(loaded: LoadedRecipe, options: Optional[LintOptions] = None) -> LintResult:
     """Every check on an already loaded recipe (also used by `finetune train`'s preflight)."""
     from finetune.render import render_deepspeed, render_training_args
-    from finetune.lint import deepspeed_rules, recipe_rules
+    from finetune.lint import deepspeed, objective_rules, recipe_rules  # noqa: F401 - objective_rules registers its rules
 
     options = options or LintOptions()
     recipe = loaded.recipe
@@ -137,9 +137,9 @@ def lint_loaded(loaded: LoadedRecipe, options: Optional[LintOptions] = None) -> 
         findings.append(_at_recipe(loaded, raw.key, raw))
     world = options.world_size or recipe.world_size
     config = render_deepspeed(recipe, world)
-    ctx = deepspeed_rules.DSContext(world_size=world, training_args=render_training_args(recipe),
+    ctx = deepspeed.DSContext(world_size=world, training_args=render_training_args(recipe),
                                     hf_integration=True, from_recipe=True)
-    for raw in deepspeed_rules.check_config(config, ctx):
+    for raw in deepspeed.check_config(config, ctx):
         findings.append(_at_recipe(loaded, recipe_key_for(raw.key, recipe.deepspeed.overrides), raw))
     findings.extend(_plan_findings(loaded, options))
     result = LintResult(findings=_sorted(findings), files=[str(loaded.path)])
@@ -210,7 +210,7 @@ def recipe_key_for(ds_key: tuple, overrides: dict) -> tuple:
 
 
 def lint_deepspeed_file(path: Path, options: LintOptions, reference: Optional[dict] = None) -> list[Finding]:
-    from finetune.lint import deepspeed_rules
+    from finetune.lint import deepspeed
 
     shown = str(path)
     try:
@@ -218,11 +218,11 @@ def lint_deepspeed_file(path: Path, options: LintOptions, reference: Optional[di
     except DocumentError as exc:
         return [Finding("DS001", "error", shown, exc.line, exc.col, exc.key, exc.message,
                         "DeepSpeed, HF and accelerate read the file with json.load: plain JSON only")]
-    ctx = deepspeed_rules.DSContext(world_size=options.world_size or (reference or {}).get("_world_size"),
+    ctx = deepspeed.DSContext(world_size=options.world_size or (reference or {}).get("_world_size"),
                                     training_args=(reference or {}).get("args"), hf_integration=options.hf,
                                     from_recipe=False, duplicates=list(doc.duplicates))
     findings = []
-    for raw in deepspeed_rules.check_config(doc.data, ctx):
+    for raw in deepspeed.check_config(doc.data, ctx):
         line, col = _dup_pos(doc, raw.key) or doc.pos(raw.key)
         dotted = ".".join(str(k) for k in raw.key) or None
         findings.append(Finding(raw.rule, raw.severity, shown, line, col, dotted, raw.message, raw.fix))

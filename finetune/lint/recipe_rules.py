@@ -11,8 +11,9 @@ import re
 from pathlib import Path
 from typing import Callable, Iterator
 
-from finetune.lint.ds_context import RawFinding  # one finding type for every rule module; key = recipe path here
+from finetune.lint.deepspeed.context import RawFinding  # one finding type for every rule module; key = recipe path here
 from finetune.recipe import LoadedRecipe
+from finetune.recipe.references import DATA_SUFFIXES, MODEL_CONFIG, is_local
 
 RULES: dict[str, str] = {
     "R001": "The file is not a readable YAML recipe (syntax, tags, duplicate keys, size, nesting).",
@@ -24,7 +25,7 @@ RULES: dict[str, str] = {
     "R101": "QLoRA + ZeRO-3: the 4-bit storage dtype must equal the compute dtype and the model dtype.",
     "R102": "ZeRO-3 without stage3_gather_16bit_weights_on_model_save saves no usable weights.",
     "R103": "bf16 (or FlashAttention) on a declared GPU that lacks it.",
-    "R104": "Reentrant gradient checkpointing with LoRA/QLoRA.",
+    "R104": "Reentrant checkpointing setting that is not what runs (LoRA under ZeRO-3 is always reentrant) or that is slower for nothing.",
     "R105": "Optimizer offload with an optimizer DeepSpeed cannot offload.",
     "R106": "trust_remote_code runs code from the model repository.",
     "R107": "Offload requested at a ZeRO stage that ignores it.",
@@ -38,12 +39,12 @@ RULES: dict[str, str] = {
     "R115": "A data mixture that cannot be built: weight and samples on one source, or weights on only some sources.",
     "R116": "A data key the source's format ignores (roles on alpaca/text, an unknown `columns` name, think or chat_template without a chat source).",
     "R117": "The same data source listed twice (its examples would count double in the mixture).",
-    "R118": "Preference settings the objective does not read (a `preference` key, a loss of another objective, a reference that cannot exist).",
-    "R119": "Data or training keys that preference objectives do not use (format, packing, mask_prompt, loss_kernel).",
+    "R118": "Objective settings the objective does not read (a `preference` or `grpo` key, a loss of another objective, a reference that cannot exist).",
+    "R119": "Data or training keys that TRL's objectives do not use (format, packing, mask_prompt, loss_kernel).",
     "R120": "`model.adapter` that cannot be continued from (objective sft, full fine-tune, missing adapter, a `lora` section it overrides).",
+    "R121": "GRPO rewards and batch that cannot work: no reward, a malformed `module:function`, weights, a built-in without its setting, a batch that does not hold whole groups.",
+    "R122": "Unknown `builtin:` model (a misspelled name).",
 }
-
-DATA_SUFFIXES = (".json", ".jsonl", ".parquet", ".csv")
 
 # transformers 5.x causal LMs whose forward takes no position_ids: ALiBi (bloom, mpt), recurrent state
 # (mamba, rwkv, xlstm) or encoder-decoder heads. Packed examples are kept apart only through restarting
@@ -143,18 +144,44 @@ def pre_ampere_features(loaded: LoadedRecipe) -> Iterator[RawFinding]:
 
 
 @rule
+def builtin_model(loaded: LoadedRecipe) -> Iterator[RawFinding]:
+    import difflib
+
+    from finetune.builtin import BUILTIN_CONFIGS, BUILTIN_PREFIX, is_builtin
+
+    for key in (("model", "name_or_path"), ("model", "tokenizer")):
+        value = getattr(loaded.recipe.model, key[1])
+        name = value[len(BUILTIN_PREFIX):] if value and is_builtin(value) else None
+        if name is not None and name not in BUILTIN_CONFIGS:
+            close = difflib.get_close_matches(name, list(BUILTIN_CONFIGS), n=1)
+            yield RawFinding("R122", "error", key, f"unknown built-in model `{value}` (known: "
+                             f"{', '.join(BUILTIN_PREFIX + n for n in BUILTIN_CONFIGS)})",
+                             f"did you mean `{BUILTIN_PREFIX}{close[0]}`?" if close else None)
+
+
+@rule
 def reentrant_checkpointing(loaded: LoadedRecipe) -> Iterator[RawFinding]:
     r = loaded.recipe
     t = r.training
-    if r.method == "full" or not (t.gradient_checkpointing and t.gradient_checkpointing_reentrant):
+    if r.method == "full" or not t.gradient_checkpointing:
         return
-    # Reentrant checkpointing drops gradients when no input of a checkpointed block requires grad (frozen
-    # embeddings under LoRA): "element 0 of tensors does not require grad", or silently zero LoRA grads.
-    severity = "error" if r.deepspeed.stage == 3 else "warning"
-    yield RawFinding("R104", severity, ("training", "gradient_checkpointing_reentrant"),
-                     f"reentrant gradient checkpointing with {r.method}: frozen inputs get no gradients"
-                     + (" and ZeRO-3 re-gathers parameters inconsistently" if severity == "error" else ""),
-                     "set training.gradient_checkpointing_reentrant: false")
+    if r.deepspeed.stage == 3:
+        # LoRA under ZeRO-3 always checkpoints reentrant (finetune.render.reentrant_checkpointing says why);
+        # a `false` written here is not what runs, and TRL would log that it overrides it.
+        if not t.gradient_checkpointing_reentrant and _written(loaded, "training", "gradient_checkpointing_reentrant"):
+            yield RawFinding("R104", "warning", ("training", "gradient_checkpointing_reentrant"),
+                             f"{r.method} under ZeRO-3 checkpoints reentrant whatever this says: non-reentrant "
+                             "recompute sees ZeRO-3's partitioned frozen weights (DeepSpeed#4332, crashes before "
+                             "DeepSpeed 0.19.3) and TRL forces reentrant for PEFT + ZeRO-3",
+                             "remove training.gradient_checkpointing_reentrant")
+        return
+    if t.gradient_checkpointing_reentrant:
+        # Reentrant checkpointing drops gradients when no input of a checkpointed block requires grad (frozen
+        # embeddings under LoRA) unless the embedding output is made to require grad (the runner does).
+        yield RawFinding("R104", "warning", ("training", "gradient_checkpointing_reentrant"),
+                         f"reentrant gradient checkpointing with {r.method} below ZeRO-3: slower, and frozen inputs "
+                         "get gradients only through the runner's embedding hook",
+                         "set training.gradient_checkpointing_reentrant: false")
 
 
 @rule
@@ -200,12 +227,6 @@ def nvme_path(loaded: LoadedRecipe) -> Iterator[RawFinding]:
                          "set deepspeed.nvme_path: /local_nvme")
 
 
-def looks_local(path: str) -> bool:
-    """A data or model reference that is a local path rather than a hub id."""
-    p = Path(path)
-    return p.is_absolute() or path.startswith(("./", "../", "~")) or p.suffix in DATA_SUFFIXES or p.exists()
-
-
 def _source_keys(loaded: LoadedRecipe) -> list[tuple]:
     """The recipe key of each source: ("data",) for the shorthand, ("data", "sources", i) in a list."""
     sources = loaded.recipe.data.sources
@@ -217,15 +238,26 @@ def dataset_file(loaded: LoadedRecipe) -> Iterator[RawFinding]:
     from finetune.data.sources import sources_of
 
     for key, source in zip(_source_keys(loaded), sources_of(loaded.recipe.data)):
-        if not looks_local(source.path):
+        if not is_local(source.path):
             continue
         p = Path(source.path).expanduser()
         if p.suffix and p.suffix not in DATA_SUFFIXES and not p.is_dir():
             yield RawFinding("R109", "error", (*key, "path"), f"unsupported data file type `{p.suffix}`",
                              f"use one of {', '.join(DATA_SUFFIXES)}, or a folder written by datasets' save_to_disk")
         elif not p.exists():
-            # A warning, not an error: CI often lints recipes whose data lives only on the training box.
-            yield RawFinding("R109", "warning", (*key, "path"), f"dataset {p} not found here (`finetune train` will refuse to start)")
+            # An error when the folder that should hold it is here (a typo: issue 24); a warning when the
+            # whole folder is absent: CI often lints recipes whose data lives only on the training box.
+            from finetune.data.sources import SourceProblem, data_files
+
+            if p.absolute().parent.is_dir():
+                try:
+                    data_files(p, source.split)
+                except SourceProblem as exc:
+                    yield RawFinding("R109", "error", (*key, "path"), str(exc), "fix data.path (it is relative to the recipe)")
+            else:
+                yield RawFinding("R109", "warning", (*key, "path"),
+                                 f"dataset {p} not found here: its folder {p.absolute().parent} does not exist "
+                                 "(`finetune train` will refuse to start)")
 
 
 @rule
@@ -243,17 +275,21 @@ def data_mixture(loaded: LoadedRecipe) -> Iterator[RawFinding]:
 def data_keys_ignored(loaded: LoadedRecipe) -> Iterator[RawFinding]:
     from finetune.data.formats import CHAT_FORMATS, DEFAULT_COLUMNS
 
+    from finetune.data.sources import sources_of
+
     data = loaded.recipe.data
     blocks = data.sources or [data]
-    for key, block in zip(_source_keys(loaded), blocks):
-        if block.roles and block.format not in CHAT_FORMATS:
-            yield RawFinding("R116", "warning", (*key, "roles"), f"roles are ignored by format {block.format}",
+    # The format each source is read with: a preference objective's own rows whatever data.format says.
+    formats = [source.spec.format for source in sources_of(data, loaded.recipe.objective)]
+    for key, block, fmt in zip(_source_keys(loaded), blocks, formats):
+        if block.roles and fmt not in CHAT_FORMATS:
+            yield RawFinding("R116", "warning", (*key, "roles"), f"roles are ignored by format {fmt}",
                              "remove roles, or set format: messages or sharegpt")
-        known = DEFAULT_COLUMNS.get(block.format, {})
+        known = DEFAULT_COLUMNS.get(fmt, {})
         for name in block.columns:
             if known and name not in known:
                 yield RawFinding("R116", "error", (*key, "columns", name),
-                                 f"format {block.format} reads no column called `{name}` (it reads {', '.join(known)})",
+                                 f"format {fmt} reads no column called `{name}` (it reads {', '.join(known)})",
                                  "the keys of columns are the format's names, the values your file's column names")
     chat = any(f in CHAT_FORMATS for f in data.source_formats())
     for name, active in (("think", data.think != "train"), ("chat_template", data.chat_template is not None)):
@@ -265,7 +301,7 @@ def data_keys_ignored(loaded: LoadedRecipe) -> Iterator[RawFinding]:
 def duplicate_sources(loaded: LoadedRecipe) -> Iterator[RawFinding]:
     seen: dict[tuple[str, str], int] = {}
     for i, source in enumerate(loaded.recipe.data.sources or []):
-        ident = (str(Path(source.path).expanduser().resolve()) if looks_local(source.path) else source.path, source.split)
+        ident = (str(Path(source.path).expanduser().resolve()) if is_local(source.path) else source.path, source.split)
         if ident in seen:
             yield RawFinding("R117", "warning", ("data", "sources", i, "path"),
                              f"data.sources[{i}] repeats data.sources[{seen[ident]}] ({source.path})",
@@ -281,7 +317,7 @@ def eval_without_split(loaded: LoadedRecipe) -> Iterator[RawFinding]:
                          "set data.validation_split, e.g. 0.05")
 
 
-def _written_here(loaded: LoadedRecipe, *key: str) -> bool:
+def written_here(loaded: LoadedRecipe, *key: str) -> bool:
     """Written by this very file (or --set), not inherited through `extends`: a shared base may
     legitimately hold a `lora` section that a full fine-tune extending it does not use."""
     source = loaded.where(key)[0]
@@ -291,10 +327,10 @@ def _written_here(loaded: LoadedRecipe, *key: str) -> bool:
 @rule
 def ignored_sections(loaded: LoadedRecipe) -> Iterator[RawFinding]:
     method = loaded.recipe.method
-    if method != "qlora" and _written_here(loaded, "quantization"):
+    if method != "qlora" and written_here(loaded, "quantization"):
         yield RawFinding("R111", "warning", ("quantization",), f"`quantization` is ignored with method: {method}",
                          "remove it, or set method: qlora")
-    if method == "full" and _written_here(loaded, "lora"):
+    if method == "full" and written_here(loaded, "lora"):
         yield RawFinding("R111", "warning", ("lora",), "`lora` is ignored with method: full", "remove it, or set method: lora")
 
 
@@ -320,8 +356,8 @@ def launch_settings(loaded: LoadedRecipe) -> Iterator[RawFinding]:
 
 def _local_model_type(name_or_path: str) -> str | None:
     """model_type from a local model directory's config.json (lint never reaches the hub)."""
-    config = Path(name_or_path).expanduser() / "config.json"
-    if not looks_local(name_or_path) or not config.is_file():
+    config = Path(name_or_path).expanduser() / MODEL_CONFIG
+    if not is_local(name_or_path) or not config.is_file():
         return None
     try:
         value = json.loads(config.read_text()).get("model_type")
@@ -350,80 +386,6 @@ def packing_isolation(loaded: LoadedRecipe) -> Iterator[RawFinding]:
                          f"check the model's attention code, or set data.{mode}: false")
 
 
-# Which `preference` keys each objective reads (finetune/train/preference.py passes exactly these to TRL).
-PREFERENCE_KEYS = {
-    "dpo": {"beta", "loss_type", "label_smoothing", "reference"},
-    "kto": {"beta", "loss_type", "reference", "desirable_weight", "undesirable_weight"},
-    "orpo": {"beta", "max_completion_length"},
-    "simpo": {"beta", "label_smoothing", "max_completion_length", "simpo_gamma", "cpo_alpha"},
-}
-
-
-@rule
-def preference_keys(loaded: LoadedRecipe) -> Iterator[RawFinding]:
-    from finetune.recipe import DPO_LOSSES, KTO_LOSSES
-
-    r = loaded.recipe
-    written = loaded.raw.get("preference")
-    if not isinstance(written, dict) or not written:
-        written = {}
-    if r.objective == "sft":
-        if written:
-            yield RawFinding("R118", "error", ("preference",), "`preference` is only read by the preference objectives",
-                             "set objective: dpo (or orpo, kto, simpo), or remove the section")
-        return
-    used = PREFERENCE_KEYS[r.objective]
-    for key in written:
-        if key not in used:
-            users = [o for o, keys in PREFERENCE_KEYS.items() if key in keys]
-            yield RawFinding("R118", "error", ("preference", key),
-                             f"`preference.{key}` does nothing with objective: {r.objective}"
-                             + (f" (it is read by {', '.join(users)})" if users else ""), "remove it")
-    losses = {"dpo": DPO_LOSSES, "kto": KTO_LOSSES}.get(r.objective, ())
-    if "loss_type" in used and r.preference.loss_type is not None and r.preference.loss_type not in losses:
-        yield RawFinding("R118", "error", ("preference", "loss_type"),
-                         f"loss_type {r.preference.loss_type!r} is not a {r.objective} loss",
-                         f"use one of {', '.join(losses)}")
-    if "reference" in used:
-        yield from _reference_mode(loaded)
-
-
-def _reference_mode(loaded: LoadedRecipe) -> Iterator[RawFinding]:
-    r = loaded.recipe
-    ref = r.preference.reference
-    if ref.mode == "adapter_disabled" and r.method == "full":
-        yield RawFinding("R118", "error", ("preference", "reference", "mode"),
-                         "a full fine-tune has no adapter to switch off: its reference is a second model",
-                         "set preference.reference.mode: model (or precomputed)")
-    if ref.name_or_path is not None and ref.mode != "model":
-        yield RawFinding("R118", "error", ("preference", "reference", "name_or_path"),
-                         f"preference.reference.name_or_path is only loaded with mode: model (mode is {ref.mode})",
-                         "remove it, or set preference.reference.mode: model")
-
-
-# Data and training keys the SFT data path reads and TRL's preference trainers do not.
-PREFERENCE_IGNORED = {
-    ("data", "format"): "preference rows are recognised by their columns (prompt/chosen/rejected, or prompt/completion/label for kto)",
-    ("data", "sources"): "a preference objective reads one file or folder (data.path); mixtures are for sft",
-    ("data", "packing"): "TRL's preference trainers keep each pair apart in its own padded rows",
-    ("data", "padding_free"): "TRL's preference trainers keep each pair apart in its own padded rows",
-    ("data", "mask_prompt"): "the preference losses score only the answers",
-    ("training", "loss_kernel"): "TRL's preference trainers compute their own log-probabilities",
-    ("training", "loss_chunk_tokens"): "TRL's preference trainers compute their own log-probabilities",
-}
-
-
-@rule
-def preference_ignored_keys(loaded: LoadedRecipe) -> Iterator[RawFinding]:
-    if loaded.recipe.objective == "sft":
-        return
-    # Written by this file (or --set): a DPO recipe may extend an SFT one whose data section it replaces.
-    for key, why in PREFERENCE_IGNORED.items():
-        if _written_here(loaded, *key):
-            yield RawFinding("R119", "error", key, f"`{'.'.join(key)}` is not used with objective: "
-                             f"{loaded.recipe.objective}: {why}", "remove it")
-
-
 @rule
 def continued_adapter(loaded: LoadedRecipe) -> Iterator[RawFinding]:
     r = loaded.recipe
@@ -441,13 +403,13 @@ def continued_adapter(loaded: LoadedRecipe) -> Iterator[RawFinding]:
                          "a full fine-tune continues from full weights, not an adapter",
                          "set model.name_or_path to the SFT run's model/ directory and remove model.adapter")
         return
-    path = Path(adapter).expanduser()
-    found = any((p / "adapter_config.json").is_file() for p in (path, path / "adapter"))
-    if not found:
+    from finetune.rundir.run_dir import find_adapter, no_adapter_message
+
+    if find_adapter(adapter) is None:
         # Info, not a warning: the SFT run a DPO recipe continues from usually exists only on the training box
         # (and later than the recipe); `finetune train`'s preflight refuses to start without it.
         yield RawFinding("R120", "info", ("model", "adapter"),
-                         f"no adapter_config.json in {path} or {path / 'adapter'} here (`finetune train` will refuse to start)")
-    if _written_here(loaded, "lora"):
+                         f"{no_adapter_message(adapter)} here (`finetune train` will refuse to start)")
+    if written_here(loaded, "lora"):
         yield RawFinding("R120", "warning", ("lora",), "`lora` is ignored with model.adapter: the adapter keeps the "
                          "rank, alpha and target modules it was trained with", "remove the lora section")

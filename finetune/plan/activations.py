@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import math
-
 from finetune.plan.archs import LAYER_LINEARS
-from finetune.plan.preference import FUSED_LOGPROB_OBJECTIVES, fused_logprob_bytes, fused_logprob_note
+from finetune.plan.loss import loss_working_set
 from finetune.plan.setup import Setup, Term
+from finetune.plan.states import trainable_weight_bytes
 
 
 def activation_terms(setup: Setup) -> list[Term]:
@@ -40,14 +39,14 @@ def activation_terms(setup: Setup) -> list[Term]:
     if mask:
         terms.append(Term("activations", "attention mask", mask, phase="backward",
                           note=f"4D mask, {'1 x (batch x seq)^2, padding_free bound' if flattened(setup) else 'batch x seq^2'}"))
-    logits = logits_bytes(setup)
+    logits, logits_note = loss_working_set(setup)
     # Backward's own peak comes after the loss buffers are freed (they do not coexist), so only the
     # part above them raises the total.
     extra = max(0, backward_working_bytes(setup, per_layer) - logits)
     what = "layer recompute + gradients" if setup.gradient_checkpointing else "backward temporaries"
     terms.append(Term("activations", what, extra, phase="backward",
                       note="beyond the loss buffers" if extra else "smaller than the loss buffers"))
-    terms.append(Term("logits", "loss working set", logits, phase="backward", note=logits_note(setup)))
+    terms.append(Term("logits", "loss working set", logits, phase="backward", note=logits_note))
     return terms
 
 
@@ -60,8 +59,11 @@ def layer_activation_bytes(setup: Setup) -> int:
       (for the norm weight's gradient);
     - a linear layer saves its input only when its weight is trained or it carries LoRA (frozen
       weights need no input for the input gradient); q/k/v share one input, as do gate/up;
-      LoRA dropout > 0 makes a private dropped-out copy per target (e) and a bool mask (1);
-    - each LoRA adapter saves lora_A's output (e x r);
+      LoRA dropout > 0 makes a private dropped-out copy per target (a, the adapter's element size: 4
+      without DeepSpeed, where peft keeps adapters in fp32, else e) and a bool mask (1); without dropout,
+      fp32 adapters still get a private fp32 copy per target (peft's _cast_input_dtype; found by the
+      trace, finetune/plan/trace.py);
+    - each LoRA adapter saves lora_A's output (a x r);
     - attention: eager saves q, k and v repeated to all heads, the fp32 softmax and its 16-bit copy
       (row x heads per token, row = seq, or micro_batch x seq when flattened: the seq^2 term); sdpa/flash
       save q, k, v, the output and an fp32 log-sum-exp per head, and sdpa with a mask (padded or packed
@@ -78,6 +80,9 @@ def layer_activation_bytes(setup: Setup) -> int:
     targets = set(setup.lora_targets) if not full else set()
     dropout = not full and setup.lora_dropout > 0
 
+    # The adapters' dtype: fp32 without DeepSpeed (peft's autocast_adapter_dtype), else the model's.
+    a = trainable_weight_bytes(setup) if not full else e
+
     def linear_inputs(names: tuple[str, ...], width: int, shared_with_output: bool = False) -> int:
         if full:
             return 0 if shared_with_output else e * width
@@ -85,7 +90,11 @@ def layer_activation_bytes(setup: Setup) -> int:
         if not hit:
             return 0
         if dropout:
-            return len(hit) * (e + 1) * width
+            return len(hit) * (a + 1) * width
+        if a != e:
+            # peft's lora.Linear.forward casts the input to the adapter's dtype for each adapter
+            # (_cast_input_dtype), and lora_A keeps that private copy for its weight gradient.
+            return len(hit) * a * width
         return 0 if shared_with_output else e * width
 
     per_token = arch.norms_per_layer * (4 * h + 4 + (e * h if full else 0))
@@ -95,7 +104,7 @@ def layer_activation_bytes(setup: Setup) -> int:
     per_token += linear_inputs(("o_proj",), arch.q_dim, shared_with_output=fused_attention)
     per_token += linear_inputs(("gate_proj", "up_proj"), h)
     per_token += linear_inputs(("down_proj",), inter)
-    per_token += e * setup.lora_r * sum(1 for n in LAYER_LINEARS if n in targets)
+    per_token += a * setup.lora_r * sum(1 for n in LAYER_LINEARS if n in targets)  # lora_A's output
     if fused_attention:
         # sdpa shares key/value heads (enable_gqa) only without a mask (sdpa_attention.use_gqa_in_sdpa).
         kv = arch.q_dim if (setup.attn == "sdpa" and attention_mask_bytes(setup)) else arch.kv_dim
@@ -168,73 +177,3 @@ def attention_mask_bytes(setup: Setup) -> int:
     per = setup.element_bytes if setup.attn == "eager" else 1
     rows = 1 if flattened(setup) else setup.micro_batch
     return rows * attention_row(setup) ** 2 * per
-
-
-def loss_element_bytes(setup: Setup) -> int:
-    """Bytes of one log-prob in the cross-entropy: 4 when it runs in fp32 (transformers' upcast, or
-    autocast), 2 when a model's own loss runs on 16-bit logits without autocast (Setup.loss_dtype)."""
-    return 4 if setup.loss_dtype == "float32" else 2
-
-
-def logits_bytes(setup: Setup) -> int:
-    """The loss: transformers' ForCausalLMLoss upcasts the logits to fp32 and cross_entropy keeps the
-    fp32 log-softmax for backward; at the start of backward the log-probs, nll_loss's gradient and
-    log_softmax's gradient are alive together: 3 x 4 bytes per vocabulary entry and token (the
-    16-bit logits and the fp32 copy of the forward, 6-10 bytes, are gone by then). A 16-bit loss
-    (loss_dtype) keeps the same three tensors at 2 bytes each."""
-    arch = setup.arch
-    assert arch is not None
-    tokens = setup.micro_batch * setup.seq_len
-    if setup.objective in FUSED_LOGPROB_OBJECTIVES:
-        return fused_logprob_bytes(setup)
-    if setup.loss_kernel == "liger":
-        return liger_logits_bytes(setup)
-    if setup.loss_kernel == "chunked":
-        tokens = _loss_chunk(setup)
-    per = 3 * loss_element_bytes(setup) + (2 * setup.element_bytes if arch.logit_softcap else 0)  # Gemma 2: tanh
-    return tokens * arch.vocab * per
-
-
-def _loss_chunk(setup: Setup) -> int:
-    """Tokens whose logits exist at once with loss_kernel: chunked (finetune/train/loss.py)."""
-    from finetune.train.loss import chunk_count
-
-    tokens = setup.micro_batch * setup.seq_len
-    assert setup.arch is not None
-    return math.ceil(tokens / chunk_count(tokens, setup.arch.vocab, setup.loss_chunk_tokens))
-
-
-def _liger_chunk(setup: Setup) -> int:
-    """Liger's fused_linear_cross_entropy_forward: chunk = next_pow2(ceil(BT / ceil(V / H))), at most BT,
-    so one chunk's logits are about as large as the hidden states."""
-    arch = setup.arch
-    assert arch is not None
-    tokens = setup.micro_batch * setup.seq_len
-    per_chunk = math.ceil(tokens / math.ceil(arch.vocab / arch.hidden))
-    return min(tokens, 1 << (per_chunk - 1).bit_length())
-
-
-def liger_logits_bytes(setup: Setup) -> int:
-    """Liger computes each chunk's logits in the model dtype and overwrites them with their gradient
-    in place; beside them it keeps the input's gradient (BT x H, model dtype) and a fp32 loss per token."""
-    arch = setup.arch
-    assert arch is not None
-    tokens = setup.micro_batch * setup.seq_len
-    e = setup.element_bytes
-    return _liger_chunk(setup) * arch.vocab * e + tokens * (arch.hidden * e + 4)
-
-
-def logits_note(setup: Setup) -> str:
-    arch = setup.arch
-    assert arch is not None
-    tokens = setup.micro_batch * setup.seq_len
-    if setup.objective in FUSED_LOGPROB_OBJECTIVES:
-        return fused_logprob_note(setup)
-    if setup.loss_kernel == "liger":
-        return (f"liger: {_liger_chunk(setup):,}-token chunk x vocab {arch.vocab:,} x {setup.element_bytes} B "
-                f"+ input gradient")
-    if setup.loss_kernel == "chunked":
-        return (f"chunked: {_loss_chunk(setup):,} of {tokens:,} tokens x vocab {arch.vocab:,} x "
-                f"{3 * loss_element_bytes(setup)} B")
-    return (f"{tokens:,} tokens x vocab {arch.vocab:,} x {3 * loss_element_bytes(setup)} B "
-            f"({setup.loss_dtype} log-probs + 2 grads)")

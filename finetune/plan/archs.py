@@ -19,6 +19,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Optional
 
+from finetune.errors import FinetuneError
+from finetune.recipe.references import MODEL_CONFIG
+
 # Projections of one decoder layer, in forward order; LoRA `target_modules` names refer to these.
 LAYER_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -243,7 +246,7 @@ def match_hub_id(name: str) -> Optional[Arch]:
     return None
 
 
-class ArchError(ValueError):
+class ArchError(FinetuneError, ValueError):
     """A config.json the planner cannot read."""
 
 
@@ -315,7 +318,7 @@ def _moe_fields(config: dict) -> dict:
 
 def load_config_json(path: Path) -> Arch:
     """Read `path` (a config.json, or a directory holding one)."""
-    file = path / "config.json" if path.is_dir() else path
+    file = path / MODEL_CONFIG if path.is_dir() else path
     try:
         data = json.loads(file.read_text(encoding="utf-8"))
     except OSError as exc:

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-
-GiB = 2**30
-MiB = 2**20
+from finetune.units import GiB, MiB  # noqa: F401  (re-exported: the planner's modules read them here)
 
 # DeepSpeed's defaults (deepspeed/runtime/zero/config.py: DeepSpeedZeroConfig), used when a value is
 # neither in the recipe nor `"auto"`.
@@ -44,11 +42,24 @@ DS_PARAM_SWAP_BUFFER_SIZE = 100_000_000  # offload_param.buffer_size (elements)
 #   and lazy module loading, pytorch/pytorch issue 109888; over 1 GB before CUDA 11.7; the sources
 #   show the CUDA version, not the GPU generation, deciding it) and NCCL's buffers (below).
 CUDA_CONTEXT = 426 * MiB
+# What `finetune train` sets PYTORCH_CUDA_ALLOC_CONF to on GPUs unless the user set it (run/launch/
+# commands.py): expandable segments map freed pages back into one growing segment per stream instead of
+# caching fixed 2 MiB / 20 MiB+ blocks, so a freed block of one size serves a request of another (PyTorch's
+# CUDA semantics notes, "Optimizing memory usage with PYTORCH_CUDA_ALLOC_CONF"); finetune.plan.allocator
+# models what the allocator reserves with and without it.
+TRAINING_ALLOC_CONF = "expandable_segments:True"
 CUBLAS_WORKSPACE = {"hopper": 32 * MiB, "other": 8 * MiB + 128 * 1024}
 CUBLAS_HANDLES = 2  # forward thread + autograd's backward thread
 ALLOCATOR_ROUND_LARGE = 2 * MiB
 ALLOCATOR_MIN_LARGE_ALLOC = 10 * MiB
 FRAGMENTATION = 0.30
+# The stated upper bound (PlanResult.upper_bound, `memory.upper_bound` in the JSON): the point estimate
+# times 1 + BOUND_WIDTH, where BOUND_WIDTH is the BOUND_QUANTILE quantile of measured / planned - 1 over
+# every case of tests/data/plan_corpus.json, as scripts/plan_corpus.py `bound_width` computes it (a test
+# recomputes it; `--summary` prints it and its leave-one-source-out validation). Not a constant tuned to
+# a case: a quantile of all of them, recomputed whenever the planner changes.
+BOUND_QUANTILE = 0.95
+BOUND_WIDTH = 0.795
 # NCCL's communication buffers grow with its channels and peers (NVIDIA/nccl issue 986: linear in
 # the channels, no longer growing beyond 2 nodes). Two readings: 2 GPUs: the ZeRO-2 saving a user
 # measured in nvidia-smi (docs/plan.md, puzzle 1: 934 MiB) falls 187.8 MiB short of the bytes

@@ -17,6 +17,8 @@ from array import array
 from pathlib import Path
 from typing import Any, Optional
 
+from finetune.units import gib_text
+
 CHARS_PER_TOKEN = 4
 SAMPLE_ROWS = 200
 # Template tokens a chat or Alpaca prompt adds around the text (role headers, "### Response:"), per example.
@@ -40,7 +42,7 @@ def data_seq_len(recipe: Any) -> tuple[int, str]:
     except (SourceProblem, OSError):
         return data.max_length, ""
     if size > MAX_BYTES:
-        return data.max_length, f"data not read for lengths ({size / 2**30:.1f} GiB > {MAX_BYTES / 2**30:.0f} GiB): sized for max_length"
+        return data.max_length, f"data not read for lengths ({gib_text(size, 1)} > {gib_text(MAX_BYTES, 0)}): sized for max_length"
     checked = validate(sources)
     lengths = array("I")
     for check in checked.checks:

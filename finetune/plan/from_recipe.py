@@ -14,10 +14,12 @@ from finetune.plan.constants import (
     DS_REDUCE_BUCKET_SIZE, DS_SUB_GROUP_SIZE,
 )
 from finetune.plan.planner import plan
-from finetune.plan.preference import rows_per_example
+from finetune import objectives
+from finetune.plan.preference import has_reference_model, rows_per_example
 from finetune.plan.result import PlanResult
 from finetune.plan.setup import PlanError, Setup, overflow_as_plan_error
 from finetune.builtin import is_builtin
+from finetune.recipe.references import MODEL_CONFIG
 
 
 def plan_recipe(recipe, gpus: Optional[int] = None, gpu_memory_bytes: Optional[int] = None,
@@ -80,6 +82,8 @@ def setup_from_recipe(recipe, gpus: Optional[int] = None, gpu_memory_bytes: Opti
         from finetune.plan.data_lengths import data_seq_len
 
         seq_len, data_note = data_seq_len(recipe)
+    if recipe.objective == "grpo":  # a trained row is a prompt (data.max_length: its budget) + its completion
+        seq_len += recipe.grpo.max_completion_length
     return Setup(
         arch=arch, params=params, model_label=label,
         method=recipe.method, dtype=recipe.model.dtype, attn=recipe.model.attn_implementation,
@@ -112,8 +116,10 @@ def setup_from_recipe(recipe, gpus: Optional[int] = None, gpu_memory_bytes: Opti
         gpu_type=hw.gpu_type if hw is not None else None,
         launch_note=launch_note, data_note=data_note,
         objective=recipe.objective,
-        reference_model=recipe.objective in ("dpo", "kto") and recipe.preference.reference.mode == "model",
-        reference_adapter=(recipe.objective in ("dpo", "kto") and recipe.method != "full"
+        reference_model=has_reference_model(recipe),
+        generation_sequences=(recipe.training.micro_batch_size * recipe.training.gradient_accumulation_steps
+                              if recipe.objective == "grpo" else 0),
+        reference_adapter=(objectives.get(recipe.objective).reference == "preference" and recipe.method != "full"
                            and recipe.model.adapter is not None and recipe.preference.reference.mode == "adapter_disabled"),
     )
 
@@ -175,7 +181,7 @@ def resolve_model(name: str) -> tuple[Optional[Arch], int, str]:
         return arch, arch.total_params, arch.describe()
     path = Path(text).expanduser()
     if path.exists():
-        if path.is_dir() and not (path / "config.json").is_file():
+        if path.is_dir() and not (path / MODEL_CONFIG).is_file():
             raise PlanError(f"{path} has no config.json: pass --model with a config.json, an architecture "
                             f"name ({', '.join(names()[:4])}, ...) or a parameter count such as 7.5B")
         try:

@@ -11,7 +11,7 @@ from finetune.plan.constants import (
     FRAGMENTATION, NCCL_BUFFERS, PROCESS_RSS, MiB,
 )
 from finetune.plan.params import ParamGroup, four_bit_bytes, param_groups
-from finetune.plan.preference import reference_terms
+from finetune.plan.preference import generation_terms, reference_terms
 from finetune.plan.result import PlanResult
 from finetune.plan.setup import Setup, Term, overflow_as_plan_error
 from finetune.plan.states import (
@@ -29,6 +29,7 @@ def plan(setup: Setup) -> PlanResult:
     notes: list[str] = []
     terms += weight_terms(setup, groups, cpu, notes)
     terms += reference_terms(setup, trainable)
+    terms += generation_terms(setup)
     terms += gradient_and_optimizer_terms(setup, groups, trainable, cpu, notes)
     terms += buffer_terms(setup, groups, trainable, notes)
     complete = setup.arch is not None
@@ -64,9 +65,18 @@ def _overhead(setup: Setup, groups: list[ParamGroup], terms: list[Term]) -> list
     if rounding:
         out.append(Term("overhead", "allocator rounding", rounding, counter="reserved",
                         note="large weight tensors rounded up to 2 MiB (CUDACachingAllocator.cpp)"))
+    kept = [t for t in terms if t.field == "gradients" and t.phase == "step" and not setup.deepspeed]
+    cached = sum(t.bytes for t in kept)
+    if cached:
+        # zero_grad frees the gradients after each step (not alive at the loss peak: the allocated
+        # counter), but PyTorch's cache keeps their blocks, re-requested at the same sizes by the next
+        # backward: the reserved counter still holds them while the loss buffers are alive.
+        out.append(Term("overhead", "cached gradient blocks", cached, phase="backward", counter="reserved",
+                        note="freed by zero_grad, kept by the caching allocator for the next backward"))
     for phase in ("backward", "step"):
-        # Memory allocated and freed within the step: activations, the loss, transient buffers.
-        transient = sum(t.bytes for t in terms if t.phase == phase)
+        # Memory allocated and freed within the step: activations, the loss, transient buffers (not torch's
+        # gradients: the same sizes every step, their cached blocks are reused as they are).
+        transient = sum(t.bytes for t in terms if t.phase == phase and t not in kept)
         if transient:
             out.append(Term("overhead", "allocator fragmentation", int(transient * FRAGMENTATION), phase=phase,
                             counter="reserved",

@@ -5,7 +5,7 @@ Read off TRL 1.16:
 - DPO, ORPO and SimPO (CPOTrainer) run chosen and rejected as one concatenated batch of 2 x micro_batch
   rows, so everything sized by rows (activations, masks, logits) doubles; KTO runs its completions as one
   batch (1 x) plus a KL batch of mismatched completions under no_grad, which saves nothing for backward.
-- DPO and KTO score tokens through TRL's fused LM head (trl.trainer.utils.add_fused_lm_head, kernel
+- DPO, KTO and GRPO score tokens through TRL's fused LM head (trl.trainer.utils.add_fused_lm_head, kernel
   trl/kernels/chunked_logprob.py): fp32 tiles of at most 4,096 tokens x 32,768 vocabulary entries, never the
   full logits. ORPO and CPO compute full logits like SFT.
 - A reference model (reference.mode: model) is a second, frozen copy of the weights: partitioned 1/N under
@@ -18,34 +18,19 @@ from __future__ import annotations
 
 import math
 
+from finetune import objectives
 from finetune.plan.params import four_bit_bytes
 from finetune.plan.setup import Setup, Term
 
-TWO_ROW_OBJECTIVES = ("dpo", "orpo", "simpo")
-FUSED_LOGPROB_OBJECTIVES = ("dpo", "kto")
+FUSED_LOGPROB_OBJECTIVES = tuple(o.name for o in objectives.OBJECTIVES.values() if o.fused_logprob)
+SCORE_HEAD_OBJECTIVES = tuple(o.name for o in objectives.OBJECTIVES.values() if o.score_head)
 TOKEN_TILE = 4096  # trl/kernels/chunked_logprob.py TOKEN_CHUNK_SIZE
 VOCAB_TILE = 32768  # trl/trainer/utils.py _CHUNKED_LOGPROB_CHUNK_SIZE
 
 
 def rows_per_example(objective: str) -> int:
     """Sequences one preference example puts through the trained forward (see the module docstring)."""
-    return 2 if objective in TWO_ROW_OBJECTIVES else 1
-
-
-def fused_logprob_bytes(setup: Setup) -> int:
-    """TRL's fused LM head: one fp32 tile of logits in forward and one in backward, plus the fp32 gradient
-    of the hidden states it accumulates per token."""
-    assert setup.arch is not None
-    tokens = setup.micro_batch * setup.seq_len
-    tile = min(tokens, TOKEN_TILE) * min(setup.arch.vocab, VOCAB_TILE) * 4
-    return 2 * tile + tokens * setup.arch.hidden * 4
-
-
-def fused_logprob_note(setup: Setup) -> str:
-    assert setup.arch is not None
-    tokens = setup.micro_batch * setup.seq_len
-    return (f"TRL fused log-probs: 2 x {min(tokens, TOKEN_TILE):,} tokens x {min(setup.arch.vocab, VOCAB_TILE):,} "
-            f"vocab x 4 B tiles + fp32 hidden gradient")
+    return objectives.get(objective).rows_per_example
 
 
 def reference_terms(setup: Setup, trainable: int) -> list[Term]:
@@ -67,3 +52,38 @@ def reference_terms(setup: Setup, trainable: int) -> list[Term]:
         return [Term("weights", f"reference model 1/{setup.world}", math.ceil(size / setup.world),
                      note=f"frozen {what} copy, partitioned by ZeRO-3")]
     return [Term("weights", "reference model", size, note=f"frozen {what} copy on every GPU")]
+
+
+def has_reference_model(recipe) -> bool:
+    """A frozen second copy of the weights: preference.reference.mode: model (dpo, kto), or GRPO with beta > 0
+    on a full fine-tune (TRL's GRPOTrainer builds one from the policy's path; with LoRA it switches the
+    adapter off instead)."""
+    record = objectives.get(recipe.objective)
+    if record.reference == "preference":
+        return recipe.preference.reference.mode == "model"
+    if record.reference == "beta":
+        return recipe.grpo.beta > 0 and recipe.method == "full"
+    return False
+
+
+def generation_terms(setup: Setup) -> list[Term]:
+    """GRPO's generation phase (trl GRPOTrainer with transformers' generate): each GPU generates its whole
+    generation batch at once (micro_batch x gradient_accumulation_steps completions), with a KV cache of
+    2 (K, V) x layers x kv_heads x head_dim per token; under ZeRO-3 TRL first gathers every weight
+    (ds3_gather_for_generation, ms-swift #7986). Counted on top of the training peak: conservative, as the
+    two phases do not overlap in time."""
+    if not setup.generation_sequences or setup.arch is None:
+        return []
+    arch = setup.arch
+    head_dim = arch.head_dim or arch.hidden // arch.heads
+    per_token = 2 * arch.layers * arch.kv_heads * head_dim * setup.element_bytes
+    tokens = setup.generation_sequences * setup.seq_len
+    terms = [Term("activations", "generation KV cache", per_token * tokens,
+                  note=f"{setup.generation_sequences} completions x {setup.seq_len:,} tokens x 2 x {arch.layers} layers "
+                       f"x {arch.kv_heads} kv heads x {head_dim} x {setup.element_bytes} B")]
+    if setup.deepspeed and setup.stage == 3 and setup.world > 1:
+        size = four_bit_bytes(setup.params) if setup.method == "qlora" else setup.params * setup.element_bytes
+        gathered = size - math.ceil(size / setup.world)
+        terms.append(Term("weights", "weights gathered for generation", gathered,
+                          note=f"ZeRO-3: the other {setup.world - 1}/{setup.world} of the weights, gathered while generating"))
+    return terms

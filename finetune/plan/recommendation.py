@@ -19,13 +19,17 @@ from finetune.plan.setup import PlanError, Setup, overflow_as_plan_error
 # checkpointing recomputes the forward (x 4/3), and a micro batch of t tokens keeps the GPU busy
 # about t / (t + 1024) of the time (small matmuls leave it idle), so the cost per token is
 # (1 + 1024 / t); then fewer parameters gathered ahead; among stages with equal communication,
-# the lower one (less bookkeeping).
+# the lower one (less bookkeeping). The chunked loss recomputes the output head's forward in backward:
+# hidden x vocab of the ~3 x params multiply-adds per token a training step does (forward + backward).
 SATURATION_TOKENS = 1024
 
 
 def compute_cost(setup: Setup) -> float:
     tokens = setup.micro_batch * setup.seq_len
-    return (4 / 3 if setup.gradient_checkpointing else 1.0) * (1 + SATURATION_TOKENS / tokens)
+    cost = (4 / 3 if setup.gradient_checkpointing else 1.0) * (1 + SATURATION_TOKENS / tokens)
+    if setup.loss_kernel == "chunked" and setup.arch is not None and setup.params:
+        cost *= 1 + setup.arch.hidden * setup.arch.vocab / (3 * setup.params)
+    return cost
 
 
 OFFLOAD_LEVELS = (("none", "none"), ("cpu", "none"), ("cpu", "cpu"))
@@ -40,7 +44,7 @@ def speed_key(setup: Setup) -> tuple:
     offload = OFFLOAD_LEVELS.index((setup.offload_optimizer, setup.offload_param)) \
         if (setup.offload_optimizer, setup.offload_param) in OFFLOAD_LEVELS else len(OFFLOAD_LEVELS)
     return (offload, setup.deepspeed and setup.stage == 3, round(compute_cost(setup), 6),
-            -setup.max_live_parameters, setup.stage if setup.deepspeed else -1)
+            -setup.max_live_parameters, setup.stage if setup.deepspeed else -1, setup.loss_kernel == "chunked")
 
 
 @dataclass
@@ -57,14 +61,14 @@ class Recommendation:
             "chosen": None if c is None else {
                 "zero": c.setup.stage, "offload_optimizer": c.setup.offload_optimizer,
                 "offload_param": c.setup.offload_param, "micro_batch": c.setup.micro_batch,
-                "gradient_checkpointing": c.setup.gradient_checkpointing,
+                "gradient_checkpointing": c.setup.gradient_checkpointing, "loss_kernel": c.setup.loss_kernel,
                 "gradient_accumulation_steps": self.gradient_accumulation_steps,
                 "per_gpu": c.per_gpu, "cpu": c.cpu, "headroom": c.headroom,
                 "set": recommendation_overrides(self)},
             "reasons": self.reasons,
             "tried": [{"zero": r.setup.stage, "offload_optimizer": r.setup.offload_optimizer,
                        "offload_param": r.setup.offload_param, "micro_batch": r.setup.micro_batch,
-                       "gradient_checkpointing": r.setup.gradient_checkpointing,
+                       "gradient_checkpointing": r.setup.gradient_checkpointing, "loss_kernel": r.setup.loss_kernel,
                        "total": r.per_gpu["total"], "cpu_total": r.cpu["total"], "fits": r.fits}
                       for r in self.tried],
         }
@@ -91,7 +95,7 @@ class Recommendation:
                      "in the recipe):")
         for r in self.tried:
             s = r.setup
-            if s.micro_batch != self.current.setup.micro_batch or \
+            if s.micro_batch != self.current.setup.micro_batch or s.loss_kernel != self.current.setup.loss_kernel or \
                     s.gradient_checkpointing != self.current.setup.gradient_checkpointing:
                 continue
             what = _short(s, self.current.setup.max_live_parameters)
@@ -130,6 +134,8 @@ def recommendation_overrides(rec: Recommendation) -> list[str]:
             out.append(f"training.gradient_accumulation_steps={rec.gradient_accumulation_steps}")
     if b.gradient_checkpointing != a.gradient_checkpointing:
         out.append(f"training.gradient_checkpointing={'true' if b.gradient_checkpointing else 'false'}")
+    if b.loss_kernel != a.loss_kernel:
+        out.append(f"training.loss_kernel={b.loss_kernel}")
     if b.max_live_parameters != a.max_live_parameters:
         out.append(f"deepspeed.stage3_max_live_parameters={b.max_live_parameters}")
     return out
@@ -137,12 +143,14 @@ def recommendation_overrides(rec: Recommendation) -> list[str]:
 
 def candidates(setup: Setup) -> list[Setup]:
     """Stages 0-3 x offload {none, optimizer, optimizer + params} x micro batch (halving down to 1)
-    x gradient checkpointing on/off, and for ZeRO-3 a smaller stage3_max_live_parameters."""
+    x gradient checkpointing on/off x the chunked loss (when the recipe's is the default), and for
+    ZeRO-3 a smaller stage3_max_live_parameters. speed_key ranks these cheap fixes before offload."""
     micro = []
     m = setup.micro_batch
     while m >= 1:
         micro.append(m)
         m //= 2
+    kernels = [setup.loss_kernel] + (["chunked"] if setup.loss_kernel == "default" else [])
     out = []
     for stage in (0, 1, 2, 3):
         for opt, par in OFFLOAD_LEVELS:
@@ -155,9 +163,9 @@ def candidates(setup: Setup) -> list[Setup]:
             for mb in micro:
                 for ckpt in (False, True):
                     for live in sorted(lives, reverse=True):
-                        out.append(replace(setup, deepspeed=True, stage=stage, offload_optimizer=opt,
+                        out.extend(replace(setup, deepspeed=True, stage=stage, offload_optimizer=opt,
                                            offload_param=par, micro_batch=mb, gradient_checkpointing=ckpt,
-                                           max_live_parameters=live))
+                                           max_live_parameters=live, loss_kernel=kernel) for kernel in kernels)
     return out
 
 
@@ -185,13 +193,13 @@ def explain(rec: Recommendation) -> list[str]:
     cur = rec.current
     s = cur.setup
     out = []
+    needs = f"The recipe as written needs {gib(cur.per_gpu['total'])} GiB on each GPU, which has {gib(s.gpu_memory)} GiB"
     if cur.fits:
-        out.append(f"the recipe as written needs {gib(cur.per_gpu['total'])} GiB per GPU of "
-                   f"{gib(s.gpu_memory)}: fits")
+        out.append(f"{needs}: it fits.")
+    elif cur.cpu_fits is False:
+        out.append(f"{needs}, and {gib(cur.cpu['total'])} GiB of CPU memory of {gib(s.cpu_memory)} GiB: it does not fit.")
     else:
-        out.append(f"the recipe as written needs {gib(cur.per_gpu['total'])} GiB per GPU of "
-                   f"{gib(s.gpu_memory)}" + (f" and {gib(cur.cpu['total'])} GiB of CPU memory of "
-                                            f"{gib(s.cpu_memory)}" if cur.cpu_fits is False else ""))
+        out.append(f"{needs}: it does not fit, {gib(-cur.headroom)} GiB over.")
     base = {(r.setup.stage, r.setup.offload_optimizer, r.setup.offload_param): r for r in rec.tried
             if r.setup.micro_batch == s.micro_batch and r.setup.gradient_checkpointing == s.gradient_checkpointing
             and r.setup.max_live_parameters == s.max_live_parameters}
@@ -207,21 +215,23 @@ def explain(rec: Recommendation) -> list[str]:
             what = f"{ {'full': 'full fine-tune', 'lora': 'LoRA', 'qlora': 'QLoRA'}[s.method]} of {s.params / 1e9:.1f}B"
             out.append(f"ZeRO-2 on {s.world} GPU{'s' if s.world != 1 else ''} adds {gib(cost)} GiB of gradient "
                        f"buckets (reduce_bucket_size {s.reduce_bucket_size:,}"
-                       f"{', doubled by overlap_comm' if r.setup.overlap else ''}) but saves "
-                       f"{gib(max(saved, 0))} GiB of gradients and optimizer states for this {what}: "
-                       "stay on ZeRO-0 (or one GPU), or lower reduce_bucket_size"
-                       + (f" (\"auto\" gives hidden^2 = {s.arch.hidden ** 2:,})" if s.arch else ""))
+                       f"{', doubled by overlap_comm' if r.setup.overlap else ''}) but saves only "
+                       f"{gib(max(saved, 0))} GiB of gradients and optimizer states for this {what}, so stay on "
+                       "ZeRO-0 (or one GPU), or lower reduce_bucket_size"
+                       + (f" (\"auto\" gives hidden^2 = {s.arch.hidden ** 2:,})" if s.arch else "") + ".")
     r3 = base.get((3, "none", "none"))
     r2 = base.get((2, "none", "none"))
     if r3 is not None and r2 is not None:
         gathered = sum(t.bytes for t in r3.terms if t.name == "prefetched / retained params")
         partition_saving = r2.per_gpu["weights"] - r3.per_gpu["weights"]
         if r3.per_gpu["total"] > r2.per_gpu["total"]:
-            out.append(f"ZeRO-3 needs more than ZeRO-2 here ({gib(r3.per_gpu['total'])} vs "
-                       f"{gib(r2.per_gpu['total'])} GiB): partitioning the weights saves {gib(partition_saving)} GiB "
-                       f"but ZeRO-3 keeps {gib(gathered)} GiB of gathered parameters "
-                       f"(stage3_max_live_parameters {s.max_live_parameters:,}, prefetch "
-                       f"{s.prefetch_bucket_size:,}, reuse distance {s.max_reuse_distance:,})")
+            # A negative saving (a 4-bit base stored in 16-bit under ZeRO-3) reads as a cost, never "saves -x".
+            partitioned = (f"partitioning the weights saves {gib(partition_saving)} GiB" if partition_saving > 0 else
+                           f"partitioning the weights saves nothing (it adds {gib(-partition_saving)} GiB)")
+            out.append(f"ZeRO-3 needs more than ZeRO-2 here ({gib(r3.per_gpu['total'])} against "
+                       f"{gib(r2.per_gpu['total'])} GiB): {partitioned}, but ZeRO-3 keeps {gib(gathered)} GiB of "
+                       f"gathered parameters (stage3_max_live_parameters {s.max_live_parameters:,}, prefetch "
+                       f"{s.prefetch_bucket_size:,}, reuse distance {s.max_reuse_distance:,}).")
     for r in (cur, rec.chosen):
         if r is None or not r.setup.deepspeed or r.setup.stage != 3:
             continue
@@ -232,18 +242,22 @@ def explain(rec: Recommendation) -> list[str]:
             out.append(f"ZeRO-3 keeps {gib(gathered)} GiB of parameters gathered beyond the module at work "
                        f"(prefetched up to stage3_max_live_parameters {r.setup.max_live_parameters:,}); "
                        f"--set deepspeed.stage3_max_live_parameters={FEWER_LIVE_PARAMETERS} saves {gib(saved)} GiB "
-                       f"(less prefetching, some speed)")
+                       f"at the cost of less prefetching, so some speed.")
             break
     if s.arch is not None and s.gpu_memory and cur.per_gpu["logits"] > 0.2 * s.gpu_memory:
-        out.append(f"the loss alone needs {gib(cur.per_gpu['logits'])} GiB: {s.micro_batch} x {s.seq_len} tokens "
-                   f"x vocab {s.arch.vocab:,} x 12 bytes; it shrinks with the micro batch"
-                   + (", or with --set training.loss_kernel=chunked" if s.loss_kernel == "default" else ""))
-    out.append(f"candidates must leave {RECOMMEND_MARGIN:.0%} of the GPU free: fragmentation and the CUDA context "
-               "vary from run to run (docs/plan.md)")
+        out.append(f"The loss alone needs {gib(cur.per_gpu['logits'])} GiB ({s.micro_batch} x {s.seq_len} tokens "
+                   f"x a vocabulary of {s.arch.vocab:,} x 12 bytes); a smaller micro batch shrinks it"
+                   + (", and so does the chunked loss (--set training.loss_kernel=chunked)." if s.loss_kernel == "default" else "."))
+    out.append(f"Only setups that leave {RECOMMEND_MARGIN:.0%} of each GPU free count as fitting: fragmentation and "
+               "the CUDA context vary from run to run (docs/plan.md).")
     chosen = rec.chosen
     if chosen is not None and chosen.setup != s:
-        out.append(f"chosen: {_short(chosen.setup)}, micro batch {chosen.setup.micro_batch}, "
-                   f"checkpointing {'on' if chosen.setup.gradient_checkpointing else 'off'}: the fastest that fits "
-                   "(order: no offload, then not ZeRO-3, then compute per token: x4/3 with checkpointing, "
-                   f"x(1 + {SATURATION_TOKENS}/tokens per micro batch), then the lowest stage)")
+        c = chosen.setup
+        out.append(f"{_short(c)} with micro batch {c.micro_batch}, gradient checkpointing "
+                   f"{'on' if c.gradient_checkpointing else 'off'}"
+                   + (" and the chunked loss" if c.loss_kernel == "chunked" else "") + " is the fastest setup that fits. "
+                   "Setups that offload to the CPU rank last (PCIe and a CPU Adam step), then ZeRO-3 (about 1.5x the "
+                   "communication), then those that compute more per token: checkpointing recomputes the forward "
+                   f"(x4/3), a micro batch of t tokens keeps the GPU busy about t/(t + {SATURATION_TOKENS}) of the "
+                   "time, the chunked loss recomputes the output head.")
     return out

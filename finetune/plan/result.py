@@ -6,8 +6,9 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from finetune.plan.archs import names
-from finetune.plan.constants import COUNTERS, FIELDS, GiB
+from finetune.plan.constants import BOUND_QUANTILE, BOUND_WIDTH, COUNTERS, FIELDS, TRAINING_ALLOC_CONF
 from finetune.plan.setup import Setup, Term
+from finetune.units import gib
 
 
 @dataclass
@@ -37,6 +38,18 @@ class PlanResult:
 
         return {"allocated": peak(("allocated",)), "reserved": peak(("allocated", "reserved")),
                 "nvidia_smi": peak(COUNTERS)}
+
+    @property
+    def upper_bound(self) -> int:
+        """The stated bound: the nvidia-smi-level estimate times 1 + BOUND_WIDTH (finetune/plan/constants.py:
+        the 95% quantile of measured / planned over the corpus of published measurements)."""
+        return int(self.memory_views["nvidia_smi"] * (1 + BOUND_WIDTH))
+
+    @property
+    def bound_fits(self) -> Optional[bool]:
+        if self.setup.gpu_memory is None:
+            return None
+        return self.upper_bound <= self.setup.gpu_memory
 
     @property
     def peak_phase(self) -> str:
@@ -133,7 +146,11 @@ class PlanResult:
             "per_gpu": self.per_gpu,
             "memory": {"allocated_peak": self.memory_views["allocated"],
                        "reserved_peak": self.memory_views["reserved"],
-                       "nvidia_smi": self.memory_views["nvidia_smi"], "fits_uses": "nvidia_smi"},
+                       "nvidia_smi": self.memory_views["nvidia_smi"], "fits_uses": "nvidia_smi",
+                       "upper_bound": self.upper_bound, "upper_bound_fits": self.bound_fits,
+                       "upper_bound_method": f"nvidia_smi x {1 + BOUND_WIDTH:.3f}: the {BOUND_QUANTILE:.0%} "
+                                             "quantile of measured / planned over tests/data/plan_corpus.json",
+                       "training_alloc_conf": TRAINING_ALLOC_CONF},
             "phases": {"backward": self.phase_bytes("backward"), "step": self.phase_bytes("step"),
                        "peak": self.peak_phase},
             "cpu": self.cpu,
@@ -182,6 +199,13 @@ class PlanResult:
                      "  + allocator rounding and fragmentation")
         lines.append(f"  {'as nvidia-smi':<36}{gib(views['nvidia_smi']):>7}"
                      "  + CUDA context and NCCL; `fits` uses this one")
+        bound = f"  {'upper bound':<36}{gib(self.upper_bound):>7}  x {1 + BOUND_WIDTH:.2f}: {BOUND_QUANTILE:.0%} of " \
+                "published measurements were at or below it (docs/plan.md)"
+        if self.bound_fits is not None:
+            bound += "; fits under it" if self.bound_fits else "; over the GPU's memory"
+        lines.append(bound)
+        lines.append(f"  training sets PYTORCH_CUDA_ALLOC_CONF={TRAINING_ALLOC_CONF} unless it is set (less cache "
+                     "held beyond the allocated peak; reserved above is planned without it)")
         c = self.cpu
         lines.append("")
         lines.append(f"per node CPU{'':30}GiB")
@@ -201,10 +225,6 @@ class PlanResult:
         for note in self.notes:
             lines.append(f"note: {note}")
         return "\n".join(lines) + "\n"
-
-
-def gib(value: int) -> str:
-    return f"{value / GiB:.2f}"
 
 
 def _method_line(result: PlanResult) -> str:

@@ -6,6 +6,8 @@ import functools
 from dataclasses import dataclass
 from typing import Optional
 
+from finetune import objectives
+from finetune.errors import FinetuneError
 from finetune.plan.archs import LAYER_LINEARS, Arch
 from finetune.plan.constants import (
     DS_MAX_LIVE_PARAMETERS, DS_MAX_REUSE_DISTANCE, DS_PARAM_PERSISTENCE_THRESHOLD, DS_PREFETCH_BUCKET_SIZE,
@@ -13,7 +15,7 @@ from finetune.plan.constants import (
 )
 
 
-class PlanError(ValueError):
+class PlanError(FinetuneError, ValueError):
     """Input the planner cannot work with (unknown model, bad option): one line for a human."""
 
 
@@ -92,6 +94,7 @@ class Setup:
     objective: str = "sft"
     reference_model: bool = False
     reference_adapter: bool = False  # TRL's frozen copy of a continued adapter (model.adapter)
+    generation_sequences: int = 0  # GRPO: completions one GPU generates at once (finetune/plan/preference.py)
 
     @property
     def world(self) -> int:
@@ -120,8 +123,7 @@ class Setup:
         if self.deepspeed and self.stage == 3 and self.offload_param != "none":
             parts.append(f"params->{self.offload_param}")
         parts.append(f"on {where}")
-        rows = "" if self.objective == "sft" else \
-            f" ({self.objective}: {'chosen + rejected rows' if self.objective != 'kto' else 'completion rows'})"
+        rows = "" if self.objective == "sft" else f" ({self.objective}: {objectives.get(self.objective).row_label})"
         parts.append(f"micro batch {self.micro_batch}{rows} x {self.seq_len} tokens")
         parts.append("checkpointing" if self.gradient_checkpointing else "no checkpointing")
         parts.append(self.attn)

@@ -116,12 +116,26 @@ def gradient_and_optimizer_terms(setup: Setup, groups: list[ParamGroup], trainab
         # 16-bit modules_to_save copies and full fine-tunes).
         stored = _trainable_bytes_total(setup, groups)
         state_total = stored * states // 4 if setup.optimizer != "adamw_bnb_8bit" else trainable * 2
-        out = [Term("gradients", "gradients", stored, note="same dtype as the trainable weights"),
+        # The Trainer's zero_grad (set_to_none) frees them after each step: they are made by backward and
+        # live into the step, but not at the start of backward where the loss buffers peak (the trace,
+        # finetune/plan/trace.py, shows no gradient there).
+        out = [Term("gradients", "gradients", stored, phase="step",
+                    note="same dtype as the trainable weights; freed by zero_grad, not alive with the loss"),
                Term("optimizer", opt_name, state_total, note="torch optimizer, parameter dtype")]
         temporaries = foreach_adam_temporaries(setup)
         if temporaries:
             out.append(Term("buffers", "foreach Adam temporaries", temporaries * stored, phase="step",
                             note=f"{temporaries} moment-sized (optimizer_impl {setup.optimizer_impl})"))
+        arch = setup.arch
+        if setup.method == "full" and arch is not None and arch.tied:
+            # Backward's last step with tied embeddings (the trace, finetune/plan/trace.py): lm_head's weight
+            # gradient (mm) and embedding_dense_backward's are both vocab x hidden, and their sum becomes the
+            # .grad: two embedding-sized tensors beside every gradient. Counted in the step phase, the one
+            # that holds every gradient.
+            size = 2 * arch.vocab * arch.hidden * setup.element_bytes
+            out.append(Term("buffers", "tied embedding gradients", size, phase="step",
+                            note=f"2 x {arch.vocab:,} vocab x {arch.hidden:,} hidden x {setup.element_bytes} B "
+                                 "at backward's end (lm_head's + the embedding's, before their sum)"))
         return out
     if setup.stage == 0 and setup.dtype == "float32":
         # No bf16/fp16: engine._do_optimizer_sanity_check returns no wrapper, the optimizer runs as is.

@@ -18,7 +18,8 @@ from finetune.recipe.loading import (
 from finetune.recipe.schema import (
     Dtype, Offload, MAX_BATCH, MAX_COUNT, MAX_PROCS, MAX_ELEMENTS, MAX_SECONDS, parse_size, NAME_MAX, PATH_MAX,
     plain_path, ModelSection, LoraSection, QuantizationSection, known_roles, DataFormat, SourceSection, DataSection,
-    PREFERENCE_OBJECTIVES, DPO_LOSSES, KTO_LOSSES, ReferenceSection, PreferenceSection, TrainingSection,
+    PREFERENCE_OBJECTIVES, DPO_LOSSES, KTO_LOSSES, ReferenceSection, PreferenceSection, RewardSection, GrpoSection,
+    TrainingSection,
     DeepSpeedSection, LaunchSection, HardwareSection, Recipe, section_model, json_schema,
 )
 
@@ -27,6 +28,6 @@ __all__ = [
     "NAME_MAX", "PATH_MAX", "PEER_KEYS", "PREFERENCE_OBJECTIVES", "apply_set", "DataFormat", "DataSection",
     "DeepSpeedSection", "Dtype", "HardwareSection", "json_schema", "known_roles", "LaunchSection", "load_recipe",
     "LoadedRecipe", "LoraSection", "ModelSection", "Offload", "parse_size", "plain_path", "PreferenceSection",
-    "Problem", "QuantizationSection", "Recipe", "RecipeProblem", "ReferenceSection", "section_model",
+    "Problem", "QuantizationSection", "RewardSection", "GrpoSection", "Recipe", "RecipeProblem", "ReferenceSection", "section_model",
     "SourceSection", "TrainingSection", "unknown_key_fix", "validate",
 ]

@@ -11,11 +11,13 @@ from typing import Any, Optional, Union
 
 from pydantic import ValidationError
 
+from finetune.recipe.references import DATA_SUFFIXES
+from finetune.errors import FinetuneError
 from finetune.recipe.schema import Recipe, section_model
-from finetune.recipe.yamlio import DocumentError, load_yaml, read_text
+from finetune.recipe.yamlio import DocumentError, load_yaml, read_text, shorten
 
 
-class RecipeProblem(Exception):
+class RecipeProblem(FinetuneError):
     """One or more problems in a recipe, each with file, line, column and key.
 
     `partial` is the recipe validated without the offending keys (None when that is impossible), so
@@ -26,6 +28,9 @@ class RecipeProblem(Exception):
         super().__init__("\n".join(p.render() for p in problems))
         self.problems = problems
         self.partial = partial
+
+    def lines(self) -> list[str]:
+        return [problem.render() for problem in self.problems]
 
 
 class Problem:
@@ -197,8 +202,23 @@ def _rebase_paths(data: dict, base: Path) -> None:
         value = block.get(key)
         if not isinstance(value, str) or not value or Path(value).is_absolute():
             continue
-        if value.startswith(("./", "../")) or _exists(base / value) or key == "hostfile":
+        # A data file name (data.jsonl) is local even when missing: rebased, its error names the recipe's
+        # folder, not the directory the command ran in.
+        data_file = key == "path" and Path(value).suffix in DATA_SUFFIXES
+        if value.startswith(("./", "../")) or _exists(base / value) or key == "hostfile" or data_file:
             block[key] = _rebased(base, value)
+    _rebase_reward_files(data, base)
+
+
+def _rebase_reward_files(data: dict, base: Path) -> None:
+    """grpo.rewards[].function `file.py:function`: the file is relative to the recipe, like data paths."""
+    grpo = data.get("grpo")
+    for item in (grpo.get("rewards") if isinstance(grpo, dict) else None) or []:
+        value = item.get("function") if isinstance(item, dict) else None
+        if isinstance(value, str) and ".py:" in value:
+            file, _, function = value.rpartition(":")
+            if not Path(file).is_absolute():
+                item["function"] = f"{_rebased(base, file)}:{function}"
 
 
 def _exists(path: Path) -> bool:
@@ -231,11 +251,11 @@ def apply_set(raw: dict, origin: dict, item: str) -> None:
     """`--set deepspeed.stage=3`: the value is read as YAML (numbers, booleans, lists)."""
     where = "--set"
     if "=" not in item:
-        raise RecipeProblem([Problem(where, 1, 1, None, f"`--set {item}` needs the form key.path=value", rule="R006")])
+        raise RecipeProblem([Problem(where, 1, 1, None, f"`--set {shorten(item)}` needs the form key.path=value", rule="R006")])
     dotted, _, text = item.partition("=")
     keys = [k for k in dotted.strip().split(".")]
     if not all(keys):
-        raise RecipeProblem([Problem(where, 1, 1, dotted, f"`--set {item}`: empty key in `{dotted}`", rule="R006")])
+        raise RecipeProblem([Problem(where, 1, 1, shorten(dotted), f"`--set {shorten(item)}`: empty key in `{shorten(dotted)}`", rule="R006")])
     try:
         value = load_yaml(text, where).data if text.strip() else ""
     except DocumentError as exc:
@@ -249,7 +269,7 @@ def apply_set(raw: dict, origin: dict, item: str) -> None:
             raise RecipeProblem([Problem(where, 1, 1, dotted, f"`{'.'.join(keys[:i + 1])}` is not a section", rule="R006")])
         node = child
     node[keys[-1]] = value
-    origin[tuple(keys)] = (f"--set {item}", 1, 1)
+    origin[tuple(keys)] = (f"--set {shorten(item)}", 1, 1)
 
 
 def validate(raw: dict, origin: dict, path: str) -> Recipe:

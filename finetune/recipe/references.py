@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-DATA_SUFFIXES = (".json", ".jsonl", ".csv", ".parquet")
+DATA_SUFFIXES = (".json", ".jsonl", ".parquet", ".csv")  # the data file types finetune reads
+MODEL_CONFIG = "config.json"  # transformers' CONFIG_NAME: what makes a folder a model directory
 
 
 def is_local(reference: str) -> bool:

@@ -9,6 +9,9 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from finetune import objectives
+from finetune.objectives import DPO_LOSSES, GRPO_LOSSES, KTO_LOSSES
+
 Dtype = Literal["bfloat16", "float16", "float32"]
 Offload = Literal["none", "cpu", "nvme"]
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
@@ -100,9 +103,11 @@ def known_roles(value: dict[str, str]) -> dict[str, str]:
     return value
 
 
-DataFormat = Literal["alpaca", "messages", "sharegpt", "text"]
+DataFormat = Literal["alpaca", "messages", "sharegpt", "text", "prompt"]
 _FORMAT_DOC = ("alpaca: instruction/input/output columns; messages: OpenAI-style list of {role, content} (system/user/assistant/tool); "
-               "sharegpt: `conversations` of {from, value} (human/gpt/system/function_call/observation); text: one `text` column.")
+               "sharegpt: `conversations` of {from, value} (human/gpt/system/function_call/observation); text: one `text` column; "
+               "prompt (objective grpo): a `prompt` column, text or messages. Preference objectives read their own rows "
+               "(prompt/chosen/rejected; kto: prompt/completion/label) and ignore format.")
 
 
 class SourceSection(_Section):
@@ -158,12 +163,7 @@ class DataSection(_Section):
         return [s.format for s in self.sources] if self.sources else [self.format]
 
 
-PREFERENCE_OBJECTIVES = ("dpo", "orpo", "kto", "simpo")
-# TRL's loss variants per objective (trl 1.16: DPOConfig.loss_type, KTOConfig.loss_type); ORPO has one loss,
-# SimPO is CPOConfig(loss_type="simpo").
-DPO_LOSSES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot",
-              "aot_unpaired", "apo_zero", "apo_down", "discopop", "sigmoid_norm")
-KTO_LOSSES = ("kto", "apo_zero_unpaired")
+PREFERENCE_OBJECTIVES = objectives.PREFERENCE
 
 
 class ReferenceSection(_Section):
@@ -196,6 +196,27 @@ class PreferenceSection(_Section):
         return value
 
 
+class RewardSection(_Section):
+    function: str = Field(min_length=1, max_length=1000, description="A built-in reward (exact_match, number_match, regex, length, think_format) or your own `package.module:function` / `file.py:function` (relative to the recipe). README: GRPO.")
+    weight: float = Field(1.0, ge=-1000, le=1000, description="Weight of this reward in the sum GRPO scores a completion by.")
+    column: str = Field("answer", min_length=1, description="exact_match, number_match: the dataset column holding the reference answer.")
+    pattern: Optional[str] = Field(None, description="regex: 1.0 when the pattern matches the completion (re.search), else 0.0.")
+    target: Optional[int] = Field(None, ge=1, le=1_048_576, description="length: the completion length in tokens that scores 0; each token further away costs 1/target.")
+
+
+class GrpoSection(_Section):
+    num_generations: int = Field(8, ge=2, le=4096, description="Completions sampled per prompt (the group). micro_batch_size x gradient_accumulation_steps x processes must be a multiple of it.")
+    max_completion_length: int = Field(256, ge=1, le=1_048_576, description="Tokens generated per completion at most.")
+    temperature: float = Field(1.0, gt=0, le=100, description="Sampling temperature of the generations.")
+    beta: float = Field(0.0, ge=0, le=100, description="KL coefficient against the reference (the starting model); 0 (TRL's default) keeps no reference.")
+    loss_type: Literal[GRPO_LOSSES] = Field("dapo", description="TRL's GRPO loss: " + ", ".join(GRPO_LOSSES) + " (default dapo).")
+    scale_rewards: Literal["group", "batch", "none"] = Field("group", description="Advantages divided by the reward std of the group, of the batch, or not at all (Dr. GRPO).")
+    num_iterations: int = Field(1, ge=1, le=1000, description="Optimisation passes over each generated batch (mu).")
+    epsilon: float = Field(0.2, gt=0, lt=1, description="Clipping range of the policy ratio.")
+    rewards: list[RewardSection] = Field(default_factory=list, description="Reward functions, summed with their weights.")
+    vllm: Literal["off", "colocate", "server"] = Field("off", description="Generate with vLLM (needs vllm installed and a GPU); off: transformers' generate.")
+
+
 class TrainingSection(_Section):
     epochs: float = Field(1.0, gt=0, le=1_000_000, description="Passes over the data (ignored when max_steps is set).")
     max_steps: Optional[int] = Field(None, ge=1, le=MAX_COUNT, description="Stop after this many optimizer steps.")
@@ -218,7 +239,7 @@ class TrainingSection(_Section):
     loss_chunk_tokens: Optional[int] = Field(
         None, ge=1, description="Tokens per chunk with loss_kernel: chunked (default: as many as fit 256 MiB of fp32 logits, 523 at a 128k vocabulary).")
     gradient_checkpointing: bool = Field(True, description="Recompute activations in backward (less memory, ~30% more compute).")
-    gradient_checkpointing_reentrant: bool = Field(False, description="Reentrant checkpointing; breaks gradients with frozen inputs (LoRA), keep false.")
+    gradient_checkpointing_reentrant: bool = Field(False, description="Reentrant checkpointing (PyTorch recommends false). LoRA/QLoRA under ZeRO-3 is always reentrant: non-reentrant recompute sees ZeRO-3's partitioned frozen weights (DeepSpeed#4332; TRL forces it too).")
     seed: int = Field(42, ge=0, le=2**32 - 1, description="Seed for init, data order and dropout.")
     logging_steps: int = Field(10, ge=1, le=MAX_COUNT, description="Log loss and learning rate every N steps.")
     eval_steps: Optional[int] = Field(None, ge=1, le=MAX_COUNT, description="Evaluate every N steps (needs data.validation_split).")
@@ -255,13 +276,16 @@ class DeepSpeedSection(_Section):
         return value
 
 
+LOOPBACK = "127.0.0.1"  # node 0 of a single-node run: nothing leaves the machine
+
+
 class LaunchSection(_Section):
     procs_per_node: Union[int, Literal["auto"]] = Field("auto", description="Processes per machine (auto: one per visible GPU, or cpu_procs without a GPU).")
     cpu_procs: int = Field(1, ge=1, le=MAX_PROCS, description="With procs_per_node: auto and no GPU visible: CPU processes on DeepSpeed's CPU accelerator (CI, demos).")
     nodes: int = Field(1, ge=1, le=MAX_PROCS, description="Number of machines.")
     node_rank: int = Field(0, ge=0, le=MAX_PROCS - 1, description="Rank of this machine (torchrun rendezvous).")
     hostfile: Optional[str] = Field(None, description="DeepSpeed hostfile (`host slots=N` lines); launches through the deepspeed launcher.")
-    master_addr: str = Field("127.0.0.1", description="Address of node 0.")
+    master_addr: str = Field(LOOPBACK, description="Address of node 0.")
     master_port: int = Field(29500, ge=1, le=65535, description="Rendezvous port on node 0.")
     launcher: Literal["auto", "torchrun", "deepspeed"] = Field("auto", description="auto: deepspeed with a hostfile, torchrun otherwise.")
     nccl_timeout: int = Field(1800, ge=60, le=MAX_SECONDS, description="Seconds a collective (NCCL/gloo) may wait for the other ranks before the run fails instead of hanging (ddp_timeout; deepspeed.init_distributed).")
@@ -298,8 +322,9 @@ class Recipe(_Section):
     name: Optional[str] = Field(None, description="Run name (default: the recipe's file name).")
     model: ModelSection = Field(description="The base model.")
     method: Literal["full", "lora", "qlora"] = Field("lora", description="full: every weight; lora: adapters on a frozen 16-bit base; qlora: adapters on a frozen 4-bit base.")
-    objective: Literal["sft", "dpo", "orpo", "kto", "simpo"] = Field("sft", description="sft: next-token loss on the data; dpo, orpo, kto, simpo: preference optimisation with TRL's trainers on prompt/chosen/rejected rows (kto: prompt/completion/label).")
-    preference: PreferenceSection = Field(default_factory=PreferenceSection, description="Preference objectives' settings (dpo, orpo, kto, simpo).")
+    objective: Literal[objectives.NAMES] = Field("sft", description=objectives.doc() + ".")
+    preference: PreferenceSection = Field(default_factory=PreferenceSection, description=f"Preference objectives' settings ({', '.join(objectives.PREFERENCE)}).")
+    grpo: GrpoSection = Field(default_factory=GrpoSection, description="objective grpo: generation, the GRPO loss and the reward functions (README: GRPO).")
     lora: LoraSection = Field(default_factory=LoraSection, description="LoRA adapter settings (lora and qlora).")
     quantization: QuantizationSection = Field(default_factory=QuantizationSection, description="4-bit quantization of the frozen base (qlora).")
     data: DataSection = Field(description="The training data.")

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from finetune.errors import FinetuneError
+
 Path_ = tuple  # a key path inside a document: ("deepspeed", "stage") or ("lora", "target_modules", 0)
 
 MAX_BYTES = 2 * 1024 * 1024  # a recipe is a few KB; a 2 MB "recipe" is a mistake
@@ -27,7 +29,7 @@ _STD = "tag:yaml.org,2002:"
 _SCALAR_TAGS = {_STD + t for t in ("str", "int", "float", "bool", "null", "timestamp", "binary")}
 
 
-class DocumentError(Exception):
+class DocumentError(FinetuneError):
     """A document could not be read at all. Carries a position for the report."""
 
     def __init__(self, message: str, line: int = 1, col: int = 1, key: str | None = None):
@@ -97,6 +99,8 @@ def load_yaml(text: str, path: str = "<string>", allow_duplicates: bool = False)
             problem += f" ({exc.context} started at line {context.line + 1}, column {context.column + 1})"
         if problem.startswith("mapping values are not allowed"):  # `key: a: b`: the value holds ": "
             problem += "; a value that contains `: ` must be quoted, e.g. `name_or_path: \"builtin:tiny-llama\"`"
+        elif problem.startswith("found unexpected ':'"):  # `{name_or_path: builtin:tiny-llama}`: flow style
+            problem += "; inside `{...}` a value that contains `:` must be quoted, e.g. `{name_or_path: \"builtin:tiny-llama\"}`"
         raise DocumentError(f"invalid YAML: {problem}", line, col) from None
     except (YAMLError, RecursionError, ValueError) as exc:
         raise DocumentError(f"invalid YAML: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
@@ -194,7 +198,16 @@ class _Builder:
         try:
             return self.yaml.constructor.construct_object(node, deep=True)
         except Exception as exc:  # ruamel raises several types for odd scalars; report, don't crash
-            raise DocumentError(f"cannot read value {node.value!r}: {exc}", *_mark(node)) from None
+            raise DocumentError(f"cannot read value {shorten(repr(node.value))}: {shorten(str(exc))}",
+                                *_mark(node)) from None
+
+
+ECHO_LIMIT = 120  # characters of a user's value repeated in a message (a 100k-digit --set is not echoed whole)
+
+
+def shorten(text: str, limit: int = ECHO_LIMIT) -> str:
+    """`text` as a message repeats it: at most `limit` characters, saying how long the rest was."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text):,} characters)"
 
 
 def _mark(node: Any) -> tuple[int, int]:

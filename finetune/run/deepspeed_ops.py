@@ -26,6 +26,7 @@ CPU_ADAM_OP = "cpu_adam"  # deepspeed/ops/op_builder/cpu/cpu_adam.py CPUAdamBuil
 # Between taking the baton and starting ninja torch only writes build.ninja and checks the compiler:
 # seconds, even on a loaded box. A lock older than this with nobody compiling is left by a dead build.
 LOCK_GRACE_S = 30.0
+COMPILE_NOTE = "compiling "  # what a real launch will compile: not said by a dry run or a refused launch
 
 
 def extensions_root(environ: Optional[dict[str, str]] = None) -> Path:
@@ -45,6 +46,27 @@ def extensions_root(environ: Optional[dict[str, str]] = None) -> Path:
         accelerator = "cpu"
     python = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
     return Path(get_default_build_root()) / f"{python}_{accelerator}"
+
+
+def per_environment_root(python: str = sys.executable, environ: Optional[dict[str, str]] = None) -> Path:
+    """~/.cache/torch_extensions/<python>_<torch>_<environment hash>: one build folder per interpreter and
+    torch. torch's default (py311_cpu) is shared by every venv of one Python on the machine, and ninja
+    rebuilds an op whose command line names another venv's torch headers, so two venvs took turns
+    invalidating each other's build (90-100 s each time, issue 24)."""
+    import hashlib
+    from importlib.metadata import PackageNotFoundError, version
+
+    environ = os.environ if environ is None else environ
+    try:
+        torch_version = version("torch")
+    except PackageNotFoundError:
+        torch_version = "none"
+    # the venv, not the interpreter it links to: sys.prefix of `python` is its parent's parent for a venv
+    prefix = os.path.abspath(os.path.join(os.path.dirname(python), os.pardir))
+    key = hashlib.sha1(f"{prefix}\0{torch_version}".encode()).hexdigest()[:10]
+    cache = environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    tag = f"py{sys.version_info.major}{sys.version_info.minor}_torch{torch_version.replace('+', '_')}_{key}"
+    return Path(cache) / "torch_extensions" / tag
 
 
 def ops_needed(device: str, offload_optimizer: str) -> list[str]:
@@ -135,7 +157,7 @@ class BuildWatch:
                 out.append(note)
             if not is_built(build_dir):
                 self.pending.add(op)
-                out.append(f"compiling {op} (first run only; about a minute on a few cores) into {build_dir}")
+                out.append(f"{COMPILE_NOTE}{op} (first run in this environment; about a minute on a few cores) into {build_dir}")
         return out
 
     def poll(self) -> list[str]:

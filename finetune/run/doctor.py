@@ -18,22 +18,18 @@ Example:
 
 from __future__ import annotations
 
-import importlib.metadata
-import importlib.util
-import platform
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Optional
 
+from finetune.hints import runnable
+from finetune.run.machine import BF16_MIN_CAPABILITY, PACKAGES, Facts, collect_facts, package_version
 from finetune.run.requirements import extra_floors, python_requirement, satisfies
+from finetune.units import gib_text
 
 if TYPE_CHECKING:
     from finetune.recipe import Recipe
 
-# Libraries whose versions the report shows (trl only matters when installed: some users mix it in).
-PACKAGES = ("torch", "deepspeed", "transformers", "peft", "bitsandbytes", "accelerate", "datasets", "trl", "flash-attn",
-            "liger-kernel", "tensorboard", "tensorboardX")
-# Checked only for the recipes that use them (training.report_to), though `train` installs them.
 CHECKED_BY_FEATURE = {"tensorboard"}
 
 
@@ -63,56 +59,6 @@ QLORA_ZERO3_FLOORS = {
 }
 OPTIONAL_FOR_QLORA_ZERO3 = {"trl"}
 
-BF16_MIN_CAPABILITY = (8, 0)  # Ampere: the first GPUs with bf16 tensor cores
-
-
-@dataclass(frozen=True)
-class Gpu:
-    index: int
-    name: str
-    memory_bytes: int
-    capability: tuple[int, int]
-
-    @property
-    def bf16(self) -> bool:
-        return tuple(self.capability) >= BF16_MIN_CAPABILITY
-
-    def to_dict(self) -> dict:
-        return {"index": self.index, "name": self.name, "memory_bytes": self.memory_bytes,
-                "memory_gib": round(self.memory_bytes / 2**30, 1),
-                "compute_capability": f"{self.capability[0]}.{self.capability[1]}", "bf16": self.bf16}
-
-
-@dataclass
-class Facts:
-    """What the machine has. Built by collect_facts(); tests build their own."""
-
-    python: str
-    platform: str
-    packages: dict[str, Optional[str]]
-    torch_cuda: Optional[str] = None  # CUDA version torch was built with (None: CPU build)
-    cuda_available: bool = False
-    nccl: Optional[str] = None
-    gpus: list[Gpu] = field(default_factory=list)
-    import_errors: dict[str, str] = field(default_factory=dict)
-    # Whether torchrun honours TORCH_ELASTIC_SHUTDOWN_TIMEOUT (None: unknown, torch not imported).
-    torchrun_shutdown_timeout: Optional[bool] = None
-
-    def version(self, package: str) -> Optional[str]:
-        return self.packages.get(package)
-
-    def to_dict(self) -> dict:
-        return {
-            "python": self.python,
-            "platform": self.platform,
-            "torch": {"version": self.version("torch"), "cuda": self.torch_cuda,
-                      "cuda_available": self.cuda_available, "nccl": self.nccl},
-            "gpus": [g.to_dict() for g in self.gpus],
-            "packages": dict(self.packages),
-            "import_errors": dict(self.import_errors),
-        }
-
-
 @dataclass(frozen=True)
 class Check:
     name: str
@@ -122,67 +68,6 @@ class Check:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-# ----------------------------------------------------------------------------------------------
-# Facts
-
-
-def package_version(name: str) -> Optional[str]:
-    try:
-        return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def collect_facts(try_imports: tuple[str, ...] = ()) -> Facts:
-    """Versions without importing; torch imported for GPU facts; `try_imports` really imported."""
-    facts = Facts(python=platform.python_version(), platform=platform.platform(),
-                  packages={name: package_version(name) for name in PACKAGES})
-    if facts.version("torch") is not None:
-        _torch_facts(facts)
-    for module in try_imports:
-        error = import_error(module)
-        if error is not None:
-            facts.import_errors[module] = error
-    return facts
-
-
-def _torch_facts(facts: Facts) -> None:
-    try:
-        import torch
-    except Exception as exc:  # a broken install (missing CUDA libraries) is a finding, not a crash
-        facts.import_errors["torch"] = _one_line(exc)
-        return
-    facts.torch_cuda = torch.version.cuda
-    facts.torchrun_shutdown_timeout = _torchrun_has_shutdown_timeout()
-    facts.cuda_available = bool(torch.cuda.is_available())
-    if not facts.cuda_available:
-        return
-    for index in range(torch.cuda.device_count()):
-        props = torch.cuda.get_device_properties(index)
-        facts.gpus.append(Gpu(index, props.name, int(props.total_memory), (props.major, props.minor)))
-    try:
-        version = torch.cuda.nccl.version()
-        facts.nccl = ".".join(str(v) for v in version) if isinstance(version, tuple) else str(version)
-    except Exception:  # CPU or ROCm builds without NCCL bindings
-        facts.nccl = None
-
-
-def import_error(module: str) -> Optional[str]:
-    """None when `module` imports; otherwise the error, on one line."""
-    if importlib.util.find_spec(module) is None:
-        return f"No module named {module!r}"
-    try:
-        __import__(module)
-    except Exception as exc:
-        return _one_line(exc)
-    return None
-
-
-def _one_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -228,7 +113,18 @@ def machine_checks(facts: Facts) -> list[Check]:
             # Optional libraries (bitsandbytes) only break the recipes that use them: warn here.
             checks.append(Check(f"import.{module}", "warn", f"`import {module}` fails: {error}",
                                 f"pip install --force-reinstall '{module}'"))
-    return checks
+    return checks + deepspeed_release_checks(facts)
+
+
+def deepspeed_release_checks(facts: Facts, recipe: Optional["Recipe"] = None) -> list[Check]:
+    """The installed DeepSpeed against finetune.run.bad_releases: on the machine, a warning per release that
+    breaks a common setup; for a recipe that uses the broken setup, the row's severity."""
+    from finetune.run.bad_releases import matching
+
+    version = facts.version("deepspeed")
+    return [Check(f"deepspeed.release.{row.issue.split('#')[1].split(',')[0]}", row.severity if recipe else "warn",
+                  f"deepspeed {version} {row.what} with {row.setup} ({row.issue})", row.fix)
+            for row in matching(version) if (row.uses(recipe) if recipe else row.severity == "fail")]
 
 
 def python_check(facts: Facts) -> Check:
@@ -244,16 +140,6 @@ def python_check(facts: Facts) -> Check:
 # which release first shipped it is not verified here, so the check looks for the feature, not a number.
 TORCHRUN_FIXED_GRACE_S = 30
 SHUTDOWN_TIMEOUT_TORCH = "2.13"
-
-
-def _torchrun_has_shutdown_timeout() -> Optional[bool]:
-    import dataclasses
-
-    try:
-        from torch.distributed.launcher.api import LaunchConfig
-    except Exception:  # torch without distributed support
-        return None
-    return "shutdown_timeout" in {f.name for f in dataclasses.fields(LaunchConfig)}
 
 
 def stop_timeout_checks(recipe: "Recipe", facts: Facts) -> list[Check]:
@@ -331,8 +217,21 @@ def checks_for_recipe(recipe: "Recipe", facts: Optional[Facts] = None) -> list[C
             checks.append(Check("liger-kernel.zero3", "warn", "training.loss_kernel: liger reads the output head's "
                                 "weight directly, which ZeRO-3 keeps partitioned outside the head's own forward",
                                 "use training.loss_kernel: chunked with ZeRO-3"))
+    checks += vllm_checks(recipe.grpo.vllm, facts) if recipe.objective == "grpo" and recipe.grpo.vllm != "off" else []
     checks += device_checks(recipe, facts)
     checks += stop_timeout_checks(recipe, facts)
+    return checks + deepspeed_release_checks(facts, recipe)
+
+
+def vllm_checks(mode: str, facts: Facts) -> list[Check]:
+    """grpo.vllm: TRL generates with vLLM, which needs vllm and a CUDA GPU (not run by this project)."""
+    checks = []
+    if package_version("vllm") is None:
+        checks.append(Check("vllm", "fail", f"grpo.vllm: {mode} needs vllm, which is not installed",
+                            "pip install vllm on a CUDA machine, or set grpo.vllm: off (transformers' generate)"))
+    if not (facts.cuda_available and facts.gpus):
+        checks.append(Check("vllm.gpu", "fail", f"grpo.vllm: {mode} needs a CUDA GPU; none is visible here",
+                            "set grpo.vllm: off (transformers' generate works on CPU too)"))
     return checks
 
 
@@ -451,7 +350,7 @@ def render_text(facts: Facts, checks: list[Check]) -> str:
         nccl = f", NCCL {facts.nccl}" if facts.nccl else ""
         lines.append(f"{'torch':<14}{torch_version} ({cuda}{nccl}; GPU available: {'yes' if facts.cuda_available else 'no'})")
     for g in facts.gpus:
-        lines.append(f"{f'GPU {g.index}':<14}{g.name}, {g.memory_bytes / 2**30:.1f} GiB, "
+        lines.append(f"{f'GPU {g.index}':<14}{g.name}, {gib_text(g.memory_bytes, 1)}, "
                      f"sm_{g.capability[0]}{g.capability[1]}, {'bf16' if g.bf16 else 'no bf16'}")
     for package in PACKAGES:
         if package != "torch":
@@ -460,7 +359,7 @@ def render_text(facts: Facts, checks: list[Check]) -> str:
     for check in checks:
         lines.append(f"{check.status:<5} {check.name}: {check.message}")
         if check.fix and check.status in ("warn", "fail"):
-            lines.append(f"      fix: {check.fix}")
+            lines.append(f"      fix: {runnable(check.fix)}")
     bad = failed(checks)
     lines.append(f"{len(bad)} check{'s' if len(bad) != 1 else ''} failed" if bad else "all checks passed")
     return "\n".join(lines) + "\n"

@@ -17,7 +17,6 @@ Nothing here writes into the run directory; launch happens only when `Preflight.
 
 from __future__ import annotations
 
-import itertools
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,9 +25,15 @@ from typing import Any, Iterator, Optional
 from finetune.recipe import LoadedRecipe, Recipe
 from finetune.recipe.references import is_local, is_model_path
 from finetune.builtin import is_builtin
+from finetune.recipe.references import MODEL_CONFIG
+from finetune.errors import FinetuneError
+from finetune.rundir.run_dir import RECIPE_FILE, RunDir
 
-SAMPLE_ROWS = 20  # rows a data.chat_template is rendered on before launch
-RUN_MARKER = "recipe.yaml"  # a directory holding this is a finetune run directory
+# data.chat_template is rendered on every row before launch, for at most TEMPLATE_BUDGET seconds in all (the
+# rest render in the ranks), and at most TEMPLATE_ROW_SECONDS for one row: a template that takes longer on one
+# conversation (nested loops over the messages) would take days over a dataset.
+TEMPLATE_BUDGET = 30.0
+TEMPLATE_ROW_SECONDS = 5.0
 
 
 @dataclass
@@ -42,10 +47,17 @@ class Preflight:
     lint_report: str = ""  # the lint findings, rendered as `finetune lint` does
     resume_from: Optional[Any] = None  # finetune.rundir.checkpoint.Checkpoint to resume from
     join: bool = False  # the run directory was written by another node of this run
+    damaged: list = field(default_factory=list)  # checkpoints newer than resume_from that do not load: set aside
+    # Problems that errors holds fewer lines for (bad data rows grouped by problem, or not shown).
+    grouped_problems: int = 0
 
     @property
     def ok(self) -> bool:
         return not self.errors and not self.lint_errors and not self.run_dir_errors
+
+    @property
+    def problem_count(self) -> int:
+        return len(self.errors) + len(self.lint_errors) + len(self.run_dir_errors) + self.grouped_problems
 
 
 # ----------------------------------------------------------------------------------------------
@@ -55,7 +67,7 @@ class Preflight:
 def run_preflight(loaded: LoadedRecipe, run_dir: Path, overwrite: bool = False, facts=None,
                   world_size: Optional[int] = None, resume: Optional[bool] = None,
                   force_resume: bool = False, in_use: Optional[str] = None) -> Preflight:
-    """All checks for training `loaded` into `run_dir`. `facts`: finetune.run.doctor.Facts (tests fake them).
+    """All checks for training `loaded` into `run_dir`. `facts`: finetune.run.machine.Facts (tests fake them).
 
     `resume` None follows training.resume. `in_use`: another live run owns `run_dir` (finetune.rundir.lock):
     that is the output directory's only finding, and nothing there is looked at further."""
@@ -73,6 +85,7 @@ def run_preflight(loaded: LoadedRecipe, run_dir: Path, overwrite: bool = False, 
         elif check.status == "info":
             result.notes.append(check.message)
     dataset_step(recipe, result)
+    rewards_step(recipe, result, world_size)
     chat_template_step(recipe, result)
     model_step(recipe, result)
     hostfile_step(recipe, result)
@@ -106,24 +119,39 @@ def lint_step(loaded: LoadedRecipe, result: Preflight, world_size: Optional[int]
 
 
 def dataset_step(recipe: Recipe, result: Preflight) -> None:
-    """Every row of every local source (finetune.data.validate); hub ids are read at launch."""
-    if recipe.objective != "sft":  # preference rows, every row of every file (finetune/data/preference.py)
-        from finetune.data.preference import check_data
-
-        notes, errors = check_data(recipe.data, recipe.objective)
-        result.notes += notes
-        result.errors += errors
-        return
+    """Every row of every local source (finetune.data.validate), read the way the objective reads it (SFT
+    formats, preference rows, GRPO prompts); hub ids are read at launch."""
     from finetune.data.sources import sources_of
     from finetune.data.validate import validate
 
-    checked = validate(sources_of(recipe.data))
+    checked = validate(sources_of(recipe.data, recipe.objective))
     for path in checked.skipped:
         result.notes.append(f"dataset {path}: a hub id, not checked here (read at launch; needs network)")
-    result.errors.extend(f"dataset {message}" for message in checked.messages())
+    shown = checked.messages()
+    # A missing file is lint's R109 error too: said once, with lint's file:line.
+    result.errors.extend(f"dataset {message}" for message in shown
+                         if not any(error.endswith(f": {message}") for error in result.lint_errors))
+    result.grouped_problems += checked.total - len(shown)
     if checked.ok:
         for check in checked.checks:
-            result.notes.append(f"dataset {check.source.path}: {check.source.format} format, all {check.rows} row(s) look right")
+            result.notes.append(f"dataset {check.source.path}: {check.rows} {check.source.format} row(s), all look right")
+
+
+def rewards_step(recipe: Recipe, result: Preflight, world_size: Optional[int] = None) -> None:
+    """GRPO: every reward function imported and called on the data's first row (finetune.rewards.preflight):
+    a bad one is one line naming it here, not a traceback in every rank after the model loaded. With the
+    process count known only now (procs_per_node: auto), the groups are checked again (lint R121)."""
+    if recipe.objective != "grpo":
+        return
+    from finetune.lint.objective_rules import group_problems
+    from finetune.rewards import preflight
+
+    if world_size and recipe.world_size is None:
+        result.errors += [f"{'.'.join(key)}: {message} (fix: {fix})" for key, message, fix in group_problems(recipe, world_size)]
+
+    notes, errors = preflight(recipe)
+    result.notes += notes
+    result.errors += errors
 
 
 # A conversation to render the template on when the dataset's rows cannot be read here (a hub id).
@@ -137,30 +165,42 @@ _SPECIAL_TOKENS = {name: f"<{name}>" for name in ("bos_token", "eos_token", "unk
                                                    "cls_token", "mask_token")}
 
 
-def chat_template_step(recipe: Recipe, result: Preflight) -> None:
-    """Render data.chat_template on the first rows, the way the ranks will (transformers' sandboxed Jinja).
+def chat_template_step(recipe: Recipe, result: Preflight, budget: float = TEMPLATE_BUDGET) -> None:
+    """Render data.chat_template on every row, the way the ranks will (transformers' sandboxed Jinja), within
+    `budget` seconds.
 
-    A template the sandbox refuses (`__class__`, mutating a list) or that raises on this data otherwise
-    fails in every rank's data loading after launch, as one traceback per process.
+    A template the sandbox refuses (`__class__`, mutating a list), that raises on one row (row 51 as well as
+    row 1), that leaves out the assistant's reply, or that takes seconds per row otherwise fails (or trains
+    on nothing, or hangs) in every rank's data loading after launch.
     """
+    import time
+
     from finetune.data.formats import CHAT_FORMATS
     from finetune.data.sources import sources_of
 
     template = recipe.data.chat_template
     if not template:
         return
+    deadline = time.monotonic() + budget
+    rendered = 0
     for source in sources_of(recipe.data):
         if source.format not in CHAT_FORMATS:
             continue
-        for where, messages in _sample_conversations(source):
-            problem = render_problem(template, messages, recipe.data.mask_prompt)
+        for where, messages in _conversations(source):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                result.notes.append(f"data.chat_template: rendered on the first {rendered} row(s) in {budget:.0f} s; "
+                                    f"the rest are rendered by the ranks")
+                return
+            problem = render_problem(template, messages, recipe.data.mask_prompt, min(left, TEMPLATE_ROW_SECONDS))
             if problem:
                 result.errors.append(f"data.chat_template: {where}: {problem}")
                 return
+            rendered += 1
 
 
-def _sample_conversations(source) -> Iterator[tuple[str, list]]:
-    """The first rows' conversations, as the format makes them (role names mapped)."""
+def _conversations(source) -> Iterator[tuple[str, list]]:
+    """Every row's conversation, as the format makes them (role names mapped)."""
     from finetune.data.formats import RowProblem, to_example
     from finetune.data.sources import SourceProblem, data_files
     from finetune.data.validate import Unreadable, iter_rows
@@ -170,7 +210,7 @@ def _sample_conversations(source) -> Iterator[tuple[str, list]]:
         return
     try:
         rows = iter_rows(data_files(Path(source.path).expanduser(), source.split)[0])
-        for where, row in itertools.islice(rows, SAMPLE_ROWS):
+        for where, row in rows:
             try:
                 yield where, to_example(row, source.spec).messages
             except (RowProblem, AttributeError):
@@ -179,7 +219,8 @@ def _sample_conversations(source) -> Iterator[tuple[str, list]]:
         return  # dataset_step reported it
 
 
-def render_problem(template: str, messages: list, mask_prompt: bool) -> Optional[str]:
+def render_problem(template: str, messages: list, mask_prompt: bool,
+                   seconds: float = TEMPLATE_ROW_SECONDS) -> Optional[str]:
     """Why `template` cannot render `messages` (as finetune.data.tokenize does), or None."""
     from jinja2 import TemplateSyntaxError
     from transformers.utils.chat_template_utils import render_jinja_template
@@ -189,15 +230,56 @@ def render_problem(template: str, messages: list, mask_prompt: bool) -> Optional
     calls = [(messages, False)]
     if mask_prompt:
         calls += [(messages[:i], True) for i, m in enumerate(messages) if i and isinstance(m, dict) and m.get("role") == "assistant"]
+    texts = []
     for conversation, generation_prompt in calls:
         try:
-            render_jinja_template([conversation], chat_template=template, add_generation_prompt=generation_prompt,
-                                  **_SPECIAL_TOKENS)
+            with _time_limit(seconds):
+                rendered, _ = render_jinja_template([conversation], chat_template=template,
+                                                    add_generation_prompt=generation_prompt, **_SPECIAL_TOKENS)
+            texts.append(rendered[0] if isinstance(rendered, list) and rendered else str(rendered))
         except TemplateSyntaxError as exc:
             return f"template line {exc.lineno}: {exc.message}"
+        except _TooSlow:
+            return (f"the template did not finish rendering this conversation in {seconds:g} s (loops over loops?); "
+                    f"tokenizing the dataset would take as long per row")
         except Exception as exc:  # noqa: BLE001 - the template is user code; anything it raises stops the ranks
-            return f"the template cannot render this conversation: {type(exc).__name__}: {exc}"
+            return f"the template cannot render this conversation: {type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
+    replies = [m["content"].strip() for m in messages
+               if isinstance(m, dict) and m.get("role") == "assistant" and isinstance(m.get("content"), str)
+               and m["content"].strip()]
+    if replies and not any(reply in texts[0] for reply in replies):
+        return ("the rendered conversation holds none of the assistant's replies (does the template skip "
+                "`assistant` messages?): the model would train on no reply")
     return None
+
+
+class _TooSlow(FinetuneError):
+    """A render ran past its time limit (SIGALRM): reported as a finding, never raised to the user."""
+
+
+def _time_limit(seconds: float):
+    """Interrupt the Python code inside after `seconds` (SIGALRM; only in the main thread, else no limit)."""
+    import contextlib
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
+        return contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def limit():
+        def expire(signum, frame):
+            raise _TooSlow()
+
+        previous = signal.signal(signal.SIGALRM, expire)
+        signal.setitimer(signal.ITIMER_REAL, max(seconds, 0.01))
+        try:
+            yield
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+
+    return limit()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -216,7 +298,7 @@ def model_step(recipe: Recipe, result: Preflight) -> None:
     if tokenizer and is_model_path(tokenizer) and not Path(tokenizer).expanduser().is_dir():
         result.errors.append(f"model.tokenizer {tokenizer}: directory does not exist")
     if recipe.model.adapter:
-        from finetune.data.preference import adapter_problem
+        from finetune.rundir.run_dir import adapter_problem
 
         problem = adapter_problem(recipe.model.adapter)
         if problem:
@@ -242,7 +324,7 @@ def _local_model(reference: str, key: str, result: Preflight) -> None:
         result.errors.append(f"{key} {reference}: directory does not exist")
     elif not path.is_dir():
         result.errors.append(f"{key} {reference}: expected a model directory (with config.json), got a file")
-    elif not (path / "config.json").is_file():
+    elif not (path / MODEL_CONFIG).is_file():
         result.errors.append(f"{key} {reference}: no config.json in this directory (is it a Hugging Face model folder?)")
     else:
         result.notes.append(f"model {reference}: local directory")
@@ -253,7 +335,7 @@ def _hub_note(repo_id: str, revision: Optional[str]) -> str:
     try:
         from huggingface_hub import try_to_load_from_cache
 
-        cached = try_to_load_from_cache(repo_id, "config.json", revision=revision)
+        cached = try_to_load_from_cache(repo_id, MODEL_CONFIG, revision=revision)
     except Exception:  # not a valid repo id, or huggingface_hub missing: the download will tell
         cached = None
     if isinstance(cached, str):
@@ -282,16 +364,43 @@ def hostfile_step(recipe: Recipe, result: Preflight) -> None:
         result.warnings.append(f"launch.hostfile lists {len(hosts)} hosts; only the first {nodes} are used (launch.nodes: {nodes})")
 
 
+# Another node of a multi-node run may be writing the shared run directory at this moment: its files
+# appear one by one and recipe.yaml, written last (finetune.rundir.layout.run_files), makes it a run directory.
+OTHER_NODE_WRITE_S = 30.0
+
+
 def output_dir_step(run_dir: Path, overwrite: bool, result: Preflight, loaded: Optional[LoadedRecipe] = None,
                     world_size: Optional[int] = None, resume: bool = False, force_resume: bool = False) -> None:
-    if loaded is not None and not overwrite and (run_dir / RUN_MARKER).is_file():
+    if loaded is not None and loaded.recipe.launch.nodes > 1 and not overwrite:
+        _wait_for_another_node(run_dir)
+    if loaded is not None and not overwrite and RunDir(run_dir).is_run():
         resume_step(run_dir, loaded.recipe, world_size, resume, force_resume, result)
         return
     problem = output_dir_problem(run_dir, overwrite)
     if problem:
         result.run_dir_errors.append(problem)
-    elif overwrite and run_dir.exists() and any(run_dir.iterdir()):
+    elif overwrite and run_dir_entries(run_dir):
         result.warnings.append(f"output directory {run_dir}: the previous run there will be replaced (--overwrite)")
+
+
+def _wait_for_another_node(run_dir: Path, timeout: float = OTHER_NODE_WRITE_S) -> None:
+    """While the directory holds only some of a run directory's files (not yet recipe.yaml), for at most
+    `timeout`: another node of this run is writing it. A folder with anything else in it is not waited for."""
+    import time
+
+    from finetune.rundir.names import LOGS_DIR, RUN_INPUTS
+    from finetune.rundir.resume_key import RESUME_KEY_FILE
+
+    written_first = {RESUME_KEY_FILE, *RUN_INPUTS, LOGS_DIR}
+
+    def being_written() -> bool:  # only run-directory files and their temporary files (fsutil.write_atomic)
+        entries = run_dir_entries(run_dir)
+        return bool(entries) and not RunDir(run_dir).is_run() and all(
+            name in written_first or any(name.startswith(f".{known}.") for known in written_first) for name in entries)
+
+    deadline = time.monotonic() + timeout
+    while being_written() and time.monotonic() < deadline:
+        time.sleep(0.2)
 
 
 def resume_step(run_dir: Path, recipe: Recipe, world_size: Optional[int], resume: bool, force: bool,
@@ -300,32 +409,71 @@ def resume_step(run_dir: Path, recipe: Recipe, world_size: Optional[int], resume
     from finetune.rundir.checkpoint import plan_resume
     from finetune.rundir.layout import resolved_recipe
 
-    plan = plan_resume(run_dir, resolved_recipe(recipe, run_dir), world_size, recipe.launch.nodes, resume, force)
+    from finetune.rundir.verify import inspect
+
+    plan = plan_resume(run_dir, resolved_recipe(recipe, run_dir), world_size, recipe.launch.nodes, resume, force,
+                       inspect=inspect)
     if plan.error:
         result.run_dir_errors.append(plan.error)
     result.notes.extend(plan.notes)
     result.warnings.extend(plan.warnings)
-    result.resume_from, result.join = plan.checkpoint, plan.join
+    result.resume_from, result.join, result.damaged = plan.checkpoint, plan.join, plan.damaged
     if not plan.error and not os.access(run_dir, os.W_OK | os.X_OK):
         result.run_dir_errors.append(f"output directory {run_dir}: not writable")
 
 
 def output_dir_problem(run_dir: Path, overwrite: bool) -> Optional[str]:
+    problem = impossible_run_dir(run_dir)
+    if problem:
+        return problem
     if run_dir.exists() and not run_dir.is_dir():
         return f"output directory {run_dir}: exists and is not a directory"
     if run_dir.is_dir():
-        entries = sorted(p.name for p in run_dir.iterdir())
+        entries = run_dir_entries(run_dir)
         if entries and not overwrite:
             shown = ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")
             return (f"output directory {run_dir} is not empty ({shown}); "
                     f"pass --overwrite to replace it, or choose another --output-dir")
-        if entries and not (run_dir / RUN_MARKER).is_file():
+        if entries and not RunDir(run_dir).is_run():
             # --overwrite deletes the directory: only ever a previous run's, never a user's folder.
             return (f"output directory {run_dir} is not empty and is not a finetune run directory "
-                    f"(no {RUN_MARKER}); --overwrite only replaces run directories: choose another --output-dir")
+                    f"(no {RECIPE_FILE}); --overwrite only replaces run directories: choose another --output-dir")
     parent = _existing_ancestor(run_dir)
     if not os.access(parent, os.W_OK | os.X_OK):
         return f"output directory {run_dir}: cannot create it ({parent} is not writable)"
+    return None
+
+
+def run_dir_entries(run_dir: Path) -> list[str]:
+    """What a directory holds, sorted, leaving out lock files (`finetune train` creates the directory to lock it)."""
+    from finetune.rundir.lock import is_lock_file
+
+    try:
+        return sorted(p.name for p in run_dir.iterdir() if not is_lock_file(p.name))
+    except OSError:
+        return []
+
+
+def impossible_run_dir(run_dir: Path) -> Optional[str]:
+    """Why no directory can ever be created at `run_dir` (a dry run must not show a launch a real run refuses)."""
+    import errno
+
+    for part in run_dir.absolute().parts:
+        if len(os.fsencode(part)) > 255:  # NAME_MAX on Linux and macOS file systems
+            return f"output directory {run_dir}: the name {part[:40]}... is {len(os.fsencode(part))} bytes, longer than 255"
+    if run_dir.is_symlink() and not run_dir.exists():
+        try:
+            run_dir.stat()
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                return f"output directory {run_dir}: a symbolic link loop"
+        return f"output directory {run_dir}: a symbolic link to {os.readlink(run_dir)}, which does not exist"
+    try:
+        run_dir.stat()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return f"output directory {run_dir}: {exc.strerror or exc}"
     return None
 
 

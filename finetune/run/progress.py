@@ -16,7 +16,8 @@ import re
 import sys
 from typing import Optional
 
-PROGRESS_ENV = "FINETUNE_PROGRESS_INTERVAL"  # seconds between rank 0's progress lines
+from finetune.progress_env import PROGRESS_ENV  # noqa: F401  (set by `finetune train` for its ranks)
+
 LIVE_INTERVAL = "1"
 _RANK_PREFIX = re.compile(r"^\[(?:rank|default)\d+\]:\s?")
 _PROGRESS = re.compile(r"^progress: step (\d+)/(\d+)")
@@ -99,9 +100,29 @@ class TrainingDisplay:
                 fields["speed"] = f"{float(logged['train_tokens_per_second']):.0f}"
             if fields:
                 self.progress.update(self.task, **fields)
+            text = compact_log_line(logged)
+            if text is None:
+                return
         elif _TOKENIZED.match(body):
             self.progress.update(self.task, description="loading model")
         self.console.print(text, markup=False, highlight=False, soft_wrap=True)
+
+
+# What one logging step shows on the terminal, in this order; the whole dict (and every other metric) is in
+# RUN/logs and TensorBoard. A ~500-character DPO dict per step scrolled over the bar (issue 24).
+_SHOWN = (("loss", "loss", ".4f"), ("eval_loss", "eval loss", ".4f"), ("learning_rate", "lr", ".3g"),
+          ("grad_norm", "grad norm", ".3g"), ("rewards/margins", "margins", ".3f"),
+          ("rewards/accuracies", "accuracy", ".2f"))
+
+
+def compact_log_line(logged: dict) -> Optional[str]:
+    """`epoch 0.25: loss 0.5928, lr 0.005, grad norm 1.01, margins 0.227, accuracy 0.75` for a Trainer log
+    dict (the bar shows the step); None for the end-of-training totals (train_runtime...), which the
+    `done:` line states."""
+    parts = [f"{label} {format(logged[key], spec)}" for key, label, spec in _SHOWN if key in logged]
+    if not parts:
+        return None
+    return (f"epoch {logged['epoch']:.2f}: " if "epoch" in logged else "") + ", ".join(parts)
 
 
 def parse_log_line(text: str) -> Optional[dict]:

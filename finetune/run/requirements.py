@@ -21,11 +21,13 @@ from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.utils import canonicalize_name
 from packaging.version import InvalidVersion, Version
 
+from finetune.errors import FinetuneError
+
 DISTRIBUTION = "finetune"
 PYPROJECT = Path(__file__).resolve().parents[2] / "pyproject.toml"
 
 
-class RequirementsError(Exception):
+class RequirementsError(FinetuneError):
     """The package's own requirements cannot be read (a broken install or pyproject.toml)."""
 
 

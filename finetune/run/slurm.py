@@ -25,14 +25,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from finetune.errors import FinetuneError
 from finetune.recipe import Recipe
 
 # SLURM's own variables, expanded where noted; nothing else in the script depends on the machine.
 NODE_RANK = "$SLURM_NODEID"  # expanded by each task's shell (one task per node: 0 .. nodes-1)
 
 
-class SlurmError(Exception):
-    pass
+class SlurmError(FinetuneError):
+    """Options that cannot make a job script (a usage error)."""
+
+    exit_code = 2
 
 
 @dataclass

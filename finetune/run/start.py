@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Callable, Optional
 
-from finetune.run.doctor import collect_facts, recipe_imports
+from finetune.run.doctor import recipe_imports
+from finetune.run.machine import collect_facts
 from finetune.render import resolved_output_dir
 from finetune.run.deepspeed_ops import BuildWatch, extensions_root, ops_needed
 from finetune.fsutil import write_atomic
@@ -26,7 +27,7 @@ from finetune.run.launch import (
     RUNNER_MODULE, HostfileError, LaunchError, LaunchPlan, Outcome, deepspeed_env_text, free_port, plan_launch,
     supervise,
 )
-from finetune.run.preflight import RUN_MARKER, Preflight, run_preflight
+from finetune.run.preflight import Preflight, run_preflight
 from finetune.recipe import LoadedRecipe, Recipe
 from finetune.rundir.layout import write_run_dir
 from finetune.train.startup import PREPARE_FILE
@@ -42,11 +43,16 @@ class Prepared:
     preflight: Preflight
     plan: Optional[LaunchPlan]
     overwrite: bool = False
-    lock: Optional[RunLock] = None  # the existing run directory, owned from preflight to the end of the run
+    lock: Optional[RunLock] = None  # the run directory, owned from before preflight to the end of the run
     builds: Optional[BuildWatch] = None  # DeepSpeed ops compiled on first use (finetune.run.deepspeed_ops)
+    # What prepare() created to hold the lock ("dir": the run directory, "file": the lock file in a folder
+    # that existed): removed again when nothing is launched, so a refused run leaves no trace.
+    created: Optional[str] = None
 
     def release(self) -> None:
         if self.lock is not None:
+            if self.created:
+                _undo_claim(self.run_dir, self.lock, self.created)
             self.lock.release()
             self.lock = None
 
@@ -63,12 +69,12 @@ def run_dir_for(recipe: Recipe, output_dir: Optional[Path]) -> Path:
 def prepare(loaded: LoadedRecipe, output_dir: Optional[Path] = None, overwrite: bool = False,
             module: str = RUNNER_MODULE, facts=None, resume: Optional[bool] = None,
             force_resume: bool = False, dry_run: bool = False) -> Prepared:
-    """Preflight and launch plan for `loaded` on this machine (facts: finetune.run.doctor.Facts, faked in tests).
+    """Preflight and launch plan for `loaded` on this machine (facts: finetune.run.machine.Facts, faked in tests).
 
     `resume`: continue from the newest complete checkpoint in the run directory (None: training.resume).
-    An existing run directory is locked first (finetune.rundir.lock; a dry run only looks), so no other live
-    run changes it between what preflight decides and the launch: release() the result when not
-    launching."""
+    The run directory is locked before anything looks at it (finetune.rundir.lock; created empty when missing,
+    a dry run only looks), so no other live run creates, changes or replaces it between what preflight
+    decides and the end of the run: release() the result when not launching."""
     recipe = loaded.recipe
     run_dir = run_dir_for(recipe, output_dir)
     if facts is None:
@@ -85,13 +91,18 @@ def prepare(loaded: LoadedRecipe, output_dir: Optional[Path] = None, overwrite: 
     except HostfileError:
         pass  # preflight reports it
     builds = watch_builds(plan, recipe, dry_run) if plan is not None else None
-    lock, in_use = lock_existing(run_dir, dry_run, recipe)
-    preflight = run_preflight(loaded, run_dir, overwrite=overwrite, facts=facts,
-                              world_size=plan.world_size if plan else None, resume=resume, force_resume=force_resume,
-                              in_use=in_use)
-    if plan is not None and preflight.resume_from is not None:
+    lock, in_use, created = claim(run_dir, dry_run, recipe)
+    prepared = Prepared(loaded, run_dir, None, plan, overwrite, lock, builds, created)  # type: ignore[arg-type]
+    try:
+        prepared.preflight = run_preflight(loaded, run_dir, overwrite=overwrite, facts=facts,
+                                           world_size=plan.world_size if plan else None, resume=resume,
+                                           force_resume=force_resume, in_use=in_use)
+    except BaseException:
+        prepared.release()
+        raise
+    if plan is not None and prepared.preflight.resume_from is not None:
         plan.argv.append("--resume")  # the runner's argument, last on both launchers' command lines
-    return Prepared(loaded, run_dir, preflight, plan, overwrite, lock, builds)
+    return prepared
 
 
 def watch_builds(plan: LaunchPlan, recipe: Recipe, dry_run: bool) -> Optional[BuildWatch]:
@@ -108,19 +119,45 @@ def watch_builds(plan: LaunchPlan, recipe: Recipe, dry_run: bool) -> Optional[Bu
     return watch
 
 
-def lock_existing(run_dir: Path, dry_run: bool, recipe: Recipe) -> tuple[Optional[RunLock], Optional[str]]:
-    """(our lock on an existing run directory, or None; the live holder's description, or None)."""
+def claim(run_dir: Path, dry_run: bool, recipe: Recipe) -> tuple[Optional[RunLock], Optional[str], Optional[str]]:
+    """(our lock on the run directory, or None; the live holder's description, or None; what we created:
+    "dir", "file" (the lock file) or None).
+
+    Taken before preflight reads the directory, and kept through --overwrite's swap (start_run): two
+    `finetune train` into one directory, in either order, at any gap, end with one refused naming the other.
+    A missing directory is created empty to hold the lock (removed again when nothing is launched)."""
     name = lock_name(recipe.launch.nodes, recipe.launch.node_rank)
-    if not (run_dir / RUN_MARKER).is_file():
-        return None, None  # nothing there for another run to own; locked once written (start_run)
     if dry_run:
-        return None, holder(run_dir, name)
+        return None, (holder(run_dir, name) if run_dir.is_dir() else None), None
+    for _ in range(3):  # the directory may vanish under us (another run removing the empty one it created)
+        created = None
+        try:
+            if not run_dir.exists() and not run_dir.is_symlink():
+                run_dir.mkdir(parents=True)
+                created = "dir"
+            if not run_dir.is_dir():
+                return None, None, None  # a file, a dangling link: preflight says so
+            if created is None and not (run_dir / name).exists():
+                created = "file"
+            return acquire(run_dir, name), None, created
+        except RunDirLocked as exc:
+            return None, str(exc), None
+        except (FileExistsError, FileNotFoundError):
+            continue  # created or removed by another process between our look and our step: look again
+        except OSError:
+            return None, None, None  # not writable, name too long, a loop: preflight says so
+    return None, None, None
+
+
+def _undo_claim(run_dir: Path, lock: RunLock, created: str) -> None:
+    """Remove what claim() created when nothing was launched (a process that opened the lock file before
+    this sees it gone: finetune.rundir.lock.acquire looks again)."""
     try:
-        return acquire(run_dir, name), None
-    except RunDirLocked as exc:
-        return None, str(exc)
+        lock.path.unlink()
+        if created == "dir":
+            run_dir.rmdir()  # fails, and leaves it, when anything else appeared in it
     except OSError:
-        return None, None  # not writable: preflight says so
+        pass
 
 
 def tokenize_before_launch(loaded: LoadedRecipe, log: Callable[[str], None], num_proc: Optional[int] = None):
@@ -160,18 +197,33 @@ def start_run(prepared: Prepared, console: Optional[IO[bytes]] = None) -> Outcom
     except DataError as exc:
         prepared.release()
         raise LaunchError(f"{exc}; nothing was launched") from None
+    name = lock_name(plan.nodes, plan.node_rank)
     try:
+        if prepared.lock is None:  # the directory could not be created or locked at prepare(): try once more
+            lock, in_use, _ = claim(prepared.run_dir, False, prepared.loaded.recipe)
+            if lock is None:
+                raise LaunchError(in_use or f"cannot lock the run directory {prepared.run_dir}")
+            prepared.lock = lock
+        from finetune.rundir.checkpoint import set_aside
+
+        for damaged in prepared.preflight.damaged:  # newer than the one resumed from (preflight said which)
+            set_aside(damaged)
         # Resuming keeps the checkpoints; the nodes of one run may share (and all write) one directory.
         in_place = prepared.resume_from is not None or prepared.preflight.join or plan.nodes > 1
-        write_run_dir(prepared.loaded, prepared.run_dir, plan.world_size, overwrite=prepared.overwrite, in_place=in_place)
-        if prepared.lock is None or not in_place:
-            # A new directory, or --overwrite replaced the one we had locked: own the one now in place.
-            try:
-                lock = acquire(prepared.run_dir, lock_name(plan.nodes, plan.node_rank))
-            except RunDirLocked as exc:
-                raise LaunchError(str(exc)) from None
+        replaced: list[RunLock] = []
+
+        def own_new_dir(new_dir: Path) -> None:
+            # --overwrite: the new directory is locked before it takes the old one's place, and the old one
+            # stays locked until then: at no moment is the run directory without its owner.
+            replaced.append(acquire(new_dir, name))
+
+        write_run_dir(prepared.loaded, prepared.run_dir, plan.world_size, overwrite=prepared.overwrite,
+                      in_place=in_place, before_swap=own_new_dir)
+        prepared.created = None  # from here on the directory is the run's, whatever happens
+        if replaced:
             prepared.release()
-            prepared.lock = lock
+            replaced[0].path = prepared.run_dir / name
+            prepared.lock = replaced[0]
         # The start-up split in summary.json begins here: tokenizing before, the ranks' start after.
         write_atomic(prepared.run_dir / PREPARE_FILE, json.dumps(
             {"tokenize": data.as_dict() if data is not None else None, "launched_at": time.time()}, indent=2) + "\n")

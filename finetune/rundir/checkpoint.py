@@ -32,14 +32,16 @@ import os
 import re
 import shutil
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional
 
+from finetune.errors import FinetuneError
 from finetune.fsutil import write_atomic
+from finetune.rundir.names import CHECKPOINT_PREFIX, SUMMARY_FILE
 from finetune.rundir.resume_key import RESUME_KEY_FILE, changed_fields, read_resume_key, resume_fields
+from finetune.units import gib_text
 
-CHECKPOINT_PREFIX = "checkpoint-"  # transformers.trainer_utils.PREFIX_CHECKPOINT_DIR + "-"
 MARKER = "COMPLETE"
 STOP_RECORD = "stopped.json"
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL
@@ -47,7 +49,7 @@ EXIT_PREEMPTED = 75  # EX_TEMPFAIL
 # (finetune.train.preemption): within this many seconds of the first it is the same request (systemd,
 # SLURM and launchers often signal every process and also relay it); a later one aborts at once.
 SECOND_SIGNAL_WINDOW = 5.0
-_CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
+_CHECKPOINT_RE = re.compile(rf"^{re.escape(CHECKPOINT_PREFIX)}(\d+)$")
 MIB = 2**20
 # Headroom on top of the estimate: the estimate is the previous checkpoint's size (or the model's),
 # and ZeRO shards, RNG files and trainer_state.json vary a little from one save to the next.
@@ -55,7 +57,7 @@ SPACE_FACTOR = 1.2
 SPACE_MARGIN = 256 * MIB
 
 
-class CheckpointError(Exception):
+class CheckpointError(FinetuneError):
     """A checkpoint cannot be written or read (disk full, read-only, not enough space)."""
 
 
@@ -270,17 +272,47 @@ class ResumePlan:
     error: Optional[str] = None
     notes: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    damaged: list[Checkpoint] = field(default_factory=list)  # newer than `checkpoint`, set aside before launch
+
+
+DAMAGED_SUFFIX = ".damaged"
+
+
+def set_aside(checkpoint: Checkpoint) -> Path:
+    """Move a damaged checkpoint out of the way (kept, hidden, for a look): nothing resumes from it or rotates it."""
+    aside = checkpoint.path.with_name(f".{checkpoint.path.name}{DAMAGED_SUFFIX}")
+    shutil.rmtree(aside, ignore_errors=True)
+    os.replace(checkpoint.path, aside)
+    return aside
 
 
 def plan_resume(run_dir: Path, resolved: dict[str, Any], world_size: Optional[int], nodes: int,
-                resume: bool, force: bool) -> ResumePlan:
-    """For a run directory holding a previous run of the same name (recipe.yaml), not --overwrite."""
+                resume: bool, force: bool, inspect=None) -> ResumePlan:
+    """For a run directory holding a previous run of the same name (recipe.yaml), not --overwrite.
+
+    `inspect(path)` (finetune.rundir.verify.inspect; None: the marker's file sizes only) looks inside the
+    newest complete checkpoint: a damaged one is passed over for the previous one, saying so; one that
+    pickles code is refused."""
     run_dir = Path(run_dir)
     checkpoints = list_checkpoints(run_dir)
     complete = [c for c in checkpoints if c.complete]
+    damaged: list[Checkpoint] = []
+    while inspect is not None and resume and complete:
+        found = inspect(complete[-1].path)
+        if found is None:
+            break
+        kind, why = found
+        if kind == "unsafe":
+            return ResumePlan(error=f"{complete[-1].path} cannot be resumed from: {why}. Remove that checkpoint "
+                                    f"(or pass --overwrite to start over) if you did not put that there")
+        damaged.append(replace(complete.pop(), problem=why))
+    if damaged and not complete:
+        shown = "; ".join(f"{c.name}: {c.problem}" for c in damaged)
+        return ResumePlan(error=f"output directory {run_dir}: every complete checkpoint is damaged ({shown}); "
+                                f"pass --overwrite to start over")
     old = read_resume_key(run_dir)
     changes = changed_fields(old, resume_fields(resolved, world_size)) if old is not None and world_size else []
-    finished = (run_dir / "summary.json").is_file()
+    finished = (run_dir / SUMMARY_FILE).is_file()
     where = f"output directory {run_dir}"
     plan = ResumePlan()
     if not complete:
@@ -311,6 +343,10 @@ def plan_resume(run_dir: Path, resolved: dict[str, Any], world_size: Optional[in
                       f"continue the same run: {'; '.join(changes)}. Pass --force-resume to resume anyway, "
                       f"or --overwrite to start over")
         return plan
+    plan.damaged = damaged
+    for bad in damaged:
+        plan.warnings.append(f"{bad.name} is damaged ({bad.problem}): it is set aside as "
+                             f".{bad.name}{DAMAGED_SUFFIX} and the run resumes from {latest.name}")
     if changes:
         plan.warnings.append(f"resuming from {latest.name} although the recipe changed (--force-resume): {'; '.join(changes)}")
     if old is None:
@@ -362,13 +398,23 @@ def space_problem(run_dir: Path, estimate: int, free: Optional[int] = None) -> O
     free = free_bytes(run_dir) if free is None else free
     if free >= need:
         return None
-    return (f"not enough free space for the next checkpoint in {run_dir}: about {_gib(need)} needed "
-            f"(checkpoint ~{_gib(estimate)} + headroom), {_gib(free)} free; free some space or point "
+    return (f"not enough free space for the next checkpoint in {run_dir}: about {gib_text(need)} needed "
+            f"(checkpoint ~{gib_text(estimate)} + headroom), {gib_text(free)} free; free some space or point "
             f"--output-dir at a larger disk, then run the same command again to resume")
 
 
-def _gib(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB"
+def mount_point(path: Path) -> str:
+    """The mount point of the file system holding `path` (what a user frees space on)."""
+    path = Path(path).absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        device = path.stat().st_dev
+        while path != path.parent and path.parent.stat().st_dev == device:
+            path = path.parent
+    except OSError:
+        pass
+    return str(path)
 
 
 _FULL = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
@@ -381,7 +427,8 @@ def disk_error_message(exc: BaseException, run_dir: Path) -> Optional[str]:
     code = getattr(exc, "errno", None)
     where = getattr(exc, "filename", None) or run_dir
     if code in _FULL:
-        return f"the output disk is full (writing {where}): free some space, then run the same command again to resume"
+        return (f"no space left on {mount_point(Path(where))}: the output disk is full (writing {where}); "
+                f"free some space, then run the same command again to resume")
     if code == errno.EROFS:
         return f"the output disk is read-only (writing {where}): remount it read-write or choose another --output-dir"
     if code == errno.EACCES and isinstance(exc, OSError):
@@ -392,7 +439,7 @@ def disk_error_message(exc: BaseException, run_dir: Path) -> Optional[str]:
         except OSError:
             free = None
         if free is not None and free < SPACE_MARGIN:
-            return (f"the output disk is full ({_gib(free)} free under {run_dir}): free some space, "
-                    f"then run the same command again to resume")
+            return (f"no space left on {mount_point(run_dir)}: the output disk is full ({gib_text(free)} free under "
+                    f"{run_dir}); free some space, then run the same command again to resume")
         return f"writing a checkpoint under {run_dir} failed: {str(exc).splitlines()[0]}"
     return None

@@ -16,17 +16,16 @@ import io
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Optional
 
 from finetune.fsutil import atomic_dir
 from finetune.recipe import LoadedRecipe, Recipe
 from finetune.recipe.references import is_local, is_model_path
 from finetune.builtin import is_builtin
 
-RECIPE_FILE = "recipe.yaml"
-DEEPSPEED_FILE = "deepspeed.json"
-TRAINING_ARGS_FILE = "training_args.json"
-RUN_INPUTS = (RECIPE_FILE, DEEPSPEED_FILE, TRAINING_ARGS_FILE)  # what the runner reads
+from finetune.rundir.run_dir import (  # noqa: F401  (RunDirError: re-exported for the runner)
+    DEEPSPEED_FILE, LOGS_DIR, RECIPE_FILE, RUN_INPUTS, TRAINING_ARGS_FILE, RunDir, RunDirError,
+)
 
 
 def resolved_recipe(recipe: Recipe, run_dir: Path) -> dict[str, Any]:
@@ -80,22 +79,30 @@ def run_files(loaded: LoadedRecipe, run_dir: Path, world_size: int) -> dict[str,
 
 
 def write_run_dir(loaded: LoadedRecipe, run_dir: Path, world_size: int, overwrite: bool = False,
-                  in_place: bool = False) -> Path:
+                  in_place: bool = False, before_swap: Optional[Callable[[Path], None]] = None) -> Path:
     """Create RUN with the files above, all at once: a failure leaves no half-written run directory.
 
-    An existing directory is replaced only with `overwrite` (preflight has checked it is a run dir).
+    An existing directory is replaced only with `overwrite` (preflight has checked it is a run dir);
+    `before_swap(new_dir)` runs when the new directory is complete and not yet in place (finetune.run.start
+    takes the new directory's lock there, so the run directory is owned across the swap). A symlinked
+    run directory is replaced at its target: the link stays and points at the new run.
     `in_place` (resuming, or another node of the same run wrote it): rewrite the files one by one,
     each atomically, and keep everything else (checkpoints, logs)."""
+    from finetune.rundir.lock import is_lock_file
+
     run_dir = Path(run_dir).absolute()
     files = run_files(loaded, run_dir, world_size)
     if in_place and not overwrite:
         run_dir.mkdir(parents=True, exist_ok=True)  # the other nodes may be creating it at the same time
-    # An empty directory (made by hand, or a mount point) is filled in place rather than replaced.
-    if run_dir.is_dir() and (in_place and not overwrite or not any(run_dir.iterdir())):
+    # An empty directory (made by hand, a mount point, or by `finetune train` to hold its lock) is filled in place.
+    if run_dir.is_dir() and (in_place and not overwrite or all(is_lock_file(p.name) for p in run_dir.iterdir())):
         _write_into(run_dir, files)
         return run_dir
-    with atomic_dir(run_dir, overwrite=overwrite) as tmp:
+    target = run_dir.resolve() if run_dir.is_symlink() else run_dir
+    with atomic_dir(target, overwrite=overwrite) as tmp:
         _write_into(tmp, files)
+        if before_swap is not None:
+            before_swap(tmp)
     return run_dir
 
 
@@ -109,27 +116,19 @@ def _write_into(directory: Path, files: dict[str, str]) -> None:
     for name, text in files.items():
         write_atomic(directory / name, text)
         (directory / name).chmod(0o666 & ~umask)
-    (directory / "logs").mkdir(exist_ok=True)
-
-
-class RunDirError(Exception):
-    """The run directory is missing a file or holds one the runner cannot read."""
+    (directory / LOGS_DIR).mkdir(exist_ok=True)
 
 
 def read_run_dir(run_dir: Path) -> tuple[Recipe, dict[str, Any], dict[str, Any]]:
     """(recipe, DeepSpeed config, TrainingArguments kwargs) as write_run_dir left them (the runner reads them)."""
-    from pydantic import ValidationError
-
-    from finetune.recipe.yamlio import DocumentError, load_yaml
-
-    missing = [name for name in RUN_INPUTS if not (run_dir / name).is_file()]
+    run = RunDir(run_dir)
+    missing = [name for name in RUN_INPUTS if not run.file(name).is_file()]
     if missing:
         raise RunDirError(f"{run_dir}: missing {', '.join(missing)} (start runs with `finetune train RECIPE`)")
     try:
-        raw = load_yaml((run_dir / "recipe.yaml").read_text(encoding="utf-8"), str(run_dir / "recipe.yaml")).data
-        recipe = Recipe.model_validate(raw)
-        ds_config = json.loads((run_dir / "deepspeed.json").read_text(encoding="utf-8"))
-        training_args = json.loads((run_dir / "training_args.json").read_text(encoding="utf-8"))
-    except (DocumentError, ValidationError, json.JSONDecodeError, OSError) as exc:
+        recipe = run.recipe()
+        ds_config = json.loads(run.file(DEEPSPEED_FILE).read_text(encoding="utf-8"))
+        training_args = json.loads(run.file(TRAINING_ARGS_FILE).read_text(encoding="utf-8"))
+    except (RunDirError, ValueError, OSError) as exc:
         raise RunDirError(f"{run_dir}: cannot read the run inputs: {exc}") from None
     return recipe, ds_config, training_args

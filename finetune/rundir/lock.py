@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from finetune.errors import FinetuneError
+
 LOCK_FILE = ".finetune.lock"
 OWNER_ENV = "FINETUNE_RUN_OWNER"  # the holder's PID, for the ranks it starts (finetune.train.preemption)
 LOCK_ENV = "FINETUNE_RUN_LOCK"  # the lock file's name in the run directory, for the same ranks
@@ -25,7 +27,7 @@ def lock_name(nodes: int = 1, node_rank: int = 0) -> str:
     return LOCK_FILE if nodes <= 1 else f"{LOCK_FILE}.node{node_rank}"
 
 
-class RunDirLocked(Exception):
+class RunDirLocked(FinetuneError):
     """Another live run owns the run directory (message names its PID and host)."""
 
 
@@ -54,17 +56,37 @@ def _try_flock(fd: int) -> bool:
         return False
 
 
+def is_lock_file(name: str) -> bool:
+    """A lock file of any node (what an otherwise empty run directory may hold)."""
+    return name == LOCK_FILE or name.startswith(f"{LOCK_FILE}.node")
+
+
 def acquire(run_dir: Path, name: str = LOCK_FILE) -> RunLock:
     """Own `run_dir` (it must exist), or raise RunDirLocked naming the live holder."""
     path = _lock_path(run_dir, name)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    if not _try_flock(fd):
-        holder = _read_holder(fd)
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        if not _try_flock(fd):
+            holder = _read_holder(fd)
+            os.close(fd)
+            raise RunDirLocked(_locked_message(run_dir, holder))
+        if _still_there(fd, path):
+            break
+        # Removed or replaced between our open and our flock (a holder cleaning up the directory it created,
+        # or an --overwrite swap): the lock that counts is the file at the path now.
         os.close(fd)
-        raise RunDirLocked(_locked_message(run_dir, holder))
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"pid {os.getpid()} host {platform.node()} since {time.strftime('%Y-%m-%dT%H:%M:%S%z')}\n".encode(), 0)
     return RunLock(path, fd)
+
+
+def _still_there(fd: int, path: Path) -> bool:
+    try:
+        now = os.stat(path)
+    except FileNotFoundError:
+        return False  # the next open creates it again, or fails when the folder itself is gone
+    mine = os.fstat(fd)
+    return (now.st_dev, now.st_ino) == (mine.st_dev, mine.st_ino)
 
 
 def holder(run_dir: Path, name: str = LOCK_FILE) -> Optional[str]:

@@ -36,6 +36,13 @@ QLORA_KEYS = ("quantization.quant_type", "quantization.double_quant", "quantizat
               "quantization.storage_dtype")
 
 
+def objective_section(name: Any) -> Optional[str]:
+    from finetune.objectives import OBJECTIVES
+
+    record = OBJECTIVES.get(name) if isinstance(name, str) else None
+    return record.section if record else None
+
+
 def resume_fields(resolved: dict[str, Any], world_size: int) -> dict[str, Any]:
     """The resume-relevant values of a resolved recipe (finetune.rundir.layout.resolved_recipe)."""
     keys = RESUME_KEYS + (QLORA_KEYS if resolved.get("method") == "qlora" else ())
@@ -43,8 +50,9 @@ def resume_fields(resolved: dict[str, Any], world_size: int) -> dict[str, Any]:
     for key, default in KEYS_IF_SET.items():
         if _lookup(resolved, key) not in (None, default):
             fields[key] = _lookup(resolved, key)
-    if fields.get("objective", "sft") != "sft":
-        fields["preference"] = resolved.get("preference")  # beta, loss, reference: the loss itself
+    section = objective_section(fields.get("objective", "sft"))
+    if section:  # preference (beta, loss, reference), grpo (generations, rewards): the loss itself
+        fields[section] = resolved.get(section)
     data = resolved.get("data", {})
     paths = [str(s.get("path", "")) for s in data.get("sources") or [] if isinstance(s, dict)] or [str(data.get("path") or "")]
     sizes = [_data_size(path) for path in paths]

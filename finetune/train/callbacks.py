@@ -8,6 +8,8 @@ from typing import Any, Optional
 
 from transformers import TrainerCallback
 
+from finetune.rundir.names import PLOT_FILE
+
 
 class TrainClock(TrainerCallback):
     """Wall time of the training loop only (after the DeepSpeed engine is built, before saving).
@@ -101,7 +103,7 @@ class LossPlot(TrainerCallback):
     """
 
     def __init__(self, run_dir: Path, interval: float = 10.0) -> None:
-        self.path = Path(run_dir) / "loss.png"
+        self.path = Path(run_dir) / PLOT_FILE
         self.interval = interval
         self.last: Optional[float] = None
         self.available = True

@@ -66,6 +66,11 @@ def load_model(recipe: Recipe, model_path: str):
     """The base causal LM in the recipe's dtype and attention kernel (4-bit for qlora)."""
     from transformers import AutoModelForCausalLM
 
+    return AutoModelForCausalLM.from_pretrained(model_path, **model_kwargs(recipe))
+
+
+def model_kwargs(recipe: Recipe) -> dict[str, Any]:
+    """from_pretrained's keyword arguments for the recipe: dtype, attention kernel, revision, 4-bit."""
     m = recipe.model
     kwargs: dict[str, Any] = {
         "dtype": torch_dtype(m.dtype),
@@ -79,7 +84,7 @@ def load_model(recipe: Recipe, model_path: str):
         # No device_map: bitsandbytes' quantizer places the model on the current CUDA device (set
         # per rank by TrainingArguments) or on the CPU.
         kwargs["quantization_config"] = quant
-    return AutoModelForCausalLM.from_pretrained(model_path, **kwargs)
+    return kwargs
 
 
 def lora_config(recipe: Recipe):
@@ -87,7 +92,8 @@ def lora_config(recipe: Recipe):
 
     lora = recipe.lora
     return LoraConfig(
-        task_type="CAUSAL_LM",
+        # A reward model's score head is new: SEQ_CLS makes peft train and save it (modules_to_save `score`).
+        task_type="SEQ_CLS" if recipe.objective == "reward" else "CAUSAL_LM",
         r=lora.r,
         lora_alpha=lora.alpha,
         lora_dropout=lora.dropout,
@@ -100,15 +106,23 @@ def lora_config(recipe: Recipe):
     )
 
 
+def enable_checkpointing(model, reentrant: bool = False) -> None:
+    """Gradient checkpointing under the name this transformers has: activation_checkpointing_enable (5.x;
+    the old name warns "will be removed in v6") or gradient_checkpointing_enable."""
+    kwargs = {"use_reentrant": reentrant}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
 def prepare_model(model, recipe: Recipe):
     """Gradient checkpointing, then (lora/qlora) the PEFT adapter. Returns the model to train."""
     t = recipe.training
     if t.gradient_checkpointing:
-        kwargs = {"use_reentrant": t.gradient_checkpointing_reentrant}
-        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x renamed it
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        from finetune.render import reentrant_checkpointing
+
+        enable_checkpointing(model, reentrant_checkpointing(recipe))
     if recipe.method == "full":
         return model
     from peft import get_peft_model

@@ -41,17 +41,21 @@ from typing import Any, Optional
 
 from transformers import TrainerCallback
 
+from finetune.errors import FinetuneError
 from finetune.rundir import checkpoint as ckpt
 from finetune.rundir import resume_key
 from finetune.recipe import Recipe
 from finetune.train.dist import all_gather, barrier, local_rank, process_group, rank
+from finetune.units import human_size
 
 DUPLICATE_WINDOW = ckpt.SECOND_SIGNAL_WINDOW  # the same rule as `finetune train`'s (finetune.run.launch)
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
-class Preempted(Exception):
+class Preempted(FinetuneError):
     """Training stopped on a signal after saving a checkpoint: exit EXIT_PREEMPTED."""
+
+    exit_code = ckpt.EXIT_PREEMPTED
 
     def __init__(self, step: int, checkpoint: Optional[str], signal_name: str):
         super().__init__(f"stopped by {signal_name} at step {step}; {checkpoint} is complete: "
@@ -242,7 +246,7 @@ class PreemptionCallback(TrainerCallback):
                                                "host": platform.node()})
             ckpt.rotate(self.run_dir, self.keep)
             size = sum(record["files"].values())
-            _log(f"{path.name} complete ({size / 2**20:.1f} MiB)")
+            _log(f"{path.name} complete ({human_size(size)})")
             if self.stopped_at is not None:
                 ckpt.write_stop_record(self.run_dir, step, path.name, self.signal_name or "a signal")
         barrier()  # nobody stops (or writes more) before the marker is down
@@ -328,7 +332,7 @@ def exit_code_for(exc: BaseException, run_dir: Path) -> Optional[int]:
     Preempted -> 75 (EX_TEMPFAIL: checkpoint saved, run again); a checkpoint or disk problem -> 1."""
     if isinstance(exc, Preempted):
         _log(str(exc))
-        return ckpt.EXIT_PREEMPTED
+        return exc.exit_code
     message = str(exc) if isinstance(exc, ckpt.CheckpointError) else ckpt.disk_error_message(exc, run_dir)
     if message is None:
         return None

@@ -21,9 +21,11 @@ from pathlib import Path
 from typing import Any, Optional
 
 from finetune.fsutil import write_atomic
+from finetune.rundir.names import DEEPSPEED_FILE, PLOT_FILE, REPORT_FILE
+from finetune.units import gib_text
 
-PLOT_FILE = "loss.png"
-REPORT_FILE = "report.html"
+REWARD_PLOT_FILE = "rewards.png"  # GRPO: mean reward, each reward, KL, length; dpo/orpo/kto/simpo: TRL's rewards/*
+SAMPLES_FILE = "completions.jsonl"  # written by finetune.train.grpo.completion_samples
 PLOT_HINT = "pip install matplotlib (or pip install 'finetune[train]')"
 
 
@@ -79,6 +81,94 @@ def plot_loss(log_history: list[dict[str, Any]], path: Path, title: str = "") ->
     return True
 
 
+def reward_curves(log_history: list[dict[str, Any]]) -> dict[str, list[tuple[float, float]]]:
+    """(step, value) series of the rewards TRL logged while training (entries with a `loss`, so no eval_*):
+    GRPOTrainer's `reward`, `rewards/<name>/mean`, `kl`, `completions/mean_length`; the preference trainers'
+    `rewards/chosen`, `rewards/rejected`, `rewards/margins`, `rewards/accuracies`. GRPO is told apart by its
+    `reward` (the weighted sum), which the preference trainers never log."""
+    out: dict[str, list[tuple[float, float]]] = {}
+    for entry in log_history:
+        step = entry.get("step")
+        if step is None or "loss" not in entry:
+            continue
+        grpo = "reward" in entry
+        for key, value in entry.items():
+            if grpo:
+                wanted = key in ("reward", "kl", "completions/mean_length") or \
+                    (key.startswith("rewards/") and key.endswith("/mean"))
+            else:
+                wanted = key.startswith("rewards/")
+            if wanted and isinstance(value, (int, float)):
+                out.setdefault(key, []).append((float(step), float(value)))
+    return out
+
+
+def plot_rewards(log_history: list[dict[str, Any]], path: Path, title: str = "") -> bool:
+    """rewards.png: for GRPO the mean reward and each reward function, KL and completion length; for the
+    preference objectives chosen, rejected and margins above, accuracies below. False without matplotlib
+    or without any reward logged (sft)."""
+    series = reward_curves(log_history)
+    if not series:
+        return False
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    import io
+
+    draw = _draw_grpo_rewards if "reward" in series else _draw_preference_rewards
+    fig = draw(plt, series, title or "rewards")
+    try:
+        fig.tight_layout()
+        buffer = io.BytesIO()
+        fig.savefig(buffer, format="png", dpi=100)
+    finally:
+        plt.close(fig)
+    write_atomic(Path(path), buffer.getvalue())
+    return True
+
+
+def _draw_grpo_rewards(plt, series, title: str):
+    fig, (top, middle, bottom) = plt.subplots(3, 1, figsize=(8, 7), sharex=True, height_ratios=[3, 1.2, 1.2])
+    top.plot(*zip(*series["reward"]), label="mean reward (weighted sum)", color="tab:blue", linewidth=1.6)
+    for key, points in series.items():
+        if key.startswith("rewards/"):
+            top.plot(*zip(*points), label=key.split("/")[1], linewidth=1, alpha=0.7)
+    top.set_ylabel("reward")
+    top.legend(loc="best", fontsize="small")
+    top.set_title(title)
+    for axis, key, label in ((middle, "kl", "KL to reference"), (bottom, "completions/mean_length", "completion tokens")):
+        if key in series:
+            axis.plot(*zip(*series[key]), color="tab:purple", linewidth=1.2)
+        axis.set_ylabel(label)
+        axis.grid(alpha=0.3)
+    top.grid(alpha=0.3)
+    bottom.set_xlabel("optimizer step")
+    return fig
+
+
+def _draw_preference_rewards(plt, series, title: str):
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 5.5), sharex=True, height_ratios=[3, 1.2])
+    for key, points in sorted(series.items()):
+        if key != "rewards/accuracies":
+            top.plot(*zip(*points), label=key.split("/", 1)[1], linewidth=1.4)
+    top.axhline(0.0, color="#999", linewidth=0.8)
+    top.set_ylabel("reward")
+    top.legend(loc="upper left")
+    top.set_title(title)
+    if "rewards/accuracies" in series:
+        bottom.plot(*zip(*series["rewards/accuracies"]), color="tab:purple", linewidth=1.2)
+    bottom.set_ylim(-0.05, 1.05)
+    bottom.set_ylabel("accuracy")
+    bottom.set_xlabel("optimizer step")
+    top.grid(alpha=0.3)
+    bottom.grid(alpha=0.3)
+    return fig
+
+
 # ------------------------------------------------------------------------------------------------
 # report.html
 
@@ -100,8 +190,21 @@ def _json(path: Path) -> Optional[Any]:
         return None
 
 
+def _jsonl(path: Path) -> list[dict[str, Any]]:
+    text = _read(path) or ""
+    out = []
+    for line in text.splitlines():
+        try:
+            item = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(item, dict):
+            out.append(item)
+    return out
+
+
 def _gib(n: Optional[float]) -> str:
-    return "n/a" if n is None else f"{n / 2**30:.2f} GiB"
+    return "n/a" if n is None else gib_text(n)
 
 
 def plan_estimate(run_dir: Path, world_size: int) -> tuple[Optional[dict[str, int]], str]:
@@ -117,23 +220,32 @@ def plan_estimate(run_dir: Path, world_size: int) -> tuple[Optional[dict[str, in
 
 
 def next_steps(run_dir: Path, summary: dict[str, Any]) -> list[tuple[str, str]]:
-    """(what, command) pairs for what a user does after this run."""
-    run = str(run_dir)
-    name = run_dir.name
-    steps = [("chat with it", f"finetune chat {run}")]
-    if summary.get("objective", "sft") == "sft":  # a preference loss is not a perplexity
-        steps.append(("loss and perplexity, base vs fine-tuned", f"finetune eval {run}"))
+    """(what, command) pairs for what a user does after this run, spelled to run as printed (finetune.hints),
+    every argument shell-quoted."""
+    from finetune import hints
+    from finetune.rundir.checkpoint import checkpoint_dirs
+    from finetune.rundir.run_dir import ADAPTER_DIR, RunDir, command_line
+
+    run, finetune = RunDir(run_dir), hints.finetune()
+    objective = summary.get("objective", "sft")
+    if objective == "reward":  # a scoring head, not a chat model
+        steps = [("pairwise accuracy on its pairs, base vs trained", f"{finetune} {command_line('eval', run_dir)}")]
+    else:
+        steps = [("chat with it", f"{finetune} {command_line('chat', run_dir)}")]
+    if objective == "sft":  # a preference loss is not a perplexity
+        steps.append(("loss and perplexity, base vs fine-tuned", f"{finetune} {command_line('eval', run_dir)}"))
     output = summary.get("output")
-    if output == "adapter":
-        steps.append(("merge the adapter into the base (CPU, streaming)", f"finetune merge {run} -o merged/{name}"))
-    checkpoints = sorted((p for p in run_dir.glob("checkpoint-*") if p.name.split("-")[-1].isdigit()),
-                         key=lambda p: int(p.name.split("-")[-1]))
+    if output == ADAPTER_DIR:
+        steps.append(("merge the adapter into the base (CPU, streaming)",
+                      f"{finetune} {command_line('merge', run_dir, '-o', f'merged/{run_dir.name}')}"))
+    checkpoints = checkpoint_dirs(run_dir)
     if checkpoints:
-        newest = checkpoints[-1]
-        steps.append((f"turn {newest.name} into an adapter or weights", f"finetune convert {newest} -o {run}/{newest.name}-hf"))
+        newest = checkpoints[-1][1]
+        steps.append((f"turn {newest.name} into an adapter or weights",
+                      f"{finetune} {command_line('convert', newest, '-o', run_dir / f'{newest.name}-hf')}"))
         steps.append(("train further from the newest checkpoint (after raising training.max_steps or epochs)",
-                      f"finetune train {run}/recipe.yaml --force-resume"))
-    steps.append(("TensorBoard", f"tensorboard --logdir {run}/tensorboard"))
+                      f"{finetune} {command_line('train', run.recipe_path, '--force-resume')}"))
+    steps.append(("TensorBoard", f"{hints.tensorboard()} {command_line('--logdir', run_dir / 'tensorboard')}"))
     return steps
 
 
@@ -165,11 +277,13 @@ def memory_rows(summary: dict[str, Any], per_gpu: Optional[dict[str, int]]) -> l
 
 def render_report(run_dir: Path, plot_written: bool) -> str:
     run_dir = Path(run_dir)
-    summary = _json(run_dir / "summary.json") or {}
-    env = _json(run_dir / "env.json") or {}
+    from finetune.rundir.run_dir import ENV_FILE, RECIPE_FILE, SUMMARY_FILE
+
+    summary = _json(run_dir / SUMMARY_FILE) or {}
+    env = _json(run_dir / ENV_FILE) or {}
     ds_path = run_dir / "deepspeed.effective.json"
-    ds_text = _read(ds_path) or _read(run_dir / "deepspeed.json") or "(missing)"
-    recipe_text = _read(run_dir / "recipe.yaml") or "(missing)"
+    ds_text = _read(ds_path) or _read(run_dir / DEEPSPEED_FILE) or "(missing)"
+    recipe_text = _read(run_dir / RECIPE_FILE) or "(missing)"
     world = int(summary.get("world_size") or env.get("world_size") or 1)
     per_gpu, why_no_plan = plan_estimate(run_dir, world)
     name = run_dir.name
@@ -204,6 +318,11 @@ def render_report(run_dir: Path, plot_written: bool) -> str:
     else:
         plot = f"<p>No plot: matplotlib is not installed ({html.escape(PLOT_HINT)}).</p>"
     parts.append(_section("Loss and learning rate", plot))
+    objective = summary.get("objective", "sft")
+    if objective == "grpo":
+        parts.extend(_grpo_sections(run_dir, summary))
+    elif objective != "sft":
+        parts.append(_section("Preference rewards", _rewards_body(run_dir, summary)))
     memory = memory_rows(summary, per_gpu)
     note = ("<p>Planned: <code>finetune plan</code>'s per-GPU peak for this recipe on "
             f"{world} GPU{'s' if world != 1 else ''}.")
@@ -217,7 +336,7 @@ def render_report(run_dir: Path, plot_written: bool) -> str:
                           _table(memory, ("rank", "planned (per GPU)", "measured peak", "measured as")) + note))
     parts.append(_section("Next", _table([(w, c) for w, c in next_steps(run_dir, summary)], ("what", "command"))))
     parts.append(_section("Recipe (recipe.yaml, resolved)", _pre(recipe_text)))
-    parts.append(_section(f"DeepSpeed config ({ds_path.name if ds_path.is_file() else 'deepspeed.json'})", _pre(ds_text)))
+    parts.append(_section(f"DeepSpeed config ({ds_path.name if ds_path.is_file() else DEEPSPEED_FILE})", _pre(ds_text)))
     versions = env.get("versions") or {}
     rows = [(k, str(v)) for k, v in versions.items()] + [("cuda", str(env.get("cuda"))), ("platform", str(env.get("platform")))]
     parts.append(_section("Versions", _table(rows, ("library", "version"))))
@@ -228,6 +347,36 @@ def render_report(run_dir: Path, plot_written: bool) -> str:
     return ("<!DOCTYPE html>\n<html lang=en><head><meta charset=utf-8>"
             f"<title>finetune run {html.escape(name)}</title><style>{style}</style></head>\n<body>\n"
             + "\n".join(parts) + "</body></html>\n")
+
+
+def _grpo_sections(run_dir: Path, summary: dict[str, Any]) -> list[str]:
+    """The reward curves (rewards.png, embedded) and the sample completions of a GRPO run."""
+    parts = []
+    if (run_dir / REWARD_PLOT_FILE).is_file():
+        data = base64.b64encode((run_dir / REWARD_PLOT_FILE).read_bytes()).decode("ascii")
+        reward = summary.get("mean_reward") or {}
+        line = f"<p>Mean reward, first -> last step: {_num(reward.get('first'))} -> {_num(reward.get('last'))}</p>"
+        parts.append(_section("Rewards, KL and completion length",
+                              line + f'<img alt="mean reward, KL, completion length" src="data:image/png;base64,{data}">'))
+    samples = _jsonl(run_dir / SAMPLES_FILE)
+    if samples:
+        rows = [(str(s.get("step")), s.get("prompt", ""), s.get("completion", ""),
+                 ", ".join(f"{k} {_num(v, '.3f')}" for k, v in (s.get("rewards") or {}).items()),
+                 _num(s.get("advantage"), ".3f")) for s in samples]
+        parts.append(_section("Sample completions (first step, every quarter, last step)",
+                              _table(rows, ("step", "prompt (end)", "completion", "rewards", "advantage"))))
+    return parts
+
+
+def _rewards_body(run_dir: Path, summary: dict[str, Any]) -> str:
+    """The reward curves (rewards.png, embedded) and every preference metric's first and last value."""
+    body = ""
+    if (run_dir / REWARD_PLOT_FILE).is_file():
+        data = base64.b64encode((run_dir / REWARD_PLOT_FILE).read_bytes()).decode("ascii")
+        body += f'<img alt="rewards: chosen, rejected, margins, accuracies" src="data:image/png;base64,{data}">'
+    metrics = summary.get("preference_metrics") or {}
+    rows = [(name, f"{_num(v.get('first'))} -> {_num(v.get('last'))}") for name, v in sorted(metrics.items())]
+    return body + (_table(rows, ("metric", "first -> last")) if rows else "<p>No preference metric was logged.</p>")
 
 
 def _num(value: Any, spec: str = ".4f") -> str:
@@ -241,5 +390,6 @@ def write_run_report(run_dir: Path, log_history: list[dict[str, Any]]) -> list[s
     plotted = plot_loss(log_history, run_dir / PLOT_FILE, title=run_dir.name)
     if not plotted:
         notes.append(f"loss.png not written: matplotlib is not installed ({PLOT_HINT})")
+    plot_rewards(log_history, run_dir / REWARD_PLOT_FILE, title=f"{run_dir.name}: rewards")
     write_atomic(run_dir / REPORT_FILE, render_report(run_dir, plotted))
     return notes

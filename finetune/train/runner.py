@@ -40,6 +40,9 @@ from typing import Any, Optional
 
 from finetune.recipe import Recipe
 from finetune.rundir.layout import RunDirError, read_run_dir
+from finetune.rundir.run_dir import (
+    ADAPTER_CONFIG, ADAPTER_DIR, ENV_FILE, MODEL_DIR, REPORT_FILE, SUMMARY_FILE, TOKENIZER_DIR, command_line,
+)
 from finetune.train.dist import all_gather, barrier, is_cpu_accelerator
 from finetune.train.dist import rank as process_rank
 
@@ -151,7 +154,7 @@ def save_weights(trainer, recipe: Recipe, ds_config: dict[str, Any], run_dir: Pa
 
     zero = ds_config.get("zero_optimization", {})
     gathered = zero.get("stage", 0) != 3 or bool(zero.get("stage3_gather_16bit_weights_on_model_save", False))
-    name = ("model" if recipe.method == "full" else "adapter") if gathered else "zero_checkpoint"
+    name = (MODEL_DIR if recipe.method == "full" else ADAPTER_DIR) if gathered else "zero_checkpoint"
     tmp = run_dir / f".{name}.partial"
     if is_main:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -164,8 +167,8 @@ def save_weights(trainer, recipe: Recipe, ds_config: dict[str, Any], run_dir: Pa
     barrier()  # a ZeRO checkpoint is written by every rank
     if is_main:
         (tmp / "training_args.bin").unlink(missing_ok=True)  # a pickle; training_args.json says the same
-        if name == "adapter":
-            _record_base_model(tmp / "adapter_config.json", base_model_path(recipe))
+        if name == ADAPTER_DIR:
+            _record_base_model(tmp / ADAPTER_CONFIG, base_model_path(recipe))
         if gathered and not any(tmp.glob("*.safetensors")):
             raise RuntimeError(f"saving {name}/ wrote no safetensors weights")
         _replace_dir(tmp, run_dir / name)
@@ -301,7 +304,7 @@ def run(run_dir: Path, resume: bool = False) -> None:
     world_size = training_args.world_size
     transformers.set_seed(recipe.training.seed)
     if is_main:
-        _write_json(run_dir / "env.json", environment(world_size))
+        _write_json(run_dir / ENV_FILE, environment(world_size))
 
     # 3. Model files (the built-in tiny model is created by preflight; this is a no-op then), tokenizer, data.
     with training_args.main_process_first(local=True, desc="built-in model"):
@@ -322,7 +325,12 @@ def run(run_dir: Path, resume: bool = False) -> None:
     startup.mark("data")
 
     # 4. The model, built partitioned under ZeRO-3, then LoRA and gradient checkpointing.
-    model = load_model(recipe, model_path)
+    if recipe.objective == "reward":  # a one-score head on the base model (TRL's RewardTrainer)
+        from finetune.train.grpo import load_reward_model
+
+        model = load_reward_model(recipe, model_path, tokenizer.pad_token_id)
+    else:
+        model = load_model(recipe, model_path)
     check_packing_support(model, recipe)
     # No KV cache while training: it is for generation, and with one transformers skips the packed-
     # sequence mask (masking_utils). Restored before saving, so model/ generates with a cache.
@@ -332,7 +340,8 @@ def run(run_dir: Path, resume: bool = False) -> None:
     else:  # the adapter is TRL's to add (peft_config), or continued from model.adapter; maybe a reference model
         model, peft_config, ref_model = preference.prepare_policy(model, recipe, model_path)
     if recipe.training.loss_kernel == "chunked":
-        from finetune.train.loss import chunk_count, use_chunked_loss
+        from finetune.plan.chunks import chunk_count
+        from finetune.train.loss import use_chunked_loss
 
         t = recipe.training
         use_chunked_loss(model, chunk_count(t.micro_batch_size * recipe.data.max_length, model.config.vocab_size,
@@ -344,15 +353,20 @@ def run(run_dir: Path, resume: bool = False) -> None:
         trainer = Trainer(model=model, args=training_args, train_dataset=train_set, eval_dataset=eval_set,
                           data_collator=collator, processing_class=tokenizer, callbacks=callbacks)
     else:
+        if recipe.objective == "grpo":  # a few completions and their rewards, for report.html
+            from finetune.train.grpo import completion_samples
+
+            callbacks.append(completion_samples(run_dir, training_args.max_steps))
         trainer = preference.make_trainer(recipe, model, ref_model, peft_config, training_args, train_set, eval_set,
                                           tokenizer, callbacks)
+        if recipe.objective == "grpo":
+            callbacks[-1].trainer = trainer
     trainable, total = count_parameters(trainer.model)
     _log_main(is_main)(f"parameters: {trainable:,} trainable of {total:,} ({recipe.method})")
     if os.environ.get("TQDM_DISABLE"):  # output relayed line by line (see finetune.run.launch.supervision): plain progress lines
-        from finetune.run.progress import PROGRESS_ENV
+        from finetune.progress_env import progress_interval
 
-        # every second under `finetune train`'s live display (a terminal), else every 15 s
-        trainer.add_callback(ProgressLines(float(os.environ.get(PROGRESS_ENV) or 15)))
+        trainer.add_callback(ProgressLines(progress_interval()))
     checkpoint = resilience.checkpoint
     startup.mark("trainer")
     trainer.train(resume_from_checkpoint=checkpoint)
@@ -370,7 +384,7 @@ def run(run_dir: Path, resume: bool = False) -> None:
         tmp_tok = run_dir / ".tokenizer.partial"
         shutil.rmtree(tmp_tok, ignore_errors=True)
         tokenizer.save_pretrained(str(tmp_tok))
-        _replace_dir(tmp_tok, run_dir / "tokenizer")
+        _replace_dir(tmp_tok, run_dir / TOKENIZER_DIR)
         extra = {"method": recipe.method, "zero_stage": recipe.deepspeed.stage, "output": saved,
                  "trainable_parameters": trainable, "total_parameters": total,
                  "train_sequences": len(train_set), "eval_sequences": len(eval_set) if eval_set is not None else 0,
@@ -379,7 +393,7 @@ def run(run_dir: Path, resume: bool = False) -> None:
                  "loss_kernel": recipe.training.loss_kernel, "startup": startup.split(clock)}
         extra.update(preference.summary_extra(recipe, trainer.state.log_history))
         summary = summarize(trainer, clock, world_size, memory, extra)
-        _write_json(run_dir / "summary.json", summary)
+        _write_json(run_dir / SUMMARY_FILE, summary)
         _log_main(True)(f"done: {summary['steps']} steps, loss {_fmt(summary['train_loss_first'])} -> "
                         f"{_fmt(summary['train_loss_last'])}, {summary['tokens_per_second'] or 0:.0f} tokens/s; "
                         f"{saved}/ in {run_dir}")
@@ -389,10 +403,10 @@ def run(run_dir: Path, resume: bool = False) -> None:
 
         for note in write_run_report(run_dir, trainer.state.log_history):
             _log_main(True)(note)
-        _log_main(True)(f"report: {run_dir / 'report.html'}")
+        _log_main(True)(f"report: {run_dir / REPORT_FILE}")
         if saved == "zero_checkpoint":
             _log_main(True)("the weights are a ZeRO checkpoint (gather_16bit_weights_on_model_save is false): "
-                            f"run `finetune convert {run_dir}` for an adapter or model")
+                            f"run `{command_line('finetune', 'convert', run_dir)}` for an adapter or model")
     barrier()
 
 
@@ -410,12 +424,17 @@ def _log_main(is_main: bool):
 
 def _quiet_libraries() -> None:
     """Rank 0 keeps transformers' warnings; the others only report errors (N copies help nobody)."""
+    from finetune import quiet
+
+    quiet.install()
     rank = process_rank()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # Deprecations raised by one library calling another, once per step and rank; nothing to act on here.
     warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
     warnings.filterwarnings("ignore", message=r".*(is_gradient_checkpointing|gradient_checkpointing_(en|dis)able). is deprecated",
                             category=FutureWarning)  # TRL toggles checkpointing around each reference forward
+    # accelerate on a CPU: "OMP_NUM_THREADS/MKL_NUM_THREADS unset, we set it at N" (it picks cores / ranks itself).
+    warnings.filterwarnings("ignore", message=r"OMP_NUM_THREADS/MKL_NUM_THREADS unset", category=UserWarning)
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     if rank != 0:
         import datasets
@@ -437,19 +456,23 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
-    from finetune.builtin import BuiltinModelError
-    from finetune.data.tokenize import DataError
-    from finetune.train.loss import LossKernelError
+    from finetune.errors import FinetuneError
+    from finetune.rundir.checkpoint import EXIT_PREEMPTED, CheckpointError
     from finetune.train.shutdown import close_process_group
 
     try:
         run(args.run_dir.resolve(), resume=args.resume)
         close_process_group()
-    except (RunDirError, DataError, BuiltinModelError, LossKernelError) as exc:
+    except FinetuneError as exc:
+        if exc.exit_code == EXIT_PREEMPTED or isinstance(exc, CheckpointError):
+            from finetune.train.preemption import exit_code_for
+
+            return exit_code_for(exc, args.run_dir.resolve()) or 1  # the rank that stopped says so
         # The launcher shows rank 0's console; one line, no traceback, for problems in the inputs.
-        print(f"error: {exc}", file=sys.stderr, flush=True)
-        return 1
-    except Exception as exc:  # preempted (exit 75), or a full / read-only disk: one line, no traceback
+        for line in exc.lines():
+            print(line, file=sys.stderr, flush=True)
+        return exc.exit_code
+    except Exception as exc:  # a full / read-only disk: one line, no traceback
         from finetune.train.preemption import exit_code_for
 
         code = exit_code_for(exc, args.run_dir.resolve())

@@ -2,7 +2,7 @@
 
 The prompt is built the way the run trained, with the functions the trainer used
 (finetune.data.tokenize), so sampling and training cannot drift apart:
-- alpaca: BOS + the Alpaca prompt of finetune.data.tokenize.format_alpaca; the reply ends at EOS.
+- alpaca: BOS + the Alpaca prompt of finetune.data.formats.alpaca_prompt; the reply ends at EOS.
   Earlier turns go in front as whole training examples (prompt + reply + EOS), as packing lays them out.
 - messages: the tokenizer's chat template (the run's tokenizer/, which holds the recipe's template)
   with the generation prompt, tokenized without extra special tokens, as in training.
@@ -20,13 +20,17 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from finetune.errors import FinetuneError
 from finetune.recipe import Recipe
+from finetune.rundir.run_dir import (
+    ADAPTER_CONFIG, ADAPTER_WEIGHTS, MERGED_RECIPE, MODEL_CONFIG, RunDir, RunDirError, command_line, read_recipe,
+)
+from finetune.units import gib_text
 
-MERGED_RECIPE = "finetune_recipe.yaml"  # the run's recipe, copied into a merged model by `finetune merge`
 FORMATS = ("alpaca", "messages", "text")
 
 
-class ChatError(ValueError):
+class ChatError(FinetuneError, ValueError):
     """A model that cannot be loaded or talked to: the message says why and what to do."""
 
 
@@ -49,8 +53,10 @@ class Source:
 def resolve_source(path: Optional[Path], base: Optional[str] = None, adapter: Optional[Path] = None,
                    fmt: Optional[str] = None) -> Source:
     """A run directory, a merged/full model directory, or --base + --adapter (which override the run's)."""
+    if fmt == "sharegpt":  # trained through the chat template, like messages (finetune.data.formats)
+        fmt = "messages"
     if fmt is not None and fmt not in FORMATS:
-        raise ChatError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
+        raise ChatError(f"--format must be one of {', '.join(FORMATS)} or sharegpt, got {fmt!r}")
     if path is None:
         if base is None:
             raise ChatError("give a run directory, a model directory, or --base (with --adapter for a LoRA adapter)")
@@ -61,16 +67,16 @@ def resolve_source(path: Optional[Path], base: Optional[str] = None, adapter: Op
     path = Path(path)
     if not path.is_dir():
         raise ChatError(f"{path}: no such directory")
-    if (path / "recipe.yaml").is_file():
-        source = _run_source(path, base, adapter)
-    elif (path / "config.json").is_file():
+    if RunDir(path).is_run():
+        source = _run_source(RunDir(path), base, adapter)
+    elif (path / MODEL_CONFIG).is_file():
         source = Source(model=str(path), adapter=_checked_adapter(adapter) if adapter else None, label=str(path),
                         recipe=_read_recipe(path / MERGED_RECIPE) if (path / MERGED_RECIPE).is_file() else None)
-    elif (path / "adapter_config.json").is_file():
+    elif (path / ADAPTER_CONFIG).is_file():
         source = _adapter_source(path, base)
     else:
-        raise ChatError(f"{path}: not a run directory (recipe.yaml), a model (config.json) or an adapter "
-                        "(adapter_config.json)")
+        raise ChatError(f"{path}: not a run directory ({RunDir(path).recipe_path.name}), a model ({MODEL_CONFIG}) "
+                        f"or an adapter ({ADAPTER_CONFIG})")
     source.fmt = fmt or (_chat_format(source.recipe) if source.recipe is not None else "messages")
     return source
 
@@ -78,21 +84,25 @@ def resolve_source(path: Optional[Path], base: Optional[str] = None, adapter: Op
 def _chat_format(recipe) -> str:
     """How to prompt a model trained on `recipe`'s data: the chat template when any source was a
     conversation (sharegpt trains through it too), else the format of its sources."""
-    if recipe.objective != "sft":  # TRL renders message rows with the chat template (text rows: --format text)
+    if recipe.objective not in ("sft", "grpo"):  # TRL renders message rows with the chat template (text rows: --format text)
         return "messages"
-    formats = recipe.data.source_formats()
-    return "messages" if any(f in ("messages", "sharegpt") for f in formats) else formats[0]
+    formats = recipe.data.source_formats()  # grpo: prompts read from these formats (a `prompt` column: messages)
+    return "messages" if any(f in ("messages", "sharegpt", "prompt") for f in formats) else formats[0]
 
 
-def _run_source(run_dir: Path, base: Optional[str], adapter: Optional[Path]) -> Source:
-    recipe = _read_recipe(run_dir / "recipe.yaml")
-    tokenizer = str(run_dir / "tokenizer") if (run_dir / "tokenizer").is_dir() else None
-    if adapter is None and (run_dir / "model" / "config.json").is_file():
-        return Source(model=str(run_dir / "model"), tokenizer=tokenizer, recipe=recipe, label=f"{run_dir}/model")
+def _run_source(run: RunDir, base: Optional[str], adapter: Optional[Path]) -> Source:
+    run_dir = run.path
+    try:
+        recipe = run.recipe()
+    except RunDirError as exc:
+        raise ChatError(str(exc)) from None
+    tokenizer = str(run.tokenizer()) if run.tokenizer() else None
+    if adapter is None and run.has_model():
+        return Source(model=str(run.model_path), tokenizer=tokenizer, recipe=recipe, label=f"{run.model_path}")
     if adapter is None:
-        if not (run_dir / "adapter" / "adapter_config.json").is_file():
+        if not (run.adapter_path / ADAPTER_CONFIG).is_file():
             raise ChatError(no_model_yet(run_dir))
-        adapter = run_dir / "adapter"
+        adapter = run.adapter_path
     model = base or recipe_base_model(recipe)
     return Source(model=_local_or_hub(model), adapter=_checked_adapter(adapter), tokenizer=tokenizer, recipe=recipe,
                   label=f"{run_dir} ({recipe.method} adapter on {recipe.model.name_or_path})")
@@ -100,25 +110,28 @@ def _run_source(run_dir: Path, base: Optional[str], adapter: Optional[Path]) -> 
 
 def no_model_yet(run_dir: Path) -> str:
     """Why a run directory has nothing to chat with, and what would give it something."""
-    checkpoints = sorted(run_dir.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[-1])
-                         if p.name.split("-")[-1].isdigit() else -1)
+    from finetune.rundir.checkpoint import checkpoint_dirs
+
+    checkpoints = checkpoint_dirs(run_dir)
     if checkpoints:
-        newest = checkpoints[-1]
+        step, newest = checkpoints[-1]
+        adapter = run_dir / f"adapter-{step}"
         return (f"{run_dir}: no adapter/ or model/ yet (the run has not finished). Its newest checkpoint can be "
-                f"converted: `finetune convert {newest} -o {run_dir}/adapter-{newest.name.split('-')[-1]}`, then "
-                f"`finetune chat {run_dir} --adapter {run_dir}/adapter-{newest.name.split('-')[-1]}`; "
+                f"converted: `{command_line('finetune', 'convert', newest, '-o', adapter)}`, then "
+                f"`{command_line('finetune', 'chat', run_dir, '--adapter', adapter)}`; "
                 f"or run `finetune train` again to finish it")
     if (run_dir / "zero_checkpoint").is_dir():
         return (f"{run_dir}: the weights are a ZeRO checkpoint (zero_checkpoint/); "
-                f"`finetune convert {run_dir}/zero_checkpoint -o OUT` turns them into an adapter or model")
+                f"`{command_line('finetune', 'convert', run_dir / 'zero_checkpoint', '-o', 'OUT')}` turns them "
+                f"into an adapter or model")
     return f"{run_dir}: no adapter/ or model/ yet and no checkpoint: the run has not trained (see {run_dir}/logs/)"
 
 
 def _adapter_source(adapter: Path, base: Optional[str]) -> Source:
-    config = _read_json(adapter / "adapter_config.json")
+    config = _read_json(adapter / ADAPTER_CONFIG)
     model = base or config.get("base_model_name_or_path")
-    if not model:
-        raise ChatError(f"{adapter}/adapter_config.json names no base model; pass --base")
+    if not isinstance(model, str) or not model:
+        raise ChatError(f"{adapter / ADAPTER_CONFIG} names no base model; pass --base")
     return Source(model=_local_or_hub(model), adapter=_checked_adapter(adapter), label=f"{model} + {adapter}")
 
 
@@ -143,29 +156,26 @@ def _local_or_hub(model: str) -> str:
         return recipe_base_model_name(model)
     local = Path(model).expanduser()
     looks_local = model.startswith(("/", "./", "../", "~")) or local.exists()
-    if looks_local and not (local / "config.json").is_file():
-        raise ChatError(f"base model {model} not found (no config.json there); pass --base DIR with the base model")
+    if looks_local and not (local / MODEL_CONFIG).is_file():
+        raise ChatError(f"base model {model} not found (no {MODEL_CONFIG} there); pass --base DIR with the base model")
     return str(local) if looks_local else model
 
 
 def _checked_adapter(adapter: Path) -> Path:
     adapter = Path(adapter)
-    if not (adapter / "adapter_config.json").is_file():
-        raise ChatError(f"{adapter}: no adapter_config.json (not a PEFT adapter)")
-    if not any(adapter.glob("adapter_model.*")):
-        raise ChatError(f"{adapter}: no adapter_model.safetensors (an incomplete adapter)")
+    if not (adapter / ADAPTER_CONFIG).is_file():
+        raise ChatError(f"{adapter}: no {ADAPTER_CONFIG} (not a PEFT adapter)")
+    if not any((adapter / name).is_file() for name in ADAPTER_WEIGHTS):
+        raise ChatError(f"{adapter}: no {ADAPTER_WEIGHTS[0]} (an incomplete adapter)")
     return adapter
 
 
 def _read_recipe(path: Path) -> Recipe:
-    from pydantic import ValidationError
-
-    from finetune.recipe.yamlio import DocumentError, load_yaml
-
+    """A merged model's copy of its run's recipe (finetune_recipe.yaml), read as a run's recipe.yaml is."""
     try:
-        return Recipe.model_validate(load_yaml(path.read_text(encoding="utf-8"), str(path)).data)
-    except (DocumentError, ValidationError, OSError) as exc:
-        raise ChatError(f"{path}: cannot read the run's recipe: {exc}") from None
+        return read_recipe(path)
+    except RunDirError as exc:
+        raise ChatError(str(exc)) from None
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -225,8 +235,8 @@ def check_gpu_fits(source: Source, free_bytes: int, device_name: str) -> None:
     need, how = weights_estimate(source)
     # The weights plus a tenth for the KV cache, activations and the CUDA context of a short chat.
     if need is not None and need * 1.1 > free_bytes:
-        raise ChatError(f"the model needs about {need / 2**30:.1f} GiB for its weights ({how}); {device_name} has "
-                        f"{free_bytes / 2**30:.1f} GiB free. Chat on the CPU with --device cpu")
+        raise ChatError(f"the model needs about {gib_text(need, 1)} for its weights ({how}); {device_name} has "
+                        f"{gib_text(free_bytes, 1)} free. Chat on the CPU with --device cpu")
 
 
 def load_chat_model(source: Source, device: str = "auto") -> ChatModel:
@@ -253,16 +263,24 @@ def load_chat_model(source: Source, device: str = "auto") -> ChatModel:
             if quant is not None:
                 kwargs["quantization_config"] = quant
                 kwargs["device_map"] = {"": 0 if device == "cuda" else "cpu"}
+    from finetune.use.files import FileProblem, check_adapter_dir, check_model_dir, loading
+
     try:
-        model = AutoModelForCausalLM.from_pretrained(source.model, **kwargs)
-    except (OSError, ValueError) as exc:
-        raise ChatError(f"cannot load the model {source.model}: {str(exc).splitlines()[0]}") from None
+        if Path(source.model).is_dir():
+            check_model_dir(Path(source.model))
+        if source.adapter is not None:
+            check_adapter_dir(source.adapter)
+    except FileProblem as exc:
+        raise ChatError(str(exc)) from None
+    model = loading(f"the model {source.model}", lambda: AutoModelForCausalLM.from_pretrained(source.model, **kwargs),
+                    ChatError)
     if "device_map" not in kwargs:
         model.to(device)
     if source.adapter is not None:
         from peft import PeftModel
 
-        model = PeftModel.from_pretrained(model, str(source.adapter))
+        model = loading(f"the adapter {source.adapter}", lambda: PeftModel.from_pretrained(model, str(source.adapter)),
+                        ChatError)
     model.eval()
     tokenizer = _load_tokenizer(source)
     fmt = source.fmt
@@ -291,11 +309,11 @@ def _load_tokenizer(source: Source):
                                        or (source.adapter / "tokenizer.json").is_file()):
         candidates.append(str(source.adapter))
     candidates.append(source.model)
+    from finetune.use.files import loading
+
     trust = bool(source.recipe and source.recipe.model.trust_remote_code)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(candidates[0], trust_remote_code=trust)
-    except (OSError, ValueError) as exc:
-        raise ChatError(f"cannot load the tokenizer from {candidates[0]}: {str(exc).splitlines()[0]}") from None
+    tokenizer = loading(f"the tokenizer from {candidates[0]}",
+                        lambda: AutoTokenizer.from_pretrained(candidates[0], trust_remote_code=trust), ChatError)
     if source.recipe is not None and source.recipe.data.chat_template and not source.tokenizer:
         tokenizer.chat_template = source.recipe.data.chat_template
     return tokenizer
@@ -342,15 +360,13 @@ class Conversation:
         return list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
 
     def _alpaca(self, turns: list[Turn], user: str) -> list[int]:
-        from finetune.data.tokenize import format_alpaca
+        from finetune.data.formats import alpaca_prompt
 
         eos = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
         ids: list[int] = []
         for turn in turns:
-            prompt, _ = format_alpaca({"instruction": turn.user, "output": ""})
-            ids += self.tokenizer(prompt, add_special_tokens=True)["input_ids"] + turn.reply_ids + eos
-        prompt, _ = format_alpaca({"instruction": user, "output": ""})
-        return ids + list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
+            ids += self.tokenizer(alpaca_prompt(turn.user), add_special_tokens=True)["input_ids"] + turn.reply_ids + eos
+        return ids + list(self.tokenizer(alpaca_prompt(user), add_special_tokens=True)["input_ids"])
 
 
 @dataclass
@@ -373,12 +389,18 @@ def answer(chat: ChatModel, conversation: Conversation, user: str, *, max_new_to
     import torch
     from transformers import TextStreamer, set_seed
 
+    from jinja2 import TemplateError
+
     limit = context_limit(chat.model)
-    first, ids = 0, conversation.prompt_ids(user)
-    # The oldest turns leave when the conversation outgrows the model's context.
-    while limit is not None and len(ids) + 1 > limit - min(max_new_tokens, limit // 4) and first < len(conversation.turns):
-        first += 1
-        ids = conversation.prompt_ids(user, first)
+    try:
+        first, ids = 0, conversation.prompt_ids(user)
+        # The oldest turns leave when the conversation outgrows the model's context.
+        while limit is not None and len(ids) + 1 > limit - min(max_new_tokens, limit // 4) and first < len(conversation.turns):
+            first += 1
+            ids = conversation.prompt_ids(user, first)
+    except TemplateError as exc:  # a template error, or one the sandbox refuses (SecurityError)
+        raise ChatError(f"the chat template cannot render this conversation: {type(exc).__name__}: "
+                        f"{' '.join(str(exc).split())[:300]}") from None
     if limit is not None and len(ids) >= limit:
         raise ChatError(f"the prompt is {len(ids)} tokens; the model's context is {limit}")
     new_tokens = max_new_tokens if limit is None else min(max_new_tokens, limit - len(ids))

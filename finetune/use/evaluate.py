@@ -7,7 +7,8 @@ hold-out the trainer evaluated on), or `--data FILE`, read as the run's source w
 `--format`, or as the run's only source; a run without a validation split is measured on its training data, and the table says so.
 
 Loss is the mean cross-entropy per scored token over all sequences (not a mean of batch means), and
-perplexity is exp(loss). The result goes to RUN/eval.json.
+perplexity is exp(loss). The result goes to RUN/eval.json, or RUN/eval-<FILE's name>.json for --data FILE
+(a second data set never overwrites the first's numbers).
 """
 
 from __future__ import annotations
@@ -19,10 +20,20 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from finetune.errors import FinetuneError
+
 EVAL_FILE = "eval.json"
 
 
-class EvalError(ValueError):
+def eval_file(data: Optional[Path]) -> str:
+    """RUN/eval.json for the run's own data; eval-<stem>.json for --data FILE (issue 24)."""
+    if data is None:
+        return EVAL_FILE
+    stem = "".join(c if c.isalnum() or c in "-_." else "_" for c in Path(data).stem) or "data"
+    return f"eval-{stem}.json"
+
+
+class EvalError(FinetuneError, ValueError):
     """The run or the data cannot be evaluated: the message says why."""
 
 
@@ -56,8 +67,10 @@ class EvalResult:
 
 
 def score(model, rows: list[dict[str, list[int]]], collator, device, batch_size: int = 8) -> Score:
-    """Token-weighted mean cross-entropy of `rows` (input_ids + labels, -100 not scored)."""
+    """Token-weighted mean cross-entropy of `rows` (input_ids + labels, IGNORE_INDEX not scored)."""
     import torch
+
+    from finetune.data.tokenize import IGNORE_INDEX
 
     total, count = 0.0, 0
     with torch.no_grad():
@@ -68,9 +81,9 @@ def score(model, rows: list[dict[str, list[int]]], collator, device, batch_size:
             # position t predicts token t + 1, as in transformers' ForCausalLMLoss
             shift_logits, shift_labels = logits[:, :-1], labels[:, 1:]
             loss = torch.nn.functional.cross_entropy(shift_logits.reshape(-1, shift_logits.size(-1)),
-                                                     shift_labels.reshape(-1), ignore_index=-100, reduction="sum")
+                                                     shift_labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum")
             total += float(loss)
-            count += int((shift_labels != -100).sum())
+            count += int((shift_labels != IGNORE_INDEX).sum())
     if count == 0:
         raise EvalError("no token to score (every label is masked)")
     mean = total / count
@@ -137,20 +150,33 @@ def eval_rows(run_dir: Path, recipe, tokenizer, data: Optional[Path], log: Calla
 
 
 def evaluate(run_dir: Path, data: Optional[Path] = None, device: str = "auto", batch_size: int = 8,
-             log: Callable[[str], None] = print, fmt: Optional[str] = None) -> EvalResult:
+             log: Callable[[str], None] = print, fmt: Optional[str] = None) -> Any:
+    """EvalResult (loss and perplexity); for a reward model, finetune.use.reward_eval.PairwiseResult."""
     from finetune.use.chat import ChatError, load_chat_model, resolve_source
+    from finetune.rundir.run_dir import RunDir, RunDirError
     from finetune.data.tokenize import Collator
 
     run_dir = Path(run_dir)
-    if not (run_dir / "recipe.yaml").is_file():
-        raise EvalError(f"{run_dir}: not a run directory (no recipe.yaml)")
+    try:
+        run_recipe = RunDir(run_dir).require().recipe()  # the one reader of a run's recipe (finetune.rundir)
+    except RunDirError as exc:
+        raise EvalError(str(exc)) from None
     if data is not None and not Path(data).is_file():
         raise EvalError(f"--data {data}: no such file")
     started = time.perf_counter()
+    if run_recipe.objective == "reward":  # a reward model: pairwise accuracy (finetune.use.reward_eval)
+        from finetune.use.reward_eval import evaluate_reward
+
+        from finetune.fsutil import write_atomic
+
+        pairwise = evaluate_reward(run_dir, run_recipe, data, device, batch_size, EvalError)
+        write_atomic(run_dir / EVAL_FILE, json.dumps(pairwise.to_json(), indent=2) + "\n")
+        return pairwise
     try:
         source = resolve_source(run_dir)
         if data is not None:
             file_spec(data, source.recipe.data, fmt)  # an ambiguous file fails before the models load
+        log(f"loading {source.label} ...")  # seconds to a minute: say so (issue 24)
         chat = load_chat_model(source, device)
     except ChatError as exc:
         raise EvalError(str(exc)) from None
@@ -165,7 +191,7 @@ def evaluate(run_dir: Path, data: Optional[Path] = None, device: str = "auto", b
                         seconds=time.perf_counter() - started)
     from finetune.fsutil import write_atomic
 
-    write_atomic(run_dir / EVAL_FILE, json.dumps(result.to_json(), indent=2) + "\n")
+    write_atomic(run_dir / eval_file(data), json.dumps(result.to_json(), indent=2) + "\n")
     return result
 
 

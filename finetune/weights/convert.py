@@ -34,11 +34,15 @@ from typing import Callable, Optional
 import torch
 
 from finetune.rundir.checkpoint import Checkpoint, checkpoint_dirs, checkpoint_step, inspect_checkpoint
+from finetune.rundir import verify
+from finetune.rundir.run_dir import ADAPTER_CONFIG, RunDir, find_adapter, no_adapter_message
 from finetune.fsutil import atomic_dir, write_atomic
 from finetune.weights.lora_math import PEFT_PREFIX, lora_scaling
 from finetune.weights.safetensors_io import (CONFIG_FILES, DEFAULT_MAX_SHARD_SIZE, DTYPES, ST_TO_TORCH, TORCH_TO_ST, BaseTensor,
                                      MergeError, OnWrite, OutTensor, Plan, ShardWriter, WriteCounter, copy_tokenizer,
-                                     human_size, prepare_output, prepare_shards, sigterm_as_interrupt, write_index)
+                                     prepare_output, prepare_shards, sigterm_as_interrupt, write_index)
+from finetune.units import human_size
+from finetune.recipe.references import MODEL_CONFIG
 
 # Parameter names PEFT gives LoRA weights in the model (before the adapter name is stripped for saving).
 _LORA_PARAM = re.compile(r"\.(lora_A|lora_B|lora_embedding_A|lora_embedding_B|lora_magnitude_vector)\.([^.]+)(\.|$)")
@@ -75,8 +79,9 @@ def _run_dir_hint(path: Path) -> str:
     numbered = checkpoint_dirs(path)
     if numbered:
         return f". It is a run directory; its checkpoints: {', '.join(str(p) for _, p in numbered)}"
-    if (path / "recipe.yaml").is_file():
-        saved = [name for name in ("adapter", "model") if (path / name).is_dir()]
+    run = RunDir(path)
+    if run.is_run():
+        saved = [folder.name for folder in (run.adapter_path, run.model_path) if folder.is_dir()]
         if saved:
             return f". It is a run directory without checkpoints; its final {saved[0]}/ needs no convert"
         return ". It is a run directory without checkpoints (training.save_steps makes some)"
@@ -121,37 +126,19 @@ def _step_of(folder: str, tag: str) -> Optional[int]:
     return step if step is not None else int(match.group(1)) if match else None
 
 
-# The classes DeepSpeed pickles into ZeRO checkpoints beside tensors and plain containers. Found by
-# listing the globals of the ZeRO-1/2/3 LoRA and full checkpoints tests/merge_fixtures.py trains
-# (torch.serialization.get_unsafe_globals_in_checkpoint); DynamicLossScaler is what fp16 runs store
-# where bf16 runs store LossScaler (the optimizers' state_dict saves `self.loss_scaler`).
-DEEPSPEED_GLOBALS = (
-    "deepspeed.runtime.zero.config.ZeroStageEnum",
-    "deepspeed.runtime.fp16.loss_scaler.LossScaler",
-    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
-    "deepspeed.utils.tensor_fragment.fragment_address",
-)
-
-
 def refuse_foreign_globals(path: Path) -> None:
-    """Refuse a checkpoint file that pickles anything besides DeepSpeed's own classes, before loading it.
-
-    Reads the pickle's opcodes without executing them: a file that names `os.system` (or any other
-    callable) is reported, and nothing in it runs."""
+    """Refuse a checkpoint file that pickles anything besides DeepSpeed's own classes, before loading it
+    (finetune.rundir.verify: the same allow-list `finetune train` checks before resuming)."""
     try:
-        unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(str(path))
-    except Exception as exc:  # not a torch.save zip, truncated, unreadable
-        raise ConvertError(f"{path}: cannot read ({exc})") from None
-    foreign = [name for name in unsafe if name not in DEEPSPEED_GLOBALS]
-    if foreign:
-        raise ConvertError(f"{path}: refused to load: it pickles {', '.join(foreign)}, which DeepSpeed checkpoints "
-                           "never hold; unpickling it could run code")
+        verify.refuse_foreign_globals(path)
+    except (verify.UnsafeCheckpoint, ValueError) as exc:
+        raise ConvertError(str(exc)) from None
 
 
 def _deepspeed_classes() -> list:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # importing deepspeed picks an accelerator; conversion is CPU work
     classes = []
-    for dotted in DEEPSPEED_GLOBALS:
+    for dotted in verify.DEEPSPEED_GLOBALS:
         module, _, name = dotted.rpartition(".")
         classes.append(getattr(importlib.import_module(module), name))
     return classes
@@ -240,16 +227,18 @@ def find_adapter_config(ckpt: Checkpoint, explicit: Optional[Path]) -> Path:
     """The HF Trainer saves adapter_config.json in checkpoint-N; a run directory has adapter/ beside it."""
     if explicit is not None:
         if explicit.is_dir():
-            explicit = explicit / "adapter_config.json"
+            explicit = explicit / ADAPTER_CONFIG
         if not explicit.is_file():
             raise ConvertError(f"--adapter-config {explicit}: no such file")
         return explicit
-    for candidate in (ckpt.path / "adapter_config.json", ckpt.path.parent / "adapter" / "adapter_config.json",
-                      ckpt.path.parent / "adapter_config.json"):
-        if candidate.is_file():
-            return candidate
-    raise ConvertError(f"{ckpt.path}: a LoRA checkpoint, but no adapter_config.json in it or in "
-                       f"{ckpt.path.parent / 'adapter'}; pass --adapter-config")
+    # The HF Trainer saves one in checkpoint-N itself; else the run's own adapter (RUN/adapter or RUN).
+    if (ckpt.path / ADAPTER_CONFIG).is_file():
+        return ckpt.path / ADAPTER_CONFIG
+    found = find_adapter(ckpt.path.parent)
+    if found is not None:
+        return found / ADAPTER_CONFIG
+    raise ConvertError(f"{ckpt.path}: a LoRA checkpoint, but no {ADAPTER_CONFIG} in it, and "
+                       f"{no_adapter_message(ckpt.path.parent)}; pass --adapter-config")
 
 
 def convert_lora(ckpt: Checkpoint, output: Path, dtype, adapter_config: Optional[Path],
@@ -276,7 +265,7 @@ def convert_lora(ckpt: Checkpoint, output: Path, dtype, adapter_config: Optional
     with sigterm_as_interrupt(), atomic_dir(output, overwrite=overwrite) as tmp:
         save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
         WriteCounter(size, len(tensors), on_write).add(size, len(tensors))  # one file, written in one call
-        shutil.copy2(config_path, tmp / "adapter_config.json")
+        shutil.copy2(config_path, tmp / ADAPTER_CONFIG)
         _copy_tokenizer(ckpt, tmp)
     log(f"wrote {output / 'adapter_model.safetensors'} ({len(tensors)} tensors, {human_size(size)})")
     return ConvertResult(output, "lora", len(tensors), size, 1, str(next(iter(tensors.values())).dtype))
@@ -338,10 +327,10 @@ def convert_full(ckpt: Checkpoint, output: Path, dtype, overwrite: bool, max_sha
             source = next((d / name for d in (ckpt.path, ckpt.path.parent / "model") if (d / name).is_file()), None)
             if source is not None:
                 shutil.copy2(source, tmp / name)
-        if dtype is not None and (tmp / "config.json").is_file():
-            _set_config_dtype(tmp / "config.json", dtype)
+        if dtype is not None and (tmp / MODEL_CONFIG).is_file():
+            _set_config_dtype(tmp / MODEL_CONFIG, dtype)
         _copy_tokenizer(ckpt, tmp)
-    if not (output / "config.json").is_file():
+    if not (output / MODEL_CONFIG).is_file():
         log(f"warning: no config.json in {ckpt.path}; copy the model's config.json into {output} to load it")
     return ConvertResult(output, "full", len(plan.tensors), plan.total_bytes, len(names),
                          str(ST_TO_TORCH[plan.tensors[0].dtype]) if plan.tensors else "-")
@@ -358,7 +347,7 @@ def _set_config_dtype(path: Path, dtype: torch.dtype) -> None:
 
 def _copy_tokenizer(ckpt: Checkpoint, out: Path) -> None:
     """From the checkpoint (the Trainer saves its processing_class there), else the run's tokenizer/."""
-    copy_tokenizer([ckpt.path, ckpt.path.parent / "tokenizer"], out)
+    copy_tokenizer([ckpt.path, RunDir(ckpt.path.parent).tokenizer_path], out)
 
 
 # ------------------------------------------------------------------------------------------------

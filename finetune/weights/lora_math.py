@@ -66,8 +66,10 @@ class Adapter:
 
 def read_adapter(path: Path) -> Adapter:
     weights_file = adapter_weights(path)
-    config = read_json(path / "adapter_config.json")
-    check_adapter_config(config, path / "adapter_config.json")
+    from finetune.rundir.run_dir import ADAPTER_CONFIG
+
+    config = read_json(path / ADAPTER_CONFIG)
+    check_adapter_config(config, path / ADAPTER_CONFIG)
     state = _load_adapter_state(weights_file)
     parts: dict[str, dict[str, torch.Tensor]] = {}
     replacements: dict[str, tuple[torch.Tensor, bool]] = {}

@@ -30,12 +30,15 @@ from typing import Callable, Optional
 import torch
 
 from finetune.fsutil import atomic_dir, write_atomic
+from finetune.rundir.run_dir import MERGED_RECIPE, RunDir
 from finetune.weights.lora_math import (Adapter, LoraUpdate, Workspace, orient_update, output_tensor, read_adapter, target_name,
                                 tied_embedding)
 from finetune.weights.safetensors_io import (CONFIG_FILES, DEFAULT_MAX_SHARD_SIZE, DTYPES, TORCH_TO_ST, BaseModel, MergeError,
                                      ITEMSIZE, OnWrite, OutTensor, Plan, ShardWriter, TensorReader, WriteCounter,
-                                     copy_tokenizer, human_size, prepare_shards, read_base, sigterm_as_interrupt,
+                                     copy_tokenizer, prepare_shards, read_base, sigterm_as_interrupt,
                                      write_index)
+from finetune.units import human_size
+from finetune.recipe.references import MODEL_CONFIG
 
 
 # ------------------------------------------------------------------------------------------------
@@ -213,14 +216,17 @@ class MergeResult:
 
 def merge(base_path: Path, adapter_path: Path, output: Path, *, dtype: Optional[str] = None, overwrite: bool = False,
           max_shard_size: int = DEFAULT_MAX_SHARD_SIZE, log: Callable[[str], None] = lambda s: None,
-          source_dirs: tuple = (), fsync: bool = False, on_write: Optional[OnWrite] = None) -> MergeResult:
+          source_dirs: tuple = (), fsync: bool = False, on_write: Optional[OnWrite] = None,
+          check: Optional[Callable[[Path], None]] = None) -> MergeResult:
     """Merge `adapter_path` into `base_path`, writing `output`. Raises MergeError for bad inputs.
 
     source_dirs: extra directories (e.g. the run directory) searched for tokenizer files after the adapter's.
     fsync: wait until the shards are on disk before publishing `output` (a power cut then cannot leave a
     truncated model behind). Off by default, like save_pretrained: it makes the merge as slow as the disk
     (1.1B model here: 3.5 s without, 7.5 s with).
-    on_write: called with the running Written totals after each tensor is written (a progress bar)."""
+    on_write: called with the running Written totals after each tensor is written (a progress bar).
+    check: called with the finished, not yet published directory (--verify); when it raises, nothing is
+    published and `output` keeps what it held."""
     start = time.perf_counter()
     base_path, adapter_path, output = Path(base_path), Path(adapter_path), Path(output)
     out_dtype = _parse_dtype(dtype)
@@ -236,6 +242,8 @@ def merge(base_path: Path, adapter_path: Path, output: Path, *, dtype: Optional[
         if len(names) > 1:
             write_index(tmp, plan, names)
         copy_side_files(base_path, [adapter_path, *source_dirs], tmp, out_dtype)
+        if check is not None:
+            check(tmp)
     merged = sum(1 for t in plan.tensors if t.update is not None)
     replaced = sum(1 for t in plan.tensors if t.replacement is not None)
     return MergeResult(output, len(names), plan.total_bytes, merged, replaced, time.perf_counter() - start)
@@ -270,16 +278,16 @@ def copy_side_files(base: Path, tokenizer_sources: list[Path], out: Path, dtype:
         if (base / name).is_file():
             shutil.copy2(base / name, out / name)
     if dtype is not None:
-        config = json.loads((out / "config.json").read_text(encoding="utf-8"))
+        config = json.loads((out / MODEL_CONFIG).read_text(encoding="utf-8"))
         name = str(dtype).removeprefix("torch.")
         for key in ("dtype", "torch_dtype"):
             if key in config:
                 config[key] = name
         if "dtype" not in config and "torch_dtype" not in config:
             config["dtype"] = name
-        write_atomic(out / "config.json", json.dumps(config, indent=2) + "\n")
+        write_atomic(out / MODEL_CONFIG, json.dumps(config, indent=2) + "\n")
     copy_tokenizer([*tokenizer_sources, base], out)
     for source in tokenizer_sources:
-        if (source / "recipe.yaml").is_file():  # the run's data format: `finetune chat MERGED` prompts the same way
-            shutil.copy2(source / "recipe.yaml", out / "finetune_recipe.yaml")
+        if RunDir(source).is_run():  # the run's data format: `finetune chat MERGED` prompts the same way
+            shutil.copy2(RunDir(source).recipe_path, out / MERGED_RECIPE)
             break

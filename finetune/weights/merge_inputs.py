@@ -9,8 +9,10 @@ from typing import Optional
 
 from finetune.weights.safetensors_io import MergeError, read_json
 from finetune.builtin import is_builtin
-
-ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
+from finetune.recipe.references import MODEL_CONFIG
+from finetune.rundir.run_dir import (
+    ADAPTER_CONFIG, ADAPTER_WEIGHTS, CHECKPOINT_PREFIX, RECIPE_FILE, RunDir, RunDirError, no_adapter_message,
+)
 
 
 @dataclass
@@ -29,7 +31,7 @@ def resolve_inputs(run_dir: Optional[Path], base: Optional[Path], adapter: Optio
         adapter = adapter or _run_adapter(run_dir)
         base = base or _run_base(run_dir, adapter)
         # `finetune train` saves the tokenizer it trained with (chat template included) in tokenizer/.
-        tokenizer_dirs = (run_dir / "tokenizer", run_dir)
+        tokenizer_dirs = (RunDir(run_dir).tokenizer_path, run_dir)
     if base is None or adapter is None:
         raise MergeError("give a run directory, or both --base and --adapter")
     adapter_weights(adapter)  # fails early and clearly when the adapter is incomplete
@@ -38,33 +40,32 @@ def resolve_inputs(run_dir: Optional[Path], base: Optional[Path], adapter: Optio
 
 
 def _run_adapter(run_dir: Path) -> Path:
-    for candidate in (run_dir / "adapter", run_dir):
-        if (candidate / "adapter_config.json").is_file():
-            return candidate
+    run = RunDir(run_dir)
+    found = run.adapter()
+    if found is not None:
+        return found
     hint = ""
-    if any(run_dir.glob("checkpoint-*/global_step*")):
+    if any(run_dir.glob(f"{CHECKPOINT_PREFIX}*/global_step*")):
         hint = " (it has DeepSpeed checkpoints: `finetune convert RUN_DIR/checkpoint-N -o ADAPTER` makes one)"
-    elif (run_dir / "model").is_dir() or (run_dir / "model.safetensors").is_file():
+    elif run.model_path.is_dir() or (run_dir / "model.safetensors").is_file():
         hint = " (it holds full weights: a full fine-tune needs no merge)"
-    elif not (run_dir / "recipe.yaml").is_file():
-        runs = sorted(str(p.parent) for p in run_dir.glob("*/recipe.yaml"))
+    elif not run.is_run():
+        runs = sorted(str(p.parent) for p in run_dir.glob(f"*/{RECIPE_FILE}"))
         if runs:  # `finetune merge runs -o x`: the folder that holds the run directories
             hint = f" (it holds run directories: {', '.join(runs)}; give one of them)"
-    raise MergeError(f"{run_dir}: no adapter/adapter_config.json{hint}")
+    raise MergeError(f"{run_dir}: {no_adapter_message(run_dir)}{hint}")
 
 
 def _run_base(run_dir: Path, adapter: Path) -> Path:
     """The base model path from the run's resolved recipe, else from adapter_config.json."""
     tried = []
-    recipe = run_dir / "recipe.yaml"
-    if recipe.is_file():
-        from finetune.recipe.yamlio import DocumentError, load_yaml, read_text
-
+    run = RunDir(run_dir)
+    recipe = run.recipe_path
+    if run.is_run():
         try:
-            data = load_yaml(read_text(recipe), str(recipe)).data
-        except (DocumentError, OSError) as exc:
-            raise MergeError(f"{recipe}: cannot read: {exc}") from None
-        name = (data.get("model") or {}).get("name_or_path") if isinstance(data, dict) else None
+            name = run.recipe().model.name_or_path
+        except RunDirError as exc:
+            raise MergeError(str(exc)) from None
         if isinstance(name, str) and is_builtin(name):
             from finetune.builtin import resolve_model_path  # the demo model, built locally on first use
 
@@ -74,21 +75,21 @@ def _run_base(run_dir: Path, adapter: Path) -> Path:
             if path.is_dir():
                 return path
             tried.append(f"{recipe} model.name_or_path={name!r}")
-    config = read_json(adapter / "adapter_config.json")
+    config = read_json(adapter / ADAPTER_CONFIG)
     name = config.get("base_model_name_or_path")
     if isinstance(name, str) and name:
         if Path(name).is_dir():
             return Path(name)
-        tried.append(f"{adapter / 'adapter_config.json'} base_model_name_or_path={name!r}")
+        tried.append(f"{adapter / ADAPTER_CONFIG} base_model_name_or_path={name!r}")
     if not tried:
-        raise MergeError(f"{run_dir}: no recipe.yaml and no base_model_name_or_path in the adapter config; pass --base")
+        raise MergeError(f"{run_dir}: no {RECIPE_FILE} and no base_model_name_or_path in the adapter config; pass --base")
     raise MergeError(f"base model not found locally ({'; '.join(tried)}); "
                      "download it (huggingface-cli download ID --local-dir DIR) and pass --base DIR")
 
 
 def base_local_dir(base: Path) -> None:
     if base.is_dir():
-        if not (base / "config.json").is_file():
+        if not (base / MODEL_CONFIG).is_file():
             raise MergeError(f"{base}: no config.json (not a transformers model directory)")
         return
     if base.exists():
@@ -102,8 +103,8 @@ def base_local_dir(base: Path) -> None:
 def adapter_weights(adapter: Path) -> Path:
     if not adapter.is_dir():
         raise MergeError(f"{adapter}: no such adapter directory")
-    if not (adapter / "adapter_config.json").is_file():
-        raise MergeError(f"{adapter}: no adapter_config.json (not a PEFT adapter directory)")
+    if not (adapter / ADAPTER_CONFIG).is_file():
+        raise MergeError(f"{adapter}: no {ADAPTER_CONFIG} (not a PEFT adapter directory)")
     for name in ADAPTER_WEIGHTS:
         if (adapter / name).is_file():
             return adapter / name

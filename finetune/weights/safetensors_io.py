@@ -18,14 +18,17 @@ from typing import Any, Callable, Iterator, NamedTuple, Optional
 import torch
 from safetensors import safe_open
 
+from finetune.errors import FinetuneError
 from finetune.fsutil import remove_stale_partials, write_atomic
+from finetune.recipe.references import MODEL_CONFIG
+from finetune.units import human_size
 
 INDEX_NAME = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # "5GB", save_pretrained's default
 
 # Files copied next to the merged weights. Tokenizer files come from the adapter (or run) directory
 # when training saved a tokenizer there (it may have added tokens or a chat template), else from the base.
-CONFIG_FILES = ("config.json", "generation_config.json")
+CONFIG_FILES = (MODEL_CONFIG, "generation_config.json")
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
     "tokenizer.model", "spiece.model", "vocab.json", "vocab.txt", "merges.txt",
@@ -49,7 +52,7 @@ for _name, _attr in (("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2"), (
 TORCH_TO_ST = {v: k for k, v in ST_TO_TORCH.items()}
 
 
-class MergeError(Exception):
+class MergeError(FinetuneError):
     """A problem with the inputs or the environment, worded for the user (no traceback)."""
 
 
@@ -90,7 +93,7 @@ class BaseModel:
 
 
 def read_base(path: Path) -> BaseModel:
-    config = read_json(path / "config.json")
+    config = read_json(path / MODEL_CONFIG)
     if config.get("quantization_config"):
         method = config["quantization_config"].get("quant_method", "?")
         raise MergeError(f"{path}: the base is quantized ({method}); merge needs the 16/32-bit base "
@@ -285,9 +288,9 @@ def check_disk_space(output: Path, need: int) -> None:
 def prepare_output(output: Path, need: int, log: Callable[[str], None]) -> None:
     """Before writing about `need` bytes into `output`: refuse when its disk cannot take them, and clear
     what an interrupted earlier write of this host left beside it (fsutil.remove_stale_partials)."""
-    check_disk_space(output, need)
-    for line in remove_stale_partials(output):
+    for line in remove_stale_partials(output):  # first: what it frees counts for the space check
         log(line)
+    check_disk_space(output, need)
 
 
 def prepare_shards(plan: Plan, output: Path, max_shard_size: int, log: Callable[[str], None]) -> list[str]:
@@ -342,7 +345,3 @@ def sigterm_as_interrupt() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def human_size(n: int) -> str:
-    if n >= 1e8:
-        return f"{n / 1e9:.2f} GB"
-    return f"{n / 1e6:.1f} MB" if n >= 1e5 else f"{n / 1e3:.1f} kB"

@@ -31,22 +31,25 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from finetune.errors import FinetuneError
+from finetune.plan.constants import TRAINING_ALLOC_CONF
 from finetune.recipe import Recipe
+from finetune.recipe.schema import LOOPBACK
 
 RUNNER_MODULE = "finetune.train.runner"
 DEFAULT_MASTER_PORT = 29500  # torchrun's and DeepSpeed's default
 # Every rank's console line starts with its global rank (torchrun's default names the role instead).
 LOG_LINE_PREFIX = "[rank${rank}]: "
-LOCAL_HOSTS = {"localhost", "127.0.0.1", "::1"}
+LOCAL_HOSTS = {"localhost", LOOPBACK, "::1"}
 DEEPSPEED_ENV_FILE = "deepspeed.env"
 # Passed to the other nodes of a hostfile launch (DeepSpeed itself exports NCCL*, PYTHON*, UCX*, ...).
 # Never tokens: the file sits in the run directory, readable by the team; put HF_TOKEN in ~/.deepspeed_env.
 PROPAGATED_ENV = ("TQDM_DISABLE", "DS_ACCELERATOR", "FINETUNE_CACHE", "HF_HOME", "HF_HUB_CACHE", "HF_HUB_OFFLINE",
                   "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE", "TOKENIZERS_PARALLELISM", "OMP_NUM_THREADS",
-                  "CUDA_DEVICE_ORDER", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT")
+                  "CUDA_DEVICE_ORDER", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "PYTORCH_CUDA_ALLOC_CONF")
 
 
-class HostfileError(Exception):
+class HostfileError(FinetuneError):
     pass
 
 
@@ -63,7 +66,7 @@ class LaunchPlan:
     world_size: int
     device: str  # cuda or cpu
     notes: list[str] = field(default_factory=list)
-    master_addr: str = "127.0.0.1"
+    master_addr: str = LOOPBACK
     master_port: int = DEFAULT_MASTER_PORT
     stop_timeout: int = 300  # seconds the ranks get to save a checkpoint after a signal
     hosts: Optional[dict[str, int]] = None  # the hostfile's hosts used (deepspeed launcher)
@@ -75,7 +78,7 @@ class LaunchPlan:
 
 
 # Set for every run; not worth showing in the printed command.
-_QUIET_ENV = {"PYTHONUNBUFFERED", "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", "TQDM_DISABLE"}
+_QUIET_ENV = {"PYTHONUNBUFFERED", "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", "TQDM_DISABLE", "TORCH_EXTENSIONS_DIR"}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -134,7 +137,14 @@ def plan_launch(recipe: Recipe, run_dir: Path, gpu_count: int, module: str = RUN
         # Rank output reaches the console through log files read line by line (torchrun's tee), where a
         # redrawn progress bar turns into a new line per redraw; the loss lines are printed anyway.
         env["TQDM_DISABLE"] = "1"
+    if "TORCH_EXTENSIONS_DIR" not in environ:
+        from finetune.run.deepspeed_ops import per_environment_root
+
+        env["TORCH_EXTENSIONS_DIR"] = str(per_environment_root(python, environ))  # DeepSpeed's JIT ops, this venv's
     device = "cuda" if gpu_count > 0 else "cpu"
+    if device == "cuda" and "PYTORCH_CUDA_ALLOC_CONF" not in environ:
+        # Less cache held beyond what is allocated (finetune/plan/allocator.py); a user's setting wins.
+        env["PYTORCH_CUDA_ALLOC_CONF"] = TRAINING_ALLOC_CONF
     if device == "cpu" and "DS_ACCELERATOR" not in environ:
         env["DS_ACCELERATOR"] = "cpu"  # skip DeepSpeed's accelerator probing (and its warning)
     hosts = None
@@ -195,7 +205,7 @@ def deepspeed_argv(recipe: Recipe, run_dir: Path, procs: int, master_port: int, 
         if not multi and hosts[0][0] in LOCAL_HOSTS:
             argv.append("--no_ssh_check")  # one local host: DeepSpeed would still ssh to it first
         # With several hosts and the default address, let DeepSpeed ask node 0 (`hostname -I` over ssh).
-        if not (multi and launch.master_addr == "127.0.0.1"):
+        if not (multi and launch.master_addr == LOOPBACK):
             argv += ["--master_addr", launch.master_addr]
     else:
         visible = [d for d in environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
@@ -213,7 +223,7 @@ def deepspeed_argv(recipe: Recipe, run_dir: Path, procs: int, master_port: int, 
     return argv, world
 
 
-def free_port(preferred: int, host: str = "127.0.0.1") -> int:
+def free_port(preferred: int, host: str = LOOPBACK) -> int:
     """`preferred` when nothing listens there, else a free port the OS picks (single-node runs only)."""
     for port in (preferred, 0):
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:

@@ -193,7 +193,36 @@ def torchrun_failures(plan: LaunchPlan, output: str) -> list[RankFailure]:
     for failure in failures:
         if failure.message is None and failure.error_file:
             failure.message = read_error_file(Path(failure.error_file))
-    return failures
+        if failure.message is None and attempt is not None:
+            failure.message = _own_error_line(attempt / str(failure.local_rank) / "stderr.log")
+    return sorted(failures, key=_consequence)
+
+
+def _own_error_line(log: Path) -> Optional[str]:
+    """The one line a rank printed before exiting 1 without an exception (finetune.train.preemption.exit_code_for:
+    a full disk, a checkpoint problem): "error: rank N on HOST: MESSAGE" -> MESSAGE."""
+    for line in reversed(_read_tail(log, 50).splitlines()):
+        match = re.match(r"(?:\[rank\d+\]:\s*)?error: rank \d+ on \S+: (.+)", line.strip())
+        if match:
+            return match.group(1)
+    return None  # stable: time order within each kind
+
+
+# A rank whose peer died fails in its next collective with one of these (gloo: "Connection reset by peer" /
+# "Connection closed by peer"; NCCL: "remote process exited", a watchdog timeout). Its error file can be
+# older than the dead peer's report (torchrun only notices the exit later, and a SIGKILLed rank writes no
+# error file), so it is the consequence, never the cause, when another rank failed on its own.
+_PEER_FAILED = re.compile(r"Connection (reset|closed) by peer|Broken pipe|remote process exit|DistBackendError|"
+                          r"DistNetworkError|ProcessGroup\w* .*(timed out|Timeout)|Watchdog caught collective|"
+                          r"NCCL communicator was aborted|recvBytes|Socket Timeout", re.IGNORECASE)
+
+
+def _consequence(failure: RankFailure) -> int:
+    """0: failed on its own (its own exception, or killed by anything but torchrun's SIGTERM, or exited
+    without a word); 1: failed because a peer did; 2: stopped by torchrun (SIGTERM) after the first failure."""
+    if failure.message is not None:
+        return 1 if _PEER_FAILED.search(failure.message) else 0
+    return 2 if failure.exitcode == -signal.SIGTERM else 0
 
 
 def _judge_deepspeed(plan: LaunchPlan, returncode: int, output: str) -> Outcome:

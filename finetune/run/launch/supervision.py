@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -26,7 +27,8 @@ import time
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Optional
 
-from finetune.run.launch.commands import LOCAL_HOSTS, LaunchPlan, free_port
+from finetune.errors import FinetuneError
+from finetune.run.launch.commands import LOCAL_HOSTS, LOOPBACK, LaunchPlan, free_port
 from finetune.run.launch.outcome import LAUNCHER_ERROR_FILE, Outcome, judge, link_rank_logs
 
 if TYPE_CHECKING:
@@ -36,7 +38,7 @@ TAIL_LINES = 400  # launcher output kept in memory to read the failure report fr
 POLL_SECONDS = 0.2
 
 
-class LaunchError(Exception):
+class LaunchError(FinetuneError):
     """The launcher could not be started at all."""
 
 
@@ -79,7 +81,7 @@ def supervise(plan: LaunchPlan, console: Optional[IO[bytes]] = None, keep_fds: t
         busy = outcome.port_in_use
         if busy is None or outcome.signal is not None or plan.nodes > 1 or attempt == PORT_RETRIES:
             return outcome
-        port = free_port(0, plan.master_addr if plan.master_addr in LOCAL_HOSTS else "127.0.0.1")
+        port = free_port(0, plan.master_addr if plan.master_addr in LOCAL_HOSTS else LOOPBACK)
         Relay._write(console, f"[finetune] port {busy} was taken before torchrun could bind it; "
                               f"starting again on port {port}\n".encode())
         _set_port(plan, port)
@@ -268,6 +270,8 @@ class Relay(threading.Thread):
                 self._write(self.console, shown)
 
     def _filter(self, line: bytes) -> list[bytes]:
+        if _NOISE.search(line.rstrip(b"\r\n")):
+            return []  # in launcher.log only (issue 24: every line on screen worth reading)
         if line.startswith(b"Traceback (most recent call last):"):
             held, self._held = self._held, [line]
             return held
@@ -292,6 +296,12 @@ class Relay(threading.Thread):
     def tail(self) -> str:
         return b"\n".join(self._tail).decode("utf-8", "replace")
 
+
+# Lines that tell the user nothing to act on: torchrun's OMP_NUM_THREADS banner (it sets 1 per rank, as it
+# says, whenever several ranks share a machine), and DeepSpeed's "built successfully" for an op that
+# finetune.run.deepspeed_ops already announced (and that a cache hit merely loads).
+_NOISE = re.compile(rb"^\*{20,}$|^Setting OMP_NUM_THREADS environment variable for each process"
+                    rb"|^(\[(rank|default)\d+\]:\s?)?DeepSpeed \S+ built successfully$")
 
 # Exceptions torchrun raises itself when ranks fail or it is signalled (torch.distributed.elastic).
 _LAUNCHER_EXCEPTIONS = (b"torch.distributed.elastic.", b"torch.distributed.DistNetworkError")

@@ -22,3 +22,6 @@ class RawFinding:
     key: tuple  # key path in the config; () for the whole file
     message: str
     fix: Optional[str] = None
+    # The key itself is not a DeepSpeed setting: later rules judge nothing below it. Not part of the
+    # finding's identity (equality, repr), only a note from the structure rules to the "auto" rules.
+    unknown_key: bool = field(default=False, compare=False, repr=False)

@@ -6,7 +6,7 @@ import difflib
 import math
 from typing import Any, Iterator, Optional
 
-from finetune.lint.ds_schema import COMMON_MISNAMES, PYDANTIC_TOP, TA_DEFAULTS, Field
+from finetune.lint.deepspeed.schema import COMMON_MISNAMES, PYDANTIC_TOP, TA_DEFAULTS, Field
 
 
 BOOL_STRINGS = {"0", "off", "f", "false", "n", "no", "1", "on", "t", "true", "y", "yes"}

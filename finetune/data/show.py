@@ -1,0 +1,84 @@
+"""`finetune data show RECIPE`: one example as the run will train it, its trained tokens marked (issue 24;
+axolotl's `preprocess --debug` is what users know).
+
+The row goes through the same functions as training (finetune.data.formats.to_example and
+finetune.data.tokenize.tokenize_examples, with the recipe's tokenizer, max_length, mask_prompt and think),
+so what it shows between the markers is exactly what the loss sees.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from finetune.errors import FinetuneError
+
+TRAINED_START, TRAINED_END = "[[", "]]"
+
+
+class ShowError(FinetuneError, ValueError):
+    """Why no example can be shown (one line)."""
+
+
+@dataclass
+class Shown:
+    where: str  # file and row
+    fmt: str
+    tokens: int
+    trained: int
+    text: str  # the decoded sequence, trained spans between TRAINED_START and TRAINED_END
+    truncated: bool
+
+
+def show_example(recipe, tokenizer, row_number: int = 1) -> Shown:
+    """Row `row_number` (1-based) of the recipe's first local source, tokenized as training does with
+    `tokenizer` (the run's: finetune.train.model.load_tokenizer)."""
+    from finetune.data.sources import SourceProblem, data_files, is_local, sources_of
+    from finetune.data.validate import BadRow, iter_rows
+
+    if recipe.objective != "sft":
+        raise ShowError(f"objective {recipe.objective}: `data show` shows SFT rows (preference rows are checked by "
+                        "`finetune train`'s preflight)")
+    source = next((s for s in sources_of(recipe.data) if is_local(s.path)), None)
+    if source is None:
+        raise ShowError("no local data source in the recipe (hub data sets are read at launch)")
+    try:
+        files = data_files(Path(source.path).expanduser(), source.split)
+    except SourceProblem as exc:
+        raise ShowError(str(exc)) from None
+    row, where = _nth_row((r for f in files for r in iter_rows(f)), row_number, source.path)
+    if isinstance(row, BadRow):
+        raise ShowError(f"{where}: {row.message}")
+    from finetune.data.formats import RowProblem
+    from finetune.data.tokenize import tokenize_examples
+
+    try:
+        rows = tokenize_examples([row], tokenizer, source.format, recipe.data.max_length, recipe.data.mask_prompt,
+                                 spec=source.spec, think=recipe.data.think)
+    except RowProblem as exc:
+        raise ShowError(f"{where}: {exc}") from None
+    if not rows:
+        raise ShowError(f"{where}: nothing to train on after truncation to data.max_length {recipe.data.max_length}")
+    ids, labels = rows[0]["input_ids"], rows[0]["labels"]
+    return Shown(where, source.format, len(ids), sum(1 for label in labels if label != -100),
+                 marked_text(tokenizer, ids, labels), len(ids) >= recipe.data.max_length)
+
+
+def _nth_row(rows, number: int, path: str) -> tuple[Any, str]:
+    for index, (where, row) in enumerate(rows, start=1):
+        if index == number:
+            return row, where
+    raise ShowError(f"{path}: has fewer than {number} row(s)")
+
+
+def marked_text(tokenizer, ids: list[int], labels: list[int]) -> str:
+    """The decoded sequence with each run of trained tokens (label != -100) between the markers. Runs are
+    decoded whole, so a word split over tokens reads as one word."""
+    out, start = [], 0
+    for end in range(1, len(ids) + 1):
+        if end == len(ids) or (labels[end] != -100) != (labels[start] != -100):
+            text = tokenizer.decode(ids[start:end], skip_special_tokens=False)
+            out.append(f"{TRAINED_START}{text}{TRAINED_END}" if labels[start] != -100 else text)
+            start = end
+    return "".join(out)

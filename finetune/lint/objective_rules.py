@@ -1,0 +1,208 @@
+"""Recipe rules about the objective (R118, R119, R121): the settings it reads, the data and training keys TRL's
+trainers ignore, GRPO's rewards and groups. What each objective reads is finetune.objectives' table.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Iterator
+
+from finetune import objectives
+from finetune.lint.deepspeed.context import RawFinding
+from finetune.lint.recipe_rules import written_here, rule
+from finetune.recipe import LoadedRecipe
+
+# Which keys of its section each objective reads: finetune.train.preference passes exactly these to TRL
+# (tests/test_objectives.py builds the TRL kwargs and compares).
+SECTION_KEYS = {o.name: o.keys for o in objectives.OBJECTIVES.values() if o.section}
+SECTIONS = sorted({o.section for o in objectives.OBJECTIVES.values() if o.section})
+
+
+@rule
+def objective_keys(loaded: LoadedRecipe) -> Iterator[RawFinding]:
+    r = loaded.recipe
+    record = objectives.get(r.objective)
+    for section in SECTIONS:
+        written = loaded.raw.get(section)
+        if not isinstance(written, dict) or not written:
+            continue
+        readers = [o.name for o in objectives.OBJECTIVES.values() if o.section == section]
+        if record.section != section:
+            yield RawFinding("R118", "error", (section,), f"`{section}` is only read by objective {', '.join(readers)}",
+                             f"set objective: {readers[0]}" + (f" (or {', '.join(readers[1:])})" if readers[1:] else "")
+                             + ", or remove the section")
+            continue
+        for key in written:
+            if key not in record.keys:
+                users = objectives.users_of(section, key)
+                yield RawFinding("R118", "error", (section, key),
+                                 f"`{section}.{key}` does nothing with objective: {r.objective}"
+                                 + (f" (it is read by {', '.join(users)})" if users else ""), "remove it")
+    if record.section == "preference":
+        loss = r.preference.loss_type
+        if "loss_type" in record.keys and loss is not None and loss not in record.losses:
+            yield RawFinding("R118", "error", ("preference", "loss_type"), f"loss_type {loss!r} is not a {r.objective} loss",
+                             f"use one of {', '.join(record.losses)}")
+        if "reference" in record.keys:
+            yield from _reference_mode(loaded)
+
+
+def _reference_mode(loaded: LoadedRecipe) -> Iterator[RawFinding]:
+    r = loaded.recipe
+    ref = r.preference.reference
+    if ref.mode == "adapter_disabled" and r.method == "full":
+        yield RawFinding("R118", "error", ("preference", "reference", "mode"),
+                         "a full fine-tune has no adapter to switch off: its reference is a second model",
+                         "set preference.reference.mode: model (or precomputed)")
+    if ref.name_or_path is not None and ref.mode != "model":
+        yield RawFinding("R118", "error", ("preference", "reference", "name_or_path"),
+                         f"preference.reference.name_or_path is only loaded with mode: model (mode is {ref.mode})",
+                         "remove it, or set preference.reference.mode: model")
+
+
+# Data and training keys the SFT data path reads and TRL's trainers do not.
+TRL_IGNORED = {
+    ("data", "packing"): "TRL's trainers keep each example apart in its own padded rows",
+    ("data", "padding_free"): "TRL's trainers keep each example apart in its own padded rows",
+    ("data", "mask_prompt"): "these losses score only the answers",
+    ("training", "loss_kernel"): "TRL's trainers compute their own log-probabilities",
+    ("training", "loss_chunk_tokens"): "TRL's trainers compute their own log-probabilities",
+}
+
+
+@rule
+def trl_ignored_keys(loaded: LoadedRecipe) -> Iterator[RawFinding]:
+    record = objectives.get(loaded.recipe.objective)
+    if not record.uses_trl:
+        return
+    ignored = dict(TRL_IGNORED)
+    if not record.data_formats:
+        ignored[("data", "format")] = (f"its rows are recognised by their columns ({'/'.join(record.columns)})")
+    # Written by this file (or --set): a DPO recipe may extend an SFT one whose data section it replaces.
+    for key, why in ignored.items():
+        if written_here(loaded, *key):
+            yield RawFinding("R119", "error", key, f"`{'.'.join(key)}` is not used with objective: "
+                             f"{loaded.recipe.objective}: {why}", "remove it")
+    data = loaded.recipe.data
+    blocks = [("data", "sources", i) for i in range(len(data.sources))] if data.sources else [("data",)]
+    for key, block in zip(blocks, data.sources or [data]):
+        if record.data_formats and block.format not in record.data_formats:
+            yield RawFinding("R116", "error", (*key, "format"),
+                             f"objective {record.name} reads formats {', '.join(record.data_formats)}, not {block.format}",
+                             f"set format: {record.data_formats[0]}")
+
+
+@rule
+def prompt_format_without_grpo(loaded: LoadedRecipe) -> Iterator[RawFinding]:
+    record = objectives.get(loaded.recipe.objective)
+    data = loaded.recipe.data
+    blocks = [("data", "sources", i) for i in range(len(data.sources))] if data.sources else [("data",)]
+    for key, block in zip(blocks, data.sources or [data]):
+        if record.name == "sft" and block.format not in record.data_formats:
+            users = [o.name for o in objectives.OBJECTIVES.values() if block.format in o.data_formats]
+            yield RawFinding("R116", "error", (*key, "format"), f"format {block.format} is read by objective "
+                             f"{', '.join(users)} only", f"set objective: {users[0]}, or another format")
+
+
+# ------------------------------------------------------------------------------------------------
+# GRPO (R121): checked without importing anything the recipe names
+
+
+@rule
+def grpo_rewards(loaded: LoadedRecipe) -> Iterator[RawFinding]:
+    from finetune.rewards import syntax_problem
+
+    r = loaded.recipe
+    if r.objective != "grpo":
+        return
+    rewards = r.grpo.rewards
+    if not rewards:
+        yield RawFinding("R121", "error", ("grpo", "rewards"), "objective grpo needs at least one reward function",
+                         "add grpo.rewards: [{function: exact_match}] or your own `module:function` (README: GRPO)")
+    for i, spec in enumerate(rewards):
+        key = ("grpo", "rewards", i)
+        problem = syntax_problem(spec.function)
+        if problem:
+            yield RawFinding("R121", "error", (*key, "function"), problem)
+            continue
+        yield from _reward_settings(loaded, spec, key)
+    if rewards and all(s.weight == 0 for s in rewards):
+        yield RawFinding("R121", "error", ("grpo", "rewards"), "every reward has weight 0: every completion scores 0 "
+                         "and GRPO learns nothing", "give at least one reward a non-zero weight")
+    yield from _groups(loaded)
+
+
+_SETTINGS = {"exact_match": {"column"}, "number_match": {"column"}, "regex": {"pattern"}, "length": {"target"},
+             "think_format": set()}
+
+
+def _reward_settings(loaded: LoadedRecipe, spec, key: tuple) -> Iterator[RawFinding]:
+    if spec.weight == 0 and len(loaded.recipe.grpo.rewards) > 1:
+        yield RawFinding("R121", "warning", (*key, "weight"), f"reward {spec.function} has weight 0: it is computed "
+                         "and logged but does not change the training", "remove it, or give it a weight")
+    reads = _SETTINGS.get(spec.function, set())  # a user function reads only the data's columns
+    written = loaded.raw.get("grpo", {}).get("rewards", [])
+    item = written[key[-1]] if isinstance(written, list) and key[-1] < len(written) else {}
+    for setting in ("column", "pattern", "target"):
+        if isinstance(item, dict) and setting in item and setting not in reads:
+            yield RawFinding("R121", "warning", (*key, setting), f"`{setting}` is not read by reward {spec.function}",
+                             "remove it")
+    if spec.function == "regex":
+        if spec.pattern is None:
+            yield RawFinding("R121", "error", (*key, "pattern"), "reward regex needs a `pattern`")
+        else:
+            try:
+                re.compile(spec.pattern)
+            except re.error as exc:
+                yield RawFinding("R121", "error", (*key, "pattern"), f"pattern is not a regular expression ({exc})")
+    if spec.function == "length" and spec.target is None:
+        yield RawFinding("R121", "error", (*key, "target"), "reward length needs a `target` (tokens)")
+
+
+def _groups(loaded: LoadedRecipe) -> Iterator[RawFinding]:
+    if loaded.recipe.world_size is not None:
+        for key, message, fix in group_problems(loaded.recipe, loaded.recipe.world_size):
+            yield RawFinding("R121", "error", key, message, fix)
+
+
+def group_problems(r, world: int) -> list[tuple[tuple[str, ...], str, str]]:
+    """(key, message, fix) when TRL's GRPOConfig would refuse the batch: a step's generation batch (micro batch
+    x accumulation x processes completions), and an evaluation batch (micro batch x processes), must hold
+    whole groups of num_generations completions of one prompt. finetune.run.preflight asks again once the
+    process count is known."""
+    t, n = r.training, r.grpo.num_generations
+    out = []
+    batch = t.micro_batch_size * t.gradient_accumulation_steps * world
+    if batch % n:
+        out.append((("grpo", "num_generations"),
+                    f"a step generates {batch} completions (micro_batch_size {t.micro_batch_size} x "
+                    f"gradient_accumulation_steps {t.gradient_accumulation_steps} x {world} processes), not a "
+                    f"multiple of num_generations {n}: TRL refuses it",
+                    "make micro_batch_size x gradient_accumulation_steps x processes a multiple of num_generations"))
+    if r.data.validation_split > 0 and (t.micro_batch_size * world) % n:
+        out.append((("data", "validation_split"),
+                    f"evaluation generates micro_batch_size {t.micro_batch_size} x {world} processes completions "
+                    f"at once, not a multiple of num_generations {n}: TRL refuses it",
+                    "make micro_batch_size x processes a multiple of num_generations, or set validation_split: 0"))
+    return out
+
+
+@rule
+def reward_model_adapter(loaded: LoadedRecipe) -> Iterator[RawFinding]:
+    r = loaded.recipe
+    if r.objective == "reward" and r.model.adapter is not None:
+        # An SFT adapter is a causal-LM adapter; the reward model is a sequence classifier with a new head.
+        yield RawFinding("R120", "error", ("model", "adapter"),
+                         "a reward model starts a new score head on its base: an SFT adapter cannot be continued",
+                         "merge the SFT run (finetune merge RUN -o DIR) and set model.name_or_path: DIR")
+
+
+@rule
+def grpo_reference_with_adapter(loaded: LoadedRecipe) -> Iterator[RawFinding]:
+    r = loaded.recipe
+    if r.objective == "grpo" and r.model.adapter is not None and r.grpo.beta > 0:
+        # trl 1.16 GRPOTrainer: a PEFT policy's reference is the model with its adapter switched off (is_peft_model).
+        yield RawFinding("R118", "warning", ("grpo", "beta"),
+                         "with model.adapter, GRPO's KL reference is the base model without the SFT adapter "
+                         "(TRL switches the adapter off), not the SFT model",
+                         "merge the SFT run (finetune merge) and start from it, or set grpo.beta: 0")

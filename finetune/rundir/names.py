@@ -1,0 +1,21 @@
+"""The names of a run directory's files and folders, once (finetune.rundir.run_dir.RunDir is their owner;
+this module imports nothing else, so checkpoint, lock and resume_key can use the names without a cycle)."""
+
+from finetune.recipe.references import MODEL_CONFIG  # noqa: F401 (a model directory's file: recipe.references owns it)
+
+RECIPE_FILE = "recipe.yaml"
+DEEPSPEED_FILE = "deepspeed.json"
+TRAINING_ARGS_FILE = "training_args.json"
+SUMMARY_FILE = "summary.json"
+ENV_FILE = "env.json"
+LOGS_DIR = "logs"
+ADAPTER_DIR = "adapter"
+MODEL_DIR = "model"
+TOKENIZER_DIR = "tokenizer"
+ADAPTER_CONFIG = "adapter_config.json"  # PEFT's file (peft.utils.CONFIG_NAME): what makes a folder an adapter
+ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")  # PEFT's SAFETENSORS_WEIGHTS_NAME, WEIGHTS_NAME
+MERGED_RECIPE = "finetune_recipe.yaml"  # the run's recipe, copied into a merged model by `finetune merge`
+CHECKPOINT_PREFIX = "checkpoint-"  # transformers.trainer_utils.PREFIX_CHECKPOINT_DIR + "-"
+RUN_INPUTS = (RECIPE_FILE, DEEPSPEED_FILE, TRAINING_ARGS_FILE)  # what the runner reads
+REPORT_FILE = "report.html"  # finetune.train.report: loss plot, memory, config, versions
+PLOT_FILE = "loss.png"  # the loss curve, embedded in report.html

@@ -1,0 +1,219 @@
+"""`RunDir`: the one object that knows a run directory's layout. Every reader and writer of a run
+directory (train, the runner, chat, eval, convert, merge, lint, preflight) asks it for a file's name,
+the run's recipe, the adapter or the checkpoints, so a file name is spelled here only.
+
+    RUN/recipe.yaml          the resolved recipe; the file that makes a folder a run directory
+    RUN/deepspeed.json       the exact DeepSpeed config (finetune.rundir.layout writes it)
+    RUN/training_args.json   the TrainingArguments kwargs
+    RUN/resume_key.json      what a resumed run must share (finetune.rundir.resume_key)
+    RUN/logs/                launcher output, per-rank logs
+    RUN/checkpoint-N/        checkpoints (finetune.rundir.checkpoint)
+    RUN/adapter/ | model/    the trained weights (the runner, at the end)
+    RUN/tokenizer/           the tokenizer the run trained with (its chat template included)
+    RUN/env.json, summary.json, report.html, eval.json
+
+No torch, no pydantic at import time: lint and `finetune --help` import this.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional, Union
+
+if TYPE_CHECKING:
+    from finetune.recipe import Recipe
+    from finetune.rundir.checkpoint import Checkpoint
+    from finetune.rundir.lock import RunLock
+
+from finetune.errors import FinetuneError
+from finetune.rundir.names import (  # noqa: F401 (re-exported: the names belong to RunDir)
+    ADAPTER_CONFIG, ADAPTER_DIR, ADAPTER_WEIGHTS, CHECKPOINT_PREFIX, DEEPSPEED_FILE, ENV_FILE, LOGS_DIR, MERGED_RECIPE,
+    MODEL_CONFIG, MODEL_DIR, PLOT_FILE, RECIPE_FILE, REPORT_FILE, RUN_INPUTS, SUMMARY_FILE, TOKENIZER_DIR,
+    TRAINING_ARGS_FILE,
+)
+
+
+class RunDirError(FinetuneError):
+    """A run directory is missing a file, or holds one that cannot be read (the message names the file)."""
+
+
+class NotARunDir(RunDirError):
+    """The folder is not a run directory (no recipe.yaml). One message: `not_a_run_dir_message`."""
+
+
+def not_a_run_dir_message(path: Path) -> str:
+    return f"{path}: not a run directory (no {RECIPE_FILE}; `finetune train RECIPE` writes one)"
+
+
+def find_adapter(path: Union[str, Path]) -> Optional[Path]:
+    """The PEFT adapter in PATH/adapter (a run directory) or PATH itself (an adapter directory), or None."""
+    path = Path(path).expanduser()
+    for candidate in (path / ADAPTER_DIR, path):
+        if (candidate / ADAPTER_CONFIG).is_file():
+            return candidate
+    return None
+
+
+def no_adapter_message(path: Union[str, Path]) -> str:
+    """Why `path` holds no adapter: the one sentence every command prints."""
+    path = Path(path).expanduser()
+    return f"no {ADAPTER_CONFIG} in {path} or {path / ADAPTER_DIR}"
+
+
+def adapter_problem(reference: str) -> Optional[str]:
+    """Why model.adapter (an SFT run directory or an adapter directory) cannot be continued from, or None."""
+    if find_adapter(reference) is not None:
+        return None
+    run = RunDir(Path(reference).expanduser())
+    if run.model_path.is_dir() or run.file(MODEL_CONFIG).is_file():
+        return ("holds full weights, not an adapter: continue a full fine-tune through model.name_or_path "
+                "(and method: full)")
+    return f"{no_adapter_message(reference)} (give an SFT run directory or an adapter directory)"
+
+
+class RunDir:
+    """A run directory (existing or not yet written): its files by name, its recipe, adapter and checkpoints."""
+
+    def __init__(self, path: Union[str, Path]):
+        self.path = Path(path)
+
+    def __fspath__(self) -> str:
+        return str(self.path)
+
+    def __repr__(self) -> str:
+        return f"RunDir({str(self.path)!r})"
+
+    # --- files --------------------------------------------------------------------------------
+    def file(self, name: str) -> Path:
+        return self.path / name
+
+    @property
+    def recipe_path(self) -> Path:
+        return self.path / RECIPE_FILE
+
+    @property
+    def logs(self) -> Path:
+        return self.path / LOGS_DIR
+
+    @property
+    def summary_path(self) -> Path:
+        return self.path / SUMMARY_FILE
+
+    @property
+    def adapter_path(self) -> Path:
+        """Where the runner saves the adapter (it may not exist yet)."""
+        return self.path / ADAPTER_DIR
+
+    @property
+    def model_path(self) -> Path:
+        return self.path / MODEL_DIR
+
+    @property
+    def tokenizer_path(self) -> Path:
+        return self.path / TOKENIZER_DIR
+
+    def tokenizer(self) -> Optional[Path]:
+        return self.tokenizer_path if self.tokenizer_path.is_dir() else None
+
+    # --- what it is -----------------------------------------------------------------------------
+    def is_run(self) -> bool:
+        """A folder holding recipe.yaml (written last, so the other inputs are there too)."""
+        try:
+            return self.recipe_path.is_file()
+        except OSError:
+            return False
+
+    def require(self) -> "RunDir":
+        """self, or NotARunDir with the one message."""
+        if not self.path.is_dir() or not self.is_run():
+            raise NotARunDir(not_a_run_dir_message(self.path))
+        return self
+
+    def finished(self) -> bool:
+        return self.summary_path.is_file()
+
+    # --- contents ---------------------------------------------------------------------------------
+    def recipe_data(self) -> dict[str, Any]:
+        """recipe.yaml as plain data (a mapping), or RunDirError naming the file."""
+        if not self.is_run():
+            raise NotARunDir(not_a_run_dir_message(self.path))
+        return read_recipe_data(self.recipe_path)
+
+    def recipe(self) -> "Recipe":
+        """The run's resolved recipe, validated; RunDirError naming the file when it cannot be read."""
+        if not self.is_run():
+            raise NotARunDir(not_a_run_dir_message(self.path))
+        return read_recipe(self.recipe_path)
+
+    def adapter(self) -> Optional[Path]:
+        """The adapter of this run (RUN/adapter) or this folder itself when it is an adapter directory."""
+        return find_adapter(self.path)
+
+    def has_model(self) -> bool:
+        return (self.model_path / MODEL_CONFIG).is_file()
+
+    def checkpoints(self) -> "list[Checkpoint]":
+        from finetune.rundir.checkpoint import list_checkpoints
+
+        return list_checkpoints(self.path)
+
+    def latest_checkpoint(self) -> "Optional[Checkpoint]":
+        from finetune.rundir.checkpoint import latest_complete
+
+        return latest_complete(self.path)
+
+    def resume_key(self) -> Optional[dict[str, Any]]:
+        from finetune.rundir.resume_key import read_resume_key
+
+        return read_resume_key(self.path)
+
+    def lock(self, name: Optional[str] = None) -> "RunLock":
+        """Own this run directory (finetune.rundir.lock.acquire); RunDirLocked names the live holder."""
+        from finetune.rundir.lock import LOCK_FILE, acquire
+
+        return acquire(self.path, name or LOCK_FILE)
+
+    def holder(self, name: Optional[str] = None) -> Optional[str]:
+        from finetune.rundir.lock import LOCK_FILE, holder
+
+        return holder(self.path, name or LOCK_FILE)
+
+
+def read_recipe_data(path: Path) -> dict[str, Any]:
+    """A run's recipe file (recipe.yaml, or a merged model's finetune_recipe.yaml) as a mapping."""
+    from finetune.recipe.yamlio import DocumentError, load_yaml, read_text
+
+    try:
+        data = load_yaml(read_text(path), str(path)).data
+    except (DocumentError, OSError, ValueError) as exc:  # ValueError: UnicodeDecodeError, a NUL byte
+        raise RunDirError(f"{path}: cannot read the run's recipe: {_one_line(exc)}") from None
+    if not isinstance(data, dict):
+        raise RunDirError(f"{path}: cannot read the run's recipe: not a mapping of recipe sections")
+    return data
+
+
+def read_recipe(path: Path) -> "Recipe":
+    """A run's recipe file, validated against the schema (the one way a written recipe is read back)."""
+    from pydantic import ValidationError
+
+    from finetune.recipe import Recipe
+
+    data = read_recipe_data(path)
+    try:
+        return Recipe.model_validate(data)
+    except ValidationError as exc:
+        raise RunDirError(f"{path}: cannot read the run's recipe: {_one_line(exc)}") from None
+
+
+def command_line(*words: Union[str, Path]) -> str:
+    """A command printed for the user to paste (`next:` lines, report.html): every word shell-quoted, so a
+    run directory named `$(touch PWNED)` is a name and not a command (issue 25)."""
+    import shlex
+
+    return " ".join(shlex.quote(str(word)) for word in words)
+
+
+def _one_line(exc: BaseException) -> str:
+    """An exception's text on one line (pydantic and YAML errors span several)."""
+    text = " ".join(part.strip() for part in str(exc).splitlines() if part.strip())
+    return text[:500] + ("..." if len(text) > 500 else "")
