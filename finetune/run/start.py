@@ -30,7 +30,7 @@ from finetune.run.launch import (
 from finetune.run.preflight import Preflight, run_preflight
 from finetune.recipe import LoadedRecipe, Recipe
 from finetune.rundir.layout import write_run_dir
-from finetune.train.startup import PREPARE_FILE
+from finetune.rundir.names import PREPARE_FILE
 from finetune.rundir.lock import LOCK_ENV, OWNER_ENV, RunDirLocked, RunLock, acquire, holder, lock_name
 
 
@@ -170,7 +170,7 @@ def tokenize_before_launch(loaded: LoadedRecipe, log: Callable[[str], None], num
     from finetune.builtin import cache_root, ensure_builtin_model, is_builtin
     from finetune.data.prepare import prepare as prepare_data
     from finetune.data.sources import section_for_tokenizing
-    from finetune.train.model import load_tokenizer
+    from finetune.tokenizer import load_tokenizer
 
     model_path = str(ensure_builtin_model(recipe.model.name_or_path)) if is_builtin(recipe.model.name_or_path) \
         else recipe.model.name_or_path

@@ -263,8 +263,7 @@ def run(run_dir: Path, resume: bool = False) -> None:
     recipe, ds_config, args_kwargs = read_run_dir(run_dir)
     started = time.perf_counter()
     from finetune.train.startup import Startup
-
-    startup = Startup(run_dir)
+    startup = Startup(run_dir)  # before the heavy imports: `launch` ends here, `process_group` begins
     _quiet_libraries()
 
     import deepspeed
@@ -277,7 +276,8 @@ def run(run_dir: Path, resume: bool = False) -> None:
     from finetune.data.prepare import load_prepared, mix_report
     from finetune.data.tokenize import make_collator, split_eval
     from finetune.train import preference
-    from finetune.train.model import count_parameters, load_model, load_tokenizer, prepare_model
+    from finetune.train.model import count_parameters, load_model, prepare_model
+    from finetune.tokenizer import load_tokenizer
 
     on_cpu = is_cpu_accelerator()
     ds_config = adapt_deepspeed_config(ds_config, on_cpu)

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-PREPARE_FILE = "prepare.json"  # written by finetune.run.start before the launch
+from finetune.rundir.names import PREPARE_FILE
 
 
 class Startup:
