@@ -8,13 +8,14 @@ from typing import Optional
 import typer
 
 from finetune.cli.common import shard_size_or_exit, write_errors, write_progress
+from finetune.rundir.names import ADAPTER_CONFIG, ADAPTER_DIR
 
 
 def convert(
     checkpoint: Path = typer.Argument(..., metavar="CHECKPOINT", help="checkpoint-N/ (with `latest` and global_stepN/) or a global_stepN/ directory."),
     output: Path = typer.Option(..., "-o", "--output", help="Directory for the adapter (LoRA) or the safetensors weights (full)."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="bfloat16, float16 or float32 (default: the dtype the model trained in)."),
-    adapter_config: Optional[Path] = typer.Option(None, "--adapter-config", help="adapter_config.json to use (default: the checkpoint's, or the run's adapter/)."),
+    adapter_config: Optional[Path] = typer.Option(None, "--adapter-config", help=f"{ADAPTER_CONFIG} to use (default: the checkpoint's, or the run's {ADAPTER_DIR}/)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output directory."),
     max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="Largest output shard for full fine-tunes."),
 ) -> None:

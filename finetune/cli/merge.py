@@ -8,10 +8,11 @@ from typing import Optional
 import typer
 
 from finetune.cli.common import fail, shard_size_or_exit, write_errors, write_progress
+from finetune.rundir.names import ADAPTER_DIR, RECIPE_FILE
 
 
 def merge(
-    run_dir: Optional[Path] = typer.Argument(None, metavar="RUN_DIR", help="Run directory (recipe.yaml + adapter/); gives --base and --adapter."),
+    run_dir: Optional[Path] = typer.Argument(None, metavar="RUN_DIR", help=f"Run directory ({RECIPE_FILE} + {ADAPTER_DIR}/); gives --base and --adapter."),
     output: Path = typer.Option(..., "-o", "--output", help="Directory for the merged model (written beside it, renamed at the end)."),
     base: Optional[Path] = typer.Option(None, "--base", help="Local base model directory (safetensors); overrides the run's."),
     adapter: Optional[Path] = typer.Option(None, "--adapter", help="PEFT LoRA adapter directory; overrides the run's."),

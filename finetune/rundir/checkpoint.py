@@ -324,7 +324,7 @@ def plan_resume(run_dir: Path, resolved: dict[str, Any], world_size: Optional[in
         if checkpoints:
             what = f"holds only incomplete checkpoints ({broken}), nothing to resume from"
         elif finished:
-            what = "holds a finished run (summary.json) and no checkpoint to continue from"
+            what = f"holds a finished run ({SUMMARY_FILE}) and no checkpoint to continue from"
         else:
             what = "holds a previous run that saved no checkpoint"
         plan.error = f"{where} is not empty: it {what}; pass --overwrite to start over, or choose another --output-dir"
@@ -335,7 +335,7 @@ def plan_resume(run_dir: Path, resolved: dict[str, Any], world_size: Optional[in
                       f"(training.resume: true) to continue from it, or pass --overwrite to start over")
         return plan
     if finished and not force:
-        plan.error = (f"{where} holds a finished run (summary.json); pass --overwrite to train again from scratch, "
+        plan.error = (f"{where} holds a finished run ({SUMMARY_FILE}); pass --overwrite to train again from scratch, "
                       f"or --force-resume to continue training from {latest.name}")
         return plan
     if changes and not force:

@@ -335,7 +335,7 @@ def render_report(run_dir: Path, plot_written: bool) -> str:
     parts.append(_section("Memory per rank: plan vs measured",
                           _table(memory, ("rank", "planned (per GPU)", "measured peak", "measured as")) + note))
     parts.append(_section("Next", _table([(w, c) for w, c in next_steps(run_dir, summary)], ("what", "command"))))
-    parts.append(_section("Recipe (recipe.yaml, resolved)", _pre(recipe_text)))
+    parts.append(_section(f"Recipe ({RECIPE_FILE}, resolved)", _pre(recipe_text)))
     parts.append(_section(f"DeepSpeed config ({ds_path.name if ds_path.is_file() else DEEPSPEED_FILE})", _pre(ds_text)))
     versions = env.get("versions") or {}
     rows = [(k, str(v)) for k, v in versions.items()] + [("cuda", str(env.get("cuda"))), ("platform", str(env.get("platform")))]

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from finetune.errors import FinetuneError
+from finetune.rundir.names import SUMMARY_FILE
 
 EVAL_FILE = "eval.json"
 
@@ -128,7 +129,7 @@ def eval_rows(run_dir: Path, recipe, tokenizer, data: Optional[Path], log: Calla
 
     if recipe.objective != "sft" and data is None:
         raise EvalError(f"{run_dir} trained with objective: {recipe.objective}: its preference rows have no loss to "
-                        "score; summary.json holds its rewards (pass --data FILE with SFT rows to score those)")
+                        f"score; {SUMMARY_FILE} holds its rewards (pass --data FILE with SFT rows to score those)")
     from finetune.data.sources import describe, section_for_tokenizing
 
     section = section_for_tokenizing(recipe)

@@ -279,7 +279,7 @@ def _check_rank(tensors: dict, config: dict, where: Path) -> None:
             r, _ = lora_scaling(config, module)
             if tensor.shape[0] != r:
                 raise ConvertError(f"{where}: gives {module} r={r}, but the checkpoint's weights have rank "
-                                   f"{tensor.shape[0]} (an adapter_config.json from another run?)")
+                                   f"{tensor.shape[0]} (an {ADAPTER_CONFIG} from another run?)")
 
 
 # ------------------------------------------------------------------------------------------------

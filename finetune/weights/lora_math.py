@@ -11,6 +11,7 @@ from typing import Optional
 
 import torch
 
+from finetune.rundir.names import ADAPTER_CONFIG
 from finetune.weights.merge_inputs import adapter_weights
 from finetune.weights.safetensors_io import ST_TO_TORCH, BaseModel, MergeError, OutTensor, read_json
 
@@ -155,7 +156,7 @@ def _lora_update(module: str, parts: dict[str, torch.Tensor], config: dict, wher
                          "are not a rank-r pair (conv layers are not supported)")
     r, scaling = lora_scaling(config, module)
     if A.shape[0] != r:
-        raise MergeError(f"{where}: layer {module} has rank {A.shape[0]} but adapter_config.json gives it r={r} "
+        raise MergeError(f"{where}: layer {module} has rank {A.shape[0]} but {ADAPTER_CONFIG} gives it r={r} "
                          "(r / rank_pattern do not describe these weights)")
     magnitude = parts.get("lora_magnitude_vector")
     if magnitude is not None and embedding:
