@@ -10,7 +10,8 @@ import pytest
 
 from finetune.data.formats import Chat, RowProblem, RowSpec, to_example
 from finetune.data.mix import MixError, Share, mixture, pick, spec_problems, targets
-from finetune.data.tokenize import IGNORE_INDEX, DataError, tokenize_examples, tokenize_for_training
+from finetune.data.prepare import tokenize_for_training
+from finetune.data.tokenize import IGNORE_INDEX, DataError, tokenize_examples
 from tests.train_fixtures import REPO, cache_dir
 
 DEMO = REPO / "recipes" / "data" / "demo_instructions.jsonl"
@@ -287,7 +288,7 @@ def _two_sources(tmp_path, **weights):
 
 
 def test_a_weighted_mixture_is_tokenized_reported_and_cached(tmp_path, tokenizer, monkeypatch):
-    import finetune.data.tokenize as data
+    import finetune.data.prepare as data
 
     section = _two_sources(tmp_path)
     lines: list[str] = []

@@ -13,8 +13,9 @@ import json
 
 import pytest
 
+from finetune.data.prepare import cache_key
 from finetune.data.tokenize import (
-    IGNORE_INDEX, FlatteningCollator, cache_key, make_collator, pack, split_packed, tokenize_examples,
+    IGNORE_INDEX, FlatteningCollator, make_collator, pack, split_packed, tokenize_examples,
 )
 from tests.test_train_data import DEMO, _data, tokenizer  # noqa: F401  (a session fixture)
 

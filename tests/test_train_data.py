@@ -12,9 +12,9 @@ import sys
 import pytest
 
 from finetune.data.formats import RowSpec, alpaca
+from finetune.data.prepare import cache_key, tokenize_for_training
 from finetune.data.tokenize import (
-    IGNORE_INDEX, Collator, DataError, cache_key, load_raw, pack, split_eval,
-    tokenize_examples, tokenize_for_training,
+    IGNORE_INDEX, Collator, DataError, load_raw, pack, split_eval, tokenize_examples,
 )
 from tests.train_fixtures import REPO
 
@@ -195,12 +195,12 @@ def test_missing_and_unsupported_files(tmp_path):
 
 
 def test_wrong_format_names_the_columns(tmp_path, tokenizer):
-    with pytest.raises(DataError, match="example 0: no `messages` column .*found `instruction`, `input`, `output`\\); did you mean format: alpaca\\?"):
+    with pytest.raises(DataError, match=f"{DEMO}:1: no `messages` column .*found `instruction`, `input`, `output`\\); did you mean format: alpaca\\?"):
         tokenize_for_training(_data(DEMO, format="messages"), tokenizer, tmp_path, log=lambda m: None)
 
 
 def test_tokenized_data_is_cached_by_data_and_tokenizer(tmp_path, tokenizer, monkeypatch):
-    import finetune.data.tokenize as data
+    import finetune.data.prepare as data
 
     section = _data(DEMO)
     first = tokenize_for_training(section, tokenizer, tmp_path, log=lambda m: None)
@@ -220,14 +220,17 @@ def test_tokenized_data_is_cached_by_data_and_tokenizer(tmp_path, tokenizer, mon
 
 
 def test_tokenizing_reports_rows_at_the_progress_interval(tmp_path, tokenizer, monkeypatch):
-    from finetune.run.progress import PROGRESS_ENV
+    import finetune.data.prepare as data
+    from finetune.progress_env import PROGRESS_ENV
 
     lines: list[str] = []
-    monkeypatch.setenv(PROGRESS_ENV, "0")  # every row
+    monkeypatch.setenv(PROGRESS_ENV, "0")  # after every chunk of rows
+    monkeypatch.setattr(data, "CHUNK_ROWS", 100)
     tokenize_for_training(_data(DEMO), tokenizer, tmp_path / "every", log=lines.append)
     count = len(DEMO.read_text().splitlines())
-    progress = [line for line in lines if line.startswith("tokenizing: ")]
-    assert progress == [f"tokenizing: {n}/{count} rows" for n in range(1, count + 1)]
+    progress = [line.split(" (")[0] for line in lines if line.startswith("tokenizing: ")]
+    assert progress == [f"tokenizing: {n}/{count} rows" for n in range(100, count, 100)]
+    assert "rows/s, about" in next(line for line in lines if line.startswith("tokenizing: "))
     monkeypatch.setenv(PROGRESS_ENV, "3600")  # the demo data takes well under an hour: no line
     lines.clear()
     tokenize_for_training(_data(DEMO), tokenizer, tmp_path / "hourly", log=lines.append)

@@ -48,6 +48,8 @@ def test_two_process_run_learns_and_saves_what_it_trained(name, tiny_run, tiny_c
     assert len(summary["loss_history"]) == recipe.training.max_steps  # logging_steps: 1
     assert summary["tokens_trained"] > 0 and summary["tokens_per_second"] > 0
     assert summary["wall_seconds"] > 0
+    startup = summary["startup"]  # launched by hand here: no launcher's prepare.json
+    assert startup["tokenize"] is None and all(startup[k] > 0 for k in ("process_group", "model", "deepspeed_init", "first_step"))
     assert summary["world_size"] == 2
     assert summary["loss_kernel"] == recipe.training.loss_kernel
     assert summary["peak_memory_kind"] == "cpu_peak_rss"
@@ -76,7 +78,7 @@ def test_two_process_run_learns_and_saves_what_it_trained(name, tiny_run, tiny_c
 
 
 def _check_mixture_report(result, run_dir, recipe):
-    """alpaca + ShareGPT 3:1: one report (rank 0 tokenizes, rank 1 loads the cache), alpaca whole, chats to a third."""
+    """alpaca + ShareGPT 3:1: one report (the launcher tokenizes, the ranks load the cache), alpaca whole, chats to a third."""
     alpaca, chats = (Path(s.path) for s in recipe.data.sources)
     rows = len(alpaca.read_text().splitlines())
     report = [line.removeprefix("[finetune] ") for line in result.stdout.splitlines() if line.startswith("[finetune] data: ")]

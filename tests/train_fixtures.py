@@ -64,10 +64,33 @@ def runner_env(cache: Path) -> dict[str, str]:
 
 def launch_runner(run_dir: Path, cache: Path, procs: int = 2, timeout: float = 300,
                   extra: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
-    """`torchrun --standalone` (a free port of its own) running the real runner module."""
+    """`torchrun --standalone` (a free port of its own) running the real runner module, after the step
+    `finetune train` runs before launching: the training set tokenized into `cache` (its lines come first in
+    stdout, as on `finetune train`'s console)."""
+    prepared = prepare_data(run_dir, cache)
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(procs),
             "-m", "finetune.train.runner", "--run-dir", str(run_dir), *extra]
-    return subprocess.run(argv, cwd=REPO, env=runner_env(cache), capture_output=True, text=True, timeout=timeout)
+    result = subprocess.run(argv, cwd=REPO, env=runner_env(cache), capture_output=True, text=True, timeout=timeout)
+    result.stdout = "".join(f"[finetune] {line}\n" for line in prepared) + result.stdout
+    return result
+
+
+def prepare_data(run_dir: Path, cache: Path) -> list[str]:
+    """What finetune.run.start does in the launcher: tokenize the run's training set into `cache`; its lines."""
+    from finetune.recipe import load_recipe
+    from finetune.run.start import tokenize_before_launch
+
+    before = os.environ.get("FINETUNE_CACHE")
+    os.environ["FINETUNE_CACHE"] = str(cache)
+    lines: list[str] = []
+    try:
+        tokenize_before_launch(load_recipe(Path(run_dir) / "recipe.yaml"), log=lines.append)
+    finally:
+        if before is None:
+            os.environ.pop("FINETUNE_CACHE")
+        else:
+            os.environ["FINETUNE_CACHE"] = before
+    return lines
 
 
 def load_trained(run_dir: Path):

@@ -16,6 +16,7 @@ from finetune.cli.init import init
 from finetune.cli.lint import lint
 from finetune.cli.merge import merge
 from finetune.cli.plan import plan
+from finetune.cli.prepare import prepare
 from finetune.cli.render import render
 from finetune.cli.schema import schema
 from finetune.cli.slurm import slurm
@@ -23,7 +24,7 @@ from finetune.cli.train import train
 
 app = typer.Typer(
     name="finetune",
-    help="Fine-tune open LLMs from one YAML recipe: lint, plan, render, train, convert, merge, chat, eval.",
+    help="Fine-tune open LLMs from one YAML recipe: lint, plan, render, prepare, train, convert, merge, chat, eval.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -47,13 +48,13 @@ def _version(value: bool) -> None:
 @app.callback()
 def _main(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
                                        help="Print the version and exit.")) -> None:
-    """Fine-tune open LLMs from one YAML recipe: lint, plan, render, train, convert, merge, chat, eval."""
+    """Fine-tune open LLMs from one YAML recipe: lint, plan, render, prepare, train, convert, merge, chat, eval."""
 
 
 # The order `finetune --help` lists them in.
 app.command()(handled(init))
 app.add_typer(data_app, name="data")
-for _command in (lint, render, schema, merge, train, chat):
+for _command in (lint, render, schema, merge, prepare, train, chat):
     app.command()(handled(_command))
 app.command("eval")(handled(eval_command))
 for _command in (doctor, convert, plan, slurm):

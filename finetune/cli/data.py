@@ -34,7 +34,7 @@ def show(
     from finetune.data.show import TRAINED_END, TRAINED_START, show_example
 
     from finetune.builtin import resolve_model_path
-    from finetune.train.model import load_tokenizer
+    from finetune.tokenizer import load_tokenizer
 
     loaded = load_or_exit(recipe, overrides)
     typer.echo(f"loading the tokenizer of {loaded.recipe.model.name_or_path} ...", err=True)

@@ -81,16 +81,41 @@ def targets(counts: Sequence[int], weights: Sequence[Optional[float]], samples: 
 
 def pick(available: int, target: int, rng: random.Random) -> list[int]:
     """`target` indices into `available` examples: a subset, or whole repeats plus a subset."""
+    return _pick(available, target, rng).tolist()
+
+
+def _pick(available: int, target: int, rng: random.Random):
+    import numpy as np
+
     repeats, rest = divmod(target, available)
-    return list(range(available)) * repeats + sorted(rng.sample(range(available), rest))
+    subset = np.sort(np.fromiter(rng.sample(range(available), rest), dtype=np.int64, count=rest))
+    return np.concatenate([np.tile(np.arange(available, dtype=np.int64), repeats), subset])
 
 
 def mixture(shares: Sequence[Share], seed: int) -> list[tuple[int, int]]:
     """(source index, example index) of the mixed training set, shuffled; the same for the same seed."""
-    order: list[tuple[int, int]] = []
+    sources, indices = mixture_arrays(shares, seed)
+    return list(zip(sources.tolist(), indices.tolist()))
+
+
+def mixture_arrays(shares: Sequence[Share], seed: int):
+    """`mixture` as two numpy arrays (source index, example index): 16 bytes per example, not a Python
+    tuple each, for millions of them."""
+    import numpy as np
+
+    sources, indices = [], []
     for source, share in enumerate(shares):
         # One generator per source: adding a source does not change which examples the others give.
         rng = random.Random(f"{seed}:{source}")
-        order.extend((source, index) for index in pick(share.available, share.target, rng))
+        chosen = _pick(share.available, share.target, rng)
+        indices.append(chosen)
+        sources.append(np.full(len(chosen), source, dtype=np.int64))
+    source_of = np.concatenate(sources) if sources else np.zeros(0, dtype=np.int64)
+    index_of = np.concatenate(indices) if indices else np.zeros(0, dtype=np.int64)
+    # random.shuffle swaps positions in an order that depends only on the length: shuffling the positions
+    # gives the permutation that shuffling the (source, index) pairs themselves gave.
+    order = list(range(len(source_of)))
     random.Random(seed).shuffle(order)
-    return order
+    permutation = np.array(order, dtype=np.int64)
+    del order
+    return source_of[permutation], index_of[permutation]

@@ -33,7 +33,7 @@ class Shown:
 
 def show_example(recipe, tokenizer, row_number: int = 1) -> Shown:
     """Row `row_number` (1-based) of the recipe's first local source, tokenized as training does with
-    `tokenizer` (the run's: finetune.train.model.load_tokenizer)."""
+    `tokenizer` (the run's: finetune.tokenizer.load_tokenizer)."""
     from finetune.data.sources import SourceProblem, data_files, is_local, sources_of
     from finetune.data.validate import BadRow, iter_rows
 

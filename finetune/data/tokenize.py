@@ -1,7 +1,8 @@
-"""Training data: load (local file or hub), format, tokenize with the prompt masked, mix, pack, cache.
+"""Training data: load (local file or hub), format, tokenize with the prompt masked, pack, batch.
 
 Rows become examples in finetune.data.formats (alpaca, messages, sharegpt, text; role maps, per-turn
-train flags); this module turns them into input_ids and labels:
+train flags); this module turns a batch of them into input_ids and labels (`encode_rows`), with one call
+to the fast tokenizer per batch:
 - alpaca: the Alpaca prompt, masked; the loss covers the output and the EOS token that ends it.
 - messages / sharegpt: rendered with the chat template. The loss covers every assistant turn whose
   train flag is on, including the template's end-of-turn token (EOS for most templates), so the model
@@ -11,44 +12,33 @@ train flags); this module turns them into input_ids and labels:
   inside assistant turns stay in the input but leave the loss.
 - text: every token is trained. Long documents are split into max_length pieces.
 
-Labels are -100 where a token is not trained (Hugging Face's ignore index). `tokenize_for_training`
-tokenizes every source, drops (and counts, per source) examples with nothing left to train after
-truncation, mixes them (finetune.data.mix) and saves the result under the cache, keyed by a hash of
-the data section, the source files and the tokenizer; later runs, resumed runs and the other ranks
-of this run load it from there. The per-source report is saved beside it (mix.json).
+Labels are -100 where a token is not trained (Hugging Face's ignore index). finetune.data.prepare runs
+`encode_rows` on every core, mixes, packs (`pack_starts`, `pack_table`: Arrow columns) and caches the
+result before the ranks start.
 
 Batching (`make_collator`): padded rows, packed rows, or one flattened row per micro batch
 (`data.padding_free`, and packing under flash attention), so that examples never attend to each other.
 
-This module imports `datasets` and torch only inside functions.
+This module imports `datasets`, pyarrow and torch only inside functions.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import re
-import time
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
 from finetune.data.formats import (
     ALPACA_PROMPT, ALPACA_PROMPT_WITH_INPUT, Chat, Prompted, RowProblem, RowSpec, Text, to_example,
 )
-from finetune.data.mix import MixError, Share, mixture, targets
-from finetune.data.sources import ARROW_MARKER, DATA_SUFFIXES, Source, data_files, is_arrow_dir, is_local, sources_of
+from finetune.data.sources import DATA_SUFFIXES, is_arrow_dir
 from finetune.errors import FinetuneError
-from finetune.fsutil import publish_once
 
 __all__ = ["ALPACA_PROMPT", "ALPACA_PROMPT_WITH_INPUT"]
 
 IGNORE_INDEX = -100  # transformers' CrossEntropyLoss ignore_index
 # datasets' builder for each data file type (.jsonl files are read by the json builder)
 LOCAL_SUFFIXES = {suffix: "json" if suffix == ".jsonl" else suffix[1:] for suffix in DATA_SUFFIXES}
-# Bump when tokenization changes, so caches written by an older version are never reused.
-TOKENIZE_VERSION = 2
-MIX_REPORT = "mix.json"
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 _THINK = re.compile(r"<think>.*?</think>", re.DOTALL)
 
@@ -95,35 +85,71 @@ def load_raw(path: str, split: str = "train"):
 
 
 def tokenize_examples(examples: Iterable[dict[str, Any]], tokenizer, fmt: str, max_length: int,
-                      mask_prompt: bool = True, on_example: Callable[[int], None] | None = None,
-                      spec: Optional[RowSpec] = None, think: str = "train",
+                      mask_prompt: bool = True, spec: Optional[RowSpec] = None, think: str = "train",
                       dropped: Optional[list[int]] = None) -> list[dict[str, list[int]]]:
-    """input_ids + labels for each example (a text may give several rows, an empty one none).
-    on_example gets the number of examples done after each one; `dropped` collects the indices of
-    examples that truncation left with nothing to train."""
+    """input_ids + labels for each example (a text may give several rows, an empty one none), in memory:
+    for a handful of rows (eval, tests). Training data goes through finetune.data.prepare, which calls
+    `encode_rows` on batches in every core. `dropped` collects the indices of examples that truncation left
+    with nothing to train."""
     spec = spec or RowSpec(fmt)
     rows: list[dict[str, list[int]]] = []
-    for index, row in enumerate(examples):
-        try:
-            encoded = encode(to_example(row, spec), tokenizer, max_length, mask_prompt, think)
-        except (DataError, RowProblem) as exc:
-            raise DataError(f"example {index}: {exc}") from None
+    batch = list(examples)
+    for index, encoded in enumerate(encode_rows(batch, spec, tokenizer, max_length, mask_prompt, think)):
         if not encoded and dropped is not None:
             dropped.append(index)
         rows.extend(encoded)
-        if on_example is not None:
-            on_example(index + 1)
     return rows
 
 
+class RowError(DataError):
+    """A row that cannot be tokenized: `index` is its position in the batch (the caller names file and line)."""
+
+    def __init__(self, index: int, message: str):
+        super().__init__(message)
+        self.index = index
+
+    def __reduce__(self):  # raised in a datasets.map worker, re-raised in the launcher
+        return (type(self), (self.index, str(self)))
+
+
+def encode_rows(rows: list[Any], spec: RowSpec, tokenizer, max_length: int, mask_prompt: bool = True,
+                think: str = "train") -> list[list[dict[str, list[int]]]]:
+    """The sequences of each row (converted by its format), with one batched call to the fast tokenizer per
+    kind of example. Raises RowError naming the row of the batch that is wrong."""
+    examples = []
+    for index, row in enumerate(rows):
+        try:
+            examples.append(to_example(row, spec))
+        except RowProblem as exc:
+            raise RowError(index, f"example {index}: {exc}") from None
+    try:
+        return encode_batch(examples, tokenizer, max_length, mask_prompt, think)
+    except RowError:
+        raise
+    except DataError as exc:
+        raise RowError(0, str(exc)) from None
+
+
 def encode(example, tokenizer, max_length: int, mask_prompt: bool = True, think: str = "train") -> list[dict[str, list[int]]]:
-    if isinstance(example, Prompted):
-        return _encode_prompted(example, tokenizer, max_length, mask_prompt)
-    if isinstance(example, Text):
-        return _encode_text(example, tokenizer, max_length)
-    if isinstance(example, Chat):
-        return _encode_chat(example, tokenizer, max_length, mask_prompt, think)
-    raise DataError(f"no tokenization for {type(example).__name__} examples")
+    return encode_batch([example], tokenizer, max_length, mask_prompt, think)[0]
+
+
+def encode_batch(examples: list[Any], tokenizer, max_length: int, mask_prompt: bool = True,
+                 think: str = "train") -> list[list[dict[str, list[int]]]]:
+    """encode() of each example; the examples of one kind share one batched tokenizer call (a fast
+    tokenizer gives the same ids for a text alone or in a batch, without padding)."""
+    out: list[list[dict[str, list[int]]]] = [[] for _ in examples]
+    kinds: dict[type, list[int]] = {}
+    for index, example in enumerate(examples):
+        kinds.setdefault(type(example), []).append(index)
+    for kind, indices in kinds.items():
+        encoder = _ENCODERS.get(kind)
+        if encoder is None:
+            raise RowError(indices[0], f"no tokenization for {kind.__name__} examples")
+        for index, encoded in zip(indices, encoder([examples[i] for i in indices], indices, tokenizer, max_length,
+                                                   mask_prompt, think)):
+            out[index] = encoded
+    return out
 
 
 def _keep(ids: list[int], labels: list[int], max_length: int) -> list[dict[str, list[int]]]:
@@ -138,37 +164,111 @@ def _eos(tokenizer) -> list[int]:
     return [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
 
 
-def _encode_prompted(example: Prompted, tokenizer, max_length: int, mask_prompt: bool) -> list[dict[str, list[int]]]:
+def _backend(tokenizer):
+    """The fast tokenizer's Rust `tokenizers.Tokenizer`, when calling it directly gives what tokenizer(texts)
+    gives: no truncation or padding set on it (transformers switches them off on every call without
+    them) and the same special-token splitting. None otherwise: then the transformers call."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if backend is None or not hasattr(backend, "encode_batch_fast"):
+        return None
+    if backend.truncation is not None or backend.padding is not None:
+        return None
+    if backend.encode_special_tokens != bool(getattr(tokenizer, "split_special_tokens", False)):
+        return None
+    return backend
+
+
+def _ids(tokenizer, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
+    """tokenizer(texts)["input_ids"]; through the Rust tokenizer without offsets when that is the same
+    (encode_batch_fast: a third less work, and no BatchEncoding of attention masks to build)."""
+    backend = _backend(tokenizer)
+    if backend is None:
+        return tokenizer(texts, add_special_tokens=add_special_tokens)["input_ids"]
+    return [encoding.ids for encoding in backend.encode_batch_fast(texts, add_special_tokens=add_special_tokens)]
+
+
+def _ids_and_offsets(tokenizer, texts: list[str], max_length: int) -> tuple[list[list[int]], list[list[tuple[int, int]]]]:
+    """tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True): ids and character offsets of
+    the first max_length tokens (cut in Rust: a long conversation's tail is never turned into Python objects)."""
+    backend = _backend(tokenizer)
+    if backend is None:
+        encoded = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
+        return [ids[:max_length] for ids in encoded["input_ids"]], [o[:max_length] for o in encoded["offset_mapping"]]
+    encodings = backend.encode_batch(texts, add_special_tokens=False)
+    for encoding in encodings:
+        if len(encoding) > max_length:
+            encoding.truncate(max_length)
+    return [e.ids for e in encodings], [e.offsets for e in encodings]
+
+
+def _encode_prompted(examples: list[Prompted], indices: list[int], tokenizer, max_length: int, mask_prompt: bool,
+                     think: str) -> list[list[dict[str, list[int]]]]:
     # Prompt and response are tokenized apart, so the boundary is exact; the tokenizer's own special
     # tokens (BOS for Llama, none for Qwen) go in front of the prompt.
-    prompt_ids = tokenizer(example.prompt, add_special_tokens=True)["input_ids"]
-    response_ids = tokenizer(example.response, add_special_tokens=False)["input_ids"] + _eos(tokenizer)
-    prompt_labels = [IGNORE_INDEX] * len(prompt_ids) if mask_prompt else list(prompt_ids)
-    return _keep(prompt_ids + response_ids, prompt_labels + response_ids, max_length)
+    prompts = _ids(tokenizer, [e.prompt for e in examples], add_special_tokens=True)
+    responses = _ids(tokenizer, [e.response for e in examples], add_special_tokens=False)
+    eos = _eos(tokenizer)
+    out = []
+    for prompt_ids, response_ids in zip(prompts, responses):
+        ids = (prompt_ids + response_ids + eos)[:max_length]
+        # What _keep checks, without walking the labels: a response token left at a position >= 1.
+        first_trained = max(len(prompt_ids), 1) if mask_prompt else 1
+        if len(ids) <= first_trained:
+            out.append([])
+            continue
+        labels = [IGNORE_INDEX] * len(prompt_ids) + ids[len(prompt_ids):] if mask_prompt else list(ids)
+        out.append([{"input_ids": ids, "labels": labels[:max_length]}])
+    return out
 
 
-def _encode_text(example: Text, tokenizer, max_length: int) -> list[dict[str, list[int]]]:
-    ids = tokenizer(example.text, add_special_tokens=True)["input_ids"] + _eos(tokenizer)
-    # Continued pre-training: a long document is split, not truncated, so no text is thrown away.
-    return [{"input_ids": ids[i:i + max_length], "labels": ids[i:i + max_length]}
-            for i in range(0, len(ids), max_length) if len(ids[i:i + max_length]) > 1]
+def _encode_text(examples: list[Text], indices: list[int], tokenizer, max_length: int, mask_prompt: bool,
+                 think: str) -> list[list[dict[str, list[int]]]]:
+    eos = _eos(tokenizer)
+    out = []
+    for ids in _ids(tokenizer, [e.text for e in examples], add_special_tokens=True):
+        ids = ids + eos
+        # Continued pre-training: a long document is split, not truncated, so no text is thrown away.
+        out.append([{"input_ids": ids[i:i + max_length], "labels": ids[i:i + max_length]}
+                    for i in range(0, len(ids), max_length) if len(ids[i:i + max_length]) > 1])
+    return out
 
 
-def _encode_chat(example: Chat, tokenizer, max_length: int, mask_prompt: bool, think: str) -> list[dict[str, list[int]]]:
-    text = tokenizer.apply_chat_template(example.messages, tokenize=False)
-    if mask_prompt:
-        turns = _assistant_turn_spans(example.messages, tokenizer, text)
-        flags = [flag for message, flag in zip(example.messages, example.train) if message["role"] == "assistant"]
-        spans = [span for span, flag in zip(turns, flags) if flag]
-    else:
-        spans = [(0, len(text))]
-    if think == "mask":
-        spans = _without_think(spans, text)
-    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    ids = encoded["input_ids"]
-    labels = [tok if any(start < end_ and end > start_ for start_, end_ in spans) else IGNORE_INDEX
-              for tok, (start, end) in zip(ids, encoded["offset_mapping"])]
-    return _keep(ids, labels, max_length)
+def _encode_chat(examples: list[Chat], indices: list[int], tokenizer, max_length: int, mask_prompt: bool,
+                 think: str) -> list[list[dict[str, list[int]]]]:
+    texts, all_spans = [], []
+    for index, example in zip(indices, examples):
+        try:
+            text = tokenizer.apply_chat_template(example.messages, tokenize=False)
+            if mask_prompt:
+                turns = _assistant_turn_spans(example.messages, tokenizer, text)
+                flags = [flag for message, flag in zip(example.messages, example.train) if message["role"] == "assistant"]
+                spans = [span for span, flag in zip(turns, flags) if flag]
+            else:
+                spans = [(0, len(text))]
+        except DataError as exc:
+            raise RowError(index, f"example {index}: {exc}") from None
+        texts.append(text)
+        all_spans.append(_without_think(spans, text) if think == "mask" else spans)
+    import numpy as np
+
+    out = []
+    for ids, offsets, spans in zip(*_ids_and_offsets(tokenizer, texts, max_length), all_spans):
+        # A token is trained when its characters overlap a trained span (numpy: ~10x a Python loop per token).
+        ids, offsets = ids[:max_length], np.asarray(offsets[:max_length], dtype=np.int64).reshape(-1, 2)
+        trained = np.zeros(len(ids), dtype=bool)
+        for start, end in spans:
+            trained |= (offsets[:, 0] < end) & (offsets[:, 1] > start)
+        if not trained[1:].any():  # _keep: nothing left to train
+            out.append([])
+            continue
+        labels = np.where(trained, np.asarray(ids, dtype=np.int64), IGNORE_INDEX).tolist()
+        out.append([{"input_ids": ids, "labels": labels}])
+    return out
+
+
+_ENCODERS: dict[type, Callable[..., list[list[dict[str, list[int]]]]]] = {
+    Prompted: _encode_prompted, Text: _encode_text, Chat: _encode_chat,
+}
 
 
 def _assistant_turn_spans(messages: list[dict], tokenizer, text: str) -> list[tuple[int, int]]:
@@ -200,7 +300,8 @@ def _assistant_spans(messages: list[dict], tokenizer, text: str) -> list[tuple[i
         if message["role"] != "assistant":
             continue
         before = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True) if i else ""
-        through = tokenizer.apply_chat_template(messages[:i + 1], tokenize=False)
+        # The last turn's conversation is the whole one, already rendered: one template call fewer per row.
+        through = text if i == len(messages) - 1 else tokenizer.apply_chat_template(messages[:i + 1], tokenize=False)
         if not (text.startswith(through) and through.startswith(before)):
             raise DataError("the chat template renders earlier turns differently in longer conversations, so the "
                             "assistant turns cannot be located; set data.mask_prompt: false or a data.chat_template")
@@ -223,172 +324,51 @@ def _without_think(spans: list[tuple[int, int]], text: str) -> list[tuple[int, i
 
 
 def pack(rows: list[dict[str, list[int]]], max_length: int) -> list[dict[str, list[int]]]:
-    """Greedy in-order packing of whole examples into blocks of at most max_length tokens.
+    """`pack_table` of a list of rows, as lists (a handful of rows: tests, the GPU acceptance script)."""
+    import pyarrow as pa
 
-    Each block carries position_ids that restart at 0 for every example: the collators below turn
-    them into the boundaries each attention kernel honours (see `make_collator`). The first token of
-    every example is not a label: it would be predicted from the previous example's last token.
-    """
-    blocks: list[dict[str, list[int]]] = []
-    current: dict[str, list[int]] = {"input_ids": [], "labels": [], "position_ids": []}
-    for row in rows:
-        if current["input_ids"] and len(current["input_ids"]) + len(row["input_ids"]) > max_length:
-            blocks.append(current)
-            current = {"input_ids": [], "labels": [], "position_ids": []}
-        current["input_ids"] += row["input_ids"]
-        current["labels"] += [IGNORE_INDEX] + row["labels"][1:]
-        current["position_ids"] += list(range(len(row["input_ids"])))
-    if current["input_ids"]:
-        blocks.append(current)
-    return blocks
+    table = pa.table({name: pa.array([row[name] for row in rows], pa.list_(pa.int32())) for name in ("input_ids", "labels")})
+    return pack_table(table, pack_starts(pa.compute.list_value_length(table["input_ids"]).to_numpy(), max_length)).to_pylist()
 
 
-# ------------------------------------------------------------------------------------------------
-# The cached, tokenized dataset
+def pack_starts(lengths, max_length: int):
+    """Greedy in-order packing of whole examples into blocks of at most max_length tokens: the index of
+    each block's first example, then len(lengths) (a numpy int64 array; the lengths are a numpy array too).
+
+    Each block carries position_ids that restart at 0 for every example (`pack_table`): the collators below
+    turn them into the boundaries each attention kernel honours (see `make_collator`)."""
+    import numpy as np
+
+    starts = [0] if len(lengths) else []
+    used = 0
+    for index, length in enumerate(lengths.tolist()):  # sequential by nature; ~0.3 s per million examples
+        if used and used + length > max_length:
+            starts.append(index)
+            used = 0
+        used += length
+    return np.array(starts + [len(lengths)], dtype=np.int64)
 
 
-def cache_key(data: dict[str, Any], tokenizer) -> str:
-    """Hash of the data section, every source file's identity and the tokenizer (vocabulary + template)."""
-    # padding_free is left out on purpose: it changes how rows are batched, not the rows themselves.
-    section = {k: data.get(k) for k in ("path", "format", "split", "columns", "roles", "sources", "seed", "think",
-                                        "chat_template", "max_length", "packing", "mask_prompt")}
-    files = [_identity(source.path) for source in sources_of(data)]
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    vocab = backend.to_str() if backend is not None else json.dumps(tokenizer.get_vocab(), sort_keys=True)
-    blob = json.dumps({"v": TOKENIZE_VERSION, "data": section, "source": files,
-                       "template": tokenizer.chat_template, "bos": tokenizer.bos_token_id,
-                       "eos": tokenizer.eos_token_id, "class": type(tokenizer).__name__}, sort_keys=True, default=str)
-    digest = hashlib.sha256(blob.encode())
-    digest.update(vocab.encode())
-    return digest.hexdigest()[:16]
+def pack_table(table, starts):
+    """The blocks of an Arrow table of examples (input_ids, labels): block k holds examples starts[k] to
+    starts[k+1] - 1, end to end, with position_ids restarting at 0 for each. The first token of every
+    example is not a label: it would be predicted from the previous example's last token. Columns in,
+    columns out: no Python list of tokens."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.compute as pc
 
-
-def _identity(path: str) -> Any:
-    """(path, size, mtime) of each local file of a source: other rows under the same name change the key."""
-    local = Path(path).expanduser()
-    if not is_local(path) or not local.exists():
-        return None
-    try:
-        files = data_files(local) if local.is_dir() else [local]
-    except Exception:  # noqa: BLE001 - an unreadable folder has no identity; loading it will say why
-        return None
-    return [[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in files]
-
-
-@dataclass
-class SourceReport:
-    """One source's line of the mixture report."""
-    path: str
-    format: str
-    rows: int  # read from the source
-    dropped: int  # examples truncation left with nothing to train
-    examples: int  # tokenized sequences after dropping (a text document may give several)
-    mixed: int  # sequences of this source in the training set
-    how: str
-
-    def line(self, max_length: int) -> str:
-        drop = f", {self.dropped} dropped (nothing left to train within max_length {max_length})" if self.dropped else ""
-        return (f"data: {self.path} ({self.format}): {self.rows} rows -> {self.examples} examples{drop}; "
-                f"{self.mixed} in the mixture ({self.how})")
-
-
-def tokenize_for_training(data: dict[str, Any], tokenizer, cache_dir: Path, log: Callable[[str], None] = print):
-    """The tokenized `datasets.Dataset` for `data` (a recipe's data section as a dict), cached.
-
-    Call it on one process first (the runner uses TrainingArguments.main_process_first); the others
-    then find the cache. The cache directory is written under a temporary name and renamed.
-    """
-    import datasets
-
-    target = Path(cache_dir) / cache_key(data, tokenizer)
-    max_length = int(data["max_length"])
-    if (target / ARROW_MARKER).is_file():
-        log(f"tokenized data: cached in {target}")
-        for report in _read_reports(target):
-            log(report.line(max_length))
-        return datasets.load_from_disk(str(target))
-    sources = sources_of(data)
-    per_source, reports = [], []
-    for source in sources:
-        rows, report = _tokenize_source(source, data, tokenizer, log)
-        per_source.append(rows)
-        reports.append(report)
-    rows = _mix(sources, per_source, reports, int(data.get("seed") or 0))
-    if not rows:
-        raise DataError(f"{', '.join(s.path for s in sources)}: no example has a trainable token after truncation "
-                        f"to max_length {max_length}")
-    for report in reports:
-        log(report.line(max_length))
-    if data.get("packing"):
-        rows = pack(rows, max_length)
-    dataset = datasets.Dataset.from_list(rows)
-    _save_atomic(dataset, target, {MIX_REPORT: json.dumps([asdict(r) for r in reports], indent=2)})
-    log(f"tokenized data: {len(dataset)} sequences, {sum(len(r['input_ids']) for r in rows)} tokens -> {target}")
-    return datasets.load_from_disk(str(target))
-
-
-def _tokenize_source(source: Source, data: dict[str, Any], tokenizer, log: Callable[[str], None]):
-    raw = load_raw(source.path, source.split)
-    dropped: list[int] = []
-    try:
-        rows = tokenize_examples(raw, tokenizer, source.format, int(data["max_length"]), bool(data.get("mask_prompt", True)),
-                                 on_example=_every_interval(lambda done: log(f"tokenizing: {done}/{len(raw)} rows")),
-                                 spec=source.spec, think=data.get("think") or "train", dropped=dropped)
-    except DataError as exc:
-        raise DataError(f"{source.path}: {exc}") from None
-    report = SourceReport(source.path, source.format, len(raw), len(dropped), len(rows), len(rows), "all")
-    return rows, report
-
-
-def _mix(sources: list[Source], per_source: list[list], reports: list[SourceReport], seed: int) -> list:
-    """The training rows: one source without weight/samples keeps its order (the Trainer shuffles)."""
-    if len(sources) == 1 and sources[0].weight is None and sources[0].samples is None:
-        return per_source[0]
-    try:
-        shares: list[Share] = targets([len(rows) for rows in per_source], [s.weight for s in sources],
-                                      [s.samples for s in sources], [s.path for s in sources])
-    except MixError as exc:
-        raise DataError(str(exc)) from None
-    for report, share in zip(reports, shares):
-        report.mixed, report.how = share.target, share.describe()
-    return [per_source[s][i] for s, i in mixture(shares, seed)]
-
-
-def mix_report(data: dict[str, Any], tokenizer, cache_dir: Path) -> list[dict[str, Any]]:
-    """The per-source report of the cached tokenization of `data` (after tokenize_for_training)."""
-    return [asdict(r) for r in _read_reports(Path(cache_dir) / cache_key(data, tokenizer))]
-
-
-def _read_reports(target: Path) -> list[SourceReport]:
-    try:
-        return [SourceReport(**item) for item in json.loads((target / MIX_REPORT).read_text(encoding="utf-8"))]
-    except (OSError, ValueError, TypeError):
-        return []
-
-
-def _every_interval(report: Callable[[int], None]) -> Callable[[int], None]:
-    """report(done), at most once per progress interval (the live display asks for 1 s, logs get 15 s)."""
-    from finetune.progress_env import progress_interval
-
-    interval = progress_interval()
-    last = time.monotonic()
-
-    def maybe_report(done: int) -> None:
-        nonlocal last
-        now = time.monotonic()
-        if now - last >= interval:
-            last = now
-            report(done)
-
-    return maybe_report
-
-
-def _save_atomic(dataset, target: Path, extra: Optional[dict[str, str]] = None) -> None:
-    # another node's main process may win the race with the same content
-    with publish_once(target, ARROW_MARKER) as tmp:
-        dataset.save_to_disk(str(tmp))
-        for name, text in (extra or {}).items():
-            (tmp / name).write_text(text, encoding="utf-8")
+    ids, labels = table.column("input_ids").combine_chunks(), table.column("labels").combine_chunks()
+    lengths = pc.list_value_length(ids).to_numpy()
+    row_start = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=row_start[1:])
+    flat_labels = pc.list_flatten(labels).to_numpy(zero_copy_only=False).astype(np.int32, copy=True)
+    flat_labels[row_start[:-1]] = IGNORE_INDEX
+    positions = (np.arange(row_start[-1], dtype=np.int64) - np.repeat(row_start[:-1], lengths)).astype(np.int32)
+    offsets = pa.array(row_start[np.asarray(starts)].astype(np.int32))
+    return pa.table({"input_ids": pa.ListArray.from_arrays(offsets, pc.list_flatten(ids).cast(pa.int32())),
+                     "labels": pa.ListArray.from_arrays(offsets, pa.array(flat_labels)),
+                     "position_ids": pa.ListArray.from_arrays(offsets, pa.array(positions))})
 
 
 def split_eval(dataset, fraction: float, seed: int):

@@ -161,9 +161,18 @@ class DataSection(_Section):
     padding_free: bool = Field(False, description="No padding: each micro batch becomes one row of its examples end to end (up to micro_batch_size x max_length tokens), kept apart like packed ones. The throughput mode for flash attention.")
     validation_split: float = Field(0.0, ge=0, lt=1, description="Fraction of examples held out for evaluation (0 = no eval).")
     mask_prompt: bool = Field(True, description="Exclude prompt tokens from the loss (train on responses only).")
+    num_proc: Union[Literal["auto"], int] = Field(
+        "auto", description="Processes that tokenize before launch (`finetune prepare`, or `finetune train` before the ranks start): auto = the cores this machine lets the command use. The rows are the same for any value.")
 
     _paths = field_validator("path")(plain_path)
     _roles = field_validator("roles")(known_roles)
+
+    @field_validator("num_proc")
+    @classmethod
+    def _at_least_one_process(cls, value: Union[str, int]) -> Union[str, int]:
+        if isinstance(value, int) and not 1 <= value <= 4096:
+            raise ValueError("num_proc must be `auto` or a number of processes from 1 to 4096")
+        return value
 
     @model_validator(mode="after")
     def _one_way_to_name_the_data(self) -> "DataSection":

@@ -21,7 +21,7 @@ from finetune.progress_env import PROGRESS_ENV  # noqa: F401  (set by `finetune 
 LIVE_INTERVAL = "1"
 _RANK_PREFIX = re.compile(r"^\[(?:rank|default)\d+\]:\s?")
 _PROGRESS = re.compile(r"^progress: step (\d+)/(\d+)")
-_TOKENIZING = re.compile(r"^\[finetune\] tokenizing: (\d+)/(\d+) rows")
+_TOKENIZING = re.compile(r"^\[finetune\] tokenizing: (\d+)/(\d+) rows(?: \((.*)\))?")  # (rate, time left)
 _TOKENIZED = re.compile(r"^\[finetune\] (tokenized data|parameters):")
 
 
@@ -88,7 +88,8 @@ class TrainingDisplay:
             return
         match = _TOKENIZING.match(body)
         if match:  # the status text shows it
-            self.progress.update(self.task, description=f"tokenizing {match[1]}/{match[2]} rows")
+            self.progress.update(self.task, description=f"tokenizing {match[1]}/{match[2]} rows"
+                                 + (f" ({match[3]})" if match[3] else ""))
             return
         logged = parse_log_line(body)
         if logged is not None:

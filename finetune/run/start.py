@@ -1,16 +1,22 @@
-"""`finetune train` from a loaded recipe to an outcome: preflight, launch plan, run directory, lock, launch.
+"""`finetune train` from a loaded recipe to an outcome: preflight, launch plan, tokenized data, run directory,
+lock, launch.
 
 The one module that brings the parts together: finetune.run.preflight checks, finetune.rundir.layout writes the
-run directory, finetune.rundir.lock owns it, finetune.run.launch starts and watches the processes. The CLI
+run directory, finetune.rundir.lock owns it, finetune.run.launch starts and watches the processes. The SFT
+training set is tokenized here, in the launcher, before torchrun starts anything (finetune.data.prepare): the
+ranks only memory-map it, so no process-group timeout can hit a long tokenization. The CLI
 (finetune.cli) prints what `prepare` decided and what `start_run` returned.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Optional
+from typing import IO, Callable, Optional
 
 from finetune.run.doctor import recipe_imports
 from finetune.run.machine import collect_facts
@@ -24,6 +30,7 @@ from finetune.run.launch import (
 from finetune.run.preflight import Preflight, run_preflight
 from finetune.recipe import LoadedRecipe, Recipe
 from finetune.rundir.layout import write_run_dir
+from finetune.rundir.names import PREPARE_FILE
 from finetune.rundir.lock import LOCK_ENV, OWNER_ENV, RunDirLocked, RunLock, acquire, holder, lock_name
 
 
@@ -153,11 +160,43 @@ def _undo_claim(run_dir: Path, lock: RunLock, created: str) -> None:
         pass
 
 
+def tokenize_before_launch(loaded: LoadedRecipe, log: Callable[[str], None], num_proc: Optional[int] = None):
+    """Tokenize the SFT training set into the cache, or find it there, in this process (every core); the
+    finetune.data.prepare.Prepared result, or None for preference objectives (TRL tokenizes their rows in
+    the ranks). Raises finetune.data.tokenize.DataError, naming file and line, on a row it cannot use."""
+    recipe = loaded.recipe
+    if recipe.objective != "sft":
+        return None
+    from finetune.builtin import cache_root, ensure_builtin_model, is_builtin
+    from finetune.data.prepare import prepare as prepare_data
+    from finetune.data.sources import section_for_tokenizing
+    from finetune.tokenizer import load_tokenizer
+
+    model_path = str(ensure_builtin_model(recipe.model.name_or_path)) if is_builtin(recipe.model.name_or_path) \
+        else recipe.model.name_or_path
+    tokenizer = load_tokenizer(recipe, model_path)
+    return prepare_data(section_for_tokenizing(recipe), tokenizer, cache_root() / "tokenized", log=log, num_proc=num_proc)
+
+
 def start_run(prepared: Prepared, console: Optional[IO[bytes]] = None) -> Outcome:
-    """Write the run directory, then launch and supervise. Call only when prepared.preflight.ok."""
+    """Tokenize (or find the cache), write the run directory, then launch and supervise. Call only when
+    prepared.preflight.ok. Bad rows raise LaunchError before anything is written or started."""
     if not prepared.preflight.ok or prepared.plan is None:
         raise LaunchError("preflight failed; nothing was launched")
     plan = prepared.plan
+    out = console or sys.stdout.buffer
+
+    def log(line: str) -> None:
+        out.write(f"[finetune] {line}\n".encode())
+        out.flush()
+
+    from finetune.data.tokenize import DataError
+
+    try:
+        data = tokenize_before_launch(prepared.loaded, log)
+    except DataError as exc:
+        prepared.release()
+        raise LaunchError(f"{exc}; nothing was launched") from None
     name = lock_name(plan.nodes, plan.node_rank)
     try:
         if prepared.lock is None:  # the directory could not be created or locked at prepare(): try once more
@@ -185,6 +224,9 @@ def start_run(prepared: Prepared, console: Optional[IO[bytes]] = None) -> Outcom
             prepared.release()
             replaced[0].path = prepared.run_dir / name
             prepared.lock = replaced[0]
+        # The start-up split in summary.json begins here: tokenizing before, the ranks' start after.
+        write_atomic(prepared.run_dir / PREPARE_FILE, json.dumps(
+            {"tokenize": data.as_dict() if data is not None else None, "launched_at": time.time()}, indent=2) + "\n")
         if "DS_ENV_FILE" in plan.env:
             write_atomic(Path(plan.env["DS_ENV_FILE"]), deepspeed_env_text({**os.environ, **plan.env}))
         # The ranks clean up checkpoints only under this lock.

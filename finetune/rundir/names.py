@@ -7,6 +7,7 @@ RECIPE_FILE = "recipe.yaml"
 DEEPSPEED_FILE = "deepspeed.json"
 TRAINING_ARGS_FILE = "training_args.json"
 SUMMARY_FILE = "summary.json"
+PREPARE_FILE = "prepare.json"  # the launcher's tokenizing and launch time (finetune.run.start), read into summary.json
 ENV_FILE = "env.json"
 LOGS_DIR = "logs"
 ADAPTER_DIR = "adapter"

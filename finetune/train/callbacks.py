@@ -21,11 +21,16 @@ class TrainClock(TrainerCallback):
     def __init__(self) -> None:
         self.started: Optional[float] = None
         self.ended: Optional[float] = None
+        self.first_step: Optional[float] = None  # the end of the first optimizer step (the start-up split)
         self.tokens_at_start = 0  # a resumed run's state already counts the tokens trained before
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.started = time.perf_counter()
         self.tokens_at_start = int(state.num_input_tokens_seen or 0)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.first_step is None:
+            self.first_step = time.perf_counter()
 
     def on_train_end(self, args, state, control, **kwargs):
         self.ended = time.perf_counter()

@@ -189,3 +189,17 @@ def use_tiled_mlp(model, shards: Optional[int] = None) -> int:
 def apply_tiled_mlp(model, training) -> int:
     """use_tiled_mlp when the recipe's training.tiled_mlp asks for it (0 MLPs patched otherwise)."""
     return use_tiled_mlp(model, training.tiled_mlp_shards) if training.tiled_mlp else 0
+
+
+def for_this_run(checkpoint: Optional[str], ds_config: dict[str, Any], args_kwargs: dict[str, Any],
+                 log: Callable[[str], None]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The DeepSpeed config and TrainingArguments kwargs as this run's processes need them: a checkpoint of another
+    process count converted (finetune.train.universal), Ulysses' ParallelismConfig object, no activation offload
+    without an accelerator. Collective (every rank calls it)."""
+    from finetune.train import universal
+    from finetune.train.dist import world_size
+
+    world = world_size()
+    ds_config = universal.prepare_resume(checkpoint, ds_config, world, universal.converts_here(ds_config), log)
+    args_kwargs = training_arguments({**args_kwargs, "deepspeed": ds_config}, world)
+    return ds_config, without_offload_on_cpu(args_kwargs, log)

@@ -218,6 +218,10 @@ def _counting_pairs(trainer_class):
 
     class Counted(trainer_class):
         def _track_num_input_tokens(self, inputs):
+            if not hasattr(inputs, "items"):
+                # GRPO's batch is its raw prompt rows (a list): the tokens are generated inside the step, and
+                # TRL logs their count (completions/mean_length); transformers would warn here every step.
+                return
             masks = [value for key, value in inputs.items()
                      if key.endswith("attention_mask") and not key.startswith("prompt")]
             if "input_ids" in inputs or not masks or self.args.include_num_input_tokens_seen == "no":

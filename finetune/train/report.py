@@ -307,6 +307,11 @@ def render_report(run_dir: Path, plot_written: bool) -> str:
     if summary.get("resumed_from"):
         facts.append(("resumed from", str(summary["resumed_from"])))
     parts.append(_section("Summary", _table(facts)))
+    from finetune.train.startup import rows as startup_rows
+
+    started = startup_rows(summary.get("startup"))
+    if started:
+        parts.append(_section("Start-up: the time before the first optimizer step", _table(started, ("stage", "took"))))
     if plot_written and (run_dir / PLOT_FILE).is_file():
         data = base64.b64encode((run_dir / PLOT_FILE).read_bytes()).decode("ascii")
         plot = f'<img alt="train and eval loss, learning rate" src="data:image/png;base64,{data}">'

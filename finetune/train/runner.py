@@ -20,6 +20,10 @@ The runner adds (rank 0 writes; every final output appears under its name only o
 The order below is DeepSpeed's: distributed init, then TrainingArguments(deepspeed=...) (transformers
 keeps a reference to the config, so from_pretrained builds a ZeRO-3 model partitioned), then the
 model. Creating the model first would make zero.Init see a world of one and fail its batch-size check.
+
+Long because: run() is the one ordered sequence of a rank's life (process group, arguments, data, model, trainer,
+outputs) and its helpers are the run directory's outputs; the parts with a life of their own live beside it
+(preemption, parallel, universal, model, loss, callbacks, report).
 """
 
 from __future__ import annotations
@@ -45,7 +49,6 @@ from finetune.rundir.run_dir import (
 )
 from finetune.train.dist import all_gather, barrier, is_cpu_accelerator
 from finetune.train.dist import rank as process_rank
-from finetune.train.dist import world_size as process_world_size
 
 LOGITS_FILE = "final_logits.safetensors"
 LOGITS_BATCH = 4  # sequences in the fixed verification batch (the first training sequences)
@@ -264,6 +267,8 @@ def check_packing_support(model, recipe) -> None:
 def run(run_dir: Path, resume: bool = False) -> None:
     recipe, ds_config, args_kwargs = read_run_dir(run_dir)
     started = time.perf_counter()
+    from finetune.train.startup import Startup
+    startup = Startup(run_dir)  # before the heavy imports: `launch` ends here, `process_group` begins
     _quiet_libraries()
 
     import deepspeed
@@ -273,9 +278,11 @@ def run(run_dir: Path, resume: bool = False) -> None:
     from finetune.builtin import cache_root, ensure_builtin_model, is_builtin
     from finetune.train.callbacks import EffectiveDeepSpeedConfig, LossPlot, ProgressLines, TrainClock
     from finetune.data.sources import section_for_tokenizing
-    from finetune.data.tokenize import make_collator, mix_report, split_eval, tokenize_for_training
-    from finetune.train import parallel, preference, universal
-    from finetune.train.model import count_parameters, load_model, load_tokenizer, prepare_model
+    from finetune.data.prepare import load_prepared, mix_report
+    from finetune.data.tokenize import make_collator, split_eval
+    from finetune.train import parallel, preference
+    from finetune.train.model import count_parameters, load_model, prepare_model
+    from finetune.tokenizer import load_tokenizer
 
     on_cpu = is_cpu_accelerator()
     ds_config = adapt_deepspeed_config(ds_config, on_cpu)
@@ -285,15 +292,14 @@ def run(run_dir: Path, resume: bool = False) -> None:
 
     deepspeed.init_distributed(timeout=preemption.nccl_timeout(recipe))
     # Checkpoints that are published only when complete, resume, SIGTERM -> checkpoint (preemption.py).
+    startup.mark("process_group")
     resilience = preemption.setup(run_dir, recipe, ds_config, args_kwargs, resume)
     ds_config, args_kwargs = resilience.ds_config, resilience.args_kwargs
-    ds_config = universal.prepare_resume(resilience.checkpoint, ds_config, process_world_size(),  # another count?
-                                         universal.converts_here(ds_config), _log_main(process_rank() == 0))
     args_kwargs = {**args_kwargs, "output_dir": str(run_dir), "deepspeed": ds_config,
                    "include_num_input_tokens_seen": "non_padding"}
     args_kwargs = training_arguments_kwargs(args_kwargs, {f.name for f in dataclasses.fields(TrainingArguments)})
-    args_kwargs = parallel.training_arguments(args_kwargs, process_world_size())  # Ulysses: a ParallelismConfig
-    args_kwargs = parallel.without_offload_on_cpu(args_kwargs, _log_main(process_rank() == 0))
+    ds_config, args_kwargs = parallel.for_this_run(  # another process count, Ulysses, offload (train/parallel.py)
+        resilience.checkpoint, ds_config, args_kwargs, _log_main(process_rank() == 0))
     if on_cpu:
         args_kwargs["use_cpu"] = True
     os.environ.setdefault("TENSORBOARD_LOGGING_DIR", str(run_dir / "tensorboard"))
@@ -313,9 +319,9 @@ def run(run_dir: Path, resume: bool = False) -> None:
             else recipe.model.name_or_path
     tokenizer = load_tokenizer(recipe, model_path)
     if recipe.objective == "sft":
-        with training_args.main_process_first(local=True, desc="tokenize"):
-            section = section_for_tokenizing(recipe)
-            dataset = tokenize_for_training(section, tokenizer, cache_root() / "tokenized", log=_log_main(is_main))
+        # Tokenized by the launcher before this process started (finetune.run.start): memory-mapped, never made here.
+        section = section_for_tokenizing(recipe)
+        dataset = load_prepared(section, tokenizer, cache_root() / "tokenized")
         if is_main:  # the run directory says what it trained on: rows per source, dropped, mixed
             _write_json(run_dir / "data_mix.json", mix_report(section, tokenizer, cache_root() / "tokenized"))
         train_set, eval_set = split_eval(dataset, recipe.data.validation_split, recipe.training.seed)
@@ -324,6 +330,7 @@ def run(run_dir: Path, resume: bool = False) -> None:
         collator = parallel.wrap_collator(collator, args_kwargs, tokenizer.pad_token_id, recipe, on_cpu)
     else:  # raw rows: TRL's trainer tokenizes them (chat template, EOS, truncation) and collates
         (train_set, eval_set), collator = preference.split_rows(recipe), None
+    startup.mark("data")
 
     # 4. The model, built partitioned under ZeRO-3, then LoRA and gradient checkpointing.
     if recipe.objective == "reward":  # a one-score head on the base model (TRL's RewardTrainer)
@@ -348,6 +355,7 @@ def run(run_dir: Path, resume: bool = False) -> None:
         t = recipe.training
         use_chunked_loss(model, chunk_count(t.micro_batch_size * recipe.data.max_length, model.config.vocab_size,
                                             t.loss_chunk_tokens))
+    startup.mark("model")
     clock = TrainClock()
     callbacks = [clock, EffectiveDeepSpeedConfig(run_dir), LossPlot(run_dir), resilience.callback]
     if recipe.objective == "sft":
@@ -369,6 +377,7 @@ def run(run_dir: Path, resume: bool = False) -> None:
 
         trainer.add_callback(ProgressLines(progress_interval()))
     checkpoint = resilience.checkpoint
+    startup.mark("trainer")
     trainer.train(resume_from_checkpoint=checkpoint)
     resilience.raise_if_stopped()  # stopped by a signal: the checkpoint is complete; no final outputs
 
@@ -390,7 +399,7 @@ def run(run_dir: Path, resume: bool = False) -> None:
                  "train_sequences": len(train_set), "eval_sequences": len(eval_set) if eval_set is not None else 0,
                  "resumed_from": checkpoint, "total_seconds": time.perf_counter() - started,
                  "peak_memory_reserved_bytes": reserved if any(r is not None for r in reserved) else None,
-                 "loss_kernel": recipe.training.loss_kernel}
+                 "loss_kernel": recipe.training.loss_kernel, "startup": startup.split(clock)}
         extra.update(preference.summary_extra(recipe, trainer.state.log_history))
         summary = summarize(trainer, clock, world_size, memory, extra, token_replicas=recipe.parallel.tensor)
         _write_json(run_dir / SUMMARY_FILE, summary)

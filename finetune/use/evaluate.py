@@ -124,7 +124,8 @@ def eval_rows(run_dir: Path, recipe, tokenizer, data: Optional[Path], log: Calla
               fmt: Optional[str] = None):
     """(rows, description, held out?) of the sequences to score."""
     from finetune.builtin import cache_root
-    from finetune.data.tokenize import DataError, load_raw, split_eval, tokenize_examples, tokenize_for_training
+    from finetune.data.prepare import tokenize_for_training
+    from finetune.data.tokenize import DataError, load_raw, split_eval, tokenize_examples
 
     if recipe.objective != "sft" and data is None:
         raise EvalError(f"{run_dir} trained with objective: {recipe.objective}: its preference rows have no loss to "

@@ -1,0 +1,272 @@
+"""Tokenizing a training set: finetune's step (finetune.data.prepare) against a batched `datasets.map` reference.
+
+    python scripts/bench_tokenize.py --rows 100000             # alpaca and ShareGPT, num_proc = cores
+    python scripts/bench_tokenize.py --rows 1000000 --format alpaca --num-proc 2
+
+Generates N alpaca rows and N ShareGPT rows (JSON lines, a few hundred tokens each with the built-in
+tokenizer), then runs, each in a fresh process with an empty Hugging Face datasets cache (so both pay
+the JSON -> Arrow conversion):
+- finetune: `finetune.data.prepare.prepare`, what `finetune prepare` and `finetune train` run before launch
+  (rows checked and tokenized on every core, mixed, written as a memory-mapped cache entry);
+- reference: `datasets.load_dataset("json")` + `Dataset.map(batched=True, num_proc=cores)` with the same
+  tokenizer and the same masking (prompt masked, EOS trained, truncation, rows with nothing left dropped;
+  for ShareGPT the assistant turns located by rendering prefixes of the conversation), the way
+  LLaMA-Factory and axolotl tokenize; its output stays in datasets' cache, as theirs does.
+Prints wall seconds, CPU seconds (user + system of the process and its workers: steadier than wall time
+on a shared machine), peak RSS (the sum over the process and its children, sampled every 50 ms: pages
+shared after fork count once per process, on both sides alike), peak PSS (shared pages split between
+the processes that share them) and peak anonymous PSS (PSS without memory-mapped files: what the processes
+allocate, the number that decides whether it fits in RAM) side by side with the ratios, and checks that both sides give the same
+number of sequences, tokens and trained tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+WORDS = ("the cat sat on a mat while rain fell over river stone bread milk book door cloud snow green blue red "
+         "tree apple moon star sun bird dog engineers wrote careful notes about tokens packing and memory").split()
+
+
+# ------------------------------------------------------------------------------------------------
+# Data
+
+
+def _paragraphs(rng: random.Random, count: int, low: int, high: int) -> list[str]:
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(low, high))).capitalize() + "." for _ in range(count)]
+
+
+def write_rows(path: Path, fmt: str, rows: int, seed: int = 0) -> None:
+    """`rows` rows of `fmt`, drawn from a pool of paragraphs (writing a million rows takes seconds)."""
+    rng = random.Random(seed)
+    short, long = _paragraphs(rng, 512, 8, 40), _paragraphs(rng, 512, 60, 160)
+    with path.open("w", encoding="utf-8") as handle:
+        for i in range(rows):
+            if fmt == "alpaca":
+                row = {"instruction": f"Task {i}: {rng.choice(short)}", "input": rng.choice(short) if i % 3 == 0 else "",
+                       "output": rng.choice(long)}
+            else:
+                turns = []
+                for _ in range(rng.randint(1, 3)):
+                    turns += [{"from": "human", "value": f"Question {i}: {rng.choice(short)}"},
+                              {"from": "gpt", "value": rng.choice(long)}]
+                row = {"conversations": turns}
+            handle.write(json.dumps(row) + "\n")
+
+
+# ------------------------------------------------------------------------------------------------
+# The two sides (each runs in its own process: `--worker`)
+
+
+def run_finetune(data: Path, fmt: str, tokenizer, max_length: int, num_proc: int, work: Path) -> dict:
+    from finetune.data.prepare import load_prepared, prepare
+
+    section = {"path": str(data), "format": fmt, "split": "train", "columns": {}, "roles": {}, "sources": None,
+               "seed": 0, "think": "train", "chat_template": None, "max_length": max_length, "packing": False,
+               "mask_prompt": True}
+    prepare(section, tokenizer, work / "finetune-cache", log=lambda line: None, num_proc=num_proc)
+    return _counts(load_prepared(section, tokenizer, work / "finetune-cache"))
+
+
+def run_reference(data: Path, fmt: str, tokenizer, max_length: int, num_proc: int, work: Path) -> dict:
+    import datasets
+
+    raw = datasets.load_dataset("json", data_files=str(data), split="train")
+    function = _reference_alpaca if fmt == "alpaca" else _reference_sharegpt
+    tokenized = raw.map(function, batched=True, num_proc=num_proc, remove_columns=raw.column_names,
+                        fn_kwargs={"tokenizer": tokenizer, "max_length": max_length})
+    return _counts(tokenized)
+
+
+def _truncated(ids: list[int], labels: list[int], max_length: int, out: dict) -> None:
+    ids, labels = ids[:max_length], labels[:max_length]
+    if any(label != -100 for label in labels[1:]):
+        out["input_ids"].append(ids)
+        out["labels"].append(labels)
+
+
+def _reference_alpaca(batch: dict, tokenizer, max_length: int) -> dict:
+    from finetune.data.formats import ALPACA_PROMPT, ALPACA_PROMPT_WITH_INPUT
+
+    prompts = [ALPACA_PROMPT_WITH_INPUT.format(instruction=i, input=x) if x else ALPACA_PROMPT.format(instruction=i)
+               for i, x in zip(batch["instruction"], batch["input"])]
+    prompt_ids = tokenizer(prompts)["input_ids"]
+    response_ids = tokenizer(batch["output"], add_special_tokens=False)["input_ids"]
+    out: dict = {"input_ids": [], "labels": []}
+    for p, r in zip(prompt_ids, response_ids):
+        r = r + [tokenizer.eos_token_id]
+        _truncated(p + r, [-100] * len(p) + r, max_length, out)
+    return out
+
+
+def _reference_sharegpt(batch: dict, tokenizer, max_length: int) -> dict:
+    roles = {"human": "user", "gpt": "assistant"}
+    texts, spans = [], []
+    for conversation in batch["conversations"]:
+        messages = [{"role": roles[t["from"]], "content": t["value"]} for t in conversation]
+        text = tokenizer.apply_chat_template(messages, tokenize=False)
+        turns = []
+        for i, message in enumerate(messages):
+            if message["role"] == "assistant":
+                before = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)
+                turns.append((len(before), len(tokenizer.apply_chat_template(messages[:i + 1], tokenize=False))))
+        texts.append(text)
+        spans.append(turns)
+    encoded = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
+    out: dict = {"input_ids": [], "labels": []}
+    for ids, offsets, turns in zip(encoded["input_ids"], encoded["offset_mapping"], spans):
+        labels = [t if any(s < e_ and e > s_ for s_, e_ in turns) else -100 for t, (s, e) in zip(ids, offsets)]
+        _truncated(ids, labels, max_length, out)
+    return out
+
+
+def _counts(dataset) -> dict:
+    import pyarrow.compute as pc
+
+    table = dataset.with_format("arrow")
+    tokens = trained = 0
+    for start in range(0, len(dataset), 65536):
+        part = table[start:start + 65536]
+        tokens += int(pc.sum(pc.list_value_length(part["input_ids"])).as_py() or 0)
+        trained += int(pc.sum(pc.not_equal(pc.list_flatten(part["labels"]), -100)).as_py() or 0)
+    return {"sequences": len(dataset), "tokens": tokens, "trained_tokens": trained}
+
+
+def worker(args: argparse.Namespace) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+    run = run_finetune if args.worker == "finetune" else run_reference
+    started = time.perf_counter()
+    counts = run(Path(args.data), args.format, tokenizer, args.max_length, args.num_proc, Path(args.work))
+    print(json.dumps({**counts, "inner_seconds": time.perf_counter() - started}))
+
+
+# ------------------------------------------------------------------------------------------------
+# The parent: one fresh process per side, its tree's RSS sampled
+
+
+def measure(side: str, data: Path, fmt: str, tokenizer: Path, max_length: int, num_proc: int, work: Path) -> dict:
+    import psutil
+
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    env = {**os.environ, "HF_DATASETS_CACHE": str(work / "hf-datasets"), "PYTHONPATH": str(REPO),
+           "HF_DATASETS_DISABLE_PROGRESS_BARS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    argv = [sys.executable, __file__, "--worker", side, "--data", str(data), "--format", fmt, "--tokenizer",
+            str(tokenizer), "--max-length", str(max_length), "--num-proc", str(num_proc), "--work", str(work)]
+    import resource
+
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    started = time.perf_counter()
+    child = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=REPO)
+    root, peak, peak_pss, peak_anon = psutil.Process(child.pid), 0, 0, 0
+    while child.poll() is None:
+        try:
+            tree = [root] + root.children(recursive=True)
+            peak = max(peak, sum(_rss(p) for p in tree))
+            shares = [_pss(p.pid) for p in tree]
+            peak_pss = max(peak_pss, sum(pss for pss, _ in shares))
+            peak_anon = max(peak_anon, sum(anon for _, anon in shares))
+        except psutil.NoSuchProcess:
+            pass
+        time.sleep(0.05)
+    seconds = time.perf_counter() - started
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)  # the child and the workers it waited for
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    out, err = child.communicate()
+    if child.returncode != 0:
+        raise SystemExit(f"{side} failed:\n{err.decode()[-3000:]}")
+    shutil.rmtree(work, ignore_errors=True)
+    return {**json.loads(out.decode().strip().splitlines()[-1]), "seconds": seconds, "cpu_seconds": cpu,
+            "peak_rss": peak, "peak_pss": peak_pss, "peak_anon": peak_anon}
+
+
+def _rss(process) -> int:
+    import psutil
+
+    try:
+        return process.memory_info().rss
+    except psutil.NoSuchProcess:
+        return 0
+
+
+def _pss(pid: int) -> tuple[int, int]:
+    """(Pss, Pss_Anon) in bytes from /proc/PID/smaps_rollup: a page shared by k processes counts 1/k in each.
+    Pss_Anon leaves out the pages of memory-mapped files (Arrow data, libraries): clean page cache the kernel
+    drops under pressure, which RSS and Pss count while they stay mapped."""
+    values = {}
+    try:
+        with open(f"/proc/{pid}/smaps_rollup", encoding="ascii") as handle:
+            for line in handle:
+                name, _, rest = line.partition(":")
+                if name in ("Pss", "Pss_Anon"):
+                    values[name] = int(rest.split()[0]) * 1024
+    except (OSError, ValueError):
+        pass
+    return values.get("Pss", 0), values.get("Pss_Anon", 0)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=100_000)
+    parser.add_argument("--format", choices=["alpaca", "sharegpt", "both"], default="both")
+    parser.add_argument("--max-length", type=int, default=512)
+    parser.add_argument("--num-proc", type=int, default=None, help="default: the cores this process may use")
+    parser.add_argument("--sides", default="reference,finetune", help="which to run (finetune alone: the memory at 1M rows)")
+    parser.add_argument("--keep", type=Path, default=None, help="write the generated data here and keep it")
+    parser.add_argument("--worker", choices=["finetune", "reference"], help=argparse.SUPPRESS)
+    parser.add_argument("--data", help=argparse.SUPPRESS)
+    parser.add_argument("--tokenizer", help=argparse.SUPPRESS)
+    parser.add_argument("--work", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    from finetune.builtin import ensure_builtin_model
+    from finetune.data.prepare import resolve_num_proc
+
+    num_proc = args.num_proc or resolve_num_proc("auto")
+    folder = args.keep or Path(tempfile.mkdtemp(prefix="bench-tokenize-"))
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        tokenizer = ensure_builtin_model("builtin:tiny-llama", folder / "models")
+        formats = ["alpaca", "sharegpt"] if args.format == "both" else [args.format]
+        print(f"{args.rows} rows per format, max_length {args.max_length}, num_proc {num_proc}, built-in tokenizer")
+        print(f"{'format':9} {'side':10} {'seconds':>8} {'CPU s':>8} {'peak RSS':>10} {'peak PSS':>10} {'anon PSS':>10} "
+              f"{'sequences':>10} {'tokens':>12} {'trained':>12}")
+        for fmt in formats:
+            data = folder / f"{fmt}.jsonl"
+            if not data.exists():
+                write_rows(data, fmt, args.rows)
+            results = {side: measure(side, data, fmt, tokenizer, args.max_length, num_proc, folder / f"work-{side}")
+                       for side in args.sides.split(",")}
+            for side, r in results.items():
+                print(f"{fmt:9} {side:10} {r['seconds']:8.1f} {r['cpu_seconds']:8.1f} {r['peak_rss'] / 2**30:7.2f} GB "
+                      f"{r['peak_pss'] / 2**30:7.2f} GB {r['peak_anon'] / 2**30:7.2f} GB {r['sequences']:10} {r['tokens']:12} "
+                      f"{r['trained_tokens']:12}", flush=True)
+            if len(results) < 2:
+                continue
+            ours, ref = results["finetune"], results["reference"]
+            same = all(ours[k] == ref[k] for k in ("sequences", "tokens", "trained_tokens"))
+            print(f"{fmt:9} {'ratio':10} {ours['seconds'] / ref['seconds']:8.2f} {ours['cpu_seconds'] / ref['cpu_seconds']:8.2f} "
+                  f"{ours['peak_rss'] / ref['peak_rss']:9.2f}x {ours['peak_pss'] / ref['peak_pss']:9.2f}x "
+                  f"{ours['peak_anon'] / ref['peak_anon']:9.2f}x "
+                  f"{'same sequences, tokens and trained tokens' if same else 'COUNTS DIFFER'}", flush=True)
+    finally:
+        if args.keep is None:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,163 @@
+"""Issue 20: the training set is tokenized before the ranks start, on every core, into a flat Arrow cache.
+
+The equivalence test compares the parallel Arrow path with the fingerprints of the path it replaced
+(tests/golden/tokenize_equivalence.json, written by tests/data_prepare_cases.py from the one-process,
+Python-list implementation): same input_ids, labels, position_ids, and the same batches from every collator.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from finetune.data import prepare as prep
+from tests import data_prepare_cases as cases
+
+
+@pytest.fixture(scope="module")
+def golden():
+    return json.loads(cases.GOLDEN.read_text())
+
+
+@pytest.fixture(scope="module")
+def computed(tmp_path_factory, tiny_dir):
+    return cases.compute(tmp_path_factory.mktemp("prepare"), tiny_dir, prep.tokenize_for_training)
+
+
+@pytest.mark.parametrize("name", sorted(json.loads(cases.GOLDEN.read_text())))
+def test_the_prepared_rows_are_the_old_rows_token_for_token(name, golden, computed):
+    assert computed[name] == golden[name]
+
+
+@pytest.mark.parametrize("name", ["alpaca_truncated", "messages_generation_think", "text_packed", "mixture_samples_packed"])
+def test_several_processes_give_the_same_rows(name, golden, tmp_path, tiny_dir, monkeypatch):
+    """Workers split the rows (and the blocks) between them; the result does not depend on how."""
+    monkeypatch.setattr(prep, "MIN_ROWS_PER_PROC", 10)
+    monkeypatch.setattr(prep, "BATCH", 16)  # several batches per worker
+    monkeypatch.setattr(prep, "CHUNK_ROWS", 40)  # several maps per source
+    section, variant = cases.cases(tmp_path / "sources")[name]
+    tokenizer = cases.tokenizer_for(variant, tiny_dir)
+    lines: list[str] = []
+    dataset = prep.tokenize_for_training(section, tokenizer, tmp_path / "cache", log=lines.append, num_proc=2)
+    assert any("2 processes" in line for line in lines)
+    got = cases.fingerprint(dataset, tokenizer.pad_token_id)
+    assert got == {k: v for k, v in golden[name].items() if k != "report"}
+
+
+# ------------------------------------------------------------------------------------------------
+# Bad rows, the cache's atomicity, and `finetune prepare`
+
+
+def _alpaca_rows(path, count, bad_at=None, blank_every=0, bad=7):
+    """count alpaca rows as JSON lines; the row at 0-based `bad_at` has `bad` for `output`; a blank
+    line after every `blank_every` rows (datasets skips them, so lines and rows differ)."""
+    lines = []
+    for i in range(count):
+        lines.append(json.dumps({"instruction": f"Add {i} and 1.", "output": bad if i == bad_at else f"{i + 1}"}))
+        if blank_every and i % blank_every == blank_every - 1:
+            lines.append("")
+    path.write_text("\n".join(lines) + "\n")
+    return lines
+
+
+def test_a_bad_row_in_a_worker_is_named_by_file_and_line_and_nothing_is_cached(tmp_path, tiny_dir, monkeypatch):
+    from transformers import AutoTokenizer
+
+    from finetune.data.tokenize import DataError
+
+    monkeypatch.setattr(prep, "MIN_ROWS_PER_PROC", 10)
+    monkeypatch.setattr(prep, "BATCH", 8)
+    path = tmp_path / "rows.jsonl"
+    lines = _alpaca_rows(path, 120, bad_at=97, blank_every=10, bad="  ")
+    line = next(n for n, text in enumerate(lines, 1) if '"output": "  "' in text)
+    section = cases._section(path=str(path), max_length=64)
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_dir))
+    with pytest.raises(DataError) as caught:
+        prep.prepare(section, tokenizer, tmp_path / "cache", log=lambda m: None, num_proc=2)
+    assert str(caught.value) == f"{path}:{line}: `output` is empty: nothing to train on"
+    assert line == 107 and not list((tmp_path / "cache").iterdir())  # no entry, no partial folder
+
+
+def test_a_killed_prepare_leaves_nothing_a_run_takes_for_a_cache(tmp_path, tiny_dir):
+    """A partial folder whose writer is gone is not a cache; the next prepare removes it and writes one."""
+    import os
+    import socket
+
+    from transformers import AutoTokenizer
+
+    from finetune.data.tokenize import DataError
+    from finetune.fsutil import OWNER_FILE
+
+    section = cases._section(path=str(cases.SHIPPED / "demo_instructions.jsonl"))
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_dir))
+    target = prep.entry(section, tokenizer, tmp_path / "cache")
+    partial = target.parent / f".{target.name}.x1y2.partial"  # as a SIGKILLed prepare leaves it
+    partial.mkdir(parents=True)
+    (partial / "source-0-0.arrow").write_bytes(b"ARROW1")  # half written
+    dead = os.fork()
+    if dead == 0:
+        os._exit(0)
+    os.waitpid(dead, 0)
+    (partial / OWNER_FILE).write_text(json.dumps({"pid": dead, "host": socket.gethostname()}))
+    with pytest.raises(DataError, match="not in the cache"):
+        prep.load_prepared(section, tokenizer, tmp_path / "cache")
+    lines: list[str] = []
+    assert not prep.prepare(section, tokenizer, tmp_path / "cache", log=lines.append).cached
+    assert any(line.startswith(f"removed {partial}") for line in lines) and not partial.exists()
+    assert len(prep.load_prepared(section, tokenizer, tmp_path / "cache")) == 307
+    assert prep.prepare(section, tokenizer, tmp_path / "cache", log=lines.append).cached
+
+
+@pytest.mark.slow  # three CLI processes (~25 s on 2 cores)
+def test_prepare_then_train_finds_the_cache(tmp_path, tiny_cache):
+    """`finetune prepare` writes the cache, a second one finds it; bad rows stop prepare with file:line,
+    before anything is tokenized."""
+    import os
+    import subprocess
+
+    from tests.conftest import FINETUNE, REPO
+
+    env = {**os.environ, "FINETUNE_CACHE": str(tiny_cache), "PYTHONPATH": str(REPO)}
+    recipe = REPO / "recipes" / "demo.yaml"
+    done = subprocess.run([*FINETUNE, "prepare", str(recipe), "--num-proc", "2"], capture_output=True, text=True,
+                          env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "[finetune] data: " in done.stderr and "prepared: " in done.stderr and "Traceback" not in done.stderr
+    again = subprocess.run([*FINETUNE, "prepare", str(recipe)], capture_output=True, text=True, env=env, timeout=300)
+    assert again.returncode == 0 and "found in the cache" in again.stderr and "already there" in again.stderr
+
+    bad = tmp_path / "bad.jsonl"
+    _alpaca_rows(bad, 30, bad_at=4)
+    broken = tmp_path / "r.yaml"
+    broken.write_text(recipe.read_text().replace("path: data/demo_instructions.jsonl", f"path: {bad}"))
+    failed = subprocess.run([*FINETUNE, "prepare", str(broken)], capture_output=True, text=True, env=env, timeout=300)
+    assert failed.returncode == 1 and f"{bad}:5: `output` must be text, got int" in failed.stderr, failed.stderr
+    assert "nothing was tokenized" in failed.stderr and "Traceback" not in failed.stderr
+
+
+def test_the_launchers_relative_path_and_the_run_directorys_absolute_one_share_a_cache(tmp_path, tiny_dir, monkeypatch):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_dir))
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "d.jsonl").write_text('{"instruction": "a", "output": "b"}\n')
+    monkeypatch.chdir(tmp_path)
+    relative = cases._section(path="data/d.jsonl")
+    absolute = cases._section(path=str(tmp_path / "data" / "d.jsonl"))
+    assert prep.cache_key(relative, tokenizer) == prep.cache_key(absolute, tokenizer)
+    mixed = cases._section(sources=[{"path": "./data/d.jsonl", "format": "alpaca", "weight": 1}])
+    assert prep.cache_key(mixed, tokenizer) == prep.cache_key(
+        {**mixed, "sources": [{"path": str(tmp_path / "data" / "d.jsonl"), "format": "alpaca", "weight": 1}]}, tokenizer)
+
+
+def test_the_live_display_shows_the_tokenizing_rate_and_time_left():
+    import io
+
+    from rich.console import Console
+
+    from finetune.run.progress import TrainingDisplay
+
+    with TrainingDisplay(Console(file=io.StringIO(), force_terminal=True, width=160)) as display:
+        display.write(b"[finetune] tokenizing: 200000/1000000 rows (1500 rows/s, about 533 s left)\n")
+        assert display.progress.tasks[0].description == "tokenizing 200000/1000000 rows (1500 rows/s, about 533 s left)"
