@@ -45,40 +45,56 @@ def curves(log_history: list[dict[str, Any]]) -> dict[str, list[tuple[float, flo
 
 def plot_loss(log_history: list[dict[str, Any]], path: Path, title: str = "") -> bool:
     """Write the loss / learning-rate plot; False when matplotlib is not installed."""
+    plt = _pyplot()
+    if plt is None:
+        return False
+    _write_png(plt, _draw_loss(plt, curves(log_history), title or "loss"), path)
+    return True
+
+
+def _draw_loss(plt, series, title: str):
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 5.5), sharex=True, height_ratios=[3, 1.2])
+    if series["loss"]:
+        top.plot(*zip(*series["loss"]), label="train loss", color="tab:blue", linewidth=1.4)
+    if series["eval_loss"]:
+        top.plot(*zip(*series["eval_loss"]), "o-", label="eval loss", color="tab:orange", linewidth=1.4)
+    top.set_ylabel("loss")
+    top.grid(alpha=0.3)
+    if series["loss"] or series["eval_loss"]:
+        top.legend(loc="upper right")
+    top.set_title(title)
+    if series["learning_rate"]:
+        bottom.plot(*zip(*series["learning_rate"]), color="tab:green", linewidth=1.2)
+    bottom.set_ylabel("learning rate")
+    bottom.set_xlabel("optimizer step")
+    bottom.grid(alpha=0.3)
+    bottom.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
+    return fig
+
+
+def _pyplot():
+    """matplotlib.pyplot on the Agg backend (no display on a GPU box), or None when it is not installed."""
     try:
         import matplotlib
 
-        matplotlib.use("Agg")  # no display on a GPU box
+        matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return False
+        return None
+    return plt
+
+
+def _write_png(plt, fig, path: Path) -> None:
+    """The figure as a PNG at `path`, atomically; the figure is closed either way."""
     import io
 
-    series = curves(log_history)
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 5.5), sharex=True, height_ratios=[3, 1.2])
     try:
-        if series["loss"]:
-            top.plot(*zip(*series["loss"]), label="train loss", color="tab:blue", linewidth=1.4)
-        if series["eval_loss"]:
-            top.plot(*zip(*series["eval_loss"]), "o-", label="eval loss", color="tab:orange", linewidth=1.4)
-        top.set_ylabel("loss")
-        top.grid(alpha=0.3)
-        if series["loss"] or series["eval_loss"]:
-            top.legend(loc="upper right")
-        top.set_title(title or "loss")
-        if series["learning_rate"]:
-            bottom.plot(*zip(*series["learning_rate"]), color="tab:green", linewidth=1.2)
-        bottom.set_ylabel("learning rate")
-        bottom.set_xlabel("optimizer step")
-        bottom.grid(alpha=0.3)
-        bottom.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
         fig.tight_layout()
         buffer = io.BytesIO()
         fig.savefig(buffer, format="png", dpi=100)
     finally:
         plt.close(fig)
     write_atomic(Path(path), buffer.getvalue())
-    return True
 
 
 def reward_curves(log_history: list[dict[str, Any]]) -> dict[str, list[tuple[float, float]]]:
@@ -108,26 +124,11 @@ def plot_rewards(log_history: list[dict[str, Any]], path: Path, title: str = "")
     preference objectives chosen, rejected and margins above, accuracies below. False without matplotlib
     or without any reward logged (sft)."""
     series = reward_curves(log_history)
-    if not series:
+    plt = _pyplot() if series else None
+    if plt is None:
         return False
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    import io
-
     draw = _draw_grpo_rewards if "reward" in series else _draw_preference_rewards
-    fig = draw(plt, series, title or "rewards")
-    try:
-        fig.tight_layout()
-        buffer = io.BytesIO()
-        fig.savefig(buffer, format="png", dpi=100)
-    finally:
-        plt.close(fig)
-    write_atomic(Path(path), buffer.getvalue())
+    _write_png(plt, draw(plt, series, title or "rewards"), path)
     return True
 
 
