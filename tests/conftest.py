@@ -145,10 +145,20 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: item.get_closest_marker("slow") is not None)  # stable: file order kept within a tier
 
 
+FAST_FAILURES = pytest.StashKey[int]()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = (yield).get_result()
+    if report.failed and item.get_closest_marker("slow") is None:  # a slow failure does not stop the slow tier
+        item.config.stash[FAST_FAILURES] = item.config.stash.get(FAST_FAILURES, 0) + 1
+
+
 def pytest_runtest_setup(item):
-    session = item.session
-    if item.get_closest_marker("slow") is not None and session.testsfailed and not item.config.getoption("--keep-going"):
-        pytest.skip(f"{session.testsfailed} fast test(s) failed: the slow tier is skipped (--keep-going runs it anyway)")
+    failed = item.config.stash.get(FAST_FAILURES, 0)
+    if item.get_closest_marker("slow") is not None and failed and not item.config.getoption("--keep-going"):
+        pytest.skip(f"{failed} fast test(s) failed: the slow tier is skipped (--keep-going runs it anyway)")
 
 
 def pytest_addoption(parser):

@@ -53,7 +53,10 @@ def test_two_process_run_learns_and_saves_what_it_trained(name, tiny_run, tiny_c
     startup = summary["startup"]
     # launched by hand (train_fixtures.launch_runner): no launcher's prepare.json; by `finetune train`: its seconds
     tokenize = startup["tokenize"]
-    assert tokenize is None if not (run_dir / PREPARE_FILE).is_file() else tokenize >= 0, startup
+    if (run_dir / PREPARE_FILE).is_file():
+        assert tokenize["seconds"] >= 0 and (tokenize["cached"] or tokenize["rows"] > 0), startup
+    else:
+        assert tokenize is None, startup
     assert all(startup[k] > 0 for k in ("process_group", "model", "deepspeed_init", "first_step")), startup
     assert summary["world_size"] == 2
     assert summary["loss_kernel"] == recipe.training.loss_kernel
