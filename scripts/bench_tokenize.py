@@ -143,13 +143,20 @@ def _counts(dataset) -> dict:
 
 
 def worker(args: argparse.Namespace) -> None:
-    from transformers import AutoTokenizer
+    if args.worker == "finetune":
+        # As `finetune prepare` loads it: AutoTokenizer in a short child process, so no torch here (nor in the
+        # workers forked from here). The reference loads it the usual way, which imports torch.
+        from finetune.tokenizer import load_without_torch
 
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+        tokenizer = load_without_torch({"source": args.tokenizer})
+    else:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
     run = run_finetune if args.worker == "finetune" else run_reference
     started = time.perf_counter()
     counts = run(Path(args.data), args.format, tokenizer, args.max_length, args.num_proc, Path(args.work))
-    print(json.dumps({**counts, "inner_seconds": time.perf_counter() - started}))
+    print(json.dumps({**counts, "inner_seconds": time.perf_counter() - started, "torch": "torch" in sys.modules}))
 
 
 # ------------------------------------------------------------------------------------------------

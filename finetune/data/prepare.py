@@ -132,6 +132,10 @@ class Prepared:
         return {"cache": str(self.path), "cached": self.cached, "seconds": round(self.seconds, 3),
                 "rows": self.rows, "num_proc": self.num_proc}
 
+    @classmethod
+    def from_dict(cls, item: dict[str, Any]) -> "Prepared":
+        return cls(Path(item["cache"]), item["cached"], item["seconds"], item["rows"], item["num_proc"])
+
 
 def entry(data: dict[str, Any], tokenizer, cache_dir: Path) -> Path:
     return Path(cache_dir) / cache_key(data, tokenizer)

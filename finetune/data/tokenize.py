@@ -25,6 +25,7 @@ This module imports `datasets`, pyarrow and torch only inside functions.
 from __future__ import annotations
 
 import re
+from itertools import chain
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
@@ -189,16 +190,14 @@ def _ids(tokenizer, texts: list[str], add_special_tokens: bool) -> list[list[int
 
 def _ids_and_offsets(tokenizer, texts: list[str], max_length: int) -> tuple[list[list[int]], list[list[tuple[int, int]]]]:
     """tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True): ids and character offsets of
-    the first max_length tokens (cut in Rust: a long conversation's tail is never turned into Python objects)."""
+    the first max_length tokens. Sliced in Python: Encoding.truncate builds the overflowing tail as new
+    encodings, which costs 2-4x converting it."""
     backend = _backend(tokenizer)
     if backend is None:
         encoded = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
         return [ids[:max_length] for ids in encoded["input_ids"]], [o[:max_length] for o in encoded["offset_mapping"]]
     encodings = backend.encode_batch(texts, add_special_tokens=False)
-    for encoding in encodings:
-        if len(encoding) > max_length:
-            encoding.truncate(max_length)
-    return [e.ids for e in encodings], [e.offsets for e in encodings]
+    return [e.ids[:max_length] for e in encodings], [e.offsets[:max_length] for e in encodings]
 
 
 def _encode_prompted(examples: list[Prompted], indices: list[int], tokenizer, max_length: int, mask_prompt: bool,
@@ -235,12 +234,16 @@ def _encode_text(examples: list[Text], indices: list[int], tokenizer, max_length
 
 def _encode_chat(examples: list[Chat], indices: list[int], tokenizer, max_length: int, mask_prompt: bool,
                  think: str) -> list[list[dict[str, list[int]]]]:
+    import numpy as np
+
+    render = ChatRenderer(tokenizer, examples[0].messages if examples else None)
     texts, all_spans = [], []
     for index, example in zip(indices, examples):
         try:
-            text = tokenizer.apply_chat_template(example.messages, tokenize=False)
+            chat = render.conversation(example.messages)
+            text = render(chat)
             if mask_prompt:
-                turns = _assistant_turn_spans(example.messages, tokenizer, text)
+                turns = _assistant_turn_spans(example.messages, tokenizer, text, render, chat)
                 flags = [flag for message, flag in zip(example.messages, example.train) if message["role"] == "assistant"]
                 spans = [span for span, flag in zip(turns, flags) if flag]
             else:
@@ -249,12 +252,11 @@ def _encode_chat(examples: list[Chat], indices: list[int], tokenizer, max_length
             raise RowError(index, f"example {index}: {exc}") from None
         texts.append(text)
         all_spans.append(_without_think(spans, text) if think == "mask" else spans)
-    import numpy as np
-
     out = []
     for ids, offsets, spans in zip(*_ids_and_offsets(tokenizer, texts, max_length), all_spans):
-        # A token is trained when its characters overlap a trained span (numpy: ~10x a Python loop per token).
-        ids, offsets = ids[:max_length], np.asarray(offsets[:max_length], dtype=np.int64).reshape(-1, 2)
+        # A token is trained when its characters overlap a trained span (numpy: ~10x a Python loop per token;
+        # fromiter: half the time of asarray on a list of tuples).
+        offsets = np.fromiter(chain.from_iterable(offsets), dtype=np.int64, count=2 * len(offsets)).reshape(-1, 2)
         trained = np.zeros(len(ids), dtype=bool)
         for start, end in spans:
             trained |= (offsets[:, 0] < end) & (offsets[:, 1] > start)
@@ -266,13 +268,62 @@ def _encode_chat(examples: list[Chat], indices: list[int], tokenizer, max_length
     return out
 
 
+class ChatRenderer:
+    """`tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=...)`, for a conversation
+    and its prefixes, at a third of the cost: transformers' own compiled template and input conversion
+    (render_jinja_template's steps), with the conversation converted once instead of once per prefix and the
+    template's keyword arguments once per batch. Checked against apply_chat_template on the batch's first
+    conversation; when transformers' internals are not what this expects, it is apply_chat_template."""
+
+    def __init__(self, tokenizer, sample: Optional[list[dict]] = None):
+        self.tokenizer = tokenizer
+        self.fast = False
+        try:
+            from transformers.utils.chat_template_utils import (
+                _alias_reasoning_fields, _compile_jinja_template, _plain_template_data,
+            )
+        except ImportError:
+            return
+        self._alias, self._plain = _alias_reasoning_fields, _plain_template_data
+        self.compiled = _compile_jinja_template(tokenizer.get_chat_template())
+        self.kwargs = _plain_template_data(dict(tokenizer.special_tokens_map))  # apply_chat_template's template_kwargs
+        try:
+            self.fast = sample is None or self(self.conversation(sample)) == self.slow(sample)
+        except Exception:  # noqa: BLE001 - the slow path will raise what is wrong with the row, as before
+            self.fast = False
+
+    def conversation(self, messages: list[dict]) -> list[dict]:
+        """What render_jinja_template hands the template for `messages` (None values dropped, as
+        apply_chat_template drops them); a prefix of it is what it hands for a prefix."""
+        if not self.fast:
+            return messages
+        return self._alias(self._plain([{k: v for k, v in m.items() if v is not None} for m in messages]))
+
+    def slow(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+        try:
+            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        except Exception as exc:  # noqa: BLE001 - jinja and transformers raise many types on a row the template rejects
+            raise DataError(f"the chat template cannot render this conversation: {exc}") from None
+
+    def __call__(self, chat: list[dict], add_generation_prompt: bool = False) -> str:
+        if not self.fast:
+            return self.slow(chat, add_generation_prompt)
+        try:
+            return self.compiled.render(messages=chat, tools=None, documents=None,
+                                        add_generation_prompt=add_generation_prompt, **self.kwargs)
+        except Exception as exc:  # noqa: BLE001 - e.g. raise_exception() in the template
+            raise DataError(f"the chat template cannot render this conversation: {exc}") from None
+
+
 _ENCODERS: dict[type, Callable[..., list[list[dict[str, list[int]]]]]] = {
     Prompted: _encode_prompted, Text: _encode_text, Chat: _encode_chat,
 }
 
 
-def _assistant_turn_spans(messages: list[dict], tokenizer, text: str) -> list[tuple[int, int]]:
-    """Character spans of the assistant turns in `text`, one per assistant message, in order."""
+def _assistant_turn_spans(messages: list[dict], tokenizer, text: str, render: ChatRenderer,
+                          chat: list[dict]) -> list[tuple[int, int]]:
+    """Character spans of the assistant turns in `text`, one per assistant message, in order (`chat`:
+    render.conversation(messages))."""
     template = tokenizer.get_chat_template()
     wanted = sum(m["role"] == "assistant" for m in messages)
     if _GENERATION_TAG.search(template):
@@ -284,10 +335,10 @@ def _assistant_turn_spans(messages: list[dict], tokenizer, text: str) -> list[tu
                                                   **tokenizer.special_tokens_map)
         if rendered[0] == text and len(indices[0]) == wanted:
             return [tuple(span) for span in indices[0]]
-    return _assistant_spans(messages, tokenizer, text)
+    return _assistant_spans(chat, render, text)
 
 
-def _assistant_spans(messages: list[dict], tokenizer, text: str) -> list[tuple[int, int]]:
+def _assistant_spans(chat: list[dict], render: ChatRenderer, text: str) -> list[tuple[int, int]]:
     """Character spans of the assistant turns in `text` (the whole conversation, rendered).
 
     Turn i spans from the end of the conversation up to it with the generation prompt to the end of
@@ -296,12 +347,12 @@ def _assistant_spans(messages: list[dict], tokenizer, text: str) -> list[tuple[i
     holds for the common templates.
     """
     spans = []
-    for i, message in enumerate(messages):
+    for i, message in enumerate(chat):
         if message["role"] != "assistant":
             continue
-        before = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True) if i else ""
+        before = render(chat[:i], add_generation_prompt=True) if i else ""
         # The last turn's conversation is the whole one, already rendered: one template call fewer per row.
-        through = text if i == len(messages) - 1 else tokenizer.apply_chat_template(messages[:i + 1], tokenize=False)
+        through = text if i == len(chat) - 1 else render(chat[:i + 1])
         if not (text.startswith(through) and through.startswith(before)):
             raise DataError("the chat template renders earlier turns differently in longer conversations, so the "
                             "assistant turns cannot be located; set data.mask_prompt: false or a data.chat_template")

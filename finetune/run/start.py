@@ -168,14 +168,21 @@ def tokenize_before_launch(loaded: LoadedRecipe, log: Callable[[str], None], num
     if recipe.objective != "sft":
         return None
     from finetune.builtin import cache_root, ensure_builtin_model, is_builtin
-    from finetune.data.prepare import prepare as prepare_data
+    from finetune.data.prepare import entry, is_prepared, prepare as prepare_data
     from finetune.data.sources import section_for_tokenizing
-    from finetune.tokenizer import load_tokenizer
+    from finetune.tokenizer import load_without_torch, tokenizer_args
 
     model_path = str(ensure_builtin_model(recipe.model.name_or_path)) if is_builtin(recipe.model.name_or_path) \
         else recipe.model.name_or_path
-    tokenizer = load_tokenizer(recipe, model_path)
-    return prepare_data(section_for_tokenizing(recipe), tokenizer, cache_root() / "tokenized", log=log, num_proc=num_proc)
+    tokenizer = load_without_torch(tokenizer_args(recipe, model_path))
+    section, cache = section_for_tokenizing(recipe), cache_root() / "tokenized"
+    if "torch" in sys.modules and not is_prepared(entry(section, tokenizer, cache)):
+        # `finetune train`'s preflight imported torch: tokenize in a fresh process, so that the workers it
+        # forks do not each carry torch (finetune.data.prepare_fresh).
+        from finetune.data.prepare_fresh import prepare_in_fresh_process
+
+        return prepare_in_fresh_process(section, tokenizer, cache, log=log, num_proc=num_proc)
+    return prepare_data(section, tokenizer, cache, log=log, num_proc=num_proc)
 
 
 def start_run(prepared: Prepared, console: Optional[IO[bytes]] = None) -> Outcome:

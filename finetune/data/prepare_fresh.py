@@ -1,0 +1,80 @@
+"""finetune.data.prepare.prepare in a fresh process, for a launcher that has already imported torch.
+
+`finetune train`'s launcher imports torch (and what the recipe needs) for its preflight before it tokenizes.
+The tokenizing workers are forked from the process that runs `prepare`; forked from the launcher, each one
+would carry torch's pages too (shared, but resident in every worker: ~0.3-0.5 GB each in the sum of their RSS).
+So the launcher runs `prepare` here, in a new interpreter that imports only datasets and the tokenizer's
+class (the tokenizer arrives pickled, as datasets ships it to its workers), and forks the workers from that.
+`finetune prepare` needs none of this: it never imports torch (finetune.tokenizer.load_without_torch).
+
+Protocol: the parent writes a pickle of the arguments to the child's stdin; the child writes JSON lines to
+stdout: {"log": line} for each log line, then {"done": Prepared.as_dict()} or {"error": message}.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Callable, Union
+
+from finetune.data.prepare import Prepared, prepare
+from finetune.data.tokenize import DataError
+
+
+def prepare_in_fresh_process(data: dict[str, Any], tokenizer, cache_dir: Path, log: Callable[[str], None] = print,
+                             num_proc: Union[str, int, None] = None) -> Prepared:
+    """`prepare(data, tokenizer, cache_dir, log, num_proc)`, run by `python -m finetune.data.prepare_fresh`."""
+    import finetune
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        p for p in (str(Path(finetune.__file__).resolve().parent.parent), os.environ.get("PYTHONPATH")) if p)}
+    payload = pickle.dumps({"data": data, "tokenizer": tokenizer, "cache_dir": str(cache_dir), "num_proc": num_proc})
+    child = subprocess.Popen([sys.executable, "-m", "finetune.data.prepare_fresh"], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, env=env)
+    assert child.stdin is not None and child.stdout is not None
+    child.stdin.write(payload)
+    child.stdin.close()
+    result: dict[str, Any] = {}
+    for raw in child.stdout:
+        try:
+            message = json.loads(raw)
+        except ValueError:
+            continue  # not ours (the child's libraries write to stderr, but be lenient)
+        if "log" in message:
+            log(message["log"])
+        result.update({k: v for k, v in message.items() if k != "log"})
+    code = child.wait()
+    if "done" in result and code == 0:
+        return Prepared.from_dict(result["done"])
+    # A killed child has cleaned nothing up: its `.partial` folder names its pid, and the next prepare removes it.
+    raise DataError(result.get("error") or f"tokenizing failed in its process (exit code {code}); nothing was cached")
+
+
+def _child() -> int:
+    args = pickle.loads(sys.stdin.buffer.read())
+    out = sys.stdout
+    sys.stdout = sys.stderr  # only our JSON lines on stdout
+
+    def say(**message: Any) -> None:
+        out.write(json.dumps(message) + "\n")
+        out.flush()
+
+    try:
+        done = prepare(args["data"], args["tokenizer"], Path(args["cache_dir"]), log=lambda line: say(log=line),
+                       num_proc=args["num_proc"])
+    except DataError as exc:
+        say(error=str(exc))
+        return 1
+    except OSError as exc:
+        say(error=f"cannot write the tokenized data under {args['cache_dir']}: {exc.strerror or exc}")
+        return 1
+    say(done=done.as_dict())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_child())
