@@ -2,22 +2,33 @@
 
     python scripts/bench_tokenize.py --rows 100000             # alpaca and ShareGPT, num_proc = cores
     python scripts/bench_tokenize.py --rows 1000000 --format alpaca --num-proc 2
+    python scripts/bench_tokenize.py --measure -- finetune prepare RECIPE   # the same numbers for any command
 
 Generates N alpaca rows and N ShareGPT rows (JSON lines, a few hundred tokens each with the built-in
 tokenizer), then runs, each in a fresh process with an empty Hugging Face datasets cache (so both pay
 the JSON -> Arrow conversion):
 - finetune: `finetune.data.prepare.prepare`, what `finetune prepare` and `finetune train` run before launch
-  (rows checked and tokenized on every core, mixed, written as a memory-mapped cache entry);
+  (rows tokenized on every core, mixed, written as a memory-mapped cache entry), with the tokenizer loaded
+  as they load it (finetune.tokenizer.load_without_torch: AutoTokenizer in a short child process, so torch is
+  never imported where the tokenizing happens);
 - reference: `datasets.load_dataset("json")` + `Dataset.map(batched=True, num_proc=cores)` with the same
-  tokenizer and the same masking (prompt masked, EOS trained, truncation, rows with nothing left dropped;
-  for ShareGPT the assistant turns located by rendering prefixes of the conversation), the way
-  LLaMA-Factory and axolotl tokenize; its output stays in datasets' cache, as theirs does.
-Prints wall seconds, CPU seconds (user + system of the process and its workers: steadier than wall time
-on a shared machine), peak RSS (the sum over the process and its children, sampled every 50 ms: pages
-shared after fork count once per process, on both sides alike), peak PSS (shared pages split between
-the processes that share them) and peak anonymous PSS (PSS without memory-mapped files: what the processes
-allocate, the number that decides whether it fits in RAM) side by side with the ratios, and checks that both sides give the same
-number of sequences, tokens and trained tokens.
+  tokenizer loaded by AutoTokenizer (which imports torch) and the same masking (prompt masked, EOS trained,
+  truncation, rows with nothing left dropped; for ShareGPT the assistant turns located by rendering prefixes
+  of the conversation with apply_chat_template), the way LLaMA-Factory and axolotl tokenize; its output stays
+  in datasets' cache, as theirs does.
+
+What it prints, the same for both sides:
+- seconds: wall time of the side's process, from start to exit (imports and tokenizer loading included);
+- CPU s: user + system time of that process and every descendant it waited for (steadier than wall time on a
+  shared machine);
+- peak RSS: the peak over time of the SUM of the resident set sizes of the process tree (the process, its
+  workers and any helper child), sampled every 50 ms. A page shared after fork counts once per process that
+  has it resident, so this is an upper bound of the physical memory, and the number the targets use;
+- peak PSS: the same sum with each shared page split between the processes sharing it (closer to physical);
+- anon PSS: PSS without memory-mapped files (Arrow data, libraries: page cache the kernel can drop), i.e.
+  what the processes allocated;
+side by side with the ratios (finetune / reference) and the load average at the end of each side, and checks
+that both sides give the same number of sequences, tokens and trained tokens.
 """
 
 from __future__ import annotations
@@ -164,19 +175,29 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def measure(side: str, data: Path, fmt: str, tokenizer: Path, max_length: int, num_proc: int, work: Path) -> dict:
-    import psutil
-
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     env = {**os.environ, "HF_DATASETS_CACHE": str(work / "hf-datasets"), "PYTHONPATH": str(REPO),
            "HF_DATASETS_DISABLE_PROGRESS_BARS": "1", "TOKENIZERS_PARALLELISM": "false"}
     argv = [sys.executable, __file__, "--worker", side, "--data", str(data), "--format", fmt, "--tokenizer",
             str(tokenizer), "--max-length", str(max_length), "--num-proc", str(num_proc), "--work", str(work)]
+    child = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=REPO)
+    watched = watch(child)
+    out, err = child.communicate()
+    if child.returncode != 0:
+        raise SystemExit(f"{side} failed:\n{err.decode()[-3000:]}")
+    shutil.rmtree(work, ignore_errors=True)
+    return {**json.loads(out.decode().strip().splitlines()[-1]), **watched, "load": os.getloadavg()[0]}
+
+
+def watch(child) -> dict:
+    """Wall and CPU seconds of a started process and its descendants, and the peaks of their summed RSS, PSS
+    and anonymous PSS, sampled every 50 ms until it ends (the metric of the module docstring)."""
+    import psutil
     import resource
 
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.perf_counter()
-    child = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=REPO)
     root, peak, peak_pss, peak_anon = psutil.Process(child.pid), 0, 0, 0
     while child.poll() is None:
         try:
@@ -189,14 +210,21 @@ def measure(side: str, data: Path, fmt: str, tokenizer: Path, max_length: int, n
             pass
         time.sleep(0.05)
     seconds = time.perf_counter() - started
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)  # the child and the workers it waited for
+    # The child and the descendants it waited for (each process's CPU time reaches its parent's RUSAGE_CHILDREN
+    # when it is waited for; datasets' pool workers and our tokenizer child are).
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    out, err = child.communicate()
-    if child.returncode != 0:
-        raise SystemExit(f"{side} failed:\n{err.decode()[-3000:]}")
-    shutil.rmtree(work, ignore_errors=True)
-    return {**json.loads(out.decode().strip().splitlines()[-1]), "seconds": seconds, "cpu_seconds": cpu,
-            "peak_rss": peak, "peak_pss": peak_pss, "peak_anon": peak_anon}
+    return {"seconds": seconds, "cpu_seconds": cpu, "peak_rss": peak, "peak_pss": peak_pss, "peak_anon": peak_anon}
+
+
+def measure_command(command: list[str]) -> None:
+    """`--measure -- CMD...`: run CMD and print the same numbers for it (e.g. `finetune prepare RECIPE`)."""
+    child = subprocess.Popen(command)
+    watched = watch(child)
+    print(f"exit {child.returncode}: {watched['seconds']:.1f} s, CPU {watched['cpu_seconds']:.1f} s, peak RSS "
+          f"{watched['peak_rss'] / 2**30:.2f} GB, peak PSS {watched['peak_pss'] / 2**30:.2f} GB, anon PSS "
+          f"{watched['peak_anon'] / 2**30:.2f} GB (load average {' '.join(f'{x:.1f}' for x in os.getloadavg())})")
+    raise SystemExit(child.returncode)
 
 
 def _rss(process) -> int:
@@ -232,6 +260,7 @@ def main() -> None:
     parser.add_argument("--num-proc", type=int, default=None, help="default: the cores this process may use")
     parser.add_argument("--sides", default="reference,finetune", help="which to run (finetune alone: the memory at 1M rows)")
     parser.add_argument("--keep", type=Path, default=None, help="write the generated data here and keep it")
+    parser.add_argument("--measure", nargs=argparse.REMAINDER, help="measure this command instead (after --)")
     parser.add_argument("--worker", choices=["finetune", "reference"], help=argparse.SUPPRESS)
     parser.add_argument("--data", help=argparse.SUPPRESS)
     parser.add_argument("--tokenizer", help=argparse.SUPPRESS)
@@ -240,6 +269,8 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
+    if args.measure:
+        measure_command(args.measure[1:] if args.measure[0] == "--" else args.measure)
     from finetune.builtin import ensure_builtin_model
     from finetune.data.prepare import resolve_num_proc
 
@@ -261,7 +292,8 @@ def main() -> None:
             for side, r in results.items():
                 print(f"{fmt:9} {side:10} {r['seconds']:8.1f} {r['cpu_seconds']:8.1f} {r['peak_rss'] / 2**30:7.2f} GB "
                       f"{r['peak_pss'] / 2**30:7.2f} GB {r['peak_anon'] / 2**30:7.2f} GB {r['sequences']:10} {r['tokens']:12} "
-                      f"{r['trained_tokens']:12}", flush=True)
+                      f"{r['trained_tokens']:12}  load {r['load']:.1f}{'' if side == 'reference' or not r.get('torch') else '  TORCH IMPORTED'}",
+                      flush=True)
             if len(results) < 2:
                 continue
             ours, ref = results["finetune"], results["reference"]

@@ -161,3 +161,83 @@ def test_the_live_display_shows_the_tokenizing_rate_and_time_left():
     with TrainingDisplay(Console(file=io.StringIO(), force_terminal=True, width=160)) as display:
         display.write(b"[finetune] tokenizing: 200000/1000000 rows (1500 rows/s, about 533 s left)\n")
         assert display.progress.tasks[0].description == "tokenizing 200000/1000000 rows (1500 rows/s, about 533 s left)"
+
+
+# ------------------------------------------------------------------------------------------------
+# Memory: no torch where the tokenizing happens
+
+
+def test_the_tokenizer_arrives_without_torch_and_gives_the_ranks_cache_key(tmp_path, tiny_dir):
+    """`finetune prepare` loads the tokenizer in a child process (AutoTokenizer imports torch) and tokenizes
+    with it: after prepare, no torch in the process; the cache entry is the one the ranks' AutoTokenizer names."""
+    import subprocess
+    import sys
+
+    from transformers import AutoTokenizer
+
+    from tests.conftest import REPO
+
+    section = cases._section(path=str(cases.SHIPPED / "demo_chats_sharegpt.jsonl"), format="sharegpt")
+    script = (f"import json, sys\nfrom pathlib import Path\nfrom finetune.tokenizer import load_without_torch\n"
+              f"from finetune.data.prepare import prepare\n"
+              f"t = load_without_torch({{'source': {str(tiny_dir)!r}, 'chat_formats': ['sharegpt']}})\n"
+              f"done = prepare({section!r}, t, Path({str(tmp_path / 'cache')!r}), log=lambda line: None, num_proc=2)\n"
+              f"print(json.dumps({{'torch': 'torch' in sys.modules, 'key': done.path.name}}))\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got == {"torch": False, "key": prep.entry(section, AutoTokenizer.from_pretrained(str(tiny_dir)), tmp_path).name}
+
+    missing = subprocess.run([sys.executable, "-c", "from finetune.tokenizer import load_without_torch\n"
+                              f"load_without_torch({{'source': {str(tmp_path / 'nope')!r}}})"],
+                             capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert missing.returncode == 1 and f"OSError: {tmp_path / 'nope'}: cannot load the tokenizer" in missing.stderr
+
+
+def test_a_launcher_with_torch_tokenizes_in_a_fresh_process(tmp_path, tiny_dir, golden):
+    """finetune.data.prepare_fresh: the same rows as in-process, its log lines relayed; a bad row is named by
+    file and line, and nothing is cached."""
+    from transformers import AutoTokenizer
+
+    from finetune.data.prepare_fresh import prepare_in_fresh_process
+    from finetune.data.tokenize import DataError
+
+    section, variant = cases.cases(tmp_path / "sources")["shipped_sharegpt"]
+    tokenizer = cases.tokenizer_for(variant, tiny_dir)
+    lines: list[str] = []
+    done = prepare_in_fresh_process(section, tokenizer, tmp_path / "cache", log=lines.append, num_proc=2)
+    assert not done.cached and done.path == prep.entry(section, tokenizer, tmp_path / "cache")
+    assert done.peak_rss > 50 * 2**20  # the child and its workers, sampled (finetune.data.peak)
+    assert any(line.startswith("tokenized data: ") for line in lines)
+    got = cases.fingerprint(prep.load_prepared(section, tokenizer, tmp_path / "cache"), tokenizer.pad_token_id)
+    assert got == {k: v for k, v in golden["shipped_sharegpt"].items() if k != "report"}
+
+    path = tmp_path / "rows.jsonl"
+    _alpaca_rows(path, 30, bad_at=4, bad="  ")
+    bad = cases._section(path=str(path), max_length=64)
+    with pytest.raises(DataError, match=f"^{path}:5: `output` is empty"):
+        prepare_in_fresh_process(bad, AutoTokenizer.from_pretrained(str(tiny_dir)), tmp_path / "bad", log=lambda m: None)
+    assert not list((tmp_path / "bad").iterdir())
+
+
+def test_the_chat_renderer_is_apply_chat_template(tiny_dir, monkeypatch):
+    """Prefixes of one converted conversation render as apply_chat_template renders each prefix; a renderer
+    whose check on the batch's first conversation fails is apply_chat_template."""
+    from transformers import AutoTokenizer
+
+    from finetune.data.tokenize import ChatRenderer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_dir))
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi", "name": None},
+                {"role": "assistant", "content": "Hello.", "reasoning_content": "greet"},
+                {"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]
+    render = ChatRenderer(tokenizer, messages)
+    assert render.fast
+    chat = render.conversation(messages)
+    for i in range(1, len(messages) + 1):
+        for prompt in (False, True):
+            assert render(chat[:i], prompt) == tokenizer.apply_chat_template(messages[:i], tokenize=False,
+                                                                             add_generation_prompt=prompt)
+    monkeypatch.setattr(tokenizer, "apply_chat_template", lambda messages, tokenize, add_generation_prompt=False: "x")
+    slow = ChatRenderer(tokenizer, messages)
+    assert not slow.fast and slow(slow.conversation(messages)) == "x"

@@ -34,10 +34,11 @@ import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Union
+from typing import Any, Callable, Iterator, Optional, Union
 
 from finetune.data.formats import RowSpec
 from finetune.data.mix import MixError, mixture_arrays, targets
+from finetune.data.peak import PeakRss
 from finetune.data.sources import Source, data_files, is_local, sources_of
 from finetune.data.tokenize import DataError, RowError, encode_rows, load_raw, pack_starts, pack_table
 from finetune.fsutil import OWNER_FILE, remove_stale_partials
@@ -127,14 +128,16 @@ class Prepared:
     seconds: float
     rows: int  # rows read from the sources (0 on a cache hit)
     num_proc: int
+    peak_rss: Optional[int] = None  # bytes, summed over the process and its workers (finetune.data.peak)
 
     def as_dict(self) -> dict[str, Any]:
         return {"cache": str(self.path), "cached": self.cached, "seconds": round(self.seconds, 3),
-                "rows": self.rows, "num_proc": self.num_proc}
+                "rows": self.rows, "num_proc": self.num_proc, "peak_rss": self.peak_rss}
 
     @classmethod
     def from_dict(cls, item: dict[str, Any]) -> "Prepared":
-        return cls(Path(item["cache"]), item["cached"], item["seconds"], item["rows"], item["num_proc"])
+        return cls(Path(item["cache"]), item["cached"], item["seconds"], item["rows"], item["num_proc"],
+                   item.get("peak_rss"))
 
 
 def entry(data: dict[str, Any], tokenizer, cache_dir: Path) -> Path:
@@ -164,7 +167,7 @@ def prepare(data: dict[str, Any], tokenizer, cache_dir: Path, log: Callable[[str
     bars = datasets.is_progress_bar_enabled()
     datasets.disable_progress_bars()  # per-chunk bars; our own progress lines say how far it is (_Progress)
     try:
-        with _partial_dir(target) as tmp:
+        with PeakRss() as peak, _partial_dir(target) as tmp:
             dataset, reports, rows_read, order = _build(data, tokenizer, tmp, procs, log)
             files = [Path(f["filename"]) for f in dataset.cache_files]
             if order is not None:
@@ -187,10 +190,11 @@ def prepare(data: dict[str, Any], tokenizer, cache_dir: Path, log: Callable[[str
     seconds = time.perf_counter() - started
     for report in reports:
         log(report.line(max_length))
+    memory = f", peak RSS {peak.bytes / 2**30:.2f} GB summed over the processes" if peak.bytes else ""
     log(f"tokenized data: {rows_read} rows -> {sequences} {'packed ' if data.get('packing') else ''}"
         f"sequences, {tokens} tokens in {seconds:.1f} s ({rows_read / max(seconds, 1e-9):.0f} rows/s, up to {procs} "
-        f"process{'es' if procs != 1 else ''}) -> {target}")
-    return Prepared(target, False, seconds, rows_read, procs)
+        f"process{'es' if procs != 1 else ''}{memory}) -> {target}")
+    return Prepared(target, False, seconds, rows_read, procs, peak.bytes)
 
 
 def load_prepared(data: dict[str, Any], tokenizer, cache_dir: Path):
@@ -341,7 +345,7 @@ class _Progress:
 
 
 def _encode_batch(batch: dict[str, list], indices: list[int], spec: RowSpec, tokenizer, max_length: int,
-                  mask_prompt: bool, think: str, offset: int) -> dict[str, list]:
+                  mask_prompt: bool, think: str, offset: int):
     indices = [offset + i for i in indices]
     names = list(batch)
     rows = [dict(zip(names, values)) for values in zip(*batch.values())]
@@ -349,13 +353,30 @@ def _encode_batch(batch: dict[str, list], indices: list[int], spec: RowSpec, tok
         encoded = encode_rows(rows, spec, tokenizer, max_length, mask_prompt, think)
     except RowError as exc:
         raise RowError(indices[exc.index], str(exc)) from None
-    out: dict[str, list] = {"input_ids": [], "labels": [], "row": []}
-    for index, sequences in zip(indices, encoded):
-        for sequence in sequences:
-            out["input_ids"].append(sequence["input_ids"])
-            out["labels"].append(sequence["labels"])
-            out["row"].append(index)
-    return out
+    return _table(encoded, indices)
+
+
+def _table(encoded: list[list[dict[str, list[int]]]], indices: list[int]):
+    """The sequences of a batch as an Arrow table (input_ids, labels: list<int32>; row: int64), the token lists
+    flattened by numpy.fromiter: a half to a third of the time datasets' writer takes to convert the lists."""
+    from itertools import chain
+
+    import numpy as np
+    import pyarrow as pa
+
+    sequences = [sequence for sequences in encoded for sequence in sequences]
+    rows = [index for index, sequences in zip(indices, encoded) for _ in sequences]
+    lengths = np.fromiter((len(s["input_ids"]) for s in sequences), dtype=np.int64, count=len(sequences))
+    offsets = np.zeros(len(sequences) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=offsets[1:])
+    total, offsets = int(offsets[-1]), pa.array(offsets)
+
+    def column(name: str):
+        flat = np.fromiter(chain.from_iterable(s[name] for s in sequences), dtype=np.int32, count=total)
+        return pa.ListArray.from_arrays(offsets, pa.array(flat))
+
+    return pa.table({"input_ids": column("input_ids"), "labels": column("labels"),
+                     "row": pa.array(rows, type=pa.int64())})
 
 
 def _problem(exc: RowError) -> str:

@@ -288,16 +288,21 @@ class ChatRenderer:
         self.compiled = _compile_jinja_template(tokenizer.get_chat_template())
         self.kwargs = _plain_template_data(dict(tokenizer.special_tokens_map))  # apply_chat_template's template_kwargs
         try:
-            self.fast = sample is None or self(self.conversation(sample)) == self.slow(sample)
+            self.fast = sample is None or self._render(self._convert(sample)) == self.slow(sample)
         except Exception:  # noqa: BLE001 - the slow path will raise what is wrong with the row, as before
             self.fast = False
 
     def conversation(self, messages: list[dict]) -> list[dict]:
         """What render_jinja_template hands the template for `messages` (None values dropped, as
         apply_chat_template drops them); a prefix of it is what it hands for a prefix."""
-        if not self.fast:
-            return messages
+        return self._convert(messages) if self.fast else messages
+
+    def _convert(self, messages: list[dict]) -> list[dict]:
         return self._alias(self._plain([{k: v for k, v in m.items() if v is not None} for m in messages]))
+
+    def _render(self, chat: list[dict], add_generation_prompt: bool = False) -> str:
+        return self.compiled.render(messages=chat, tools=None, documents=None,
+                                    add_generation_prompt=add_generation_prompt, **self.kwargs)
 
     def slow(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
         try:
@@ -309,8 +314,7 @@ class ChatRenderer:
         if not self.fast:
             return self.slow(chat, add_generation_prompt)
         try:
-            return self.compiled.render(messages=chat, tools=None, documents=None,
-                                        add_generation_prompt=add_generation_prompt, **self.kwargs)
+            return self._render(chat, add_generation_prompt)
         except Exception as exc:  # noqa: BLE001 - e.g. raise_exception() in the template
             raise DataError(f"the chat template cannot render this conversation: {exc}") from None
 

@@ -59,6 +59,8 @@ def rows(startup: Optional[dict[str, Any]]) -> list[tuple[str, str]]:
     if tokenize:
         how = "found in the cache" if tokenize.get("cached") else \
             f"{tokenize.get('rows', 0):,} rows on {tokenize.get('num_proc')} process(es)"
+        if not tokenize.get("cached") and tokenize.get("peak_rss"):
+            how += f", peak RSS {tokenize['peak_rss'] / 2**30:.2f} GB (summed over the processes)"
         out.append(("tokenize (launcher)", f"{tokenize.get('seconds', 0):.1f} s, {how}"))
     for stage in ("launch", "process_group", "data", "model", "trainer", "deepspeed_init", "first_step"):
         if isinstance(startup.get(stage), (int, float)):
