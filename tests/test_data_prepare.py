@@ -225,7 +225,7 @@ def test_the_chat_renderer_is_apply_chat_template(tiny_dir, monkeypatch):
     whose check on the batch's first conversation fails is apply_chat_template."""
     from transformers import AutoTokenizer
 
-    from finetune.data.tokenize import ChatRenderer
+    from finetune.data.chat_template import ChatRenderer
 
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_dir))
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi", "name": None},
