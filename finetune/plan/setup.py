@@ -73,6 +73,10 @@ class Setup:
     # measurements in tests/test_plan.py); recipes never set it: their batches are padded or packed.
     full_rows: bool = False
     gradient_checkpointing: bool = True
+    # Micro batches per optimizer step (training.gradient_accumulation_steps). Above 1, the Trainer's
+    # zero_grad runs only after the step, so every micro batch but the first starts backward with the
+    # gradients of the earlier ones alive (plain PyTorch; DeepSpeed keeps its gradient partitions anyway).
+    gradient_accumulation: int = 1
     loss_kernel: str = "default"  # default | chunked | liger (training.loss_kernel)
     loss_chunk_tokens: Optional[int] = None  # training.loss_chunk_tokens (None: finetune.train.loss's default)
     overlap_comm: Optional[bool] = None  # None: DeepSpeed's default (config.py overlap_comm_valid: stage 3)

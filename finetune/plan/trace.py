@@ -271,6 +271,13 @@ def run_step(model, optimizer, batch: dict, tracker=None) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
+def accumulate(model, batch: dict) -> None:
+    """Forward and backward of one micro batch without the optimizer step (gradient accumulation)."""
+    loss = model(**batch).loss
+    loss.backward()
+    del loss
+
+
 def make_batch(setup: Setup, vocab: int, device: str = "cpu") -> dict:
     """micro_batch rows of seq_len tokens, labels = inputs (the collator's labels for SFT). A padded batch
     (what the collator makes unless every row is full, Setup.full_rows) carries its 2D attention mask;
@@ -371,6 +378,10 @@ def _trace_depth(setup: Setup, cfg: dict):
         batch = make_batch(setup, cfg["vocab_size"])
         optimizer = make_optimizer(model)
         run_step(model, optimizer, batch)  # creates the optimizer's states
+        if setup.gradient_accumulation > 1:
+            # A later micro batch of the accumulation: the Trainer calls zero_grad only after the
+            # optimizer step, so backward starts with the earlier micro batches' gradients alive.
+            accumulate(model, batch)
         tracker = LiveTensors(model, optimizer, vocab=cfg["vocab_size"], inputs=batch.values())
         with tracker:
             run_step(model, optimizer, batch, tracker)
