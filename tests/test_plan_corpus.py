@@ -78,11 +78,13 @@ def test_plan_runs_on_every_case(corpus_rows):
 # ZeRO-3's 16-bit flatten copy in the step (measured on CPU with DeepSpeed's own optimizer) then moved
 # the Qwen README's full fine-tunes closer (59 / 25 under by >15% to 58 / 24), and GPTQ's dequantized
 # weights saved for backward (auto-gptq's torch path, measured on CPU) its Q-LoRA rows: medians 12.6% /
-# 8.9% to 11.2% / 7.9%.
+# 8.9% to 11.2% / 7.9%. ms-swift's peft 0.7.1 keeps LoRA adapters in bf16 (adapter_dtype, a correction
+# read from its requirements and peft's code, not a fit): its rows lost their fp32 input copies, 11.2% /
+# 19.3% to 11.4% / 19.4%.
 REACHED = {
-    "all": {"median_abs_error": 0.113, "under_10": 73, "under_15": 57},
+    "all": {"median_abs_error": 0.114, "under_10": 73, "under_15": 57},
     "calibration": {"median_abs_error": 0.080, "under_10": 32, "under_15": 23},
-    "holdout": {"median_abs_error": 0.194, "under_10": 41, "under_15": 34},
+    "holdout": {"median_abs_error": 0.195, "under_10": 41, "under_15": 34},
 }
 
 

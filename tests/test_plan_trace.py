@@ -151,6 +151,9 @@ GRID = [
     dict(method="lora", seq_len=512, micro_batch=2, gradient_checkpointing=False, attn="sdpa", lora_dropout=0.05),
     dict(method="lora", seq_len=512, gradient_checkpointing=False, attn="eager", full_rows=True),
     dict(method="qlora", seq_len=1024, micro_batch=2, gradient_checkpointing=False, attn="sdpa", full_rows=True),
+    # peft 0.7-0.11 (corpus cases): adapters in the base dtype, no fp32 copies of the adapted inputs.
+    dict(method="lora", seq_len=512, micro_batch=2, gradient_checkpointing=False, attn="sdpa", lora_dropout=0.05,
+         adapter_dtype="model"),
 ]
 
 

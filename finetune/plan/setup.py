@@ -45,6 +45,11 @@ class Setup:
     lora_targets: tuple[str, ...] = LAYER_LINEARS
     lora_dropout: float = 0.05
     modules_to_save: tuple[str, ...] = ()
+    # Without DeepSpeed, the dtype peft keeps LoRA adapters in: "float32" (peft >= 0.12's
+    # autocast_adapter_dtype, what training here gets; peft <= 0.6 too, whose lora.Linear built its
+    # adapters before it had a base weight to cast them to) or "model" (peft 0.7-0.11: update_layer casts
+    # them to the base layer's weight dtype). Corpus cases of that era set it (docs/plan.md).
+    adapter_dtype: str = "float32"
     double_quant: bool = True
     # How a QLoRA base is quantized: "bnb-nf4" (bitsandbytes, what recipes run) or "gptq-int4" (auto-gptq's
     # cuda-old QuantLinear as HF's GPTQ integration trains it: corpus cases of GPTQ checkpoints only).

@@ -41,8 +41,10 @@ def _width(setup: Setup) -> str:
 
 def trainable_weight_bytes(setup: Setup) -> int:
     """DeepSpeed casts every parameter to the 16-bit dtype (engine._configure_distributed_model);
-    without DeepSpeed, peft keeps LoRA weights in fp32 (autocast_adapter_dtype=True)."""
-    if not setup.deepspeed and setup.method != "full":
+    without DeepSpeed, peft keeps LoRA weights in fp32 (autocast_adapter_dtype=True), or, in peft
+    0.7-0.11, in the base weight's dtype (Setup.adapter_dtype "model") when that is a float: a 4-bit
+    base's packed integers leave them in fp32 (lora/layer.py update_layer)."""
+    if not setup.deepspeed and setup.method != "full" and (setup.adapter_dtype == "float32" or setup.method == "qlora"):
         return 4
     return setup.element_bytes
 

@@ -150,7 +150,10 @@ def build_model(setup: Setup, config: dict):
 
         if setup.gradient_checkpointing:
             model.enable_input_require_grads()
-        model = get_peft_model(model, LoraConfig(
+        # adapter_dtype "model": peft 0.7-0.11 left the adapters in the base weight's dtype (fp32 over a
+        # 4-bit base, whose packed weight is no float; the emulation below quantizes after this).
+        fp32 = setup.adapter_dtype == "float32" or setup.method == "qlora"
+        model = get_peft_model(model, autocast_adapter_dtype=fp32, peft_config=LoraConfig(
             task_type="CAUSAL_LM", r=setup.lora_r, lora_alpha=2 * setup.lora_r, lora_dropout=setup.lora_dropout,
             target_modules=list(setup.lora_targets), modules_to_save=list(setup.modules_to_save) or None))
         if setup.method == "qlora":
