@@ -80,10 +80,12 @@ def test_plan_runs_on_every_case(corpus_rows):
 # weights saved for backward (auto-gptq's torch path, measured on CPU) its Q-LoRA rows: medians 12.6% /
 # 8.9% to 11.2% / 7.9%. ms-swift's peft 0.7.1 keeps LoRA adapters in bf16 (adapter_dtype, a correction
 # read from its requirements and peft's code, not a fit): its rows lost their fp32 input copies, 11.2% /
-# 19.3% to 11.4% / 19.4%.
+# 19.3% to 11.4% / 19.4%. The Qwen README's "G" read as 10^9 bytes, not GiB (its 7B full-parameter row
+# holds 81.0 per GPU at 1,024 tokens, more than an A100-80G's 80 GiB; tests/data/plan_corpus.json
+# sources.qwen-readme.measure_note): all 11.4% to 9.3%, calibration 8.0% to 5.8%.
 REACHED = {
-    "all": {"median_abs_error": 0.114, "under_10": 73, "under_15": 57},
-    "calibration": {"median_abs_error": 0.080, "under_10": 32, "under_15": 23},
+    "all": {"median_abs_error": 0.093, "under_10": 60, "under_15": 44},
+    "calibration": {"median_abs_error": 0.058, "under_10": 19, "under_15": 10},
     "holdout": {"median_abs_error": 0.195, "under_10": 41, "under_15": 34},
 }
 
