@@ -81,7 +81,7 @@ def test_plan_runs_on_every_case(corpus_rows):
 # 8.9% to 11.2% / 7.9%. ms-swift's peft 0.7.1 keeps LoRA adapters in bf16 (adapter_dtype, a correction
 # read from its requirements and peft's code, not a fit): its rows lost their fp32 input copies, 11.2% /
 # 19.3% to 11.4% / 19.4%. The Qwen README's "G" read as 10^9 bytes, not GiB (its 7B full-parameter row
-# holds 81.0 per GPU at 1,024 tokens, more than an A100-80G's 80 GiB; tests/data/plan_corpus.json
+# totals 162.0 on 2 GPUs at 1,024 tokens, more than two A100-80Gs hold (160 GiB); tests/data/plan_corpus.json
 # sources.qwen-readme.measure_note): all 11.4% to 9.3%, calibration 8.0% to 5.8%.
 REACHED = {
     "all": {"median_abs_error": 0.093, "under_10": 60, "under_15": 44},
