@@ -58,6 +58,22 @@ def test_corpus_cases_name_their_source_measure_and_settings(corpus_rows):
     assert {c["settings"]["method"] for c in cases} == {"full", "lora", "qlora"}
 
 
+def test_no_case_holds_more_than_its_gpus(corpus_rows):
+    """A figure per GPU in GiB can be no larger than the card. The Qwen README's "G" read as GiB broke
+    this (its 7B full-parameter row: 162.0 on two A100-80G at 1,024 tokens); read as 10^9 bytes
+    (published_gb, the table's own figure per GPU, kept beside its GiB value) none does."""
+    corpus, _, _ = corpus_rows
+    card = {"A100": 80, "H100": 80, "A100-SXM4-80G": 80}
+    for case in corpus["cases"]:
+        if "published_gb" in case:
+            assert case["measured_gib"] == round(case["published_gb"] * 1e9 / 2**30, 3)
+        size = card.get(case["settings"].get("gpu_type") or "")
+        if size and corpus["sources"][case["source"]]["measure"] != "capacity":
+            assert case["measured_gib"] <= size, case["id"]
+    over_in_gib = [c for c in corpus["cases"] if c.get("published_gb", 0) > 80]
+    assert [c["id"] for c in over_in_gib] == ["qwen-readme/069"]  # 81.0 per GPU: the row that settles the unit
+
+
 def test_holdout_is_a_third_chosen_by_source(corpus_rows):
     corpus, _, _ = corpus_rows
     held = [c for c in corpus["cases"] if c["holdout"]]
