@@ -98,10 +98,13 @@ def test_plan_runs_on_every_case(corpus_rows):
 # read from its requirements and peft's code, not a fit): its rows lost their fp32 input copies, 11.2% /
 # 19.3% to 11.4% / 19.4%. The Qwen README's "G" read as 10^9 bytes, not GiB (its 7B full-parameter row
 # totals 162.0 on 2 GPUs at 1,024 tokens, more than two A100-80Gs hold (160 GiB); tests/data/plan_corpus.json
-# sources.qwen-readme.measure_note): all 11.4% to 9.3%, calibration 8.0% to 5.8%.
+# sources.qwen-readme.measure_note): all 11.4% to 9.3%, calibration 8.0% to 5.8%. Then DeepSpeed read and
+# measured whole (test_plan.py test_whole_deepspeed_step_on_one_rank_against_the_plan): one ZeRO-3 rank
+# gathers nothing, the step releases gathered parameters first, ZeRO-1/2's step flattens a 16-bit copy;
+# corrections that move the Qwen ZeRO-3 full fine-tunes further under: all 9.3% / 60 to 9.6% / 64.
 REACHED = {
-    "all": {"median_abs_error": 0.093, "under_10": 60, "under_15": 44},
-    "calibration": {"median_abs_error": 0.058, "under_10": 19, "under_15": 10},
+    "all": {"median_abs_error": 0.097, "under_10": 64, "under_15": 44},
+    "calibration": {"median_abs_error": 0.057, "under_10": 23, "under_15": 10},
     "holdout": {"median_abs_error": 0.195, "under_10": 41, "under_15": 34},
 }
 
