@@ -58,6 +58,22 @@ def test_corpus_cases_name_their_source_measure_and_settings(corpus_rows):
     assert {c["settings"]["method"] for c in cases} == {"full", "lora", "qlora"}
 
 
+def test_no_case_holds_more_than_its_gpus(corpus_rows):
+    """A figure per GPU in GiB can be no larger than the card. The Qwen README's "G" read as GiB broke
+    this (its 7B full-parameter row: 162.0 on two A100-80G at 1,024 tokens); read as 10^9 bytes
+    (published_gb, the table's own figure per GPU, kept beside its GiB value) none does."""
+    corpus, _, _ = corpus_rows
+    card = {"A100": 80, "H100": 80, "A100-SXM4-80G": 80}
+    for case in corpus["cases"]:
+        if "published_gb" in case:
+            assert case["measured_gib"] == round(case["published_gb"] * 1e9 / 2**30, 3)
+        size = card.get(case["settings"].get("gpu_type") or "")
+        if size and corpus["sources"][case["source"]]["measure"] != "capacity":
+            assert case["measured_gib"] <= size, case["id"]
+    over_in_gib = [c for c in corpus["cases"] if c.get("published_gb", 0) > 80]
+    assert [c["id"] for c in over_in_gib] == ["qwen-readme/069"]  # 81.0 per GPU: the row that settles the unit
+
+
 def test_holdout_is_a_third_chosen_by_source(corpus_rows):
     corpus, _, _ = corpus_rows
     held = [c for c in corpus["cases"] if c["holdout"]]
@@ -78,11 +94,18 @@ def test_plan_runs_on_every_case(corpus_rows):
 # ZeRO-3's 16-bit flatten copy in the step (measured on CPU with DeepSpeed's own optimizer) then moved
 # the Qwen README's full fine-tunes closer (59 / 25 under by >15% to 58 / 24), and GPTQ's dequantized
 # weights saved for backward (auto-gptq's torch path, measured on CPU) its Q-LoRA rows: medians 12.6% /
-# 8.9% to 11.2% / 7.9%.
+# 8.9% to 11.2% / 7.9%. ms-swift's peft 0.7.1 keeps LoRA adapters in bf16 (adapter_dtype, a correction
+# read from its requirements and peft's code, not a fit): its rows lost their fp32 input copies, 11.2% /
+# 19.3% to 11.4% / 19.4%. The Qwen README's "G" read as 10^9 bytes, not GiB (its 7B full-parameter row
+# totals 162.0 on 2 GPUs at 1,024 tokens, more than two A100-80Gs hold (160 GiB); tests/data/plan_corpus.json
+# sources.qwen-readme.measure_note): all 11.4% to 9.3%, calibration 8.0% to 5.8%. Then DeepSpeed read and
+# measured whole (test_plan.py test_whole_deepspeed_step_on_one_rank_against_the_plan): one ZeRO-3 rank
+# gathers nothing, the step releases gathered parameters first, ZeRO-1/2's step flattens a 16-bit copy;
+# corrections that move the Qwen ZeRO-3 full fine-tunes further under: all 9.3% / 60 to 9.6% / 64.
 REACHED = {
-    "all": {"median_abs_error": 0.113, "under_10": 73, "under_15": 57},
-    "calibration": {"median_abs_error": 0.080, "under_10": 32, "under_15": 23},
-    "holdout": {"median_abs_error": 0.194, "under_10": 41, "under_15": 34},
+    "all": {"median_abs_error": 0.097, "under_10": 64, "under_15": 44},
+    "calibration": {"median_abs_error": 0.057, "under_10": 23, "under_15": 10},
+    "holdout": {"median_abs_error": 0.195, "under_10": 41, "under_15": 34},
 }
 
 
@@ -340,7 +363,9 @@ def test_zero3_step_counts_the_16bit_flatten_copy_of_one_sub_group():
     assert flatten_copy(replace(base, sub_group_size=10**10)) == arch.total_params * 2  # one sub-group
     assert flatten_copy(replace(base, dtype="float32")) == 0
     assert flatten_copy(replace(base, offload_optimizer="cpu")) == 0
-    assert flatten_copy(replace(base, stage=2)) == 0
+    # ZeRO-1/2's step makes the same copy of its whole partition (stage_1_and_2.py step; measured whole in
+    # tests/test_plan.py::test_whole_deepspeed_step_on_one_rank_against_the_plan).
+    assert flatten_copy(replace(base, stage=2)) == arch.total_params * 2
 
 
 def _gptq_forward(x, qweight, qzeros, scales, wf, bits=4, group=128):
