@@ -17,9 +17,11 @@ the JSON -> Arrow conversion):
   of the conversation with apply_chat_template), the way LLaMA-Factory and axolotl tokenize; its output stays
   in datasets' cache, as theirs does.
 
-What it prints, the same for both sides:
-- seconds: wall time of the side's process, from start to exit (imports and tokenizer loading included);
-- CPU s: user + system time of that process and every descendant it waited for (steadier than wall time on a
+What it prints, the same for both sides, from the start of the side's process to the end of its tokenizing
+(imports, tokenizer loading and the JSON -> Arrow conversion included; the check that follows, which reads
+every token of the result, is not: `_tokenized`):
+- seconds: wall time;
+- CPU s: user + system time of the process and every descendant it waited for (steadier than wall time on a
   shared machine);
 - peak RSS: the peak over time of the SUM of the resident set sizes of the process tree (the process, its
   workers and any helper child), sampled every 50 ms. A page shared after fork counts once per process that
@@ -43,6 +45,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 REPO = Path(__file__).resolve().parent.parent
 WORDS = ("the cat sat on a mat while rain fell over river stone bread milk book door cloud snow green blue red "
@@ -86,6 +89,7 @@ def run_finetune(data: Path, fmt: str, tokenizer, max_length: int, num_proc: int
                "seed": 0, "think": "train", "chat_template": None, "max_length": max_length, "packing": False,
                "mask_prompt": True}
     prepare(section, tokenizer, work / "finetune-cache", log=lambda line: None, num_proc=num_proc)
+    _tokenized(work)
     return _counts(load_prepared(section, tokenizer, work / "finetune-cache"))
 
 
@@ -96,7 +100,21 @@ def run_reference(data: Path, fmt: str, tokenizer, max_length: int, num_proc: in
     function = _reference_alpaca if fmt == "alpaca" else _reference_sharegpt
     tokenized = raw.map(function, batched=True, num_proc=num_proc, remove_columns=raw.column_names,
                         fn_kwargs={"tokenizer": tokenizer, "max_length": max_length})
+    _tokenized(work)
     return _counts(tokenized)
+
+
+def _tokenized(work: Path) -> None:
+    """Tell the parent the tokenizing is done (the counting that follows reads every token of the result through
+    memory maps, which would add the whole output to RSS; it is the benchmark's check, not the tokenize step):
+    the parent stops its clock and its memory peaks here, and takes the CPU time written here (this process
+    and the children it has waited for: datasets' workers, the tokenizer's child)."""
+    import resource
+
+    cpu = sum(r.ru_utime + r.ru_stime for r in (resource.getrusage(resource.RUSAGE_SELF),
+                                                resource.getrusage(resource.RUSAGE_CHILDREN)))
+    (work / "tokenized.tmp").write_text(json.dumps({"cpu_seconds": cpu}))
+    (work / "tokenized.tmp").rename(work / "tokenized.json")
 
 
 def _truncated(ids: list[int], labels: list[int], max_length: int, out: dict) -> None:
@@ -182,7 +200,7 @@ def measure(side: str, data: Path, fmt: str, tokenizer: Path, max_length: int, n
     argv = [sys.executable, __file__, "--worker", side, "--data", str(data), "--format", fmt, "--tokenizer",
             str(tokenizer), "--max-length", str(max_length), "--num-proc", str(num_proc), "--work", str(work)]
     child = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=REPO)
-    watched = watch(child)
+    watched = watch(child, work / "tokenized.json")
     out, err = child.communicate()
     if child.returncode != 0:
         raise SystemExit(f"{side} failed:\n{err.decode()[-3000:]}")
@@ -190,16 +208,23 @@ def measure(side: str, data: Path, fmt: str, tokenizer: Path, max_length: int, n
     return {**json.loads(out.decode().strip().splitlines()[-1]), **watched, "load": os.getloadavg()[0]}
 
 
-def watch(child) -> dict:
+def watch(child, marker: Optional[Path] = None) -> dict:
     """Wall and CPU seconds of a started process and its descendants, and the peaks of their summed RSS, PSS
-    and anonymous PSS, sampled every 50 ms until it ends (the metric of the module docstring)."""
+    and anonymous PSS, sampled every 50 ms until it ends or writes `marker` (the metric of the module
+    docstring; the marker holds the CPU seconds at that point)."""
     import psutil
     import resource
 
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.perf_counter()
     root, peak, peak_pss, peak_anon = psutil.Process(child.pid), 0, 0, 0
+    marked = None
     while child.poll() is None:
+        if marker is not None and marked is None and marker.exists():
+            marked = time.perf_counter() - started
+        if marked is not None:
+            time.sleep(0.05)
+            continue
         try:
             tree = [root] + root.children(recursive=True)
             peak = max(peak, sum(_rss(p) for p in tree))
@@ -214,6 +239,8 @@ def watch(child) -> dict:
     # when it is waited for; datasets' pool workers and our tokenizer child are).
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    if marked is not None:
+        seconds, cpu = marked, json.loads(marker.read_text())["cpu_seconds"]
     return {"seconds": seconds, "cpu_seconds": cpu, "peak_rss": peak, "peak_pss": peak_pss, "peak_anon": peak_anon}
 
 
