@@ -158,7 +158,7 @@ def write_shards(plan: Plan, names: list[str], folder: Path, log: Callable[[str]
     slot = 0
     try:
         for shard_name, shard in zip(names, plan.shards):
-            writer = ShardWriter(folder / shard_name, shard, early_writeback=fsync)
+            writer = ShardWriter(folder / shard_name, shard, early_writeback=fsync, direct=True)
             writers.append(writer)
             for t in shard:
                 if t.source.file != reader.file and pending is not None:
@@ -182,7 +182,7 @@ def write_shards(plan: Plan, names: list[str], folder: Path, log: Callable[[str]
         syncs.shutdown(wait=True)
         reader.close()
         for writer in writers:
-            writer.handle.close()
+            writer.abort()
 
 
 def _cpu_count() -> int:
