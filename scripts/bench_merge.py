@@ -1,27 +1,37 @@
-"""Benchmark `finetune merge` against PEFT's merge_and_unload on a synthetic 1.1B Llama (TinyLlama's shape).
+"""Benchmark `finetune merge` against PEFT's merge_and_unload on a synthetic 1.1B Llama (TinyLlama's shape), or 8B.
 
-    $ .venv/bin/python scripts/bench_merge.py            # ~7 GB of temporary files under /tmp, removed at the end
-    $ .venv/bin/python scripts/bench_merge.py --repeat 1 # one run per side (default 3, median reported)
+    $ .venv/bin/python scripts/bench_merge.py             # ~7 GB of temporary files under /tmp, removed at the end
+    $ .venv/bin/python scripts/bench_merge.py --repeat 1  # one run per side (default 3, median reported)
+    $ .venv/bin/python scripts/bench_merge.py --size 8b   # Llama-3-8B's shape, finetune only: ~33 GB of disk
 
 What it does, all in one run so both sides see the same machine state:
-  1. writes a random bf16 LlamaForCausalLM checkpoint (hidden 2048, intermediate 5632, 22 layers,
-     vocab 32000, untied head: 1.1B parameters, 2.2 GB) as 5 safetensors shards, and a rank-16 LoRA
-     adapter on every linear layer of the decoder (q/k/v/o/gate/up/down, float32 like PEFT saves it);
-  2. times a plain copy of the base shards (the floor for any merge that reads and writes them);
+  1. writes a random bf16 LlamaForCausalLM checkpoint (1b: hidden 2048, intermediate 5632, 22 layers,
+     vocab 32000, untied head: 1.1B parameters, 2.2 GB, 5 shards; 8b: hidden 4096, intermediate 14336,
+     32 layers, vocab 128256: 8.0B parameters, 16.06 GB, 8 shards), and a rank-16 LoRA adapter on every
+     linear layer of the decoder (q/k/v/o/gate/up/down, float32 like PEFT saves it);
+  2. times a plain copy of the base shards, fsynced (what any merge that reads and writes them must move);
   3. runs `finetune merge --base ... --adapter ... -o ...` as a subprocess;
   4. runs PEFT as a subprocess: from_pretrained(bf16) -> PeftModel.from_pretrained -> merge_and_unload ->
-     save_pretrained (3 and 4 alternate, --repeat times each; both read the base from the page cache);
-  5. checks the two outputs are bit-identical, tensor by tensor, and prints wall time and peak memory ratios.
+     save_pretrained (3 and 4 alternate, --repeat times each; both read the base from the page cache).
+     At 8b only with --peft: it holds the whole model, ~17 GB, in RAM;
+  5. checks the two outputs are bit-identical, tensor by tensor, and prints wall and CPU times (user + sys
+     of the process, which another job on the machine slows less than the wall time) and memory peaks.
 
 Memory is anonymous memory: RssAnon from /proc/PID/status, sampled every 20 ms. Pages of memory-mapped
 files (safetensors maps the shards it reads) count in RSS too, but they are clean page cache that the
 kernel drops under pressure, so they do not decide whether a merge fits in RAM; what the process
 allocates (tensors, Python, libraries) does. ru_maxrss (peak RSS, file pages included) is printed too.
 
-Measured on the 2-core, 24 GiB development box (shared with other jobs, so wall times vary from run to
-run; medians of 3): finetune merge 9.4 s (runs 6.7, 9.4, 12.9), PEFT 38.1 s (37.8, 38.1, 39.1):
-0.25x the time; peak RssAnon 0.24 GiB vs 2.35 GiB: 0.10x the memory; outputs bit-identical.
-A plain copy of the shards took 3.7 s (0.10x).
+Measured on the 2-core, 24 GiB development box while other jobs kept its load average at 10-13 (so
+wall times swing from run to run; medians of 3):
+  1b: finetune merge 6.8 s wall (runs 6.5, 6.8, 8.4), 3.8 s CPU (3.3 user, 0.4 sys); PEFT 58.6 s
+      (51.1, 58.6, 64.1), 22.7 s CPU (11.9 user, 10.8 sys): 0.12x the time, 0.17x the CPU time; peak
+      RssAnon 0.24 GiB vs 2.34 GiB: 0.10x the memory; outputs bit-identical (201 tensors).
+  8b: finetune merge 8B_WALL
+Before issue 20 the merge wrote its shards through the page cache, and on this VM that cost 1.8-4.1 s
+of system time per 1.1B merge, as much as all its arithmetic (5 runs each against the same data, load
+average ~16: 7.8 s CPU, 4.0 of it sys, median wall 24.7 s, then 4.1 s CPU, 0.5 sys, 12.1 s wall; the
+code of 5c82595 and of the commit before the fix measured the same); it now writes with direct I/O.
 """
 
 from __future__ import annotations

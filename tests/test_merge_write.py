@@ -90,3 +90,26 @@ def test_other_write_errors_are_raised(tmp_path, monkeypatch):
     with pytest.raises(OSError) as info:
         write_pieces(tmp_path / "f", direct=True)
     assert info.value.errno == errno.ENOSPC
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_shard_writer_files_load_with_safetensors(tmp_path, direct):
+    # convert writes buffered, merge direct: both must give safetensors the same file.
+    import math
+
+    import torch
+    from safetensors.torch import load_file
+
+    from finetune.weights.safetensors_io import BaseTensor, OutTensor, ShardWriter
+
+    generator = torch.Generator().manual_seed(0)
+    tensors = {"a": torch.randn(3, 5, generator=generator).bfloat16(), "b": torch.arange(7, dtype=torch.int64),
+               "c": torch.randn(300, 257, generator=generator)}  # c crosses the 64 KiB test block
+    plan = [OutTensor(name, BaseTensor(name, tmp_path, "", tuple(t.shape)), safetensors_io.TORCH_TO_ST[t.dtype],
+                      math.prod(t.shape) * t.element_size()) for name, t in tensors.items()]
+    writer = ShardWriter(tmp_path / "model.safetensors", plan, direct=direct)
+    for name, tensor in tensors.items():
+        writer.write(name, tensor)
+    writer.close()
+    loaded = load_file(str(tmp_path / "model.safetensors"))
+    assert set(loaded) == set(tensors) and all(torch.equal(loaded[k], v) for k, v in tensors.items())
