@@ -27,7 +27,8 @@ wall times swing from run to run; medians of 3):
   1b: finetune merge 6.8 s wall (runs 6.5, 6.8, 8.4), 3.8 s CPU (3.3 user, 0.4 sys); PEFT 58.6 s
       (51.1, 58.6, 64.1), 22.7 s CPU (11.9 user, 10.8 sys): 0.12x the time, 0.17x the CPU time; peak
       RssAnon 0.24 GiB vs 2.34 GiB: 0.10x the memory; outputs bit-identical (201 tensors).
-  8b: finetune merge 8B_WALL
+  8b: finetune merge 37.5 s wall (runs 36.7, 37.5, 41.0), 18.3 s CPU (16.1 user, 2.8 sys); peak RssAnon
+      0.59 GiB (0.64 GB: under the 1 GB target); a plain copy of the shards, fsynced, 35.3 s (load 10-11).
 Before issue 20 the merge wrote its shards through the page cache, and on this VM that cost 1.8-4.1 s
 of system time per 1.1B merge, as much as all its arithmetic (5 runs each against the same data, load
 average ~16: 7.8 s CPU, 4.0 of it sys, median wall 24.7 s, then 4.1 s CPU, 0.5 sys, 12.1 s wall; the
