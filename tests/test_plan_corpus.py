@@ -79,10 +79,13 @@ def test_plan_runs_on_every_case(corpus_rows):
 # the Qwen README's full fine-tunes closer (59 / 25 under by >15% to 58 / 24), and GPTQ's dequantized
 # weights saved for backward (auto-gptq's torch path, measured on CPU) its Q-LoRA rows: medians 12.6% /
 # 8.9% to 11.2% / 7.9%.
+# The allocator's rounding of each weight tensor by its documented rules (finetune/plan/allocator.py, instead of
+# 1 MiB per tensor over 10 MiB) moved the median of all cases from 11.2% to 11.5% (7B's 32 MiB tensors waste
+# nothing, 1.8B's 8 MiB ones share 20 MiB segments) and under >15% from 57 to 54; held out 19.4% to 19.7%.
 REACHED = {
-    "all": {"median_abs_error": 0.113, "under_10": 73, "under_15": 57},
+    "all": {"median_abs_error": 0.115, "under_10": 73, "under_15": 57},
     "calibration": {"median_abs_error": 0.080, "under_10": 32, "under_15": 23},
-    "holdout": {"median_abs_error": 0.194, "under_10": 41, "under_15": 34},
+    "holdout": {"median_abs_error": 0.197, "under_10": 41, "under_15": 34},
 }
 
 
@@ -111,16 +114,33 @@ def test_summaries_give_the_error_distribution(corpus_rows):
         assert q["min"] == sums[part]["worst_under"]
 
 
-def test_the_bound_width_is_the_corpus_quantile(corpus_rows):
-    """BOUND_WIDTH (finetune/plan/constants.py) is what scripts/plan_corpus.py's method gives on the corpus
-    today: recomputed, not tuned."""
-    from finetune.plan.constants import BOUND_WIDTH
+def test_the_bound_widths_are_the_corpus_quantiles(corpus_rows):
+    """BOUND_WIDTHS (finetune/plan/constants.py) is what scripts/plan_corpus.py's method gives on the corpus
+    today (`--widths`): recomputed, not tuned. In sample, each class's 95% quantile covers about 95%."""
+    from finetune.plan.constants import BOUND_WIDTHS
 
     _, rows, script = corpus_rows
-    assert BOUND_WIDTH == pytest.approx(script.bound_width(rows), abs=0.0005)
-    ratios = script.ratios(rows)
-    covered = sum(1 for r in ratios if r <= 1 + BOUND_WIDTH) / len(ratios)
-    assert covered >= 0.95  # in-sample, by construction; the leave-one-source-out figure is below
+    widths = script.bound_widths(rows)
+    assert widths.keys() == BOUND_WIDTHS.keys()
+    for key, (width, cases) in widths.items():
+        assert BOUND_WIDTHS[key][1] == cases and BOUND_WIDTHS[key][0] == pytest.approx(width, abs=0.0005), key
+    assert 0.9 <= script.in_sample(rows)["coverage"] <= 1
+
+
+def test_bound_classes_nest_and_fall_back():
+    from finetune.plan import bound
+
+    setup = _qlora_8b()
+    assert bound.class_keys(setup) == ("one shape / qlora / ZeRO-0/1/2", "one shape / qlora", "one shape", "all")
+    vary = replace(setup, shapes_vary=True, expandable_segments=False, deepspeed=False)
+    assert bound.class_keys(vary)[0] == "shapes vary / qlora / no DeepSpeed"
+    # Expandable segments tile one segment per pool: varying shapes do not leave earlier segments behind.
+    assert bound.history(replace(vary, expandable_segments=True)) == "one shape"
+    widths = {"one shape / qlora": (0.25, 12), "all": (0.5, 40)}
+    assert bound.width_for(setup, widths) == (0.25, "one shape / qlora", 12)
+    assert bound.width_for(vary, widths) == (0.5, "all", 40)
+    assert bound.widths_from([(("a", "all"), 1.1)] * 3 + [(("b", "all"), 1.5)], min_cases=3) == \
+        {"a": (pytest.approx(0.1), 3), "all": (pytest.approx(0.44), 4)}
 
 
 # Issue 21's targets (scripts/plan_corpus.py --summary prints them). Today's figures: point estimate median
@@ -155,27 +175,39 @@ def _qlora_8b(**kw):
                  micro_batch=1, **kw)
 
 
-def test_counters_are_ordered_and_fits_uses_nvidia_smi():
+def test_counters_are_ordered_and_fits_uses_the_upper_bound():
     result = plan(_qlora_8b(gpus_per_node=2, gpu_type="A100"))
     views = result.memory_views
     assert views["allocated"] < views["reserved"] < views["nvidia_smi"] == result.per_gpu["total"]
     # Outside PyTorch: the CUDA context and NCCL's buffers are exactly the nvidia-smi - reserved gap.
     assert views["nvidia_smi"] - views["reserved"] == CUDA_CONTEXT + nccl_buffer_bytes(2)
-    between = replace(result.setup, gpu_memory=(views["reserved"] + views["nvidia_smi"]) // 2)
-    assert plan(between).fits is False
+    # The bound widens the allocator's part (reserved) and adds what lies outside PyTorch as planned.
+    width, klass, cases = result.bound_width
+    assert klass == "one shape / qlora / ZeRO-0/1/2" and cases >= 10 and 0 < width < 1
+    bounds = result.upper_bounds
+    assert bounds["reserved"] == int(views["reserved"] * (1 + width))
+    assert bounds["nvidia_smi"] == result.upper_bound == bounds["reserved"] + views["nvidia_smi"] - views["reserved"]
+    # Between the estimate and the bound: the estimate would fit, the bound does not, and `fits` says no.
+    between = replace(result.setup, gpu_memory=(views["nvidia_smi"] + result.upper_bound) // 2)
+    assert plan(between).fits is False and plan(between).headroom < 0
+    assert plan(replace(result.setup, gpu_memory=result.upper_bound)).fits is True
     doc = plan(replace(result.setup, gpu_memory=12 * GiB)).to_json()
     assert {k: doc["memory"][k] for k in ("allocated_peak", "reserved_peak", "nvidia_smi", "fits_uses")} == \
         {"allocated_peak": views["allocated"], "reserved_peak": views["reserved"], "nvidia_smi": views["nvidia_smi"],
-         "fits_uses": "nvidia_smi"}
-    assert doc["memory"]["upper_bound"] > views["nvidia_smi"] and doc["memory"]["upper_bound_fits"] is False
+         "fits_uses": "upper_bound"}
+    assert doc["memory"]["upper_bound"] == result.upper_bound and doc["memory"]["upper_bounds"] == bounds
+    assert doc["memory"]["upper_bound_class"] == klass and doc["fits"] == doc["memory"]["upper_bound_fits"]
 
 
-def test_cli_text_names_the_three_counters():
-    out = run_cli("plan", "--model", "llama-3-8b", "--method", "qlora", "--gpu-memory", "12GiB")
+def test_cli_text_names_the_three_counters_and_the_bound():
+    out = run_cli("plan", "--model", "llama-3-8b", "--method", "qlora", "--gpu-memory", "16GiB")
     assert out.returncode == 0, out.stderr
     for needle in ("as torch.cuda.max_memory_allocated", "as torch.cuda.max_memory_reserved", "as nvidia-smi",
-                   "`fits` uses this one"):
+                   "upper bound (nvidia-smi)", "`fits` uses this one", "fits under the upper bound"):
         assert needle in out.stdout
+    # 12 GiB: the estimate (11.2 GiB) would fit, the bound (13.9) does not: exit 3, and the text says both.
+    out = run_cli("plan", "--model", "llama-3-8b", "--method", "qlora", "--gpu-memory", "12GiB")
+    assert out.returncode == 3 and "does NOT fit: the upper bound" in out.stdout and "the estimate" in out.stdout
 
 
 def test_cited_constants():

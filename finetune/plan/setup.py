@@ -73,6 +73,13 @@ class Setup:
     # measurements in tests/test_plan.py); recipes never set it: their batches are padded or packed.
     full_rows: bool = False
     gradient_checkpointing: bool = True
+    # PYTORCH_CUDA_ALLOC_CONF's expandable_segments (finetune/plan/allocator.py): what `finetune train` sets
+    # unless the user set the variable; the corpus' runs predate it or left it off.
+    expandable_segments: bool = True
+    # Each batch has its own shape (padded to its longest row, or rows of the data's own lengths) rather than
+    # one fixed shape (padding to max_length, or fixed packed rows). Without expandable segments the cache
+    # then keeps segments of earlier shapes (finetune/plan/bound.py's setup classes).
+    shapes_vary: bool = False
     loss_kernel: str = "default"  # default | chunked | liger (training.loss_kernel)
     loss_chunk_tokens: Optional[int] = None  # training.loss_chunk_tokens (None: finetune.train.loss's default)
     overlap_comm: Optional[bool] = None  # None: DeepSpeed's default (config.py overlap_comm_valid: stage 3)

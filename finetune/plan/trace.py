@@ -377,6 +377,37 @@ def _trace_depth(setup: Setup, cfg: dict):
     return tracker
 
 
+def allocation_profile(setup: Setup, lengths: list[int], config: Optional[dict] = None):
+    """(resident bytes, one event list per step) of training steps at `lengths` tokens, all layers traced:
+    what finetune.plan.allocator.replay needs. The first step creates the optimizer's states (kept); the
+    cuBLAS workspaces (cuda_only_terms: allocated once from the caching allocator) are resident."""
+    from dataclasses import replace
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from finetune.plan.tracemem import LiveTensors
+
+    cfg = hf_config(setup, config)
+    model = build_model(setup, cfg)
+    mode = FakeTensorMode(allow_non_fake_inputs=False)
+    fake_parameters(model, mode)
+    resident: Optional[list[int]] = None
+    steps = []
+    with mode, data_decisions(setup), cuda_paths():
+        optimizer = make_optimizer(model)
+        for length in lengths:
+            batch = make_batch(replace(setup, seq_len=length), cfg["vocab_size"])
+            tracker = LiveTensors(model, optimizer, vocab=cfg["vocab_size"], inputs=batch.values())
+            with tracker:
+                run_step(model, optimizer, batch, tracker)
+            if resident is None:
+                resident = list(tracker.resident) + [b for name, when, b, _ in cuda_only_terms(setup, cfg)
+                                                     if name.startswith("cuBLAS")]
+            steps.append(list(tracker.events))
+            del batch, tracker
+    return resident, steps
+
+
 def _phases(tracker) -> dict[str, tuple[int, dict[str, int], str]]:
     return {p: (tracker.phase_peaks[p], tracker.phase_kinds[p], tracker.phase_modules[p]) for p in tracker.phase_peaks}
 
