@@ -6,6 +6,8 @@ print predicted against measured, case by case, with the error distribution.
     python scripts/plan_corpus.py --summary --quantiles   # with each part's error distribution
     python scripts/plan_corpus.py --json          # machine-readable (used by tests/test_plan_corpus.py)
     python scripts/plan_corpus.py --trace         # the analytic plan against `finetune plan --trace`, per case
+    python scripts/plan_corpus.py --allocator     # traced allocations replayed through the allocator's rules
+    python scripts/plan_corpus.py --widths        # the bound's widths for finetune/plan/constants.py
 
 error = (predicted - measured) / measured, per GPU, against the counter the source reports
 (`sources.*.measure`): max_memory_allocated -> the planner's allocated peak; max_memory_reserved and
@@ -235,6 +237,49 @@ def trace_rows(corpus: dict) -> list[dict]:
     return rows
 
 
+# The cases `--allocator` replays by default: Qwen-1.8B LoRA at two lengths from the Qwen README (one shape)
+# and from ms-swift's benchmark (shapes vary), the bnb QLoRA and full rows of the latter.
+ALLOCATOR_CASES = ("qwen-readme/001", "qwen-readme/004", "swift-benchmark/001", "swift-benchmark/003",
+                   "swift-benchmark/025", "swift-benchmark/043")
+
+
+def record_lengths(seq_len: int) -> list[int]:
+    """The stated order of a varying-shape run (docs/plan.md, "The allocator"): each batch longer than all
+    before, at the expected records of lengths spread evenly up to max_length."""
+    return [seq_len // 2, 3 * seq_len // 4, 7 * seq_len // 8, 15 * seq_len // 16, seq_len]
+
+
+def allocator_rows(corpus: dict, ids: list[str]) -> list[dict]:
+    """Each case's traced allocations (all layers, one step per length) replayed through the caching
+    allocator's rules (finetune/plan/allocator.py): one shape (two steps at seq_len), and the record order,
+    without and with expandable segments, on the case's 80 GB GPU. Needs torch, transformers, peft."""
+    from finetune.plan.allocator import replay
+    from finetune.plan.trace import allocation_profile
+
+    rows = []
+    for case in corpus["cases"]:
+        if case["id"] not in ids:
+            continue
+        setup = setup_of(corpus, case)
+        if setup.arch.model_type == "qwen":
+            setup = replace(setup, arch=replace(setup.arch, model_type="qwen2"))
+        resident, steps = allocation_profile(setup, [setup.seq_len] * 2 + record_lengths(setup.seq_len))
+        capacity = 80 * GiB
+        one = replay(resident, steps[:2], expandable=False, capacity=capacity)
+        vary = replay(resident, steps[:1] + steps[2:], expandable=False, capacity=capacity)
+        vary_x = replay(resident, steps[:1] + steps[2:], expandable=True, capacity=capacity)
+        views = plan(setup).memory_views
+        rows.append({"id": case["id"], "measured_gib": case["measured_gib"], "shapes_vary": setup.shapes_vary,
+                     "plan_allocated": views["allocated"] / GiB, "plan_reserved": views["reserved"] / GiB,
+                     "replay_allocated": one.peak_allocated / GiB, "replay_one_shape": one.peak_reserved / GiB,
+                     "replay_records": vary.peak_reserved / GiB, "replay_records_expandable": vary_x.peak_reserved / GiB})
+        r = rows[-1]
+        print(f"{r['id']:<22}{r['measured_gib']:9.2f}{r['plan_allocated']:9.2f}{r['plan_reserved']:9.2f}"
+              f"{r['replay_allocated']:9.2f}{r['replay_one_shape']:9.2f}{r['replay_records']:9.2f}"
+              f"{r['replay_records_expandable']:9.2f}", flush=True)
+    return rows
+
+
 def _fmt_summary(name: str, s: dict) -> str:
     if not s.get("cases"):
         return f"{name:<28} no cases"
@@ -251,6 +296,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--quantiles", action="store_true",
                         help="after each summary, its signed error quantiles (min, 5%%, 25%%, 50%%, 75%%, 95%%, max)")
     parser.add_argument("--corpus", type=Path, default=CORPUS)
+    parser.add_argument("--allocator", nargs="?", const=",".join(ALLOCATOR_CASES), metavar="ID,ID",
+                        help="replay these cases' traced allocations through the caching allocator's rules "
+                             "(needs torch, transformers, peft; minutes)")
     parser.add_argument("--widths", action="store_true",
                         help="print BOUND_WIDTHS for finetune/plan/constants.py, recomputed from the corpus")
     parser.add_argument("--trace", action="store_true",
@@ -267,6 +315,11 @@ def main(argv: Optional[list[str]] = None) -> int:
               f"{statistics.median(r['analytic_vs_trace'] for r in traced):+.1%}, worst "
               f"{min(r['analytic_vs_trace'] for r in traced):+.1%} / {max(r['analytic_vs_trace'] for r in traced):+.1%}; "
               f"measured vs trace median {statistics.median(r['measured_vs_trace'] for r in traced):+.1%}")
+        return 0
+    if args.allocator:
+        print(f"{'case':<22}{'measured':>9}{'plan al':>9}{'plan res':>9}{'replay al':>9}{'1 shape':>9}"
+              f"{'records':>9}{'rec+exp':>9}  (GiB; replayed reserved: one shape, record order, + expandable)")
+        allocator_rows(corpus, args.allocator.split(","))
         return 0
     rows = evaluate(corpus, args.unspecified_as)
     if args.widths:

@@ -33,9 +33,6 @@ def compute_cost(setup: Setup) -> float:
 
 
 OFFLOAD_LEVELS = (("none", "none"), ("cpu", "none"), ("cpu", "cpu"))
-# A recommendation keeps this share of the GPU free: the CUDA context, NCCL and fragmentation terms
-# are estimates, not measurements.
-RECOMMEND_MARGIN = 0.05
 # The stage3_max_live_parameters --recommend tries besides the recipe's (DeepSpeed's default is 1e9).
 FEWER_LIVE_PARAMETERS = 100_000_000
 
@@ -176,8 +173,9 @@ def recommend(setup: Setup, accumulation: Optional[int] = None) -> Recommendatio
         raise PlanError("--recommend needs the GPU memory: --gpu-memory 24GiB or hardware.gpu_memory in the recipe")
     current = plan(setup)
     tried = [plan(c) for c in candidates(setup)]
-    margin = int(setup.gpu_memory * RECOMMEND_MARGIN)
-    fitting = sorted((r for r in tried if r.fits and r.headroom >= margin), key=lambda r: speed_key(r.setup))
+    # `fits` is decided on each candidate's upper bound (finetune/plan/bound.py): the margin for what the
+    # estimate misses is the bound's width, measured on the corpus, not a share of the GPU.
+    fitting = sorted((r for r in tried if r.fits), key=lambda r: speed_key(r.setup))
     chosen = fitting[0] if fitting else None
     steps = None
     if chosen is not None and accumulation is not None and chosen.setup.micro_batch != setup.micro_batch:
@@ -248,8 +246,8 @@ def explain(rec: Recommendation) -> list[str]:
         out.append(f"The loss alone needs {gib(cur.per_gpu['logits'])} GiB ({s.micro_batch} x {s.seq_len} tokens "
                    f"x a vocabulary of {s.arch.vocab:,} x 12 bytes); a smaller micro batch shrinks it"
                    + (", and so does the chunked loss (--set training.loss_kernel=chunked)." if s.loss_kernel == "default" else "."))
-    out.append(f"Only setups that leave {RECOMMEND_MARGIN:.0%} of each GPU free count as fitting: fragmentation and "
-               "the CUDA context vary from run to run (docs/plan.md).")
+    out.append("Only setups whose upper bound fits count as fitting: the estimate widened by how far published "
+               "measurements of such setups came out above it (docs/plan.md, 'The bound').")
     chosen = rec.chosen
     if chosen is not None and chosen.setup != s:
         c = chosen.setup
