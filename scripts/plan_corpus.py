@@ -63,6 +63,8 @@ def setup_of(corpus: dict, case: dict) -> Setup:
     # whether each batch had its own shape is the source's (sources.*.shapes).
     s.setdefault("expandable_segments", False)
     s.setdefault("shapes_vary", corpus["sources"][case["source"]]["shapes"] == "vary")
+    if "gpu_memory_gib" in corpus["sources"][case["source"]]:  # the reserved counter stops at the GPU's size
+        s.setdefault("gpu_memory", int(corpus["sources"][case["source"]]["gpu_memory_gib"] * GiB))
     for key in DESCRIPTIVE:
         s.pop(key, None)
     hidden = arch.hidden
@@ -263,11 +265,12 @@ def allocator_rows(corpus: dict, ids: list[str]) -> list[dict]:
         setup = setup_of(corpus, case)
         if setup.arch.model_type == "qwen":
             setup = replace(setup, arch=replace(setup.arch, model_type="qwen2"))
-        resident, steps = allocation_profile(setup, [setup.seq_len] * 2 + record_lengths(setup.seq_len))
         capacity = 80 * GiB
-        one = replay(resident, steps[:2], expandable=False, capacity=capacity)
-        vary = replay(resident, steps[:1] + steps[2:], expandable=False, capacity=capacity)
-        vary_x = replay(resident, steps[:1] + steps[2:], expandable=True, capacity=capacity)
+        one = replay(*allocation_profile(setup, [setup.seq_len] * 2), expandable=False, capacity=capacity)
+        # The first step (the shortest) also creates the optimizer's states, as a run's first step does.
+        resident, steps = allocation_profile(setup, record_lengths(setup.seq_len))
+        vary = replay(resident, steps, expandable=False, capacity=capacity)
+        vary_x = replay(resident, steps, expandable=True, capacity=capacity)
         views = plan(setup).memory_views
         rows.append({"id": case["id"], "measured_gib": case["measured_gib"], "shapes_vary": setup.shapes_vary,
                      "plan_allocated": views["allocated"] / GiB, "plan_reserved": views["reserved"] / GiB,

@@ -80,12 +80,14 @@ def test_plan_runs_on_every_case(corpus_rows):
 # weights saved for backward (auto-gptq's torch path, measured on CPU) its Q-LoRA rows: medians 12.6% /
 # 8.9% to 11.2% / 7.9%.
 # The allocator's rounding of each weight tensor by its documented rules (finetune/plan/allocator.py, instead of
-# 1 MiB per tensor over 10 MiB) moved the median of all cases from 11.2% to 11.5% (7B's 32 MiB tensors waste
-# nothing, 1.8B's 8 MiB ones share 20 MiB segments) and under >15% from 57 to 54; held out 19.4% to 19.7%.
+# 1 MiB per tensor over 10 MiB) moved the median of all cases from 11.2% to 11.5%; the cache a run keeps of its
+# earlier, shorter longest batches without expandable segments (`allocator history`, ms-swift's rows and its
+# scripts: they train on the data's own lengths) then to 9.0%, and under-predictions by >10% from 73 to 39
+# (holdout 41 to 8): it over-predicts ms-swift's longest rows instead (docs/plan.md, "The allocator").
 REACHED = {
-    "all": {"median_abs_error": 0.115, "under_10": 73, "under_15": 57},
-    "calibration": {"median_abs_error": 0.080, "under_10": 32, "under_15": 23},
-    "holdout": {"median_abs_error": 0.197, "under_10": 41, "under_15": 34},
+    "all": {"median_abs_error": 0.091, "under_10": 39, "under_15": 23},
+    "calibration": {"median_abs_error": 0.074, "under_10": 31, "under_15": 20},
+    "holdout": {"median_abs_error": 0.139, "under_10": 8, "under_15": 3},
 }
 
 
@@ -143,18 +145,45 @@ def test_bound_classes_nest_and_fall_back():
         {"a": (pytest.approx(0.1), 3), "all": (pytest.approx(0.44), 4)}
 
 
-# Issue 21's targets (scripts/plan_corpus.py --summary prints them). Today's figures: point estimate median
-# |error| 11.2%, mean -14.0%; the bound (x 1.795) covers 82.9% of the cases leave-one-source-out (swift's
-# variable-length reserved rows: 24 of 48) and is 63.5% above the measurement at the median.
+# Issue 21's targets (scripts/plan_corpus.py --summary prints them). Today: point estimate median |error| 9.0%,
+# mean +1.0% (met, but by cancellation: the Qwen README's rows are under-predicted, -8.5% on average, ms-swift's
+# over-predicted, +19.8%); the bound covers 87.9% of the cases leave-one-source-out (without the Qwen README its
+# rows fall back to the class "all": 67 of 81) at a median 15.6% above the measurement (met).
 @pytest.mark.parametrize("target", [
-    "point estimate median |error| <= 6%", "point estimate mean error within +-3%",
-    "bound >= measured in >= 95% of cases (leave-one-source-out)",
+    "point estimate mean error within +-3%",
     "bound <= 20% above measured at the median (leave-one-source-out)",
+])
+def test_issue_21_targets_met(corpus_rows, target):
+    _, rows, script = corpus_rows
+    assert script.targets(rows)[target][1]
+
+
+@pytest.mark.parametrize("target", [
+    "point estimate median |error| <= 6%",
+    "bound >= measured in >= 95% of cases (leave-one-source-out)",
 ])
 @pytest.mark.xfail(strict=True, reason="issue 21's targets are not met yet: see docs/plan.md, 'The bound'")
 def test_issue_21_targets(corpus_rows, target):
     _, rows, script = corpus_rows
     assert script.targets(rows)[target][1]
+
+
+def test_allocator_history_only_without_expandable_segments_and_up_to_the_gpu():
+    from finetune.plan.constants import HISTORY_RECORDS
+
+    base = replace(_qlora_8b(), deepspeed=False, seq_len=4096)
+    names = lambda r: {t.name: t for t in r.terms}  # noqa: E731
+    assert "allocator history" not in names(plan(base))  # one shape
+    assert "allocator history" not in names(plan(replace(base, shapes_vary=True)))  # expandable segments
+    vary = plan(replace(base, shapes_vary=True, expandable_segments=False))
+    history = names(vary)["allocator history"]
+    fragmentation = [t for t in vary.terms if t.name == "allocator fragmentation" and t.phase == "backward"][0]
+    assert history.counter == "reserved" and history.phase == "backward"
+    assert history.bytes == pytest.approx(fragmentation.bytes / 0.30 * sum(HISTORY_RECORDS), rel=1e-6)
+    assert vary.memory_views["allocated"] == plan(base).memory_views["allocated"]
+    gpu = vary.memory_views["nvidia_smi"] - history.bytes // 2  # the cache is freed before an allocation fails
+    capped = plan(replace(vary.setup, gpu_memory=gpu))
+    assert capped.memory_views["nvidia_smi"] == pytest.approx(gpu, abs=1024) and names(capped)["allocator history"].bytes
 
 
 def test_before_calibration_the_corpus_error_was_larger(corpus_rows, monkeypatch):

@@ -8,7 +8,7 @@ from typing import Optional
 from finetune.plan.activations import activation_terms
 from finetune.plan.allocator import resident_waste
 from finetune.plan.constants import (
-    CUBLAS_HANDLES, CUBLAS_WORKSPACE, CUDA_CONTEXT, FRAGMENTATION, NCCL_BUFFERS, PROCESS_RSS, MiB,
+    CUBLAS_HANDLES, CUBLAS_WORKSPACE, CUDA_CONTEXT, FRAGMENTATION, HISTORY_RECORDS, NCCL_BUFFERS, PROCESS_RSS, MiB,
 )
 from finetune.plan.parallel import offload_activations, parallel_terms, tile_mlp
 from finetune.plan.params import ParamGroup, four_bit_bytes, param_groups
@@ -87,6 +87,8 @@ def _overhead(setup: Setup, groups: list[ParamGroup], terms: list[Term]) -> list
                             counter="reserved",
                             note=f"{FRAGMENTATION:.0%} of what the {phase} phase allocates and frees "
                                  "(fitted: docs/plan.md)"))
+        if transient and phase == "backward" and setup.shapes_vary and not setup.expandable_segments:
+            out += _history(setup, transient, terms + out)
     out.append(Term("overhead", "CUDA context", CUDA_CONTEXT, counter="device",
                     note="outside PyTorch: driver + lazily loaded kernels (measured, CUDA >= 11.7)"))
     nccl = nccl_buffer_bytes(setup.world)
@@ -94,6 +96,24 @@ def _overhead(setup: Setup, groups: list[ParamGroup], terms: list[Term]) -> list
         out.append(Term("overhead", "NCCL buffers", nccl, counter="device",
                         note=f"outside PyTorch: {setup.world} ranks (NCCL issues 986, 1685)"))
     return out
+
+
+def _history(setup: Setup, transient: int, terms: list[Term]) -> list[Term]:
+    """The cache of earlier, shorter longest batches (constants.HISTORY_RECORDS), up to the GPU's memory: before
+    a cudaMalloc fails the allocator frees every unsplit cached segment and retries (release_cached_blocks),
+    so the reserved counter stops at the GPU's size less what lies outside PyTorch."""
+    factor = sum(HISTORY_RECORDS)
+    size = int(transient * factor)
+    note = (f"batches of varying shape without expandable segments: segments of {len(HISTORY_RECORDS)} shorter "
+            f"longest-so-far batches stay cached ({factor:.2f} x what the phase allocates and frees; docs/plan.md)")
+    if setup.gpu_memory is not None:
+        below = sum(t.bytes if t.live is None else t.live for t in terms
+                    if t.phase in ("both", "backward") and t.counter in ("allocated", "reserved"))
+        room = setup.gpu_memory - CUDA_CONTEXT - nccl_buffer_bytes(setup.world) - below
+        if size > room:
+            size = max(0, room)
+            note += "; up to the GPU's memory (the cache is freed before an allocation fails)"
+    return [Term("overhead", "allocator history", size, phase="backward", counter="reserved", note=note)]
 
 
 def is_hopper(gpu_type: Optional[str]) -> bool:

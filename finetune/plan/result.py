@@ -226,7 +226,9 @@ class PlanResult:
         alloc_conf = (f"expandable_segments on (training sets PYTORCH_CUDA_ALLOC_CONF={TRAINING_ALLOC_CONF} unless "
                       "it is set)" if s.expandable_segments else "expandable_segments off")
         shapes = "a new shape per batch" if s.shapes_vary else "one shape per batch"
-        lines.append(f"  allocator: {alloc_conf}, {shapes}")
+        history = "" if s.expandable_segments or not s.shapes_vary else \
+            ": the cache keeps segments of earlier, shorter batches, not in reserved above (in the bound's width)"
+        lines.append(f"  allocator: {alloc_conf}, {shapes}{history}")
         c = self.cpu
         lines.append("")
         lines.append(f"per node CPU{'':30}GiB")
