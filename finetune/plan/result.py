@@ -227,7 +227,7 @@ class PlanResult:
                       "it is set)" if s.expandable_segments else "expandable_segments off")
         shapes = "a new shape per batch" if s.shapes_vary else "one shape per batch"
         history = "" if s.expandable_segments or not s.shapes_vary else \
-            ": the cache keeps segments of earlier, shorter batches, not in reserved above (in the bound's width)"
+            ": the cache keeps segments of earlier, shorter batches (allocator history above)"
         lines.append(f"  allocator: {alloc_conf}, {shapes}{history}")
         c = self.cpu
         lines.append("")
