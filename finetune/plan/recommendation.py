@@ -66,7 +66,8 @@ class Recommendation:
             "tried": [{"zero": r.setup.stage, "offload_optimizer": r.setup.offload_optimizer,
                        "offload_param": r.setup.offload_param, "micro_batch": r.setup.micro_batch,
                        "gradient_checkpointing": r.setup.gradient_checkpointing, "loss_kernel": r.setup.loss_kernel,
-                       "total": r.per_gpu["total"], "cpu_total": r.cpu["total"], "fits": r.fits}
+                       "total": r.per_gpu["total"], "upper_bound": r.upper_bound, "cpu_total": r.cpu["total"],
+                       "fits": r.fits}
                       for r in self.tried],
         }
 
@@ -88,15 +89,15 @@ class Recommendation:
         for reason in self.reasons:
             lines.append(f"  why: {reason}")
         lines.append("")
-        lines.append("  tried (GiB per GPU, micro batch " + str(self.current.setup.micro_batch) + ", checkpointing as "
-                     "in the recipe):")
+        lines.append("  tried (GiB per GPU: estimate, upper bound; micro batch " + str(self.current.setup.micro_batch)
+                     + ", checkpointing as in the recipe):")
         for r in self.tried:
             s = r.setup
             if s.micro_batch != self.current.setup.micro_batch or s.loss_kernel != self.current.setup.loss_kernel or \
                     s.gradient_checkpointing != self.current.setup.gradient_checkpointing:
                 continue
             what = _short(s, self.current.setup.max_live_parameters)
-            lines.append(f"    {what:<56}{gib(r.per_gpu['total']):>7}  {'fits' if r.fits else 'no'}")
+            lines.append(f"    {what:<56}{gib(r.per_gpu['total']):>7}{gib(r.upper_bound):>7}  {'fits' if r.fits else 'no'}")
         return "\n".join(lines) + "\n"
 
 
@@ -191,7 +192,8 @@ def explain(rec: Recommendation) -> list[str]:
     cur = rec.current
     s = cur.setup
     out = []
-    needs = f"The recipe as written needs {gib(cur.per_gpu['total'])} GiB on each GPU, which has {gib(s.gpu_memory)} GiB"
+    needs = (f"The recipe as written needs {gib(cur.per_gpu['total'])} GiB on each GPU (upper bound "
+             f"{gib(cur.upper_bound)} GiB), which has {gib(s.gpu_memory)} GiB")
     if cur.fits:
         out.append(f"{needs}: it fits.")
     elif cur.cpu_fits is False:
