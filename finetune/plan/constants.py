@@ -66,15 +66,15 @@ HISTORY_RECORDS = (1 / 2, 3 / 4, 7 / 8, 15 / 16)
 BOUND_QUANTILE = 0.95
 BOUND_MIN_CASES = 10
 BOUND_WIDTHS: dict[str, tuple[float, int]] = {
-    'all': (0.2631, 140),
-    'one shape': (0.2858, 89),
-    'one shape / lora': (0.2891, 49),
-    'one shape / lora / no DeepSpeed': (0.224, 36),
-    'one shape / qlora': (0.2752, 31),
-    'one shape / qlora / ZeRO-0/1/2': (0.2566, 24),
+    'all': (0.2014, 140),
+    'one shape': (0.2124, 89),
+    'one shape / lora': (0.2006, 49),
+    'one shape / lora / no DeepSpeed': (0.1399, 36),
+    'one shape / qlora': (0.2292, 31),
+    'one shape / qlora / ZeRO-0/1/2': (0.1703, 24),
     'shapes vary': (0.1452, 51),
-    'shapes vary / lora': (0.0579, 36),
-    'shapes vary / lora / no DeepSpeed': (0.0579, 36),
+    'shapes vary / lora': (0.0602, 36),
+    'shapes vary / lora / no DeepSpeed': (0.0602, 36),
 }
 # NCCL's communication buffers grow with its channels and peers (NVIDIA/nccl issue 986: linear in
 # the channels, no longer growing beyond 2 nodes). Two readings: 2 GPUs: the ZeRO-2 saving a user

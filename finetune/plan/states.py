@@ -41,8 +41,10 @@ def _width(setup: Setup) -> str:
 
 def trainable_weight_bytes(setup: Setup) -> int:
     """DeepSpeed casts every parameter to the 16-bit dtype (engine._configure_distributed_model);
-    without DeepSpeed, peft keeps LoRA weights in fp32 (autocast_adapter_dtype=True)."""
-    if not setup.deepspeed and setup.method != "full":
+    without DeepSpeed, peft keeps LoRA weights in fp32 (autocast_adapter_dtype=True), or, in peft
+    0.7-0.11, in the base weight's dtype (Setup.adapter_dtype "model") when that is a float: a 4-bit
+    base's packed integers leave them in fp32 (lora/layer.py update_layer)."""
+    if not setup.deepspeed and setup.method != "full" and (setup.adapter_dtype == "float32" or setup.method == "qlora"):
         return 4
     return setup.element_bytes
 
@@ -119,10 +121,29 @@ def gradient_and_optimizer_terms(setup: Setup, groups: list[ParamGroup], trainab
         # The Trainer's zero_grad (set_to_none) frees them after each step: they are made by backward and
         # live into the step, but not at the start of backward where the loss buffers peak (the trace,
         # finetune/plan/trace.py, shows no gradient there).
-        out = [Term("gradients", "gradients", stored, phase="step",
-                    note="same dtype as the trainable weights; freed by zero_grad, not alive with the loss"),
-               Term("optimizer", opt_name, state_total, note="torch optimizer, parameter dtype")]
         temporaries = foreach_adam_temporaries(setup)
+        if setup.gradient_accumulation > 1:
+            # transformers Trainer._inner_training_loop calls optimizer.step() and model.zero_grad() only at
+            # the end of each accumulation cycle: micro batches 2..N run backward with every .grad alive, and
+            # torch's AccumulateGrad adds each new gradient into it (`variable.grad += new_grad`), the new one
+            # a temporary of the parameter's size. At backward's end that is the largest parameter's; the
+            # optimizer step comes after it, so a foreach AdamW's temporaries (below) are not alive with it
+            # and only what exceeds them raises the step phase.
+            wb = trainable_weight_bytes(setup)
+            largest = max((_bytes_of(g, setup, wb) // g.count for g in groups if g.trainable), default=0)
+            out = [Term("gradients", "gradients", stored,
+                        note=f"same dtype as the trainable weights; kept across the {setup.gradient_accumulation} "
+                             "accumulated micro batches (zero_grad after the step)")]
+            beyond = largest - temporaries * stored
+            if beyond > 0:
+                out.append(Term("buffers", "accumulated gradient temporary", beyond, phase="step",
+                                note="AccumulateGrad at backward's end: the largest parameter's new gradient "
+                                     "before it is added to .grad" + (", beyond the foreach temporaries"
+                                                                      if temporaries else "")))
+        else:
+            out = [Term("gradients", "gradients", stored, phase="step",
+                        note="same dtype as the trainable weights; freed by zero_grad, not alive with the loss")]
+        out.append(Term("optimizer", opt_name, state_total, note="torch optimizer, parameter dtype"))
         if temporaries:
             out.append(Term("buffers", "foreach Adam temporaries", temporaries * stored, phase="step",
                             note=f"{temporaries} moment-sized (optimizer_impl {setup.optimizer_impl})"))

@@ -150,7 +150,10 @@ def build_model(setup: Setup, config: dict):
 
         if setup.gradient_checkpointing:
             model.enable_input_require_grads()
-        model = get_peft_model(model, LoraConfig(
+        # adapter_dtype "model": peft 0.7-0.11 left the adapters in the base weight's dtype (fp32 over a
+        # 4-bit base, whose packed weight is no float; the emulation below quantizes after this).
+        fp32 = setup.adapter_dtype == "float32" or setup.method == "qlora"
+        model = get_peft_model(model, autocast_adapter_dtype=fp32, peft_config=LoraConfig(
             task_type="CAUSAL_LM", r=setup.lora_r, lora_alpha=2 * setup.lora_r, lora_dropout=setup.lora_dropout,
             target_modules=list(setup.lora_targets), modules_to_save=list(setup.modules_to_save) or None))
         if setup.method == "qlora":
@@ -271,6 +274,13 @@ def run_step(model, optimizer, batch: dict, tracker=None) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
+def accumulate(model, batch: dict) -> None:
+    """Forward and backward of one micro batch without the optimizer step (gradient accumulation)."""
+    loss = model(**batch).loss
+    loss.backward()
+    del loss
+
+
 def make_batch(setup: Setup, vocab: int, device: str = "cpu") -> dict:
     """micro_batch rows of seq_len tokens, labels = inputs (the collator's labels for SFT). A padded batch
     (what the collator makes unless every row is full, Setup.full_rows) carries its 2D attention mask;
@@ -371,6 +381,10 @@ def _trace_depth(setup: Setup, cfg: dict):
         batch = make_batch(setup, cfg["vocab_size"])
         optimizer = make_optimizer(model)
         run_step(model, optimizer, batch)  # creates the optimizer's states
+        if setup.gradient_accumulation > 1:
+            # A later micro batch of the accumulation: the Trainer calls zero_grad only after the
+            # optimizer step, so backward starts with the earlier micro batches' gradients alive.
+            accumulate(model, batch)
         tracker = LiveTensors(model, optimizer, vocab=cfg["vocab_size"], inputs=batch.values())
         with tracker:
             run_step(model, optimizer, batch, tracker)

@@ -58,6 +58,9 @@ class LiveTensors(TorchDispatchMode):
             self._add(b.untyped_storage(), "weights")
         for t in inputs:  # the batch: input ids and labels
             self._add(t.untyped_storage(), "activations")
+        for p in model.parameters():  # accumulated gradients of earlier micro batches
+            if p.grad is not None:
+                self._add(p.grad.untyped_storage(), "gradients")
         for state in optimizer.state.values():
             for value in state.values():
                 if isinstance(value, torch.Tensor):
