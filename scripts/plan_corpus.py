@@ -256,7 +256,7 @@ def allocator_rows(corpus: dict, ids: list[str]) -> list[dict]:
     allocator's rules (finetune/plan/allocator.py): one shape (two steps at seq_len), and the record order,
     without and with expandable segments, on the case's 80 GB GPU. Needs torch, transformers, peft."""
     from finetune.plan.allocator import replay
-    from finetune.plan.trace import allocation_profile
+    from finetune.plan.trace_profile import allocation_profile
 
     rows = []
     for case in corpus["cases"]:

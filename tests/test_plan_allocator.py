@@ -93,7 +93,7 @@ def test_traced_step_replayed_through_the_allocator():
     expandable segments reserve more than one length does; with expandable segments, no more (but a page)."""
     pytest.importorskip("transformers")
     from tests.test_plan_trace import TINY, _tiny
-    from finetune.plan.trace import allocation_profile
+    from finetune.plan.trace_profile import allocation_profile
 
     setup = _tiny(seq_len=128)
     resident, steps = allocation_profile(setup, [32, 64, 96, 128, 128], config=TINY)
@@ -105,3 +105,20 @@ def test_traced_step_replayed_through_the_allocator():
     assert growing.peak_reserved >= one_shape.peak_reserved
     # Expandable segments map 20 MiB pages: at the tiny model's scale that is one page more at most.
     assert replay(resident, steps, expandable=True).peak_reserved <= growing.peak_reserved + K_LARGE_BUFFER
+
+
+def test_trace_reports_the_replayed_reserved_and_extrapolates_it():
+    """`finetune plan --trace` replays its step through the rules; a 7-layer model traced at 2-4 layers and
+    extrapolated is within one 20 MiB segment of the same model traced whole."""
+    pytest.importorskip("transformers")
+    from tests.test_plan_trace import TINY, _tiny
+    from finetune.plan.trace import trace
+
+    setup = _tiny(seq_len=128, expandable_segments=False)
+    deep = {**TINY, "num_hidden_layers": 7}
+    whole = trace(setup, deep, extrapolate=False)
+    assert whole.reserved >= whole.peak
+    extrapolated = trace(setup, deep)
+    assert "extrapolated" in extrapolated.notes[0]
+    assert abs(extrapolated.reserved - whole.reserved) <= K_LARGE_BUFFER
+    assert "as max_memory_reserved" in whole.render_text() and whole.to_json()["reserved"] == whole.reserved
