@@ -98,16 +98,19 @@ def test_plan_runs_on_every_case(corpus_rows):
 # read from its requirements and peft's code, not a fit): its rows lost their fp32 input copies, 11.2% /
 # 19.3% to 11.4% / 19.4%. The Qwen README's "G" read as 10^9 bytes, not GiB (its 7B full-parameter row
 # totals 162.0 on 2 GPUs at 1,024 tokens, more than two A100-80Gs hold (160 GiB); tests/data/plan_corpus.json
-# sources.qwen-readme.measure_note): all 11.4% to 9.3%, calibration 8.0% to 5.8%.
+# sources.qwen-readme.measure_note): all 11.4% to 9.3%, calibration 8.0% to 5.8%. Then DeepSpeed read and
+# measured whole (test_plan.py test_whole_deepspeed_step_on_one_rank_against_the_plan): one ZeRO-3 rank
+# gathers nothing, the step releases gathered parameters first, ZeRO-1/2's step flattens a 16-bit copy;
+# corrections that move the Qwen ZeRO-3 full fine-tunes further under: all 9.3% / 60 to 9.6% / 64.
 # The allocator's rounding of each weight tensor by its documented rules (finetune/plan/allocator.py, instead of
 # 1 MiB per tensor over 10 MiB) moved the median of all cases from 11.2% to 11.5%; the cache a run keeps of its
 # earlier, shorter longest batches without expandable segments (`allocator history`, ms-swift's rows and its
 # scripts: they train on the data's own lengths) then to 9.0%, and under-predictions by >10% from 73 to 39
 # (holdout 41 to 8): it over-predicts ms-swift's longest rows instead (docs/plan.md, "The allocator").
-# With both: all 8.1%, calibration 5.3%, held out 13.9%.
+# With both branches' terms: all 7.7%, calibration 4.9%, held out 13.9%.
 REACHED = {
-    "all": {"median_abs_error": 0.082, "under_10": 24, "under_15": 11},
-    "calibration": {"median_abs_error": 0.053, "under_10": 16, "under_15": 8},
+    "all": {"median_abs_error": 0.077, "under_10": 28, "under_15": 11},
+    "calibration": {"median_abs_error": 0.050, "under_10": 20, "under_15": 8},
     "holdout": {"median_abs_error": 0.139, "under_10": 8, "under_15": 3},
 }
 
@@ -166,10 +169,10 @@ def test_bound_classes_nest_and_fall_back():
         {"a": (pytest.approx(0.1), 3), "all": (pytest.approx(0.44), 4)}
 
 
-# Issue 21's targets (scripts/plan_corpus.py --summary prints them). Today: point estimate median |error| 8.1%,
-# mean +4.6% (the Qwen README's rows -1.8%, ms-swift's +19.4%: the allocator history's stated order overshoots
-# its long rows); the bound covers 93.6% of the cases leave-one-source-out (misses: 4 Qwen README rows, 3 of
-# unsloth's 6, 2 of ms-swift's 3 MoE scripts) at a median 22.7% above the measurement.
+# Issue 21's targets (scripts/plan_corpus.py --summary prints them). Today: point estimate median |error| 7.7%,
+# mean +4.5% (the Qwen README's rows -2.0%, ms-swift's +19.4%: the allocator history's stated order overshoots
+# its long rows); the bound covers 92.9% of the cases leave-one-source-out (misses: 5 Qwen README rows, 3 of
+# unsloth's 6, 2 of ms-swift's 3 MoE scripts) at a median 23.5% above the measurement.
 @pytest.mark.parametrize("target", [
     "point estimate median |error| <= 6%", "point estimate mean error within +-3%",
     "bound >= measured in >= 95% of cases (leave-one-source-out)",
@@ -414,7 +417,9 @@ def test_zero3_step_counts_the_16bit_flatten_copy_of_one_sub_group():
     assert flatten_copy(replace(base, sub_group_size=10**10)) == arch.total_params * 2  # one sub-group
     assert flatten_copy(replace(base, dtype="float32")) == 0
     assert flatten_copy(replace(base, offload_optimizer="cpu")) == 0
-    assert flatten_copy(replace(base, stage=2)) == 0
+    # ZeRO-1/2's step makes the same copy of its whole partition (stage_1_and_2.py step; measured whole in
+    # tests/test_plan.py::test_whole_deepspeed_step_on_one_rank_against_the_plan).
+    assert flatten_copy(replace(base, stage=2)) == arch.total_params * 2
 
 
 def _gptq_forward(x, qweight, qzeros, scales, wf, bits=4, group=128):

@@ -66,8 +66,8 @@ HISTORY_RECORDS = (1 / 2, 3 / 4, 7 / 8, 15 / 16)
 BOUND_QUANTILE = 0.95
 BOUND_MIN_CASES = 10
 BOUND_WIDTHS: dict[str, tuple[float, int]] = {
-    'all': (0.2014, 140),
-    'one shape': (0.2124, 89),
+    'all': (0.2016, 140),
+    'one shape': (0.2264, 89),
     'one shape / lora': (0.2006, 49),
     'one shape / lora / no DeepSpeed': (0.1399, 36),
     'one shape / qlora': (0.2292, 31),

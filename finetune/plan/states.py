@@ -86,11 +86,14 @@ def weight_terms(setup: Setup, groups: list[ParamGroup], cpu: list[Term], notes:
                         * DS_PARAM_SWAP_BUFFER_SIZE * setup.element_bytes,
                         note="offload_param=nvme: buffer_count x buffer_size"))
         notes.append(f"parameters on NVMe: {gib(partitioned)} GiB per node on disk")
-    terms += [
-        Term("weights", "quantization constants", constants, note="not partitioned"),
-        Term("weights", "gathered largest module", gathered,
-             note=f"estimate_zero3_model_states_mem_needs: {setup.element_bytes} bytes x largest_layer_params"),
-    ]
+    terms.append(Term("weights", "quantization constants", constants, note="not partitioned"))
+    if not single_rank_views(setup):
+        # Backward only: step() starts with _partition_all_parameters (stage3.py), which releases every
+        # gathered parameter before the optimizer runs (a whole DeepSpeed step measured on CPU peaks at
+        # the planned step phase without it: docs/plan.md).
+        terms.append(Term("weights", "gathered largest module", gathered, phase="backward",
+                          note=f"estimate_zero3_model_states_mem_needs: {setup.element_bytes} bytes x "
+                               "largest_layer_params"))
     if persistent:
         terms.append(Term("buffers", "persistent small params", persistent,
                           note=f"params <= {thr:,} elements stay whole on every GPU"))
@@ -193,7 +196,8 @@ def gradient_and_optimizer_terms(setup: Setup, groups: list[ParamGroup], trainab
         # The module being computed has its whole 16-bit gradient before the reduce-scatter
         # (estimate_zero3_model_states_mem_needs: the other 2 x largest_layer_params).
         terms.append(Term("gradients", "gradient of gathered module",
-                          largest_module_numel(groups, trainable_only=True) * e, note="before reduce-scatter"))
+                          largest_module_numel(groups, trainable_only=True) * e, phase="backward",
+                          note="before reduce-scatter (freed before the step)"))
     if offload:
         device = setup.offload_optimizer
         per_rank = part * (MASTER_BYTES + states + 4)
@@ -228,6 +232,12 @@ def gradient_and_optimizer_terms(setup: Setup, groups: list[ParamGroup], trainab
         # flat copy is its fp32 gradient: .to() returns it as is.
         terms.append(Term("buffers", "16-bit gradient flatten copy", min(part, setup.sub_group_size) * e,
                           phase="step", note="stage3.py _prepare_fp32_grad_for_sub_group, one sub-group"))
+    elif setup.stage in (1, 2) and e < 4:
+        # stage_1_and_2.py step(): single_grad_partition = self.flatten(self.averaged_gradients[i]).to(fp32)
+        # (DeepSpeed 0.10-0.12; 0.19 when the partition is not pre-flattened): the same flat 16-bit copy
+        # beside the fp32 one (a whole ZeRO-2 step measured on CPU: docs/plan.md).
+        terms.append(Term("buffers", "16-bit gradient flatten copy", part * e, phase="step",
+                          note="stage_1_and_2.py step: flatten(averaged_gradients) before .to(fp32)"))
     return terms
 
 
@@ -272,7 +282,7 @@ def buffer_terms(setup: Setup, groups: list[ParamGroup], trainable: int, notes: 
         terms.append(Term("buffers", "reduce bucket", bucket * e, phase="backward",
                           note=f"reduce_bucket_size {bucket:,} elements"))
     terms.append(Term("buffers", "reduce-scatter staging", min(bucket, trainable) * e, phase="backward"))
-    live = zero3_live_params(setup, groups)
+    live = 0 if single_rank_views(setup) else zero3_live_params(setup, groups)
     largest = largest_module_numel(groups)
     extra = max(0, live - largest)
     if extra:
@@ -280,6 +290,13 @@ def buffer_terms(setup: Setup, groups: list[ParamGroup], trainable: int, notes: 
                           note=f"peak {live / 1e6:,.0f}M gathered (prefetch {setup.prefetch_bucket_size:,}, "
                                f"reuse distance {setup.max_reuse_distance:,})"))
     return terms
+
+
+def single_rank_views(setup: Setup) -> bool:
+    """ZeRO-3 on one rank gathers nothing: a partition is the whole parameter, and partition_parameters.py
+    (_no_gather_coalesced / NoGatherHandle, DeepSpeed 0.9 and later) makes param.data a view of it on the
+    same device. With offload_param the view is a copy from the CPU, as many ranks' gathers are."""
+    return setup.deepspeed and setup.stage == 3 and setup.world == 1 and setup.offload_param == "none"
 
 
 def _dequant_buffer(setup: Setup, groups: list[ParamGroup]) -> list[Term]:
