@@ -266,11 +266,12 @@ def allocator_rows(corpus: dict, ids: list[str]) -> list[dict]:
         if setup.arch.model_type == "qwen":
             setup = replace(setup, arch=replace(setup.arch, model_type="qwen2"))
         capacity = 80 * GiB
-        one = replay(*allocation_profile(setup, [setup.seq_len] * 2), expandable=False, capacity=capacity)
+        one = replay(*allocation_profile(setup, [setup.seq_len] * 2), expandable=False, capacity=capacity,
+                     first_step_keeps=True)
         # The first step (the shortest) also creates the optimizer's states, as a run's first step does.
         resident, steps = allocation_profile(setup, record_lengths(setup.seq_len))
-        vary = replay(resident, steps, expandable=False, capacity=capacity)
-        vary_x = replay(resident, steps, expandable=True, capacity=capacity)
+        vary = replay(resident, steps, expandable=False, capacity=capacity, first_step_keeps=True)
+        vary_x = replay(resident, steps, expandable=True, capacity=capacity, first_step_keeps=True)
         views = plan(setup).memory_views
         rows.append({"id": case["id"], "measured_gib": case["measured_gib"], "shapes_vary": setup.shapes_vary,
                      "plan_allocated": views["allocated"] / GiB, "plan_reserved": views["reserved"] / GiB,

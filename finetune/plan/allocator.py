@@ -255,20 +255,22 @@ Event = tuple  # ("alloc", key, nbytes) or ("free", key)
 
 
 def replay(resident: Iterable[int], steps: Iterable[list[Event]], expandable: bool,
-           capacity: Optional[int] = None) -> CachingAllocator:
+           capacity: Optional[int] = None, first_step_keeps: bool = False) -> CachingAllocator:
     """Allocate the `resident` tensors (weights, optimizer states: kept for the run), then replay each
-    step's events in turn (keys are per step: what a step leaves allocated is freed at its end, as the
-    next step's zero_grad and Python do)."""
+    step's events in turn. Keys are per step; what a step leaves allocated is freed at its end (the next
+    step's zero_grad and Python free it), except, with `first_step_keeps`, what the first step leaves: the
+    optimizer's states a run's first step creates."""
     allocator = CachingAllocator(expandable, capacity)
     for nbytes in resident:
         allocator.malloc(nbytes)
-    for events in steps:
+    for index, events in enumerate(steps):
         live: dict = {}
         for event in events:
             if event[0] == "alloc":
                 live[event[1]] = allocator.malloc(event[2])
             elif event[1] in live:
                 allocator.free(live.pop(event[1]))
-        for block in live.values():
-            allocator.free(block)
+        if not (first_step_keeps and index == 0):
+            for block in live.values():
+                allocator.free(block)
     return allocator
