@@ -8,7 +8,9 @@ Prints one line `RESULT <json>` with, per case:
 - kind "buffers": element counts of DeepSpeed's buffers seen during backward (reduce bucket buffers,
   gradient partitions) and of the optimizer's fp32 partition and states after the step;
 - kind "step_grads": per ZeRO-3 sub-group, its element count and the peak bytes of tensors that
-  `_prepare_fp32_grad_for_sub_group` allocates (and of those still alive when it returns).
+  `_prepare_fp32_grad_for_sub_group` allocates (and of those still alive when it returns);
+- kind "whole_step": the peak bytes of every live tensor storage, from building the model through two
+  steps, in the second step's backward and in its optimizer step (and what is alive after it).
 """
 
 import json
@@ -147,6 +149,49 @@ class _NewBytes:
         self.peak = max(self.peak, self.live())
 
 
+class _AllBytes(_NewBytes):
+    """_NewBytes over a whole run: a storage at an address an expired one had is a new allocation (the
+    allocator reuses freed memory), and expired entries are dropped as the table grows."""
+
+    def track(self, out, inputs):
+        from torch.multiprocessing.reductions import StorageWeakRef
+        from torch.utils._pytree import tree_flatten
+
+        old = {t.untyped_storage().data_ptr() for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor)}
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes() and t.untyped_storage().data_ptr() not in old:
+                storage = t.untyped_storage()
+                entry = self.refs.get(storage.data_ptr())
+                if entry is None or entry[0].expired():
+                    self.refs[storage.data_ptr()] = (StorageWeakRef(storage), storage.nbytes())
+        if len(self.refs) > 20000:
+            self.refs = {k: v for k, v in self.refs.items() if not v[0].expired()}
+        self.peak = max(self.peak, self.live())
+
+
+def whole_step(case):
+    h = case["config"]["hidden_size"]
+    zero = {"stage": case["stage"], "overlap_comm": True, "contiguous_gradients": True, "reduce_bucket_size": h * h,
+            **case.get("zero", {})}
+    ds = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "bf16": {"enabled": True},
+          "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": zero}
+    tracker = _AllBytes()
+    seen = {}
+    with tracker.mode:
+        cfg, engine, opt = build(case, ds)
+        ids = torch.randint(0, cfg.vocab_size, (1, case["seq"]))
+        for _ in range(2):
+            tracker.peak = tracker.live()
+            engine.backward(engine(input_ids=ids, labels=ids).loss)
+            seen["backward"] = tracker.peak
+            tracker.peak = tracker.live()
+            engine.step()
+            seen["step"] = tracker.peak
+            seen["after"] = tracker.live()
+    engine.destroy()
+    return seen
+
+
 def step_grads(case):
     ds = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "bf16": {"enabled": True},
           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
@@ -170,7 +215,7 @@ def step_grads(case):
     return seen
 
 
-PROBES = {"zero3_live": zero3_live, "buffers": buffers, "step_grads": step_grads}
+PROBES = {"zero3_live": zero3_live, "buffers": buffers, "step_grads": step_grads, "whole_step": whole_step}
 
 
 def main() -> None:

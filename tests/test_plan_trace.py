@@ -151,6 +151,9 @@ GRID = [
     dict(method="lora", seq_len=512, micro_batch=2, gradient_checkpointing=False, attn="sdpa", lora_dropout=0.05),
     dict(method="lora", seq_len=512, gradient_checkpointing=False, attn="eager", full_rows=True),
     dict(method="qlora", seq_len=1024, micro_batch=2, gradient_checkpointing=False, attn="sdpa", full_rows=True),
+    # peft 0.7-0.11 (corpus cases): adapters in the base dtype, no fp32 copies of the adapted inputs.
+    dict(method="lora", seq_len=512, micro_batch=2, gradient_checkpointing=False, attn="sdpa", lora_dropout=0.05,
+         adapter_dtype="model"),
 ]
 
 
@@ -173,3 +176,16 @@ def test_full_fine_tuning_is_within_3_percent_of_the_trace(seq):
     """Full fine-tuning without DeepSpeed: at 2,048 tokens the peak is the loss's, without gradients; at 256
     it is backward's end, with every gradient and a tied embedding's two extra vocab x hidden gradients."""
     assert abs(_analytic_against_trace("qwen2.5-0.5b", dict(method="full", seq_len=seq, attn="sdpa"))) <= 0.03
+
+
+@pytest.mark.parametrize("model,settings", [
+    ("qwen2.5-0.5b", dict(method="full", seq_len=2048, attn="sdpa")),
+    ("qwen2.5-0.5b", dict(method="full", seq_len=256, attn="sdpa")),
+    ("llama-3-8b", dict(method="full", seq_len=256, attn="sdpa")),
+    ("qwen2.5-0.5b", dict(method="lora", seq_len=512, gradient_checkpointing=False, attn="eager", full_rows=True)),
+])
+def test_gradient_accumulation_is_within_3_percent_of_the_trace(model, settings):
+    """A later micro batch of an accumulation cycle: backward starts with every gradient alive (the Trainer's
+    zero_grad runs after the step) and AccumulateGrad adds each new gradient into it: at 2,048 tokens the
+    loss's peak now holds the gradients; at 256 backward's end also holds the largest new gradient."""
+    assert abs(_analytic_against_trace(model, dict(settings, gradient_accumulation=2))) <= 0.03

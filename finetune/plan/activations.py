@@ -80,7 +80,8 @@ def layer_activation_bytes(setup: Setup) -> int:
     targets = set(setup.lora_targets) if not full else set()
     dropout = not full and setup.lora_dropout > 0
 
-    # The adapters' dtype: fp32 without DeepSpeed (peft's autocast_adapter_dtype), else the model's.
+    # The adapters' dtype: without DeepSpeed fp32 (peft's autocast_adapter_dtype) unless Setup.adapter_dtype
+    # says "model" (peft 0.7-0.11); with DeepSpeed the model's.
     a = trainable_weight_bytes(setup) if not full else e
 
     def linear_inputs(names: tuple[str, ...], width: int, shared_with_output: bool = False) -> int:

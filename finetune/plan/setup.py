@@ -45,6 +45,11 @@ class Setup:
     lora_targets: tuple[str, ...] = LAYER_LINEARS
     lora_dropout: float = 0.05
     modules_to_save: tuple[str, ...] = ()
+    # Without DeepSpeed, the dtype peft keeps LoRA adapters in: "float32" (peft >= 0.12's
+    # autocast_adapter_dtype, what training here gets; peft <= 0.6 too, whose lora.Linear built its
+    # adapters before it had a base weight to cast them to) or "model" (peft 0.7-0.11: update_layer casts
+    # them to the base layer's weight dtype). Corpus cases of that era set it (docs/plan.md).
+    adapter_dtype: str = "float32"
     double_quant: bool = True
     # How a QLoRA base is quantized: "bnb-nf4" (bitsandbytes, what recipes run) or "gptq-int4" (auto-gptq's
     # cuda-old QuantLinear as HF's GPTQ integration trains it: corpus cases of GPTQ checkpoints only).
@@ -73,6 +78,17 @@ class Setup:
     # measurements in tests/test_plan.py); recipes never set it: their batches are padded or packed.
     full_rows: bool = False
     gradient_checkpointing: bool = True
+    # PYTORCH_CUDA_ALLOC_CONF's expandable_segments (finetune/plan/allocator.py): what `finetune train` sets
+    # unless the user set the variable; the corpus' runs predate it or left it off.
+    expandable_segments: bool = True
+    # Each batch has its own shape (padded to its longest row, or rows of the data's own lengths) rather than
+    # one fixed shape (padding to max_length, or fixed packed rows). Without expandable segments the cache
+    # then keeps segments of earlier shapes (finetune/plan/bound.py's setup classes).
+    shapes_vary: bool = False
+    # Micro batches per optimizer step (training.gradient_accumulation_steps). Above 1, the Trainer's
+    # zero_grad runs only after the step, so every micro batch but the first starts backward with the
+    # gradients of the earlier ones alive (plain PyTorch; DeepSpeed keeps its gradient partitions anyway).
+    gradient_accumulation: int = 1
     loss_kernel: str = "default"  # default | chunked | liger (training.loss_kernel)
     loss_chunk_tokens: Optional[int] = None  # training.loss_chunk_tokens (None: finetune.train.loss's default)
     overlap_comm: Optional[bool] = None  # None: DeepSpeed's default (config.py overlap_comm_valid: stage 3)

@@ -41,8 +41,10 @@ def _width(setup: Setup) -> str:
 
 def trainable_weight_bytes(setup: Setup) -> int:
     """DeepSpeed casts every parameter to the 16-bit dtype (engine._configure_distributed_model);
-    without DeepSpeed, peft keeps LoRA weights in fp32 (autocast_adapter_dtype=True)."""
-    if not setup.deepspeed and setup.method != "full":
+    without DeepSpeed, peft keeps LoRA weights in fp32 (autocast_adapter_dtype=True), or, in peft
+    0.7-0.11, in the base weight's dtype (Setup.adapter_dtype "model") when that is a float: a 4-bit
+    base's packed integers leave them in fp32 (lora/layer.py update_layer)."""
+    if not setup.deepspeed and setup.method != "full" and (setup.adapter_dtype == "float32" or setup.method == "qlora"):
         return 4
     return setup.element_bytes
 
@@ -84,11 +86,14 @@ def weight_terms(setup: Setup, groups: list[ParamGroup], cpu: list[Term], notes:
                         * DS_PARAM_SWAP_BUFFER_SIZE * setup.element_bytes,
                         note="offload_param=nvme: buffer_count x buffer_size"))
         notes.append(f"parameters on NVMe: {gib(partitioned)} GiB per node on disk")
-    terms += [
-        Term("weights", "quantization constants", constants, note="not partitioned"),
-        Term("weights", "gathered largest module", gathered,
-             note=f"estimate_zero3_model_states_mem_needs: {setup.element_bytes} bytes x largest_layer_params"),
-    ]
+    terms.append(Term("weights", "quantization constants", constants, note="not partitioned"))
+    if not single_rank_views(setup):
+        # Backward only: step() starts with _partition_all_parameters (stage3.py), which releases every
+        # gathered parameter before the optimizer runs (a whole DeepSpeed step measured on CPU peaks at
+        # the planned step phase without it: docs/plan.md).
+        terms.append(Term("weights", "gathered largest module", gathered, phase="backward",
+                          note=f"estimate_zero3_model_states_mem_needs: {setup.element_bytes} bytes x "
+                               "largest_layer_params"))
     if persistent:
         terms.append(Term("buffers", "persistent small params", persistent,
                           note=f"params <= {thr:,} elements stay whole on every GPU"))
@@ -119,10 +124,29 @@ def gradient_and_optimizer_terms(setup: Setup, groups: list[ParamGroup], trainab
         # The Trainer's zero_grad (set_to_none) frees them after each step: they are made by backward and
         # live into the step, but not at the start of backward where the loss buffers peak (the trace,
         # finetune/plan/trace.py, shows no gradient there).
-        out = [Term("gradients", "gradients", stored, phase="step",
-                    note="same dtype as the trainable weights; freed by zero_grad, not alive with the loss"),
-               Term("optimizer", opt_name, state_total, note="torch optimizer, parameter dtype")]
         temporaries = foreach_adam_temporaries(setup)
+        if setup.gradient_accumulation > 1:
+            # transformers Trainer._inner_training_loop calls optimizer.step() and model.zero_grad() only at
+            # the end of each accumulation cycle: micro batches 2..N run backward with every .grad alive, and
+            # torch's AccumulateGrad adds each new gradient into it (`variable.grad += new_grad`), the new one
+            # a temporary of the parameter's size. At backward's end that is the largest parameter's; the
+            # optimizer step comes after it, so a foreach AdamW's temporaries (below) are not alive with it
+            # and only what exceeds them raises the step phase.
+            wb = trainable_weight_bytes(setup)
+            largest = max((_bytes_of(g, setup, wb) // g.count for g in groups if g.trainable), default=0)
+            out = [Term("gradients", "gradients", stored,
+                        note=f"same dtype as the trainable weights; kept across the {setup.gradient_accumulation} "
+                             "accumulated micro batches (zero_grad after the step)")]
+            beyond = largest - temporaries * stored
+            if beyond > 0:
+                out.append(Term("buffers", "accumulated gradient temporary", beyond, phase="step",
+                                note="AccumulateGrad at backward's end: the largest parameter's new gradient "
+                                     "before it is added to .grad" + (", beyond the foreach temporaries"
+                                                                      if temporaries else "")))
+        else:
+            out = [Term("gradients", "gradients", stored, phase="step",
+                        note="same dtype as the trainable weights; freed by zero_grad, not alive with the loss")]
+        out.append(Term("optimizer", opt_name, state_total, note="torch optimizer, parameter dtype"))
         if temporaries:
             out.append(Term("buffers", "foreach Adam temporaries", temporaries * stored, phase="step",
                             note=f"{temporaries} moment-sized (optimizer_impl {setup.optimizer_impl})"))
@@ -172,7 +196,8 @@ def gradient_and_optimizer_terms(setup: Setup, groups: list[ParamGroup], trainab
         # The module being computed has its whole 16-bit gradient before the reduce-scatter
         # (estimate_zero3_model_states_mem_needs: the other 2 x largest_layer_params).
         terms.append(Term("gradients", "gradient of gathered module",
-                          largest_module_numel(groups, trainable_only=True) * e, note="before reduce-scatter"))
+                          largest_module_numel(groups, trainable_only=True) * e, phase="backward",
+                          note="before reduce-scatter (freed before the step)"))
     if offload:
         device = setup.offload_optimizer
         per_rank = part * (MASTER_BYTES + states + 4)
@@ -207,6 +232,12 @@ def gradient_and_optimizer_terms(setup: Setup, groups: list[ParamGroup], trainab
         # flat copy is its fp32 gradient: .to() returns it as is.
         terms.append(Term("buffers", "16-bit gradient flatten copy", min(part, setup.sub_group_size) * e,
                           phase="step", note="stage3.py _prepare_fp32_grad_for_sub_group, one sub-group"))
+    elif setup.stage in (1, 2) and e < 4:
+        # stage_1_and_2.py step(): single_grad_partition = self.flatten(self.averaged_gradients[i]).to(fp32)
+        # (DeepSpeed 0.10-0.12; 0.19 when the partition is not pre-flattened): the same flat 16-bit copy
+        # beside the fp32 one (a whole ZeRO-2 step measured on CPU: docs/plan.md).
+        terms.append(Term("buffers", "16-bit gradient flatten copy", part * e, phase="step",
+                          note="stage_1_and_2.py step: flatten(averaged_gradients) before .to(fp32)"))
     return terms
 
 
@@ -251,7 +282,7 @@ def buffer_terms(setup: Setup, groups: list[ParamGroup], trainable: int, notes: 
         terms.append(Term("buffers", "reduce bucket", bucket * e, phase="backward",
                           note=f"reduce_bucket_size {bucket:,} elements"))
     terms.append(Term("buffers", "reduce-scatter staging", min(bucket, trainable) * e, phase="backward"))
-    live = zero3_live_params(setup, groups)
+    live = 0 if single_rank_views(setup) else zero3_live_params(setup, groups)
     largest = largest_module_numel(groups)
     extra = max(0, live - largest)
     if extra:
@@ -259,6 +290,13 @@ def buffer_terms(setup: Setup, groups: list[ParamGroup], trainable: int, notes: 
                           note=f"peak {live / 1e6:,.0f}M gathered (prefetch {setup.prefetch_bucket_size:,}, "
                                f"reuse distance {setup.max_reuse_distance:,})"))
     return terms
+
+
+def single_rank_views(setup: Setup) -> bool:
+    """ZeRO-3 on one rank gathers nothing: a partition is the whole parameter, and partition_parameters.py
+    (_no_gather_coalesced / NoGatherHandle, DeepSpeed 0.9 and later) makes param.data a view of it on the
+    same device. With offload_param the view is a copy from the CPU, as many ranks' gathers are."""
+    return setup.deepspeed and setup.stage == 3 and setup.world == 1 and setup.offload_param == "none"
 
 
 def _dequant_buffer(setup: Setup, groups: list[ParamGroup]) -> list[Term]:
