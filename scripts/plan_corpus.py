@@ -308,11 +308,17 @@ def allocator_rows(corpus: dict, ids: list[str], earlier: int = 4) -> list[dict]
         rows.append({"id": case["id"], "measured_gib": case["measured_gib"], "shapes_vary": setup.shapes_vary,
                      "plan_allocated": views["allocated"] / GiB, "plan_reserved": views["reserved"] / GiB,
                      "replay_allocated": one.peak_allocated / GiB, "replay_one_shape": one.peak_reserved / GiB,
-                     "replay_records": vary.peak_reserved / GiB, "replay_records_expandable": vary_x.peak_reserved / GiB})
+                     "replay_records": vary.peak_reserved / GiB, "replay_records_expandable": vary_x.peak_reserved / GiB,
+                     # What the record order leaves cached at its end, and how much of it is in blocks of 1 GiB and
+                     # more (at long lengths the loss's tokens x vocabulary tensors of the earlier records).
+                     "records_cached": sum(k[0] for pool in vary.free_blocks.values() for k in pool) / GiB,
+                     "records_cached_1gib": sum(k[0] for pool in vary.free_blocks.values() for k in pool
+                                                if k[0] >= GiB) / GiB})
         r = rows[-1]
         print(f"{r['id']:<22}{r['measured_gib']:9.2f}{r['plan_allocated']:9.2f}{r['plan_reserved']:9.2f}"
               f"{r['replay_allocated']:9.2f}{r['replay_one_shape']:9.2f}{r['replay_records']:9.2f}"
-              f"{r['replay_records_expandable']:9.2f}", flush=True)
+              f"{r['replay_records_expandable']:9.2f}{r['records_cached']:9.2f}{r['records_cached_1gib']:9.2f}",
+              flush=True)
     return rows
 
 
@@ -358,7 +364,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 0
     if args.allocator:
         print(f"{'case':<22}{'measured':>9}{'plan al':>9}{'plan res':>9}{'replay al':>9}{'1 shape':>9}"
-              f"{'records':>9}{'rec+exp':>9}  (GiB; replayed reserved: one shape, record order, + expandable)")
+              f"{'records':>9}{'rec+exp':>9}{'cached':>9}{'>=1GiB':>9}  (GiB; replayed reserved: one shape, record "
+              "order, + expandable; what the record order leaves cached, and in blocks of 1 GiB or more)")
         allocator_rows(corpus, args.allocator.split(","), args.records)
         return 0
     if args.history:
