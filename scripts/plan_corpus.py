@@ -7,6 +7,7 @@ print predicted against measured, case by case, with the error distribution.
     python scripts/plan_corpus.py --json          # machine-readable (used by tests/test_plan_corpus.py)
     python scripts/plan_corpus.py --trace         # the analytic plan against `finetune plan --trace`, per case
     python scripts/plan_corpus.py --allocator     # traced allocations replayed through the allocator's rules
+    python scripts/plan_corpus.py --history       # what the measurements leave for the allocator's history
     python scripts/plan_corpus.py --widths        # the bound's widths for finetune/plan/constants.py
 
 error = (predicted - measured) / measured, per GPU, against the counter the source reports
@@ -245,13 +246,44 @@ ALLOCATOR_CASES = ("qwen-readme/001", "qwen-readme/004", "swift-benchmark/001", 
                    "swift-benchmark/025", "swift-benchmark/043")
 
 
-def record_lengths(seq_len: int) -> list[int]:
+def record_lengths(seq_len: int, earlier: int = 4) -> list[int]:
     """The stated order of a varying-shape run (docs/plan.md, "The allocator"): each batch longer than all
-    before, at the expected records of lengths spread evenly up to max_length."""
-    return [seq_len // 2, 3 * seq_len // 4, 7 * seq_len // 8, 15 * seq_len // 16, seq_len]
+    before, at the expected records of lengths spread evenly up to max_length (the gap to it halves with
+    each). `earlier` = 4 is the planner's HISTORY_RECORDS; n rows in random order have about ln n + 0.58
+    records in all (the harmonic number H_n), so a run over hundreds or thousands of rows has more."""
+    return [seq_len - (seq_len >> k) for k in range(1, earlier + 1)] + [seq_len]
 
 
-def allocator_rows(corpus: dict, ids: list[str]) -> list[dict]:
+def history_rows(corpus: dict) -> list[dict]:
+    """For each case the planner gives an `allocator history` term: the multiple of what its backward
+    allocates and frees that the measurement leaves for the history ((measured - plan without the term) /
+    that), beside the planner's sum(HISTORY_RECORDS). No torch needed."""
+    from finetune.plan.constants import FRAGMENTATION, HISTORY_RECORDS
+
+    rows = []
+    for row in evaluate(corpus):
+        case = next(c for c in corpus["cases"] if c["id"] == row["id"])
+        if row["error"] is None:
+            continue
+        setup = setup_of(corpus, case)
+        terms = plan(setup).terms
+        history = [t.bytes for t in terms if t.name == "allocator history"]
+        if not history:
+            continue
+        fragmentation = [t.bytes for t in terms if t.name == "allocator fragmentation" and t.phase == "backward"][0]
+        transient = fragmentation / FRAGMENTATION
+        without = row["predicted_gib"] - history[0] / GiB
+        rows.append({"id": row["id"], "seq_len": setup.seq_len, "micro_batch": setup.micro_batch,
+                     "measured_gib": row["measured_gib"], "without_gib": without, "transient_gib": transient / GiB,
+                     "planned_multiple": history[0] / transient, "stated_multiple": sum(HISTORY_RECORDS),
+                     "implied_multiple": (row["measured_gib"] - without) * GiB / transient})
+        r = rows[-1]
+        print(f"{r['id']:<22}{r['seq_len']:>6}{r['micro_batch']:>3}{r['measured_gib']:9.2f}{r['without_gib']:9.2f}"
+              f"{r['transient_gib']:9.2f}{r['planned_multiple']:9.2f}{r['implied_multiple']:9.2f}")
+    return rows
+
+
+def allocator_rows(corpus: dict, ids: list[str], earlier: int = 4) -> list[dict]:
     """Each case's traced allocations (all layers, one step per length) replayed through the caching
     allocator's rules (finetune/plan/allocator.py): one shape (two steps at seq_len), and the record order,
     without and with expandable segments, on the case's 80 GB GPU. Needs torch, transformers, peft."""
@@ -269,18 +301,24 @@ def allocator_rows(corpus: dict, ids: list[str]) -> list[dict]:
         one = replay(*allocation_profile(setup, [setup.seq_len] * 2), expandable=False, capacity=capacity,
                      first_step_keeps=True)
         # The first step (the shortest) also creates the optimizer's states, as a run's first step does.
-        resident, steps = allocation_profile(setup, record_lengths(setup.seq_len))
+        resident, steps = allocation_profile(setup, record_lengths(setup.seq_len, earlier))
         vary = replay(resident, steps, expandable=False, capacity=capacity, first_step_keeps=True)
         vary_x = replay(resident, steps, expandable=True, capacity=capacity, first_step_keeps=True)
         views = plan(setup).memory_views
         rows.append({"id": case["id"], "measured_gib": case["measured_gib"], "shapes_vary": setup.shapes_vary,
                      "plan_allocated": views["allocated"] / GiB, "plan_reserved": views["reserved"] / GiB,
                      "replay_allocated": one.peak_allocated / GiB, "replay_one_shape": one.peak_reserved / GiB,
-                     "replay_records": vary.peak_reserved / GiB, "replay_records_expandable": vary_x.peak_reserved / GiB})
+                     "replay_records": vary.peak_reserved / GiB, "replay_records_expandable": vary_x.peak_reserved / GiB,
+                     # What the record order leaves cached at its end, and how much of it is in blocks of 1 GiB and
+                     # more (at long lengths the loss's tokens x vocabulary tensors of the earlier records).
+                     "records_cached": sum(k[0] for pool in vary.free_blocks.values() for k in pool) / GiB,
+                     "records_cached_1gib": sum(k[0] for pool in vary.free_blocks.values() for k in pool
+                                                if k[0] >= GiB) / GiB})
         r = rows[-1]
         print(f"{r['id']:<22}{r['measured_gib']:9.2f}{r['plan_allocated']:9.2f}{r['plan_reserved']:9.2f}"
               f"{r['replay_allocated']:9.2f}{r['replay_one_shape']:9.2f}{r['replay_records']:9.2f}"
-              f"{r['replay_records_expandable']:9.2f}", flush=True)
+              f"{r['replay_records_expandable']:9.2f}{r['records_cached']:9.2f}{r['records_cached_1gib']:9.2f}",
+              flush=True)
     return rows
 
 
@@ -303,6 +341,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--allocator", nargs="?", const=",".join(ALLOCATOR_CASES), metavar="ID,ID",
                         help="replay these cases' traced allocations through the caching allocator's rules "
                              "(needs torch, transformers, peft; minutes)")
+    parser.add_argument("--records", type=int, default=4, metavar="N",
+                        help="with --allocator: N earlier records in the replayed order (default 4, the planner's)")
+    parser.add_argument("--history", action="store_true",
+                        help="per case with an allocator history term: the multiple the measurement leaves for it")
     parser.add_argument("--widths", action="store_true",
                         help="print BOUND_WIDTHS for finetune/plan/constants.py, recomputed from the corpus")
     parser.add_argument("--trace", action="store_true",
@@ -322,8 +364,14 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 0
     if args.allocator:
         print(f"{'case':<22}{'measured':>9}{'plan al':>9}{'plan res':>9}{'replay al':>9}{'1 shape':>9}"
-              f"{'records':>9}{'rec+exp':>9}  (GiB; replayed reserved: one shape, record order, + expandable)")
-        allocator_rows(corpus, args.allocator.split(","))
+              f"{'records':>9}{'rec+exp':>9}{'cached':>9}{'>=1GiB':>9}  (GiB; replayed reserved: one shape, record "
+              "order, + expandable; what the record order leaves cached, and in blocks of 1 GiB or more)")
+        allocator_rows(corpus, args.allocator.split(","), args.records)
+        return 0
+    if args.history:
+        print(f"{'case':<22}{'seq':>6}{'mb':>3}{'measured':>9}{'w/o hist':>9}{'backward':>9}{'planned':>9}{'implied':>9}"
+              "  (GiB; multiples of what backward allocates and frees)")
+        history_rows(corpus)
         return 0
     rows = evaluate(corpus, args.unspecified_as)
     if args.widths:

@@ -490,3 +490,20 @@ def test_training_sets_expandable_segments_unless_the_user_did():
     assert "PYTORCH_CUDA_ALLOC_CONF" not in plan_launch(recipe(), RUN, gpu_count=0, python="python", environ={}).env
     out = run_cli("plan", "--model", "llama-3-8b", "--method", "qlora")
     assert f"training sets PYTORCH_CUDA_ALLOC_CONF={TRAINING_ALLOC_CONF}" in out.stdout
+
+
+def test_history_diagnostic_and_record_orders(corpus_rows, capsys):
+    """`plan_corpus.py --history`: only varying-shape rows without expandable segments carry the term, at the
+    stated multiple unless the GPU's size caps it; `--records N` orders keep the planner's order at N = 4."""
+    from finetune.plan.constants import HISTORY_RECORDS
+
+    corpus, _, script = corpus_rows
+    rows = script.history_rows(corpus)
+    capsys.readouterr()
+    assert rows and all(corpus["sources"][r["id"].split("/")[0]]["shapes"] == "vary" for r in rows)
+    assert all(r["planned_multiple"] <= sum(HISTORY_RECORDS) * (1 + 1e-6) for r in rows)
+    assert sum(1 for r in rows if r["planned_multiple"] == pytest.approx(sum(HISTORY_RECORDS))) > len(rows) / 2
+    for r in rows:
+        assert r["without_gib"] + r["implied_multiple"] * r["transient_gib"] == pytest.approx(r["measured_gib"])
+    assert script.record_lengths(8192) == [4096, 6144, 7168, 7680, 8192]
+    assert script.record_lengths(512, 1) == [256, 512] and len(script.record_lengths(512, 9)) == 10
