@@ -6,6 +6,9 @@ print predicted against measured, case by case, with the error distribution.
     python scripts/plan_corpus.py --summary --quantiles   # with each part's error distribution
     python scripts/plan_corpus.py --json          # machine-readable (used by tests/test_plan_corpus.py)
     python scripts/plan_corpus.py --trace         # the analytic plan against `finetune plan --trace`, per case
+    python scripts/plan_corpus.py --allocator     # traced allocations replayed through the allocator's rules
+    python scripts/plan_corpus.py --history       # what the measurements leave for the allocator's history
+    python scripts/plan_corpus.py --widths        # the bound's widths for finetune/plan/constants.py
 
 error = (predicted - measured) / measured, per GPU, against the counter the source reports
 (`sources.*.measure`): max_memory_allocated -> the planner's allocated peak; max_memory_reserved and
@@ -29,7 +32,8 @@ sys.path.insert(0, str(REPO))
 
 from finetune.plan.archs import BY_NAME, LAYER_LINEARS, arch_from_config  # noqa: E402
 from finetune.plan import GiB, PlanResult, Setup, plan  # noqa: E402
-from finetune.plan.constants import BOUND_QUANTILE, BOUND_WIDTH  # noqa: E402
+from finetune.plan import bound  # noqa: E402
+from finetune.plan.constants import BOUND_MIN_CASES, BOUND_QUANTILE, BOUND_WIDTHS  # noqa: E402
 
 CORPUS = REPO / "tests" / "data" / "plan_corpus.json"
 
@@ -56,6 +60,12 @@ def setup_of(corpus: dict, case: dict) -> Setup:
     """The Setup a user would get from `finetune plan` with the case's settings."""
     arch = arch_of(corpus, case["model"])
     s = dict(case["settings"])
+    # No source set PYTORCH_CUDA_ALLOC_CONF (expandable segments are off unless it is set, in every torch);
+    # whether each batch had its own shape is the source's (sources.*.shapes).
+    s.setdefault("expandable_segments", False)
+    s.setdefault("shapes_vary", corpus["sources"][case["source"]]["shapes"] == "vary")
+    if "gpu_memory_gib" in corpus["sources"][case["source"]]:  # the reserved counter stops at the GPU's size
+        s.setdefault("gpu_memory", int(corpus["sources"][case["source"]]["gpu_memory_gib"] * GiB))
     for key in DESCRIPTIVE:
         s.pop(key, None)
     hidden = arch.hidden
@@ -95,7 +105,8 @@ def evaluate(corpus: dict, unspecified_as: str = "reserved") -> list[dict]:
         view = unspecified_as if source["measure"] == "unspecified" else MEASURE_VIEW[source["measure"]]
         row = {"id": case["id"], "source": case["source"], "model": case["model"], "row": case["row"],
                "holdout": case["holdout"], "measure": source["measure"], "view": view,
-               "measured_gib": case["measured_gib"], "predicted_gib": None, "error": None, "skipped": None}
+               "measured_gib": case["measured_gib"], "predicted_gib": None, "error": None, "skipped": None,
+               "classes": None, "residual": None, "views_gib": None}
         setup = setup_of(corpus, case)
         if is_moe(corpus, case) and not getattr(setup.arch, "experts", 0):
             row["skipped"] = "mixture-of-experts not modelled"
@@ -104,6 +115,10 @@ def evaluate(corpus: dict, unspecified_as: str = "reserved") -> list[dict]:
             predicted = predicted_bytes(result, view) / GiB
             row["predicted_gib"] = round(predicted, 3)
             row["error"] = (predicted - case["measured_gib"]) / case["measured_gib"]
+            views = result.memory_views
+            row["classes"] = list(bound.class_keys(setup))
+            row["views_gib"] = {k: v / GiB for k, v in views.items()}
+            row["residual"] = bound.residual(views, view, case["measured_gib"] * GiB)
         rows.append(row)
     return rows
 
@@ -144,35 +159,47 @@ def summaries(rows: list[dict]) -> dict[str, dict]:
     return out
 
 
-def ratios(rows: list[dict]) -> list[float]:
-    """measured / predicted per planned case: how far above the point estimate the measurement was."""
-    return [r["measured_gib"] / r["predicted_gib"] for r in rows if r["error"] is not None]
+def bound_widths(rows: list[dict]) -> dict[str, tuple[float, int]]:
+    """finetune/plan/bound.py's widths from `rows`: per setup class, the BOUND_QUANTILE quantile of the
+    residuals (measured / planned on the allocator's part), less 1, for classes of BOUND_MIN_CASES cases."""
+    return bound.widths_from((tuple(r["classes"]), r["residual"]) for r in rows if r["error"] is not None)
 
 
-def bound_width(rows: list[dict], quantile: float = BOUND_QUANTILE) -> float:
-    """The bound's width: the `quantile` of measured / predicted - 1 over `rows` (inclusive method), at
-    least 0. One width for every counter and setup: the corpus has too few sources per class to
-    validate a width per class by leaving a source out."""
-    values = ratios(rows)
-    if len(values) < 2:
-        return 0.0
-    cuts = statistics.quantiles(values, n=1000, method="inclusive")
-    return max(0.0, cuts[round(quantile * 1000) - 1] - 1)
+def bounded_gib(row: dict, widths: dict[str, tuple[float, int]]) -> tuple[float, str]:
+    """The case's bound for the counter its source reports, with the widths `widths` (and the class used)."""
+    for key in row["classes"]:
+        if key in widths:
+            width = widths[key][0]
+            break
+    views = {k: int(v * GiB) for k, v in row["views_gib"].items()}
+    return bound.bounded(views, width)[row["view"]] / GiB, key
 
 
 def leave_one_source_out(rows: list[dict]) -> dict[str, Any]:
-    """Each source's cases bounded with the width the other sources give: how often the bound is at or
+    """Each source's cases bounded with the widths the other sources give: how often the bound is at or
     above the measurement, and how far above it is (bound / measured - 1)."""
-    covered, widths, per_source = 0, [], {}
+    covered, over, per_source = 0, [], {}
     planned = [r for r in rows if r["error"] is not None]
     for source in sorted({r["source"] for r in planned}):
         mine = [r for r in planned if r["source"] == source]
-        width = bound_width([r for r in planned if r["source"] != source])
-        hits = sum(1 for r in mine if r["predicted_gib"] * (1 + width) >= r["measured_gib"])
+        widths = bound_widths([r for r in planned if r["source"] != source])
+        bounds = [bounded_gib(r, widths) for r in mine]
+        hits = sum(1 for r, (b, _) in zip(mine, bounds) if b >= r["measured_gib"])
         covered += hits
-        widths += [r["predicted_gib"] * (1 + width) / r["measured_gib"] - 1 for r in mine]
-        per_source[source] = {"width": width, "covered": hits, "cases": len(mine)}
-    return {"coverage": covered / len(planned), "median_over": statistics.median(widths), "sources": per_source}
+        mine_over = [b / r["measured_gib"] - 1 for r, (b, _) in zip(mine, bounds)]
+        over += mine_over
+        per_source[source] = {"covered": hits, "cases": len(mine), "median_over": statistics.median(mine_over),
+                              "classes": sorted({k for _, k in bounds})}
+    return {"coverage": covered / len(planned), "median_over": statistics.median(over), "sources": per_source}
+
+
+def in_sample(rows: list[dict]) -> dict[str, float]:
+    """The shipped widths (every source) on every case: coverage and median over, by construction near 95%."""
+    widths = bound_widths(rows)
+    planned = [r for r in rows if r["error"] is not None]
+    bounds = [bounded_gib(r, widths)[0] for r in planned]
+    return {"coverage": sum(1 for r, b in zip(planned, bounds) if b >= r["measured_gib"]) / len(planned),
+            "median_over": statistics.median(b / r["measured_gib"] - 1 for r, b in zip(planned, bounds))}
 
 
 # Issue 21's targets for the corpus.
@@ -213,6 +240,88 @@ def trace_rows(corpus: dict) -> list[dict]:
     return rows
 
 
+# The cases `--allocator` replays by default: Qwen-1.8B LoRA at two lengths from the Qwen README (one shape)
+# and from ms-swift's benchmark (shapes vary), the bnb QLoRA and full rows of the latter.
+ALLOCATOR_CASES = ("qwen-readme/001", "qwen-readme/004", "swift-benchmark/001", "swift-benchmark/003",
+                   "swift-benchmark/025", "swift-benchmark/043")
+
+
+def record_lengths(seq_len: int, earlier: int = 4) -> list[int]:
+    """The stated order of a varying-shape run (docs/plan.md, "The allocator"): each batch longer than all
+    before, at the expected records of lengths spread evenly up to max_length (the gap to it halves with
+    each). `earlier` = 4 is the planner's HISTORY_RECORDS; n rows in random order have about ln n + 0.58
+    records in all (the harmonic number H_n), so a run over hundreds or thousands of rows has more."""
+    return [seq_len - (seq_len >> k) for k in range(1, earlier + 1)] + [seq_len]
+
+
+def history_rows(corpus: dict) -> list[dict]:
+    """For each case the planner gives an `allocator history` term: the multiple of what its backward
+    allocates and frees that the measurement leaves for the history ((measured - plan without the term) /
+    that), beside the planner's sum(HISTORY_RECORDS). No torch needed."""
+    from finetune.plan.constants import FRAGMENTATION, HISTORY_RECORDS
+
+    rows = []
+    for row in evaluate(corpus):
+        case = next(c for c in corpus["cases"] if c["id"] == row["id"])
+        if row["error"] is None:
+            continue
+        setup = setup_of(corpus, case)
+        terms = plan(setup).terms
+        history = [t.bytes for t in terms if t.name == "allocator history"]
+        if not history:
+            continue
+        fragmentation = [t.bytes for t in terms if t.name == "allocator fragmentation" and t.phase == "backward"][0]
+        transient = fragmentation / FRAGMENTATION
+        without = row["predicted_gib"] - history[0] / GiB
+        rows.append({"id": row["id"], "seq_len": setup.seq_len, "micro_batch": setup.micro_batch,
+                     "measured_gib": row["measured_gib"], "without_gib": without, "transient_gib": transient / GiB,
+                     "planned_multiple": history[0] / transient, "stated_multiple": sum(HISTORY_RECORDS),
+                     "implied_multiple": (row["measured_gib"] - without) * GiB / transient})
+        r = rows[-1]
+        print(f"{r['id']:<22}{r['seq_len']:>6}{r['micro_batch']:>3}{r['measured_gib']:9.2f}{r['without_gib']:9.2f}"
+              f"{r['transient_gib']:9.2f}{r['planned_multiple']:9.2f}{r['implied_multiple']:9.2f}")
+    return rows
+
+
+def allocator_rows(corpus: dict, ids: list[str], earlier: int = 4) -> list[dict]:
+    """Each case's traced allocations (all layers, one step per length) replayed through the caching
+    allocator's rules (finetune/plan/allocator.py): one shape (two steps at seq_len), and the record order,
+    without and with expandable segments, on the case's 80 GB GPU. Needs torch, transformers, peft."""
+    from finetune.plan.allocator import replay
+    from finetune.plan.trace_profile import allocation_profile
+
+    rows = []
+    for case in corpus["cases"]:
+        if case["id"] not in ids:
+            continue
+        setup = setup_of(corpus, case)
+        if setup.arch.model_type == "qwen":
+            setup = replace(setup, arch=replace(setup.arch, model_type="qwen2"))
+        capacity = 80 * GiB
+        one = replay(*allocation_profile(setup, [setup.seq_len] * 2), expandable=False, capacity=capacity,
+                     first_step_keeps=True)
+        # The first step (the shortest) also creates the optimizer's states, as a run's first step does.
+        resident, steps = allocation_profile(setup, record_lengths(setup.seq_len, earlier))
+        vary = replay(resident, steps, expandable=False, capacity=capacity, first_step_keeps=True)
+        vary_x = replay(resident, steps, expandable=True, capacity=capacity, first_step_keeps=True)
+        views = plan(setup).memory_views
+        rows.append({"id": case["id"], "measured_gib": case["measured_gib"], "shapes_vary": setup.shapes_vary,
+                     "plan_allocated": views["allocated"] / GiB, "plan_reserved": views["reserved"] / GiB,
+                     "replay_allocated": one.peak_allocated / GiB, "replay_one_shape": one.peak_reserved / GiB,
+                     "replay_records": vary.peak_reserved / GiB, "replay_records_expandable": vary_x.peak_reserved / GiB,
+                     # What the record order leaves cached at its end, and how much of it is in blocks of 1 GiB and
+                     # more (at long lengths the loss's tokens x vocabulary tensors of the earlier records).
+                     "records_cached": sum(k[0] for pool in vary.free_blocks.values() for k in pool) / GiB,
+                     "records_cached_1gib": sum(k[0] for pool in vary.free_blocks.values() for k in pool
+                                                if k[0] >= GiB) / GiB})
+        r = rows[-1]
+        print(f"{r['id']:<22}{r['measured_gib']:9.2f}{r['plan_allocated']:9.2f}{r['plan_reserved']:9.2f}"
+              f"{r['replay_allocated']:9.2f}{r['replay_one_shape']:9.2f}{r['replay_records']:9.2f}"
+              f"{r['replay_records_expandable']:9.2f}{r['records_cached']:9.2f}{r['records_cached_1gib']:9.2f}",
+              flush=True)
+    return rows
+
+
 def _fmt_summary(name: str, s: dict) -> str:
     if not s.get("cases"):
         return f"{name:<28} no cases"
@@ -229,6 +338,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--quantiles", action="store_true",
                         help="after each summary, its signed error quantiles (min, 5%%, 25%%, 50%%, 75%%, 95%%, max)")
     parser.add_argument("--corpus", type=Path, default=CORPUS)
+    parser.add_argument("--allocator", nargs="?", const=",".join(ALLOCATOR_CASES), metavar="ID,ID",
+                        help="replay these cases' traced allocations through the caching allocator's rules "
+                             "(needs torch, transformers, peft; minutes)")
+    parser.add_argument("--records", type=int, default=4, metavar="N",
+                        help="with --allocator: N earlier records in the replayed order (default 4, the planner's)")
+    parser.add_argument("--history", action="store_true",
+                        help="per case with an allocator history term: the multiple the measurement leaves for it")
+    parser.add_argument("--widths", action="store_true",
+                        help="print BOUND_WIDTHS for finetune/plan/constants.py, recomputed from the corpus")
     parser.add_argument("--trace", action="store_true",
                         help="trace the cases a trace can run (needs torch, transformers, peft) and compare")
     parser.add_argument("--unspecified-as", choices=("allocated", "reserved", "nvidia_smi"), default="reserved",
@@ -244,11 +362,28 @@ def main(argv: Optional[list[str]] = None) -> int:
               f"{min(r['analytic_vs_trace'] for r in traced):+.1%} / {max(r['analytic_vs_trace'] for r in traced):+.1%}; "
               f"measured vs trace median {statistics.median(r['measured_vs_trace'] for r in traced):+.1%}")
         return 0
+    if args.allocator:
+        print(f"{'case':<22}{'measured':>9}{'plan al':>9}{'plan res':>9}{'replay al':>9}{'1 shape':>9}"
+              f"{'records':>9}{'rec+exp':>9}{'cached':>9}{'>=1GiB':>9}  (GiB; replayed reserved: one shape, record "
+              "order, + expandable; what the record order leaves cached, and in blocks of 1 GiB or more)")
+        allocator_rows(corpus, args.allocator.split(","), args.records)
+        return 0
+    if args.history:
+        print(f"{'case':<22}{'seq':>6}{'mb':>3}{'measured':>9}{'w/o hist':>9}{'backward':>9}{'planned':>9}{'implied':>9}"
+              "  (GiB; multiples of what backward allocates and frees)")
+        history_rows(corpus)
+        return 0
     rows = evaluate(corpus, args.unspecified_as)
+    if args.widths:
+        print("BOUND_WIDTHS: dict[str, tuple[float, int]] = {")
+        for key, (width, cases) in bound_widths(rows).items():
+            print(f"    {key!r}: ({width}, {cases}),")
+        print("}")
+        return 0
     sums = summaries(rows)
     if args.json:
         print(json.dumps({"rows": rows, "summaries": sums, "bound": leave_one_source_out(rows),
-                          "bound_width": bound_width(rows)}, indent=1))
+                          "bound_widths": bound_widths(rows)}, indent=1))
         return 0
     if not args.summary:
         print(f"{'case':<24}{'model':<19}{'measure':<12}{'measured':>9}{'planned':>9}{'error':>8}  row")
@@ -263,11 +398,19 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(_fmt_summary(name, s))
         if args.quantiles and s.get("cases"):
             print(f"{'':<28} quantiles " + "  ".join(f"{k} {v:+.1%}" for k, v in s["quantiles"].items()))
-    width = bound_width(rows)
-    print(f"\nupper bound: point estimate x (1 + {width:.1%}), the {BOUND_QUANTILE:.0%} quantile of measured / planned "
-          f"on the whole corpus (finetune/plan/constants.py BOUND_WIDTH = {BOUND_WIDTH:.3f})")
+    widths = bound_widths(rows)
+    print(f"\nupper bound: reserved x (1 + width) (+ CUDA context and NCCL for nvidia-smi); width per setup class: the "
+          f"{BOUND_QUANTILE:.0%} quantile of measured / planned - 1, classes of >= {BOUND_MIN_CASES} cases "
+          "(finetune/plan/bound.py; finetune/plan/constants.py BOUND_WIDTHS" +
+          (", up to date)" if widths == BOUND_WIDTHS else ", OUT OF DATE: run --widths)"))
+    for key, (width, cases) in widths.items():
+        print(f"  {key:<40} {cases:>4} cases  width {width:6.1%}")
+    mine = in_sample(rows)
+    print(f"  in sample: covers {mine['coverage']:.1%}, median {mine['median_over']:+.1%} above the measurement")
+    print("leave one source out (each source bounded with the other sources' widths):")
     for source, v in leave_one_source_out(rows)["sources"].items():
-        print(f"  without {source:<24} width {v['width']:6.1%}  covers {v['covered']:>3} of {v['cases']:>3}")
+        print(f"  without {source:<24} covers {v['covered']:>3} of {v['cases']:>3}, median {v['median_over']:+6.1%} "
+              f"above; classes used: {'; '.join(v['classes'])}")
     print("issue 21 targets:")
     for what, (value, met) in targets(rows).items():
         print(f"  {'met    ' if met else 'NOT met'}  {what}: {value:+.1%}" if "mean" in what else

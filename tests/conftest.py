@@ -138,11 +138,56 @@ def run_cli(*args: str, cwd: Path | None = None, timeout: float = 120) -> subpro
 
 
 # ------------------------------------------------------------------------------------------------
-# Tiers: every fast test runs before the first slow (multi-process) one, and a fast failure skips the
-# slow tier, so a broken build fails in about a minute instead of after ten.
+# Order. In one process (plain `pytest`): every fast test runs before the first slow (multi-process) one, and a
+# fast failure skips the slow tier, so a broken build fails in about a minute instead of after ten.
+# Under pytest-xdist (`-n auto`, what CI runs): the tests are split into groups that each go whole to one worker,
+# so that no training run a fixture shares is trained twice: the tests reading the shared SFT run, those reading
+# the tiny_run runs, and otherwise one group per module (its module-scoped fixtures). The slow groups are sent
+# first, the costliest first, and the fast modules fill the gaps: a 2-process run leaves a core idle while
+# it waits for a launch, a barrier or a checkpoint, and the fast tests are single-threaded.
 
+
+def _xdist_group(item) -> str:
+    if "shared_sft_run" in item.fixturenames or _tiny_run_name(item) == SHARED_SFT_RECIPE.stem:
+        return "shared-sft"
+    if "tiny_run" in item.fixturenames:
+        return "tiny-runs"
+    return item.nodeid.split("::")[0]
+
+
+def _tiny_run_name(item) -> str | None:
+    callspec = getattr(item, "callspec", None)
+    return callspec.params.get("name") if callspec is not None and "tiny_run" in item.fixturenames else None
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook turns the groups into node ids
 def pytest_collection_modifyitems(config, items):
-    items.sort(key=lambda item: item.get_closest_marker("slow") is not None)  # stable: file order kept within a tier
+    if not hasattr(config, "workerinput"):
+        items.sort(key=lambda item: item.get_closest_marker("slow") is not None)  # stable: file order kept
+        return
+    slow_groups = {}
+    for item in items:
+        group = _xdist_group(item)
+        item.add_marker(pytest.mark.xdist_group(group))
+        if item.get_closest_marker("slow") is not None:
+            slow_groups[group] = slow_groups.get(group, 0) + 1
+    # xdist keeps this order when --no-loadscope-reorder is given (pytest_xdist_make_scheduler below): the
+    # groups of the shared runs first (each of their tests reads a training run), then the other slow groups
+    # by their number of slow tests, then the fast modules.
+    first = {"shared-sft": -2, "tiny-runs": -1}
+    order = {group: (first.get(group, 0), -count) for group, count in slow_groups.items()}
+    items.sort(key=lambda item: order.get(_xdist_group(item), (1, 0)))
+
+
+try:
+    from xdist.scheduler import LoadGroupScheduling
+except ImportError:  # pytest-xdist is in the dev extra; without it the tests run in one process
+    LoadGroupScheduling = None
+else:
+    def pytest_xdist_make_scheduler(config, log):
+        """Groups (above) in the order of the collection, not by their number of tests."""
+        config.option.loadscopereorder = False
+        return LoadGroupScheduling(config, log)
 
 
 FAST_FAILURES = pytest.StashKey[int]()
@@ -156,6 +201,8 @@ def pytest_runtest_makereport(item, call):
 
 
 def pytest_runtest_setup(item):
+    if hasattr(item.config, "workerinput"):
+        return  # under xdist the slow groups are sent first, before any fast test could fail
     failed = item.config.stash.get(FAST_FAILURES, 0)
     if item.get_closest_marker("slow") is not None and failed and not item.config.getoption("--keep-going"):
         pytest.skip(f"{failed} fast test(s) failed: the slow tier is skipped (--keep-going runs it anyway)")

@@ -26,5 +26,5 @@ def test_every_command_is_documented():
 def test_ci_runs_the_readme_test_command():
     readme = (REPO / "README.md").read_text()
     ci = (REPO / ".ci" / "run").read_text()
-    test_command = ".venv/bin/python -m pytest -q"
+    test_command = ".venv/bin/python -m pytest -q -n auto"
     assert test_command in readme and test_command in ci

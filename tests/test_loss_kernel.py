@@ -1,6 +1,6 @@
 """training.loss_kernel: the chunked loss equals transformers' own (value and gradients), the Trainer
 still passes num_items_in_batch to it, the planner follows the choice, and liger is refused without
-a GPU or the package. The 2-process ZeRO-3 run is in tests/test_train_runner.py (full_zero3_chunked).
+a GPU or the package. The 2-process ZeRO-3 run is in tests/test_train_runner.py (full_zero3_offload).
 
     python -m pytest tests/test_loss_kernel.py
 """

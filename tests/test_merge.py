@@ -296,6 +296,33 @@ def test_non_finite_result_is_refused(models, bf16_adapter, tmp_path):
     assert "model.layers.1.mlp.up_proj has inf/NaN" in out
 
 
+def _adapter_with(bf16_adapter, tmp_path, value: float) -> Path:
+    import shutil
+
+    adapter = tmp_path / "adapter"
+    shutil.copytree(bf16_adapter, adapter)
+    tensors = load_file(str(adapter / "adapter_model.safetensors"))
+    tensors["base_model.model.model.layers.1.mlp.up_proj.lora_B.weight"][0, 0] = value
+    save_file(tensors, str(adapter / "adapter_model.safetensors"))
+    return adapter
+
+
+def test_result_beyond_the_output_dtype_is_refused(models, bf16_adapter, tmp_path):
+    # Finite in float32, past float16's 65504 once stored: the output would hold inf.
+    adapter = _adapter_with(bf16_adapter, tmp_path, 1e6)
+    out = cli_fails(tmp_path, "--base", str(models["fp16"]), "--adapter", str(adapter))
+    assert "model.layers.1.mlp.up_proj has inf/NaN" in out
+
+
+def test_huge_but_finite_result_is_merged_like_peft(models, bf16_adapter, tmp_path):
+    # Squares past float32's range send the merge to its exact finite check, which lets these through.
+    adapter = _adapter_with(bf16_adapter, tmp_path, 1e30)
+    merge(models["bf16"], adapter, tmp_path / "out")
+    merged = load_dir(tmp_path / "out")
+    assert merged["model.layers.1.mlp.up_proj.weight"].float().abs().max() > 1e29
+    assert_same(merged, peft_merged_state_dict(models["bf16"], adapter))
+
+
 def test_interrupted_merge_leaves_nothing(models, bf16_adapter, tmp_path, monkeypatch):
     calls = []
     real = merge_mod.output_tensor

@@ -8,6 +8,7 @@ those are documented estimates in finetune/plan/.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -354,8 +355,11 @@ def test_auto_buckets_are_what_transformers_fills_in(write_recipe):
 
 
 def run_probe(cases):
+    from tests.train_fixtures import os_free_port
+
+    env = {**os.environ, "MASTER_PORT": str(os_free_port())}  # never a fixed port: other tests run beside it
     result = subprocess.run([sys.executable, str(REPO / "tests" / "plan_deepspeed_probe.py"), json.dumps(cases)],
-                            capture_output=True, text=True, timeout=900, cwd=REPO)
+                            capture_output=True, text=True, timeout=900, cwd=REPO, env=env)
     lines = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]
     assert lines, result.stdout[-2000:] + result.stderr[-4000:]
     return json.loads(lines[0][len("RESULT "):])

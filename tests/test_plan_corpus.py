@@ -102,10 +102,16 @@ def test_plan_runs_on_every_case(corpus_rows):
 # measured whole (test_plan.py test_whole_deepspeed_step_on_one_rank_against_the_plan): one ZeRO-3 rank
 # gathers nothing, the step releases gathered parameters first, ZeRO-1/2's step flattens a 16-bit copy;
 # corrections that move the Qwen ZeRO-3 full fine-tunes further under: all 9.3% / 60 to 9.6% / 64.
+# The allocator's rounding of each weight tensor by its documented rules (finetune/plan/allocator.py, instead of
+# 1 MiB per tensor over 10 MiB) moved the median of all cases from 11.2% to 11.5%; the cache a run keeps of its
+# earlier, shorter longest batches without expandable segments (`allocator history`, ms-swift's rows and its
+# scripts: they train on the data's own lengths) then to 9.0%, and under-predictions by >10% from 73 to 39
+# (holdout 41 to 8): it over-predicts ms-swift's longest rows instead (docs/plan.md, "The allocator").
+# With both branches' terms: all 7.7%, calibration 4.9%, held out 13.9%.
 REACHED = {
-    "all": {"median_abs_error": 0.097, "under_10": 64, "under_15": 44},
-    "calibration": {"median_abs_error": 0.057, "under_10": 23, "under_15": 10},
-    "holdout": {"median_abs_error": 0.195, "under_10": 41, "under_15": 34},
+    "all": {"median_abs_error": 0.077, "under_10": 28, "under_15": 11},
+    "calibration": {"median_abs_error": 0.050, "under_10": 20, "under_15": 8},
+    "holdout": {"median_abs_error": 0.139, "under_10": 8, "under_15": 3},
 }
 
 
@@ -134,21 +140,39 @@ def test_summaries_give_the_error_distribution(corpus_rows):
         assert q["min"] == sums[part]["worst_under"]
 
 
-def test_the_bound_width_is_the_corpus_quantile(corpus_rows):
-    """BOUND_WIDTH (finetune/plan/constants.py) is what scripts/plan_corpus.py's method gives on the corpus
-    today: recomputed, not tuned."""
-    from finetune.plan.constants import BOUND_WIDTH
+def test_the_bound_widths_are_the_corpus_quantiles(corpus_rows):
+    """BOUND_WIDTHS (finetune/plan/constants.py) is what scripts/plan_corpus.py's method gives on the corpus
+    today (`--widths`): recomputed, not tuned. In sample, each class's 95% quantile covers about 95%."""
+    from finetune.plan.constants import BOUND_WIDTHS
 
     _, rows, script = corpus_rows
-    assert BOUND_WIDTH == pytest.approx(script.bound_width(rows), abs=0.0005)
-    ratios = script.ratios(rows)
-    covered = sum(1 for r in ratios if r <= 1 + BOUND_WIDTH) / len(ratios)
-    assert covered >= 0.95  # in-sample, by construction; the leave-one-source-out figure is below
+    widths = script.bound_widths(rows)
+    assert widths.keys() == BOUND_WIDTHS.keys()
+    for key, (width, cases) in widths.items():
+        assert BOUND_WIDTHS[key][1] == cases and BOUND_WIDTHS[key][0] == pytest.approx(width, abs=0.0005), key
+    assert 0.9 <= script.in_sample(rows)["coverage"] <= 1
 
 
-# Issue 21's targets (scripts/plan_corpus.py --summary prints them). Today's figures: point estimate median
-# |error| 11.2%, mean -14.0%; the bound (x 1.795) covers 82.9% of the cases leave-one-source-out (swift's
-# variable-length reserved rows: 24 of 48) and is 63.5% above the measurement at the median.
+def test_bound_classes_nest_and_fall_back():
+    from finetune.plan import bound
+
+    setup = _qlora_8b()
+    assert bound.class_keys(setup) == ("one shape / qlora / ZeRO-0/1/2", "one shape / qlora", "one shape", "all")
+    vary = replace(setup, shapes_vary=True, expandable_segments=False, deepspeed=False)
+    assert bound.class_keys(vary)[0] == "shapes vary / qlora / no DeepSpeed"
+    # Expandable segments tile one segment per pool: varying shapes do not leave earlier segments behind.
+    assert bound.history(replace(vary, expandable_segments=True)) == "one shape"
+    widths = {"one shape / qlora": (0.25, 12), "all": (0.5, 40)}
+    assert bound.width_for(setup, widths) == (0.25, "one shape / qlora", 12)
+    assert bound.width_for(vary, widths) == (0.5, "all", 40)
+    assert bound.widths_from([(("a", "all"), 1.1)] * 3 + [(("b", "all"), 1.5)], min_cases=3) == \
+        {"a": (pytest.approx(0.1), 3), "all": (pytest.approx(0.44), 4)}
+
+
+# Issue 21's targets (scripts/plan_corpus.py --summary prints them). Today: point estimate median |error| 7.7%,
+# mean +4.5% (the Qwen README's rows -2.0%, ms-swift's +19.4%: the allocator history's stated order overshoots
+# its long rows); the bound covers 92.9% of the cases leave-one-source-out (misses: 5 Qwen README rows, 3 of
+# unsloth's 6, 2 of ms-swift's 3 MoE scripts) at a median 23.5% above the measurement.
 @pytest.mark.parametrize("target", [
     "point estimate median |error| <= 6%", "point estimate mean error within +-3%",
     "bound >= measured in >= 95% of cases (leave-one-source-out)",
@@ -158,6 +182,24 @@ def test_the_bound_width_is_the_corpus_quantile(corpus_rows):
 def test_issue_21_targets(corpus_rows, target):
     _, rows, script = corpus_rows
     assert script.targets(rows)[target][1]
+
+
+def test_allocator_history_only_without_expandable_segments_and_up_to_the_gpu():
+    from finetune.plan.constants import HISTORY_RECORDS
+
+    base = replace(_qlora_8b(), deepspeed=False, seq_len=4096)
+    names = lambda r: {t.name: t for t in r.terms}  # noqa: E731
+    assert "allocator history" not in names(plan(base))  # one shape
+    assert "allocator history" not in names(plan(replace(base, shapes_vary=True)))  # expandable segments
+    vary = plan(replace(base, shapes_vary=True, expandable_segments=False))
+    history = names(vary)["allocator history"]
+    fragmentation = [t for t in vary.terms if t.name == "allocator fragmentation" and t.phase == "backward"][0]
+    assert history.counter == "reserved" and history.phase == "backward"
+    assert history.bytes == pytest.approx(fragmentation.bytes / 0.30 * sum(HISTORY_RECORDS), rel=1e-6)
+    assert vary.memory_views["allocated"] == plan(base).memory_views["allocated"]
+    gpu = vary.memory_views["nvidia_smi"] - history.bytes // 2  # the cache is freed before an allocation fails
+    capped = plan(replace(vary.setup, gpu_memory=gpu))
+    assert capped.memory_views["nvidia_smi"] == pytest.approx(gpu, abs=1024) and names(capped)["allocator history"].bytes
 
 
 def test_before_calibration_the_corpus_error_was_larger(corpus_rows, monkeypatch):
@@ -178,27 +220,39 @@ def _qlora_8b(**kw):
                  micro_batch=1, **kw)
 
 
-def test_counters_are_ordered_and_fits_uses_nvidia_smi():
+def test_counters_are_ordered_and_fits_uses_the_upper_bound():
     result = plan(_qlora_8b(gpus_per_node=2, gpu_type="A100"))
     views = result.memory_views
     assert views["allocated"] < views["reserved"] < views["nvidia_smi"] == result.per_gpu["total"]
     # Outside PyTorch: the CUDA context and NCCL's buffers are exactly the nvidia-smi - reserved gap.
     assert views["nvidia_smi"] - views["reserved"] == CUDA_CONTEXT + nccl_buffer_bytes(2)
-    between = replace(result.setup, gpu_memory=(views["reserved"] + views["nvidia_smi"]) // 2)
-    assert plan(between).fits is False
+    # The bound widens the allocator's part (reserved) and adds what lies outside PyTorch as planned.
+    width, klass, cases = result.bound_width
+    assert klass == "one shape / qlora / ZeRO-0/1/2" and cases >= 10 and 0 < width < 1
+    bounds = result.upper_bounds
+    assert bounds["reserved"] == int(views["reserved"] * (1 + width))
+    assert bounds["nvidia_smi"] == result.upper_bound == bounds["reserved"] + views["nvidia_smi"] - views["reserved"]
+    # Between the estimate and the bound: the estimate would fit, the bound does not, and `fits` says no.
+    between = replace(result.setup, gpu_memory=(views["nvidia_smi"] + result.upper_bound) // 2)
+    assert plan(between).fits is False and plan(between).headroom < 0
+    assert plan(replace(result.setup, gpu_memory=result.upper_bound)).fits is True
     doc = plan(replace(result.setup, gpu_memory=12 * GiB)).to_json()
     assert {k: doc["memory"][k] for k in ("allocated_peak", "reserved_peak", "nvidia_smi", "fits_uses")} == \
         {"allocated_peak": views["allocated"], "reserved_peak": views["reserved"], "nvidia_smi": views["nvidia_smi"],
-         "fits_uses": "nvidia_smi"}
-    assert doc["memory"]["upper_bound"] > views["nvidia_smi"] and doc["memory"]["upper_bound_fits"] is False
+         "fits_uses": "upper_bound"}
+    assert doc["memory"]["upper_bound"] == result.upper_bound and doc["memory"]["upper_bounds"] == bounds
+    assert doc["memory"]["upper_bound_class"] == klass and doc["fits"] == doc["memory"]["upper_bound_fits"]
 
 
-def test_cli_text_names_the_three_counters():
-    out = run_cli("plan", "--model", "llama-3-8b", "--method", "qlora", "--gpu-memory", "12GiB")
+def test_cli_text_names_the_three_counters_and_the_bound():
+    out = run_cli("plan", "--model", "llama-3-8b", "--method", "qlora", "--gpu-memory", "16GiB")
     assert out.returncode == 0, out.stderr
     for needle in ("as torch.cuda.max_memory_allocated", "as torch.cuda.max_memory_reserved", "as nvidia-smi",
-                   "`fits` uses this one"):
+                   "upper bound (nvidia-smi)", "`fits` uses this one", "fits under the upper bound"):
         assert needle in out.stdout
+    # 12 GiB: the estimate (11.2 GiB) would fit, the bound (13.0) does not: exit 3, and the text says both.
+    out = run_cli("plan", "--model", "llama-3-8b", "--method", "qlora", "--gpu-memory", "12GiB")
+    assert out.returncode == 3 and "does NOT fit: the upper bound" in out.stdout and "the estimate" in out.stdout
 
 
 def test_cited_constants():
@@ -436,3 +490,20 @@ def test_training_sets_expandable_segments_unless_the_user_did():
     assert "PYTORCH_CUDA_ALLOC_CONF" not in plan_launch(recipe(), RUN, gpu_count=0, python="python", environ={}).env
     out = run_cli("plan", "--model", "llama-3-8b", "--method", "qlora")
     assert f"training sets PYTORCH_CUDA_ALLOC_CONF={TRAINING_ALLOC_CONF}" in out.stdout
+
+
+def test_history_diagnostic_and_record_orders(corpus_rows, capsys):
+    """`plan_corpus.py --history`: only varying-shape rows without expandable segments carry the term, at the
+    stated multiple unless the GPU's size caps it; `--records N` orders keep the planner's order at N = 4."""
+    from finetune.plan.constants import HISTORY_RECORDS
+
+    corpus, _, script = corpus_rows
+    rows = script.history_rows(corpus)
+    capsys.readouterr()
+    assert rows and all(corpus["sources"][r["id"].split("/")[0]]["shapes"] == "vary" for r in rows)
+    assert all(r["planned_multiple"] <= sum(HISTORY_RECORDS) * (1 + 1e-6) for r in rows)
+    assert sum(1 for r in rows if r["planned_multiple"] == pytest.approx(sum(HISTORY_RECORDS))) > len(rows) / 2
+    for r in rows:
+        assert r["without_gib"] + r["implied_multiple"] * r["transient_gib"] == pytest.approx(r["measured_gib"])
+    assert script.record_lengths(8192) == [4096, 6144, 7168, 7680, 8192]
+    assert script.record_lengths(512, 1) == [256, 512] and len(script.record_lengths(512, 9)) == 10

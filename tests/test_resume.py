@@ -1,11 +1,11 @@
 """Preemption and resume: real `finetune train` runs (2 CPU processes, slow), and the checkpoint rules (fast).
 
 Slow cases run the real CLI on the tiny LoRA + ZeRO-2 recipe (fp32, dropout 0, 12 steps,
-checkpoint every 4 steps) and compare with one uninterrupted run of the same recipe:
-- SIGTERM mid-run: exit 75, a complete checkpoint at the step it stopped; the next run resumes
-  there and ends with the same adapter (within 1e-5) and a loss log without gaps or repeats;
-- SIGKILL of every process while checkpoint-8 is being written: the next run ignores (and
-  removes) the half-written checkpoint and resumes from checkpoint-4, with the same end result.
+checkpoint every 4 steps) and compare with one uninterrupted run of the same recipe, in one chain:
+- SIGKILL of every process while checkpoint-8 is being written: the next run ignores the half-written
+  checkpoint and resumes from checkpoint-4;
+- SIGTERM of that run mid-run: exit 75, a complete checkpoint at the step it stopped; the next run resumes
+  there and ends with the same adapter (within 1e-5) and a loss log without gaps or repeats.
 
     python -m pytest tests/test_resume.py            # about 2-3 minutes on 2 cores
     python -m pytest tests/test_resume.py -m "not slow"
@@ -126,32 +126,13 @@ def assert_same_training(run_dir: Path, reference: Path) -> None:
 
 
 @pytest.mark.slow
-def test_sigterm_saves_a_checkpoint_and_the_next_run_continues_it_exactly(reference, tmp_path, tiny_cache):
-    out = tmp_path / "run"
-    first = Run(train_argv(out), tiny_cache, tmp_path / "first.log")
-    first.wait_for(lambda: first.steps_logged() >= 5)
-    first.proc.send_signal(signal.SIGTERM)
-    assert first.finish() == ckpt.EXIT_PREEMPTED, first.text()[-4000:]
-    stopped = json.loads((out / ckpt.STOP_RECORD).read_text())
-    step = stopped["step"]
-    assert 5 <= step < STEPS and stopped["signal"] == "SIGTERM"
-    assert ckpt.latest_complete(out).step == step  # saved where it stopped, not at the last save_steps
-    assert f"stopped: SIGTERM at step {step}: checkpoint-{step} is complete" in first.text()
-    assert not (out / "adapter").exists() and not (out / "summary.json").exists()  # no final outputs
-
-    second = subprocess.run(train_argv(out), cwd=REPO, env=runner_env(tiny_cache), capture_output=True, text=True, timeout=600)
-    assert second.returncode == 0, second.stderr[-4000:]
-    assert f"resuming from checkpoint-{step} (step {step})" in second.stderr
-    assert not (out / ckpt.STOP_RECORD).exists()
-    assert json.loads((out / "summary.json").read_text())["resumed_from"].endswith(f"checkpoint-{step}")
-    assert_same_training(out, reference)
-    assert_run_report(out, STEPS)  # the plot and the report of a resumed run cover the whole run
-    # save_total_limit: 2 -> the two newest complete checkpoints are kept
-    assert [c.step for c in ckpt.list_checkpoints(out)] == [8, 12]
-
-
-@pytest.mark.slow
-def test_sigkill_while_a_checkpoint_is_written_resumes_from_the_previous_one(reference, tmp_path, tiny_cache):
+def test_sigkill_during_a_save_then_sigterm_and_the_third_run_ends_as_the_uninterrupted_one(reference, tmp_path,
+                                                                                           tiny_cache):
+    """Three runs into one directory, one interruption each (the runs are ~90% start-up, so one chain):
+    1. every process SIGKILLed while checkpoint-8 is being written (the machine went away);
+    2. the next run ignores the half-written checkpoint-8, resumes from checkpoint-4, and is stopped by
+       SIGTERM: exit 75 and a complete checkpoint at the step it stopped, not at the last save_steps;
+    3. the next run resumes there and ends with the uninterrupted run's adapter and loss log."""
     out = tmp_path / "run"
     first = Run(train_argv(out), tiny_cache, tmp_path / "first.log")
     first.wait_for(lambda: (out / "checkpoint-8").is_dir(), poll=0.002)
@@ -165,12 +146,29 @@ def test_sigkill_while_a_checkpoint_is_written_resumes_from_the_previous_one(ref
         state.write_bytes(state.read_bytes()[:10])
     assert [(c.step, c.complete) for c in ckpt.list_checkpoints(out)] == [(4, True), (8, False)]
 
-    second = subprocess.run(train_argv(out), cwd=REPO, env=runner_env(tiny_cache), capture_output=True, text=True, timeout=600)
-    assert second.returncode == 0, second.stderr[-4000:]
-    assert "resuming from checkpoint-4 (step 4)" in second.stderr
-    assert "checkpoint-8 is incomplete" in second.stderr
-    assert_same_training(out, reference)
+    second = Run(train_argv(out), tiny_cache, tmp_path / "second.log")
+    second.wait_for(lambda: second.steps_logged() >= 1)  # step 5: before the next save_steps (8)
+    second.proc.send_signal(signal.SIGTERM)
+    assert second.finish() == ckpt.EXIT_PREEMPTED, second.text()[-4000:]
+    assert "resuming from checkpoint-4 (step 4)" in second.text()
+    assert "checkpoint-8 is incomplete" in second.text()
+    stopped = json.loads((out / ckpt.STOP_RECORD).read_text())
+    step = stopped["step"]
+    assert 5 <= step < STEPS and stopped["signal"] == "SIGTERM"
+    assert ckpt.latest_complete(out).step == step  # saved where it stopped, not at the last save_steps
+    assert f"stopped: SIGTERM at step {step}: checkpoint-{step} is complete" in second.text()
+    assert not (out / "adapter").exists() and not (out / "summary.json").exists()  # no final outputs
     assert all(c.complete for c in ckpt.list_checkpoints(out))
+
+    third = subprocess.run(train_argv(out), cwd=REPO, env=runner_env(tiny_cache), capture_output=True, text=True, timeout=600)
+    assert third.returncode == 0, third.stderr[-4000:]
+    assert f"resuming from checkpoint-{step} (step {step})" in third.stderr
+    assert not (out / ckpt.STOP_RECORD).exists()
+    assert json.loads((out / "summary.json").read_text())["resumed_from"].endswith(f"checkpoint-{step}")
+    assert_same_training(out, reference)
+    assert_run_report(out, STEPS)  # the plot and the report of a resumed run cover the whole run
+    # save_total_limit: 2 -> the two newest complete checkpoints are kept
+    assert [c.step for c in ckpt.list_checkpoints(out)] == ([8, 12] if step < 8 else [step, 12])
 
 
 @pytest.mark.slow

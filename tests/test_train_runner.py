@@ -27,9 +27,8 @@ COMBINATIONS = {
     "lora_zero3": "adapter",
     "qlora_zero3": "adapter",
     "lora_zero2_offload": "adapter",
-    "full_zero3_offload": "model",
+    "full_zero3_offload": "model",  # and training.loss_kernel: chunked
     "full_zero0": "model",
-    "full_zero3_chunked": "model",  # training.loss_kernel: chunked
     "mix_alpaca_sharegpt": "adapter",  # data.sources: alpaca + ShareGPT, 3:1
 }
 

@@ -163,7 +163,8 @@ def _plan_findings(loaded: LoadedRecipe, options: LintOptions) -> list[Finding]:
     if result.fits is False:
         path, line, col = loaded.where(("hardware",) if hardware else ("deepspeed",))
         return [Finding("P001", "error", path, line, col, "hardware" if hardware else "deepspeed",
-                        f"predicted out of memory: {result.summary()}",
+                        ("predicted out of memory" if result.gpu_fits is False and result.per_gpu["total"] >
+                         result.setup.gpu_memory else "may run out of memory") + f": {result.summary()}",
                         "run `finetune plan RECIPE --recommend` for a setup that fits")]
     return []
 

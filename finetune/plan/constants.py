@@ -50,16 +50,32 @@ CUDA_CONTEXT = 426 * MiB
 TRAINING_ALLOC_CONF = "expandable_segments:True"
 CUBLAS_WORKSPACE = {"hopper": 32 * MiB, "other": 8 * MiB + 128 * 1024}
 CUBLAS_HANDLES = 2  # forward thread + autograd's backward thread
-ALLOCATOR_ROUND_LARGE = 2 * MiB
-ALLOCATOR_MIN_LARGE_ALLOC = 10 * MiB
 FRAGMENTATION = 0.30
-# The stated upper bound (PlanResult.upper_bound, `memory.upper_bound` in the JSON): the point estimate
-# times 1 + BOUND_WIDTH, where BOUND_WIDTH is the BOUND_QUANTILE quantile of measured / planned - 1 over
-# every case of tests/data/plan_corpus.json, as scripts/plan_corpus.py `bound_width` computes it (a test
-# recomputes it; `--summary` prints it and its leave-one-source-out validation). Not a constant tuned to
-# a case: a quantile of all of them, recomputed whenever the planner changes.
+# Without expandable segments, when every batch has its own shape, a batch longer than all before needs blocks
+# larger than any cached one: it takes new segments and those of the shorter batches stay cached (the caching
+# allocator's rules, finetune/plan/allocator.py). HISTORY_RECORDS is the stated order of such longest batches
+# (docs/plan.md, "The allocator"): each one longer than the last, at the expected records of lengths spread
+# evenly up to max_length (the gap to max_length halves with each); the reserved counter keeps the transient
+# blocks of every earlier record, sum(HISTORY_RECORDS) x what the last one allocates and frees.
+HISTORY_RECORDS = (1 / 2, 3 / 4, 7 / 8, 15 / 16)
+# The stated upper bound (finetune/plan/bound.py; docs/plan.md, "The bound"): per setup class, the
+# BOUND_QUANTILE quantile of measured / planned over the cases of tests/data/plan_corpus.json in that class,
+# less 1; a class needs BOUND_MIN_CASES cases (else the next wider class serves). {class: (width, cases)}:
+# written by `python scripts/plan_corpus.py --widths` and checked by tests/test_plan_corpus.py (not tuned to
+# a case: quantiles of all of them, recomputed whenever the planner changes).
 BOUND_QUANTILE = 0.95
-BOUND_WIDTH = 0.797
+BOUND_MIN_CASES = 10
+BOUND_WIDTHS: dict[str, tuple[float, int]] = {
+    'all': (0.2016, 140),
+    'one shape': (0.2264, 89),
+    'one shape / lora': (0.2006, 49),
+    'one shape / lora / no DeepSpeed': (0.1399, 36),
+    'one shape / qlora': (0.2292, 31),
+    'one shape / qlora / ZeRO-0/1/2': (0.1703, 24),
+    'shapes vary': (0.1452, 51),
+    'shapes vary / lora': (0.0602, 36),
+    'shapes vary / lora / no DeepSpeed': (0.0602, 36),
+}
 # NCCL's communication buffers grow with its channels and peers (NVIDIA/nccl issue 986: linear in
 # the channels, no longer growing beyond 2 nodes). Two readings: 2 GPUs: the ZeRO-2 saving a user
 # measured in nvidia-smi (docs/plan.md, puzzle 1: 934 MiB) falls 187.8 MiB short of the bytes

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Optional
 
+from finetune.plan.allocator import expandable_in_training
 from finetune.plan.archs import LAYER_LINEARS, Arch, ArchError, load_config_json, match_hub_id, names
 from finetune.plan.constants import (
     DS_MAX_LIVE_PARAMETERS, DS_MAX_REUSE_DISTANCE, DS_PARAM_PERSISTENCE_THRESHOLD, DS_PREFETCH_BUCKET_SIZE,
@@ -110,6 +112,9 @@ def _setup_from_recipe(recipe, gpus, gpu_memory_bytes, nodes, cpu_memory_bytes, 
         gpus_per_node=gpus, nodes=nodes,
         micro_batch=recipe.training.micro_batch_size * rows_per_example(recipe.objective), seq_len=seq_len,
         packing=recipe.data.packing, padding_free=recipe.data.padding_free,
+        # The collator pads a batch to its longest row (finetune/data/tokenize.py); packed rows are max_length.
+        shapes_vary=not recipe.data.packing,
+        expandable_segments=expandable_in_training(os.environ),
         gradient_checkpointing=recipe.training.gradient_checkpointing,
         gradient_accumulation=recipe.training.gradient_accumulation_steps,
         loss_kernel=recipe.training.loss_kernel, loss_chunk_tokens=recipe.training.loss_chunk_tokens,

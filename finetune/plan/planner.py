@@ -6,9 +6,9 @@ import re
 from typing import Optional
 
 from finetune.plan.activations import activation_terms
+from finetune.plan.allocator import resident_waste
 from finetune.plan.constants import (
-    ALLOCATOR_MIN_LARGE_ALLOC, ALLOCATOR_ROUND_LARGE, CUBLAS_HANDLES, CUBLAS_WORKSPACE, CUDA_CONTEXT,
-    FRAGMENTATION, NCCL_BUFFERS, PROCESS_RSS, MiB,
+    CUBLAS_HANDLES, CUBLAS_WORKSPACE, CUDA_CONTEXT, FRAGMENTATION, HISTORY_RECORDS, NCCL_BUFFERS, PROCESS_RSS, MiB,
 )
 from finetune.plan.parallel import offload_activations, parallel_terms, tile_mlp
 from finetune.plan.params import ParamGroup, four_bit_bytes, param_groups
@@ -66,8 +66,10 @@ def _overhead(setup: Setup, groups: list[ParamGroup], terms: list[Term]) -> list
                      f"{', GPU type unknown' if setup.gpu_type is None else ''}; CublasHandlePool.cpp)")]
     rounding = _allocator_rounding(setup, groups)
     if rounding:
+        how = ("512 B blocks in 2 / 20 MiB expandable pages" if setup.expandable_segments else
+               "2 MiB / 20 MiB segments, large ones rounded to 2 MiB")
         out.append(Term("overhead", "allocator rounding", rounding, counter="reserved",
-                        note="large weight tensors rounded up to 2 MiB (CUDACachingAllocator.cpp)"))
+                        note=f"weight tensors: {how} (CUDACachingAllocator.cpp; finetune/plan/allocator.py)"))
     kept = [t for t in terms if t.field == "gradients" and t.phase == "step" and not setup.deepspeed]
     cached = sum(t.bytes for t in kept)
     if cached:
@@ -85,6 +87,8 @@ def _overhead(setup: Setup, groups: list[ParamGroup], terms: list[Term]) -> list
                             counter="reserved",
                             note=f"{FRAGMENTATION:.0%} of what the {phase} phase allocates and frees "
                                  "(fitted: docs/plan.md)"))
+        if transient and phase == "backward" and setup.shapes_vary and not setup.expandable_segments:
+            out += _history(setup, transient, terms + out)
     out.append(Term("overhead", "CUDA context", CUDA_CONTEXT, counter="device",
                     note="outside PyTorch: driver + lazily loaded kernels (measured, CUDA >= 11.7)"))
     nccl = nccl_buffer_bytes(setup.world)
@@ -92,6 +96,24 @@ def _overhead(setup: Setup, groups: list[ParamGroup], terms: list[Term]) -> list
         out.append(Term("overhead", "NCCL buffers", nccl, counter="device",
                         note=f"outside PyTorch: {setup.world} ranks (NCCL issues 986, 1685)"))
     return out
+
+
+def _history(setup: Setup, transient: int, terms: list[Term]) -> list[Term]:
+    """The cache of earlier, shorter longest batches (constants.HISTORY_RECORDS), up to the GPU's memory: before
+    a cudaMalloc fails the allocator frees every unsplit cached segment and retries (release_cached_blocks),
+    so the reserved counter stops at the GPU's size less what lies outside PyTorch."""
+    factor = sum(HISTORY_RECORDS)
+    size = int(transient * factor)
+    note = (f"batches of varying shape without expandable segments: segments of {len(HISTORY_RECORDS)} shorter "
+            f"longest-so-far batches stay cached ({factor:.2f} x what the phase allocates and frees; docs/plan.md)")
+    if setup.gpu_memory is not None:
+        below = sum(t.bytes if t.live is None else t.live for t in terms
+                    if t.phase in ("both", "backward") and t.counter in ("allocated", "reserved"))
+        room = setup.gpu_memory - CUDA_CONTEXT - nccl_buffer_bytes(setup.world) - below
+        if size > room:
+            size = max(0, room)
+            note += "; up to the GPU's memory (the cache is freed before an allocation fails)"
+    return [Term("overhead", "allocator history", size, phase="backward", counter="reserved", note=note)]
 
 
 def is_hopper(gpu_type: Optional[str]) -> bool:
@@ -113,20 +135,19 @@ def nccl_buffer_bytes(world: int) -> int:
 
 
 def _allocator_rounding(setup: Setup, groups: list[ParamGroup]) -> int:
-    """About 1 MiB (half of kRoundLarge) per weight tensor over kMinLargeAlloc that lives as its own
-    allocation for the run: frozen and HF-loaded weights. DeepSpeed flattens the trainable ones (and
-    ZeRO-3 every partition) into a few large buffers, where the rounding is negligible."""
+    """What the caching allocator reserves beyond the weight tensors that live for the run, one
+    allocation each (finetune/plan/allocator.py). DeepSpeed flattens the trainable ones (and ZeRO-3
+    every partition) into a few large buffers, where the rounding is negligible."""
     if setup.deepspeed and setup.stage == 3:
         return 0
     wb = trainable_weight_bytes(setup)
-    count = 0
+    tensors = []
     for g in groups:
         if g.trainable and setup.deepspeed:
             continue
-        size = (four_bit_bytes(g.numel) if g.quantized else g.numel * (wb if g.trainable else setup.element_bytes))
-        if size > ALLOCATOR_MIN_LARGE_ALLOC:
-            count += g.count
-    return count * ALLOCATOR_ROUND_LARGE // 2
+        size = four_bit_bytes(g.numel) if g.quantized else g.numel * (wb if g.trainable else setup.element_bytes)
+        tensors.append((g.count, size))
+    return resident_waste(tensors, setup.expandable_segments)
 
 
 def _cpu_base(setup: Setup, groups: list[ParamGroup]) -> list[Term]:

@@ -33,9 +33,6 @@ def compute_cost(setup: Setup) -> float:
 
 
 OFFLOAD_LEVELS = (("none", "none"), ("cpu", "none"), ("cpu", "cpu"))
-# A recommendation keeps this share of the GPU free: the CUDA context, NCCL and fragmentation terms
-# are estimates, not measurements.
-RECOMMEND_MARGIN = 0.05
 # The stage3_max_live_parameters --recommend tries besides the recipe's (DeepSpeed's default is 1e9).
 FEWER_LIVE_PARAMETERS = 100_000_000
 
@@ -69,7 +66,8 @@ class Recommendation:
             "tried": [{"zero": r.setup.stage, "offload_optimizer": r.setup.offload_optimizer,
                        "offload_param": r.setup.offload_param, "micro_batch": r.setup.micro_batch,
                        "gradient_checkpointing": r.setup.gradient_checkpointing, "loss_kernel": r.setup.loss_kernel,
-                       "total": r.per_gpu["total"], "cpu_total": r.cpu["total"], "fits": r.fits}
+                       "total": r.per_gpu["total"], "upper_bound": r.upper_bound, "cpu_total": r.cpu["total"],
+                       "fits": r.fits}
                       for r in self.tried],
         }
 
@@ -91,15 +89,15 @@ class Recommendation:
         for reason in self.reasons:
             lines.append(f"  why: {reason}")
         lines.append("")
-        lines.append("  tried (GiB per GPU, micro batch " + str(self.current.setup.micro_batch) + ", checkpointing as "
-                     "in the recipe):")
+        lines.append("  tried (GiB per GPU: estimate, upper bound; micro batch " + str(self.current.setup.micro_batch)
+                     + ", checkpointing as in the recipe):")
         for r in self.tried:
             s = r.setup
             if s.micro_batch != self.current.setup.micro_batch or s.loss_kernel != self.current.setup.loss_kernel or \
                     s.gradient_checkpointing != self.current.setup.gradient_checkpointing:
                 continue
             what = _short(s, self.current.setup.max_live_parameters)
-            lines.append(f"    {what:<56}{gib(r.per_gpu['total']):>7}  {'fits' if r.fits else 'no'}")
+            lines.append(f"    {what:<56}{gib(r.per_gpu['total']):>7}{gib(r.upper_bound):>7}  {'fits' if r.fits else 'no'}")
         return "\n".join(lines) + "\n"
 
 
@@ -176,8 +174,9 @@ def recommend(setup: Setup, accumulation: Optional[int] = None) -> Recommendatio
         raise PlanError("--recommend needs the GPU memory: --gpu-memory 24GiB or hardware.gpu_memory in the recipe")
     current = plan(setup)
     tried = [plan(c) for c in candidates(setup)]
-    margin = int(setup.gpu_memory * RECOMMEND_MARGIN)
-    fitting = sorted((r for r in tried if r.fits and r.headroom >= margin), key=lambda r: speed_key(r.setup))
+    # `fits` is decided on each candidate's upper bound (finetune/plan/bound.py): the margin for what the
+    # estimate misses is the bound's width, measured on the corpus, not a share of the GPU.
+    fitting = sorted((r for r in tried if r.fits), key=lambda r: speed_key(r.setup))
     chosen = fitting[0] if fitting else None
     steps = None
     if chosen is not None and accumulation is not None and chosen.setup.micro_batch != setup.micro_batch:
@@ -193,7 +192,8 @@ def explain(rec: Recommendation) -> list[str]:
     cur = rec.current
     s = cur.setup
     out = []
-    needs = f"The recipe as written needs {gib(cur.per_gpu['total'])} GiB on each GPU, which has {gib(s.gpu_memory)} GiB"
+    needs = (f"The recipe as written needs {gib(cur.per_gpu['total'])} GiB on each GPU (upper bound "
+             f"{gib(cur.upper_bound)} GiB), which has {gib(s.gpu_memory)} GiB")
     if cur.fits:
         out.append(f"{needs}: it fits.")
     elif cur.cpu_fits is False:
@@ -248,8 +248,8 @@ def explain(rec: Recommendation) -> list[str]:
         out.append(f"The loss alone needs {gib(cur.per_gpu['logits'])} GiB ({s.micro_batch} x {s.seq_len} tokens "
                    f"x a vocabulary of {s.arch.vocab:,} x 12 bytes); a smaller micro batch shrinks it"
                    + (", and so does the chunked loss (--set training.loss_kernel=chunked)." if s.loss_kernel == "default" else "."))
-    out.append(f"Only setups that leave {RECOMMEND_MARGIN:.0%} of each GPU free count as fitting: fragmentation and "
-               "the CUDA context vary from run to run (docs/plan.md).")
+    out.append("Only setups whose upper bound fits count as fitting: the estimate widened by how far published "
+               "measurements of such setups came out above it (docs/plan.md, 'The bound').")
     chosen = rec.chosen
     if chosen is not None and chosen.setup != s:
         c = chosen.setup

@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from finetune.plan.archs import names
-from finetune.plan.constants import BOUND_QUANTILE, BOUND_WIDTH, COUNTERS, FIELDS, TRAINING_ALLOC_CONF
+from finetune.plan.bound import bounded, width_for
+from finetune.plan.constants import BOUND_QUANTILE, COUNTERS, FIELDS, TRAINING_ALLOC_CONF
 from finetune.plan.setup import Setup, Term
 from finetune.units import gib
 
@@ -40,10 +41,20 @@ class PlanResult:
                 "nvidia_smi": peak(COUNTERS)}
 
     @property
+    def bound_width(self) -> tuple[float, str, int]:
+        """(width, setup class, its corpus cases): finetune/plan/bound.py."""
+        return width_for(self.setup)
+
+    @property
+    def upper_bounds(self) -> dict[str, int]:
+        """Each counter's stated bound (finetune/plan/bound.py)."""
+        return bounded(self.memory_views, self.bound_width[0])
+
+    @property
     def upper_bound(self) -> int:
-        """The stated bound: the nvidia-smi-level estimate times 1 + BOUND_WIDTH (finetune/plan/constants.py:
-        the 95% quantile of measured / planned over the corpus of published measurements)."""
-        return int(self.memory_views["nvidia_smi"] * (1 + BOUND_WIDTH))
+        """The bound on what the GPU must hold (the allocator's reserved memory widened, plus the CUDA
+        context and NCCL): what `fits` and `--recommend` decide on."""
+        return self.upper_bounds["nvidia_smi"]
 
     @property
     def bound_fits(self) -> Optional[bool]:
@@ -78,9 +89,8 @@ class PlanResult:
 
     @property
     def gpu_fits(self) -> Optional[bool]:
-        if self.setup.gpu_memory is None:
-            return None
-        return self.per_gpu["total"] <= self.setup.gpu_memory
+        """Decided on the upper bound, not the point estimate: a run the GPU may refuse does not fit."""
+        return self.bound_fits
 
     @property
     def cpu_fits(self) -> Optional[bool]:
@@ -100,17 +110,25 @@ class PlanResult:
     def headroom(self) -> Optional[int]:
         if self.setup.gpu_memory is None:
             return None
-        return self.setup.gpu_memory - self.per_gpu["total"]
+        return self.setup.gpu_memory - self.upper_bound
 
-    def _tight(self) -> str:
-        """PyTorch's allocator frees its cache and retries before it reports out of memory, so a run
-        over only by the cached part may still start (tight: fragmentation can then make it fail)."""
+    def _verdict(self) -> str:
+        """Against the GPU: decided on the upper bound; when only the bound is over, what the estimate says."""
+        gpu = self.setup.gpu_memory
+        if self.headroom >= 0:
+            return f"fits under the upper bound ({gib(self.upper_bound)} GiB), {gib(self.headroom)} GiB headroom"
+        text = f"does NOT fit: the upper bound {gib(self.upper_bound)} GiB is {gib(-self.headroom)} GiB over"
         views = self.memory_views
+        # PyTorch's allocator frees its cache and retries before it reports out of memory, so a run over
+        # only by the cached part may still start (tight: fragmentation can then make it fail).
         uncached = views["allocated"] + views["nvidia_smi"] - views["reserved"]
-        if self.setup.gpu_memory is None or uncached > self.setup.gpu_memory:
-            return ""
-        return (f" (without the allocator's cache {gib(uncached)} GiB: it may start, with no margin for "
-                "fragmentation)")
+        if views["nvidia_smi"] <= gpu:
+            text += f" (the estimate, {gib(views['nvidia_smi'])} GiB, fits: it may run, with no margin for what the " \
+                    "estimate has missed before)"
+        elif uncached <= gpu:
+            text += f" (without the allocator's cache {gib(uncached)} GiB: it may start, with no margin for " \
+                    "fragmentation)"
+        return text
 
     # -- output --------------------------------------------------------------------------------
 
@@ -123,8 +141,7 @@ class PlanResult:
             head += f" of {gib(self.setup.gpu_memory)} GiB"
         text = f"{head} ({parts}; {self.setup.describe()})"
         if self.headroom is not None:
-            text += f": fits, {gib(self.headroom)} GiB headroom" if self.headroom >= 0 else \
-                f": {gib(-self.headroom)} GiB over"
+            text += f": {self._verdict()}"
         if self.cpu_fits is False:
             text += f"; CPU needs {gib(self.cpu['total'])} GiB of {gib(self.setup.cpu_memory)} GiB"
         if not self.complete:
@@ -146,10 +163,16 @@ class PlanResult:
             "per_gpu": self.per_gpu,
             "memory": {"allocated_peak": self.memory_views["allocated"],
                        "reserved_peak": self.memory_views["reserved"],
-                       "nvidia_smi": self.memory_views["nvidia_smi"], "fits_uses": "nvidia_smi",
+                       "nvidia_smi": self.memory_views["nvidia_smi"], "fits_uses": "upper_bound",
                        "upper_bound": self.upper_bound, "upper_bound_fits": self.bound_fits,
-                       "upper_bound_method": f"nvidia_smi x {1 + BOUND_WIDTH:.3f}: the {BOUND_QUANTILE:.0%} "
-                                             "quantile of measured / planned over tests/data/plan_corpus.json",
+                       "upper_bounds": self.upper_bounds,
+                       "upper_bound_width": round(self.bound_width[0], 4),
+                       "upper_bound_class": self.bound_width[1],
+                       "upper_bound_method": f"reserved x (1 + width) + CUDA context and NCCL; width: the "
+                                             f"{BOUND_QUANTILE:.0%} quantile of measured / planned - 1 over the "
+                                             f"{self.bound_width[2]} cases of tests/data/plan_corpus.json in the "
+                                             "class (finetune/plan/bound.py)",
+                       "expandable_segments": s.expandable_segments, "shapes_vary": s.shapes_vary,
                        "training_alloc_conf": TRAINING_ALLOC_CONF},
             "phases": {"backward": self.phase_bytes("backward"), "step": self.phase_bytes("step"),
                        "peak": self.peak_phase},
@@ -187,9 +210,7 @@ class PlanResult:
                 lines.append(f"  {'= model states':<36}{gib(g['model_states']):>7}")
         total = f"  {'total (peak, ' + self.peak_phase + ')':<36}{gib(g['total']):>7}"
         if s.gpu_memory is not None:
-            total += f"  of {gib(s.gpu_memory)}: " + (
-                f"fits, {gib(self.headroom)} GiB headroom" if self.headroom >= 0 else
-                f"does NOT fit, {gib(-self.headroom)} GiB over" + self._tight())
+            total += f"  of {gib(s.gpu_memory)}: {self._verdict()}"
         lines.append(total)
         if self.peak_phase == "backward" and self.phase_bytes("step") != self.phase_bytes("backward"):
             lines.append(f"  {'optimizer step phase':<36}{gib(self.phase_bytes('step')):>7}")
@@ -197,15 +218,17 @@ class PlanResult:
         lines.append(f"  {'as torch.cuda.max_memory_allocated':<36}{gib(views['allocated']):>7}")
         lines.append(f"  {'as torch.cuda.max_memory_reserved':<36}{gib(views['reserved']):>7}"
                      "  + allocator rounding and fragmentation")
-        lines.append(f"  {'as nvidia-smi':<36}{gib(views['nvidia_smi']):>7}"
-                     "  + CUDA context and NCCL; `fits` uses this one")
-        bound = f"  {'upper bound':<36}{gib(self.upper_bound):>7}  x {1 + BOUND_WIDTH:.2f}: {BOUND_QUANTILE:.0%} of " \
-                "published measurements were at or below it (docs/plan.md)"
-        if self.bound_fits is not None:
-            bound += "; fits under it" if self.bound_fits else "; over the GPU's memory"
-        lines.append(bound)
-        lines.append(f"  training sets PYTORCH_CUDA_ALLOC_CONF={TRAINING_ALLOC_CONF} unless it is set (less cache "
-                     "held beyond the allocated peak; reserved above is planned without it)")
+        lines.append(f"  {'as nvidia-smi':<36}{gib(views['nvidia_smi']):>7}  + CUDA context and NCCL")
+        width, klass, cases = self.bound_width
+        lines.append(f"  {'upper bound (nvidia-smi)':<36}{gib(self.upper_bound):>7}  reserved + {width:.0%}: "
+                     f"{BOUND_QUANTILE:.0%} of {cases} published measurements of '{klass}' setups were at or "
+                     "below it (docs/plan.md); `fits` uses this one")
+        alloc_conf = (f"expandable_segments on (training sets PYTORCH_CUDA_ALLOC_CONF={TRAINING_ALLOC_CONF} unless "
+                      "it is set)" if s.expandable_segments else "expandable_segments off")
+        shapes = "a new shape per batch" if s.shapes_vary else "one shape per batch"
+        history = "" if s.expandable_segments or not s.shapes_vary else \
+            ": the cache keeps segments of earlier, shorter batches (allocator history above)"
+        lines.append(f"  allocator: {alloc_conf}, {shapes}{history}")
         c = self.cpu
         lines.append("")
         lines.append(f"per node CPU{'':30}GiB")

@@ -78,6 +78,13 @@ class Setup:
     # measurements in tests/test_plan.py); recipes never set it: their batches are padded or packed.
     full_rows: bool = False
     gradient_checkpointing: bool = True
+    # PYTORCH_CUDA_ALLOC_CONF's expandable_segments (finetune/plan/allocator.py): what `finetune train` sets
+    # unless the user set the variable; the corpus' runs predate it or left it off.
+    expandable_segments: bool = True
+    # Each batch has its own shape (padded to its longest row, or rows of the data's own lengths) rather than
+    # one fixed shape (padding to max_length, or fixed packed rows). Without expandable segments the cache
+    # then keeps segments of earlier shapes (finetune/plan/bound.py's setup classes).
+    shapes_vary: bool = False
     # Micro batches per optimizer step (training.gradient_accumulation_steps). Above 1, the Trainer's
     # zero_grad runs only after the step, so every micro batch but the first starts backward with the
     # gradients of the earlier ones alive (plain PyTorch; DeepSpeed keeps its gradient partitions anyway).

@@ -49,10 +49,13 @@ class TraceResult:
     cuda_only: list[tuple[str, int, str]] = field(default_factory=list)  # (name, bytes, source)
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
+    # The step's allocations replayed through the caching allocator's rules (finetune/plan/allocator.py): what
+    # max_memory_reserved would show after two steps of this shape; None when it could not be extrapolated.
+    reserved: Optional[int] = None
 
     def to_json(self) -> dict[str, Any]:
         return {"peak": self.peak, "phase": self.phase, "module": self.module, "by_kind": self.by_kind,
-                "phase_peaks": self.phase_peaks,
+                "phase_peaks": self.phase_peaks, "reserved": self.reserved,
                 "cuda_only": [{"name": n, "bytes": b, "source": s} for n, b, s in self.cuda_only],
                 "seconds": round(self.seconds, 2), "notes": self.notes}
 
@@ -64,6 +67,10 @@ class TraceResult:
         for name, size, source in self.cuda_only:
             lines.append(f"    {name:<34}{_size(size):>12}  CUDA only: {source}")
         lines.append("  phase peaks: " + ", ".join(f"{p} {_size(b)}" for p, b in self.phase_peaks.items()))
+        if self.reserved is not None:
+            alloc = "on" if self.setup.expandable_segments else "off"
+            lines.append(f"  as max_memory_reserved {_size(self.reserved)}: the step's allocations replayed through the "
+                         f"caching allocator's rules (expandable segments {alloc}, one shape)")
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines) + "\n"
 
@@ -414,22 +421,24 @@ def trace(setup: Setup, config: Optional[dict] = None, extrapolate: bool = True)
     start = time.perf_counter()
     cfg = hf_config(setup, config)
     depth = cfg["num_hidden_layers"]
-    phases = None
+    phases = reserved = None
     how = f"all {depth} layers traced"
     if extrapolate and depth > SHALLOW[-1]:
-        shallow = [_phases(_trace_depth(setup, {**cfg, "num_hidden_layers": d})) for d in SHALLOW]
-        phases = _extrapolate(shallow, depth)
+        trackers = [_trace_depth(setup, {**cfg, "num_hidden_layers": d}) for d in SHALLOW]
+        phases = _extrapolate([_phases(t) for t in trackers], depth)
         if phases is not None:
             how = f"traced at {', '.join(map(str, SHALLOW))} layers, extrapolated to {depth} (exactly linear)"
+            reserved = _extrapolate_reserved([_replayed(t, setup, cfg) for t in trackers], depth)
     if phases is None:
-        phases = _phases(_trace_depth(setup, cfg))
+        tracker = _trace_depth(setup, cfg)
+        phases, reserved = _phases(tracker), _replayed(tracker, setup, cfg)
     extra = cuda_only_terms(setup, cfg)
     totals = {p: size + sum(b for _, when, b, _ in extra if when in ("all", p)) for p, (size, _, _) in phases.items()}
     peak_phase = max(totals, key=totals.get)
     result = TraceResult(setup=setup, peak=totals[peak_phase], phase=peak_phase, module=phases[peak_phase][2],
                          by_kind=dict(phases[peak_phase][1]), phase_peaks=totals,
                          cuda_only=[(n, b, src) for n, when, b, src in extra if when in ("all", peak_phase)],
-                         seconds=time.perf_counter() - start, notes=[how])
+                         seconds=time.perf_counter() - start, notes=[how], reserved=reserved)
     if setup.attn.startswith("flash"):
         result.notes.append("flash attention traced as torch's CPU flash kernel (same saved tensors)")
     if setup.method == "qlora":
@@ -437,6 +446,26 @@ def trace(setup: Setup, config: Optional[dict] = None, extrapolate: bool = True)
     if setup.deepspeed:
         result.notes.append("one GPU, no DeepSpeed: ZeRO's partitions and buckets are the analytic plan's terms")
     return result
+
+
+def _replayed(tracker, setup: Setup, cfg: dict) -> int:
+    """max_memory_reserved after two steps of the traced shape, by the caching allocator's rules (the resident
+    storages, the cuBLAS workspaces, then the step's allocations and frees twice)."""
+    from finetune.plan.allocator import replay
+
+    workspaces = [b for name, _, b, _ in cuda_only_terms(setup, cfg) if name.startswith("cuBLAS")]
+    return replay(tracker.resident + workspaces, [tracker.events] * 2, setup.expandable_segments).peak_reserved
+
+
+def _extrapolate_reserved(shallow: list[int], depth: int) -> Optional[int]:
+    """The replayed reserved bytes at `depth` from those at SHALLOW depths when each layer adds the same
+    (within one 20 MiB segment or page: the rules pack blocks into them), else None."""
+    from finetune.plan.allocator import K_LARGE_BUFFER
+
+    a, b, c = shallow
+    if abs((c - b) - (b - a)) > K_LARGE_BUFFER:
+        return None
+    return c + (depth - SHALLOW[-1]) * (c - b)
 
 
 def _extrapolate(shallow: list[dict], depth: int) -> Optional[dict]:

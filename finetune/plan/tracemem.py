@@ -45,6 +45,13 @@ class LiveTensors(TorchDispatchMode):
         self.stack: list[str] = []
         self.names = {id(m): n for n, m in model.named_modules()}
         self._handles = []
+        # The allocation log a caching-allocator replay reads (finetune/plan/allocator.py): the storages
+        # that exist when the mode starts (`resident`, bytes), then ("alloc", serial, bytes) / ("free", serial)
+        # in the order torch creates and Python frees them.
+        self.resident: list[int] = []
+        self.events: list[tuple] = []
+        self._serial = 0
+        self._started = False
         for p in model.parameters():
             self._add(p.untyped_storage(), "weights")
         for b in model.buffers():
@@ -63,6 +70,7 @@ class LiveTensors(TorchDispatchMode):
                 self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
         self._handles.append(torch.nn.modules.module.register_module_forward_pre_hook(self._enter))
         self._handles.append(torch.nn.modules.module.register_module_forward_hook(self._leave))
+        self._started = True
         self._note()
 
     # -- bookkeeping ---------------------------------------------------------------------------
@@ -73,13 +81,19 @@ class LiveTensors(TorchDispatchMode):
             return
         size = _nbytes(storage)
         ref = weakref.ref(storage, lambda _, key=key: self._drop(key))
-        self.live[key] = (ref, size, kind)
+        self._serial += 1
+        self.live[key] = (ref, size, kind, self._serial)
+        if self._started:
+            self.events.append(("alloc", self._serial, size))
+        else:
+            self.resident.append(size)
         self.totals[kind] += size
         self.current += size
 
     def _drop(self, key: int) -> None:
         entry = self.live.pop(key, None)
         if entry is not None:
+            self.events.append(("free", entry[3]))
             self.totals[entry[2]] -= entry[1]
             self.current -= entry[1]
 
@@ -90,7 +104,7 @@ class LiveTensors(TorchDispatchMode):
         elif entry[2] != kind:
             self.totals[entry[2]] -= entry[1]
             self.totals[kind] += entry[1]
-            self.live[id(storage)] = (entry[0], entry[1], kind)
+            self.live[id(storage)] = (entry[0], entry[1], kind, entry[3])
 
     def _note(self) -> None:
         if self.current > self.phase_peaks.get(self.phase, -1):

@@ -318,7 +318,7 @@ def convert_full(ckpt: Checkpoint, output: Path, dtype, overwrite: bool, max_sha
                     counter.add(t.nbytes)
                 writer.close()
             finally:
-                writer.handle.close()
+                writer.abort()
             log(f"wrote {shard_name} ({human_size(sum(t.nbytes for t in shard))})")
         if len(names) > 1:
             write_index(tmp, plan, names)

@@ -3,8 +3,10 @@ disk-space checks, tokenizer copies and the error and signal handling both comma
 
 from __future__ import annotations
 
+import errno
 import json
 import math
+import mmap
 import os
 import shutil
 import signal
@@ -15,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, NamedTuple, Optional
 
+import numpy as np
 import torch
 from safetensors import safe_open
 
@@ -182,13 +185,138 @@ def shard_names(count: int) -> list[str]:
 
 _WRITEBACK_BYTES = 1 << 20
 
+# Direct I/O (O_DIRECT) needs buffer addresses, file offsets and lengths that are multiples of the device's
+# logical block size: 4096 covers 512- and 4096-byte blocks. 1 MiB per write: as fast as 2-8 MiB on the
+# development box (dd oflag=direct: 1.2-1.4 GB/s at 1-8 MiB; a 1.1B merge's writer thread: 1.7-2.0 s
+# with 1 MiB, 2.0-2.2 s with 8 MiB), and the smallest addition to the merge's anonymous memory.
+_DIRECT_ALIGN = 4096
+_DIRECT_BLOCK = 1 << 20
+
+
+class OutputFile:
+    """A file written front to back, through the page cache or, where the file system allows it, with
+    direct I/O (O_DIRECT: the kernel copies straight from our buffer to the device).
+
+    Why direct: a merge writes every byte once and never reads it back, and putting gigabytes into the page
+    cache is what the merge spent most of its time on (on the 2-core development box, 1 GB of buffered
+    writes cost 0.3-2.6 s of system time, varying from run to run; with O_DIRECT 0.1 s). It also keeps a
+    70B merge from filling RAM with dirty pages (which evicts the base's cached pages and throttles every
+    writer on the machine). DeepSpeed's FastPersist writes checkpoints the same way (aligned buffer, O_DIRECT).
+    Bytes are gathered in an aligned block (1 MiB of anonymous memory) and written a block at a time; the
+    last block is padded to the alignment and the file truncated to its real length. Where O_DIRECT is
+    refused (tmpfs on older kernels, some FUSE and network file systems, macOS), at open or at the first
+    write, the same bytes go through ordinary buffered writes."""
+
+    def __init__(self, path: Path, direct: bool = False) -> None:
+        self.path = path
+        self.size = 0  # bytes handed to write() so far
+        self.fd = -1
+        self.block: Optional[mmap.mmap] = None
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
+        if direct and hasattr(os, "O_DIRECT"):
+            try:
+                self.fd = os.open(path, flags | os.O_DIRECT, 0o666)
+                self.block = mmap.mmap(-1, _DIRECT_BLOCK)  # page-aligned anonymous memory
+                self.view = np.frombuffer(self.block, dtype=np.uint8)
+                self.filled = 0
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                self.fd = -1
+        if self.fd < 0:
+            self.fd = os.open(path, flags, 0o666)
+
+    @property
+    def direct(self) -> bool:
+        return self.block is not None
+
+    def write(self, data) -> None:
+        """Append `data` (bytes or any contiguous buffer)."""
+        source = np.frombuffer(data, dtype=np.uint8)
+        self.size += source.size
+        if not self.direct:
+            self._write_all(memoryview(source))
+            return
+        done = 0
+        while done < source.size:
+            n = min(_DIRECT_BLOCK - self.filled, source.size - done)
+            np.copyto(self.view[self.filled:self.filled + n], source[done:done + n])  # releases the GIL
+            self.filled += n
+            done += n
+            if self.filled == _DIRECT_BLOCK:
+                self._write_block(_DIRECT_BLOCK)
+                if not self.direct:  # fell back while writing the block: the rest goes straight through
+                    self.size -= source.size - done
+                    self.write(source[done:])
+                    return
+
+    def _write_block(self, length: int) -> None:
+        """Write the first `length` bytes of the block (a multiple of the alignment) with direct I/O."""
+        try:
+            self._write_all(memoryview(self.block)[:length])
+            refused = False
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+            refused = True
+        if refused:  # out of the except clause: its traceback holds views of the block, which closing needs gone
+            self._fall_back(length)
+            return
+        self.filled = 0
+
+    def _fall_back(self, length: int) -> None:
+        """Direct writes refused (an alignment this device does not take): reopen buffered at the end of what
+        was written (always a whole number of blocks), and write the block's bytes there."""
+        written = os.lseek(self.fd, 0, os.SEEK_CUR)
+        os.close(self.fd)
+        self.fd = os.open(self.path, os.O_WRONLY | getattr(os, "O_CLOEXEC", 0))
+        os.lseek(self.fd, written, os.SEEK_SET)
+        block, self.block = self.block, None
+        self._write_all(memoryview(block)[:min(length, self.filled)])
+        del self.view
+        block.close()
+
+    def _write_all(self, data: memoryview) -> None:
+        while len(data):
+            data = data[os.write(self.fd, data):]
+
+    def finish(self, sync: bool) -> None:
+        """Write what is gathered (padded to the alignment, then truncated away), optionally fsync, and close."""
+        if self.direct and self.filled:
+            tail = self.filled
+            padded = tail + (-tail % _DIRECT_ALIGN)
+            self.view[tail:padded] = 0
+            self._write_block(padded)
+            if self.direct:
+                os.ftruncate(self.fd, self.size)
+        if sync:
+            os.fsync(self.fd)
+        self.close()
+
+    def writeback(self, nbytes: int) -> None:
+        """Start writing the last `nbytes` written to disk, and drop them from the page cache once clean
+        (buffered files only: direct writes never enter the page cache)."""
+        if not self.direct and hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(self.fd, self.size - nbytes, nbytes, os.POSIX_FADV_DONTNEED)
+
+    def close(self) -> None:
+        """Close without writing what is gathered (on errors: the partial file is removed by the caller)."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        if self.block is not None:
+            del self.view
+            self.block.close()
+            self.block = None
+
 
 class ShardWriter:
     """Writes a safetensors file whose header (names, dtypes, shapes, offsets) is known up front, then
     each tensor's bytes as it is produced. The format: 8-byte little-endian header length, the JSON
-    header padded with spaces to a multiple of 8, then the tensors' bytes back to back."""
+    header padded with spaces to a multiple of 8, then the tensors' bytes back to back.
+    direct: write with direct I/O where the file system allows it (OutputFile)."""
 
-    def __init__(self, path: Path, tensors: list[OutTensor], early_writeback: bool = False):
+    def __init__(self, path: Path, tensors: list[OutTensor], early_writeback: bool = False, direct: bool = False):
         if sys.byteorder != "little":
             raise MergeError("safetensors files are little-endian; this machine is not")
         header: dict = {"__metadata__": {"format": "pt"}}
@@ -201,33 +329,31 @@ class ShardWriter:
         self.path = path
         self.expected = [(t.name, t.nbytes) for t in tensors]
         self.position = 0
-        self.early_writeback = early_writeback and hasattr(os, "posix_fadvise")
-        self.handle = open(path, "wb")
-        self.handle.write(struct.pack("<Q", len(raw)))
-        self.handle.write(raw)
+        self.early_writeback = early_writeback
+        self.file = OutputFile(path, direct=direct)
+        self.file.write(struct.pack("<Q", len(raw)) + raw)
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         want_name, want_bytes = self.expected[self.position]
         data = tensor.contiguous().reshape(-1).view(torch.uint8)
         if name != want_name or data.numel() != want_bytes:
             raise RuntimeError(f"internal error: wrote {name} ({data.numel()} bytes), header says {want_name} ({want_bytes})")
-        self.handle.write(data.numpy().data)  # the tensor's own memory, no bytes copy
+        self.file.write(data.numpy())  # the tensor's own memory, no bytes copy
         self.position += 1
         if self.early_writeback and want_bytes >= _WRITEBACK_BYTES:
             # Start writing this tensor to disk now (Linux starts writeback of dirty pages on DONTNEED, and
             # drops them from the page cache once clean), so that the disk works while the next tensors are
             # computed and the fsync at the end has little left to wait for.
-            self.handle.flush()
-            end = self.handle.tell()
-            os.posix_fadvise(self.handle.fileno(), end - want_bytes, want_bytes, os.POSIX_FADV_DONTNEED)
+            self.file.writeback(want_bytes)
 
     def close(self, sync: bool = True) -> None:
         if self.position != len(self.expected):
             raise RuntimeError(f"internal error: {self.path} got {self.position} of {len(self.expected)} tensors")
-        self.handle.flush()
-        if sync:
-            os.fsync(self.handle.fileno())
-        self.handle.close()
+        self.file.finish(sync)
+
+    def abort(self) -> None:
+        """Close the file without finishing it (the caller removes the partial output)."""
+        self.file.close()
 
 
 class TensorReader:
