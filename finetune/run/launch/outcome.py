@@ -36,6 +36,8 @@ class RankFailure:
                 how = f"was killed by {signal.Signals(-self.exitcode).name}"
             except ValueError:
                 how = f"was killed by signal {-self.exitcode}"
+            if self.message:  # its error file: it raised first, and torchrun stopped it while it was exiting
+                how = f"raised, then {how} while exiting"
         else:
             how = f"exited with code {self.exitcode}"
         where = f" on {self.host}" if self.host else ""
