@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -160,34 +161,58 @@ def _tiny_run_name(item) -> str | None:
     return callspec.params.get("name") if callspec is not None and "tiny_run" in item.fixturenames else None
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook turns the groups into node ids
 def pytest_collection_modifyitems(config, items):
     if not hasattr(config, "workerinput"):
         items.sort(key=lambda item: item.get_closest_marker("slow") is not None)  # stable: file order kept
         return
+    groups = {item.nodeid: _xdist_group(item) for item in items}
     slow_groups = {}
     for item in items:
-        group = _xdist_group(item)
-        item.add_marker(pytest.mark.xdist_group(group))
         if item.get_closest_marker("slow") is not None:
-            slow_groups[group] = slow_groups.get(group, 0) + 1
-    # xdist keeps this order when --no-loadscope-reorder is given (pytest_xdist_make_scheduler below): the
-    # groups of the shared runs first (each of their tests reads a training run), then the other slow groups
-    # by their number of slow tests, then the fast modules.
+            slow_groups[groups[item.nodeid]] = slow_groups.get(groups[item.nodeid], 0) + 1
+    # The scheduler (below) sends the groups in this order: the groups of the shared runs first (each of their
+    # tests reads a training run), then the other slow groups by their number of slow tests, then the fast modules.
     first = {"shared-sft": -2, "tiny-runs": -1}
     order = {group: (first.get(group, 0), -count) for group, count in slow_groups.items()}
-    items.sort(key=lambda item: order.get(_xdist_group(item), (1, 0)))
+    items.sort(key=lambda item: order.get(groups[item.nodeid], (1, 0)))
+    # xdist's own `xdist_group` mark reaches the scheduler by renaming node ids, which pytest 9.2 no longer
+    # allows; the groups go to the scheduler in a file instead (every worker writes the same one).
+    path = Path(config.workerinput["finetune_groups"])
+    partial = path.with_name(f"{path.name}.{config.workerinput['workerid']}")
+    partial.write_text(json.dumps(groups))
+    partial.replace(path)
 
 
 try:
-    from xdist.scheduler import LoadGroupScheduling
+    from xdist.scheduler import LoadScopeScheduling
 except ImportError:  # pytest-xdist is in the dev extra; without it the tests run in one process
-    LoadGroupScheduling = None
+    LoadScopeScheduling = None
 else:
+    class _GroupScheduling(LoadScopeScheduling):
+        """One work unit per group (above), sent in the order of the collection."""
+
+        def __init__(self, config, log=None):
+            super().__init__(config, log)
+            self._groups = None
+
+        def _split_scope(self, nodeid: str) -> str:
+            if self._groups is None:
+                self._groups = json.loads(Path(self.config.finetune_groups).read_text())
+            return self._groups.get(nodeid, nodeid)
+
     def pytest_xdist_make_scheduler(config, log):
-        """Groups (above) in the order of the collection, not by their number of tests."""
         config.option.loadscopereorder = False
-        return LoadGroupScheduling(config, log)
+        return _GroupScheduling(config, log)
+
+    def pytest_configure_node(node):
+        node.workerinput["finetune_groups"] = node.config.finetune_groups
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_configure(config):
+        if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+            import tempfile
+
+            config.finetune_groups = str(Path(tempfile.mkdtemp(prefix="finetune-xdist-")) / "groups.json")
 
 
 FAST_FAILURES = pytest.StashKey[int]()
