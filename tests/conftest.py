@@ -144,8 +144,8 @@ def run_cli(*args: str, cwd: Path | None = None, timeout: float = 120) -> subpro
 # Under pytest-xdist (`-n auto`, what CI runs): the tests are split into groups that each go whole to one worker,
 # so that no training run a fixture shares is trained twice: the tests reading the shared SFT run, those reading
 # the tiny_run runs, and otherwise one group per module (its module-scoped fixtures). The slow groups are sent
-# first, the costliest first, and the fast modules fill the gaps: a 2-process run leaves a core idle while
-# it waits for a launch, a barrier or a checkpoint, and the fast tests are single-threaded.
+# first (the two shared-run groups, then by number of slow tests), and the fast modules fill the gaps: a
+# 2-process run leaves a core idle while it waits for a launch, a barrier or a checkpoint.
 
 
 def _xdist_group(item) -> str:
@@ -186,7 +186,7 @@ def pytest_collection_modifyitems(config, items):
 try:
     from xdist.scheduler import LoadScopeScheduling
 except ImportError:  # pytest-xdist is in the dev extra; without it the tests run in one process
-    LoadScopeScheduling = None
+    pass
 else:
     class _GroupScheduling(LoadScopeScheduling):
         """One work unit per group (above), sent in the order of the collection."""
