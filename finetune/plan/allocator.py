@@ -233,22 +233,19 @@ class CachingAllocator:
         for neighbour in (block.prev, block.next):
             if neighbour is not None and neighbour.free:
                 self._remove(small, neighbour)
-                if neighbour is block.prev:
-                    neighbour.size += block.size
-                    neighbour.next = block.next
-                    if block.next is not None:
-                        block.next.prev = neighbour
-                    if self.ends.get(small) is block:
-                        self.ends[small] = neighbour
-                    block = neighbour
-                else:
-                    block.size += neighbour.size
-                    block.next = neighbour.next
-                    if neighbour.next is not None:
-                        neighbour.next.prev = block
-                    if self.ends.get(small) is neighbour:
-                        self.ends[small] = block
+                block = self._absorb(small, neighbour, block) if neighbour is block.prev else \
+                    self._absorb(small, block, neighbour)
         self._insert(small, block)
+
+    def _absorb(self, small: bool, left: _Block, right: _Block) -> _Block:
+        """Merge the free neighbour `right` into `left` (adjacent in one segment); returns `left`."""
+        left.size += right.size
+        left.next = right.next
+        if right.next is not None:
+            right.next.prev = left
+        if self.ends.get(small) is right:
+            self.ends[small] = left
+        return left
 
 
 Event = tuple  # ("alloc", key, nbytes) or ("free", key)
