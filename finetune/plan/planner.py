@@ -87,8 +87,12 @@ def _overhead(setup: Setup, groups: list[ParamGroup], terms: list[Term]) -> list
                             counter="reserved",
                             note=f"{FRAGMENTATION:.0%} of what the {phase} phase allocates and frees "
                                  "(fitted: docs/plan.md)"))
-        if transient and phase == "backward" and setup.shapes_vary and not setup.expandable_segments:
-            out += _history(setup, transient, terms + out)
+        # Only what grows with the batch's shape leaves a history: tensors of the same size every step
+        # (dequantized 4-bit or GPTQ weights, DeepSpeed's buckets, gathered parameters) get back the
+        # exact cached block they freed (get_free_block's best fit), whatever the sequence length.
+        shaped = sum(t.bytes for t in terms if t.phase == phase and t not in kept and t.field in SHAPED_FIELDS)
+        if shaped and phase == "backward" and setup.shapes_vary and not setup.expandable_segments:
+            out += _history(setup, shaped, terms + out)
     out.append(Term("overhead", "CUDA context", CUDA_CONTEXT, counter="device",
                     note="outside PyTorch: driver + lazily loaded kernels (measured, CUDA >= 11.7)"))
     nccl = nccl_buffer_bytes(setup.world)
@@ -96,6 +100,10 @@ def _overhead(setup: Setup, groups: list[ParamGroup], terms: list[Term]) -> list
         out.append(Term("overhead", "NCCL buffers", nccl, counter="device",
                         note=f"outside PyTorch: {setup.world} ranks (NCCL issues 986, 1685)"))
     return out
+
+
+# The fields whose tensors have the batch's shape (tokens x something): activations and the loss.
+SHAPED_FIELDS = ("logits",)
 
 
 def _history(setup: Setup, transient: int, terms: list[Term]) -> list[Term]:
