@@ -93,6 +93,9 @@ PROCESS_RSS = 2 * GiB
 # Every quantized weight also carries the 16-value fp32 NF4 code.
 BNB_BLOCKSIZE = 64
 BNB_NESTED_BLOCKSIZE = 256
+# GPTQ checkpoints (corpus cases only, Setup.quant_format "gptq-int4"): inputs per quantization group. Qwen's
+# Int4 models come from its run_gptq.py, whose --group-size defaults to 128 (QwenLM/Qwen run_gptq.py L69).
+GPTQ_GROUP_SIZE = 128
 
 # Optimizer state bytes per trainable parameter (fp32 moments), beside the fp32 master copy.
 OPTIMIZER_STATE_BYTES = {"adamw": 8, "adam": 8, "lion": 4, "adagrad": 4, "sgd": 0, "adamw_bnb_8bit": 2}
