@@ -28,7 +28,7 @@ def activation_terms(setup: Setup) -> list[Term]:
             saved -= tokens * (4 * h + 4)
         terms.append(Term("activations", "saved for backward", saved, phase="backward",
                           note=f"{arch.layers} layers x {per_layer // tokens:,} B/token"
-                               + (" + seq^2 scores" if setup.attn == "eager" else "")))
+                               + (" + seq^2 scores" if setup.attn == "eager" else ""), stacked=True))
     kept = bnb_kept_inputs(setup)
     if kept:
         terms.append(Term("activations", "4-bit linear inputs (bitsandbytes < 0.43.2)", kept, phase="backward",

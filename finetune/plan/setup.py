@@ -170,3 +170,7 @@ class Term:
     # Which counter first sees it: "allocated" (a tensor: max_memory_allocated), "reserved" (cached by
     # PyTorch's allocator, not allocated: max_memory_reserved) or "device" (outside PyTorch: nvidia-smi).
     counter: str = "allocated"
+    # Allocated layer by layer in forward and freed in reverse in backward, the same sizes every step (the
+    # activations a model without checkpointing saves): the cache serves them again block for block, so the
+    # allocator's fragmentation term leaves them out (planner._overhead; docs/plan.md, "The allocator").
+    stacked: bool = False
