@@ -112,7 +112,7 @@ def history_base(terms: list[Term]) -> int:
     (scripts/plan_corpus.py --allocator swift-benchmark/008,swift-benchmark/037: Qwen-7B LoRA at 2,048
     tokens with and without checkpointing) leaves 9.79 GiB cached in blocks of 1 GiB and more in both, the
     loss blocks of the 4 earlier records (3.06 x 3.48 GiB = 10.65 planned), though 037's activations are
-    13.8 GiB more: 37.61 GiB reserved in all, measured 37.70, where a history of all it frees would be 74.5."""
+    13.8 GiB more: 37.61 GiB reserved in all, measured 37.70, where a history of all backward frees planned 74.52."""
     return sum(t.bytes for t in terms if t.phase == "backward" and t.field == "logits")
 
 

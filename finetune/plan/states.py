@@ -49,6 +49,12 @@ def trainable_weight_bytes(setup: Setup) -> int:
     return setup.element_bytes
 
 
+def _constants_note(setup: Setup) -> str:
+    if setup.quant_format == "gptq-int4":
+        return f"GPTQ scales + zero points per {GPTQ_GROUP_SIZE} inputs, g_idx (auto-gptq QuantLinear)"
+    return "absmax per 64 values" + (" (8-bit, double quant)" if setup.double_quant else " (fp32)")
+
+
 def weight_terms(setup: Setup, groups: list[ParamGroup], cpu: list[Term], notes: list[str]) -> list[Term]:
     wb = trainable_weight_bytes(setup)
     frozen16 = sum(_bytes_of(g, setup, wb) for g in groups if not g.trainable and not g.quantized)
@@ -61,9 +67,7 @@ def weight_terms(setup: Setup, groups: list[ParamGroup], cpu: list[Term], notes:
         return [
             Term("weights", f"frozen base {_width(setup)}", frozen16, note=f"{setup.dtype}"),
             Term("weights", "frozen base 4-bit", packed, note="NF4, 2 values per byte"),
-            Term("weights", "quantization constants", constants,
-                 note=(f"GPTQ scales + zero points per {GPTQ_GROUP_SIZE} inputs, g_idx" if setup.quant_format == "gptq-int4"
-                       else "absmax per 64 values" + (" (8-bit, double quant)" if setup.double_quant else " (fp32)"))),
+            Term("weights", "quantization constants", constants, note=_constants_note(setup)),
             Term("weights", "trainable", train, note=dt),
         ]
     # ZeRO-3 partitions every parameter (frozen ones too) across all GPUs, except the ones at or below
