@@ -200,10 +200,12 @@ else:
                 self._groups = json.loads(Path(self.config.finetune_groups).read_text())
             return self._groups.get(nodeid, nodeid)
 
+    @pytest.hookimpl(optionalhook=True)  # xdist's hooks: unknown under `-p no:xdist`
     def pytest_xdist_make_scheduler(config, log):
         config.option.loadscopereorder = False
         return _GroupScheduling(config, log)
 
+    @pytest.hookimpl(optionalhook=True)
     def pytest_configure_node(node):
         node.workerinput["finetune_groups"] = node.config.finetune_groups
 
