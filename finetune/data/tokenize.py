@@ -185,16 +185,36 @@ def _ids(tokenizer, texts: list[str], add_special_tokens: bool) -> list[list[int
     return [encoding.ids for encoding in backend.encode_batch_fast(texts, add_special_tokens=add_special_tokens)]
 
 
-def _ids_and_offsets(tokenizer, texts: list[str], max_length: int) -> tuple[list[list[int]], list[list[tuple[int, int]]]]:
-    """tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True): ids and character offsets of
-    the first max_length tokens. Sliced in Python: Encoding.truncate builds the overflowing tail as new
-    encodings, which costs 2-4x converting it."""
+def _ids_and_offsets(tokenizer, texts: list[str], max_length: int) -> tuple[list[list[int]], list[Any]]:
+    """tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True): ids and character offsets (numpy,
+    (n, 2)) of the first max_length tokens. Through the Rust tokenizer: without offsets (encode_batch_fast) where
+    finetune.data.offsets computes them from the ids, with them for the other texts, sliced in Python
+    (Encoding.truncate builds the overflowing tail as new encodings, which costs 2-4x converting it)."""
     backend = _backend(tokenizer)
     if backend is None:
         encoded = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
-        return [ids[:max_length] for ids in encoded["input_ids"]], [o[:max_length] for o in encoded["offset_mapping"]]
-    encodings = backend.encode_batch(texts, add_special_tokens=False)
-    return [e.ids[:max_length] for e in encodings], [e.offsets[:max_length] for e in encodings]
+        return [ids[:max_length] for ids in encoded["input_ids"]], [_array(o[:max_length]) for o in encoded["offset_mapping"]]
+    from finetune.data.offsets import ByteOffsets
+
+    ids: list[Any] = [None] * len(texts)
+    offsets: list[Any] = [None] * len(texts)
+    spelled = ByteOffsets.of(tokenizer)
+    if spelled is not None:
+        fast = [i for i, text in enumerate(texts) if text.isascii()]
+        for i, encoding in zip(fast, backend.encode_batch_fast([texts[i] for i in fast], add_special_tokens=False)):
+            ids[i] = encoding.ids[:max_length]
+            offsets[i] = spelled.offsets(texts[i], ids[i])
+    rest = [i for i, found in enumerate(offsets) if found is None]
+    for i, encoding in zip(rest, backend.encode_batch([texts[i] for i in rest], add_special_tokens=False)):
+        ids[i], offsets[i] = encoding.ids[:max_length], _array(encoding.offsets[:max_length])
+    return ids, offsets
+
+
+def _array(offsets: list[tuple[int, int]]):
+    """(n, 2) int64 from a list of (start, end) (fromiter: half the time of asarray on a list of tuples)."""
+    import numpy as np
+
+    return np.fromiter(chain.from_iterable(offsets), dtype=np.int64, count=2 * len(offsets)).reshape(-1, 2)
 
 
 def _encode_prompted(examples: list[Prompted], indices: list[int], tokenizer, max_length: int, mask_prompt: bool,
@@ -253,9 +273,7 @@ def _encode_chat(examples: list[Chat], indices: list[int], tokenizer, max_length
         all_spans.append(without_think(spans, text) if think == "mask" else spans)
     out = []
     for ids, offsets, spans in zip(*_ids_and_offsets(tokenizer, texts, max_length), all_spans):
-        # A token is trained when its characters overlap a trained span (numpy: ~10x a Python loop per token;
-        # fromiter: half the time of asarray on a list of tuples).
-        offsets = np.fromiter(chain.from_iterable(offsets), dtype=np.int64, count=2 * len(offsets)).reshape(-1, 2)
+        # A token is trained when its characters overlap a trained span (numpy: ~10x a Python loop per token).
         trained = np.zeros(len(ids), dtype=bool)
         for start, end in spans:
             trained |= (offsets[:, 0] < end) & (offsets[:, 1] > start)
