@@ -6,13 +6,15 @@ every token's byte offsets to character offsets through a hash map of every byte
 every token's string: about 40% of its time on a ShareGPT row, and converting the offsets into Python
 tuples costs a third as much again. `encode_batch_fast` skips both (its offsets are zeros). For a tokenizer
 whose tokens spell the text byte for byte (byte-level BPE with no normalizer, no prefix space and no
-offset trimming: GPT-2, Llama 3, Qwen 2/3, the built-in model), a token's offsets are where its bytes sit,
-so on an ASCII text (one byte per character) they are the running sum of the tokens' byte lengths.
+offset trimming: GPT-2, Llama 3, Qwen 2/3, the built-in model), a token's offsets are where its bytes sit:
+the running sum of the tokens' byte lengths, turned into characters (a token starts at the character that
+holds its first byte and ends after the one that holds its last, as the tokenizer reports them).
 
 `ByteOffsets.of(tokenizer)` says whether the tokenizer is of that kind (None otherwise); `offsets(text, ids)`
-returns the (start, end) character offsets of the tokens, or None when it cannot vouch for them: a text that
-is not ASCII, or tokens that do not spell the text (checked byte for byte, so a tokenizer that breaks an
-assumption above gives None, never wrong offsets). The caller asks the tokenizer for offsets then.
+returns the (start, end) character offsets of the tokens, or None when it cannot vouch for them: tokens that do
+not spell the text (checked byte for byte, so a tokenizer that breaks an assumption above gives None, never
+wrong offsets). The caller asks the tokenizer for offsets then. tests/test_data_offsets.py compares them with
+the tokenizer's own on random texts (ASCII, multi-byte characters, special tokens).
 """
 
 from __future__ import annotations
@@ -99,23 +101,32 @@ class ByteOffsets:
         return kind
 
     def offsets(self, text: str, ids: list[int]):
-        """(n, 2) int64 character offsets of `ids` in `text`, or None when the text is not ASCII or the
-        tokens do not spell the start of the text byte for byte."""
+        """(n, 2) int64 character offsets of `ids` in `text`, or None when the tokens do not spell the start of
+        the text byte for byte."""
         import numpy as np
 
-        if not text.isascii() or not ids:
-            return None if ids else np.zeros((0, 2), dtype=np.int64)
+        if not ids:
+            return np.zeros((0, 2), dtype=np.int64)
+        try:
+            raw = np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
+        except UnicodeEncodeError:  # a lone surrogate: the tokenizer's own call says what it makes of it
+            return None
         tokens = np.fromiter(ids, dtype=np.int64, count=len(ids))
         if tokens.max() >= len(self.lengths) or tokens.min() < 0:
             return None
         lengths = self.lengths[tokens]
         ends = np.cumsum(lengths)
         spelled = int(ends[-1])
-        if spelled > len(text):
+        if spelled > len(raw) or not lengths.all():
             return None
         starts = ends - lengths
         # Byte p of the text is byte (p - start) of the token that covers it.
         source = np.repeat(self.starts[tokens] - starts, lengths) + np.arange(spelled)
-        if not np.array_equal(self.bytes[source], np.frombuffer(text.encode("ascii"), dtype=np.uint8, count=spelled)):
+        if not np.array_equal(self.bytes[source], raw[:spelled]):
             return None
-        return np.stack([starts, ends], axis=1)
+        if len(raw) == len(text):  # ASCII: a byte is a character
+            return np.stack([starts, ends], axis=1)
+        # A token starts at the character holding its first byte and ends after the one holding its last: a
+        # character split between tokens (byte-level BPE cuts inside UTF-8 sequences) is in each of them.
+        chars = np.cumsum((raw[:spelled] & 0xC0) != 0x80) - 1
+        return np.stack([chars[starts], chars[ends - 1] + 1], axis=1)

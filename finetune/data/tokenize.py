@@ -200,8 +200,7 @@ def _ids_and_offsets(tokenizer, texts: list[str], max_length: int) -> tuple[list
     offsets: list[Any] = [None] * len(texts)
     spelled = ByteOffsets.of(tokenizer)
     if spelled is not None:
-        fast = [i for i, text in enumerate(texts) if text.isascii()]
-        for i, encoding in zip(fast, backend.encode_batch_fast([texts[i] for i in fast], add_special_tokens=False)):
+        for i, encoding in enumerate(backend.encode_batch_fast(texts, add_special_tokens=False)):
             ids[i] = encoding.ids[:max_length]
             offsets[i] = spelled.offsets(texts[i], ids[i])
     rest = [i for i, found in enumerate(offsets) if found is None]
