@@ -97,7 +97,8 @@ def test_chat_rows_mask_the_same_with_either_offsets(tiny_dir, monkeypatch):
         rows.append({"conversations": turns})
     spec = RowSpec("sharegpt")
     for think in ("train", "mask"):
-        fast = tokenize.encode_rows(rows, spec, tokenizer, 64, think=think)
+        fast = tokenize.tokenize_examples(rows, tokenizer, "sharegpt", 64, spec=spec, think=think)
+        assert len(fast) > 30
         with monkeypatch.context() as patched:
             patched.setattr(ByteOffsets, "of", classmethod(lambda cls, tokenizer: None))
-            assert tokenize.encode_rows(rows, spec, tokenizer, 64, think=think) == fast
+            assert tokenize.tokenize_examples(rows, tokenizer, "sharegpt", 64, spec=spec, think=think) == fast

@@ -100,18 +100,18 @@ class ByteOffsets:
         _CACHE[id(backend)] = (backend, kind)
         return kind
 
-    def offsets(self, text: str, ids: list[int]):
-        """(n, 2) int64 character offsets of `ids` in `text`, or None when the tokens do not spell the start of
-        the text byte for byte."""
+    def offsets(self, text: str, ids):
+        """(n, 2) int64 character offsets of `ids` (a list or numpy array) in `text`, or None when the tokens do
+        not spell the start of the text byte for byte."""
         import numpy as np
 
-        if not ids:
+        tokens = np.asarray(ids, dtype=np.int64)
+        if len(tokens) == 0:
             return np.zeros((0, 2), dtype=np.int64)
         try:
             raw = np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
         except UnicodeEncodeError:  # a lone surrogate: the tokenizer's own call says what it makes of it
             return None
-        tokens = np.fromiter(ids, dtype=np.int64, count=len(ids))
         if tokens.max() >= len(self.lengths) or tokens.min() < 0:
             return None
         lengths = self.lengths[tokens]

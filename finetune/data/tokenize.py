@@ -95,7 +95,7 @@ def tokenize_examples(examples: Iterable[dict[str, Any]], tokenizer, fmt: str, m
     for index, encoded in enumerate(encode_rows(batch, spec, tokenizer, max_length, mask_prompt, think)):
         if not encoded and dropped is not None:
             dropped.append(index)
-        rows.extend(encoded)
+        rows.extend({name: list(map(int, values)) for name, values in sequence.items()} for sequence in encoded)
     return rows
 
 
@@ -113,7 +113,8 @@ class RowError(DataError):
 def encode_rows(rows: list[Any], spec: RowSpec, tokenizer, max_length: int, mask_prompt: bool = True,
                 think: str = "train") -> list[list[dict[str, list[int]]]]:
     """The sequences of each row (converted by its format), with one batched call to the fast tokenizer per
-    kind of example. Raises RowError naming the row of the batch that is wrong."""
+    kind of example: input_ids and labels as lists of ints, or numpy int64 arrays (chat rows). Raises RowError
+    naming the row of the batch that is wrong."""
     examples = []
     for index, row in enumerate(rows):
         try:
@@ -185,15 +186,15 @@ def _ids(tokenizer, texts: list[str], add_special_tokens: bool) -> list[list[int
     return [encoding.ids for encoding in backend.encode_batch_fast(texts, add_special_tokens=add_special_tokens)]
 
 
-def _ids_and_offsets(tokenizer, texts: list[str], max_length: int) -> tuple[list[list[int]], list[Any]]:
-    """tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True): ids and character offsets (numpy,
-    (n, 2)) of the first max_length tokens. Through the Rust tokenizer: without offsets (encode_batch_fast) where
+def _ids_and_offsets(tokenizer, texts: list[str], max_length: int) -> tuple[list[Any], list[Any]]:
+    """tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True): ids (numpy int64) and character
+    offsets (numpy, (n, 2)) of the first max_length tokens. Through the Rust tokenizer: without offsets (encode_batch_fast) where
     finetune.data.offsets computes them from the ids, with them for the other texts, sliced in Python
     (Encoding.truncate builds the overflowing tail as new encodings, which costs 2-4x converting it)."""
     backend = _backend(tokenizer)
     if backend is None:
         encoded = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
-        return [ids[:max_length] for ids in encoded["input_ids"]], [_array(o[:max_length]) for o in encoded["offset_mapping"]]
+        return [_tokens(ids[:max_length]) for ids in encoded["input_ids"]], [_array(o[:max_length]) for o in encoded["offset_mapping"]]
     from finetune.data.offsets import ByteOffsets
 
     ids: list[Any] = [None] * len(texts)
@@ -201,12 +202,18 @@ def _ids_and_offsets(tokenizer, texts: list[str], max_length: int) -> tuple[list
     spelled = ByteOffsets.of(tokenizer)
     if spelled is not None:
         for i, encoding in enumerate(backend.encode_batch_fast(texts, add_special_tokens=False)):
-            ids[i] = encoding.ids[:max_length]
+            ids[i] = _tokens(encoding.ids[:max_length])
             offsets[i] = spelled.offsets(texts[i], ids[i])
     rest = [i for i, found in enumerate(offsets) if found is None]
     for i, encoding in zip(rest, backend.encode_batch([texts[i] for i in rest], add_special_tokens=False)):
-        ids[i], offsets[i] = encoding.ids[:max_length], _array(encoding.offsets[:max_length])
+        ids[i], offsets[i] = _tokens(encoding.ids[:max_length]), _array(encoding.offsets[:max_length])
     return ids, offsets
+
+
+def _tokens(ids: list[int]):
+    import numpy as np
+
+    return np.fromiter(ids, dtype=np.int64, count=len(ids))
 
 
 def _array(offsets: list[tuple[int, int]]):
@@ -279,8 +286,8 @@ def _encode_chat(examples: list[Chat], indices: list[int], tokenizer, max_length
         if not trained[1:].any():  # _keep: nothing left to train
             out.append([])
             continue
-        labels = np.where(trained, np.asarray(ids, dtype=np.int64), IGNORE_INDEX).tolist()
-        out.append([{"input_ids": ids, "labels": labels}])
+        # Numpy columns: finetune.data.prepare hands them to Arrow as they are (tokenize_examples makes lists).
+        out.append([{"input_ids": ids, "labels": np.where(trained, ids, IGNORE_INDEX)}])
     return out
 
 
