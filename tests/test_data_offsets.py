@@ -42,27 +42,41 @@ def _byte_level(tokenizer_json_pre, post=None, added=(), normalizer=None):
     return PreTrainedTokenizerFast(tokenizer_object=tok)
 
 
-def _llama3_like():
+def _llama3_like(normalizer=None):
     from tokenizers import Regex, pre_tokenizers
 
     split = pre_tokenizers.Split(Regex(r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"),
                                  behavior="isolated")
-    return _byte_level(pre_tokenizers.Sequence([split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]))
+    return _byte_level(pre_tokenizers.Sequence([split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]),
+                       normalizer=normalizer)
 
 
-@pytest.mark.parametrize("which", ["builtin", "llama3_like"])
+def _qwen_like():
+    from tokenizers import normalizers
+
+    return _llama3_like(normalizer=normalizers.NFC())
+
+
+@pytest.mark.parametrize("which", ["builtin", "llama3_like", "qwen_like"])
 def test_offsets_from_the_ids_are_the_tokenizers(which, tiny_dir):
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(tiny_dir)) if which == "builtin" else _llama3_like()
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_dir)) if which == "builtin" else globals()[f"_{which}"]()
     spelled = ByteOffsets.of(tokenizer)
     assert spelled is not None
     backend = tokenizer._tokenizer
     rng = random.Random(1)
+    unspelled = 0
     for text in _texts(1500, 2):
         encoding = backend.encode(text, add_special_tokens=False)
         cut = rng.randint(0, len(encoding.ids))  # the first max_length tokens
-        assert spelled.offsets(text, encoding.ids[:cut]).tolist() == [list(o) for o in encoding.offsets[:cut]], text
+        offsets = spelled.offsets(text, encoding.ids[:cut])
+        if offsets is None:  # NFC composed "e" + U+0301: the tokens spell another text
+            unspelled += 1
+            assert which == "qwen_like" and "\u0301" in text
+            continue
+        assert offsets.tolist() == [list(o) for o in encoding.offsets[:cut]], text
+    assert unspelled < 300
     # Tokens that do not spell the text: no offsets, never wrong ones.
     assert spelled.offsets("the cat", backend.encode("the dog", add_special_tokens=False).ids) is None
     assert spelled.offsets("x", backend.encode("xx", add_special_tokens=False).ids) is None
@@ -74,7 +88,7 @@ def test_tokenizers_of_another_kind_get_the_tokenizers_offsets():
     level = pre_tokenizers.ByteLevel(add_prefix_space=False)
     assert ByteOffsets.of(_byte_level(level)) is not None
     assert ByteOffsets.of(_byte_level(pre_tokenizers.ByteLevel(add_prefix_space=True))) is None
-    assert ByteOffsets.of(_byte_level(level, normalizer=normalizers.NFC())) is None
+    assert ByteOffsets.of(_byte_level(level, normalizer=normalizers.Lowercase())) is None
     assert ByteOffsets.of(_byte_level(level, post=processors.ByteLevel(trim_offsets=True))) is None
     assert ByteOffsets.of(_byte_level(level, added=("<|l|>",))) is None  # lstrip: it covers the spaces before it
     assert ByteOffsets.of(_byte_level(pre_tokenizers.Metaspace())) is None

@@ -5,8 +5,8 @@ The fast tokenizer's `encode_batch` (what `tokenizer(texts, return_offsets_mappi
 every token's byte offsets to character offsets through a hash map of every byte of the text, and keeps
 every token's string: about 40% of its time on a ShareGPT row, and converting the offsets into Python
 tuples costs a third as much again. `encode_batch_fast` skips both (its offsets are zeros). For a tokenizer
-whose tokens spell the text byte for byte (byte-level BPE with no normalizer, no prefix space and no
-offset trimming: GPT-2, Llama 3, Qwen 2/3, the built-in model), a token's offsets are where its bytes sit:
+whose tokens spell the text byte for byte (byte-level BPE with no normalizer but a Unicode normal form, no
+prefix space and no offset trimming: GPT-2, Llama 3, Qwen 2/3, the built-in model), a token's offsets are where its bytes sit:
 the running sum of the tokens' byte lengths, turned into characters (a token starts at the character that
 holds its first byte and ends after the one that holds its last, as the tokenizer reports them).
 
@@ -25,6 +25,9 @@ from typing import Any, Optional
 # Pre-tokenizers that only cut the text (every byte stays in exactly one piece) or map bytes to the byte-level
 # alphabet one to one; anything else (Whitespace drops characters, Metaspace inserts some) is not this kind.
 _CUTTING = {"Split", "Digits", "Punctuation"}
+# Normalizers that leave a text already in their Unicode form as it is, character for character (Qwen 2/3 ship
+# NFC); a text they change is not spelled by its tokens, which the check below finds.
+_UNICODE_FORMS = {"NFC", "NFD", "NFKC", "NFKD"}
 # Post-processors that leave the offsets of a sequence encoded without special tokens as they are.
 _KEEPING = {"TemplateProcessing"}
 _CACHE: dict[int, tuple[Any, Optional["ByteOffsets"]]] = {}
@@ -46,7 +49,9 @@ def _byte_decoder() -> dict[str, int]:
 def _byte_level(config: dict[str, Any]) -> bool:
     """Whether a tokenizer.json describes a byte-level BPE whose tokens spell the text byte for byte."""
     model, pre, post = config.get("model") or {}, config.get("pre_tokenizer") or {}, config.get("post_processor")
-    if config.get("normalizer") is not None or model.get("type") != "BPE" or model.get("dropout"):
+    normalizer = config.get("normalizer") or {"type": "Sequence", "normalizers": []}
+    forms = normalizer.get("normalizers") if normalizer.get("type") == "Sequence" else [normalizer]
+    if any(n.get("type") not in _UNICODE_FORMS for n in forms) or model.get("type") != "BPE" or model.get("dropout"):
         return False
     if model.get("continuing_subword_prefix") or model.get("end_of_word_suffix"):
         return False
