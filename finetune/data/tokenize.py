@@ -188,13 +188,14 @@ def _ids(tokenizer, texts: list[str], add_special_tokens: bool) -> list[list[int
 
 def _ids_and_offsets(tokenizer, texts: list[str], max_length: int) -> tuple[list[Any], list[Any]]:
     """tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True): ids (numpy int64) and character
-    offsets (numpy, (n, 2)) of the first max_length tokens. Through the Rust tokenizer: without offsets (encode_batch_fast) where
-    finetune.data.offsets computes them from the ids, with them for the other texts, sliced in Python
-    (Encoding.truncate builds the overflowing tail as new encodings, which costs 2-4x converting it)."""
+    offsets (numpy, (n, 2)) of the first max_length tokens. Through the Rust tokenizer: without offsets
+    (encode_batch_fast) where finetune.data.offsets computes them from the ids, with them for the other texts;
+    sliced in Python (Encoding.truncate builds the overflowing tail as new encodings: 2-4x converting it)."""
     backend = _backend(tokenizer)
     if backend is None:
         encoded = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
-        return [_tokens(ids[:max_length]) for ids in encoded["input_ids"]], [_array(o[:max_length]) for o in encoded["offset_mapping"]]
+        return ([_tokens(ids[:max_length]) for ids in encoded["input_ids"]],
+                [_array(o[:max_length]) for o in encoded["offset_mapping"]])
     from finetune.data.offsets import ByteOffsets
 
     ids: list[Any] = [None] * len(texts)
