@@ -21,7 +21,7 @@ the tokenizer's own on random texts (ASCII, multi-byte characters, special token
 from __future__ import annotations
 
 import json
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 # Pre-tokenizers that only cut the text (every byte stays in exactly one piece) or map bytes to the byte-level
 # alphabet one to one; anything else (Whitespace drops characters, Metaspace inserts some) is not this kind.
@@ -31,7 +31,24 @@ _CUTTING = {"Split", "Digits", "Punctuation"}
 _UNICODE_FORMS = {"NFC", "NFD", "NFKC", "NFKD"}
 # Post-processors that leave the offsets of a sequence encoded without special tokens as they are.
 _KEEPING = {"TemplateProcessing"}
-_CACHE: dict[int, tuple[Any, Optional["ByteOffsets"]]] = {}
+_CACHE: dict[tuple, tuple[Any, Any]] = {}
+
+
+def per_tokenizer(backend, name: str, build: Callable[[], Any]) -> Any:
+    """build(), once per Rust tokenizer and process (a datasets worker builds it on its first batch), and again
+    when the tokenizer is changed in place: tokens added, another normalizer, pre- or post-processor."""
+    def state(part: Any) -> Any:
+        return None if part is None else part.__getstate__()
+
+    key = (name, id(backend), backend.get_vocab_size(with_added_tokens=True), backend.encode_special_tokens,
+           state(backend.normalizer), state(backend.pre_tokenizer), state(backend.post_processor),
+           tuple((index, str(token)) for index, token in backend.get_added_tokens_decoder().items()))
+    cached = _CACHE.get(key)
+    if cached is None or cached[0] is not backend:
+        if len(_CACHE) > 8:
+            _CACHE.clear()  # one tokenizer per process in practice; never keep dead ones' arrays
+        cached = _CACHE[key] = (backend, build())
+    return cached[1]
 
 
 def _byte_decoder() -> dict[str, int]:
@@ -90,21 +107,28 @@ class ByteOffsets:
 
     @classmethod
     def of(cls, tokenizer) -> Optional["ByteOffsets"]:
-        """For the fast tokenizer's Rust tokenizer when it is byte-level BPE as above, else None (once per
-        tokenizer object and process: a datasets worker builds it on its first batch)."""
+        """For the fast tokenizer's Rust tokenizer when it is byte-level BPE as above, else None."""
         backend = getattr(tokenizer, "_tokenizer", None)
         if backend is None or not hasattr(backend, "encode_batch_fast"):
             return None
-        cached = _CACHE.get(id(backend))
-        if cached is not None and cached[0] is backend:
-            return cached[1]
-        config = json.loads(backend.to_str())
-        added = backend.get_added_tokens_decoder().values()
-        # An added token that strips the spaces around it covers them: its offsets are not its own bytes.
-        kind = cls(backend) if _byte_level(config) and not any(t.lstrip or t.rstrip for t in added) else None
-        _CACHE.clear()  # one tokenizer per process in practice; never keep a dead one's arrays
-        _CACHE[id(backend)] = (backend, kind)
-        return kind
+
+        def build() -> Optional["ByteOffsets"]:
+            added = backend.get_added_tokens_decoder().values()
+            # An added token that strips the spaces around it covers them: its offsets are not its own bytes.
+            if any(t.lstrip or t.rstrip for t in added) or not _byte_level(json.loads(backend.to_str())):
+                return None
+            return cls(backend)
+
+        return per_tokenizer(backend, "offsets", build)
+
+    def spells_all(self, text: str, tokens) -> bool:
+        """Whether the byte lengths of `tokens` (numpy int64) add up to the text's: the last token ends with it."""
+        try:
+            size = len(text.encode("utf-8"))
+        except UnicodeEncodeError:
+            return False
+        return len(tokens) > 0 and 0 <= tokens.min() and tokens.max() < len(self.lengths) and \
+            int(self.lengths[tokens].sum()) == size
 
     def offsets(self, text: str, ids):
         """(n, 2) int64 character offsets of `ids` (a list or numpy array) in `text`, or None when the tokens do

@@ -188,25 +188,61 @@ def _ids(tokenizer, texts: list[str], add_special_tokens: bool) -> list[list[int
 
 def _ids_and_offsets(tokenizer, texts: list[str], max_length: int) -> tuple[list[Any], list[Any]]:
     """tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True): ids (numpy int64) and character
-    offsets (numpy, (n, 2)) of the first max_length tokens. Through the Rust tokenizer: without offsets
-    (encode_batch_fast) where finetune.data.offsets computes them from the ids, with them for the other texts;
-    sliced in Python (Encoding.truncate builds the overflowing tail as new encodings: 2-4x converting it)."""
+    offsets (numpy, (n, 2)) of the first max_length tokens. Through the Rust tokenizer, a long text only as far
+    as max_length needs (finetune.data.prefix), the rest of the batch cut where its first texts say."""
     backend = _backend(tokenizer)
     if backend is None:
         encoded = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
         return ([_tokens(ids[:max_length]) for ids in encoded["input_ids"]],
                 [_array(o[:max_length]) for o in encoded["offset_mapping"]])
+    from finetune.data.prefix import PROBE, Prefixes, chars_per_token
+
+    cuts = Prefixes.of(tokenizer)
+    ids, offsets = _encoded(tokenizer, backend, texts[:PROBE], [None] * len(texts[:PROBE]), max_length)
+    rest = texts[PROBE:]
+    ratio = chars_per_token(texts[:PROBE], offsets, max_length) if cuts is not None and rest else None
+    if ratio is None:
+        more = _encoded(tokenizer, backend, rest, [None] * len(rest), max_length)
+        return ids + more[0], offsets + more[1]
+    ends = cuts.ends(rest, ratio, max_length)
+    more = _encoded(tokenizer, backend, [text[:end] for text, (end, _) in zip(rest, ends)], [last for _, last in ends],
+                    max_length, cuts.lengths)
+    redo = [i for i, found in enumerate(more[0]) if found is None]  # a cut that did not hold: the whole text
+    again = _encoded(tokenizer, backend, [rest[i] for i in redo], [None] * len(redo), max_length)
+    for i, found_ids, found_offsets in zip(redo, *again):
+        more[0][i], more[1][i] = found_ids, found_offsets
+    return ids + more[0], offsets + more[1]
+
+
+def _encoded(tokenizer, backend, texts: list[str], lasts: list[Optional[int]], max_length: int,
+             lengths: Optional[dict[int, int]] = None) -> tuple[list[Any], list[Any]]:
+    """ids and offsets of the first max_length tokens of each text: without offsets (encode_batch_fast) where
+    finetune.data.offsets computes them from the ids, with them for the other texts; sliced in Python
+    (Encoding.truncate builds the overflowing tail as new encodings: 2-4x converting it). A text cut after the
+    added token `lasts[i]` (of `lengths[lasts[i]]` characters) gives (None, None) unless its tokens number at
+    least max_length and end with that token, on the text's last characters (finetune.data.prefix)."""
     from finetune.data.offsets import ByteOffsets
 
     ids: list[Any] = [None] * len(texts)
     offsets: list[Any] = [None] * len(texts)
+    failed = [False] * len(texts)
     spelled = ByteOffsets.of(tokenizer)
-    if spelled is not None:
+    if spelled is not None and texts:
         for i, encoding in enumerate(backend.encode_batch_fast(texts, add_special_tokens=False)):
-            ids[i] = _tokens(encoding.ids[:max_length])
+            if lasts[i] is None:
+                ids[i] = _tokens(encoding.ids[:max_length])
+            else:
+                tokens = _tokens(encoding.ids)
+                if not (len(tokens) >= max_length and tokens[-1] == lasts[i] and spelled.spells_all(texts[i], tokens)):
+                    failed[i] = True
+                    continue
+                ids[i] = tokens[:max_length]
             offsets[i] = spelled.offsets(texts[i], ids[i])
-    rest = [i for i, found in enumerate(offsets) if found is None]
+    rest = [i for i, found in enumerate(offsets) if found is None and not failed[i]]
     for i, encoding in zip(rest, backend.encode_batch([texts[i] for i in rest], add_special_tokens=False)):
+        if lasts[i] is not None and not (len(encoding.ids) >= max_length and encoding.ids[-1] == lasts[i]
+                                         and encoding.offsets[-1] == (len(texts[i]) - lengths[lasts[i]], len(texts[i]))):
+            continue
         ids[i], offsets[i] = _tokens(encoding.ids[:max_length]), _array(encoding.offsets[:max_length])
     return ids, offsets
 
