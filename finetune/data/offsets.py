@@ -122,13 +122,9 @@ class ByteOffsets:
         return per_tokenizer(backend, "offsets", build)
 
     def spells_all(self, text: str, tokens) -> bool:
-        """Whether the byte lengths of `tokens` (numpy int64) add up to the text's: the last token ends with it."""
-        try:
-            size = len(text.encode("utf-8"))
-        except UnicodeEncodeError:
-            return False
-        return len(tokens) > 0 and 0 <= tokens.min() and tokens.max() < len(self.lengths) and \
-            int(self.lengths[tokens].sum()) == size
+        """Whether `tokens` (numpy int64) spell all of `text`, byte for byte: the last one ends with it."""
+        spelled = self._spelled(text, tokens)
+        return spelled is not None and int(spelled[1][-1]) == len(spelled[2])
 
     def offsets(self, text: str, ids):
         """(n, 2) int64 character offsets of `ids` (a list or numpy array) in `text`, or None when the tokens do
@@ -138,11 +134,27 @@ class ByteOffsets:
         tokens = np.asarray(ids, dtype=np.int64)
         if len(tokens) == 0:
             return np.zeros((0, 2), dtype=np.int64)
+        spelled = self._spelled(text, tokens)
+        if spelled is None:
+            return None
+        starts, ends, raw = spelled
+        if len(raw) == len(text):  # ASCII: a byte is a character
+            return np.stack([starts, ends], axis=1)
+        # A token starts at the character holding its first byte and ends after the one holding its last: a
+        # character split between tokens (byte-level BPE cuts inside UTF-8 sequences) is in each of them.
+        chars = np.cumsum((raw[:int(ends[-1])] & 0xC0) != 0x80) - 1
+        return np.stack([chars[starts], chars[ends - 1] + 1], axis=1)
+
+    def _spelled(self, text: str, tokens):
+        """(byte starts, byte ends, the text's bytes) of non-empty `tokens` when they spell the start of `text`
+        byte for byte, else None."""
+        import numpy as np
+
         try:
             raw = np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
         except UnicodeEncodeError:  # a lone surrogate: the tokenizer's own call says what it makes of it
             return None
-        if tokens.max() >= len(self.lengths) or tokens.min() < 0:
+        if len(tokens) == 0 or tokens.max() >= len(self.lengths) or tokens.min() < 0:
             return None
         lengths = self.lengths[tokens]
         ends = np.cumsum(lengths)
@@ -154,9 +166,4 @@ class ByteOffsets:
         source = np.repeat(self.starts[tokens] - starts, lengths) + np.arange(spelled)
         if not np.array_equal(self.bytes[source], raw[:spelled]):
             return None
-        if len(raw) == len(text):  # ASCII: a byte is a character
-            return np.stack([starts, ends], axis=1)
-        # A token starts at the character holding its first byte and ends after the one holding its last: a
-        # character split between tokens (byte-level BPE cuts inside UTF-8 sequences) is in each of them.
-        chars = np.cumsum((raw[:spelled] & 0xC0) != 0x80) - 1
-        return np.stack([chars[starts], chars[ends - 1] + 1], axis=1)
+        return starts, ends, raw
