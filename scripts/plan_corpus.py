@@ -255,10 +255,11 @@ def record_lengths(seq_len: int, earlier: int = 4) -> list[int]:
 
 
 def history_rows(corpus: dict) -> list[dict]:
-    """For each case the planner gives an `allocator history` term: the multiple of what its backward
-    allocates and frees that the measurement leaves for the history ((measured - plan without the term) /
-    that), beside the planner's sum(HISTORY_RECORDS). No torch needed."""
-    from finetune.plan.constants import FRAGMENTATION, HISTORY_RECORDS
+    """For each case the planner gives an `allocator history` term: the multiple of its loss working set
+    (planner.history_base, what the term multiplies) that the measurement leaves for the history ((measured
+    - plan without the term) / that), beside the planner's sum(HISTORY_RECORDS). No torch needed."""
+    from finetune.plan.constants import HISTORY_RECORDS
+    from finetune.plan.planner import history_base
 
     rows = []
     for row in evaluate(corpus):
@@ -270,8 +271,7 @@ def history_rows(corpus: dict) -> list[dict]:
         history = [t.bytes for t in terms if t.name == "allocator history"]
         if not history:
             continue
-        fragmentation = [t.bytes for t in terms if t.name == "allocator fragmentation" and t.phase == "backward"][0]
-        transient = fragmentation / FRAGMENTATION
+        transient = history_base(terms)  # what the term multiplies: the loss working set
         without = row["predicted_gib"] - history[0] / GiB
         rows.append({"id": row["id"], "seq_len": setup.seq_len, "micro_batch": setup.micro_batch,
                      "measured_gib": row["measured_gib"], "without_gib": without, "transient_gib": transient / GiB,
@@ -369,8 +369,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         allocator_rows(corpus, args.allocator.split(","), args.records)
         return 0
     if args.history:
-        print(f"{'case':<22}{'seq':>6}{'mb':>3}{'measured':>9}{'w/o hist':>9}{'backward':>9}{'planned':>9}{'implied':>9}"
-              "  (GiB; multiples of what backward allocates and frees)")
+        print(f"{'case':<22}{'seq':>6}{'mb':>3}{'measured':>9}{'w/o hist':>9}{'loss':>9}{'planned':>9}{'implied':>9}"
+              "  (GiB; multiples of the loss working set)")
         history_rows(corpus)
         return 0
     rows = evaluate(corpus, args.unspecified_as)

@@ -12,9 +12,6 @@ tests/test_resume.py, on the runs that file already makes.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -27,9 +24,27 @@ STEPS = 12
 PROMPTS = ("Name a primary colour.", "What is the capital of France?")
 
 
-def cli(*args: str, tiny_cache: Path, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "finetune.cli", *map(str, args)], cwd=REPO, env=runner_env(tiny_cache),
-                          capture_output=True, text=True, timeout=timeout)
+@pytest.fixture
+def cli(tiny_cache, monkeypatch):
+    """cli(*args) -> (returncode, stdout, stderr) of the real `finetune` app, run in this process (typer's
+    CliRunner): a process each would import torch and transformers again (~3 s of CPU per call)."""
+    from types import SimpleNamespace
+
+    from typer.testing import CliRunner
+
+    from finetune.cli import app
+
+    for name, value in runner_env(tiny_cache).items():
+        if name in ("FINETUNE_CACHE", "TOKENIZERS_PARALLELISM"):
+            monkeypatch.setenv(name, value)
+
+    def invoke(*args):
+        result = CliRunner().invoke(app, [str(a) for a in args])
+        if result.exception is not None and not isinstance(result.exception, SystemExit):
+            raise result.exception
+        return SimpleNamespace(returncode=result.exit_code, stdout=result.stdout, stderr=result.stderr)
+
+    return invoke
 
 
 @pytest.fixture(scope="module")
@@ -50,10 +65,10 @@ def test_a_run_writes_its_plot_and_report_and_says_what_next(trained):
 
 
 @pytest.mark.slow
-def test_chat_gives_the_same_greedy_text_from_the_adapter_and_from_the_merged_model(trained, tmp_path, tiny_cache):
+def test_chat_gives_the_same_greedy_text_from_the_adapter_and_from_the_merged_model(trained, tmp_path, cli):
     run_dir, _ = trained
     merged = tmp_path / "merged"
-    done = cli("merge", run_dir, "-o", merged, tiny_cache=tiny_cache)
+    done = cli("merge", run_dir, "-o", merged)
     assert done.returncode == 0, done.stderr[-3000:]
     assert (merged / "finetune_recipe.yaml").is_file()  # the merged model knows the run's prompt format
     prompts = [arg for p in PROMPTS for arg in ("--prompt", p)]
@@ -61,8 +76,8 @@ def test_chat_gives_the_same_greedy_text_from_the_adapter_and_from_the_merged_mo
     # mid-sentence (plain-text continuation) makes it produce tokens, so the comparison has text.
     cut = "### Instruction:\nWhat is the capital of Russia?\n\n### Response:\nThe capital of"
     for args in ([*prompts], ["--format", "text", "--prompt", cut]):
-        from_adapter = cli("chat", run_dir, *args, "--max-new-tokens", 16, tiny_cache=tiny_cache)
-        from_merged = cli("chat", merged, *args, "--max-new-tokens", 16, tiny_cache=tiny_cache)
+        from_adapter = cli("chat", run_dir, *args, "--max-new-tokens", 16)
+        from_merged = cli("chat", merged, *args, "--max-new-tokens", 16)
         assert from_adapter.returncode == 0, from_adapter.stderr[-3000:]
         assert from_merged.returncode == 0, from_merged.stderr[-3000:]
         assert from_merged.stdout == from_adapter.stdout
@@ -70,9 +85,9 @@ def test_chat_gives_the_same_greedy_text_from_the_adapter_and_from_the_merged_mo
 
 
 @pytest.mark.slow
-def test_eval_scores_the_fine_tuned_model_below_its_base(trained, tiny_cache):
+def test_eval_scores_the_fine_tuned_model_below_its_base(trained, cli):
     run_dir, _ = trained
-    result = cli("eval", run_dir, tiny_cache=tiny_cache)
+    result = cli("eval", run_dir)
     assert result.returncode == 0, result.stderr[-3000:]
     scores = json.loads((run_dir / "eval.json").read_text())
     assert scores["tuned"]["loss"] < scores["base"]["loss"] - 1.0, scores
@@ -83,7 +98,7 @@ def test_eval_scores_the_fine_tuned_model_below_its_base(trained, tiny_cache):
     sample = run_dir.parent / "five.jsonl"
     rows = (REPO / "recipes" / "data" / "demo_instructions.jsonl").read_text().splitlines()[:5]
     sample.write_text("\n".join(rows) + "\n")
-    on_file = cli("eval", run_dir, "--data", sample, tiny_cache=tiny_cache)
+    on_file = cli("eval", run_dir, "--data", sample)
     assert on_file.returncode == 0, on_file.stderr[-3000:]
     assert json.loads((run_dir / "eval-five.json").read_text())["sequences"] == 5  # its own file (issue 24)
     assert json.loads((run_dir / "eval.json").read_text()) == scores  # the run's own numbers stay

@@ -490,3 +490,60 @@ def test_a_rank_that_exits_with_its_own_one_line_error_is_named_with_it(tmp_path
     plan = types.SimpleNamespace(run_dir=tmp_path, node_rank=0, procs_per_node=2)
     failures = torchrun_failures(plan, _report((0, 1, "<N/A>"), (1, -15, "<N/A>")))
     assert [f.rank for f in failures] == [0, 1] and failures[0].message == message
+
+
+# ------------------------------------------------------------------------------------------------
+# The lifeline between `finetune train` and the launcher
+
+LIFELINE_PARENT = r"""
+import signal, subprocess, sys, threading, time
+from finetune.run.lifeline import wrap
+for _ in range(4):  # threads that outlive the main one when the process is SIGKILLed, as finetune train's do
+    threading.Thread(target=time.sleep, args=(60,), daemon=True).start()
+proc = subprocess.Popen(wrap([sys.executable, "-c", sys.argv[1], sys.argv[2]], signal.SIGTERM), start_new_session=True)
+print(proc.pid, flush=True)
+time.sleep(60)
+"""
+LIFELINE_CHILD = r"""
+import os, signal, sys, time
+seen = []
+signal.signal(signal.SIGTERM, lambda *_: seen.append(1))
+open(sys.argv[1] + ".started", "w").close()
+deadline = time.monotonic() + 2
+while time.monotonic() < deadline:  # a launcher's shutdown, during which a second signal would hurt
+    time.sleep(0.05)
+with open(sys.argv[1], "w") as f:
+    f.write(str(len(seen)))
+"""
+
+
+def test_a_killed_parent_gives_the_launcher_one_stop_signal_however_many_threads_it_had(tmp_path):
+    """Linux fires the parent-death signal again each time the orphan is handed to another thread of the
+    dying process: exec'd straight from `finetune train`, torchrun got two or three SIGTERMs and hung."""
+    from tests.conftest import REPO
+
+    count = tmp_path / "count"
+    parent = subprocess.Popen([sys.executable, "-c", LIFELINE_PARENT, LIFELINE_CHILD, str(count)], cwd=REPO,
+                              stdout=subprocess.PIPE, text=True)
+    parent.stdout.readline()
+    deadline = time.monotonic() + 60
+    while not count.with_suffix(".started").exists():
+        assert time.monotonic() < deadline and parent.poll() is None
+        time.sleep(0.05)
+    parent.kill()
+    parent.wait()
+    while not count.exists():
+        assert time.monotonic() < deadline, "the launcher stand-in never finished"
+        time.sleep(0.05)
+    time.sleep(0.1)  # the file is written whole before the process ends
+    assert count.read_text() == "1"
+
+
+@pytest.mark.parametrize("code,expected", [("raise SystemExit(3)", 3),
+                                           ("import os, signal; os.kill(os.getpid(), signal.SIGTERM)", -15)])
+def test_the_lifeline_leaves_with_the_launchers_exit_status(code, expected):
+    from finetune.run.lifeline import wrap
+    from tests.conftest import REPO
+
+    done = subprocess.run(wrap([sys.executable, "-c", code], signal.SIGTERM), cwd=REPO, timeout=60)
+    assert done.returncode == expected

@@ -107,11 +107,17 @@ def test_plan_runs_on_every_case(corpus_rows):
 # earlier, shorter longest batches without expandable segments (`allocator history`, ms-swift's rows and its
 # scripts: they train on the data's own lengths) then to 9.0%, and under-predictions by >10% from 73 to 39
 # (holdout 41 to 8): it over-predicts ms-swift's longest rows instead (docs/plan.md, "The allocator").
-# With both branches' terms: all 7.7%, calibration 4.9%, held out 13.9%.
+# With both branches' terms: all 7.7%, calibration 4.9%, held out 13.9%. Then (docs/plan.md, "Fifth pass"):
+# the history keeps the loss blocks of the earlier records only (the rules' replay serves the activations'
+# blocks again), bitsandbytes < 0.43.2 keeps every 4-bit input under non-reentrant checkpointing (ms-swift's
+# bnb rows), GPTQ's own quantization state, no fragmentation on activations saved without checkpointing:
+# all 6.7%, calibration 4.4%, held out 9.2%. Two cases crossed -15%: the Qwen README's 1.8B GPTQ Q-LoRA at 512
+# tokens (its constants were bitsandbytes' fp32 absmax, 3 x GPTQ's: -14.x% to -15.8%) and ms-swift's 1.8B
+# full fine-tune at 2,048 tokens (35.11 GiB, above its own 4,096-token row: -14.4% to -16.3%).
 REACHED = {
-    "all": {"median_abs_error": 0.077, "under_10": 28, "under_15": 11},
-    "calibration": {"median_abs_error": 0.050, "under_10": 20, "under_15": 8},
-    "holdout": {"median_abs_error": 0.139, "under_10": 8, "under_15": 3},
+    "all": {"median_abs_error": 0.068, "under_10": 27, "under_15": 13},
+    "calibration": {"median_abs_error": 0.044, "under_10": 20, "under_15": 9},
+    "holdout": {"median_abs_error": 0.092, "under_10": 7, "under_15": 4},
 }
 
 
@@ -169,19 +175,35 @@ def test_bound_classes_nest_and_fall_back():
         {"a": (pytest.approx(0.1), 3), "all": (pytest.approx(0.44), 4)}
 
 
-# Issue 21's targets (scripts/plan_corpus.py --summary prints them). Today: point estimate median |error| 7.7%,
-# mean +4.5% (the Qwen README's rows -2.0%, ms-swift's +19.4%: the allocator history's stated order overshoots
-# its long rows); the bound covers 92.9% of the cases leave-one-source-out (misses: 5 Qwen README rows, 3 of
-# unsloth's 6, 2 of ms-swift's 3 MoE scripts) at a median 23.5% above the measurement.
-@pytest.mark.parametrize("target", [
-    "point estimate median |error| <= 6%", "point estimate mean error within +-3%",
+# Issue 21's targets (scripts/plan_corpus.py --summary prints them). Met: the mean error (+1.7%: the Qwen
+# README's rows -2.7%, ms-swift's +12.5%). Not yet: point estimate median |error| 6.7% (ms-swift's rows at
+# 4,096-8,192 tokens over-predicted by the allocator history's stated order, the Qwen README's short 1.8B
+# rows under); the bound covers 93.6% of the cases leave-one-source-out (misses: 4 Qwen README rows, 3 of
+# unsloth's 6, 2 of ms-swift's 3 MoE scripts) at a median 22.6% above the measurement.
+MET_TARGETS = ["point estimate mean error within +-3%"]
+OPEN_TARGETS = [
+    "point estimate median |error| <= 6%",
     "bound >= measured in >= 95% of cases (leave-one-source-out)",
     "bound <= 20% above measured at the median (leave-one-source-out)",
-])
+]
+
+
+@pytest.mark.parametrize("target", MET_TARGETS)
+def test_issue_21_targets_met(corpus_rows, target):
+    _, rows, script = corpus_rows
+    assert script.targets(rows)[target][1]
+
+
+@pytest.mark.parametrize("target", OPEN_TARGETS)
 @pytest.mark.xfail(strict=True, reason="issue 21's targets are not met yet: see docs/plan.md, 'The bound'")
 def test_issue_21_targets(corpus_rows, target):
     _, rows, script = corpus_rows
     assert script.targets(rows)[target][1]
+
+
+def test_issue_21_target_names_are_the_scripts(corpus_rows):
+    _, rows, script = corpus_rows
+    assert sorted(script.targets(rows)) == sorted(MET_TARGETS + OPEN_TARGETS)
 
 
 def test_allocator_history_only_without_expandable_segments_and_up_to_the_gpu():
@@ -193,9 +215,11 @@ def test_allocator_history_only_without_expandable_segments_and_up_to_the_gpu():
     assert "allocator history" not in names(plan(replace(base, shapes_vary=True)))  # expandable segments
     vary = plan(replace(base, shapes_vary=True, expandable_segments=False))
     history = names(vary)["allocator history"]
-    fragmentation = [t for t in vary.terms if t.name == "allocator fragmentation" and t.phase == "backward"][0]
+    loss = names(vary)["loss working set"]
     assert history.counter == "reserved" and history.phase == "backward"
-    assert history.bytes == pytest.approx(fragmentation.bytes / 0.30 * sum(HISTORY_RECORDS), rel=1e-6)
+    # The loss blocks of the earlier records only (planner.history_base): not the activations, not the
+    # dequantized 4-bit weight (the same size every step).
+    assert history.bytes == pytest.approx(loss.bytes * sum(HISTORY_RECORDS), rel=1e-6)
     assert vary.memory_views["allocated"] == plan(base).memory_views["allocated"]
     gpu = vary.memory_views["nvidia_smi"] - history.bytes // 2  # the cache is freed before an allocation fails
     capped = plan(replace(vary.setup, gpu_memory=gpu))

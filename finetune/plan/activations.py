@@ -28,7 +28,11 @@ def activation_terms(setup: Setup) -> list[Term]:
             saved -= tokens * (4 * h + 4)
         terms.append(Term("activations", "saved for backward", saved, phase="backward",
                           note=f"{arch.layers} layers x {per_layer // tokens:,} B/token"
-                               + (" + seq^2 scores" if setup.attn == "eager" else "")))
+                               + (" + seq^2 scores" if setup.attn == "eager" else ""), stacked=True))
+    kept = bnb_kept_inputs(setup)
+    if kept:
+        terms.append(Term("activations", "4-bit linear inputs (bitsandbytes < 0.43.2)", kept, phase="backward",
+                          note="MatMul4Bit kept ctx.tensors = (A, B) in every layer: checkpointing cannot drop them"))
     head = tokens * (4 * h + 4 + (e * h if full else 0))  # final norm
     if full or "lm_head" in setup.lora_targets or "lm_head" in setup.modules_to_save:
         head += tokens * e * h  # lm_head input, for its weight gradient
@@ -121,6 +125,30 @@ def layer_activation_bytes(setup: Setup) -> int:
         scores = arch.heads * attention_row(setup) * (probs + (e if arch.attn_softcap else 0))
     per_token += moe_mlp_bytes(setup) if arch.experts else 3 * e * inter
     return setup.micro_batch * s * (per_token + scores) + mask_copy
+
+
+def bnb_kept_inputs(setup: Setup) -> int:
+    """bitsandbytes < 0.43.2 (Setup.bnb_keeps_inputs): each 4-bit linear's input A stays on its autograd
+    context until the layer's backward (bitsandbytes/autograd/_functions.py MatMul4Bit.forward, 0.41-0.43.1:
+    `ctx.tensors = (A, B)`; PR 1270 made it `(None, B)`). Saved-tensor hooks never see it, so with
+    non-reentrant checkpointing (what HF training sets here, and ms-swift forced: swift/llm/utils/model.py
+    at 4312aeb2 L1380-1399) every layer keeps its 4-bit inputs: the one tensor q/k/v share, o_proj's,
+    the one gate/up share, down_proj's (e x (2h + q_dim + intermediate) per token). Without checkpointing
+    the layers keep their activations anyway: only the inputs of linears without LoRA are added (a LoRA
+    target's input is already saved, layer_activation_bytes). Reentrant checkpointing runs the forward
+    without a graph: nothing is kept (not planned: this project's training is non-reentrant but for
+    LoRA under ZeRO-3, where bitsandbytes is recent)."""
+    arch = setup.arch
+    if not setup.bnb_keeps_inputs or setup.method != "qlora" or setup.quant_format != "bnb-nf4" or arch is None:
+        return 0
+    inter = arch.shared_intermediate if arch.experts else arch.intermediate
+    groups = [(("q_proj", "k_proj", "v_proj"), arch.hidden), (("o_proj",), arch.q_dim)]
+    if inter:  # a dense MLP, or a MoE layer's shared expert (bitsandbytes skips the fused experts)
+        groups += [(("gate_proj", "up_proj"), arch.hidden), (("down_proj",), inter)]
+    targets = set(setup.lora_targets)
+    width = sum(w for names, w in groups
+                if (setup.gradient_checkpointing or not targets.intersection(names)))
+    return arch.layers * setup.micro_batch * setup.seq_len * setup.element_bytes * width
 
 
 def moe_mlp_bytes(setup: Setup) -> int:

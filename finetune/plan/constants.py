@@ -55,8 +55,9 @@ FRAGMENTATION = 0.30
 # larger than any cached one: it takes new segments and those of the shorter batches stay cached (the caching
 # allocator's rules, finetune/plan/allocator.py). HISTORY_RECORDS is the stated order of such longest batches
 # (docs/plan.md, "The allocator"): each one longer than the last, at the expected records of lengths spread
-# evenly up to max_length (the gap to max_length halves with each); the reserved counter keeps the transient
-# blocks of every earlier record, sum(HISTORY_RECORDS) x what the last one allocates and frees.
+# evenly up to max_length (the gap to max_length halves with each); the reserved counter keeps the loss blocks
+# of every earlier record (tokens x vocabulary: no later request of another size fits them; the activations'
+# smaller blocks are served again: planner.history_base), sum(HISTORY_RECORDS) x the last one's loss working set.
 HISTORY_RECORDS = (1 / 2, 3 / 4, 7 / 8, 15 / 16)
 # The stated upper bound (finetune/plan/bound.py; docs/plan.md, "The bound"): per setup class, the
 # BOUND_QUANTILE quantile of measured / planned over the cases of tests/data/plan_corpus.json in that class,
@@ -66,15 +67,15 @@ HISTORY_RECORDS = (1 / 2, 3 / 4, 7 / 8, 15 / 16)
 BOUND_QUANTILE = 0.95
 BOUND_MIN_CASES = 10
 BOUND_WIDTHS: dict[str, tuple[float, int]] = {
-    'all': (0.2016, 140),
-    'one shape': (0.2264, 89),
+    'all': (0.2122, 140),
+    'one shape': (0.2316, 89),
     'one shape / lora': (0.2006, 49),
     'one shape / lora / no DeepSpeed': (0.1399, 36),
-    'one shape / qlora': (0.2292, 31),
-    'one shape / qlora / ZeRO-0/1/2': (0.1703, 24),
-    'shapes vary': (0.1452, 51),
-    'shapes vary / lora': (0.0602, 36),
-    'shapes vary / lora / no DeepSpeed': (0.0602, 36),
+    'one shape / qlora': (0.2357, 31),
+    'one shape / qlora / ZeRO-0/1/2': (0.1818, 24),
+    'shapes vary': (0.1508, 51),
+    'shapes vary / lora': (0.133, 36),
+    'shapes vary / lora / no DeepSpeed': (0.133, 36),
 }
 # NCCL's communication buffers grow with its channels and peers (NVIDIA/nccl issue 986: linear in
 # the channels, no longer growing beyond 2 nodes). Two readings: 2 GPUs: the ZeRO-2 saving a user
@@ -93,6 +94,9 @@ PROCESS_RSS = 2 * GiB
 # Every quantized weight also carries the 16-value fp32 NF4 code.
 BNB_BLOCKSIZE = 64
 BNB_NESTED_BLOCKSIZE = 256
+# GPTQ checkpoints (corpus cases only, Setup.quant_format "gptq-int4"): inputs per quantization group. Qwen's
+# Int4 models come from its run_gptq.py, whose --group-size defaults to 128 (QwenLM/Qwen run_gptq.py L69).
+GPTQ_GROUP_SIZE = 128
 
 # Optimizer state bytes per trainable parameter (fp32 moments), beside the fp32 master copy.
 OPTIMIZER_STATE_BYTES = {"adamw": 8, "adam": 8, "lion": 4, "adagrad": 4, "sgd": 0, "adamw_bnb_8bit": 2}

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 
 from finetune.plan.archs import LAYER_LINEARS
-from finetune.plan.constants import BNB_BLOCKSIZE, BNB_NESTED_BLOCKSIZE
+from finetune.plan.constants import BNB_BLOCKSIZE, BNB_NESTED_BLOCKSIZE, GPTQ_GROUP_SIZE
 from finetune.plan.setup import Setup
 
 
@@ -21,6 +21,7 @@ class ParamGroup:
     quantized: bool = False  # 4-bit NF4 (QLoRA's frozen linear weights)
     unit: str = ""  # the nn.Module holding it directly (one instance per layer for layer modules)
     per_layer: bool = False
+    in_features: int = 0  # a linear weight's input width (GPTQ's per-input-group state; 0: not a linear)
 
     @property
     def total(self) -> int:
@@ -55,7 +56,7 @@ def param_groups(setup: Setup) -> list[ParamGroup]:
             unit = f"{prefix}{lin.name}"
             # transformers' bitsandbytes integration quantizes every nn.Linear but the output head.
             out.append(ParamGroup(f"{unit}.weight", lin.weight_numel, count, full, quantized=qlora,
-                                  unit=unit, per_layer=True))
+                                  unit=unit, per_layer=True, in_features=lin.in_features))
             if lin.bias:
                 out.append(ParamGroup(f"{unit}.bias", lin.out_features, count, full, unit=unit, per_layer=True))
             if lin.name in targets:
@@ -118,6 +119,21 @@ def quant_constant_bytes(numel: int, double_quant: bool) -> int:
     nested_blocks = math.ceil(blocks / BNB_NESTED_BLOCKSIZE)
     # 8-bit absmax + fp32 absmax per 256 blocks + the 256-entry fp32 dynamic code + fp32 offset.
     return blocks + nested_blocks * 4 + 256 * 4 + 4 + nf4_code
+
+
+def group_quant_state_bytes(group: ParamGroup, setup: Setup) -> int:
+    """The quantization state of one 4-bit weight of `group` as the setup's format stores it."""
+    if setup.quant_format == "gptq-int4" and group.in_features:
+        return gptq_state_bytes(group.in_features, group.numel // group.in_features)
+    return quant_constant_bytes(group.numel, setup.double_quant)
+
+
+def gptq_state_bytes(in_features: int, out_features: int, group_size: int = GPTQ_GROUP_SIZE) -> int:
+    """auto-gptq 0.5.1's QuantLinear (nn_modules/qlinear/qlinear_cuda_old.py L48-L63) registers, beside the
+    packed int32 qweight: qzeros (int32, 4-bit zero points packed 8 per element) and scales (fp16), one
+    per output per group of `group_size` inputs, and g_idx (int32, one per input)."""
+    groups = math.ceil(in_features / group_size)
+    return groups * out_features // 2 + groups * out_features * 2 + in_features * 4
 
 
 def four_bit_bytes(numel: int) -> int:

@@ -54,6 +54,12 @@ class Setup:
     # How a QLoRA base is quantized: "bnb-nf4" (bitsandbytes, what recipes run) or "gptq-int4" (auto-gptq's
     # cuda-old QuantLinear as HF's GPTQ integration trains it: corpus cases of GPTQ checkpoints only).
     quant_format: str = "bnb-nf4"
+    # bitsandbytes before 0.43.2 kept each 4-bit linear's input on its autograd context (MatMul4Bit.forward:
+    # `ctx.tensors = (A, B)`, not save_for_backward), out of reach of the saved-tensor hooks non-reentrant
+    # checkpointing drops saved tensors with: every layer's 4-bit inputs stay from forward to that layer's
+    # backward (bitsandbytes PR 1270, commit 9e753741, "fix QLoRA mem bug: delete useless buffered
+    # activation", first in 0.43.2). Corpus cases of that stack set it; recipes run a newer bitsandbytes.
+    bnb_keeps_inputs: bool = False
     optimizer: str = "adamw"
     # Without DeepSpeed: torch's fused AdamW (HF's default with torch >= 2.8) or the foreach one (the
     # default before), which allocates a temporary per moment in the step; torch 2.0's foreach AdamW
@@ -164,3 +170,7 @@ class Term:
     # Which counter first sees it: "allocated" (a tensor: max_memory_allocated), "reserved" (cached by
     # PyTorch's allocator, not allocated: max_memory_reserved) or "device" (outside PyTorch: nvidia-smi).
     counter: str = "allocated"
+    # Allocated layer by layer in forward and freed in reverse in backward, the same sizes every step (the
+    # activations a model without checkpointing saves): the cache serves them again block for block, so the
+    # allocator's fragmentation term leaves them out (planner._overhead; docs/plan.md, "The allocator").
+    stacked: bool = False

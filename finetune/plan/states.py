@@ -6,9 +6,9 @@ import math
 
 from finetune.plan.constants import (
     BNB_BLOCKSIZE, DS_ALLREDUCE_BUCKET_SIZE, DS_OPTIMIZER_SWAP_BUFFERS, DS_PARAM_SWAP_BUFFERS,
-    DS_PARAM_SWAP_BUFFER_SIZE, MASTER_BYTES, OPTIMIZER_STATE_BYTES,
+    DS_PARAM_SWAP_BUFFER_SIZE, GPTQ_GROUP_SIZE, MASTER_BYTES, OPTIMIZER_STATE_BYTES,
 )
-from finetune.plan.params import ParamGroup, four_bit_bytes, largest_module_numel, quant_constant_bytes
+from finetune.plan.params import ParamGroup, four_bit_bytes, group_quant_state_bytes, largest_module_numel
 from finetune.plan.result import gib
 from finetune.plan.setup import Setup, Term
 from finetune.plan.zero3 import zero3_live_params
@@ -16,7 +16,7 @@ from finetune.plan.zero3 import zero3_live_params
 
 def _bytes_of(group: ParamGroup, setup: Setup, trainable_bytes: int) -> int:
     if group.quantized:
-        return group.count * (four_bit_bytes(group.numel) + quant_constant_bytes(group.numel, setup.double_quant))
+        return group.count * (four_bit_bytes(group.numel) + group_quant_state_bytes(group, setup))
     if group.trainable and _is_saved_copy(group):
         return group.total * setup.element_bytes
     return group.total * (trainable_bytes if group.trainable else setup.element_bytes)
@@ -49,20 +49,25 @@ def trainable_weight_bytes(setup: Setup) -> int:
     return setup.element_bytes
 
 
+def _constants_note(setup: Setup) -> str:
+    if setup.quant_format == "gptq-int4":
+        return f"GPTQ scales + zero points per {GPTQ_GROUP_SIZE} inputs, g_idx (auto-gptq QuantLinear)"
+    return "absmax per 64 values" + (" (8-bit, double quant)" if setup.double_quant else " (fp32)")
+
+
 def weight_terms(setup: Setup, groups: list[ParamGroup], cpu: list[Term], notes: list[str]) -> list[Term]:
     wb = trainable_weight_bytes(setup)
     frozen16 = sum(_bytes_of(g, setup, wb) for g in groups if not g.trainable and not g.quantized)
     quantized = [g for g in groups if g.quantized]
     packed = sum(g.count * four_bit_bytes(g.numel) for g in quantized)
-    constants = sum(g.count * quant_constant_bytes(g.numel, setup.double_quant) for g in quantized)
+    constants = sum(g.count * group_quant_state_bytes(g, setup) for g in quantized)
     train = sum(_bytes_of(g, setup, wb) for g in groups if g.trainable)
     dt = "fp32" if wb == 4 else setup.dtype.replace("bfloat16", "bf16").replace("float16", "fp16")
     if not (setup.deepspeed and setup.stage == 3):
         return [
             Term("weights", f"frozen base {_width(setup)}", frozen16, note=f"{setup.dtype}"),
             Term("weights", "frozen base 4-bit", packed, note="NF4, 2 values per byte"),
-            Term("weights", "quantization constants", constants,
-                 note="absmax per 64 values" + (" (8-bit, double quant)" if setup.double_quant else " (fp32)")),
+            Term("weights", "quantization constants", constants, note=_constants_note(setup)),
             Term("weights", "trainable", train, note=dt),
         ]
     # ZeRO-3 partitions every parameter (frozen ones too) across all GPUs, except the ones at or below
