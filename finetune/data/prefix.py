@@ -63,8 +63,8 @@ class Prefixes:
         return out
 
 
-def chars_per_token(texts: list[str], offsets: list[Any], max_length: int) -> Optional[float]:
-    """The most characters per token up to the max_length-th token among `texts` (their offsets, cut at
+def chars_per_token(offsets: list[Any], max_length: int) -> Optional[float]:
+    """The most characters per token up to the max_length-th token among texts (their token offsets, cut at
     max_length), or None when none of them reaches max_length tokens."""
-    ratios = [int(o[-1][1]) / max_length for text, o in zip(texts, offsets) if len(o) == max_length]
+    ratios = [int(o[-1][1]) / max_length for o in offsets if len(o) == max_length]
     return max(ratios) if ratios else None

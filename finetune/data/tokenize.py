@@ -200,7 +200,7 @@ def _ids_and_offsets(tokenizer, texts: list[str], max_length: int) -> tuple[list
     cuts = Prefixes.of(tokenizer)
     ids, offsets = _encoded(tokenizer, backend, texts[:PROBE], [None] * len(texts[:PROBE]), max_length)
     rest = texts[PROBE:]
-    ratio = chars_per_token(texts[:PROBE], offsets, max_length) if cuts is not None and rest else None
+    ratio = chars_per_token(offsets, max_length) if cuts is not None and rest else None
     if ratio is None:
         more = _encoded(tokenizer, backend, rest, [None] * len(rest), max_length)
         return ids + more[0], offsets + more[1]
