@@ -10,7 +10,8 @@ BOUND_MIN_CASES cases each): the BOUND_QUANTILE quantile over the class's cases 
     exact share 0      scale = the uncertain part (activations, loss blocks, overhead: bound.UNCERTAIN_FIELDS)
     exact share s      scale = uncertain + s x the exactly-counted part (weights, gradients, optimizer, buffers)
     fitted share       s chosen on the training sources only (each fold: the s in 0, 0.1, ..., 1 whose widths
-                       give those sources the tightest bound in sample, by the median or the mean above)
+                       give those sources the tightest bound in sample, by the median or the mean above; or
+                       the s of a 95% quantile regression of the relative miss on the uncertain share)
     conformal          the ceil((n + 1) x 95%)-th smallest margin of a class's n cases, not the 95% quantile
 
     python scripts/plan_bound_methods.py
@@ -87,21 +88,48 @@ def fit_share(rows: list[dict], criterion: Callable[[list[float]], float]) -> fl
     return min(SHARES, key=lambda s: criterion(above(rows, widths(rows, s), s)))
 
 
-def evaluate(rows: list[dict], share: Optional[float] = None, criterion: Optional[Callable] = None,
+def tightest(criterion: Callable[[list[float]], float]) -> Callable[[list[dict]], float]:
+    return lambda rows: fit_share(rows, criterion)
+
+
+def quantile_regression_share(rows: list[dict], quantile: float = BOUND_QUANTILE) -> float:
+    """The share of the 95% quantile regression of the relative miss on the plan's uncertain and exact shares:
+    (measured - planned) / planned ~ w x (u + s x (1 - u)), u = uncertain / planned at the planned peak, fitted by
+    the pinball (check) loss, the loss whose minimum is a quantile. For a given s the best w is the
+    x-weighted quantile of y / x (x = u + s (1 - u)); s is the grid point of least loss."""
+    points = []
+    for r in rows:
+        planned, uncertain = max(r["split_gib"].values())
+        points.append(((r["measured_gib"] - _outside(r) - planned) / planned, uncertain / planned))
+
+    def loss(share: float) -> float:
+        xy = [(u + share * (1 - u), y) for y, u in points]
+        ordered, total, seen, width = sorted((y / x, x) for x, y in xy), sum(x for x, _ in xy), 0.0, 0.0
+        for ratio, x in ordered:
+            seen += x
+            if seen >= quantile * total:
+                width = max(ratio, 0.0)
+                break
+        return sum((quantile if y >= width * x else quantile - 1) * (y - width * x) for x, y in xy)
+
+    return min(SHARES, key=loss)
+
+
+def evaluate(rows: list[dict], share: Optional[float] = None, fit: Optional[Callable[[list[dict]], float]] = None,
              conformal: bool = False) -> dict:
     """Leave one source out: each source's rows bounded with what the other sources give (widths, and the share
-    when `share` is None); then the same fitted on every row (in sample)."""
+    from `fit` when `share` is None); then the same fitted on every row (in sample)."""
     planned = [r for r in rows if r["error"] is not None]
     covered, over, per_source = 0, [], {}
     for source in sorted({r["source"] for r in planned}):
         mine, rest = [r for r in planned if r["source"] == source], [r for r in planned if r["source"] != source]
-        s = share if share is not None else fit_share(rest, criterion)
+        s = share if share is not None else fit(rest)
         mine_over = above(mine, widths(rest, s, conformal), s)
         hits = sum(1 for o in mine_over if o >= 0)
         covered, over = covered + hits, over + mine_over
         per_source[source] = {"covered": hits, "cases": len(mine), "median_over": statistics.median(mine_over),
                               "share": s}
-    s = share if share is not None else fit_share(planned, criterion)
+    s = share if share is not None else fit(planned)
     inside = above(planned, widths(planned, s, conformal), s)
     return {"covered": covered, "cases": len(planned), "coverage": covered / len(planned),
             "median_over": statistics.median(over), "p90_over": statistics.quantiles(over, n=10)[-1],
@@ -115,8 +143,9 @@ METHODS: dict[str, dict] = {
     "exact share 0 (uncertain part only)": {"share": 0.0},
     "exact share 0.5": {"share": 0.5},
     "exact share 0.3": {"share": 0.3},
-    "share fitted per fold (tightest median)": {"criterion": statistics.median},
-    "share fitted per fold (tightest mean)": {"criterion": statistics.fmean},
+    "share fitted per fold (tightest median)": {"fit": tightest(statistics.median)},
+    "share fitted per fold (tightest mean)": {"fit": tightest(statistics.fmean)},
+    "share fitted per fold (95% quantile regression)": {"fit": quantile_regression_share},
     "exact share 1, conformal quantile": {"share": 1.0, "conformal": True},
     "exact share 0, conformal quantile": {"share": 0.0, "conformal": True},
 }
