@@ -143,9 +143,9 @@ def run_cli(*args: str, cwd: Path | None = None, timeout: float = 120) -> subpro
 # fast failure skips the slow tier, so a broken build fails in about a minute instead of after ten.
 # Under pytest-xdist (`-n auto`, what CI runs): the tests are split into groups that each go whole to one worker,
 # so that no training run a fixture shares is trained twice: the tests reading the shared SFT run, those reading
-# the tiny_run runs, and otherwise one group per module (its module-scoped fixtures). The slow groups are sent
-# first (the two shared-run groups, then by number of slow tests), and the fast modules fill the gaps: a
-# 2-process run leaves a core idle while it waits for a launch, a barrier or a checkpoint.
+# the tiny_run runs, one group per module for the tests of a module-scoped fixture, and otherwise one test each.
+# The slow groups are sent first (the two shared-run groups, then by number of slow tests), and the fast tests
+# fill the gaps: a 2-process run leaves a core idle while it waits for a launch, a barrier or a checkpoint.
 
 
 def _xdist_group(item) -> str:
@@ -153,7 +153,10 @@ def _xdist_group(item) -> str:
         return "shared-sft"
     if "tiny_run" in item.fixturenames:
         return "tiny-runs"
-    return item.nodeid.split("::")[0]
+    shared = any(d.scope in ("module", "package", "class")
+                 for defs in item._fixtureinfo.name2fixturedefs.values() for d in defs)
+    # a test that shares no fixture with its module goes alone: small units keep both workers busy to the end
+    return item.nodeid.split("::")[0] if shared else item.nodeid
 
 
 def _tiny_run_name(item) -> str | None:

@@ -4,8 +4,9 @@ Slow cases run the real CLI on the tiny LoRA + ZeRO-2 recipe (fp32, dropout 0, 1
 checkpoint every 4 steps) and compare with one uninterrupted run of the same recipe, in one chain:
 - SIGKILL of every process while checkpoint-8 is being written: the next run ignores the half-written
   checkpoint and resumes from checkpoint-4;
-- SIGTERM of that run mid-run: exit 75, a complete checkpoint at the step it stopped; the next run resumes
-  there and ends with the same adapter (within 1e-5) and a loss log without gaps or repeats.
+- SIGHUP of that run mid-run: exit 75, a complete checkpoint at the step it stopped;
+- `kill -9` of the next run's `finetune train`: its launcher and ranks save, stop and are gone;
+- the last run resumes and ends with the same adapter (within 1e-5) and a loss log without gaps or repeats.
 
     python -m pytest tests/test_resume.py            # about 2-3 minutes on 2 cores
     python -m pytest tests/test_resume.py -m "not slow"
@@ -126,13 +127,18 @@ def assert_same_training(run_dir: Path, reference: Path) -> None:
 
 
 @pytest.mark.slow
-def test_sigkill_during_a_save_then_sigterm_and_the_third_run_ends_as_the_uninterrupted_one(reference, tmp_path,
-                                                                                           tiny_cache):
-    """Three runs into one directory, one interruption each (the runs are ~90% start-up, so one chain):
+def test_four_interrupted_runs_end_as_the_uninterrupted_one(reference, tmp_path, tiny_cache):
+    """Four runs into one directory, one interruption each (the runs are ~90% start-up, so one chain):
     1. every process SIGKILLed while checkpoint-8 is being written (the machine went away);
     2. the next run ignores the half-written checkpoint-8, resumes from checkpoint-4, and is stopped by
-       SIGTERM: exit 75 and a complete checkpoint at the step it stopped, not at the last save_steps;
-    3. the next run resumes there and ends with the uninterrupted run's adapter and loss log."""
+       SIGHUP (a dropped SSH session): exit 75 and a complete checkpoint at the step it stopped, not at the
+       last save_steps;
+    3. the next run resumes there and its `finetune train` is killed with `kill -9` of its process group:
+       no launcher or rank outlives it (finetune.run.lifeline: torchrun gets one SIGTERM, the ranks save and
+       stop) and no lock is left;
+    4. the next run resumes from that checkpoint and ends with the uninterrupted run's adapter and loss log."""
+    import psutil
+
     out = tmp_path / "run"
     first = Run(train_argv(out), tiny_cache, tmp_path / "first.log")
     first.wait_for(lambda: (out / "checkpoint-8").is_dir(), poll=0.002)
@@ -148,61 +154,48 @@ def test_sigkill_during_a_save_then_sigterm_and_the_third_run_ends_as_the_uninte
 
     second = Run(train_argv(out), tiny_cache, tmp_path / "second.log")
     second.wait_for(lambda: second.steps_logged() >= 1)  # step 5: before the next save_steps (8)
-    second.proc.send_signal(signal.SIGTERM)
+    second.proc.send_signal(signal.SIGHUP)
     assert second.finish() == ckpt.EXIT_PREEMPTED, second.text()[-4000:]
     assert "resuming from checkpoint-4 (step 4)" in second.text()
     assert "checkpoint-8 is incomplete" in second.text()
     stopped = json.loads((out / ckpt.STOP_RECORD).read_text())
     step = stopped["step"]
-    assert 5 <= step < STEPS and stopped["signal"] == "SIGTERM"
+    assert 5 <= step < STEPS and stopped["signal"] == "SIGTERM"  # what the ranks are sent for a SIGHUP
     assert ckpt.latest_complete(out).step == step  # saved where it stopped, not at the last save_steps
-    assert f"stopped: SIGTERM at step {step}: checkpoint-{step} is complete" in second.text()
+    assert f"stopped: SIGHUP at step {step}: checkpoint-{step} is complete" in second.text()
     assert not (out / "adapter").exists() and not (out / "summary.json").exists()  # no final outputs
     assert all(c.complete for c in ckpt.list_checkpoints(out))
 
-    third = subprocess.run(train_argv(out), cwd=REPO, env=runner_env(tiny_cache), capture_output=True, text=True, timeout=600)
-    assert third.returncode == 0, third.stderr[-4000:]
-    assert f"resuming from checkpoint-{step} (step {step})" in third.stderr
-    assert not (out / ckpt.STOP_RECORD).exists()
-    assert json.loads((out / "summary.json").read_text())["resumed_from"].endswith(f"checkpoint-{step}")
-    assert_same_training(out, reference)
-    assert_run_report(out, STEPS)  # the plot and the report of a resumed run cover the whole run
-    # save_total_limit: 2 -> the two newest complete checkpoints are kept
-    assert [c.step for c in ckpt.list_checkpoints(out)] == ([8, 12] if step < 8 else [step, 12])
-
-
-@pytest.mark.slow
-def test_sighup_is_a_stop_and_a_killed_finetune_train_takes_its_launcher_and_ranks(tmp_path, tiny_cache):
-    """A dropped SSH session (SIGHUP) saves a checkpoint and exits 75; `kill -9` of the process group of
-    `finetune train` leaves no launcher or rank running (finetune.run.lifeline), and no lock behind."""
-    import psutil
-
-    out = tmp_path / "run"
-    argv = train_argv(out, "--set", "training.max_steps=60")
-    first = Run(argv, tiny_cache, tmp_path / "first.log", own_group=True)
-    first.wait_for(lambda: first.steps_logged() >= 3)
-    first.proc.send_signal(signal.SIGHUP)
-    assert first.finish() == ckpt.EXIT_PREEMPTED, first.text()[-4000:]
-    step = json.loads((out / ckpt.STOP_RECORD).read_text())["step"]
-    assert ckpt.latest_complete(out).step == step
-    assert f"stopped: SIGHUP at step {step}: checkpoint-{step} is complete" in first.text()
-
-    second = Run(argv, tiny_cache, tmp_path / "second.log", own_group=True)
-    second.wait_for(lambda: second.steps_logged() >= 2)
-    tree = psutil.Process(second.proc.pid).children(recursive=True)
+    third = Run(train_argv(out), tiny_cache, tmp_path / "third.log", own_group=True)
+    third.wait_for(lambda: third.steps_logged() >= 1)
+    tree = psutil.Process(third.proc.pid).children(recursive=True)
     ranks = [p for p in tree if "finetune.train.runner" in " ".join(p.cmdline()) and "torch.distributed.run" not in " ".join(p.cmdline())]
     assert len(ranks) == 2 and any("torch.distributed.run" in " ".join(p.cmdline()) for p in tree), [p.cmdline() for p in tree]
     killed = time.monotonic()
-    os.killpg(second.proc.pid, signal.SIGKILL)
-    second.finish()
+    os.killpg(third.proc.pid, signal.SIGKILL)
+    third.finish()
     alive = running(tree, timeout=60)
     took = time.monotonic() - killed
     assert not alive, [p.pid for p in alive]
-    # SIGTERM to torchrun: the ranks finish their step, save, and stop (the next run resumes there)
     assert took < 30, took
     print(f"launcher and {len(ranks)} ranks gone {took:.1f} s after kill -9 of finetune train")
     from finetune.rundir import lock as runlock
+
     assert runlock.holder(out) is None
+    assert f"resuming from checkpoint-{step} (step {step})" in third.text()
+    saved = ckpt.latest_complete(out).step  # the ranks' checkpoint at the step they stopped
+    assert step < saved < STEPS and not (out / "adapter").exists()
+
+    fourth = subprocess.run(train_argv(out), cwd=REPO, env=runner_env(tiny_cache), capture_output=True, text=True,
+                            timeout=600)
+    assert fourth.returncode == 0, fourth.stderr[-4000:]
+    assert f"resuming from checkpoint-{saved} (step {saved})" in fourth.stderr
+    assert not (out / ckpt.STOP_RECORD).exists()
+    assert json.loads((out / "summary.json").read_text())["resumed_from"].endswith(f"checkpoint-{saved}")
+    assert_same_training(out, reference)
+    assert_run_report(out, STEPS)  # the plot and the report of a resumed run cover the whole run
+    # save_total_limit: 2 -> the two newest complete checkpoints are kept
+    assert [c.step for c in ckpt.list_checkpoints(out)] == ([8, 12] if saved < 8 else [saved, 12])
 
 
 def running(procs, timeout: float) -> list:
