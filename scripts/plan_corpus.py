@@ -106,7 +106,7 @@ def evaluate(corpus: dict, unspecified_as: str = "reserved") -> list[dict]:
         row = {"id": case["id"], "source": case["source"], "model": case["model"], "row": case["row"],
                "holdout": case["holdout"], "measure": source["measure"], "view": view,
                "measured_gib": case["measured_gib"], "predicted_gib": None, "error": None, "skipped": None,
-               "classes": None, "residual": None, "views_gib": None}
+               "classes": None, "residual": None, "views_gib": None, "split_gib": None}
         setup = setup_of(corpus, case)
         if is_moe(corpus, case) and not getattr(setup.arch, "experts", 0):
             row["skipped"] = "mixture-of-experts not modelled"
@@ -119,6 +119,8 @@ def evaluate(corpus: dict, unspecified_as: str = "reserved") -> list[dict]:
             row["classes"] = list(bound.class_keys(setup))
             row["views_gib"] = {k: v / GiB for k, v in views.items()}
             row["residual"] = bound.residual(views, view, case["measured_gib"] * GiB)
+            # {phase: [planned, of which uncertain]} on the allocator's part (scripts/plan_bound_methods.py)
+            row["split_gib"] = {p: [b / GiB for b in pu] for p, pu in bound.split(result.terms, view).items()}
         rows.append(row)
     return rows
 
@@ -405,6 +407,8 @@ def main(argv: Optional[list[str]] = None) -> int:
           (", up to date)" if widths == BOUND_WIDTHS else ", OUT OF DATE: run --widths)"))
     for key, (width, cases) in widths.items():
         print(f"  {key:<40} {cases:>4} cases  width {width:6.1%}")
+    print("  (other methods, e.g. a width on the uncertain part only, compared the same way: "
+          "scripts/plan_bound_methods.py)")
     mine = in_sample(rows)
     print(f"  in sample: covers {mine['coverage']:.1%}, median {mine['median_over']:+.1%} above the measurement")
     print("leave one source out (each source bounded with the other sources' widths):")

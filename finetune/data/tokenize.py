@@ -95,7 +95,7 @@ def tokenize_examples(examples: Iterable[dict[str, Any]], tokenizer, fmt: str, m
     for index, encoded in enumerate(encode_rows(batch, spec, tokenizer, max_length, mask_prompt, think)):
         if not encoded and dropped is not None:
             dropped.append(index)
-        rows.extend(encoded)
+        rows.extend({name: list(map(int, values)) for name, values in sequence.items()} for sequence in encoded)
     return rows
 
 
@@ -113,7 +113,8 @@ class RowError(DataError):
 def encode_rows(rows: list[Any], spec: RowSpec, tokenizer, max_length: int, mask_prompt: bool = True,
                 think: str = "train") -> list[list[dict[str, list[int]]]]:
     """The sequences of each row (converted by its format), with one batched call to the fast tokenizer per
-    kind of example. Raises RowError naming the row of the batch that is wrong."""
+    kind of example: input_ids and labels as lists of ints, or numpy int64 arrays (chat rows). Raises RowError
+    naming the row of the batch that is wrong."""
     examples = []
     for index, row in enumerate(rows):
         try:
@@ -185,16 +186,78 @@ def _ids(tokenizer, texts: list[str], add_special_tokens: bool) -> list[list[int
     return [encoding.ids for encoding in backend.encode_batch_fast(texts, add_special_tokens=add_special_tokens)]
 
 
-def _ids_and_offsets(tokenizer, texts: list[str], max_length: int) -> tuple[list[list[int]], list[list[tuple[int, int]]]]:
-    """tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True): ids and character offsets of
-    the first max_length tokens. Sliced in Python: Encoding.truncate builds the overflowing tail as new
-    encodings, which costs 2-4x converting it."""
+def _ids_and_offsets(tokenizer, texts: list[str], max_length: int) -> tuple[list[Any], list[Any]]:
+    """tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True): ids (numpy int64) and character
+    offsets (numpy, (n, 2)) of the first max_length tokens. Through the Rust tokenizer, a long text only as far
+    as max_length needs (finetune.data.prefix), the rest of the batch cut where its first texts say."""
     backend = _backend(tokenizer)
     if backend is None:
         encoded = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
-        return [ids[:max_length] for ids in encoded["input_ids"]], [o[:max_length] for o in encoded["offset_mapping"]]
-    encodings = backend.encode_batch(texts, add_special_tokens=False)
-    return [e.ids[:max_length] for e in encodings], [e.offsets[:max_length] for e in encodings]
+        return ([_tokens(ids[:max_length]) for ids in encoded["input_ids"]],
+                [_array(o[:max_length]) for o in encoded["offset_mapping"]])
+    from finetune.data.prefix import PROBE, Prefixes, chars_per_token
+
+    cuts = Prefixes.of(tokenizer)
+    ids, offsets = _encoded(tokenizer, backend, texts[:PROBE], [None] * len(texts[:PROBE]), max_length)
+    rest = texts[PROBE:]
+    ratio = chars_per_token(offsets, max_length) if cuts is not None and rest else None
+    if ratio is None:
+        more = _encoded(tokenizer, backend, rest, [None] * len(rest), max_length)
+        return ids + more[0], offsets + more[1]
+    ends = cuts.ends(rest, ratio, max_length)
+    more = _encoded(tokenizer, backend, [text[:end] for text, (end, _) in zip(rest, ends)], [last for _, last in ends],
+                    max_length, cuts.lengths)
+    redo = [i for i, found in enumerate(more[0]) if found is None]  # a cut that did not hold: the whole text
+    again = _encoded(tokenizer, backend, [rest[i] for i in redo], [None] * len(redo), max_length)
+    for i, found_ids, found_offsets in zip(redo, *again):
+        more[0][i], more[1][i] = found_ids, found_offsets
+    return ids + more[0], offsets + more[1]
+
+
+def _encoded(tokenizer, backend, texts: list[str], lasts: list[Optional[int]], max_length: int,
+             lengths: Optional[dict[int, int]] = None) -> tuple[list[Any], list[Any]]:
+    """ids and offsets of the first max_length tokens of each text: without offsets (encode_batch_fast) where
+    finetune.data.offsets computes them from the ids, with them for the other texts; sliced in Python
+    (Encoding.truncate builds the overflowing tail as new encodings: 2-4x converting it). A text cut after the
+    added token `lasts[i]` (of `lengths[lasts[i]]` characters) gives (None, None) unless its tokens number at
+    least max_length and end with that token, on the text's last characters (finetune.data.prefix)."""
+    from finetune.data.offsets import ByteOffsets
+
+    ids: list[Any] = [None] * len(texts)
+    offsets: list[Any] = [None] * len(texts)
+    failed = [False] * len(texts)
+    spelled = ByteOffsets.of(tokenizer)
+    if spelled is not None and texts:
+        for i, encoding in enumerate(backend.encode_batch_fast(texts, add_special_tokens=False)):
+            if lasts[i] is None:
+                ids[i] = _tokens(encoding.ids[:max_length])
+            else:
+                tokens = _tokens(encoding.ids)
+                if not (len(tokens) >= max_length and tokens[-1] == lasts[i] and spelled.spells_all(texts[i], tokens)):
+                    failed[i] = True
+                    continue
+                ids[i] = tokens[:max_length]
+            offsets[i] = spelled.offsets(texts[i], ids[i])
+    rest = [i for i, found in enumerate(offsets) if found is None and not failed[i]]
+    for i, encoding in zip(rest, backend.encode_batch([texts[i] for i in rest], add_special_tokens=False)):
+        if lasts[i] is not None and not (len(encoding.ids) >= max_length and encoding.ids[-1] == lasts[i]
+                                         and encoding.offsets[-1] == (len(texts[i]) - lengths[lasts[i]], len(texts[i]))):
+            continue
+        ids[i], offsets[i] = _tokens(encoding.ids[:max_length]), _array(encoding.offsets[:max_length])
+    return ids, offsets
+
+
+def _tokens(ids: list[int]):
+    import numpy as np
+
+    return np.fromiter(ids, dtype=np.int64, count=len(ids))
+
+
+def _array(offsets: list[tuple[int, int]]):
+    """(n, 2) int64 from a list of (start, end) (fromiter: half the time of asarray on a list of tuples)."""
+    import numpy as np
+
+    return np.fromiter(chain.from_iterable(offsets), dtype=np.int64, count=2 * len(offsets)).reshape(-1, 2)
 
 
 def _encode_prompted(examples: list[Prompted], indices: list[int], tokenizer, max_length: int, mask_prompt: bool,
@@ -253,17 +316,15 @@ def _encode_chat(examples: list[Chat], indices: list[int], tokenizer, max_length
         all_spans.append(without_think(spans, text) if think == "mask" else spans)
     out = []
     for ids, offsets, spans in zip(*_ids_and_offsets(tokenizer, texts, max_length), all_spans):
-        # A token is trained when its characters overlap a trained span (numpy: ~10x a Python loop per token;
-        # fromiter: half the time of asarray on a list of tuples).
-        offsets = np.fromiter(chain.from_iterable(offsets), dtype=np.int64, count=2 * len(offsets)).reshape(-1, 2)
+        # A token is trained when its characters overlap a trained span (numpy: ~10x a Python loop per token).
         trained = np.zeros(len(ids), dtype=bool)
         for start, end in spans:
             trained |= (offsets[:, 0] < end) & (offsets[:, 1] > start)
         if not trained[1:].any():  # _keep: nothing left to train
             out.append([])
             continue
-        labels = np.where(trained, np.asarray(ids, dtype=np.int64), IGNORE_INDEX).tolist()
-        out.append([{"input_ids": ids, "labels": labels}])
+        # Numpy columns: finetune.data.prepare hands them to Arrow as they are (tokenize_examples makes lists).
+        out.append([{"input_ids": ids, "labels": np.where(trained, ids, IGNORE_INDEX)}])
     return out
 
 
