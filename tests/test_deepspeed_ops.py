@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -102,3 +103,38 @@ def test_each_environment_builds_in_its_own_folder(tmp_path, monkeypatch):
     assert plan.env["TORCH_EXTENSIONS_DIR"] == str(one) and "TORCH_EXTENSIONS_DIR" not in plan.display()
     mine = plan_launch(hub_recipe(), tmp_path / "run", 0, environ={**environ, "TORCH_EXTENSIONS_DIR": "/x"})
     assert "TORCH_EXTENSIONS_DIR" not in mine.env  # the user's own choice is inherited as it is
+
+
+@pytest.mark.parametrize("value, expected", [
+    ("9.0a", "9.0"),
+    ("8.0;9.0a 10.0f+PTX", "8.0;9.0;10.0+PTX"),
+    ("9.0 9.0a", "9.0"),
+    ("8.0;9.0+PTX", None),  # already readable: left as it is
+    ("", None),
+])
+def test_arch_specific_targets_are_made_plain_for_deepspeeds_jit_builder(value, expected, monkeypatch):
+    """CUDA images for Hopper set TORCH_CUDA_ARCH_LIST=9.0a; DeepSpeed's JIT builder then failed to build
+    FusedAdam on an H100 ("invalid literal for int() with base 10: '0a'"). DeepSpeed's own builder is the judge."""
+    from deepspeed.ops.op_builder.fused_adam import FusedAdamBuilder
+
+    from finetune.run.deepspeed_ops import jit_arch_list
+    from finetune.run.launch.commands import plan_launch
+    from tests.conftest import hub_recipe
+
+    assert jit_arch_list({"TORCH_CUDA_ARCH_LIST": value}) == expected
+    builder = FusedAdamBuilder()
+    builder.jit_mode = True
+    if expected is not None:
+        monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", value)
+        with pytest.raises(ValueError, match="invalid literal"):
+            builder.compute_capability_args()
+    if value:
+        monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", expected or value)
+        builder.compute_capability_args()  # what the ranks get: DeepSpeed reads it
+
+    on_gpus = plan_launch(hub_recipe(), Path("/tmp/run"), 2, environ={"TORCH_CUDA_ARCH_LIST": value})
+    assert on_gpus.env.get("TORCH_CUDA_ARCH_LIST") == expected
+    if expected:
+        assert f"TORCH_CUDA_ARCH_LIST={shlex.quote(expected)}" in on_gpus.display()  # said in the run log
+    on_cpu = plan_launch(hub_recipe(), Path("/tmp/run"), 0, environ={"TORCH_CUDA_ARCH_LIST": value})
+    assert "TORCH_CUDA_ARCH_LIST" not in on_cpu.env

@@ -69,6 +69,33 @@ def per_environment_root(python: str = sys.executable, environ: Optional[dict[st
     return Path(cache) / "torch_extensions" / tag
 
 
+def jit_arch_list(environ: dict[str, str]) -> Optional[str]:
+    """TORCH_CUDA_ARCH_LIST as DeepSpeed's JIT builder can read it, or None when it already can (or is unset).
+
+    torch accepts arch-specific targets such as `9.0a` (Hopper's wgmma) and `10.0f`, and CUDA images for
+    Hopper set them. DeepSpeed's JIT builder (0.19.8, op_builder/builder.py compute_capability_args) sorts
+    the list by `int()` of each dotted part and fails on the suffix ("invalid literal for int() with base
+    10: '0a'") when a rank builds FusedAdam, seen on an H100. Its ops use no arch-specific instruction, so
+    the ranks get the plain targets (`9.0a` -> `9.0`); `+PTX` is kept.
+    """
+    value = environ.get("TORCH_CUDA_ARCH_LIST", "").strip()
+    targets = [t for t in value.replace(" ", ";").split(";") if t.strip()]
+
+    def readable(target: str) -> bool:
+        return all(part.split("+")[0].isdigit() for part in target.split("."))
+
+    if all(readable(t) for t in targets):
+        return None
+    plain: list[str] = []
+    for target in targets:
+        ptx = "+PTX" if target.upper().endswith("+PTX") else ""
+        base = target[:-len(ptx)] if ptx else target
+        base = ".".join(part.rstrip("abcdefghijklmnopqrstuvwxyz") for part in base.split(".")) + ptx
+        if base not in plain:
+            plain.append(base)
+    return ";".join(plain)
+
+
 def ops_needed(device: str, offload_optimizer: str) -> list[str]:
     ops = [CPU_COMM_OP] if device == "cpu" else []
     if offload_optimizer in ("cpu", "nvme"):

@@ -145,6 +145,12 @@ def plan_launch(recipe: Recipe, run_dir: Path, gpu_count: int, module: str = RUN
     if device == "cuda" and "PYTORCH_CUDA_ALLOC_CONF" not in environ:
         # Less cache held beyond what is allocated (finetune/plan/allocator.py); a user's setting wins.
         env["PYTORCH_CUDA_ALLOC_CONF"] = TRAINING_ALLOC_CONF
+    if device == "cuda":
+        from finetune.run.deepspeed_ops import jit_arch_list
+
+        arch_list = jit_arch_list(environ)
+        if arch_list is not None:  # shown with the launch command: the ranks build DeepSpeed's ops for these
+            env["TORCH_CUDA_ARCH_LIST"] = arch_list
     if device == "cpu" and "DS_ACCELERATOR" not in environ:
         env["DS_ACCELERATOR"] = "cpu"  # skip DeepSpeed's accelerator probing (and its warning)
     hosts = None
