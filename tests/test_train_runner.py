@@ -206,3 +206,36 @@ def test_every_tested_combination_has_a_recipe():
     recipes = {p.stem: load_recipe(p).recipe for p in TINY_RECIPES.glob("*.yaml")}
     shipped = {name for name, r in recipes.items() if r.objective == "sft" and r.parallel.model_parallel == 1} - {"base"}
     assert shipped == set(COMBINATIONS)
+
+
+def test_final_logits_take_one_sequence_at_a_time_and_equal_the_batch(tmp_path, tiny_cache):
+    """The verification forward after training holds one sequence's logits on the device, not the
+    batch's (and its float32 copy): at 4 x 2,048 tokens and a 128k vocabulary that was 5.9 GiB more
+    than the training step itself, seen on an H100. The saved logits equal a batched forward's."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from finetune.builtin import builtin_model_dir
+    from finetune.train.runner import save_final_logits
+
+    model = AutoModelForCausalLM.from_pretrained(str(builtin_model_dir("builtin:tiny-llama", tiny_cache)),
+                                                 dtype=torch.float32).train()
+    ids = torch.randint(5, 200, (3, 12))
+    mask = torch.ones_like(ids)
+    mask[1, 7:] = 0  # right padding, as the collator pads
+    mask[2, 4:] = 0
+    seen = []
+    model.register_forward_hook(lambda module, args, kwargs, out: seen.append(kwargs["input_ids"].shape[0]),
+                                with_kwargs=True)
+    path = tmp_path / "final_logits.safetensors"
+    save_final_logits(model, {"input_ids": ids, "attention_mask": mask, "labels": ids}, "cpu", path)
+    assert seen == [1, 1, 1] and model.training
+    saved = load_file(str(path))
+    assert set(saved) == {"logits", "input_ids", "attention_mask"}
+    model.eval()
+    with torch.no_grad():
+        batched = model(input_ids=ids, attention_mask=mask, use_cache=False).logits.float()
+    real = mask.bool()
+    torch.testing.assert_close(saved["logits"][real], batched[real], rtol=1e-5, atol=1e-5)
+    assert torch.equal(saved["input_ids"], ids) and torch.equal(saved["attention_mask"], mask)

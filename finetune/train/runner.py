@@ -193,18 +193,29 @@ def fixed_batch(dataset, collator) -> dict[str, Any]:
 
 
 def save_final_logits(model, batch: dict[str, Any], device, path: Optional[Path]) -> None:
-    """Forward the fixed batch in eval mode (every rank: ZeRO-3 gathers weights collectively)."""
+    """Forward the fixed batch in eval mode (every rank: ZeRO-3 gathers weights collectively).
+
+    One sequence at a time, each one's logits moved to the CPU before the next: the whole batch's
+    logits at once (and their float32 copy) would hold 4 x seq x vocab x 6 B on the GPU (5.9 GiB at
+    2,048 tokens and Llama-3's 128,256 vocab), more than the training step's loss, after it.
+    A packed batch (flat rows with per-example boundaries) goes in as one forward, as it trained.
+    """
     import torch
     from safetensors.torch import save_file
 
-    inputs = {k: v.to(device) for k, v in batch.items() if k != "labels"}
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    rows = {v.shape[0] for v in inputs.values() if isinstance(v, torch.Tensor) and v.dim() > 0}
+    whole = len(rows) != 1 or any(not isinstance(v, torch.Tensor) or v.dim() < 2 for v in inputs.values())
+    parts = [inputs] if whole else [{k: v[i:i + 1] for k, v in inputs.items()} for i in range(rows.pop())]
     was_training = model.training
     model.eval()
     with torch.no_grad():
-        logits = model(**inputs, use_cache=False).logits.float().cpu()
+        logits = torch.cat([model(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in part.items()},
+                                  use_cache=False).logits.cpu().float() for part in parts])
     model.train(was_training)
+    inputs = {k: v.cpu() for k, v in inputs.items() if isinstance(v, torch.Tensor)}
     if path is not None:
-        tensors = {"logits": logits.contiguous(), **{k: v.cpu().contiguous() for k, v in inputs.items()}}
+        tensors = {"logits": logits.contiguous(), **{k: v.contiguous() for k, v in inputs.items()}}
         tmp = path.with_name(f".{path.name}.tmp")
         save_file(tensors, str(tmp))
         # safetensors creates the file 0600; the run directory is shared like the rest of its files
@@ -380,6 +391,9 @@ def run(run_dir: Path, resume: bool = False) -> None:
     startup.mark("trainer")
     trainer.train(resume_from_checkpoint=checkpoint)
     resilience.raise_if_stopped()  # stopped by a signal: the checkpoint is complete; no final outputs
+    # The training peak, what `finetune plan` predicts: read before the outputs' own forward.
+    memory = all_gather(peak_memory())
+    reserved = all_gather(peak_memory_reserved())
 
     # 5. Outputs.
     batch = fixed_batch(train_set, collator) if recipe.objective == "sft" else \
@@ -387,8 +401,6 @@ def run(run_dir: Path, resume: bool = False) -> None:
     save_final_logits(trainer.model, batch, training_args.device, run_dir / LOGITS_FILE if is_main else None)
     trainer.model.config.use_cache = use_cache
     saved = save_weights(trainer, recipe, ds_config, run_dir, is_main)
-    memory = all_gather(peak_memory())
-    reserved = all_gather(peak_memory_reserved())
     if is_main:
         tmp_tok = run_dir / ".tokenizer.partial"
         shutil.rmtree(tmp_tok, ignore_errors=True)
