@@ -110,23 +110,37 @@ def detect(cpu: bool) -> Machine:
     import importlib.metadata as md
     import importlib.util
 
-    import torch
-
     versions = {}
     for name in ("torch", "transformers", "deepspeed", "peft", "bitsandbytes", "flash-attn", "liger-kernel"):
         try:
             versions[name] = md.version(name)
         except md.PackageNotFoundError:
             versions[name] = None
-    if cpu or not torch.cuda.is_available():
+    gpus = None if cpu else gpu_facts()
+    if gpus is None:
         return Machine(cpu=True, gpus=0, gpu_name=None, gpu_memory=None, peak_flops=None, peak_source=None,
                        flash=False, bitsandbytes=False, versions=versions)
-    name = torch.cuda.get_device_name(0)
+    count, name, memory = gpus
     peak, source = peak_bf16_flops(name)
-    return Machine(cpu=False, gpus=torch.cuda.device_count(), gpu_name=name,
-                   gpu_memory=torch.cuda.get_device_properties(0).total_memory, peak_flops=peak,
-                   peak_source=source, flash=importlib.util.find_spec("flash_attn") is not None,
+    return Machine(cpu=False, gpus=count, gpu_name=name, gpu_memory=memory, peak_flops=peak, peak_source=source,
+                   flash=importlib.util.find_spec("flash_attn") is not None,
                    bitsandbytes=importlib.util.find_spec("bitsandbytes") is not None, versions=versions)
+
+
+def gpu_facts() -> Optional[tuple[int, str, int]]:
+    """(GPU count, name, total memory of GPU 0) as torch sees them, asked in a child process: the harness
+    itself then holds no CUDA context while the runs it measures with nvidia-smi (every process on a GPU
+    counts there) are going. None without a CUDA GPU."""
+    code = ("import json, torch\n"
+            "if torch.cuda.is_available():\n"
+            "    p = torch.cuda.get_device_properties(0)\n"
+            "    print(json.dumps([torch.cuda.device_count(), p.name, p.total_memory]))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    lines = out.stdout.strip().splitlines()
+    if out.returncode != 0 or not lines:
+        return None
+    count, name, memory = json.loads(lines[-1])
+    return int(count), str(name), int(memory)
 
 
 def peak_bf16_flops(device_name: str) -> tuple[Optional[float], Optional[str]]:
@@ -578,16 +592,18 @@ def main(argv: Optional[list[str]] = None) -> int:
                                "loss_kernel": args.loss_kernel, "runs": [], "packing_checks": []}
     print(f"gpu_acceptance: {len(cases)} runs on {'CPU' if machine.cpu else f'{machine.gpus} x {machine.gpu_name}'}",
           flush=True)
-    results["packing_checks"] = packing_checks(machine, out)
-    for check in results["packing_checks"]:
-        print(f"  packed vs alone, {check['attn']}: max abs diff {check['max_abs_diff']:.2e} "
-              f"({'equal' if check['equal'] else 'DIFFERENT'})", flush=True)
     for i, case in enumerate(cases, 1):
         record = run_case(case, machine, args, out)
         results["runs"].append(record)
         write_results(out, results)  # after every run: a long matrix that stops keeps what it measured
         tps = f"{record['tokens_per_second']:.0f} tokens/s" if record.get("tokens_per_second") else ""
         print(f"  [{i}/{len(cases)}] {case.name}: {record['status']} {tps} {record.get('reason', '')}"[:300], flush=True)
+    # After the runs: the check loads a model on GPU 0 in this process, whose CUDA context would
+    # otherwise be in every run's nvidia-smi reading.
+    results["packing_checks"] = packing_checks(machine, out)
+    for check in results["packing_checks"]:
+        print(f"  packed vs alone, {check['attn']}: max abs diff {check['max_abs_diff']:.2e} "
+              f"({'equal' if check['equal'] else 'DIFFERENT'})", flush=True)
     write_results(out, results)
     failed = [r for r in results["runs"] if r["status"] == "failed"]
     unequal = [c for c in results["packing_checks"] if not c["equal"]]
