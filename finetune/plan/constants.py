@@ -67,8 +67,9 @@ HISTORY_RECORDS = (1 / 2, 3 / 4, 7 / 8, 15 / 16)
 BOUND_QUANTILE = 0.95
 BOUND_MIN_CASES = 10
 BOUND_WIDTHS: dict[str, tuple[float, int]] = {
-    'all': (0.2122, 140),
-    'one shape': (0.2316, 89),
+    'all': (0.2122, 141),
+    'one shape': (0.2315, 90),
+    'one shape / full': (0.2059, 10),
     'one shape / lora': (0.2006, 49),
     'one shape / lora / no DeepSpeed': (0.1399, 36),
     'one shape / qlora': (0.2357, 31),
