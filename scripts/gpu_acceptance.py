@@ -106,6 +106,15 @@ class Machine:
 # What the machine has
 
 
+def git_commit() -> Optional[str]:
+    """The commit of this checkout (what the results measured), None outside a git checkout."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=False)
+    except OSError:  # no git on the machine
+        return None
+    return (out.stdout.strip() or None) if out.returncode == 0 else None
+
+
 def detect(cpu: bool) -> Machine:
     import importlib.metadata as md
     import importlib.util
@@ -390,6 +399,8 @@ def model_dir_of(case: Case, out: Path) -> Path:
 def run_case(case: Case, machine: Machine, args, out: Path) -> dict[str, Any]:
     record: dict[str, Any] = {"name": case.name, **dataclasses.asdict(case), "status": None}
     recipe = recipe_for(case, machine, args, out)
+    record.update(dtype=recipe["model"]["dtype"], max_length=recipe["data"]["max_length"],
+                  micro_batch=recipe["training"]["micro_batch_size"])
     recipe_path = out / "recipes" / f"{case.name}.yaml"
     recipe_path.parent.mkdir(parents=True, exist_ok=True)
     recipe_path.write_text(json.dumps(recipe, indent=2) + "\n", encoding="utf-8")  # JSON is YAML
@@ -427,6 +438,7 @@ def run_case(case: Case, machine: Machine, args, out: Path) -> dict[str, Any]:
         "peak_memory_bytes": max(peaks) if peaks else None,
         "peak_memory_bytes_per_rank": peaks,
         "peak_memory_kind": summary.get("peak_memory_kind"),
+        "peak_memory_scope": summary.get("peak_memory_scope"),  # "training": over the steps alone
         "max_memory_reserved_bytes": summary.get("peak_memory_reserved_bytes"),
         "trainable_parameters": summary.get("trainable_parameters"),
     })
@@ -588,8 +600,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.only:
         cases = [c for c in cases if args.only in c.name]
     results: dict[str, Any] = {"created": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-                               "machine": dataclasses.asdict(machine), "steps": args.steps,
-                               "loss_kernel": args.loss_kernel, "runs": [], "packing_checks": []}
+                               "commit": git_commit(), "machine": dataclasses.asdict(machine), "steps": args.steps,
+                               "loss_kernel": args.loss_kernel, "runs": [], "packing_checks": [],
+                               # the shapes the runs trained, for scripts/acceptance_to_corpus.py
+                               "models": {} if machine.cpu else {m: {"model_type": "llama", **MODELS[m]}
+                                                                 for m in {c.model for c in cases}}}
     print(f"gpu_acceptance: {len(cases)} runs on {'CPU' if machine.cpu else f'{machine.gpus} x {machine.gpu_name}'}",
           flush=True)
     for i, case in enumerate(cases, 1):

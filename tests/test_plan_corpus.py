@@ -45,8 +45,8 @@ def test_corpus_cases_name_their_source_measure_and_settings(corpus_rows):
     assert len(cases) >= 60
     assert len({c["id"] for c in cases}) == len(cases)
     for source in corpus["sources"].values():
-        # a published source by its address; this project's own GPU runs by the file in this repository
-        assert source["url"].startswith("https://") or (REPO / source["url"]).is_file(), source["url"]
+        # a published source by its address; this project's own GPU runs by their folder in this repository
+        assert source["url"].startswith("https://") or (REPO / source["url"]).is_dir(), source["url"]
         assert source["commit"] and source["file"]
         assert source["measure"] in ("max_memory_allocated", "max_memory_reserved", "nvidia-smi", "unspecified",
                                      "capacity")
@@ -58,6 +58,55 @@ def test_corpus_cases_name_their_source_measure_and_settings(corpus_rows):
     families = {m.split("-")[0].split(".")[0] for m in models}
     assert {"qwen", "yi", "llama", "deepseek"} <= families
     assert {c["settings"]["method"] for c in cases} == {"full", "lora", "qlora"}
+
+
+def test_own_gpu_runs_cite_their_results_file_and_its_figure(corpus_rows):
+    """This project's acceptance runs: each case names a results file in this repository, and its measured
+    figure is that file's max_memory_allocated for the run (the largest rank)."""
+    import json
+
+    corpus, _, _ = corpus_rows
+    own = [c for c in corpus["cases"] if c["source"] == "finetune-gpu-acceptance"]
+    assert own
+    for case in own:
+        results = json.loads((REPO / case["file"]).read_text())
+        run = next(r for r in results["runs"] if r["name"] == case["row"])
+        assert case["commit"] and case["measured_gib"] == round(run["peak_memory_bytes"] / GiB, 3)
+
+
+def test_acceptance_results_become_cases_only_when_they_measured_training_alone(corpus_rows, tmp_path):
+    """scripts/acceptance_to_corpus.py: an `ok` run whose peak the runner read over training alone becomes a
+    case the planner can be judged on; a failed run, or one read after the verification forward, does not."""
+    import copy
+    import json
+
+    corpus, _, script = corpus_rows
+    spec = importlib.util.spec_from_file_location("acceptance_to_corpus", REPO / "scripts" / "acceptance_to_corpus.py")
+    convert = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(convert)
+    shapes = corpus["models"]["acceptance-llama-1b"]["config"]
+    run = {"name": "llama-1b_lora_z0_sdpa_1gpu", "model": "llama-1b", "method": "lora", "stage": 0, "offload": False,
+           "packing": False, "attn": "sdpa", "gpus": 1, "status": "ok", "dtype": "bfloat16", "max_length": 2048,
+           "micro_batch": 1, "peak_memory_bytes": 6 * GiB, "peak_memory_scope": "training"}
+    results = {"commit": "abc1234", "loss_kernel": "default", "models": {"llama-1b": shapes},
+               "machine": {"gpu_name": "NVIDIA H100 80GB HBM3"},
+               "runs": [run, {**run, "name": "old", "peak_memory_scope": None},
+                        {**run, "name": "failed", "status": "failed"}]}
+    models, cases = convert.cases_from(results, "docs/gpu_acceptance/x.json")
+    assert [c["row"] for c in cases] == ["llama-1b_lora_z0_sdpa_1gpu"]
+    assert cases[0]["measured_gib"] == 6.0 and cases[0]["commit"] == "abc1234" and cases[0]["holdout"]
+    mine = copy.deepcopy(corpus)
+    assert convert.add(mine, models, cases) == [cases[0]["id"]]
+    assert convert.add(mine, models, cases) == []  # once
+    (row,) = [r for r in script.evaluate(mine) if r["id"] == cases[0]["id"]]
+    assert row["view"] == "allocated" and row["error"] is not None
+    # the planner's allocated figure for these settings is the one `finetune plan` gave the recipe on the H100
+    # (the 2026-11-24 tables: 5.61 GiB for this run)
+    assert row["predicted_gib"] == pytest.approx(5.61, abs=0.01)
+    # a results file outside the repository cannot be cited
+    outside = tmp_path / "results.json"
+    outside.write_text(json.dumps(results))
+    assert convert.main([str(outside), "--dry-run"]) == 2
 
 
 def test_no_case_holds_more_than_its_gpus(corpus_rows):

@@ -58,6 +58,7 @@ def test_two_process_run_learns_and_saves_what_it_trained(name, tiny_run, tiny_c
         assert tokenize is None, startup
     assert all(startup[k] > 0 for k in ("process_group", "model", "deepspeed_init", "first_step")), startup
     assert summary["world_size"] == 2
+    assert summary["peak_memory_scope"] == "training"  # read before the verification forward
     assert summary["loss_kernel"] == recipe.training.loss_kernel
     assert summary["peak_memory_kind"] == "cpu_peak_rss"
     assert len(summary["peak_memory_bytes"]) == 2 and all(b > 50 * 2**20 for b in summary["peak_memory_bytes"])

@@ -248,6 +248,8 @@ def summarize(trainer, clock, world_size: int, memory: list[tuple[int, str]], ex
         "world_size": world_size,
         "peak_memory_bytes": [m[0] for m in memory],
         "peak_memory_kind": memory[0][1] if memory else None,
+        # read when training ended, before the verification forward and the saving: what `finetune plan` predicts
+        "peak_memory_scope": "training",
     }
     summary.update(extra)
     summary["loss_history"] = losses
