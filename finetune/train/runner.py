@@ -397,12 +397,12 @@ def run(run_dir: Path, resume: bool = False) -> None:
     memory = all_gather(peak_memory())
     reserved = all_gather(peak_memory_reserved())
 
-    # 5. Outputs.
+    # 5. Outputs: the weights first, so that nothing after training can cost them.
+    trainer.model.config.use_cache = use_cache
+    saved = save_weights(trainer, recipe, ds_config, run_dir, is_main)
     batch = fixed_batch(train_set, collator) if recipe.objective == "sft" else \
         preference.fixed_batch(trainer, tokenizer.pad_token_id, LOGITS_BATCH, recipe.data.max_length)
     save_final_logits(trainer.model, batch, training_args.device, run_dir / LOGITS_FILE if is_main else None)
-    trainer.model.config.use_cache = use_cache
-    saved = save_weights(trainer, recipe, ds_config, run_dir, is_main)
     if is_main:
         tmp_tok = run_dir / ".tokenizer.partial"
         shutil.rmtree(tmp_tok, ignore_errors=True)
