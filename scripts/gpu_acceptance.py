@@ -12,7 +12,7 @@ all visible), it writes a recipe to OUT/recipes/, asks `finetune plan` what it n
 the plan says it does not fit, and otherwise trains it for --steps steps with `finetune train`.
 Each run records tokens/s, MFU, max_memory_allocated and max_memory_reserved per rank (summary.json),
 nvidia-smi's used memory sampled during the run, and the plan's prediction. A separate check collates two
-packed rows the way the runner does (finetune.data.tokenize.make_collator: flattened with flash
+packed rows the way the runner does (finetune.data.packing.make_collator: flattened with flash
 boundaries on flash, block-diagonal masks on sdpa) and compares each example's logits there with its
 logits alone, for every attention kernel the machine has.
 
@@ -476,7 +476,7 @@ def packing_check(model_dir: Path, attn: str, machine: Machine) -> dict[str, Any
     import torch
     from transformers import AutoModelForCausalLM
 
-    from finetune.data.tokenize import make_collator, pack
+    from finetune.data.packing import make_collator, pack
 
     device = "cpu" if machine.cpu else "cuda"
     # float32 wherever the kernel allows it: bf16 rounding alone moved logits by 2% of their scale between

@@ -146,7 +146,7 @@ def fingerprint(dataset, pad_token_id: int) -> dict[str, Any]:
     """What training gets from `dataset`: its rows, and the batches of 3 each collator makes (in order)."""
     import torch
 
-    from finetune.data.tokenize import Collator, FlatteningCollator
+    from finetune.data.packing import Collator, FlatteningCollator
 
     rows = [{k: [int(x) for x in row[k]] for k in sorted(row)} for row in dataset]
     batches: dict[str, list[Any]] = {"padded": [], "flat": [], "flash": []}

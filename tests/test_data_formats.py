@@ -128,7 +128,7 @@ def _train_tiny_on_chats(tokenizer, model_dir: Path, eos_trained: bool, steps: i
     import torch
     from transformers import AutoModelForCausalLM
 
-    from finetune.data.tokenize import Collator
+    from finetune.data.packing import Collator
 
     torch.manual_seed(0)
     rows = tokenize_examples([{"messages": [{"role": role, "content": text} for turn in chat

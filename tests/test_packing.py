@@ -14,9 +14,8 @@ import json
 import pytest
 
 from finetune.data.prepare import cache_key
-from finetune.data.tokenize import (
-    IGNORE_INDEX, FlatteningCollator, make_collator, pack, split_packed, tokenize_examples,
-)
+from finetune.data.packing import FlatteningCollator, make_collator, pack, split_packed
+from finetune.data.tokenize import IGNORE_INDEX, tokenize_examples
 from tests.test_train_data import DEMO, _data, tokenizer  # noqa: F401  (a session fixture)
 
 LAYOUTS = {"packing": dict(packing=True, padding_free=False), "padding_free": dict(packing=False, padding_free=True)}
@@ -204,7 +203,7 @@ def test_packed_rows_without_boundaries_mix_examples_under_flash(varlen_model, t
     and the examples attend to each other. Also shows the logits check above can see mixing."""
     import torch
 
-    from finetune.data.tokenize import Collator
+    from finetune.data.packing import Collator
 
     model, calls = varlen_model
     calls.clear()

@@ -94,7 +94,7 @@ def test_parallelism_config_names_the_data_parallel_size():
 def test_sequence_parallel_collator_pads_to_a_multiple_and_adds_positions():
     import torch
 
-    from finetune.data.tokenize import Collator, FlatteningCollator
+    from finetune.data.packing import Collator, FlatteningCollator
     from finetune.train.parallel import SequenceParallelCollator
 
     rows = [{"input_ids": [5, 6, 7], "labels": [-100, 6, 7]}, {"input_ids": [8, 9], "labels": [8, 9]}]

@@ -640,7 +640,7 @@ def test_attention_mask_term_equals_the_mask_transformers_builds(attn, layout):
     from transformers.masking_utils import create_causal_mask
 
     from finetune.plan import attention_mask_bytes
-    from finetune.data.tokenize import make_collator
+    from finetune.data.packing import make_collator
 
     b, s = 4, 64
     if layout == "packing":  # full blocks of two examples each
@@ -670,7 +670,7 @@ def test_layer_activations_of_packed_and_flattened_batches(attn, layout):
     scores span it)."""
     import torch
 
-    from finetune.data.tokenize import make_collator
+    from finetune.data.packing import make_collator
 
     b, s = 2, 48
     rows = [{"input_ids": [7] * s, "labels": [7] * s, "position_ids": list(range(16)) + list(range(s - 16))}] * b

@@ -13,9 +13,8 @@ import pytest
 
 from finetune.data.formats import RowSpec, alpaca
 from finetune.data.prepare import cache_key, tokenize_for_training
-from finetune.data.tokenize import (
-    IGNORE_INDEX, Collator, DataError, load_raw, pack, split_eval, tokenize_examples,
-)
+from finetune.data.packing import Collator, pack
+from finetune.data.tokenize import IGNORE_INDEX, DataError, load_raw, split_eval, tokenize_examples
 from tests.train_fixtures import REPO
 
 DEMO = REPO / "recipes" / "data" / "demo_instructions.jsonl"

@@ -13,7 +13,7 @@ No tokenizing happens inside a process group, so no collective timeout can cut i
 3. Mixing (finetune.data.mix) picks (source, example) pairs as numpy arrays and selects them from the
    concatenated sources: an index mapping, not copies.
 4. Packing computes the block boundaries from the lengths (numpy), then builds the blocks from Arrow columns
-   (finetune.data.tokenize.pack_table), in parallel batches of blocks.
+   (finetune.data.packing.pack_table), in parallel batches of blocks.
 5. The result is saved into a temporary folder beside the cache entry and renamed into place when complete
    (a killed prepare leaves only `.KEY.*.partial`, which no later run takes for a cache, and which the next
    prepare removes when its owner is gone).
@@ -40,7 +40,8 @@ from finetune.data.formats import RowSpec
 from finetune.data.mix import MixError, mixture_arrays, targets
 from finetune.data.peak import PeakRss
 from finetune.data.sources import Source, data_files, is_local, sources_of
-from finetune.data.tokenize import DataError, RowError, encode_rows, load_raw, pack_starts, pack_table
+from finetune.data.packing import pack_starts, pack_table
+from finetune.data.tokenize import DataError, RowError, encode_rows, load_raw
 from finetune.fsutil import OWNER_FILE, remove_stale_partials
 
 # Bump when tokenization or the cache layout changes, so caches written by an older version are never reused.

@@ -186,7 +186,7 @@ def backward_working_bytes(setup: Setup, per_layer: int) -> int:
 
 
 def flattened(setup: Setup) -> bool:
-    """One row per micro batch (finetune.data.tokenize.make_collator): padding_free, or packing under flash."""
+    """One row per micro batch (finetune.data.packing.make_collator): padding_free, or packing under flash."""
     return setup.padding_free or (setup.packing and setup.attn.startswith("flash"))
 
 

@@ -292,7 +292,8 @@ def run(run_dir: Path, resume: bool = False) -> None:
     from finetune.train.callbacks import EffectiveDeepSpeedConfig, LossPlot, ProgressLines, TrainClock
     from finetune.data.sources import section_for_tokenizing
     from finetune.data.prepare import load_prepared, mix_report
-    from finetune.data.tokenize import make_collator, split_eval
+    from finetune.data.packing import make_collator
+    from finetune.data.tokenize import split_eval
     from finetune.train import parallel, preference
     from finetune.train.model import count_parameters, load_model, prepare_model
     from finetune.tokenizer import load_tokenizer

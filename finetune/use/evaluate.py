@@ -155,7 +155,7 @@ def evaluate(run_dir: Path, data: Optional[Path] = None, device: str = "auto", b
     """EvalResult (loss and perplexity); for a reward model, finetune.use.reward_eval.PairwiseResult."""
     from finetune.use.chat import ChatError, load_chat_model, resolve_source
     from finetune.rundir.run_dir import RunDir, RunDirError
-    from finetune.data.tokenize import Collator
+    from finetune.data.packing import Collator
 
     run_dir = Path(run_dir)
     try:

@@ -1,0 +1,147 @@
+"""Packing and batching: whole examples end to end in blocks of at most max_length tokens, and the
+collator that keeps every example to itself on each attention kernel.
+
+- `pack_starts` / `pack_table`: greedy in-order packing on Arrow columns (finetune.data.prepare packs the
+  tokenized data with them on every core); each block carries position_ids that restart at 0 for every
+  example, and the first token of each example is not a label.
+- `make_collator`: padded rows, packed rows, or one flattened row per micro batch (`data.padding_free`,
+  and packing under flash attention), so that examples never attend to each other.
+
+This module imports numpy, pyarrow, torch and transformers only inside functions.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from finetune.data.tokenize import IGNORE_INDEX
+
+
+def pack(rows: list[dict[str, list[int]]], max_length: int) -> list[dict[str, list[int]]]:
+    """`pack_table` of a list of rows, as lists (a handful of rows: tests, the GPU acceptance script)."""
+    import pyarrow as pa
+
+    table = pa.table({name: pa.array([row[name] for row in rows], pa.list_(pa.int32())) for name in ("input_ids", "labels")})
+    return pack_table(table, pack_starts(pa.compute.list_value_length(table["input_ids"]).to_numpy(), max_length)).to_pylist()
+
+
+def pack_starts(lengths, max_length: int):
+    """Greedy in-order packing of whole examples into blocks of at most max_length tokens: the index of
+    each block's first example, then len(lengths) (a numpy int64 array; the lengths are a numpy array too).
+
+    Each block carries position_ids that restart at 0 for every example (`pack_table`): the collators below
+    turn them into the boundaries each attention kernel honours (see `make_collator`)."""
+    import numpy as np
+
+    starts = [0] if len(lengths) else []
+    used = 0
+    for index, length in enumerate(lengths.tolist()):  # sequential by nature; ~0.3 s per million examples
+        if used and used + length > max_length:
+            starts.append(index)
+            used = 0
+        used += length
+    return np.array(starts + [len(lengths)], dtype=np.int64)
+
+
+def pack_table(table, starts):
+    """The blocks of an Arrow table of examples (input_ids, labels): block k holds examples starts[k] to
+    starts[k+1] - 1, end to end, with position_ids restarting at 0 for each. The first token of every
+    example is not a label: it would be predicted from the previous example's last token. Columns in,
+    columns out: no Python list of tokens."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    ids, labels = table.column("input_ids").combine_chunks(), table.column("labels").combine_chunks()
+    lengths = pc.list_value_length(ids).to_numpy()
+    row_start = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=row_start[1:])
+    flat_labels = pc.list_flatten(labels).to_numpy(zero_copy_only=False).astype(np.int32, copy=True)
+    flat_labels[row_start[:-1]] = IGNORE_INDEX
+    positions = (np.arange(row_start[-1], dtype=np.int64) - np.repeat(row_start[:-1], lengths)).astype(np.int32)
+    offsets = pa.array(row_start[np.asarray(starts)].astype(np.int32))
+    return pa.table({"input_ids": pa.ListArray.from_arrays(offsets, pc.list_flatten(ids).cast(pa.int32())),
+                     "labels": pa.ListArray.from_arrays(offsets, pa.array(flat_labels)),
+                     "position_ids": pa.ListArray.from_arrays(offsets, pa.array(positions))})
+
+
+# ------------------------------------------------------------------------------------------------
+# Batching
+
+
+class Collator:
+    """Pads a list of rows to the longest (rounded up to a multiple of 8 for tensor-core shapes).
+
+    Unpacked rows get an attention mask. Packed rows (with position_ids) get none, so the model builds
+    the block-diagonal mask from the position ids (sdpa/eager only: see `make_collator`); padding
+    continues the positions of a separate trailing sequence with labels -100.
+    """
+
+    def __init__(self, pad_token_id: int, multiple_of: int = 8):
+        self.pad_token_id = pad_token_id
+        self.multiple_of = multiple_of
+
+    def __call__(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
+        import torch
+
+        longest = max(len(r["input_ids"]) for r in rows)
+        width = -(-longest // self.multiple_of) * self.multiple_of
+        packed = "position_ids" in rows[0]
+        batch: dict[str, list[list[int]]] = {"input_ids": [], "labels": []}
+        batch["position_ids" if packed else "attention_mask"] = []
+        for r in rows:
+            n, pad = len(r["input_ids"]), width - len(r["input_ids"])
+            batch["input_ids"].append(list(r["input_ids"]) + [self.pad_token_id] * pad)
+            batch["labels"].append(list(r["labels"]) + [IGNORE_INDEX] * pad)
+            if packed:
+                batch["position_ids"].append(list(r["position_ids"]) + list(range(pad)))
+            else:
+                batch["attention_mask"].append([1] * n + [0] * pad)
+        return {k: torch.tensor(v, dtype=torch.long) for k, v in batch.items()}
+
+
+def split_packed(row: dict[str, Any]) -> list[dict[str, list[int]]]:
+    """The examples of a packed block (cut where position_ids restart at 0); an unpacked row as is."""
+    if "position_ids" not in row:
+        return [{"input_ids": list(row["input_ids"]), "labels": list(row["labels"])}]
+    starts = [i for i, p in enumerate(row["position_ids"]) if p == 0] + [len(row["input_ids"])]
+    return [{"input_ids": list(row["input_ids"][a:b]), "labels": list(row["labels"][a:b])}
+            for a, b in zip(starts, starts[1:])]
+
+
+class FlatteningCollator:
+    """One row per micro batch: every example of every row, end to end, without padding.
+
+    transformers' DataCollatorWithFlattening does the work: position_ids restart per example, the
+    first label of each example is -100, and with `flash_kwargs` it adds cu_seq_lens_q/k and
+    max_length_q/k, which flash attention turns into a varlen call (one causal segment per example).
+    Without them (sdpa, eager) the model builds a block-diagonal mask from the position ids.
+    """
+
+    def __init__(self, flash_kwargs: bool):
+        from transformers import DataCollatorWithFlattening
+
+        self.flatten = DataCollatorWithFlattening(return_position_ids=True, separator_id=IGNORE_INDEX,
+                                                  return_flash_attn_kwargs=flash_kwargs)
+
+    def __call__(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
+        return self.flatten([example for row in rows for example in split_packed(row)])
+
+
+def make_collator(pad_token_id: int, attn_implementation: str, packing: bool, padding_free: bool):
+    """The collator that keeps every example to itself on `attn_implementation`.
+
+    - padding_free (any kernel), or packing with flash attention: one flattened row per micro batch.
+      Flash needs it: transformers passes flash only per-example boundaries it is given
+      (cu_seq_lens) or, from position ids, when the batch has a single row
+      (modeling_flash_attention_utils._is_packed_sequence); several packed rows would attend across
+      examples.
+    - packing with sdpa/eager: the packed rows, padded; masking_utils.find_packed_sequence_indices
+      turns the restarting position ids of each row into a (rows, 1, seq, seq) block-diagonal mask,
+      which is smaller than one flattened row's (1, 1, rows x seq, rows x seq).
+    - otherwise: padded rows with an attention mask.
+    """
+    flash = attn_implementation.startswith("flash_attention")
+    if padding_free or (packing and flash):
+        return FlatteningCollator(flash_kwargs=flash)
+    return Collator(pad_token_id)
