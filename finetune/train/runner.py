@@ -198,7 +198,7 @@ def save_final_logits(model, batch: dict[str, Any], device, path: Optional[Path]
     One sequence at a time, each one's logits moved to the CPU before the next: the whole batch's
     logits at once (and their float32 copy) would hold 4 x seq x vocab x 6 B on the GPU (5.9 GiB at
     2,048 tokens and Llama-3's 128,256 vocab), more than the training step's loss, after it.
-    A packed batch (flat rows with per-example boundaries) goes in as one forward, as it trained.
+    A flattened batch (one row, or flash attention's cu_seq_lens for the whole batch) goes in as one forward.
     """
     import torch
     from safetensors.torch import save_file
