@@ -165,8 +165,10 @@ def test_plan_runs_on_every_case(corpus_rows):
 # all 6.7%, calibration 4.4%, held out 9.2%. Two cases crossed -15%: the Qwen README's 1.8B GPTQ Q-LoRA at 512
 # tokens (its constants were bitsandbytes' fp32 absmax, 3 x GPTQ's: -14.x% to -15.8%) and ms-swift's 1.8B
 # full fine-tune at 2,048 tokens (35.11 GiB, above its own 4,096-token row: -14.4% to -16.3%).
+# This project's first GPU row (an H100 full fine-tune, held out, within 0.01%; no term changed): all 6.7% to
+# 6.5%, held out 9.2% to 9.1%.
 REACHED = {
-    "all": {"median_abs_error": 0.068, "under_10": 27, "under_15": 13},
+    "all": {"median_abs_error": 0.066, "under_10": 27, "under_15": 13},
     "calibration": {"median_abs_error": 0.044, "under_10": 20, "under_15": 9},
     "holdout": {"median_abs_error": 0.092, "under_10": 7, "under_15": 4},
 }
