@@ -51,7 +51,10 @@ from finetune.train.dist import all_gather, barrier, is_cpu_accelerator
 from finetune.train.dist import rank as process_rank
 
 LOGITS_FILE = "final_logits.safetensors"
-LOGITS_BATCH = 4  # sequences in the fixed verification batch (the first training sequences)
+LOGITS_BATCH = 4  # examples in the fixed verification batch (the first training examples)
+# Tokens kept of each: enough to tell two sets of weights apart, while the file stays small at any length
+# (4 x 64 x 128,256 float32 logits: 131 MB; whole 2,048-token rows would be 4.2 GB).
+LOGITS_TOKENS = 64
 LIBRARIES = ("torch", "deepspeed", "transformers", "peft", "bitsandbytes", "accelerate", "datasets",
              "safetensors", "tokenizers", "trl")
 
@@ -187,17 +190,26 @@ def _record_base_model(config_path: Path, base: str) -> None:
     _write_json(config_path, config)
 
 
-def fixed_batch(dataset, collator) -> dict[str, Any]:
-    rows = [dataset[i] for i in range(min(LOGITS_BATCH, len(dataset)))]
-    return collator(rows)
+def fixed_batch(dataset, pad_token_id: int) -> dict[str, Any]:
+    """The first LOGITS_BATCH training examples (a packed block's one by one), each cut to LOGITS_TOKENS
+    tokens and right-padded with an attention mask: a batch every attention kernel reads the same way."""
+    from finetune.data.packing import Collator, split_packed
+
+    examples: list[dict[str, list[int]]] = []
+    for i in range(len(dataset)):
+        examples += split_packed(dataset[i])
+        if len(examples) >= LOGITS_BATCH:
+            break
+    rows = [{k: v[:LOGITS_TOKENS] for k, v in e.items()} for e in examples[:LOGITS_BATCH]]
+    return Collator(pad_token_id)(rows)
 
 
 def save_final_logits(model, batch: dict[str, Any], device, path: Optional[Path]) -> None:
     """Forward the fixed batch in eval mode (every rank: ZeRO-3 gathers weights collectively).
 
     One sequence at a time, each one's logits moved to the CPU before the next: the whole batch's
-    logits at once (and their float32 copy) would hold 4 x seq x vocab x 6 B on the GPU (5.9 GiB at
-    2,048 tokens and Llama-3's 128,256 vocab), more than the training step's loss, after it.
+    logits at once (and their float32 copy) held 4 x seq x vocab x 6 B on the GPU (5.9 GiB of whole
+    2,048-token rows at Llama-3's 128,256 vocab: more than the training step's loss, after it).
     A flattened batch (one row, or flash attention's cu_seq_lens for the whole batch) goes in as one forward.
     """
     import torch
@@ -401,8 +413,8 @@ def run(run_dir: Path, resume: bool = False) -> None:
     # 5. Outputs: the weights first, so that nothing after training can cost them.
     trainer.model.config.use_cache = use_cache
     saved = save_weights(trainer, recipe, ds_config, run_dir, is_main)
-    batch = fixed_batch(train_set, collator) if recipe.objective == "sft" else \
-        preference.fixed_batch(trainer, tokenizer.pad_token_id, LOGITS_BATCH, recipe.data.max_length)
+    batch = fixed_batch(train_set, tokenizer.pad_token_id) if recipe.objective == "sft" else \
+        preference.fixed_batch(trainer, tokenizer.pad_token_id, LOGITS_BATCH, min(recipe.data.max_length, LOGITS_TOKENS))
     save_final_logits(trainer.model, batch, training_args.device, run_dir / LOGITS_FILE if is_main else None)
     if is_main:
         tmp_tok = run_dir / ".tokenizer.partial"
