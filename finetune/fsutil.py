@@ -175,4 +175,14 @@ def _alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True  # someone else's live process
-    return True
+    return not _zombie(pid)
+
+
+def _zombie(pid: int) -> bool:
+    """A process that has exited but was not yet reaped by its parent (Linux: state Z in /proc/PID/stat):
+    signal 0 still reaches it, but it writes nothing any more."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False  # no procfs (macOS) or gone meanwhile: signal 0 decided
+    return stat[stat.rfind(")") + 2:].startswith("Z")  # after "PID (comm) ": the state

@@ -109,6 +109,35 @@ def test_a_killed_prepare_leaves_nothing_a_run_takes_for_a_cache(tmp_path, tiny_
     assert prep.prepare(section, tokenizer, tmp_path / "cache", log=lines.append).cached
 
 
+def test_a_partial_folder_whose_writer_exited_unreaped_is_removed(tmp_path):
+    """A writer that has exited but that its parent has not reaped yet (a zombie) still answers signal 0;
+    it writes nothing any more, so what it left is removed like any dead writer's."""
+    import os
+    import socket
+    import time
+    from pathlib import Path
+
+    from finetune.fsutil import OWNER_FILE, remove_stale_partials
+
+    target = tmp_path / "entry"
+    partial = tmp_path / ".entry.z1.partial"
+    partial.mkdir()
+    child = os.fork()
+    if child == 0:
+        os._exit(0)
+    try:
+        deadline = time.monotonic() + 10
+        while not Path(f"/proc/{child}/stat").read_text().split(") ", 1)[1].startswith("Z"):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        (partial / OWNER_FILE).write_text(json.dumps({"pid": child, "host": socket.gethostname()}))
+        os.kill(child, 0)  # still there for signal 0
+        assert [line.split(" (")[0] for line in remove_stale_partials(target)] == [f"removed {partial}"]
+        assert not partial.exists()
+    finally:
+        os.waitpid(child, 0)
+
+
 @pytest.mark.slow  # three CLI processes (~25 s on 2 cores)
 def test_prepare_then_train_finds_the_cache(tmp_path, tiny_cache):
     """`finetune prepare` writes the cache, a second one finds it; bad rows stop prepare with file:line,
