@@ -24,9 +24,12 @@ from pathlib import Path
 from typing import Any, Optional
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from finetune.units import GiB  # noqa: E402
+
 CORPUS = REPO / "tests" / "data" / "plan_corpus.json"
 SOURCE = "finetune-gpu-acceptance"
-GiB = 2**30
 
 
 def model_key(name: str) -> str:
@@ -93,7 +96,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"acceptance_to_corpus: {args.results} is not in this repository: commit it under "
               "docs/gpu_acceptance/ first, so that the corpus can cite it", file=sys.stderr)
         return 2
-    models, cases = cases_from(json.loads(path.read_text(encoding="utf-8")), file)
+    results = json.loads(path.read_text(encoding="utf-8"))
+    models, cases = cases_from(results, file)
     if args.dry_run:
         print(json.dumps(cases, indent=1))
         return 0
@@ -102,7 +106,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     tmp = args.corpus.with_name(f".{args.corpus.name}.tmp")
     tmp.write_text(json.dumps(corpus, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
     os.replace(tmp, args.corpus)
-    skipped = len(json.loads(path.read_text(encoding="utf-8"))["runs"]) - len(cases)
+    skipped = len(results["runs"]) - len(cases)
     print(f"{len(added)} case(s) added, {len(cases) - len(added)} already there, {skipped} run(s) not usable "
           "(not ok, or peak not over training alone); now: python scripts/plan_corpus.py --widths")
     return 0

@@ -210,22 +210,19 @@ def save_final_logits(model, batch: dict[str, Any], device, path: Optional[Path]
     One sequence at a time, each one's logits moved to the CPU before the next: the whole batch's
     logits at once (and their float32 copy) held 4 x seq x vocab x 6 B on the GPU (5.9 GiB of whole
     2,048-token rows at Llama-3's 128,256 vocab: more than the training step's loss, after it).
-    A flattened batch (one row, or flash attention's cu_seq_lens for the whole batch) goes in as one forward.
+    The batch is right-padded rows with an attention mask (`fixed_batch`, preference.fixed_batch).
     """
     import torch
     from safetensors.torch import save_file
 
     inputs = {k: v for k, v in batch.items() if k != "labels"}
-    rows = {v.shape[0] for v in inputs.values() if isinstance(v, torch.Tensor) and v.dim() > 0}
-    whole = len(rows) != 1 or any(not isinstance(v, torch.Tensor) or v.dim() < 2 for v in inputs.values())
-    parts = [inputs] if whole else [{k: v[i:i + 1] for k, v in inputs.items()} for i in range(rows.pop())]
+    rows = len(inputs["input_ids"])
     was_training = model.training
     model.eval()
     with torch.no_grad():
-        logits = torch.cat([model(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in part.items()},
-                                  use_cache=False).logits.cpu().float() for part in parts])
+        logits = torch.cat([model(**{k: v[i:i + 1].to(device) for k, v in inputs.items()},
+                                  use_cache=False).logits.cpu().float() for i in range(rows)])
     model.train(was_training)
-    inputs = {k: v.cpu() for k, v in inputs.items() if isinstance(v, torch.Tensor)}
     if path is not None:
         tensors = {"logits": logits.contiguous(), **{k: v.contiguous() for k, v in inputs.items()}}
         tmp = path.with_name(f".{path.name}.tmp")
