@@ -15,6 +15,21 @@ from tests.train_fixtures import cache_dir
 REPO = Path(__file__).resolve().parent.parent
 FINETUNE = [sys.executable, "-m", "finetune.cli"]
 
+
+def _one_extensions_folder() -> None:
+    """Every DeepSpeed process of the session builds its JIT ops in one folder: the one `finetune train`
+    gives its ranks (finetune.run.deepspeed_ops.per_environment_root). The tests that start torchrun or a
+    probe themselves would otherwise use torch's default folder, and a fresh CI machine compiled the CPU
+    communication op twice (about 37 CPU seconds each). A TORCH_EXTENSIONS_DIR already set is kept."""
+    import os
+
+    from finetune.run.deepspeed_ops import per_environment_root
+
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(per_environment_root(sys.executable)))
+
+
+_one_extensions_folder()
+
 MINIMAL = """\
 model:
   name_or_path: org/some-model

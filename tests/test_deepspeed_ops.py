@@ -138,3 +138,55 @@ def test_arch_specific_targets_are_made_plain_for_deepspeeds_jit_builder(value, 
         assert f"TORCH_CUDA_ARCH_LIST={shlex.quote(expected)}" in on_gpus.display()  # said in the run log
     on_cpu = plan_launch(hub_recipe(), Path("/tmp/run"), 0, environ={"TORCH_CUDA_ARCH_LIST": value})
     assert "TORCH_CUDA_ARCH_LIST" not in on_cpu.env
+
+
+class _Builder:
+    """DeepSpeed's op builder as torch's JIT leaves its folder: the library, and build.ninja naming this torch."""
+
+    def __init__(self, root: Path, op: str, fails: bool = False):
+        self.root, self.op, self.fails, self.loads = root, op, fails, 0
+
+    def load(self, verbose=True):
+        import torch
+
+        self.loads += 1
+        if self.fails:
+            raise RuntimeError("Error building extension 'deepspeed_shm_comm'\nninja: build stopped: subcommand failed.")
+        build_dir = Path(os.environ["TORCH_EXTENSIONS_DIR"]) / self.op  # where torch builds: read at load time
+        build_dir.mkdir(parents=True, exist_ok=True)
+        (build_dir / f"{self.op}.so").write_bytes(b"")
+        (build_dir / "build.ninja").write_text(f"cflags = -isystem {Path(torch.__file__).parent / 'include'}\n")
+
+
+def _fake_accelerator(monkeypatch, builders: dict):
+    import deepspeed.accelerator
+    from types import SimpleNamespace
+
+    accelerator = SimpleNamespace(create_op_builder=builders.get, device_name=lambda: "cpu")
+    monkeypatch.setattr(deepspeed.accelerator, "get_accelerator", lambda: accelerator)
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")  # build_ahead sets it: restored after the test
+
+
+def test_build_ahead_compiles_what_a_launch_would_and_only_once(cache, monkeypatch):
+    from finetune.run.deepspeed_ops import CPU_ADAM_OP, build_ahead
+
+    builders = {"ShareMemCommBuilder": _Builder(cache, CPU_COMM_OP), "CPUAdamBuilder": _Builder(cache, CPU_ADAM_OP)}
+    _fake_accelerator(monkeypatch, builders)
+    lines = []
+    assert build_ahead("cpu", "none", lines.append) == [CPU_COMM_OP]  # no offload: no CPU Adam
+    assert lines[0] == f"compiling {CPU_COMM_OP} into {cache / CPU_COMM_OP} (about a minute on a few cores) ..."
+    assert lines[1].startswith(f"compiled {CPU_COMM_OP} in ") and is_built(cache / CPU_COMM_OP)
+    assert BuildWatch(cache, [CPU_COMM_OP]).notes() == []  # the launch then has nothing to compile
+    lines.clear()
+    assert build_ahead("cpu", "cpu", lines.append) == [CPU_ADAM_OP]  # an offload recipe: CPU Adam too
+    assert lines[0] == f"{CPU_COMM_OP}: already built in {cache / CPU_COMM_OP}"
+    assert [b.loads for b in builders.values()] == [1, 1]
+    assert build_ahead("cuda", "none", lines.append) == []  # GPU ranks build nothing of these
+
+
+def test_doctor_build_ops_failure_is_one_line(cache, monkeypatch):
+    _fake_accelerator(monkeypatch, {"ShareMemCommBuilder": _Builder(cache, CPU_COMM_OP, fails=True)})
+    result = CliRunner().invoke(app, ["doctor", "--build-ops"])
+    assert result.exit_code == 1, result.output
+    assert result.output.splitlines()[-1] == ("error: building DeepSpeed's ops failed: RuntimeError: ninja: build "
+                                              "stopped: subcommand failed.")

@@ -14,6 +14,9 @@ from finetune.cli.common import fail, load_or_exit
 def doctor(
     fmt: str = typer.Option("text", "--format", help="text or json."),
     recipe: Optional[Path] = typer.Option(None, "--recipe", help="Also run the checks this recipe needs (what `finetune train` checks)."),
+    build_ops: bool = typer.Option(False, "--build-ops", help="Then compile the DeepSpeed ops a run on this machine "
+                                   "(with --recipe: of this recipe) would compile on first use, for a machine image "
+                                   "or before the paid hours start."),
 ) -> None:
     """Python, torch, CUDA, GPUs, NCCL and library versions, checked against known-bad combinations. Exit 1 if a check fails.
 
@@ -26,6 +29,7 @@ def doctor(
         ...
         fail  qlora-zero3.bitsandbytes: bitsandbytes 0.43.1 is too old for QLoRA + ZeRO-3: needs >=0.43.3
               fix: pip install -U 'bitsandbytes>=0.43.3'
+        $ finetune doctor --recipe recipe.yaml --build-ops   # CPU Adam for an offload recipe, compiled now
     """
     from finetune.run.doctor import failed, render_text, report, run_doctor
 
@@ -39,4 +43,20 @@ def doctor(
         typer.echo(json.dumps(report(facts, checks), indent=2))
     else:
         typer.echo(render_text(facts, checks), nl=False)
-    raise typer.Exit(1 if failed(checks) else 0)
+    if failed(checks):
+        raise typer.Exit(1)
+    if build_ops:
+        _build_ops(facts, loaded.recipe if loaded else None)
+
+
+def _build_ops(facts, recipe) -> None:
+    """The JIT ops of a launch here (finetune.run.deepspeed_ops.ops_needed), compiled now; messages on stderr."""
+    from finetune.run.deepspeed_ops import build_ahead
+
+    device = "cuda" if facts.gpus else "cpu"
+    offload = recipe.deepspeed.offload_optimizer if recipe is not None else "none"
+    try:
+        build_ahead(device, offload, log=lambda line: typer.echo(line, err=True))
+    except Exception as exc:  # no compiler, a broken DeepSpeed: one line, not a traceback
+        text = str(exc).strip().splitlines()
+        raise fail(f"building DeepSpeed's ops failed: {type(exc).__name__}: {text[-1] if text else ''}", 1)

@@ -19,7 +19,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 CPU_COMM_OP = "deepspeed_shm_comm"  # deepspeed/ops/op_builder/cpu/comm.py ShareMemCommBuilder.NAME
 CPU_ADAM_OP = "cpu_adam"  # deepspeed/ops/op_builder/cpu/cpu_adam.py CPUAdamBuilder.NAME
@@ -199,3 +199,41 @@ class BuildWatch:
                 self.pending.discard(op)
                 out.append(f"compiled {op} ({time.monotonic() - self.started:.0f} s after launch)")
         return out
+
+
+# DeepSpeed's builder class of each op, as its accelerators name them (create_op_builder).
+BUILDERS = {CPU_COMM_OP: "ShareMemCommBuilder", CPU_ADAM_OP: "CPUAdamBuilder"}
+
+
+def build_ahead(device: str, offload_optimizer: str, log: Callable[[str], None]) -> list[str]:
+    """Compile now, with DeepSpeed's own builders, the ops a launch on `device` would compile in its ranks
+    on first use, into the folder `finetune train` gives them: for a machine image, or before the paid hours
+    start. Ops already built are left as they are. Returns the ops compiled. Sets DS_ACCELERATOR (cpu) and
+    TORCH_EXTENSIONS_DIR in this process as the launch sets them for its ranks."""
+    environ = os.environ
+    if "TORCH_EXTENSIONS_DIR" not in environ:
+        environ["TORCH_EXTENSIONS_DIR"] = str(per_environment_root(sys.executable, environ))
+    if device == "cpu":
+        environ.setdefault("DS_ACCELERATOR", "cpu")
+    root = extensions_root(environ)
+    compiled = []
+    for op in ops_needed(device, offload_optimizer):
+        build_dir = root / op
+        note = lock_note(build_dir)
+        if note:
+            log(note)
+        if is_built(build_dir):
+            log(f"{op}: already built in {build_dir}")
+            continue
+        from deepspeed.accelerator import get_accelerator
+
+        builder = get_accelerator().create_op_builder(BUILDERS[op])
+        if builder is None:
+            log(f"{op}: DeepSpeed's {get_accelerator().device_name()} accelerator has no such op; nothing to build")
+            continue
+        started = time.monotonic()
+        log(f"{COMPILE_NOTE}{op} into {build_dir} (about a minute on a few cores) ...")
+        builder.load(verbose=False)
+        log(f"compiled {op} in {time.monotonic() - started:.0f} s")
+        compiled.append(op)
+    return compiled
