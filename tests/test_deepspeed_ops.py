@@ -188,5 +188,5 @@ def test_doctor_build_ops_failure_is_one_line(cache, monkeypatch):
     _fake_accelerator(monkeypatch, {"ShareMemCommBuilder": _Builder(cache, CPU_COMM_OP, fails=True)})
     result = CliRunner().invoke(app, ["doctor", "--build-ops"])
     assert result.exit_code == 1, result.output
-    assert result.output.splitlines()[-1] == ("error: building DeepSpeed's ops failed: RuntimeError: ninja: build "
+    assert result.output.splitlines()[-1] == (f"error: compiling {CPU_COMM_OP} failed: RuntimeError: ninja: build "
                                               "stopped: subcommand failed.")

@@ -208,8 +208,9 @@ BUILDERS = {CPU_COMM_OP: "ShareMemCommBuilder", CPU_ADAM_OP: "CPUAdamBuilder"}
 def build_ahead(device: str, offload_optimizer: str, log: Callable[[str], None]) -> list[str]:
     """Compile now, with DeepSpeed's own builders, the ops a launch on `device` would compile in its ranks
     on first use, into the folder `finetune train` gives them: for a machine image, or before the paid hours
-    start. Ops already built are left as they are. Returns the ops compiled. Sets DS_ACCELERATOR (cpu) and
-    TORCH_EXTENSIONS_DIR in this process as the launch sets them for its ranks."""
+    start. Ops already built are left as they are. Returns the ops compiled; a failed compile raises
+    FinetuneError. Sets DS_ACCELERATOR (cpu) and TORCH_EXTENSIONS_DIR in this process as the launch sets
+    them for its ranks."""
     environ = os.environ
     if "TORCH_EXTENSIONS_DIR" not in environ:
         environ["TORCH_EXTENSIONS_DIR"] = str(per_environment_root(sys.executable, environ))
@@ -233,7 +234,13 @@ def build_ahead(device: str, offload_optimizer: str, log: Callable[[str], None])
             continue
         started = time.monotonic()
         log(f"{COMPILE_NOTE}{op} into {build_dir} (about a minute on a few cores) ...")
-        builder.load(verbose=False)
+        try:
+            builder.load(verbose=False)
+        except Exception as exc:  # no compiler, a broken DeepSpeed: what the compiler said last, on one line
+            from finetune.errors import FinetuneError
+
+            said = str(exc).strip().splitlines()
+            raise FinetuneError(f"compiling {op} failed: {type(exc).__name__}: {said[-1] if said else ''}") from exc
         log(f"compiled {op} in {time.monotonic() - started:.0f} s")
         compiled.append(op)
     return compiled
