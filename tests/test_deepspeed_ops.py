@@ -168,20 +168,60 @@ def _fake_accelerator(monkeypatch, builders: dict):
 
 
 def test_build_ahead_compiles_what_a_launch_would_and_only_once(cache, monkeypatch):
-    from finetune.run.deepspeed_ops import CPU_ADAM_OP, build_ahead
+    from finetune.run.deepspeed_ops import CPU_LION_OP, build_ahead
+    from tests.conftest import hub_recipe
 
-    builders = {"ShareMemCommBuilder": _Builder(cache, CPU_COMM_OP), "CPUAdamBuilder": _Builder(cache, CPU_ADAM_OP)}
+    builders = {"ShareMemCommBuilder": _Builder(cache, CPU_COMM_OP), "CPULionBuilder": _Builder(cache, CPU_LION_OP)}
     _fake_accelerator(monkeypatch, builders)
     lines = []
-    assert build_ahead("cpu", "none", lines.append) == [CPU_COMM_OP]  # no offload: no CPU Adam
+    assert build_ahead("cpu", None, lines.append) == [CPU_COMM_OP]  # AdamW: torch's on the CPU accelerator
     assert lines[0] == f"compiling {CPU_COMM_OP} into {cache / CPU_COMM_OP} (about a minute on a few cores) ..."
     assert lines[1].startswith(f"compiled {CPU_COMM_OP} in ") and is_built(cache / CPU_COMM_OP)
     assert BuildWatch(cache, [CPU_COMM_OP]).notes() == []  # the launch then has nothing to compile
     lines.clear()
-    assert build_ahead("cpu", "cpu", lines.append) == [CPU_ADAM_OP]  # an offload recipe: CPU Adam too
+    lion = hub_recipe(training={"optimizer": "lion"}, deepspeed={"stage": 2, "offload_optimizer": "cpu"})
+    assert build_ahead("cpu", lion, lines.append) == [CPU_LION_OP]  # offloaded Lion: DeepSpeedCPULion's op
     assert lines[0] == f"{CPU_COMM_OP}: already built in {cache / CPU_COMM_OP}"
     assert [b.loads for b in builders.values()] == [1, 1]
-    assert build_ahead("cuda", "none", lines.append) == []  # GPU ranks build nothing of these
+
+
+@pytest.mark.parametrize("device, optimizer, offload, nvme_params, expected", [
+    ("cpu", "adamw", "none", False, ["deepspeed_shm_comm"]),
+    ("cpu", "adamw", "cpu", False, ["deepspeed_shm_comm"]),  # the runner sets torch_adam on the CPU accelerator
+    ("cuda", "adamw", "none", False, ["fused_adam"]),
+    ("cuda", "adam", "cpu", False, ["cpu_adam"]),
+    ("cuda", "adamw", "nvme", False, ["cpu_adam", "async_io"]),
+    ("cuda", "adamw", "none", True, ["fused_adam", "async_io"]),
+    ("cuda", "lion", "none", False, ["fused_lion"]),
+    ("cuda", "adagrad", "none", False, []),  # torch.optim.Adagrad
+    ("cuda", "adagrad", "cpu", False, ["cpu_adagrad"]),
+    ("cuda", "sgd", "none", False, []),  # the Trainer's optimizer: DeepSpeed wraps it
+])
+def test_the_ops_are_the_ones_deepspeeds_engine_builds(device, optimizer, offload, nvme_params, expected):
+    """DeepSpeed 0.19.8 runtime/engine.py _configure_basic_optimizer and get_optimizer_configuration."""
+    from finetune.run.deepspeed_ops import BUILDERS, ops_needed
+
+    ops = ops_needed(device, optimizer, offload, "nvme" if nvme_params else "none")
+    assert ops == expected and set(ops) <= set(BUILDERS)
+
+
+def test_ops_deepspeed_was_installed_with_are_not_compiled(tmp_path, monkeypatch):
+    """DS_BUILD_FUSED_ADAM=1 pip install deepspeed: setup.py records the op as installed for its accelerator."""
+    import importlib.util
+    from types import SimpleNamespace
+
+    from finetune.run import deepspeed_ops
+
+    (tmp_path / "git_version_info_installed.py").write_text(
+        "version='0.19.8'\ninstalled_ops={'fused_adam': True, 'cpu_adam': False}\naccelerator_name='cuda'\n")
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: SimpleNamespace(
+        submodule_search_locations=[str(tmp_path)]) if name == "deepspeed" else real(name, *a))
+    assert deepspeed_ops.prebuilt_ops("cuda") == {"fused_adam"} and deepspeed_ops.prebuilt_ops("cpu") == set()
+    assert deepspeed_ops.recipe_ops("cuda", None) == []
+    from tests.conftest import hub_recipe
+
+    assert deepspeed_ops.recipe_ops("cuda", hub_recipe(deepspeed={"stage": 2, "offload_optimizer": "cpu"})) == ["cpu_adam"]
 
 
 def test_doctor_build_ops_failure_is_one_line(cache, monkeypatch):

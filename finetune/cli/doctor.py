@@ -15,8 +15,8 @@ def doctor(
     fmt: str = typer.Option("text", "--format", help="text or json."),
     recipe: Optional[Path] = typer.Option(None, "--recipe", help="Also run the checks this recipe needs (what `finetune train` checks)."),
     build_ops: bool = typer.Option(False, "--build-ops", help="Then compile the DeepSpeed ops a run on this machine "
-                                   "(with --recipe: of this recipe) would compile on first use, for a machine image "
-                                   "or before the paid hours start."),
+                                   "(with --recipe: of this recipe, else AdamW without offload) would compile on first "
+                                   "use, for a machine image or before the paid hours start."),
 ) -> None:
     """Python, torch, CUDA, GPUs, NCCL and library versions, checked against known-bad combinations. Exit 1 if a check fails.
 
@@ -29,7 +29,7 @@ def doctor(
         ...
         fail  qlora-zero3.bitsandbytes: bitsandbytes 0.43.1 is too old for QLoRA + ZeRO-3: needs >=0.43.3
               fix: pip install -U 'bitsandbytes>=0.43.3'
-        $ finetune doctor --recipe recipe.yaml --build-ops   # CPU Adam for an offload recipe, compiled now
+        $ finetune doctor --recipe recipe.yaml --build-ops   # FusedAdam (CPU Adam if offloaded), compiled now
     """
     from finetune.run.doctor import failed, render_text, report, run_doctor
 
@@ -53,5 +53,4 @@ def _build_ops(facts, recipe) -> None:
     """The JIT ops of a launch here (finetune.run.deepspeed_ops.ops_needed), compiled now; messages on stderr."""
     from finetune.run.deepspeed_ops import build_ahead
 
-    offload = recipe.deepspeed.offload_optimizer if recipe is not None else "none"
-    build_ahead("cuda" if facts.gpus else "cpu", offload, log=lambda line: typer.echo(line, err=True))
+    build_ahead("cuda" if facts.gpus else "cpu", recipe, log=lambda line: typer.echo(line, err=True))

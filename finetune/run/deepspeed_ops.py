@@ -2,7 +2,7 @@
 
 DeepSpeed compiles some ops on first use into torch's extensions cache (TORCH_EXTENSIONS_DIR, else
 ~/.cache/torch_extensions/py<XY>_<cpu|cuNNN>/<op>/): the CPU communication op `deepspeed_shm_comm` on
-DeepSpeed's CPU accelerator, `cpu_adam` with optimizer offload. That takes 35-90 s with nothing on
+DeepSpeed's CPU accelerator, `fused_adam` on a GPU, `cpu_adam` with optimizer offload (ops_needed). That takes 35-90 s with nothing on
 screen, so `finetune train` says so before launch and when it is done.
 
 torch serialises a build with a FileBaton: a plain file `<op>/lock` created with O_EXCL and removed when
@@ -19,10 +19,16 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
+
+if TYPE_CHECKING:
+    from finetune.recipe import Recipe
 
 CPU_COMM_OP = "deepspeed_shm_comm"  # deepspeed/ops/op_builder/cpu/comm.py ShareMemCommBuilder.NAME
 CPU_ADAM_OP = "cpu_adam"  # deepspeed/ops/op_builder/cpu/cpu_adam.py CPUAdamBuilder.NAME
+CPU_LION_OP, CPU_ADAGRAD_OP = "cpu_lion", "cpu_adagrad"  # the same folder: CPULionBuilder, CPUAdagradBuilder
+FUSED_ADAM_OP, FUSED_LION_OP = "fused_adam", "fused_lion"  # deepspeed/ops/op_builder/fused_*.py (CUDA kernels)
+ASYNC_IO_OP = "async_io"  # deepspeed/ops/op_builder/async_io.py: NVMe offload (needs libaio)
 # Between taking the baton and starting ninja torch only writes build.ninja and checks the compiler:
 # seconds, even on a loaded box. A lock older than this with nobody compiling is left by a dead build.
 LOCK_GRACE_S = 30.0
@@ -96,11 +102,64 @@ def jit_arch_list(environ: dict[str, str]) -> Optional[str]:
     return ";".join(plain)
 
 
-def ops_needed(device: str, offload_optimizer: str) -> list[str]:
+def ops_needed(device: str, optimizer: str = "adamw", offload_optimizer: str = "none",
+               offload_param: str = "none") -> list[str]:
+    """The ops the ranks of a launch on `device` ("cpu" or "cuda") JIT-compile, as DeepSpeed 0.19 picks them
+    (runtime/engine.py _configure_basic_optimizer) for the recipe's training.optimizer and offload:
+    Adam/AdamW are FusedAdam on a GPU and DeepSpeedCPUAdam when offloaded, but on the CPU accelerator the
+    runner makes them torch.optim (finetune.train.runner.adapt_deepspeed_config); Lion is FusedLion or
+    DeepSpeedCPULion; Adagrad offloaded is DeepSpeedCPUAdagrad (torch's otherwise); the Trainer's own
+    optimizers (sgd, adamw_bnb_8bit) build nothing. NVMe offload reads and writes through async_io."""
     ops = [CPU_COMM_OP] if device == "cpu" else []
-    if offload_optimizer in ("cpu", "nvme"):
-        ops.append(CPU_ADAM_OP)
+    offloaded = offload_optimizer in ("cpu", "nvme")
+    if optimizer in ("adam", "adamw") and device != "cpu":
+        ops.append(CPU_ADAM_OP if offloaded else FUSED_ADAM_OP)
+    elif optimizer == "lion":
+        ops.append(CPU_LION_OP if offloaded else FUSED_LION_OP)
+    elif optimizer == "adagrad" and offloaded:
+        ops.append(CPU_ADAGRAD_OP)
+    if "nvme" in (offload_optimizer, offload_param):
+        ops.append(ASYNC_IO_OP)
     return ops
+
+
+def recipe_ops(device: str, recipe: Optional["Recipe"]) -> list[str]:
+    """ops_needed for `recipe`'s optimizer and offload (None: the defaults, AdamW without offload), less
+    the ops this DeepSpeed was installed with (prebuilt_ops): those are loaded, not compiled."""
+    if recipe is None:
+        ops = ops_needed(device)
+    else:
+        ds = recipe.deepspeed
+        ops = ops_needed(device, recipe.training.optimizer, ds.offload_optimizer, ds.offload_param)
+    prebuilt = prebuilt_ops(device)
+    return [op for op in ops if op not in prebuilt]
+
+
+def prebuilt_ops(device: str) -> set[str]:
+    """The ops DeepSpeed's install compiled ahead for `device` (DS_BUILD_OPS=1 / DS_BUILD_<OP>=1 pip install):
+    its setup.py writes them to deepspeed/git_version_info_installed.py, read here as text (importing
+    DeepSpeed takes seconds). OpBuilder.load uses them only when built for the accelerator in use."""
+    import ast
+    import importlib.util
+
+    spec = importlib.util.find_spec("deepspeed")
+    if spec is None or not spec.submodule_search_locations:
+        return set()
+    path = Path(list(spec.submodule_search_locations)[0]) / "git_version_info_installed.py"
+    values = {}
+    try:
+        for node in ast.parse(path.read_text(encoding="utf-8")).body:
+            if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+                try:
+                    values[node.targets[0].id] = ast.literal_eval(node.value)
+                except ValueError:
+                    continue
+    except (OSError, SyntaxError, ValueError):
+        return set()  # a source checkout never installed: every op is compiled on first use
+    installed = values.get("installed_ops")
+    if values.get("accelerator_name") != device or not isinstance(installed, dict):
+        return set()
+    return {op for op, built in installed.items() if built}
 
 
 def is_built(build_dir: Path) -> bool:
@@ -202,12 +261,14 @@ class BuildWatch:
 
 
 # DeepSpeed's builder class of each op, as its accelerators name them (create_op_builder).
-BUILDERS = {CPU_COMM_OP: "ShareMemCommBuilder", CPU_ADAM_OP: "CPUAdamBuilder"}
+BUILDERS = {CPU_COMM_OP: "ShareMemCommBuilder", CPU_ADAM_OP: "CPUAdamBuilder", CPU_LION_OP: "CPULionBuilder",
+            CPU_ADAGRAD_OP: "CPUAdagradBuilder", FUSED_ADAM_OP: "FusedAdamBuilder", FUSED_LION_OP: "FusedLionBuilder",
+            ASYNC_IO_OP: "AsyncIOBuilder"}
 
 
-def build_ahead(device: str, offload_optimizer: str, log: Callable[[str], None]) -> list[str]:
-    """Compile now, with DeepSpeed's own builders, the ops a launch on `device` would compile in its ranks
-    on first use, into the folder `finetune train` gives them: for a machine image, or before the paid hours
+def build_ahead(device: str, recipe: Optional["Recipe"], log: Callable[[str], None]) -> list[str]:
+    """Compile now, with DeepSpeed's own builders, the ops a launch of `recipe` (None: the defaults) on
+    `device` would compile in its ranks on first use, into the folder `finetune train` gives them: for a machine image, or before the paid hours
     start. Ops already built are left as they are. Returns the ops compiled; a failed compile raises
     FinetuneError. Sets DS_ACCELERATOR (cpu) and TORCH_EXTENSIONS_DIR in this process as the launch sets
     them for its ranks."""
@@ -218,7 +279,7 @@ def build_ahead(device: str, offload_optimizer: str, log: Callable[[str], None])
         environ.setdefault("DS_ACCELERATOR", "cpu")
     root = extensions_root(environ)
     compiled = []
-    for op in ops_needed(device, offload_optimizer):
+    for op in recipe_ops(device, recipe):
         build_dir = root / op
         note = lock_note(build_dir)
         if note:

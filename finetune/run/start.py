@@ -21,7 +21,7 @@ from typing import IO, Callable, Optional
 from finetune.run.doctor import recipe_imports
 from finetune.run.machine import collect_facts
 from finetune.render import resolved_output_dir
-from finetune.run.deepspeed_ops import BuildWatch, extensions_root, ops_needed
+from finetune.run.deepspeed_ops import BuildWatch, extensions_root, recipe_ops
 from finetune.fsutil import write_atomic
 from finetune.run.launch import (
     RUNNER_MODULE, HostfileError, LaunchError, LaunchPlan, Outcome, deepspeed_env_text, free_port, plan_launch,
@@ -108,7 +108,7 @@ def prepare(loaded: LoadedRecipe, output_dir: Optional[Path] = None, overwrite: 
 def watch_builds(plan: LaunchPlan, recipe: Recipe, dry_run: bool) -> Optional[BuildWatch]:
     """Say which DeepSpeed ops the ranks will compile first, and clear a stale build lock that would make
     them wait forever (a dry run only says how). Single-node runs: other nodes have their own caches."""
-    ops = ops_needed(plan.device, recipe.deepspeed.offload_optimizer)
+    ops = recipe_ops(plan.device, recipe)
     if not ops or plan.nodes > 1:
         return None
     try:
