@@ -62,7 +62,8 @@ def test_first_run_compile_is_announced_and_its_end_reported(cache):
     import torch
 
     watch = BuildWatch(cache, [CPU_COMM_OP])
-    assert watch.notes() == [f"compiling {CPU_COMM_OP} (first run in this environment; about a minute on a few cores) "
+    assert watch.notes() == [f"compiling {CPU_COMM_OP} (first run in this environment; about a minute on a few cores; "
+                             "`finetune doctor --build-ops` compiles it ahead) "
                              f"into {cache / CPU_COMM_OP}"]
     (cache / CPU_COMM_OP / "lock").touch()  # a rank builds it
     assert watch.poll() == []

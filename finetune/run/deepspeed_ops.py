@@ -243,7 +243,8 @@ class BuildWatch:
                 out.append(note)
             if not is_built(build_dir):
                 self.pending.add(op)
-                out.append(f"{COMPILE_NOTE}{op} (first run in this environment; about a minute on a few cores) into {build_dir}")
+                out.append(f"{COMPILE_NOTE}{op} (first run in this environment; about a minute on a few cores; "
+                           f"`finetune doctor --build-ops` compiles it ahead) into {build_dir}")
         return out
 
     def poll(self) -> list[str]:
