@@ -186,6 +186,21 @@ def test_build_ahead_compiles_what_a_launch_would_and_only_once(cache, monkeypat
     assert [b.loads for b in builders.values()] == [1, 1]
 
 
+def test_build_ahead_on_a_gpu_gives_the_builder_the_arch_list_the_ranks_get(cache, monkeypatch):
+    from finetune.run.deepspeed_ops import FUSED_ADAM_OP, build_ahead
+
+    seen = []
+
+    class Fused(_Builder):
+        def load(self, verbose=True):
+            seen.append(os.environ["TORCH_CUDA_ARCH_LIST"])
+            super().load(verbose)
+
+    _fake_accelerator(monkeypatch, {"FusedAdamBuilder": Fused(cache, FUSED_ADAM_OP)})
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.0;9.0a")  # a Hopper image's; DeepSpeed's JIT cannot read 9.0a
+    assert build_ahead("cuda", None, lambda line: None) == [FUSED_ADAM_OP] and seen == ["8.0;9.0"]
+
+
 @pytest.mark.parametrize("device, optimizer, offload, nvme_params, expected", [
     ("cpu", "adamw", "none", False, ["deepspeed_shm_comm"]),
     ("cpu", "adamw", "cpu", False, ["deepspeed_shm_comm"]),  # the runner sets torch_adam on the CPU accelerator

@@ -2,8 +2,9 @@
 
 DeepSpeed compiles some ops on first use into torch's extensions cache (TORCH_EXTENSIONS_DIR, else
 ~/.cache/torch_extensions/py<XY>_<cpu|cuNNN>/<op>/): the CPU communication op `deepspeed_shm_comm` on
-DeepSpeed's CPU accelerator, `fused_adam` on a GPU, `cpu_adam` with optimizer offload (ops_needed). That takes 35-90 s with nothing on
-screen, so `finetune train` says so before launch and when it is done.
+DeepSpeed's CPU accelerator, `fused_adam` on a GPU, `cpu_adam` with optimizer offload (ops_needed). That
+takes 35-90 s with nothing on screen, so `finetune train` says so before launch and when it is done, and
+`finetune doctor --build-ops` compiles them ahead (build_ahead).
 
 torch serialises a build with a FileBaton: a plain file `<op>/lock` created with O_EXCL and removed when
 the build ends. Nothing releases it when the builder dies (Ctrl-C during the first compile), and every
@@ -269,15 +270,20 @@ BUILDERS = {CPU_COMM_OP: "ShareMemCommBuilder", CPU_ADAM_OP: "CPUAdamBuilder", C
 
 def build_ahead(device: str, recipe: Optional["Recipe"], log: Callable[[str], None]) -> list[str]:
     """Compile now, with DeepSpeed's own builders, the ops a launch of `recipe` (None: the defaults) on
-    `device` would compile in its ranks on first use, into the folder `finetune train` gives them: for a machine image, or before the paid hours
-    start. Ops already built are left as they are. Returns the ops compiled; a failed compile raises
-    FinetuneError. Sets DS_ACCELERATOR (cpu) and TORCH_EXTENSIONS_DIR in this process as the launch sets
-    them for its ranks."""
+    `device` would compile in its ranks on first use, into the folder `finetune train` gives them: for a
+    machine image, or before the paid hours start. Ops already built are left as they are. Returns the ops
+    compiled; a failed compile raises FinetuneError. Sets DS_ACCELERATOR (cpu), TORCH_EXTENSIONS_DIR and
+    TORCH_CUDA_ARCH_LIST (jit_arch_list) in this process as the launch sets them for its ranks
+    (finetune.run.launch.commands.plan_launch)."""
     environ = os.environ
     if "TORCH_EXTENSIONS_DIR" not in environ:
         environ["TORCH_EXTENSIONS_DIR"] = str(per_environment_root(sys.executable, environ))
     if device == "cpu":
         environ.setdefault("DS_ACCELERATOR", "cpu")
+    else:
+        arch_list = jit_arch_list(environ)
+        if arch_list is not None:
+            environ["TORCH_CUDA_ARCH_LIST"] = arch_list
     root = extensions_root(environ)
     compiled = []
     for op in recipe_ops(device, recipe):
