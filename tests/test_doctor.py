@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -28,7 +29,8 @@ def facts(gpus=(RTX_4070, RTX_4070), **versions) -> Facts:
     packages.update({k.replace("_", "-"): v for k, v in versions.items()})
     gpus = [Gpu(i, g.name, g.memory_bytes, g.capability) for i, g in enumerate(gpus)]
     return Facts(python="3.11.9", platform="Linux", packages=packages, torch_cuda="12.4" if gpus else None,
-                 cuda_available=bool(gpus), nccl="2.21.5" if gpus else None, gpus=gpus)
+                 cuda_available=bool(gpus), nccl="2.21.5" if gpus else None, gpus=gpus,
+                 nvcc="/usr/local/cuda/bin/nvcc" if gpus else None)
 
 
 def by_name(checks):
@@ -196,7 +198,31 @@ def test_report_shape():
     assert data["ok"] is True
     assert data["gpus"][0] == {"index": 0, "name": "NVIDIA GeForce RTX 4070", "memory_bytes": 12 * 2**30,
                                "memory_gib": 12.0, "compute_capability": "8.9", "bf16": True}
-    assert data["torch"] == {"version": "2.5.1+cu124", "cuda": "12.4", "cuda_available": True, "nccl": "2.21.5"}
+    assert data["torch"] == {"version": "2.5.1+cu124", "cuda": "12.4", "cuda_available": True, "nccl": "2.21.5",
+                             "nvcc": "/usr/local/cuda/bin/nvcc"}
+
+
+def test_a_gpu_box_without_nvcc_is_refused_before_deepspeed_compiles_fusedadam(tmp_path, monkeypatch):
+    """An image with the CUDA runtime and no toolkit: DeepSpeed's JIT build of FusedAdam fails on the first
+    run, after the model loaded. torch's AdamW (torch_adam), CPU Adam (offload) or a built op need no nvcc."""
+    import dataclasses
+
+    import torch
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    bare = dataclasses.replace(facts(), nvcc=None)
+    [check] = [c for c in checks_for_recipe(recipe(method="lora"), bare) if c.name == "deepspeed.nvcc"]
+    assert check.status == "fail" and "fused_adam" in check.message and "torch_adam: true" in check.fix
+    torch_adam = recipe(method="lora", deepspeed={"overrides": {"optimizer": {"params": {"torch_adam": True}}}})
+    offload = recipe(method="lora", deepspeed={"stage": 2, "offload_optimizer": "cpu"})
+    for fine in (torch_adam, offload):
+        assert "deepspeed.nvcc" not in by_name(checks_for_recipe(fine, bare))
+    assert "deepspeed.nvcc" not in by_name(checks_for_recipe(recipe(method="lora"), facts()))  # nvcc found
+    built = tmp_path / "fused_adam"  # compiled before (finetune doctor --build-ops on a box with the toolkit)
+    built.mkdir()
+    (built / "fused_adam.so").write_bytes(b"")
+    (built / "build.ninja").write_text(f"cflags = -isystem {Path(torch.__file__).parent / 'include'}\n")
+    assert "deepspeed.nvcc" not in by_name(checks_for_recipe(recipe(method="lora"), bare))
 
 
 def test_cli_doctor_json():

@@ -28,7 +28,8 @@ if TYPE_CHECKING:
 CPU_COMM_OP = "deepspeed_shm_comm"  # deepspeed/ops/op_builder/cpu/comm.py ShareMemCommBuilder.NAME
 CPU_ADAM_OP = "cpu_adam"  # deepspeed/ops/op_builder/cpu/cpu_adam.py CPUAdamBuilder.NAME
 CPU_LION_OP, CPU_ADAGRAD_OP = "cpu_lion", "cpu_adagrad"  # the same folder: CPULionBuilder, CPUAdagradBuilder
-FUSED_ADAM_OP, FUSED_LION_OP = "fused_adam", "fused_lion"  # deepspeed/ops/op_builder/fused_*.py (CUDA kernels)
+FUSED_ADAM_OP, FUSED_LION_OP, FUSED_LAMB_OP = "fused_adam", "fused_lion", "fused_lamb"  # op_builder/fused_*.py
+CUDA_OPS = (FUSED_ADAM_OP, FUSED_LION_OP, FUSED_LAMB_OP)  # CUDA kernels: compiled with the CUDA toolkit's nvcc
 ASYNC_IO_OP = "async_io"  # deepspeed/ops/op_builder/async_io.py: NVMe offload (needs libaio)
 # Between taking the baton and starting ninja torch only writes build.ninja and checks the compiler:
 # seconds, even on a loaded box. A lock older than this with nobody compiling is left by a dead build.
@@ -109,14 +110,17 @@ def ops_needed(device: str, optimizer: str = "adamw", offload_optimizer: str = "
     (runtime/engine.py _configure_basic_optimizer) for the recipe's training.optimizer and offload:
     Adam/AdamW are FusedAdam on a GPU and DeepSpeedCPUAdam when offloaded, but on the CPU accelerator the
     runner makes them torch.optim (finetune.train.runner.adapt_deepspeed_config); Lion is FusedLion or
-    DeepSpeedCPULion; Adagrad offloaded is DeepSpeedCPUAdagrad (torch's otherwise); the Trainer's own
-    optimizers (sgd, adamw_bnb_8bit) build nothing. NVMe offload reads and writes through async_io."""
+    DeepSpeedCPULion; Lamb is FusedLamb; Adagrad offloaded is DeepSpeedCPUAdagrad (torch's otherwise); the
+    Trainer's own optimizers (sgd, adamw_bnb_8bit; `optimizer` "") and `torch_adam` build nothing. NVMe
+    offload reads and writes through async_io."""
     ops = [CPU_COMM_OP] if device == "cpu" else []
     offloaded = offload_optimizer in ("cpu", "nvme")
     if optimizer in ("adam", "adamw") and device != "cpu":
         ops.append(CPU_ADAM_OP if offloaded else FUSED_ADAM_OP)
     elif optimizer == "lion":
         ops.append(CPU_LION_OP if offloaded else FUSED_LION_OP)
+    elif optimizer == "lamb" and device != "cpu":
+        ops.append(FUSED_LAMB_OP)
     elif optimizer == "adagrad" and offloaded:
         ops.append(CPU_ADAGRAD_OP)
     if "nvme" in (offload_optimizer, offload_param):
@@ -125,15 +129,36 @@ def ops_needed(device: str, optimizer: str = "adamw", offload_optimizer: str = "
 
 
 def recipe_ops(device: str, recipe: Optional["Recipe"]) -> list[str]:
-    """ops_needed for `recipe`'s optimizer and offload (None: the defaults, AdamW without offload), less
-    the ops this DeepSpeed was installed with (prebuilt_ops): those are loaded, not compiled."""
+    """ops_needed for the DeepSpeed config `recipe` renders (None: the defaults, AdamW without offload), so
+    that deepspeed.overrides count (an optimizer's `torch_adam: true` compiles nothing), less the ops this
+    DeepSpeed was installed with (prebuilt_ops): those are loaded, not compiled."""
     if recipe is None:
         ops = ops_needed(device)
     else:
-        ds = recipe.deepspeed
-        ops = ops_needed(device, recipe.training.optimizer, ds.offload_optimizer, ds.offload_param)
+        from finetune.render import render_deepspeed
+
+        config = render_deepspeed(recipe)
+        block = config.get("optimizer") if isinstance(config.get("optimizer"), dict) else {}
+        name = str(block.get("type", "")).lower()  # "": no block, the Trainer's optimizer
+        params = block.get("params") if isinstance(block.get("params"), dict) else {}
+        if name in ("adam", "adamw") and str(params.get("torch_adam", "")).lower() == "true":
+            name = "torch_adam"
+        zero = config.get("zero_optimization") if isinstance(config.get("zero_optimization"), dict) else {}
+
+        def offload(key: str) -> str:
+            value = zero.get(key)
+            return str(value.get("device", "none")) if isinstance(value, dict) else "none"
+
+        ops = ops_needed(device, name, offload("offload_optimizer"), offload("offload_param"))
     prebuilt = prebuilt_ops(device)
     return [op for op in ops if op not in prebuilt]
+
+
+def launch_extensions_root() -> Path:
+    """The folder `finetune train` gives its ranks for DeepSpeed's JIT ops, from this process' environment."""
+    if os.environ.get("TORCH_EXTENSIONS_DIR"):
+        return Path(os.environ["TORCH_EXTENSIONS_DIR"])
+    return per_environment_root(sys.executable)
 
 
 def prebuilt_ops(device: str) -> set[str]:
@@ -265,7 +290,7 @@ class BuildWatch:
 # DeepSpeed's builder class of each op, as its accelerators name them (create_op_builder).
 BUILDERS = {CPU_COMM_OP: "ShareMemCommBuilder", CPU_ADAM_OP: "CPUAdamBuilder", CPU_LION_OP: "CPULionBuilder",
             CPU_ADAGRAD_OP: "CPUAdagradBuilder", FUSED_ADAM_OP: "FusedAdamBuilder", FUSED_LION_OP: "FusedLionBuilder",
-            ASYNC_IO_OP: "AsyncIOBuilder"}
+            FUSED_LAMB_OP: "FusedLambBuilder", ASYNC_IO_OP: "AsyncIOBuilder"}
 
 
 def build_ahead(device: str, recipe: Optional["Recipe"], log: Callable[[str], None]) -> list[str]:
@@ -276,8 +301,7 @@ def build_ahead(device: str, recipe: Optional["Recipe"], log: Callable[[str], No
     TORCH_CUDA_ARCH_LIST (jit_arch_list) in this process as the launch sets them for its ranks
     (finetune.run.launch.commands.plan_launch)."""
     environ = os.environ
-    if "TORCH_EXTENSIONS_DIR" not in environ:
-        environ["TORCH_EXTENSIONS_DIR"] = str(per_environment_root(sys.executable, environ))
+    environ["TORCH_EXTENSIONS_DIR"] = str(launch_extensions_root())
     if device == "cpu":
         environ.setdefault("DS_ACCELERATOR", "cpu")
     else:

@@ -217,11 +217,30 @@ def checks_for_recipe(recipe: "Recipe", facts: Optional[Facts] = None) -> list[C
             checks.append(Check("liger-kernel.zero3", "warn", "training.loss_kernel: liger reads the output head's "
                                 "weight directly, which ZeRO-3 keeps partitioned outside the head's own forward",
                                 "use training.loss_kernel: chunked with ZeRO-3"))
+    checks += nvcc_checks(recipe, facts)
     checks += vllm_checks(recipe.grpo.vllm, facts) if recipe.objective == "grpo" and recipe.grpo.vllm != "off" else []
     checks += parallel_checks(recipe, facts)
     checks += device_checks(recipe, facts)
     checks += stop_timeout_checks(recipe, facts)
     return checks + deepspeed_release_checks(facts, recipe)
+
+
+def nvcc_checks(recipe: "Recipe", facts: Facts) -> list[Check]:
+    """DeepSpeed compiles FusedAdam (FusedLion, FusedLamb) on the first run on a GPU, with the CUDA toolkit's
+    nvcc; an image with the CUDA runtime alone fails there, after the model has loaded. Not run on a GPU here."""
+    if not (facts.cuda_available and facts.gpus) or facts.nvcc is not None:
+        return []
+    from finetune.run.deepspeed_ops import CUDA_OPS, FUSED_ADAM_OP, is_built, launch_extensions_root, recipe_ops
+
+    root = launch_extensions_root()
+    ops = [op for op in recipe_ops("cuda", recipe) if op in CUDA_OPS and not is_built(root / op)]
+    if not ops:
+        return []
+    fix = f"install the CUDA toolkit (nvcc) of torch's CUDA {facts.torch_cuda} and set CUDA_HOME"
+    if FUSED_ADAM_OP in ops:
+        fix += ", or set deepspeed.overrides: {optimizer: {params: {torch_adam: true}}} (torch's fused AdamW: nothing to compile)"
+    return [Check("deepspeed.nvcc", "fail", f"DeepSpeed compiles {', '.join(ops)} on the first run with the CUDA "
+                  "toolkit's nvcc, and there is none where torch looks (CUDA_HOME, PATH, /usr/local/cuda)", fix)]
 
 
 def vllm_checks(mode: str, facts: Facts) -> list[Check]:

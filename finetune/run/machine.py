@@ -46,6 +46,9 @@ class Facts:
     torch_cuda: Optional[str] = None  # CUDA version torch was built with (None: CPU build)
     cuda_available: bool = False
     nccl: Optional[str] = None
+    # The CUDA toolkit's compiler where torch's extension builder finds it (torch.utils.cpp_extension.CUDA_HOME,
+    # then bin/nvcc), for DeepSpeed's CUDA ops compiled on the first run. Read only when a GPU is usable.
+    nvcc: Optional[str] = None
     gpus: list[Gpu] = field(default_factory=list)
     import_errors: dict[str, str] = field(default_factory=dict)
     # Whether torchrun honours TORCH_ELASTIC_SHUTDOWN_TIMEOUT (None: unknown, torch not imported).
@@ -59,7 +62,7 @@ class Facts:
             "python": self.python,
             "platform": self.platform,
             "torch": {"version": self.version("torch"), "cuda": self.torch_cuda,
-                      "cuda_available": self.cuda_available, "nccl": self.nccl},
+                      "cuda_available": self.cuda_available, "nccl": self.nccl, "nvcc": self.nvcc},
             "gpus": [g.to_dict() for g in self.gpus],
             "packages": dict(self.packages),
             "import_errors": dict(self.import_errors),
@@ -100,11 +103,25 @@ def _torch_facts(facts: Facts) -> None:
     for index in range(torch.cuda.device_count()):
         props = torch.cuda.get_device_properties(index)
         facts.gpus.append(Gpu(index, props.name, int(props.total_memory), (props.major, props.minor)))
+    facts.nvcc = _nvcc()
     try:
         version = torch.cuda.nccl.version()
         facts.nccl = ".".join(str(v) for v in version) if isinstance(version, tuple) else str(version)
     except Exception:  # CPU or ROCm builds without NCCL bindings
         facts.nccl = None
+
+
+def _nvcc() -> Optional[str]:
+    """DeepSpeed's JIT builder compiles CUDA ops with CUDA_HOME/bin/nvcc, CUDA_HOME as torch finds it (the
+    environment variable, nvcc on PATH, /usr/local/cuda): None when there is no compiler there."""
+    import os
+
+    try:
+        from torch.utils.cpp_extension import CUDA_HOME
+    except Exception:  # a torch without its extension builder
+        return None
+    nvcc = os.path.join(CUDA_HOME, "bin", "nvcc") if CUDA_HOME else None
+    return nvcc if nvcc and os.access(nvcc, os.X_OK) else None
 
 
 def import_error(module: str) -> Optional[str]:
