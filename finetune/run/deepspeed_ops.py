@@ -135,13 +135,14 @@ def recipe_ops(device: str, recipe: Optional["Recipe"]) -> list[str]:
     if recipe is None:
         ops = ops_needed(device)
     else:
+        from finetune.lint.deepspeed.values import as_bool
         from finetune.render import render_deepspeed
 
         config = render_deepspeed(recipe)
         block = config.get("optimizer") if isinstance(config.get("optimizer"), dict) else {}
         name = str(block.get("type", "")).lower()  # "": no block, the Trainer's optimizer
         params = block.get("params") if isinstance(block.get("params"), dict) else {}
-        if name in ("adam", "adamw") and str(params.get("torch_adam", "")).lower() == "true":
+        if name in ("adam", "adamw") and as_bool(params.get("torch_adam", False)) is True:  # as lint reads it
             name = "torch_adam"
         zero = config.get("zero_optimization") if isinstance(config.get("zero_optimization"), dict) else {}
 
