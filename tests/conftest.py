@@ -18,14 +18,14 @@ FINETUNE = [sys.executable, "-m", "finetune.cli"]
 
 def _one_extensions_folder() -> None:
     """Every DeepSpeed process of the session builds its JIT ops in one folder: the one `finetune train`
-    gives its ranks (finetune.run.deepspeed_ops.per_environment_root). The tests that start torchrun or a
+    gives its ranks (finetune.run.deepspeed_ops.launch_extensions_root). The tests that start torchrun or a
     probe themselves would otherwise use torch's default folder, and a fresh CI machine compiled the CPU
     communication op twice (about 37 CPU seconds each). A TORCH_EXTENSIONS_DIR already set is kept."""
     import os
 
-    from finetune.run.deepspeed_ops import per_environment_root
+    from finetune.run.deepspeed_ops import launch_extensions_root
 
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(per_environment_root(sys.executable)))
+    os.environ["TORCH_EXTENSIONS_DIR"] = str(launch_extensions_root())
 
 
 _one_extensions_folder()

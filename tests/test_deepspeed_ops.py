@@ -144,8 +144,8 @@ def test_arch_specific_targets_are_made_plain_for_deepspeeds_jit_builder(value, 
 class _Builder:
     """DeepSpeed's op builder as torch's JIT leaves its folder: the library, and build.ninja naming this torch."""
 
-    def __init__(self, root: Path, op: str, fails: bool = False):
-        self.root, self.op, self.fails, self.loads = root, op, fails, 0
+    def __init__(self, op: str, fails: bool = False):
+        self.op, self.fails, self.loads = op, fails, 0
 
     def load(self, verbose=True):
         import torch
@@ -172,7 +172,7 @@ def test_build_ahead_compiles_what_a_launch_would_and_only_once(cache, monkeypat
     from finetune.run.deepspeed_ops import CPU_LION_OP, build_ahead
     from tests.conftest import hub_recipe
 
-    builders = {"ShareMemCommBuilder": _Builder(cache, CPU_COMM_OP), "CPULionBuilder": _Builder(cache, CPU_LION_OP)}
+    builders = {"ShareMemCommBuilder": _Builder(CPU_COMM_OP), "CPULionBuilder": _Builder(CPU_LION_OP)}
     _fake_accelerator(monkeypatch, builders)
     lines = []
     assert build_ahead("cpu", None, lines.append) == [CPU_COMM_OP]  # AdamW: torch's on the CPU accelerator
@@ -196,7 +196,7 @@ def test_build_ahead_on_a_gpu_gives_the_builder_the_arch_list_the_ranks_get(cach
             seen.append(os.environ["TORCH_CUDA_ARCH_LIST"])
             super().load(verbose)
 
-    _fake_accelerator(monkeypatch, {"FusedAdamBuilder": Fused(cache, FUSED_ADAM_OP)})
+    _fake_accelerator(monkeypatch, {"FusedAdamBuilder": Fused(FUSED_ADAM_OP)})
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.0;9.0a")  # a Hopper image's; DeepSpeed's JIT cannot read 9.0a
     assert build_ahead("cuda", None, lambda line: None) == [FUSED_ADAM_OP] and seen == ["8.0;9.0"]
 
@@ -241,7 +241,7 @@ def test_ops_deepspeed_was_installed_with_are_not_compiled(tmp_path, monkeypatch
 
 
 def test_doctor_build_ops_failure_is_one_line(cache, monkeypatch):
-    _fake_accelerator(monkeypatch, {"ShareMemCommBuilder": _Builder(cache, CPU_COMM_OP, fails=True)})
+    _fake_accelerator(monkeypatch, {"ShareMemCommBuilder": _Builder(CPU_COMM_OP, fails=True)})
     result = CliRunner().invoke(app, ["doctor", "--build-ops"])
     assert result.exit_code == 1, result.output
     assert result.output.splitlines()[-1] == (f"error: compiling {CPU_COMM_OP} failed: RuntimeError: ninja: build "

@@ -183,6 +183,7 @@ def test_four_interrupted_runs_end_as_the_uninterrupted_one(reference, tmp_path,
     # kill must follow the first logged step at once, or the run ends before its SIGTERM arrives.
     third.wait_for(lambda: bool(rank_tree()))
     tree = rank_tree()
+    assert tree, "torchrun or a rank exited before training"
     third.wait_for(lambda: third.steps_logged() >= 1, poll=0.002)
     killed = time.monotonic()
     os.killpg(third.proc.pid, signal.SIGKILL)

@@ -155,11 +155,13 @@ def recipe_ops(device: str, recipe: Optional["Recipe"]) -> list[str]:
     return [op for op in ops if op not in prebuilt]
 
 
-def launch_extensions_root() -> Path:
-    """The folder `finetune train` gives its ranks for DeepSpeed's JIT ops, from this process' environment."""
-    if os.environ.get("TORCH_EXTENSIONS_DIR"):
-        return Path(os.environ["TORCH_EXTENSIONS_DIR"])
-    return per_environment_root(sys.executable)
+def launch_extensions_root(python: str = sys.executable, environ: Optional[dict[str, str]] = None) -> Path:
+    """The folder `finetune train` gives its ranks (run with `python`) for DeepSpeed's JIT ops: the user's
+    TORCH_EXTENSIONS_DIR as it is, else this environment's own (per_environment_root)."""
+    environ = os.environ if environ is None else environ
+    if environ.get("TORCH_EXTENSIONS_DIR"):  # empty is unset, for torch too
+        return Path(environ["TORCH_EXTENSIONS_DIR"])
+    return per_environment_root(python, environ)
 
 
 def prebuilt_ops(device: str) -> set[str]:
@@ -302,14 +304,14 @@ def build_ahead(device: str, recipe: Optional["Recipe"], log: Callable[[str], No
     TORCH_CUDA_ARCH_LIST (jit_arch_list) in this process as the launch sets them for its ranks
     (finetune.run.launch.commands.plan_launch)."""
     environ = os.environ
-    environ["TORCH_EXTENSIONS_DIR"] = str(launch_extensions_root())
+    root = launch_extensions_root()
+    environ["TORCH_EXTENSIONS_DIR"] = str(root)  # torch's builder reads it when it loads
     if device == "cpu":
         environ.setdefault("DS_ACCELERATOR", "cpu")
     else:
         arch_list = jit_arch_list(environ)
         if arch_list is not None:
             environ["TORCH_CUDA_ARCH_LIST"] = arch_list
-    root = extensions_root(environ)
     compiled = []
     for op in recipe_ops(device, recipe):
         build_dir = root / op

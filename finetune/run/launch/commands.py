@@ -137,10 +137,10 @@ def plan_launch(recipe: Recipe, run_dir: Path, gpu_count: int, module: str = RUN
         # Rank output reaches the console through log files read line by line (torchrun's tee), where a
         # redrawn progress bar turns into a new line per redraw; the loss lines are printed anyway.
         env["TQDM_DISABLE"] = "1"
-    if "TORCH_EXTENSIONS_DIR" not in environ:
-        from finetune.run.deepspeed_ops import per_environment_root
+    if not environ.get("TORCH_EXTENSIONS_DIR"):
+        from finetune.run.deepspeed_ops import launch_extensions_root
 
-        env["TORCH_EXTENSIONS_DIR"] = str(per_environment_root(python, environ))  # DeepSpeed's JIT ops, this venv's
+        env["TORCH_EXTENSIONS_DIR"] = str(launch_extensions_root(python, environ))  # DeepSpeed's JIT ops, this venv's
     device = "cuda" if gpu_count > 0 else "cpu"
     if device == "cuda" and "PYTORCH_CUDA_ALLOC_CONF" not in environ:
         # Less cache held beyond what is allocated (finetune/plan/allocator.py); a user's setting wins.
