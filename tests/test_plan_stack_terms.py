@@ -7,7 +7,8 @@ the mechanism it models, on CPU:
   absmax;
 - the allocator history keeps the loss blocks of earlier records, not the activations' or the fixed-size
   buffers' blocks;
-- activations saved without checkpointing carry no fragmentation term.
+- activations saved without checkpointing carry no fragmentation term;
+- peft's prepare_model_for_kbit_training casts every 16-bit parameter that is not 4-bit to fp32.
 
     python -m pytest -n 0 -q tests/test_plan_stack_terms.py
 """
@@ -108,6 +109,38 @@ def test_old_bitsandbytes_keeps_every_layers_4bit_inputs_under_checkpointing():
     # Not a bitsandbytes base, or not 4-bit: nothing.
     assert "4-bit linear inputs (bitsandbytes < 0.43.2)" not in _terms(replace(old, quant_format="gptq-int4"))
     assert "4-bit linear inputs (bitsandbytes < 0.43.2)" not in _terms(replace(old, method="lora"))
+
+
+def test_prepare_model_for_kbit_training_leaves_fp32_weights_and_an_fp32_residual_stream():
+    """peft's own function on a small 4-bit-like model: every 16-bit parameter but the packed 4-bit weights
+    becomes fp32; the plan counts the non-4-bit frozen weights at 4 bytes, the checkpointed layer inputs at 4
+    bytes and the head's 16-bit autocast copy (the trace checks the sizes: tests/test_plan_trace.py GRID)."""
+    import torch
+    from peft import prepare_model_for_kbit_training
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    packed = model.model.layers[0].mlp.down_proj.weight
+    packed.requires_grad_(False)
+    packed.data = torch.zeros(packed.numel() // 2, dtype=torch.uint8)  # a stand-in for bitsandbytes' packing
+    prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    dtypes = {name: p.dtype for name, p in model.named_parameters()}
+    assert dtypes.pop("model.layers.0.mlp.down_proj.weight") == torch.uint8
+    assert set(dtypes.values()) == {torch.float32}
+
+    base = _qlora(lora_targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
+    prepared = replace(base, kbit_prepared=True)
+    arch, tokens = base.arch, base.seq_len
+    before, after = _terms(base), _terms(prepared)
+    frozen16 = sum(g.total for g in param_groups(base) if not g.trainable and not g.quantized)
+    assert after["frozen base fp32"].bytes == 4 * frozen16 == 2 * before["frozen base 16-bit"].bytes
+    assert after["layer inputs (checkpointed)"].bytes == arch.layers * tokens * 4 * arch.hidden
+    assert after["16-bit cast of the fp32 output head (autocast)"].bytes == arch.vocab * arch.hidden * 2
+    # LoRA over a 16-bit base is not prepared: nothing changes.
+    lora = replace(base, method="lora")
+    assert plan(replace(lora, kbit_prepared=True)).memory_views == plan(lora).memory_views
 
 
 def test_gptq_state_is_auto_gptqs_quantlinear_buffers():

@@ -154,6 +154,11 @@ GRID = [
     # peft 0.7-0.11 (corpus cases): adapters in the base dtype, no fp32 copies of the adapted inputs.
     dict(method="lora", seq_len=512, micro_batch=2, gradient_checkpointing=False, attn="sdpa", lora_dropout=0.05,
          adapter_dtype="model"),
+    # peft's prepare_model_for_kbit_training (corpus cases): fp32 embeddings, head and norms, fp32 residual
+    # stream, the head's 16-bit autocast copy.
+    dict(method="qlora", seq_len=256, gradient_checkpointing=True, attn="sdpa", kbit_prepared=True),
+    dict(method="qlora", seq_len=4096, gradient_checkpointing=True, attn="flash_attention_2", full_rows=True,
+         kbit_prepared=True),
 ]
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from finetune.plan.archs import LAYER_LINEARS
 from finetune.plan.loss import loss_working_set
 from finetune.plan.setup import Setup, Term
-from finetune.plan.states import trainable_weight_bytes
+from finetune.plan.states import kbit_prepared, trainable_weight_bytes
 
 
 def activation_terms(setup: Setup) -> list[Term]:
@@ -18,9 +18,13 @@ def activation_terms(setup: Setup) -> list[Term]:
     full = setup.method == "full"
     terms: list[Term] = []
     if setup.gradient_checkpointing:
-        # transformers' GradientCheckpointingLayer: each decoder layer keeps only its input.
-        terms.append(Term("activations", "layer inputs (checkpointed)", arch.layers * tokens * e * h,
-                          phase="backward", note=f"{arch.layers} layers x {e * h} B/token"))
+        # transformers' GradientCheckpointingLayer: each decoder layer keeps only its input. After
+        # prepare_model_for_kbit_training the residual stream is fp32 (the fp32 embedding's output, the fp32
+        # norms' and 4-bit linears' outputs added to it): 4 bytes per element.
+        r = 4 if kbit_prepared(setup) else e
+        terms.append(Term("activations", "layer inputs (checkpointed)", arch.layers * tokens * r * h,
+                          phase="backward", note=f"{arch.layers} layers x {r * h} B/token"
+                                                 + (" (fp32 residual stream)" if r != e else "")))
     else:
         saved = arch.layers * per_layer
         if not full:
@@ -39,6 +43,11 @@ def activation_terms(setup: Setup) -> list[Term]:
     head += tokens * 16  # input ids + labels (int64)
     head += 2 * setup.seq_len * arch.dim_head * e  # RoPE cos/sin, shared by all layers
     terms.append(Term("activations", "final norm, head input", head, phase="backward"))
+    if kbit_prepared(setup):
+        # Under the Trainer's bf16 autocast the fp32 output head runs in 16 bits: autocast casts its weight
+        # and the matmul saves that copy for the input's gradient, alive until the head's backward.
+        terms.append(Term("activations", "16-bit cast of the fp32 output head (autocast)", arch.vocab * h * e,
+                          phase="backward", note=f"{arch.vocab:,} vocab x {h:,} hidden x {e} B"))
     mask = attention_mask_bytes(setup)
     if mask:
         terms.append(Term("activations", "attention mask", mask, phase="backward",

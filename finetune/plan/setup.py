@@ -60,6 +60,12 @@ class Setup:
     # backward (bitsandbytes PR 1270, commit 9e753741, "fix QLoRA mem bug: delete useless buffered
     # activation", first in 0.43.2). Corpus cases of that stack set it; recipes run a newer bitsandbytes.
     bnb_keeps_inputs: bool = False
+    # peft's prepare_model_for_kbit_training ran on the 4-bit model (peft's QLoRA recipe; TRL's SFTTrainer calls
+    # it for a 4-bit model given a peft_config): every 16-bit parameter that is not 4-bit (embeddings, output
+    # head, norms) is cast to fp32 (peft/utils/other.py), so the norms' fp32 weights turn their outputs, the 4-bit
+    # linears' outputs (bitsandbytes' Linear4bit returns its input's dtype) and the residual stream fp32, under
+    # the Trainer's bf16 autocast. Corpus cases of that stack set it; `finetune` never calls it.
+    kbit_prepared: bool = False
     optimizer: str = "adamw"
     # Without DeepSpeed: torch's fused AdamW (HF's default with torch >= 2.8) or the foreach one (the
     # default before), which allocates a temporary per moment in the step; torch 2.0's foreach AdamW

@@ -19,7 +19,18 @@ def _bytes_of(group: ParamGroup, setup: Setup, trainable_bytes: int) -> int:
         return group.count * (four_bit_bytes(group.numel) + group_quant_state_bytes(group, setup))
     if group.trainable and _is_saved_copy(group):
         return group.total * setup.element_bytes
-    return group.total * (trainable_bytes if group.trainable else setup.element_bytes)
+    return group.total * (trainable_bytes if group.trainable else frozen_weight_bytes(setup))
+
+
+def kbit_prepared(setup: Setup) -> bool:
+    """Whether peft's prepare_model_for_kbit_training left the QLoRA base's 16-bit parameters in fp32."""
+    return setup.kbit_prepared and setup.method == "qlora"
+
+
+def frozen_weight_bytes(setup: Setup) -> int:
+    """Bytes per element of a frozen weight that is not 4-bit: the model dtype's, or fp32 after
+    prepare_model_for_kbit_training (Setup.kbit_prepared: "cast all non INT8 parameters to fp32")."""
+    return 4 if kbit_prepared(setup) else setup.element_bytes
 
 
 def _is_saved_copy(group: ParamGroup) -> bool:
@@ -65,7 +76,8 @@ def weight_terms(setup: Setup, groups: list[ParamGroup], cpu: list[Term], notes:
     dt = "fp32" if wb == 4 else setup.dtype.replace("bfloat16", "bf16").replace("float16", "fp16")
     if not (setup.deepspeed and setup.stage == 3):
         return [
-            Term("weights", f"frozen base {_width(setup)}", frozen16, note=f"{setup.dtype}"),
+            Term("weights", f"frozen base {'fp32' if kbit_prepared(setup) else _width(setup)}", frozen16,
+                 note="fp32: prepare_model_for_kbit_training" if kbit_prepared(setup) else f"{setup.dtype}"),
             Term("weights", "frozen base 4-bit", packed, note="NF4, 2 values per byte"),
             Term("weights", "quantization constants", constants, note=_constants_note(setup)),
             Term("weights", "trainable", train, note=dt),

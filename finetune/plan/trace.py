@@ -2,8 +2,8 @@
 
 The model is transformers' own modeling code for the architecture, built from a config alone (on the
 meta device: no weights, no initialisation), wrapped as training wraps it (gradient checkpointing,
-peft LoRA; QLoRA's 4-bit linears as below), then its parameters become FakeTensors
-(torch._subclasses.fake_tensor.FakeTensorMode: shapes, dtypes and strides, no storage). Two training
+peft LoRA; QLoRA's 4-bit linears emulated in finetune/plan/trace_quant.py), then its parameters become
+FakeTensors (torch._subclasses.fake_tensor.FakeTensorMode: shapes, dtypes and strides, no storage). Two training
 steps run under a dispatch mode (finetune.plan.tracemem.LiveTensors) that counts the bytes of every
 tensor storage each aten op creates and drops: forward, the loss (transformers' ForCausalLMLoss),
 backward and the optimizer step (torch's AdamW, fused), then zero_grad. The first step creates the
@@ -26,11 +26,11 @@ Torch, transformers and peft are imported inside functions: `finetune plan` with
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from finetune.plan.constants import BNB_BLOCKSIZE
 from finetune.units import GiB, MiB, gib_text
 from finetune.plan.setup import PlanError, Setup
 from finetune.recipe.references import MODEL_CONFIG
@@ -164,87 +164,13 @@ def build_model(setup: Setup, config: dict):
             task_type="CAUSAL_LM", r=setup.lora_r, lora_alpha=2 * setup.lora_r, lora_dropout=setup.lora_dropout,
             target_modules=list(setup.lora_targets), modules_to_save=list(setup.modules_to_save) or None))
         if setup.method == "qlora":
-            _four_bit_linears(model, setup)
+            from finetune.plan.trace_quant import four_bit_linears, prepare_for_kbit_training
+
+            four_bit_linears(model, setup)
+            if setup.kbit_prepared:
+                prepare_for_kbit_training(model)
     model.train()
     return model
-
-
-def _four_bit_linears(model, setup: Setup) -> None:
-    """bitsandbytes' Linear4bit in place of every decoder-layer nn.Linear (transformers' bnb quantizer
-    skips the output head only): a packed uint8 weight of numel / 2 bytes and its quantization state
-    (absmax per 64 values, 8-bit with an fp32 second level under double quant)."""
-    import torch
-
-    for name, module in list(model.named_modules()):
-        for child_name, child in list(module.named_children()):
-            path = f"{name}.{child_name}"
-            if type(child) is torch.nn.Linear and ".layers." in f".{path}" and "lora_" not in path:
-                setattr(module, child_name, FourBitLinear.from_linear(child, setup.double_quant))
-
-
-def _make_four_bit_linear():
-    import torch
-
-    class DequantMatMul(torch.autograd.Function):
-        """bitsandbytes autograd/_functions.py MatMul4Bit: forward dequantizes the weight
-        (functional.dequantize_4bit: a 16-bit copy, and the fp32 absmax first under double quant),
-        runs F.linear and frees it; it saves the packed weight only, and backward dequantizes again
-        for the input's gradient."""
-
-        @staticmethod
-        def forward(ctx, x, packed, absmax, shape):
-            ctx.shape, ctx.dtype = shape, x.dtype
-            ctx.save_for_backward(packed, absmax)
-            return torch.nn.functional.linear(x, _dequantize(packed, absmax, shape, x.dtype))
-
-        @staticmethod
-        def backward(ctx, grad):
-            packed, absmax = ctx.saved_tensors
-            weight = _dequantize(packed, absmax, ctx.shape, ctx.dtype)
-            return grad @ weight, None, None, None
-
-    def _dequantize(packed, absmax, shape, dtype):
-        # The values do not matter to the trace, only what is allocated: the fp32 absmax (double
-        # quant) and the 16-bit weight.
-        scale = absmax.float() if absmax.dtype == torch.uint8 else absmax
-        weight = torch.empty(shape, dtype=dtype, device=packed.device)
-        del scale
-        return weight
-
-    class FourBitLinear(torch.nn.Module):
-        def __init__(self, in_features, out_features, bias, dtype, double_quant):
-            super().__init__()
-            self.in_features, self.out_features = in_features, out_features
-            numel = in_features * out_features
-            blocks = -(-numel // BNB_BLOCKSIZE)
-            kw = {"device": "meta"}
-            self.weight = torch.nn.Parameter(torch.empty((numel + 1) // 2, dtype=torch.uint8, **kw), requires_grad=False)
-            self.register_buffer("absmax", torch.empty(blocks, dtype=torch.uint8 if double_quant else torch.float32, **kw))
-            self.bias = torch.nn.Parameter(torch.empty(out_features, dtype=dtype, **kw), requires_grad=False) if bias else None
-
-        @classmethod
-        def from_linear(cls, linear, double_quant):
-            return cls(linear.in_features, linear.out_features, linear.bias is not None, linear.weight.dtype,
-                       double_quant)
-
-        def forward(self, x):
-            out = DequantMatMul.apply(x, self.weight, self.absmax, (self.out_features, self.in_features))
-            return out if self.bias is None else out + self.bias
-
-    return FourBitLinear
-
-
-class _Lazy:
-    def __init__(self, make):
-        self.make, self.value = make, None
-
-    def __getattr__(self, name):
-        if self.value is None:
-            self.value = self.make()
-        return getattr(self.value, name)
-
-
-FourBitLinear = _Lazy(_make_four_bit_linear)
 
 
 def fake_parameters(model, mode) -> None:
@@ -266,11 +192,13 @@ def fake_parameters(model, mode) -> None:
         model.tie_weights()
 
 
-def run_step(model, optimizer, batch: dict, tracker=None) -> None:
-    """One training step as the Trainer runs it: forward with labels, backward, step, zero_grad."""
+def run_step(model, optimizer, batch: dict, tracker=None, autocast=contextlib.nullcontext) -> None:
+    """One training step as the Trainer runs it: forward with labels (under `autocast()`, the Trainer's
+    mixed-precision context, which covers forward and loss only), backward, step, zero_grad."""
     if tracker is not None:
         tracker.phase = "forward"
-    loss = model(**batch).loss
+    with autocast():
+        loss = model(**batch).loss
     if tracker is not None:
         tracker.phase = "backward"
     loss.backward()
@@ -281,9 +209,10 @@ def run_step(model, optimizer, batch: dict, tracker=None) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
-def accumulate(model, batch: dict) -> None:
+def accumulate(model, batch: dict, autocast=contextlib.nullcontext) -> None:
     """Forward and backward of one micro batch without the optimizer step (gradient accumulation)."""
-    loss = model(**batch).loss
+    with autocast():
+        loss = model(**batch).loss
     loss.backward()
     del loss
 
@@ -341,6 +270,18 @@ def cuda_paths():
         F.dropout = original
 
 
+def trainer_autocast(setup: Setup):
+    """The HF Trainer's bf16 autocast around forward and loss, where it changes what is allocated: over a
+    model whose weights are all 16-bit it only re-casts 16-bit tensors (not traced); over the fp32 norms,
+    embeddings and head prepare_model_for_kbit_training leaves (Setup.kbit_prepared) it decides which
+    matmuls run in 16 bits."""
+    import torch
+
+    if not setup.kbit_prepared:
+        return contextlib.nullcontext()
+    return torch.autocast("cpu", dtype=_torch_dtype(setup.dtype))
+
+
 def make_optimizer(model):
     import torch
 
@@ -384,17 +325,18 @@ def _trace_depth(setup: Setup, cfg: dict):
     model = build_model(setup, cfg)
     mode = FakeTensorMode(allow_non_fake_inputs=False)
     fake_parameters(model, mode)
+    autocast = functools.partial(trainer_autocast, setup)
     with mode, data_decisions(setup), cuda_paths():
         batch = make_batch(setup, cfg["vocab_size"])
         optimizer = make_optimizer(model)
-        run_step(model, optimizer, batch)  # creates the optimizer's states
+        run_step(model, optimizer, batch, autocast=autocast)  # creates the optimizer's states
         if setup.gradient_accumulation > 1:
             # A later micro batch of the accumulation: the Trainer calls zero_grad only after the
             # optimizer step, so backward starts with the earlier micro batches' gradients alive.
-            accumulate(model, batch)
+            accumulate(model, batch, autocast=autocast)
         tracker = LiveTensors(model, optimizer, vocab=cfg["vocab_size"], inputs=batch.values())
         with tracker:
-            run_step(model, optimizer, batch, tracker)
+            run_step(model, optimizer, batch, tracker, autocast=autocast)
     return tracker
 
 
