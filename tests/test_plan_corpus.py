@@ -167,10 +167,14 @@ def test_plan_runs_on_every_case(corpus_rows):
 # full fine-tune at 2,048 tokens (35.11 GiB, above its own 4,096-token row: -14.4% to -16.3%).
 # This project's first GPU row (an H100 full fine-tune, held out, within 0.01%; no term changed): all 6.7% to
 # 6.5%, held out 9.2% to 9.1%.
+# unsloth's rows planned as peft's prepare_model_for_kbit_training leaves a QLoRA model (Setup.kbit_prepared, an
+# inference from the rows, so the source left the held-out part: docs/plan.md, "Eighth pass"), with the same
+# README's 70B row: all 6.5% to 6.0% (under >10% 27 to 21); the calibration part gained 7 rows 3-8% over
+# (4.4% to 4.6%); the held-out part lost them (9.1% to 7.8%).
 REACHED = {
-    "all": {"median_abs_error": 0.066, "under_10": 27, "under_15": 13},
-    "calibration": {"median_abs_error": 0.044, "under_10": 20, "under_15": 9},
-    "holdout": {"median_abs_error": 0.092, "under_10": 7, "under_15": 4},
+    "all": {"median_abs_error": 0.060, "under_10": 21, "under_15": 10},
+    "calibration": {"median_abs_error": 0.047, "under_10": 20, "under_15": 9},
+    "holdout": {"median_abs_error": 0.079, "under_10": 1, "under_15": 1},
 }
 
 
@@ -286,16 +290,19 @@ def test_the_shipped_share_is_the_fitted_one(corpus_rows):
     assert methods.quantile_regression_share([r for r in rows if r["error"] is not None]) == 1.0
 
 
-# Issue 21's targets (scripts/plan_corpus.py --summary prints them). Met: the mean error (+1.7%: the Qwen
-# README's rows -2.7%, ms-swift's +12.5%). Not yet: point estimate median |error| 6.7% (ms-swift's rows at
-# 4,096-8,192 tokens over-predicted by the allocator history's stated order, the Qwen README's short 1.8B
-# rows under); the bound covers 93.6% of the cases leave-one-source-out (misses: 4 Qwen README rows, 3 of
-# unsloth's 6, 2 of ms-swift's 3 MoE scripts) at a median 22.6% above the measurement.
-MET_TARGETS = ["point estimate mean error within +-3%"]
-OPEN_TARGETS = [
+# Issue 21's targets (scripts/plan_corpus.py --summary prints them). Met: the point estimate's median |error|
+# (5.96%) and mean (+2.6%: the Qwen README's rows -2.7%, ms-swift's +12.5%), and the bound's median above the
+# measurement leaving a source out (10.3%). Not met: the bound covers 81.0% of the cases leave-one-source-out.
+# Without the Qwen README the "one shape" class is its 10 other cases (unsloth's 7, PEFT's 2, this project's
+# H100 row), none as far under as the README's 1.8B, ZeRO-3 and multinode rows; unsloth's rows, 12-22% under
+# before they were planned as prepare_model_for_kbit_training leaves the model, had widened it (93.6% then).
+MET_TARGETS = [
     "point estimate median |error| <= 6%",
-    "bound >= measured in >= 95% of cases (leave-one-source-out)",
+    "point estimate mean error within +-3%",
     "bound <= 20% above measured at the median (leave-one-source-out)",
+]
+OPEN_TARGETS = [
+    "bound >= measured in >= 95% of cases (leave-one-source-out)",
 ]
 
 
