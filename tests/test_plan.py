@@ -231,6 +231,32 @@ def test_layer_activations_equal_saved_tensors(attn, method, dropout):
     assert measured[1] - measured[0] == predicted
 
 
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_fp32_adapters_under_the_trainers_autocast_save_16_bit_inputs(dropout):
+    """Without DeepSpeed peft keeps the adapters in fp32 and the Trainer runs forward under autocast: lora_A's
+    F.linear casts peft's fp32 copy of its input back to 16 bits and saves that cast (and its 16-bit output),
+    not the fp32 copy. One layer's saved bytes match the plan exactly (dropout as CUDA runs it: a bool mask)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    from finetune.plan.trace import cuda_paths
+
+    b, s = 2, 48
+    measured = []
+    for layers in (1, 2):
+        model = tiny_model({**TINY, "vocab_size": 512, "num_hidden_layers": layers}, "sdpa", "full")
+        model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, lora_dropout=dropout, target_modules="all-linear"))
+        assert {p.dtype for p in model.parameters() if p.requires_grad} == {torch.float32}
+        torch.manual_seed(1)
+        with cuda_paths(), torch.autocast("cpu", dtype=torch.bfloat16):
+            measured.append(saved_for_backward_bytes(model, torch.randint(0, 512, (b, s))))
+    arch = arch_from_config({**TINY, "vocab_size": 512, "num_hidden_layers": 2, "model_type": "llama"}, "tiny")
+    setup = Setup(arch=arch, params=arch.total_params, method="lora", lora_r=8, lora_dropout=dropout, deepspeed=False,
+                  micro_batch=b, seq_len=s, full_rows=True, gradient_checkpointing=False)
+    assert setup.trainer_autocast
+    assert measured[1] - measured[0] == layer_activation_bytes(setup)
+
+
 class LiveBytes:
     """Peak bytes of live tensor storages created by torch ops (forward and backward), parameters excluded."""
 

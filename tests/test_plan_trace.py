@@ -41,13 +41,14 @@ def _real_step(setup: Setup):
     with T.data_decisions(setup), T.cuda_paths():
         batch = T.make_batch(setup, TINY["vocab_size"])
         optimizer = T.make_optimizer(model)
-        T.run_step(model, optimizer, batch)
+        autocast = T.trainer_autocast(setup)
+        T.run_step(model, optimizer, batch, autocast=autocast)
         tracker = LiveTensors(model, optimizer, TINY["vocab_size"], inputs=batch.values())
         with tracker:
-            T.run_step(model, optimizer, batch, tracker)
+            T.run_step(model, optimizer, batch, tracker, autocast=autocast)
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
                      with_stack=True) as prof:
-            T.run_step(model, optimizer, batch)
+            T.run_step(model, optimizer, batch, autocast=autocast)
     _, sizes = MemoryProfileTimeline(prof._memory_profile())._coalesce_timeline("cpu")
     return tracker.peak, max(sum(s) for s in sizes)
 
@@ -79,12 +80,21 @@ def test_trace_equals_the_real_cpu_step(settings):
         assert real <= profiled <= real * 1.06
 
 
-def test_extrapolated_depth_equals_the_full_trace():
+@pytest.mark.parametrize("settings", [
+    dict(gradient_checkpointing=True),
+    dict(gradient_checkpointing=False),
+    dict(method="full", gradient_checkpointing=False),
+    dict(gradient_checkpointing=True, deepspeed=True),
+], ids=["lora-checkpointing", "lora", "full", "lora-16-bit-adapters"])
+def test_extrapolated_depth_equals_the_full_trace(settings):
+    """Traced at 2, 3 and 4 layers and extrapolated to 7, as deep as the whole trace, also where a phase's peak
+    moves with depth: with fp32 adapters under autocast and checkpointing, backward's peak is at its start
+    (the loss's buffers) up to 5 layers and at its end (layer 0's recompute, every gradient) from 6."""
     from finetune.plan.trace import trace
 
     config = {**TINY, "num_hidden_layers": 7}
     arch = arch_from_config(config, "tiny7")
-    setup = _tiny(arch=arch, params=arch.total_params, gradient_checkpointing=True)
+    setup = _tiny(arch=arch, params=arch.total_params, **settings)
     short, whole = trace(setup, config), trace(setup, config, extrapolate=False)
     assert "extrapolated to 7" in short.notes[0]
     assert (short.peak, short.phase, short.by_kind, short.phase_peaks) == \

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from finetune.plan.archs import LAYER_LINEARS
 from finetune.plan.loss import loss_working_set
+from finetune.plan.params import param_groups
 from finetune.plan.setup import Setup, Term
 from finetune.plan.states import kbit_prepared, trainable_weight_bytes
 
@@ -96,6 +97,10 @@ def layer_activation_bytes(setup: Setup) -> int:
     # The adapters' dtype: without DeepSpeed fp32 (peft's autocast_adapter_dtype) unless Setup.adapter_dtype
     # says "model" (peft 0.7-0.11); with DeepSpeed the model's.
     a = trainable_weight_bytes(setup) if not full else e
+    # What an adapter saves per element: its dtype, but under the Trainer's autocast lora_A's F.linear casts
+    # peft's fp32 copy of the input (or its dropped-out copy) back to 16 bits and saves that cast, and lora_A's
+    # output is 16-bit (the fp32 copies are freed after the call).
+    kept = e if setup.trainer_autocast else a
 
     def linear_inputs(names: tuple[str, ...], width: int, shared_with_output: bool = False) -> int:
         if full:
@@ -104,11 +109,11 @@ def layer_activation_bytes(setup: Setup) -> int:
         if not hit:
             return 0
         if dropout:
-            return len(hit) * (a + 1) * width
+            return len(hit) * (kept + 1) * width
         if a != e:
             # peft's lora.Linear.forward casts the input to the adapter's dtype for each adapter
-            # (_cast_input_dtype), and lora_A keeps that private copy for its weight gradient.
-            return len(hit) * a * width
+            # (_cast_input_dtype), and lora_A keeps that private copy (or autocast's 16-bit cast of it).
+            return len(hit) * kept * width
         return 0 if shared_with_output else e * width
 
     per_token = arch.norms_per_layer * (4 * h + 4 + (e * h if full else 0))
@@ -118,7 +123,7 @@ def layer_activation_bytes(setup: Setup) -> int:
     per_token += linear_inputs(("o_proj",), arch.q_dim, shared_with_output=fused_attention)
     per_token += linear_inputs(("gate_proj", "up_proj"), h)
     per_token += linear_inputs(("down_proj",), inter)
-    per_token += a * setup.lora_r * sum(1 for n in LAYER_LINEARS if n in targets)  # lora_A's output
+    per_token += kept * setup.lora_r * sum(1 for n in LAYER_LINEARS if n in targets)  # lora_A's output
     if fused_attention:
         # sdpa shares key/value heads (enable_gqa) only without a mask (sdpa_attention.use_gqa_in_sdpa).
         kv = arch.q_dim if (setup.attn == "sdpa" and attention_mask_bytes(setup)) else arch.kv_dim
@@ -133,7 +138,17 @@ def layer_activation_bytes(setup: Setup) -> int:
         probs = 4 + (e if e != 4 else 0)  # fp32 softmax, and its cast back to the model dtype
         scores = arch.heads * attention_row(setup) * (probs + (e if arch.attn_softcap else 0))
     per_token += moe_mlp_bytes(setup) if arch.experts else 3 * e * inter
-    return setup.micro_batch * s * (per_token + scores) + mask_copy
+    return setup.micro_batch * s * (per_token + scores) + mask_copy + adapter_casts(setup, kept)
+
+
+def adapter_casts(setup: Setup, kept: int) -> int:
+    """Autocast's 16-bit copies of one layer's fp32 adapter weights: lora_A's and lora_B's matmuls save the
+    cast weight for the input's gradient, so it lives until the layer's backward, not only while the
+    autocast cache holds it."""
+    if kept == trainable_weight_bytes(setup) or setup.method == "full" or setup.arch is None:
+        return 0
+    adapters = sum(g.total for g in param_groups(setup) if g.per_layer and g.unit.endswith((".lora_A", ".lora_B")))
+    return kept * adapters // setup.arch.layers
 
 
 def bnb_kept_inputs(setup: Setup) -> int:

@@ -146,6 +146,13 @@ class Setup:
         """Bytes of a weight / activation element in the model dtype."""
         return 4 if self.dtype == "float32" else 2
 
+    @property
+    def trainer_autocast(self) -> bool:
+        """The HF Trainer runs forward and loss under torch.autocast in the 16-bit dtype: without DeepSpeed
+        (accelerate's native AMP wraps the model's forward); under DeepSpeed the engine keeps the model 16-bit
+        and accelerate runs no autocast."""
+        return not self.deepspeed and self.element_bytes == 2
+
     def describe(self) -> str:
         where = f"{self.gpus_per_node} GPU{'s' if self.gpus_per_node != 1 else ''}"
         if self.nodes > 1:

@@ -26,7 +26,6 @@ Torch, transformers and peft are imported inside functions: `finetune plan` with
 from __future__ import annotations
 
 import contextlib
-import functools
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -192,12 +191,12 @@ def fake_parameters(model, mode) -> None:
         model.tie_weights()
 
 
-def run_step(model, optimizer, batch: dict, tracker=None, autocast=contextlib.nullcontext) -> None:
-    """One training step as the Trainer runs it: forward with labels (under `autocast()`, the Trainer's
-    mixed-precision context, which covers forward and loss only), backward, step, zero_grad."""
+def run_step(model, optimizer, batch: dict, tracker=None, autocast=contextlib.nullcontext()) -> None:
+    """One training step as the Trainer runs it: forward with labels (under `autocast`, the Trainer's
+    mixed-precision context, trainer_autocast: forward and loss only), backward, step, zero_grad."""
     if tracker is not None:
         tracker.phase = "forward"
-    with autocast():
+    with autocast:
         loss = model(**batch).loss
     if tracker is not None:
         tracker.phase = "backward"
@@ -209,9 +208,9 @@ def run_step(model, optimizer, batch: dict, tracker=None, autocast=contextlib.nu
     optimizer.zero_grad(set_to_none=True)
 
 
-def accumulate(model, batch: dict, autocast=contextlib.nullcontext) -> None:
+def accumulate(model, batch: dict, autocast=contextlib.nullcontext()) -> None:
     """Forward and backward of one micro batch without the optimizer step (gradient accumulation)."""
-    with autocast():
+    with autocast:
         loss = model(**batch).loss
     loss.backward()
     del loss
@@ -271,13 +270,13 @@ def cuda_paths():
 
 
 def trainer_autocast(setup: Setup):
-    """The HF Trainer's bf16 autocast around forward and loss, where it changes what is allocated: over a
-    model whose weights are all 16-bit it only re-casts 16-bit tensors (not traced); over the fp32 norms,
-    embeddings and head prepare_model_for_kbit_training leaves (Setup.kbit_prepared) it decides which
-    matmuls run in 16 bits."""
+    """The HF Trainer's autocast around forward and loss (Setup.trainer_autocast: no DeepSpeed, a 16-bit
+    dtype). Over 16-bit weights it casts nothing; it decides which matmuls run in 16 bits over fp32 weights:
+    peft's fp32 adapters (lora_A then saves a 16-bit cast of its input) and the fp32 norms, embeddings and
+    head prepare_model_for_kbit_training leaves (Setup.kbit_prepared)."""
     import torch
 
-    if not setup.kbit_prepared:
+    if not setup.trainer_autocast:
         return contextlib.nullcontext()
     return torch.autocast("cpu", dtype=_torch_dtype(setup.dtype))
 
@@ -325,7 +324,7 @@ def _trace_depth(setup: Setup, cfg: dict):
     model = build_model(setup, cfg)
     mode = FakeTensorMode(allow_non_fake_inputs=False)
     fake_parameters(model, mode)
-    autocast = functools.partial(trainer_autocast, setup)
+    autocast = trainer_autocast(setup)
     with mode, data_decisions(setup), cuda_paths():
         batch = make_batch(setup, cfg["vocab_size"])
         optimizer = make_optimizer(model)
@@ -367,7 +366,7 @@ def trace(setup: Setup, config: Optional[dict] = None, extrapolate: bool = True)
     how = f"all {depth} layers traced"
     if extrapolate and depth > SHALLOW[-1]:
         trackers = [_trace_depth(setup, {**cfg, "num_hidden_layers": d}) for d in SHALLOW]
-        phases = _extrapolate([_phases(t) for t in trackers], depth)
+        phases = _extrapolate([t.place_peaks for t in trackers], depth)
         if phases is not None:
             how = f"traced at {', '.join(map(str, SHALLOW))} layers, extrapolated to {depth} (exactly linear)"
             reserved = _extrapolate_reserved([_replayed(t, setup, cfg) for t in trackers], depth)
@@ -411,22 +410,30 @@ def _extrapolate_reserved(shallow: list[int], depth: int) -> Optional[int]:
 
 
 def _extrapolate(shallow: list[dict], depth: int) -> Optional[dict]:
-    """Each phase's peak and kinds at `depth` layers from the traces at SHALLOW depths, or None when
-    they are not exactly linear (the peak moved to a different place)."""
+    """Each phase's peak and kinds at `depth` layers from its places' peaks at SHALLOW depths (LiveTensors
+    .place_peaks), or None when a place does not grow exactly linearly. A phase's peak can move from one place
+    to another as layers are added (the loss's buffers at the start of backward, every gradient at its end), so
+    each place is extrapolated and the largest taken. The middle layers' places are left out: with identical
+    layers what is live in layer k's backward (or forward) is linear in k, so the first or the last one holds
+    the phase's peak over the layers."""
     import re
 
     a, b, c = shallow
     if not (a.keys() == b.keys() == c.keys()):
         return None
     out = {}
-    extra = depth - SHALLOW[-1]
+    extra, last = depth - SHALLOW[-1], SHALLOW[-1] - 1
     for phase in c:
-        (pa, ka, _), (pb, kb, _), (pc, kc, module) = a[phase], b[phase], c[phase]
-        if pc - pb != pb - pa or any(kc[k] - kb[k] != kb[k] - ka[k] for k in kc):
-            return None
-        kinds = {k: kc[k] + extra * (kc[k] - kb[k]) for k in kc}
-        last = SHALLOW[-1] - 1
-        module = re.sub(r"layers\.(\d+)", lambda m: f"layers.{int(m.group(1)) + (extra if int(m.group(1)) == last else 0)}",
-                        module)
-        out[phase] = (pc + extra * (pc - pb), kinds, module)
+        common = a[phase].keys() & b[phase].keys() & c[phase].keys()
+        if any(max(x[phase][p][0] for p in common) != max(v[0] for v in x[phase].values()) for x in shallow):
+            return None  # the peak at a shallow depth was in a middle layer
+        places = []
+        for place in common:
+            (pa, ka, _), (pb, kb, _), (pc, kc, module) = a[phase][place], b[phase][place], c[phase][place]
+            if pc - pb != pb - pa or any(kc[k] - kb[k] != kb[k] - ka[k] for k in kc):
+                return None
+            module = re.sub(r"layers\.(\d+)",
+                            lambda m: f"layers.{int(m.group(1)) + (extra if int(m.group(1)) == last else 0)}", module)
+            places.append((pc + extra * (pc - pb), {k: kc[k] + extra * (kc[k] - kb[k]) for k in kc}, module))
+        out[phase] = max(places, key=lambda p: p[0])
     return out

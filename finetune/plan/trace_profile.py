@@ -8,7 +8,6 @@ finetune/plan/trace.py runs them. Imports torch, transformers and peft.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import replace
 from typing import Optional
 
@@ -39,7 +38,7 @@ def allocation_profile(setup: Setup, lengths: list[int], config: Optional[dict] 
             batch = make_batch(replace(setup, seq_len=length), cfg["vocab_size"])
             tracker = LiveTensors(model, optimizer, vocab=cfg["vocab_size"], inputs=batch.values())
             with tracker:
-                run_step(model, optimizer, batch, tracker, autocast=functools.partial(trainer_autocast, setup))
+                run_step(model, optimizer, batch, tracker, autocast=trainer_autocast(setup))
             if resident is None:
                 resident = list(tracker.resident) + [b for name, when, b, _ in cuda_only_terms(setup, cfg)
                                                      if name.startswith("cuBLAS")]

@@ -11,16 +11,24 @@ states) are counted from the start. Kinds:
 - activations: created in forward (alive at a backward peak: saved for backward);
 - temporaries: created in backward or in the optimizer step (with checkpointing, the recomputed layer).
 
+Each phase's peak is also kept per place (`place_peaks`), a place being where the step is, named the same
+at every depth: the module running (its decoder layer as first, last or mid), else in backward the module
+whose gradient came last (finetune.plan.trace extrapolates each place from shallow models).
+
 Imported only by finetune.plan.trace (it imports torch at the top).
 """
 
 from __future__ import annotations
 
+import re
 import weakref
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+
+
+LAYER = re.compile(r"layers\.(\d+)")
 
 
 def _nbytes(storage) -> int:
@@ -31,6 +39,11 @@ class LiveTensors(TorchDispatchMode):
     def __init__(self, model, optimizer, vocab: int, inputs=()):
         super().__init__()
         self.vocab = vocab
+        self.names = {id(m): n for n, m in model.named_modules()}
+        self.depth = 1 + max((int(m.group(1)) for n in self.names.values() for m in LAYER.finditer(n)), default=-1)
+        self._places: dict[str, str] = {}
+        self._owners = {id(p): n.rpartition(".")[0] for n, p in model.named_parameters()}
+        self.place_peaks: dict[str, dict[str, tuple[int, dict[str, int], str]]] = {}
         self.phase = "forward"
         self.live: dict[int, tuple[weakref.ref, int, str]] = {}
         self.totals = {k: 0 for k in ("weights", "optimizer", "gradients", "activations", "logits", "temporaries")}
@@ -43,7 +56,6 @@ class LiveTensors(TorchDispatchMode):
         self.phase_kinds: dict[str, dict[str, int]] = {}
         self.phase_modules: dict[str, str] = {}
         self.stack: list[str] = []
-        self.names = {id(m): n for n, m in model.named_modules()}
         self._handles = []
         # The allocation log a caching-allocator replay reads (finetune/plan/allocator.py): the storages
         # that exist when the mode starts (`resident`, bytes), then ("alloc", serial, bytes) / ("free", serial)
@@ -72,6 +84,24 @@ class LiveTensors(TorchDispatchMode):
         self._handles.append(torch.nn.modules.module.register_module_forward_hook(self._leave))
         self._started = True
         self._note()
+
+    @property
+    def phase(self) -> str:
+        return self._phase
+
+    @phase.setter
+    def phase(self, value: str) -> None:
+        self._phase, self.place, self._grad_place = value, "", ""
+
+    def _placed(self, name: str) -> str:
+        """A module's place: its name with the decoder layer's index as first, last or mid."""
+        place = self._places.get(name)
+        if place is None:
+            def where(m):
+                i = int(m.group(1))
+                return "layers." + ("first" if i == 0 else "last" if i == self.depth - 1 else "mid")
+            place = self._places[name] = LAYER.sub(where, name)
+        return place
 
     # -- bookkeeping ---------------------------------------------------------------------------
 
@@ -111,6 +141,9 @@ class LiveTensors(TorchDispatchMode):
             self.phase_peaks[self.phase] = self.current
             self.phase_kinds[self.phase] = dict(self.totals)
             self.phase_modules[self.phase] = self.stack[-1] if self.stack else ""
+        places = self.place_peaks.setdefault(self.phase, {})
+        if self.current > places.get(self.place, (-1,))[0]:
+            places[self.place] = (self.current, dict(self.totals), self.stack[-1] if self.stack else "")
         if self.current > self.peak:
             self.peak = self.current
             self.peak_phase = self.phase
@@ -126,6 +159,9 @@ class LiveTensors(TorchDispatchMode):
 
     def _on_grad(self, param) -> None:
         if param.grad is not None:
+            self._grad_place = self._placed(self._owners.get(id(param), ""))
+            if not self.stack:
+                self.place = self._grad_place
             self._relabel(param.grad.untyped_storage(), "gradients")
             self._note()
 
@@ -133,10 +169,12 @@ class LiveTensors(TorchDispatchMode):
         name = self.names.get(id(module))
         if name is not None:
             self.stack.append(name)
+            self.place = self._placed(name)
 
     def _leave(self, module, args, out) -> None:
         if self.names.get(id(module)) is not None and self.stack:
             self.stack.pop()
+            self.place = self._placed(self.stack[-1]) if self.stack else self._grad_place
 
     def __exit__(self, *args):
         for handle in self._handles:
