@@ -186,6 +186,16 @@ def test_analytic_plan_is_within_3_percent_of_the_trace(settings):
     assert abs(_analytic_against_trace("qwen2.5-0.5b", settings)) <= 0.03
 
 
+@pytest.mark.parametrize("method", ["lora", "qlora", "full"])
+def test_backward_peaks_away_from_the_loss_are_planned(method):
+    """Mistral-7B's small vocabulary leaves the loss's buffers below two other moments of backward, both
+    without DeepSpeed: the recompute of the last layer, where peft holds down_proj's input and its fp32 copies
+    for the fp32 adapters (LoRA, QLoRA), and the first layer's backward beside every later layer's gradient
+    (full fine-tuning). Before they were planned: -2.0%, -2.8% and -3.1%."""
+    settings = dict(method=method, seq_len=4096, micro_batch=2, gradient_checkpointing=True, attn="sdpa")
+    assert abs(_analytic_against_trace("mistral-7b-v0.3", settings)) <= 0.01
+
+
 @pytest.mark.parametrize("seq", [256, 2048])
 def test_full_fine_tuning_is_within_3_percent_of_the_trace(seq):
     """Full fine-tuning without DeepSpeed: at 2,048 tokens the peak is the loss's, without gradients; at 256

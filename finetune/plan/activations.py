@@ -199,14 +199,61 @@ def backward_working_bytes(setup: Setup, per_layer: int) -> int:
     """What backward allocates beyond the saved activations, at its own peak (fitted to torch's CPU
     allocations of tiny Llamas, tests/test_plan.py): with checkpointing, one layer's recomputed
     activations plus the MLP's gradients, about (2.5 x intermediate - 2 x hidden) 16-bit elements per
-    token; without, the final norm's fp32 gradient temporaries, about 20 x hidden bytes per token."""
+    token, or the fp32 adapters' input copies of the recompute when larger; without, the final norm's
+    fp32 gradient temporaries, about 20 x hidden bytes per token."""
     arch = setup.arch
     assert arch is not None
     tokens = setup.micro_batch * setup.seq_len
     if setup.gradient_checkpointing:
         grads = max(0, (5 * arch.active_mlp_width - 4 * arch.hidden) // 2) * setup.element_bytes
-        return per_layer + tokens * grads
+        return per_layer + tokens * max(grads, adapter_input_copies(setup))
     return tokens * 20 * arch.hidden
+
+
+def adapter_input_copies(setup: Setup) -> int:
+    """Bytes per token of an adapted input and peft's fp32 copies of it while its adapter runs (fp32 adapters
+    over a 16-bit model): lora.Linear.forward holds the 16-bit input `x` (the frozen base layer keeps none of
+    it), `_cast_input_dtype`'s fp32 copy and, with dropout, its dropped-out fp32 copy, all alive until lora_A
+    has cast its input back to 16 bits (the trace: at the recompute of down_proj, whose input is the widest).
+    Freed as the adapter returns, so this peaks at one module; with checkpointing that is in backward."""
+    arch = setup.arch
+    assert arch is not None
+    a = trainable_weight_bytes(setup)
+    if setup.method == "full" or a == setup.element_bytes:
+        return 0
+    targets = set(setup.lora_targets)
+    inter = arch.shared_intermediate if arch.experts else arch.intermediate
+    widths = {"q_proj": arch.hidden, "k_proj": arch.hidden, "v_proj": arch.hidden, "o_proj": arch.q_dim,
+              "gate_proj": arch.hidden, "up_proj": arch.hidden, "down_proj": inter}
+    widest = max((w for name, w in widths.items() if name in targets), default=0)
+    return widest * (setup.element_bytes + a * (2 if setup.lora_dropout > 0 else 1))
+
+
+def backward_end_terms(setup: Setup, terms: list[Term]) -> list[Term]:
+    """Without DeepSpeed the gradients belong to the step phase (backward makes them, zero_grad frees them).
+    At backward's end the first decoder layer's backward runs beside every later layer's gradient: its
+    saved (or recomputed) activations and its backward temporaries are live with them (the trace: a
+    Mistral-7B full fine-tune at 2 x 4,096 tokens with checkpointing peaks there, 1.7 GiB over the step).
+    Counted in the step phase beyond the phase's other moments (the optimizer's temporaries, the tied
+    embedding's gradients, an accumulated gradient's temporary), less the gradients not made yet: the
+    layer's own and the embedding's."""
+    arch = setup.arch
+    if setup.deepspeed or arch is None or setup.objective != "sft":
+        return []
+    per_layer = layer_activation_bytes(setup)
+    working = backward_working_bytes(setup, per_layer) + (0 if setup.gradient_checkpointing else per_layer)
+    wb = trainable_weight_bytes(setup)
+    groups = [g for g in param_groups(setup) if g.trainable]
+    own = sum(g.total * wb for g in groups if g.per_layer) // arch.layers
+    # The embedding's gradient comes after every layer's (tied: the head's part joins it then).
+    own += sum(g.total * (setup.element_bytes if g.unit.endswith(".copy") else wb)
+               for g in groups if g.unit.startswith("embed_tokens"))
+    others = sum(t.bytes for t in terms if t.phase == "step" and t.field == "buffers")
+    size = working - own - others
+    if size <= 0:
+        return []
+    return [Term("activations", "first layer's backward, beside the gradients", size, phase="step",
+                 note="backward's end: its activations and temporaries, beyond the step's other moments")]
 
 
 def flattened(setup: Setup) -> bool:

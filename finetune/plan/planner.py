@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from typing import Optional
 
-from finetune.plan.activations import activation_terms
+from finetune.plan.activations import activation_terms, backward_end_terms
 from finetune.plan.allocator import resident_waste
 from finetune.plan.constants import (
     CUBLAS_HANDLES, CUBLAS_WORKSPACE, CUDA_CONTEXT, FRAGMENTATION, HISTORY_RECORDS, NCCL_BUFFERS, PROCESS_RSS, MiB,
@@ -37,6 +37,7 @@ def plan(setup: Setup) -> PlanResult:
     if complete:
         activations, offloaded = offload_activations(setup, tile_mlp(setup, activation_terms(setup)))
         terms += activations + parallel_terms(setup)
+        terms += backward_end_terms(setup, terms)
         cpu += offloaded
         notes += _moe_notes(setup)
     terms += _overhead(setup, groups, terms)

@@ -32,6 +32,7 @@ from typing import Any, Optional
 
 from finetune.units import GiB, MiB, gib_text
 from finetune.plan.setup import PlanError, Setup
+from finetune.plan.states import trainable_weight_bytes
 from finetune.recipe.references import MODEL_CONFIG
 
 KINDS = ("weights", "optimizer", "gradients", "activations", "logits", "temporaries")
@@ -98,6 +99,10 @@ def hf_config(setup: Setup, config: Optional[dict] = None) -> dict:
         out["attention_bias"] = True
     if not arch.logit_softcap and arch.model_type == "gemma2":
         out["final_logit_softcapping"] = None
+    if arch.model_type == "mistral":
+        # The table states no sliding window (nor does the analytic plan model one): MistralConfig's default
+        # (4,096) would make transformers build a sliding-window mask for sdpa. v0.3's config has none.
+        out["sliding_window"] = None
     return out
 
 
@@ -156,9 +161,11 @@ def build_model(setup: Setup, config: dict):
 
         if setup.gradient_checkpointing:
             model.enable_input_require_grads()
-        # adapter_dtype "model": peft 0.7-0.11 left the adapters in the base weight's dtype (fp32 over a
-        # 4-bit base, whose packed weight is no float; the emulation below quantizes after this).
-        fp32 = setup.adapter_dtype == "float32" or setup.method == "qlora"
+        # The adapters' dtype as training leaves them (states.trainable_weight_bytes): DeepSpeed's engine casts
+        # them to the 16-bit dtype; without it peft keeps them fp32, or with adapter_dtype "model" (peft
+        # 0.7-0.11) in the base weight's dtype (fp32 over a 4-bit base, whose packed weight is no float; the
+        # emulation below quantizes after this).
+        fp32 = trainable_weight_bytes(setup) == 4
         model = get_peft_model(model, autocast_adapter_dtype=fp32, peft_config=LoraConfig(
             task_type="CAUSAL_LM", r=setup.lora_r, lora_alpha=2 * setup.lora_r, lora_dropout=setup.lora_dropout,
             target_modules=list(setup.lora_targets), modules_to_save=list(setup.modules_to_save) or None))
