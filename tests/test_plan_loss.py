@@ -49,9 +49,9 @@ def test_each_loss_note_states_the_bytes_it_comes_with(model):
         assert term.note in result.render_text()
 
 
-def test_gemma2_softcap_note_says_16_bytes_per_token_and_vocab_entry():
+def test_gemma2_softcap_note_says_14_bytes_per_token_and_vocab_entry():
     arch = BY_NAME["gemma-2-9b"]
     result = plan(Setup(arch=arch, params=arch.total_params, method="lora", micro_batch=1, seq_len=1024))
     [term] = [t for t in result.terms if t.field == "logits"]
-    assert term.bytes == 1024 * arch.vocab * 16
-    assert f"1,024 tokens x {arch.vocab:,} vocab x 16 B" in term.note and "softcap" in term.note
+    assert term.bytes == 1024 * arch.vocab * 14
+    assert f"1,024 tokens x {arch.vocab:,} vocab x 14 B" in term.note and "softcap" in term.note
