@@ -175,6 +175,11 @@ def build_model(setup: Setup, config: dict):
             four_bit_linears(model, setup)
             if setup.kbit_prepared:
                 prepare_for_kbit_training(model)
+    if setup.loss_kernel == "chunked":  # what finetune.train.runner sets up: the same chunks
+        from finetune.plan.chunks import chunk_count
+        from finetune.train.loss import use_chunked_loss
+
+        use_chunked_loss(model, chunk_count(setup.micro_batch * setup.seq_len, hf.vocab_size, setup.loss_chunk_tokens))
     model.train()
     return model
 
@@ -356,12 +361,14 @@ SHALLOW = (2, 3, 4)  # depths traced when the model is deeper: two differences t
 def trace(setup: Setup, config: Optional[dict] = None, extrapolate: bool = True) -> TraceResult:
     """Trace one training step of `setup` (see the module docstring).
 
-    Decoder layers are identical, so what is live at each phase's peak grows by the same bytes per
+    Decoder layers are identical, so what is live at each place of a phase grows by the same bytes per
     layer: a model deeper than 4 layers is traced at 2, 3 and 4 layers, and when the two differences
-    agree to the byte in every phase and kind, extrapolated to its depth (else traced whole).
+    agree to the byte for every place and kind, extrapolated to its depth (else traced whole; _extrapolate).
     tests/test_plan_trace.py checks the extrapolation against a full-depth trace."""
     if setup.objective != "sft":
         raise PlanError(f"--trace runs the SFT step only (objective {setup.objective} is planned analytically)")
+    if setup.loss_kernel == "liger":
+        raise PlanError("--trace cannot run Liger's loss kernel (Triton, CUDA only); it is planned analytically")
     if setup.quant_format != "bnb-nf4":
         raise PlanError("--trace models bitsandbytes 4-bit only")
     if setup.optimizer not in ("adamw", "adam"):
