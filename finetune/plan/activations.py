@@ -236,9 +236,10 @@ def backward_end_terms(setup: Setup, terms: list[Term]) -> list[Term]:
     Mistral-7B full fine-tune at 2 x 4,096 tokens with checkpointing peaks there, 1.7 GiB over the step).
     Counted in the step phase beyond the phase's other moments (the optimizer's temporaries, the tied
     embedding's gradients, an accumulated gradient's temporary), less the gradients not made yet: the
-    layer's own and the embedding's."""
+    layer's own and the embedding's. With gradient accumulation the gradients are alive in backward already,
+    and the backward phase holds this moment."""
     arch = setup.arch
-    if setup.deepspeed or arch is None or setup.objective != "sft":
+    if setup.deepspeed or arch is None or setup.objective != "sft" or setup.gradient_accumulation > 1:
         return []
     per_layer = layer_activation_bytes(setup)
     working = backward_working_bytes(setup, per_layer) + (0 if setup.gradient_checkpointing else per_layer)

@@ -172,11 +172,13 @@ def gradient_and_optimizer_terms(setup: Setup, groups: list[ParamGroup], trainab
             # Backward's last step with tied embeddings (the trace, finetune/plan/trace.py): lm_head's weight
             # gradient (mm) and embedding_dense_backward's are both vocab x hidden, and their sum becomes the
             # .grad: two embedding-sized tensors beside every gradient. Counted in the step phase, the one
-            # that holds every gradient.
-            size = 2 * arch.vocab * arch.hidden * setup.element_bytes
-            out.append(Term("buffers", "tied embedding gradients", size, phase="step",
-                            note=f"2 x {arch.vocab:,} vocab x {arch.hidden:,} hidden x {setup.element_bytes} B "
-                                 "at backward's end (lm_head's + the embedding's, before their sum)"))
+            # that holds every gradient, beyond a foreach AdamW's temporaries (the optimizer runs after it).
+            size = 2 * arch.vocab * arch.hidden * setup.element_bytes - temporaries * stored
+            if size > 0:
+                out.append(Term("buffers", "tied embedding gradients", size, phase="step",
+                                note=f"2 x {arch.vocab:,} vocab x {arch.hidden:,} hidden x {setup.element_bytes} B "
+                                     "at backward's end (lm_head's + the embedding's, before their sum)"
+                                     + (", beyond the foreach temporaries" if temporaries else "")))
         return out
     if setup.stage == 0 and setup.dtype == "float32":
         # No bf16/fp16: engine._do_optimizer_sanity_check returns no wrapper, the optimizer runs as is.

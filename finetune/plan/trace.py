@@ -185,22 +185,26 @@ def build_model(setup: Setup, config: dict):
 
 
 def fake_parameters(model, mode) -> None:
-    """Each meta parameter and buffer becomes a FakeTensor on the CPU of the same shape and dtype."""
+    """Each meta parameter and buffer becomes a FakeTensor on the CPU of the same shape and dtype. A tensor held
+    in two places (tied embeddings, peft's wrappers) becomes one fake tensor held in both."""
     import torch
+
+    made: dict[int, tuple] = {}  # id(meta tensor) -> (the meta tensor, kept alive so ids stay unique; its fake)
+
+    def fake(t, make):
+        if id(t) not in made:
+            made[id(t)] = (t, make(t))
+        return made[id(t)][1]
 
     with mode:
         for module in model.modules():
             for name, p in list(module._parameters.items()):
                 if p is not None:
-                    module._parameters[name] = torch.nn.Parameter(
-                        torch.empty(p.shape, dtype=p.dtype, device="cpu"), requires_grad=p.requires_grad)
+                    module._parameters[name] = fake(p, lambda p: torch.nn.Parameter(
+                        torch.empty(p.shape, dtype=p.dtype, device="cpu"), requires_grad=p.requires_grad))
             for name, b in list(module._buffers.items()):
                 if b is not None:
-                    module._buffers[name] = torch.zeros(b.shape, dtype=b.dtype, device="cpu")
-    # peft's modules_to_save and tied weights are the same Parameter object in two places; the loop
-    # above made two: tie them again as transformers does.
-    if hasattr(model, "tie_weights"):
-        model.tie_weights()
+                    module._buffers[name] = fake(b, lambda b: torch.zeros(b.shape, dtype=b.dtype, device="cpu"))
 
 
 def run_step(model, optimizer, batch: dict, tracker=None, autocast=contextlib.nullcontext()) -> None:
@@ -293,10 +297,14 @@ def trainer_autocast(setup: Setup):
     return torch.autocast("cpu", dtype=_torch_dtype(setup.dtype))
 
 
-def make_optimizer(model):
+def make_optimizer(model, setup: Setup):
+    """torch's AdamW as the setup's step runs it: fused, or multi-tensor (Setup.optimizer_impl "foreach"; torch
+    2.0's version, "foreach_torch20", kept one more temporary than today's, which the trace cannot run)."""
     import torch
 
     params = [p for p in model.parameters() if p.requires_grad]
+    if setup.optimizer_impl.startswith("foreach"):
+        return torch.optim.AdamW(params, lr=1e-5, foreach=True)
     return torch.optim.AdamW(params, lr=1e-5, fused=True)
 
 
@@ -339,7 +347,7 @@ def _trace_depth(setup: Setup, cfg: dict):
     autocast = trainer_autocast(setup)
     with mode, data_decisions(setup), cuda_paths():
         batch = make_batch(setup, cfg["vocab_size"])
-        optimizer = make_optimizer(model)
+        optimizer = make_optimizer(model, setup)
         run_step(model, optimizer, batch, autocast=autocast)  # creates the optimizer's states
         if setup.gradient_accumulation > 1:
             # A later micro batch of the accumulation: the Trainer calls zero_grad only after the

@@ -33,7 +33,7 @@ def allocation_profile(setup: Setup, lengths: list[int], config: Optional[dict] 
     resident: Optional[list[int]] = None
     steps = []
     with mode, data_decisions(setup), cuda_paths():
-        optimizer = make_optimizer(model)
+        optimizer = make_optimizer(model, setup)
         for length in lengths:
             batch = make_batch(replace(setup, seq_len=length), cfg["vocab_size"])
             tracker = LiveTensors(model, optimizer, vocab=cfg["vocab_size"], inputs=batch.values())
