@@ -221,34 +221,41 @@ def adapter_input_copies(setup: Setup) -> int:
     a = trainable_weight_bytes(setup)
     if setup.method == "full" or a == setup.element_bytes:
         return 0
+    # After prepare_model_for_kbit_training the input is fp32 already: the cast returns it, no copy.
+    x = 4 if kbit_prepared(setup) else setup.element_bytes
     targets = set(setup.lora_targets)
     inter = arch.shared_intermediate if arch.experts else arch.intermediate
     widths = {"q_proj": arch.hidden, "k_proj": arch.hidden, "v_proj": arch.hidden, "o_proj": arch.q_dim,
               "gate_proj": arch.hidden, "up_proj": arch.hidden, "down_proj": inter}
     widest = max((w for name, w in widths.items() if name in targets), default=0)
-    return widest * (setup.element_bytes + a * (2 if setup.lora_dropout > 0 else 1))
+    return widest * (x + (a if x != a else 0) + (a if setup.lora_dropout > 0 else 0))
 
 
 def backward_end_terms(setup: Setup, terms: list[Term]) -> list[Term]:
     """Without DeepSpeed the gradients belong to the step phase (backward makes them, zero_grad frees them).
     At backward's end the first decoder layer's backward runs beside every later layer's gradient: its
-    saved (or recomputed) activations and its backward temporaries are live with them (the trace: a
-    Mistral-7B full fine-tune at 2 x 4,096 tokens with checkpointing peaks there, 1.7 GiB over the step).
-    Counted in the step phase beyond the phase's other moments (the optimizer's temporaries, the tied
-    embedding's gradients, an accumulated gradient's temporary), less the gradients not made yet: the
-    layer's own and the embedding's. With gradient accumulation the gradients are alive in backward already,
-    and the backward phase holds this moment."""
+    saved (or recomputed) activations and its backward temporaries are live with them, and what forward left
+    for the whole backward (that layer's checkpointed input, the 4D mask, the ids and labels, RoPE's cos/sin).
+    The trace: a Mistral-7B full fine-tune at 2 x 4,096 tokens with checkpointing peaks there, 1.7 GiB over
+    the step. Counted in the step phase beyond the phase's other moments (the optimizer's temporaries, the
+    tied embedding's gradients, an accumulated gradient's temporary), less the gradients not made yet: the
+    layer's own and an untied embedding's (a tied one's head part waits in autograd's accumulation buffer
+    from the start of backward, as large). With gradient accumulation the gradients are alive in backward
+    already, and the backward phase holds this moment."""
     arch = setup.arch
     if setup.deepspeed or arch is None or setup.objective != "sft" or setup.gradient_accumulation > 1:
         return []
+    e, tokens = setup.element_bytes, setup.micro_batch * setup.seq_len
     per_layer = layer_activation_bytes(setup)
     working = backward_working_bytes(setup, per_layer) + (0 if setup.gradient_checkpointing else per_layer)
+    if setup.gradient_checkpointing:
+        working += tokens * arch.hidden * (4 if kbit_prepared(setup) else e)
+    working += attention_mask_bytes(setup) + tokens * 16 + 2 * setup.seq_len * arch.dim_head * e
     wb = trainable_weight_bytes(setup)
     groups = [g for g in param_groups(setup) if g.trainable]
     own = sum(g.total * wb for g in groups if g.per_layer) // arch.layers
-    # The embedding's gradient comes after every layer's (tied: the head's part joins it then).
-    own += sum(g.total * (setup.element_bytes if g.unit.endswith(".copy") else wb)
-               for g in groups if g.unit.startswith("embed_tokens"))
+    own += sum(g.total * (e if g.unit.endswith(".copy") else wb) for g in groups
+               if g.unit.startswith("embed_tokens") and (g.unit.endswith(".copy") or not arch.tied))
     others = sum(t.bytes for t in terms if t.phase == "step" and t.field == "buffers")
     size = working - own - others
     if size <= 0:

@@ -447,6 +447,8 @@ def _extrapolate(shallow: list[dict], depth: int) -> Optional[dict]:
     extra, last = depth - SHALLOW[-1], SHALLOW[-1] - 1
     for phase in c:
         common = a[phase].keys() & b[phase].keys() & c[phase].keys()
+        if not common:
+            return None
         if any(max(x[phase][p][0] for p in common) != max(v[0] for v in x[phase].values()) for x in shallow):
             return None  # the peak at a shallow depth was in a middle layer
         places = []
