@@ -206,16 +206,32 @@ def backward_working_bytes(setup: Setup, per_layer: int) -> int:
     tokens = setup.micro_batch * setup.seq_len
     if setup.gradient_checkpointing:
         grads = max(0, (5 * arch.active_mlp_width - 4 * arch.hidden) // 2) * setup.element_bytes
-        return per_layer + tokens * max(grads, adapter_input_copies(setup))
-    return tokens * 20 * arch.hidden
+        return max(per_layer + tokens * max(grads, adapter_input_copies(setup)), tokens * eager_softmax_backward(setup))
+    # Without checkpointing every layer's saved tensors are counted already: the softmax's two fp32 gradients
+    # are what its backward adds (the 16-bit copy of the probabilities is freed by then).
+    scores = arch.heads * attention_row(setup) if setup.attn == "eager" else 0
+    return tokens * max(20 * arch.hidden, scores * (8 - setup.element_bytes))
+
+
+def eager_softmax_backward(setup: Setup) -> int:
+    """Bytes per token live in eager attention's softmax backward in a recomputed layer, the layer's MLP and
+    the 16-bit copy of the probabilities freed by then: the saved fp32 probabilities, their fp32 gradient (cast
+    from the 16-bit one) and the scores' (12 bytes per score), the repeated q, k and v, and the input norm's
+    fp32 input (the trace: Qwen2.5-7B at 4,096 tokens, 470M scores per layer, peaks there when the loss is
+    chunked)."""
+    arch = setup.arch
+    if setup.attn != "eager" or arch is None:
+        return 0
+    return arch.heads * attention_row(setup) * 12 + 3 * setup.element_bytes * arch.q_dim + 4 * arch.hidden + 4
 
 
 def adapter_input_copies(setup: Setup) -> int:
-    """Bytes per token of an adapted input and peft's fp32 copies of it while its adapter runs (fp32 adapters
-    over a 16-bit model): lora.Linear.forward holds the 16-bit input `x` (the frozen base layer keeps none of
-    it), `_cast_input_dtype`'s fp32 copy and, with dropout, its dropped-out fp32 copy, all alive until lora_A
-    has cast its input back to 16 bits (the trace: at the recompute of down_proj, whose input is the widest).
-    Freed as the adapter returns, so this peaks at one module; with checkpointing that is in backward."""
+    """Bytes per token of an adapted input, peft's fp32 copies of it and the base layer's output while its
+    adapter runs (fp32 adapters over a 16-bit model): lora.Linear.forward holds the 16-bit input `x` (the
+    frozen base layer keeps none of it) and the base layer's `result`, `_cast_input_dtype`'s fp32 copy and,
+    with dropout, its dropped-out fp32 copy, all alive until lora_A has cast its input back to 16 bits (the
+    trace: at the recompute of down_proj, whose input is the widest). Freed as the adapter returns, so this
+    peaks at one module; with checkpointing that is in backward."""
     arch = setup.arch
     assert arch is not None
     a = trainable_weight_bytes(setup)
@@ -223,12 +239,12 @@ def adapter_input_copies(setup: Setup) -> int:
         return 0
     # After prepare_model_for_kbit_training the input is fp32 already: the cast returns it, no copy.
     x = 4 if kbit_prepared(setup) else setup.element_bytes
-    targets = set(setup.lora_targets)
+    per_input = x + (a if x != a else 0) + (a if setup.lora_dropout > 0 else 0)
     inter = arch.shared_intermediate if arch.experts else arch.intermediate
-    widths = {"q_proj": arch.hidden, "k_proj": arch.hidden, "v_proj": arch.hidden, "o_proj": arch.q_dim,
-              "gate_proj": arch.hidden, "up_proj": arch.hidden, "down_proj": inter}
-    widest = max((w for name, w in widths.items() if name in targets), default=0)
-    return widest * (x + (a if x != a else 0) + (a if setup.lora_dropout > 0 else 0))
+    shapes = {"q_proj": (arch.hidden, arch.q_dim), "k_proj": (arch.hidden, arch.kv_dim),
+              "v_proj": (arch.hidden, arch.kv_dim), "o_proj": (arch.q_dim, arch.hidden),
+              "gate_proj": (arch.hidden, inter), "up_proj": (arch.hidden, inter), "down_proj": (inter, arch.hidden)}
+    return max((i * per_input + o * x for name, (i, o) in shapes.items() if name in setup.lora_targets), default=0)
 
 
 def backward_end_terms(setup: Setup, terms: list[Term]) -> list[Term]:
