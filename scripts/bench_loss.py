@@ -43,7 +43,8 @@ def measure(kernel: str, tokens: int, vocab: int, hidden: int, dtype: str, train
     from torch.utils.checkpoint import checkpoint
     from transformers.loss.loss_utils import ForCausalLMLoss
 
-    from finetune.train.loss import chunk_count, chunked_causal_lm_loss
+    from finetune.chunks import chunk_count
+    from finetune.loss_kernel import chunked_causal_lm_loss
 
     torch.manual_seed(0)
     head = torch.nn.Linear(hidden, vocab, bias=False, dtype=getattr(torch, dtype))

@@ -70,7 +70,7 @@ def with_lora(model):
 @pytest.mark.parametrize("num_items", [None, 17])
 @pytest.mark.parametrize("chunks", [1, 5])
 def test_chunked_loss_equals_the_default_with_gradients(method, num_items, chunks):
-    from finetune.train.loss import use_chunked_loss
+    from finetune.loss_kernel import use_chunked_loss
 
     default = tiny_llama()
     if method == "lora":
@@ -82,7 +82,7 @@ def test_chunked_loss_equals_the_default_with_gradients(method, num_items, chunk
 
 
 def test_chunked_loss_with_gradient_checkpointing():
-    from finetune.train.loss import use_chunked_loss
+    from finetune.loss_kernel import use_chunked_loss
 
     default = tiny_llama()
     from finetune.train.model import enable_checkpointing
@@ -95,7 +95,7 @@ def test_chunked_loss_with_gradient_checkpointing():
 def test_chunked_loss_applies_gemma2_softcapping():
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
-    from finetune.train.loss import use_chunked_loss
+    from finetune.loss_kernel import use_chunked_loss
 
     torch.manual_seed(0)
     config = Gemma2Config(**{**TINY, "head_dim": 8}, final_logit_softcapping=2.0, attn_implementation="eager")
@@ -106,7 +106,7 @@ def test_chunked_loss_applies_gemma2_softcapping():
 
 
 def test_chunked_forward_drops_the_logits_in_training_only():
-    from finetune.train.loss import use_chunked_loss
+    from finetune.loss_kernel import use_chunked_loss
 
     model = tiny_llama()
     reference = copy.deepcopy(model).eval()
@@ -125,7 +125,7 @@ def test_chunked_loss_through_the_trainer_with_gradient_accumulation(tmp_path):
     from datasets import Dataset
     from transformers import Trainer, TrainingArguments, default_data_collator
 
-    from finetune.train.loss import use_chunked_loss
+    from finetune.loss_kernel import use_chunked_loss
 
     rows = [{k: v[i % 3] for k, v in batch().items()} for i in range(8)]
     rows = [{**r, "labels": r["labels"] if i % 2 else torch.where(torch.arange(13) < 8, -100, r["labels"])}
@@ -152,7 +152,7 @@ def test_chunked_loss_through_the_trainer_with_gradient_accumulation(tmp_path):
 
 
 def test_a_head_that_scales_its_logits_is_refused():
-    from finetune.train.loss import LossKernelError, use_chunked_loss
+    from finetune.loss_kernel import LossKernelError, use_chunked_loss
 
     model = tiny_llama()
     model.config.logit_scale = 0.5
@@ -161,7 +161,7 @@ def test_a_head_that_scales_its_logits_is_refused():
 
 
 def test_chunk_count_is_fixed_by_the_largest_batch():
-    from finetune.plan.chunks import chunk_count, chunk_tokens
+    from finetune.chunks import chunk_count, chunk_tokens
 
     assert chunk_tokens(128_256) == 523  # 256 MiB of fp32 logits
     assert chunk_count(4096, 128_256) == 8

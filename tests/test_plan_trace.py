@@ -169,7 +169,7 @@ GRID = [
     dict(method="qlora", seq_len=256, gradient_checkpointing=True, attn="sdpa", kbit_prepared=True),
     dict(method="qlora", seq_len=4096, gradient_checkpointing=True, attn="flash_attention_2", full_rows=True,
          kbit_prepared=True),
-    # training.loss_kernel: chunked, traced with finetune/train/loss.py's own chunks.
+    # training.loss_kernel: chunked, traced with finetune/loss_kernel.py's own chunks.
     dict(method="lora", seq_len=2048, gradient_checkpointing=True, attn="sdpa", loss_kernel="chunked"),
 ]
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from typing import Callable
 
-from finetune.plan.chunks import chunk_count
+from finetune.chunks import chunk_count
 from finetune.plan.preference import FUSED_LOGPROB_OBJECTIVES, SCORE_HEAD_OBJECTIVES, TOKEN_TILE, VOCAB_TILE
 from finetune.plan.setup import Setup
 
@@ -55,14 +55,14 @@ def default_loss(setup: Setup) -> Sized:
 
 
 def loss_chunk_tokens(setup: Setup) -> int:
-    """Tokens whose logits exist at once with loss_kernel: chunked (finetune/train/loss.py)."""
+    """Tokens whose logits exist at once with loss_kernel: chunked (finetune/loss_kernel.py)."""
     tokens = setup.micro_batch * setup.seq_len
     assert setup.arch is not None
     return math.ceil(tokens / chunk_count(tokens, setup.arch.vocab, setup.loss_chunk_tokens))
 
 
 def chunked_loss(setup: Setup) -> Sized:
-    """finetune/train/loss.py: one chunk of tokens' logits at a time, each under checkpoint."""
+    """finetune/loss_kernel.py: one chunk of tokens' logits at a time, each under checkpoint."""
     assert setup.arch is not None
     chunk = loss_chunk_tokens(setup)
     per, why = _per_vocab_entry(setup)

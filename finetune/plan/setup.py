@@ -102,7 +102,7 @@ class Setup:
     # gradients of the earlier ones alive (plain PyTorch; DeepSpeed keeps its gradient partitions anyway).
     gradient_accumulation: int = 1
     loss_kernel: str = "default"  # default | chunked | liger (training.loss_kernel)
-    loss_chunk_tokens: Optional[int] = None  # training.loss_chunk_tokens (None: finetune.train.loss's default)
+    loss_chunk_tokens: Optional[int] = None  # training.loss_chunk_tokens (None: finetune.loss_kernel's default)
     overlap_comm: Optional[bool] = None  # None: DeepSpeed's default (config.py overlap_comm_valid: stage 3)
     contiguous_gradients: bool = True
     reduce_bucket_size: int = DS_REDUCE_BUCKET_SIZE

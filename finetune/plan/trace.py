@@ -176,8 +176,8 @@ def build_model(setup: Setup, config: dict):
             if setup.kbit_prepared:
                 prepare_for_kbit_training(model)
     if setup.loss_kernel == "chunked":  # what finetune.train.runner sets up: the same chunks
-        from finetune.plan.chunks import chunk_count
-        from finetune.train.loss import use_chunked_loss
+        from finetune.chunks import chunk_count
+        from finetune.loss_kernel import use_chunked_loss
 
         use_chunked_loss(model, chunk_count(setup.micro_batch * setup.seq_len, hf.vocab_size, setup.loss_chunk_tokens))
     model.train()

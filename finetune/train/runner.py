@@ -372,8 +372,8 @@ def run(run_dir: Path, resume: bool = False) -> None:
         model, peft_config, ref_model = preference.prepare_policy(model, recipe, model_path)
     parallel.apply_tiled_mlp(model, recipe.training)  # DeepSpeed ALST's TiledMLP when training.tiled_mlp
     if recipe.training.loss_kernel == "chunked":
-        from finetune.plan.chunks import chunk_count
-        from finetune.train.loss import use_chunked_loss
+        from finetune.chunks import chunk_count
+        from finetune.loss_kernel import use_chunked_loss
 
         t = recipe.training
         use_chunked_loss(model, chunk_count(t.micro_batch_size * recipe.data.max_length, model.config.vocab_size,

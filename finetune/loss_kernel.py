@@ -9,7 +9,7 @@
 - liger: Liger-Kernel's fused linear cross-entropy (Triton, CUDA only), switched on by the
   Trainer's own `use_liger_kernel` (dsconfig.render_training_args); nothing here.
 
-Torch is imported inside functions. The number of chunks is the planner's arithmetic (finetune.plan.chunks).
+Torch is imported inside functions. The number of chunks is the planner's arithmetic (finetune.chunks).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """How many chunks `training.loss_kernel: chunked` splits the loss into: the planner sizes the logits by it,
-the runner (finetune.train.runner -> finetune.train.loss.use_chunked_loss) trains with it. No torch."""
+the runner (finetune.train.runner -> finetune.loss_kernel.use_chunked_loss) trains with it. No torch."""
 
 from __future__ import annotations
 
