@@ -240,11 +240,8 @@ def adapter_input_copies(setup: Setup) -> int:
     # After prepare_model_for_kbit_training the input is fp32 already: the cast returns it, no copy.
     x = 4 if kbit_prepared(setup) else setup.element_bytes
     per_input = x + (a if x != a else 0) + (a if setup.lora_dropout > 0 else 0)
-    inter = arch.shared_intermediate if arch.experts else arch.intermediate
-    shapes = {"q_proj": (arch.hidden, arch.q_dim), "k_proj": (arch.hidden, arch.kv_dim),
-              "v_proj": (arch.hidden, arch.kv_dim), "o_proj": (arch.q_dim, arch.hidden),
-              "gate_proj": (arch.hidden, inter), "up_proj": (arch.hidden, inter), "down_proj": (inter, arch.hidden)}
-    return max((i * per_input + o * x for name, (i, o) in shapes.items() if name in setup.lora_targets), default=0)
+    return max((lin.in_features * per_input + lin.out_features * x for lin in arch.layer_linears()
+                if lin.name in setup.lora_targets), default=0)
 
 
 def backward_end_terms(setup: Setup, terms: list[Term]) -> list[Term]:
