@@ -41,8 +41,7 @@ def activation_terms(setup: Setup) -> list[Term]:
     head = tokens * (4 * h + 4 + (e * h if full else 0))  # final norm
     if full or "lm_head" in setup.lora_targets or "lm_head" in setup.modules_to_save:
         head += tokens * e * h  # lm_head input, for its weight gradient
-    head += tokens * 16  # input ids + labels (int64)
-    head += 2 * setup.seq_len * arch.dim_head * e  # RoPE cos/sin, shared by all layers
+    head += batch_and_rope_bytes(setup)
     terms.append(Term("activations", "final norm, head input", head, phase="backward"))
     if kbit_prepared(setup):
         # Under the Trainer's bf16 autocast the fp32 output head runs in 16 bits: autocast casts its weight
@@ -263,7 +262,7 @@ def backward_end_terms(setup: Setup, terms: list[Term]) -> list[Term]:
     working = backward_working_bytes(setup, per_layer) + (0 if setup.gradient_checkpointing else per_layer)
     if setup.gradient_checkpointing:
         working += tokens * arch.hidden * (4 if kbit_prepared(setup) else e)
-    working += attention_mask_bytes(setup) + tokens * 16 + 2 * setup.seq_len * arch.dim_head * e
+    working += attention_mask_bytes(setup) + batch_and_rope_bytes(setup)
     wb = trainable_weight_bytes(setup)
     groups = [g for g in param_groups(setup) if g.trainable]
     own = sum(g.total * wb for g in groups if g.per_layer) // arch.layers
@@ -275,6 +274,13 @@ def backward_end_terms(setup: Setup, terms: list[Term]) -> list[Term]:
         return []
     return [Term("activations", "first layer's backward, beside the gradients", size, phase="step",
                  note="backward's end: its activations and temporaries, beyond the step's other moments")]
+
+
+def batch_and_rope_bytes(setup: Setup) -> int:
+    """What forward keeps for the whole of backward besides the layers: the input ids and labels (int64) and
+    RoPE's cos/sin, shared by all layers."""
+    assert setup.arch is not None
+    return setup.micro_batch * setup.seq_len * 16 + 2 * setup.seq_len * setup.arch.dim_head * setup.element_bytes
 
 
 def flattened(setup: Setup) -> bool:
