@@ -54,14 +54,16 @@ def tensorboard() -> str:
 
 def open_file(path: Path) -> Optional[str]:
     """The command that opens `path` in the desktop's viewer, or None where there is none (a server:
-    print the path itself). `open` is macOS's; Linux desktops have xdg-open."""
+    print the path itself). `open` is macOS's; Linux desktops have xdg-open, which on a server without a
+    display (no DISPLAY, no WAYLAND_DISPLAY: an ssh session) is installed but opens nothing (issue 34)."""
     from finetune.rundir.run_dir import command_line  # the path shell-quoted (a run named `$(...)`, issue 25)
 
     if sys.platform == "darwin":
         return command_line("open", path)
     if sys.platform.startswith("win"):
         return f'start "" "{path}"'
-    return command_line("xdg-open", path) if shutil.which("xdg-open") else None
+    has_display = bool(os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY"))
+    return command_line("xdg-open", path) if has_display and shutil.which("xdg-open") else None
 
 
 def runnable(text: str) -> str:

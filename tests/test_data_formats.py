@@ -343,7 +343,7 @@ def test_a_bad_mixture_is_a_data_error(tmp_path, tokenizer):
 
 
 def test_sources_in_a_recipe_rebase_paths_replace_the_parents_path_and_key_the_resume():
-    from finetune.use.chat import _chat_format
+    from finetune.use.chat import chat_format
     from finetune.rundir.resume_key import resume_fields
     from finetune.recipe import load_recipe
     from finetune.rundir.layout import resolved_recipe
@@ -356,9 +356,9 @@ def test_sources_in_a_recipe_rebase_paths_replace_the_parents_path_and_key_the_r
     assert all(s["path"].startswith("/") for s in resolved["data"]["sources"])
     fields = resume_fields(resolved, 2)
     assert fields["data.sources"][1]["weight"] == 1 and fields["data.bytes"] > DEMO.stat().st_size
-    assert _chat_format(mixed) == "messages"
+    assert chat_format(mixed) == "messages"
     single = load_recipe(REPO / "recipes" / "tiny" / "lora_zero2.yaml").recipe
     # A run directory written before data.sources existed resumes: the new keys are absent when unset.
     assert not [k for k in resume_fields(resolved_recipe(single, REPO / "runs" / "y"), 2)
                 if k in ("data.sources", "data.seed", "data.think", "data.columns", "data.roles")]
-    assert _chat_format(single) == "alpaca"
+    assert chat_format(single) == "alpaca"

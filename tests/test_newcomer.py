@@ -59,7 +59,8 @@ def test_next_commands_say_finetune_where_path_finds_it(tmp_path, monkeypatch):
     if not (VENV_BIN / "finetune").is_file():
         pytest.skip("no installed entry point")
     assert f"  finetune chat {run}" in text and f"  tensorboard --logdir {run}/tensorboard" in text
-    assert ("chat with it", f"finetune chat {run}") in next_steps(run, {"objective": "sft"})
+    assert ("talk to it (--prompt TEXT for one answer)", f"finetune chat {run}") in \
+        next_steps(run, {"objective": "sft", "output": "adapter"})
 
 
 def test_report_link_is_xdg_open_on_a_linux_desktop_and_the_path_on_a_server(tmp_path, monkeypatch):

@@ -287,12 +287,12 @@ def test_every_preference_tiny_recipe_is_trained_by_a_slow_test():
 
 
 def test_chat_prompts_a_preference_run_with_the_chat_template_and_eval_says_what_it_cannot_score(tmp_path):
-    from finetune.use.chat import _chat_format
+    from finetune.use.chat import chat_format
     from finetune.use.evaluate import EvalError, eval_rows
     from finetune.recipe import Recipe
 
     recipe = Recipe.model_validate({"model": {"name_or_path": "m"}, "data": {"path": "d"}, "objective": "dpo"})
-    assert _chat_format(recipe) == "messages"
+    assert chat_format(recipe) == "messages"
     with pytest.raises(EvalError, match="objective: dpo: its preference rows have no loss to score"):
         eval_rows(tmp_path, recipe, None, None, print)
 
@@ -333,8 +333,8 @@ def test_next_steps_after_a_preference_run_do_not_offer_eval(tmp_path):
 
     assert any("finetune eval" in line for line in next_steps_lines(tmp_path, ["adapter"]))
     assert not any("finetune eval" in line for line in next_steps_lines(tmp_path, ["adapter"], "dpo"))
-    assert not any("finetune eval" in command for _, command in next_steps(tmp_path, {"objective": "dpo"}))
-    assert any("finetune eval" in command for _, command in next_steps(tmp_path, {"objective": "sft"}))
+    assert not any("finetune eval" in command for _, command in next_steps(tmp_path, {"objective": "dpo", "output": "adapter"}))
+    assert any("finetune eval" in command for _, command in next_steps(tmp_path, {"objective": "sft", "output": "adapter"}))
 
 
 def test_preference_rows_refuse_unknown_roles_and_name_a_null_column():

@@ -12,6 +12,7 @@ from finetune.cli.convert import convert
 from finetune.cli.data import data_app
 from finetune.cli.doctor import doctor
 from finetune.cli.eval import eval_command
+from finetune.cli.export import export
 from finetune.cli.init import init
 from finetune.cli.lint import lint
 from finetune.cli.merge import merge
@@ -24,7 +25,7 @@ from finetune.cli.train import train
 
 app = typer.Typer(
     name="finetune",
-    help="Fine-tune open LLMs from one YAML recipe: lint, plan, render, prepare, train, convert, merge, chat, eval.",
+    help="Fine-tune open LLMs from one YAML recipe: lint, plan, render, prepare, train, convert, merge, chat, eval, export.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -48,7 +49,7 @@ def _version(value: bool) -> None:
 @app.callback()
 def _main(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
                                        help="Print the version and exit.")) -> None:
-    """Fine-tune open LLMs from one YAML recipe: lint, plan, render, prepare, train, convert, merge, chat, eval."""
+    """Fine-tune open LLMs from one YAML recipe: lint, plan, render, prepare, train, convert, merge, chat, eval, export."""
 
 
 # The order `finetune --help` lists them in.
@@ -57,6 +58,7 @@ app.add_typer(data_app, name="data")
 for _command in (lint, render, schema, merge, prepare, train, chat):
     app.command()(handled(_command))
 app.command("eval")(handled(eval_command))
+app.command()(handled(export))
 for _command in (doctor, convert, plan, slurm):
     app.command()(handled(_command))
 

@@ -60,3 +60,12 @@ def merge(
                                fsync=fsync, on_write=on_write, check=verified if verify else None)
     typer.echo(f"merged {result.merged_layers} LoRA layers into {output} ({result.shards} shard"
                f"{'s' if result.shards > 1 else ''}, {human_size(result.total_bytes)}) in {result.seconds:.1f} s")
+    for line in _next_lines(output):
+        typer.echo(line)
+
+
+def _next_lines(merged: Path) -> list:
+    """What to do with the merged model (issue 34: merge printed no next step): chat, serve with the trained prompt."""
+    from finetune.serve import lines, merged_next_steps
+
+    return lines(merged_next_steps(merged))

@@ -9,7 +9,7 @@ from typing import List, Optional
 import typer
 
 from finetune.cli.common import SET_HELP, fail, load_or_exit, usable_path
-from finetune.rundir.run_dir import ADAPTER_DIR, REPORT_FILE, RunDir, command_line
+from finetune.rundir.run_dir import REPORT_FILE, RunDir
 
 
 def train(
@@ -158,29 +158,7 @@ def _run_with_display(prepared, start_run):
 
 
 def next_steps_lines(run_dir: Path, saved: List[str], objective: str = "sft") -> List[str]:
-    """What to do after a finished run, with the commands for this run directory spelled so that they
-    run as printed here (finetune.hints: the venv's path when it is not activated, no `open` on Linux; every
-    argument shell-quoted); no `eval` after a preference objective: its loss over prompt/chosen/rejected rows
-    is not a perplexity."""
-    from finetune import hints
+    """The `next:` lines after a finished run (finetune.serve.next_steps decides them, for report.html too)."""
+    from finetune.serve import lines, next_steps
 
-    finetune, steps = hints.finetune(), []
-    if (run_dir / REPORT_FILE).is_file():
-        opener = hints.open_file(run_dir / REPORT_FILE)
-        steps.append((opener or command_line(run_dir / REPORT_FILE),
-                      "loss plot, memory, config, versions" + ("" if opener else " (open it in a browser)")))
-    if saved and objective == "reward":  # a scoring head, not a chat model
-        steps.append((f"{finetune} {command_line('eval', run_dir)}", "pairwise accuracy on its pairs, base vs trained"))
-    elif saved:
-        steps.append((f"{finetune} {command_line('chat', run_dir)}", "talk to it (--prompt TEXT for one answer)"))
-        if objective == "sft":
-            steps.append((f"{finetune} {command_line('eval', run_dir)}", "loss and perplexity, base vs fine-tuned"))
-    if ADAPTER_DIR in saved:
-        steps.append((f"{finetune} {command_line('merge', run_dir, '-o', f'merged/{run_dir.name}')}",
-                      "one model to serve (CPU, streaming)"))
-    if (run_dir / "tensorboard").is_dir():
-        steps.append((f"{hints.tensorboard()} {command_line('--logdir', run_dir / 'tensorboard')}", "the curves, live"))
-    if not steps:
-        return []
-    width = max(len(command) for command, _ in steps)
-    return ["next:"] + [f"  {command.ljust(width)}  # {why}" for command, why in steps]
+    return lines(next_steps(run_dir, objective, saved=saved))

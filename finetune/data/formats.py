@@ -139,6 +139,27 @@ def alpaca(row: Mapping[str, Any], spec: RowSpec) -> Prompted:
     return Prompted(alpaca_prompt(instruction, text_column(row, spec, "input", required=False)), output)
 
 
+def alpaca_chat_template() -> str:
+    """The Alpaca prompt as a Jinja chat template, for servers (finetune.export.prompt, finetune.serve): every user
+    turn is BOS + the prompt, every assistant turn the reply + EOS, as `finetune chat` lays turns out; a system
+    turn is not rendered (Alpaca rows have none, so the model never trained on one)."""
+    before, after = ALPACA_PROMPT.split("{instruction}")
+    assert not any(c in before + after for c in "{}")  # literal text in the template: no Jinja syntax inside
+    return ("{% for message in messages %}"
+            "{% if message['role'] == 'user' %}{{ bos_token }}" + before + "{{ message['content'] }}" + after +
+            "{% elif message['role'] == 'assistant' %}{{ message['content'] }}{{ eos_token }}{% endif %}"
+            "{% endfor %}")
+
+
+def chat_format(recipe) -> str:
+    """How to prompt a model trained on `recipe`'s data (chat, export, serve): the chat template when any source
+    was a conversation (sharegpt trains through it too), else the format of its sources."""
+    if recipe.objective not in ("sft", "grpo"):  # TRL renders message rows with the chat template (text rows: --format text)
+        return "messages"
+    formats = recipe.data.source_formats()  # grpo: prompts read from these formats (a `prompt` column: messages)
+    return "messages" if any(f in ("messages", "sharegpt", "prompt") for f in formats) else formats[0]
+
+
 def alpaca_prompt(instruction: str, extra: Optional[str] = None) -> str:
     if extra:
         return ALPACA_PROMPT_WITH_INPUT.format(instruction=instruction, input=extra)

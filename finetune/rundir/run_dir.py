@@ -205,6 +205,25 @@ def read_recipe(path: Path) -> "Recipe":
         raise RunDirError(f"{path}: cannot read the run's recipe: {_one_line(exc)}") from None
 
 
+def no_model_yet(run_dir: Path) -> str:
+    """Why a run directory has nothing to chat with or export, and what would give it something."""
+    from finetune.rundir.checkpoint import checkpoint_dirs
+
+    checkpoints = checkpoint_dirs(run_dir)
+    if checkpoints:
+        step, newest = checkpoints[-1]
+        adapter = run_dir / f"adapter-{step}"
+        return (f"{run_dir}: no adapter/ or model/ yet (the run has not finished). Its newest checkpoint can be "
+                f"converted: `{command_line('finetune', 'convert', newest, '-o', adapter)}`, then "
+                f"`{command_line('finetune', 'chat', run_dir, '--adapter', adapter)}`; "
+                f"or run `finetune train` again to finish it")
+    if (run_dir / "zero_checkpoint").is_dir():
+        return (f"{run_dir}: the weights are a ZeRO checkpoint (zero_checkpoint/); "
+                f"`{command_line('finetune', 'convert', run_dir / 'zero_checkpoint', '-o', 'OUT')}` turns them "
+                f"into an adapter or model")
+    return f"{run_dir}: no adapter/ or model/ yet and no checkpoint: the run has not trained (see {run_dir}/logs/)"
+
+
 def command_line(*words: Union[str, Path]) -> str:
     """A command printed for the user to paste (`next:` lines, report.html): every word shell-quoted, so a
     run directory named `$(touch PWNED)` is a name and not a command (issue 25)."""

@@ -77,7 +77,9 @@ def lora_config(recipe: Recipe):
         # A reward model's score head is new: SEQ_CLS makes peft train and save it (modules_to_save `score`).
         task_type="SEQ_CLS" if recipe.objective == "reward" else "CAUSAL_LM",
         r=lora.r,
-        lora_alpha=lora.alpha,
+        # An integer when it is one: the schema types alpha as a float, and adapter_config.json's `32.0` is refused by
+        # Ollama's adapter import, which reads lora_alpha as an unsigned integer (issue 36, finetune.serve).
+        lora_alpha=int(lora.alpha) if float(lora.alpha).is_integer() else lora.alpha,
         lora_dropout=lora.dropout,
         # peft expands "all-linear" to every nn.Linear (and 4-bit Linear) except the output head.
         target_modules=lora.target_modules,

@@ -221,32 +221,19 @@ def plan_estimate(run_dir: Path, world_size: int) -> tuple[Optional[dict[str, in
 
 
 def next_steps(run_dir: Path, summary: dict[str, Any]) -> list[tuple[str, str]]:
-    """(what, command) pairs for what a user does after this run, spelled to run as printed (finetune.hints),
-    every argument shell-quoted."""
+    """(what, command) pairs for the report's table: finetune.serve.next_steps, the same list `finetune train`
+    prints (issue 39), less the report itself; a run stopped before its final save resumes from its checkpoint."""
     from finetune import hints
     from finetune.rundir.checkpoint import checkpoint_dirs
-    from finetune.rundir.run_dir import ADAPTER_DIR, RunDir, command_line
+    from finetune.rundir.run_dir import RunDir, command_line
+    from finetune.serve import next_steps as serve_next_steps
 
-    run, finetune = RunDir(run_dir), hints.finetune()
-    objective = summary.get("objective", "sft")
-    if objective == "reward":  # a scoring head, not a chat model
-        steps = [("pairwise accuracy on its pairs, base vs trained", f"{finetune} {command_line('eval', run_dir)}")]
-    else:
-        steps = [("chat with it", f"{finetune} {command_line('chat', run_dir)}")]
-    if objective == "sft":  # a preference loss is not a perplexity
-        steps.append(("loss and perplexity, base vs fine-tuned", f"{finetune} {command_line('eval', run_dir)}"))
-    output = summary.get("output")
-    if output == ADAPTER_DIR:
-        steps.append(("merge the adapter into the base (CPU, streaming)",
-                      f"{finetune} {command_line('merge', run_dir, '-o', f'merged/{run_dir.name}')}"))
-    checkpoints = checkpoint_dirs(run_dir)
-    if checkpoints:
-        newest = checkpoints[-1][1]
-        steps.append((f"turn {newest.name} into an adapter or weights",
-                      f"{finetune} {command_line('convert', newest, '-o', run_dir / f'{newest.name}-hf')}"))
+    saved = [summary["output"]] if summary.get("output") else None
+    steps = [(why, command) for command, why in serve_next_steps(run_dir, summary.get("objective", "sft"), report=False,
+                                                                 saved=saved)]
+    if checkpoint_dirs(run_dir):
         steps.append(("train further from the newest checkpoint (after raising training.max_steps or epochs)",
-                      f"{finetune} {command_line('train', run.recipe_path, '--force-resume')}"))
-    steps.append(("TensorBoard", f"{hints.tensorboard()} {command_line('--logdir', run_dir / 'tensorboard')}"))
+                      f"{hints.finetune()} {command_line('train', RunDir(run_dir).recipe_path, '--force-resume')}"))
     return steps
 
 

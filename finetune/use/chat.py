@@ -22,8 +22,10 @@ from typing import Any, Callable, Optional
 
 from finetune.errors import FinetuneError
 from finetune.recipe import Recipe
-from finetune.rundir.run_dir import (
-    ADAPTER_CONFIG, ADAPTER_WEIGHTS, MERGED_RECIPE, MODEL_CONFIG, RunDir, RunDirError, command_line, read_recipe,
+from finetune.data.formats import chat_format  # noqa: F401  (re-exported: chat's callers ask it here)
+from finetune.rundir.run_dir import (  # noqa: F401  (no_model_yet: used below)
+    ADAPTER_CONFIG, ADAPTER_WEIGHTS, MERGED_RECIPE, MODEL_CONFIG, RunDir, RunDirError, command_line, no_model_yet,
+    read_recipe,
 )
 from finetune.units import gib_text
 
@@ -77,17 +79,8 @@ def resolve_source(path: Optional[Path], base: Optional[str] = None, adapter: Op
     else:
         raise ChatError(f"{path}: not a run directory ({RunDir(path).recipe_path.name}), a model ({MODEL_CONFIG}) "
                         f"or an adapter ({ADAPTER_CONFIG})")
-    source.fmt = fmt or (_chat_format(source.recipe) if source.recipe is not None else "messages")
+    source.fmt = fmt or (chat_format(source.recipe) if source.recipe is not None else "messages")
     return source
-
-
-def _chat_format(recipe) -> str:
-    """How to prompt a model trained on `recipe`'s data: the chat template when any source was a
-    conversation (sharegpt trains through it too), else the format of its sources."""
-    if recipe.objective not in ("sft", "grpo"):  # TRL renders message rows with the chat template (text rows: --format text)
-        return "messages"
-    formats = recipe.data.source_formats()  # grpo: prompts read from these formats (a `prompt` column: messages)
-    return "messages" if any(f in ("messages", "sharegpt", "prompt") for f in formats) else formats[0]
 
 
 def _run_source(run: RunDir, base: Optional[str], adapter: Optional[Path]) -> Source:
@@ -106,25 +99,6 @@ def _run_source(run: RunDir, base: Optional[str], adapter: Optional[Path]) -> So
     model = base or recipe_base_model(recipe)
     return Source(model=_local_or_hub(model), adapter=_checked_adapter(adapter), tokenizer=tokenizer, recipe=recipe,
                   label=f"{run_dir} ({recipe.method} adapter on {recipe.model.name_or_path})")
-
-
-def no_model_yet(run_dir: Path) -> str:
-    """Why a run directory has nothing to chat with, and what would give it something."""
-    from finetune.rundir.checkpoint import checkpoint_dirs
-
-    checkpoints = checkpoint_dirs(run_dir)
-    if checkpoints:
-        step, newest = checkpoints[-1]
-        adapter = run_dir / f"adapter-{step}"
-        return (f"{run_dir}: no adapter/ or model/ yet (the run has not finished). Its newest checkpoint can be "
-                f"converted: `{command_line('finetune', 'convert', newest, '-o', adapter)}`, then "
-                f"`{command_line('finetune', 'chat', run_dir, '--adapter', adapter)}`; "
-                f"or run `finetune train` again to finish it")
-    if (run_dir / "zero_checkpoint").is_dir():
-        return (f"{run_dir}: the weights are a ZeRO checkpoint (zero_checkpoint/); "
-                f"`{command_line('finetune', 'convert', run_dir / 'zero_checkpoint', '-o', 'OUT')}` turns them "
-                f"into an adapter or model")
-    return f"{run_dir}: no adapter/ or model/ yet and no checkpoint: the run has not trained (see {run_dir}/logs/)"
 
 
 def _adapter_source(adapter: Path, base: Optional[str]) -> Source:
@@ -279,8 +253,13 @@ def load_chat_model(source: Source, device: str = "auto") -> ChatModel:
     if source.adapter is not None:
         from peft import PeftModel
 
-        model = loading(f"the adapter {source.adapter}", lambda: PeftModel.from_pretrained(model, str(source.adapter)),
-                        ChatError)
+        import warnings
+
+        with warnings.catch_warnings():  # "Found missing adapter keys": check_adapter_loaded says it as an error
+            warnings.filterwarnings("ignore", message="Found missing adapter keys")
+            model = loading(f"the adapter {source.adapter}", lambda: PeftModel.from_pretrained(model, str(source.adapter)),
+                            ChatError)
+        check_adapter_loaded(model, source.adapter)
     model.eval()
     tokenizer = _load_tokenizer(source)
     fmt = source.fmt
@@ -289,6 +268,32 @@ def load_chat_model(source: Source, device: str = "auto") -> ChatModel:
             raise ChatError(f"{source.label}: trained with format: messages but the tokenizer has no chat template")
         fmt = "text"  # a model without a recipe and without a template: continue plain text
     return ChatModel(model=model, tokenizer=tokenizer, fmt=fmt, device=device, label=source.label)
+
+
+def check_adapter_loaded(model, adapter: Path) -> None:
+    """Every weight of the adapter's file went into one of the model's LoRA modules. PEFT only warns when they do
+    not, and an adapter whose names match nothing leaves every LoRA B at zero: the "fine-tuned" model is the base
+    (issue 34). One line naming the adapter and the module names expected against those found."""
+    from peft.utils import get_peft_model_state_dict
+    from safetensors import safe_open
+
+    file = adapter / ADAPTER_WEIGHTS[0]
+    if not file.is_file():
+        return  # a pickled adapter: its keys are not read without unpickling (finetune.use.files checked it)
+    with safe_open(str(file), framework="pt") as handle:
+        found = set(handle.keys())
+    expected = set(get_peft_model_state_dict(model).keys())
+    unmatched = sorted(found - expected)
+    if not unmatched:
+        return
+    def modules(keys):
+        names = sorted({k.rsplit(".lora_", 1)[0].rsplit(".", 1)[-1] if ".lora_" in k else k for k in keys})
+        return ", ".join(names[:6]) + (", ..." if len(names) > 6 else "")
+    example_found, example_expected = unmatched[0], (sorted(expected)[0] if expected else "none")
+    raise ChatError(f"{adapter}: {len(unmatched)} of its {len(found)} weights match no LoRA module of the model "
+                    f"(the model would run as if not fine-tuned): expected names like {example_expected} "
+                    f"(modules {modules(expected) or 'none'}), found {example_found} (modules {modules(unmatched)}); "
+                    "is it the adapter of another base model?")
 
 
 def _quiet_loading() -> None:
