@@ -75,6 +75,7 @@ def test_report_link_is_xdg_open_on_a_linux_desktop_and_the_path_on_a_server(tmp
     opener = bin_dir / "xdg-open"
     opener.write_text("#!/bin/sh\n")
     opener.chmod(0o755)
+    monkeypatch.setenv("DISPLAY", ":0")  # a desktop; without a display xdg-open opens nothing (tests/test_export.py)
     assert hints.open_file(Path("/r/report.html")) == "xdg-open /r/report.html"
 
 

@@ -56,5 +56,5 @@ def export(
                f"in {result.seconds:.1f} s")
     from finetune.serve import export_next_steps
 
-    for line in export_next_steps(result.output, result.gguf, path.name):
+    for line in export_next_steps(result.output, result.gguf, result.name):
         typer.echo(line)

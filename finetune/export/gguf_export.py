@@ -31,6 +31,7 @@ EXPORT_RECORD = "export.json"
 
 @dataclass
 class ExportResult:
+    name: str
     output: Path
     gguf: Path
     seconds: float
@@ -111,7 +112,7 @@ def export_gguf(path: Path, out_type: str, output: Optional[Path] = None, *, ove
             (tmp / EXPORT_RECORD).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    return ExportResult(output, output / gguf_name, time.perf_counter() - start, prompt, notes, check)
+    return ExportResult(source.name, output, output / gguf_name, time.perf_counter() - start, prompt, notes, check)
 
 
 def _adapter_base(source: ExportSource) -> Path:
