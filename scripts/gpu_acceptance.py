@@ -30,7 +30,6 @@ import json
 import os
 import random
 import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -42,6 +41,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from finetune.builtin import BUILTIN_PREFIX, is_builtin  # noqa: E402 (after the path above)
+from finetune.run.launch import free_port  # noqa: E402
 
 # Dense (no sparsity) bf16 tensor-core peak of one GPU, in TFLOP/s, matched against
 # torch.cuda.get_device_name() in this order (the first substring that matches wins).
@@ -271,12 +271,6 @@ def recipe_for(case: Case, machine: Machine, args, out: Path) -> dict[str, Any]:
 
 # ------------------------------------------------------------------------------------------------
 # One run
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def finetune_cmd(*argv: str) -> list[str]:

@@ -95,11 +95,12 @@ SHARED_SFT_SETS = ("--set", "training.save_steps=4")  # checkpoints 4, 8, 12 (sa
 def shared_sft_run(tmp_path_factory, tiny_cache):
     """(run directory, CompletedProcess) of `finetune train recipes/tiny/lora_zero2.yaml` with SHARED_SFT_SETS,
     trained once per session by the real CLI. Readers must not change what is in it (eval.json aside)."""
-    from tests.train_fixtures import os_free_port, runner_env
+    from finetune.run.launch import free_port
+    from tests.train_fixtures import runner_env
 
     out = tmp_path_factory.mktemp("shared-sft") / "run"
     argv = [*FINETUNE, "train", str(SHARED_SFT_RECIPE), "--output-dir", str(out), *SHARED_SFT_SETS,
-            "--master-port", str(os_free_port())]
+            "--master-port", str(free_port())]
     result = subprocess.run(argv, cwd=REPO, env=runner_env(tiny_cache), capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return out, result

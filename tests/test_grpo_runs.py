@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.train_fixtures import REPO, TINY_RECIPES, cache_dir, os_free_port, runner_env
+from finetune.run.launch import free_port
+from tests.train_fixtures import REPO, TINY_RECIPES, cache_dir, runner_env
 
 # every tiny grpo/reward recipe and the test that trains it (tests/test_grpo.py could check the list)
 TRAINED = {
@@ -40,7 +41,7 @@ def cache(tmp_path_factory):
 
 def train_argv(recipe: str, out: Path, *sets: str) -> list[str]:
     argv = [sys.executable, "-m", "finetune.cli", "train", str(TINY_RECIPES / f"{recipe}.yaml"), "--output-dir",
-            str(out), "--master-port", str(os_free_port())]
+            str(out), "--master-port", str(free_port())]
     for item in sets:
         argv += ["--set", item]
     return argv

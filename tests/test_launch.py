@@ -23,7 +23,6 @@ from finetune.run.launch import (
 from finetune.recipe import Recipe, load_recipe
 from finetune.rundir.layout import write_run_dir
 from tests.conftest import hub_recipe
-from tests.train_fixtures import os_free_port
 
 RUN = Path("/runs/demo")
 
@@ -121,14 +120,9 @@ def test_hostfile_errors(tmp_path):
         read_hostfile(tmp_path / "missing")
 
 
-def test_free_port_moves_off_a_busy_port():
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        sock.listen()
-        busy = sock.getsockname()[1]
-        assert free_port(busy) != busy
+def test_free_port_moves_off_a_busy_port(held_port):
+    assert free_port(held_port) != held_port
+    assert free_port() != held_port > 0  # no port asked for: the OS's pick
 
 
 REPORT = """\
@@ -219,7 +213,7 @@ def fake(tmp_path):
         run_dir = tmp_path / "run"
         loaded = _loaded(r, tmp_path)
         write_run_dir(loaded, run_dir, world_size=2)
-        plan = plan_launch(r, run_dir, gpu_count=0, module="fake_runner", master_port=os_free_port())
+        plan = plan_launch(r, run_dir, gpu_count=0, module="fake_runner", master_port=free_port())
         plan.env.update({"PYTHONPATH": os.pathsep.join([str(package), os.environ.get("PYTHONPATH", "")]), "FAKE_MODE": mode})
         return plan, run_dir
 
@@ -395,7 +389,7 @@ def test_finetune_train_demo(tmp_path):
 
     demo = REPO / "recipes" / "demo.yaml"
     out = tmp_path / "run"
-    done = run_cli("train", demo, "--output-dir", out, "--set", "training.max_steps=20", "--master-port", str(os_free_port()),
+    done = run_cli("train", demo, "--output-dir", out, "--set", "training.max_steps=20", "--master-port", str(free_port()),
                    timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"finished: {out}" in done.stderr
@@ -422,7 +416,7 @@ def test_a_real_rank_that_raises_is_named_with_its_exception(tmp_path):
     recipe = tmp_path / "r.yaml"
     recipe.write_text(f"extends: {REPO / 'recipes' / 'tiny' / 'base.yaml'}\nmodel: {{name_or_path: {base}}}\n"
                       f"data: {{path: {REPO / 'recipes' / 'data' / 'demo_instructions.jsonl'}}}\n")
-    done = run_cli("train", recipe, "--output-dir", tmp_path / "run", "--master-port", str(os_free_port()), timeout=600)
+    done = run_cli("train", recipe, "--output-dir", tmp_path / "run", "--master-port", str(free_port()), timeout=600)
     assert done.returncode == 1
     last = done.stderr.strip().splitlines()[-1]
     # Both ranks raise; torchrun may stop the first one's exit with SIGTERM after its error file is written.

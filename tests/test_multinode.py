@@ -22,7 +22,8 @@ import pytest
 from finetune.run.launch import commands_per_node, deepspeed_env_text, plan_launch
 from finetune.recipe import Recipe
 from tests.conftest import hub_recipe, write_local_inputs
-from tests.train_fixtures import REPO, TINY_RECIPES, os_free_port, runner_env
+from finetune.run.launch import free_port
+from tests.train_fixtures import REPO, TINY_RECIPES, runner_env
 
 GOLDEN = Path(__file__).parent / "golden"
 RUN = Path("/runs/demo")
@@ -112,7 +113,7 @@ def test_dry_run_prints_every_node(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_two_nodes_on_localhost_train_to_the_end(tmp_path, tiny_cache):
-    port = os_free_port()
+    port = free_port()
     procs = []
     for rank in (0, 1):
         argv = [sys.executable, "-m", "finetune.cli", "train", str(TINY_RECIPES / "lora_zero2.yaml"),

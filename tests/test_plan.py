@@ -381,9 +381,9 @@ def test_auto_buckets_are_what_transformers_fills_in(write_recipe):
 
 
 def run_probe(cases):
-    from tests.train_fixtures import os_free_port
+    from finetune.run.launch import free_port
 
-    env = {**os.environ, "MASTER_PORT": str(os_free_port())}  # never a fixed port: other tests run beside it
+    env = {**os.environ, "MASTER_PORT": str(free_port())}  # never a fixed port: other tests run beside it
     result = subprocess.run([sys.executable, str(REPO / "tests" / "plan_deepspeed_probe.py"), json.dumps(cases)],
                             capture_output=True, text=True, timeout=900, cwd=REPO, env=env)
     lines = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]

@@ -22,7 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.train_fixtures import REPO, TINY_RECIPES, cache_dir, os_free_port, runner_env, write_run_dir
+from finetune.run.launch import free_port
+from tests.train_fixtures import REPO, TINY_RECIPES, cache_dir, runner_env, write_run_dir
 
 # every tiny preference recipe and the test that trains it (tests/test_preference.py checks the list)
 TRAINED = {
@@ -52,7 +53,7 @@ def finetune_cli(*args, cache: Path, timeout: float = 600) -> subprocess.Complet
 
 def train_argv(recipe: Path, out: Path, *sets: str) -> list[str]:
     argv = [sys.executable, "-m", "finetune.cli", "train", str(recipe), "--output-dir", str(out),
-            "--master-port", str(os_free_port())]
+            "--master-port", str(free_port())]
     for item in sets:
         argv += ["--set", item]
     return argv

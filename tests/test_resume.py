@@ -32,7 +32,8 @@ from finetune.recipe import load_recipe
 from finetune.rundir.layout import resolved_recipe, write_run_dir
 from tests.conftest import write_local_inputs
 from tests.conftest import SHARED_SFT_RECIPE, SHARED_SFT_SETS
-from tests.train_fixtures import REPO, assert_run_report, os_free_port, runner_env
+from finetune.run.launch import free_port
+from tests.train_fixtures import REPO, assert_run_report, runner_env
 
 RECIPE, SETS = SHARED_SFT_RECIPE, SHARED_SFT_SETS  # the reference is the session's shared run of exactly these
 STEPS = 12
@@ -45,7 +46,7 @@ STEPS = 12
 def train_argv(out: Path, *extra: str) -> list[str]:
     # A port of the OS's choosing: never 29500, where a real run on this machine may be starting.
     return [sys.executable, "-m", "finetune.cli", "train", str(RECIPE), "--output-dir", str(out), *SETS,
-            "--master-port", str(os_free_port()), *extra]
+            "--master-port", str(free_port()), *extra]
 
 
 class Run:
@@ -600,7 +601,7 @@ def test_a_second_signal_kills_every_rank_at_once(tmp_path):
     run_dir.mkdir()
     recipe = Recipe.model_validate({"model": {"name_or_path": "org/m"}, "data": {"path": "org/d"},
                                     "launch": {"procs_per_node": 2}})
-    plan = plan_launch(recipe, run_dir, gpu_count=0, module="stubborn_rank", master_port=free_port_for_test())
+    plan = plan_launch(recipe, run_dir, gpu_count=0, module="stubborn_rank", master_port=free_port())
     plan.env["PYTHONPATH"] = str(tmp_path / "fakes")
     fields = {k: (str(v) if isinstance(v, Path) else v) for k, v in plan.__dict__.items()}
     driver = subprocess.Popen([sys.executable, "-c", DRIVER, json.dumps(fields)], cwd=REPO,
@@ -631,10 +632,6 @@ def test_a_second_signal_kills_every_rank_at_once(tmp_path):
     finally:
         if driver.poll() is None:
             driver.kill()
-
-
-def free_port_for_test() -> int:
-    return os_free_port()
 
 
 def _alive(pid: int) -> bool:

@@ -19,7 +19,8 @@ from finetune.recipe import load_recipe
 from finetune.run.slurm import SlurmError, SlurmJob, gpus_per_node, sbatch_script
 from tests.conftest import run_cli
 from tests.test_multinode import check_golden
-from tests.train_fixtures import REPO, TINY_RECIPES, cache_dir, os_free_port, runner_env
+from finetune.run.launch import free_port
+from tests.train_fixtures import REPO, TINY_RECIPES, cache_dir, runner_env
 
 
 def job(**changes) -> SlurmJob:
@@ -118,7 +119,7 @@ def test_the_script_trains_on_two_nodes_sharing_a_run_directory(tmp_path, tmp_pa
     ensure_builtin_model("builtin:tiny-llama", cache)
     run_dir = tmp_path / "shared" / "run"
     slurm_job = job(recipe_path=TINY_RECIPES / "lora_zero2.yaml", run_dir=run_dir, workdir=REPO, python=sys.executable,
-                    gpus_per_node=1, master_port=os_free_port(),
+                    gpus_per_node=1, master_port=free_port(),
                     overrides=("launch.procs_per_node=1", "training.save_steps=6"), time=None, partition=None)
     script = tmp_path / "job.sh"
     script.write_text(sbatch_script(slurm_job))

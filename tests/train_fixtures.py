@@ -45,15 +45,6 @@ def write_run_dir(recipe_path: Path, run_dir: Path, world_size: int = 2, overrid
     return recipe
 
 
-def os_free_port() -> int:
-    """A port the OS picks: tests never ask for a well-known one (29500), where a real run may start."""
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def runner_env(cache: Path) -> dict[str, str]:
     env = dict(os.environ)
     env.update({"FINETUNE_CACHE": str(cache), "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
@@ -134,15 +125,6 @@ def reload_logits(run_dir: Path, base: Optional[Path] = None):
         else:
             untrained = AutoModelForCausalLM.from_pretrained(str(base), dtype=model.dtype).eval()(**inputs, use_cache=False).logits.float()
     return saved["logits"], reloaded, untrained
-
-
-def free_port() -> int:
-    """A port nothing listens on now (the OS picks it), for the rendezvous of a test run."""
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def assert_run_report(run_dir: Path, steps: int) -> None:

@@ -229,8 +229,9 @@ def deepspeed_argv(recipe: Recipe, run_dir: Path, procs: int, master_port: int, 
     return argv, world
 
 
-def free_port(preferred: int, host: str = LOOPBACK) -> int:
-    """`preferred` when nothing listens there, else a free port the OS picks (single-node runs only)."""
+def free_port(preferred: int = 0, host: str = LOOPBACK) -> int:
+    """`preferred` when nothing listens there, else a free port the OS picks (single-node runs only); with no
+    `preferred`, the OS's pick (what tests and harnesses use: never a well-known port where a real run may start)."""
     for port in (preferred, 0):
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             try:
