@@ -17,10 +17,10 @@ What it does, all in one run so both sides see the same machine state:
   5. checks the two outputs are bit-identical, tensor by tensor, and prints wall and CPU times (user + sys
      of the process, which another job on the machine slows less than the wall time) and memory peaks.
 
-Memory is anonymous memory: RssAnon from /proc/PID/status, sampled every 20 ms. Pages of memory-mapped
-files (safetensors maps the shards it reads) count in RSS too, but they are clean page cache that the
-kernel drops under pressure, so they do not decide whether a merge fits in RAM; what the process
-allocates (tensors, Python, libraries) does. ru_maxrss (peak RSS, file pages included) is printed too.
+Memory is anonymous memory: RssAnon from /proc/PID/status, sampled every 20 ms (finetune.data.peak; each side
+is one process). Pages of memory-mapped files (safetensors maps the shards it reads) count in RSS too, but they
+are clean page cache that the kernel drops under pressure, so they do not decide whether a merge fits in RAM;
+what the process allocates (tensors, Python, libraries) does. ru_maxrss (peak RSS, file pages included) is printed too.
 
 Measured on the 2-core, 24 GiB development box while other jobs kept its load average at 10-13 (so
 wall times swing from run to run; medians of 3):
@@ -45,7 +45,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -148,29 +147,15 @@ def _numel(shape) -> int:
 
 
 def run_measured(argv: list[str], label: str) -> dict:
-    """Run a command; sample its RssAnon every 20 ms; return wall time and peaks (bytes)."""
+    """Run a command; sample its RssAnon every 20 ms (finetune.data.peak); return wall time and peaks (bytes)."""
+    from finetune.data.peak import PeakMemory
+
     log = tempfile.TemporaryFile(mode="w+")  # a file, not a pipe: a chatty child cannot fill it and stall
     start = time.perf_counter()
     proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, text=True)
-    peak = {"anon": 0}
-    done = threading.Event()
-
-    def sample() -> None:
-        status = Path(f"/proc/{proc.pid}/status")
-        while not done.is_set():
-            try:
-                fields = dict(line.split(":", 1) for line in status.read_text().splitlines() if ":" in line)
-                peak["anon"] = max(peak["anon"], int(fields["RssAnon"].split()[0]) * 1024)
-            except (OSError, KeyError, ValueError):
-                pass
-            done.wait(0.02)
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    _, status, usage = os.wait4(proc.pid, 0)
+    with PeakMemory(proc.pid, ("rss_anon",), interval=0.02) as peak:
+        _, status, usage = os.wait4(proc.pid, 0)
     wall = time.perf_counter() - start
-    done.set()
-    sampler.join()
     log.seek(0)
     output = log.read()
     log.close()
@@ -179,7 +164,7 @@ def run_measured(argv: list[str], label: str) -> dict:
         print(output[-3000:])
         raise SystemExit(f"{label} failed with exit code {proc.returncode}")
     return {"wall": wall, "cpu": usage.ru_utime + usage.ru_stime, "user": usage.ru_utime, "sys": usage.ru_stime,
-            "anon": peak["anon"], "maxrss": usage.ru_maxrss * 1024, "output": output}
+            "anon": peak.bytes or 0, "maxrss": usage.ru_maxrss * 1024, "output": output}
 
 
 def _median(values: list[float]) -> float:

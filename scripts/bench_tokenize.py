@@ -210,30 +210,22 @@ def measure(side: str, data: Path, fmt: str, tokenizer: Path, max_length: int, n
 
 def watch(child, marker: Optional[Path] = None) -> dict:
     """Wall and CPU seconds of a started process and its descendants, and the peaks of their summed RSS, PSS
-    and anonymous PSS, sampled every 50 ms until it ends or writes `marker` (the metric of the module
-    docstring; the marker holds the CPU seconds at that point)."""
-    import psutil
+    and anonymous PSS, sampled every 50 ms (finetune.data.peak) until it ends or writes `marker` (the metric of
+    the module docstring; the marker holds the CPU seconds at that point)."""
     import resource
+
+    from finetune.data.peak import PeakMemory
 
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.perf_counter()
-    root, peak, peak_pss, peak_anon = psutil.Process(child.pid), 0, 0, 0
     marked = None
-    while child.poll() is None:
-        if marker is not None and marked is None and marker.exists():
-            marked = time.perf_counter() - started
-        if marked is not None:
-            time.sleep(0.05)
-            continue
-        try:
-            tree = [root] + root.children(recursive=True)
-            peak = max(peak, sum(_rss(p) for p in tree))
-            shares = [_pss(p.pid) for p in tree]
-            peak_pss = max(peak_pss, sum(pss for pss, _ in shares))
-            peak_anon = max(peak_anon, sum(anon for _, anon in shares))
-        except psutil.NoSuchProcess:
-            pass
-        time.sleep(0.05)
+    with PeakMemory(child.pid, ("rss", "pss", "pss_anon"), interval=0.05) as peak:
+        while child.poll() is None and marked is None:
+            if marker is not None and marker.exists():
+                marked = time.perf_counter() - started
+            else:
+                time.sleep(0.05)
+    child.wait()
     seconds = time.perf_counter() - started
     # The child and the descendants it waited for (each process's CPU time reaches its parent's RUSAGE_CHILDREN
     # when it is waited for; datasets' pool workers and our tokenizer child are).
@@ -241,7 +233,8 @@ def watch(child, marker: Optional[Path] = None) -> dict:
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     if marked is not None:
         seconds, cpu = marked, json.loads(marker.read_text())["cpu_seconds"]
-    return {"seconds": seconds, "cpu_seconds": cpu, "peak_rss": peak, "peak_pss": peak_pss, "peak_anon": peak_anon}
+    return {"seconds": seconds, "cpu_seconds": cpu, "peak_rss": peak.peaks["rss"] or 0,
+            "peak_pss": peak.peaks["pss"] or 0, "peak_anon": peak.peaks["pss_anon"] or 0}
 
 
 def measure_command(command: list[str]) -> None:
@@ -252,31 +245,6 @@ def measure_command(command: list[str]) -> None:
           f"{watched['peak_rss'] / 2**30:.2f} GB, peak PSS {watched['peak_pss'] / 2**30:.2f} GB, anon PSS "
           f"{watched['peak_anon'] / 2**30:.2f} GB (load average {' '.join(f'{x:.1f}' for x in os.getloadavg())})")
     raise SystemExit(child.returncode)
-
-
-def _rss(process) -> int:
-    import psutil
-
-    try:
-        return process.memory_info().rss
-    except psutil.NoSuchProcess:
-        return 0
-
-
-def _pss(pid: int) -> tuple[int, int]:
-    """(Pss, Pss_Anon) in bytes from /proc/PID/smaps_rollup: a page shared by k processes counts 1/k in each.
-    Pss_Anon leaves out the pages of memory-mapped files (Arrow data, libraries): clean page cache the kernel
-    drops under pressure, which RSS and Pss count while they stay mapped."""
-    values = {}
-    try:
-        with open(f"/proc/{pid}/smaps_rollup", encoding="ascii") as handle:
-            for line in handle:
-                name, _, rest = line.partition(":")
-                if name in ("Pss", "Pss_Anon"):
-                    values[name] = int(rest.split()[0]) * 1024
-    except (OSError, ValueError):
-        pass
-    return values.get("Pss", 0), values.get("Pss_Anon", 0)
 
 
 def main() -> None:

@@ -38,7 +38,7 @@ from typing import Any, Callable, Iterator, Optional, Union
 
 from finetune.data.formats import RowSpec
 from finetune.data.mix import MixError, mixture_arrays, targets
-from finetune.data.peak import PeakRss
+from finetune.data.peak import PeakMemory
 from finetune.data.sources import Source, data_files, is_local, sources_of
 from finetune.data.packing import pack_starts, pack_table
 from finetune.data.tokenize import DataError, RowError, encode_rows, load_raw
@@ -168,7 +168,7 @@ def prepare(data: dict[str, Any], tokenizer, cache_dir: Path, log: Callable[[str
     bars = datasets.is_progress_bar_enabled()
     datasets.disable_progress_bars()  # per-chunk bars; our own progress lines say how far it is (_Progress)
     try:
-        with PeakRss() as peak, _partial_dir(target) as tmp:
+        with PeakMemory() as peak, _partial_dir(target) as tmp:
             dataset, reports, rows_read, order = _build(data, tokenizer, tmp, procs, log)
             files = [Path(f["filename"]) for f in dataset.cache_files]
             if order is not None:
