@@ -3,6 +3,7 @@
     $ .venv/bin/python scripts/bench_merge.py             # ~7 GB of temporary files under /tmp, removed at the end
     $ .venv/bin/python scripts/bench_merge.py --repeat 1  # one run per side (default 3, median reported)
     $ .venv/bin/python scripts/bench_merge.py --size 8b   # Llama-3-8B's shape, finetune only: ~33 GB of disk
+    $ .venv/bin/python scripts/bench_merge.py --size tiny --repeat 1   # 2 layers of width 64: the harness end to end (39 s)
 
 What it does, all in one run so both sides see the same machine state:
   1. writes a random bf16 LlamaForCausalLM checkpoint (1b: hidden 2048, intermediate 5632, 22 layers,
@@ -60,6 +61,11 @@ SIZES = {
                           num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192,
                           tie_word_embeddings=False),
                shards=8, needed=36 * 10**9),  # base 16 GB + one merged copy (or the plain copy) + room
+    # The harness itself (tests/test_entry_points.py builds it; `--size tiny --repeat 1` runs both sides in 39 s).
+    "tiny": dict(shape=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, vocab_size=256, max_position_embeddings=128,
+                            tie_word_embeddings=False),
+                 shards=2, needed=10**8),
 }
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 ANON_LIMIT = 10**9  # issue 20: finetune's merge of the 8B model stays under 1 GB of anonymous memory
@@ -206,14 +212,15 @@ def compare(ours: Path, theirs: Path) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--size", choices=sorted(SIZES), default="1b",
-                        help="1b: TinyLlama's shape, both sides; 8b: Llama-3-8B's shape, finetune only (unless --peft).")
+                        help="1b: TinyLlama's shape, both sides; 8b: Llama-3-8B's shape, finetune only (unless --peft); "
+                             "tiny: the harness itself.")
     parser.add_argument("--peft", action=argparse.BooleanOptionalAction, default=None,
                         help="Run PEFT's merge too (default: for 1b; at 8b it needs ~17 GB of RAM).")
     parser.add_argument("--tmp", type=Path, default=Path("/tmp"), help="Where the temporary files go.")
     parser.add_argument("--keep", action="store_true", help="Keep the temporary directory (prints its path).")
     parser.add_argument("--repeat", type=int, default=3, help="Runs per side; the median wall time is reported.")
     args = parser.parse_args()
-    with_peft = args.size == "1b" if args.peft is None else args.peft
+    with_peft = args.size != "8b" if args.peft is None else args.peft
     shards = SIZES[args.size]["shards"]
 
     # Ctrl-C and SIGTERM both unwind through the `finally` below, which removes the gigabytes written.

@@ -3,10 +3,12 @@ a refactor of finetune/lint/deepspeed/ must leave the file byte-identical (same 
 
     git stash; python scripts/lint_ds_snapshot.py /tmp/before.json; git stash pop
     python scripts/lint_ds_snapshot.py /tmp/after.json && cmp /tmp/before.json /tmp/after.json
+    python scripts/lint_ds_snapshot.py /tmp/few.json --count 50     # the first 50 configs (tests/test_entry_points.py)
 
 The configs come from a fixed seed (same list on every machine): keys from DeepSpeed's schema tables, values
 chosen to hit every rule (the script prints how many of the rules fired). About 20 s on a busy 2-core box.
 """
+import argparse
 import copy
 import json
 import random
@@ -14,14 +16,10 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-try:
-    from finetune.lint.deepspeed import DSContext, check_config, schema
-except ImportError:  # before issue 19: one checker class in finetune/lint/deepspeed_rules.py
-    from finetune.lint.deepspeed_rules import DSContext, check_config
-    from finetune.lint import ds_schema as schema
-from finetune.recipe.yamlio import load_json
-from finetune.render import render_training_args
-from finetune.recipe import Recipe
+from finetune.lint.deepspeed import DSContext, check_config, schema  # noqa: E402
+from finetune.recipe.yamlio import load_json  # noqa: E402
+from finetune.render import render_training_args  # noqa: E402
+from finetune.recipe import Recipe  # noqa: E402
 
 TA = render_training_args(Recipe(model={"name_or_path": "org/tiny"}, data={"path": "data.jsonl"},
                     training={"micro_batch_size": 2, "gradient_accumulation_steps": 4, "max_steps": 100}), output_dir="runs/t")
@@ -76,22 +74,31 @@ ctxs = [lambda: DSContext(world_size=2, training_args=TA), lambda: DSContext(wor
         lambda: DSContext(world_size=3, training_args=TA2, from_recipe=True), lambda: DSContext(world_size=1, training_args=TA)]
 def fnd(fs):
     return [[f.rule, f.severity, [str(k) for k in f.key], f.message, f.fix] for f in fs]
-out = []
-r = random.Random(19)
-for i in range(int(sys.argv[2]) if len(sys.argv) > 2 else 30000):
-    d = doc(r)
-    ci = r.randrange(len(ctxs))
-    ctx = ctxs[ci]()
-    if r.random() < 0.1:
-        ctx.duplicates = [((r.choice(keys),), 1, 1), (("zero_optimization", "stage"), 2, 2)]
-    out.append(fnd(check_config(copy.deepcopy(d), ctx)))
-for p in sorted((Path(__file__).resolve().parent.parent / "tests" / "ds_corpus").glob("*.json")):
-    dd = load_json(p.read_text(), str(p))
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("output", type=Path, help="the JSON file to write")
+    parser.add_argument("--count", type=int, default=30000, help="generated configs (the first COUNT of the fixed list)")
+    args = parser.parse_args()
+    out = []
+    r = random.Random(19)
+    for i in range(args.count):
+        d = doc(r)
+        ci = r.randrange(len(ctxs))
+        ctx = ctxs[ci]()
+        if r.random() < 0.1:
+            ctx.duplicates = [((r.choice(keys),), 1, 1), (("zero_optimization", "stage"), 2, 2)]
+        out.append(fnd(check_config(copy.deepcopy(d), ctx)))
+    for p in sorted((Path(__file__).resolve().parent.parent / "tests" / "ds_corpus").glob("*.json")):
+        dd = load_json(p.read_text(), str(p))
+        for c in ctxs:
+            ctx = c(); ctx.duplicates = list(dd.duplicates)
+            out.append(fnd(check_config(copy.deepcopy(dd.data), ctx)))
     for c in ctxs:
-        ctx = c(); ctx.duplicates = list(dd.duplicates)
-        out.append(fnd(check_config(copy.deepcopy(dd.data), ctx)))
-for c in ctxs:
-    for bad in ([1], None, "x", 3):
-        out.append(fnd(check_config(bad, c())))
-Path(sys.argv[1]).write_text(json.dumps(out))
-print(f"{len(out)} configs, {sum(len(o) for o in out)} findings, {len({f[0] for o in out for f in o})} rule ids fired")
+        for bad in ([1], None, "x", 3):
+            out.append(fnd(check_config(bad, c())))
+    args.output.write_text(json.dumps(out))
+    print(f"{len(out)} configs, {sum(len(o) for o in out)} findings, {len({f[0] for o in out for f in o})} rule ids fired")
+
+
+if __name__ == "__main__":
+    main()

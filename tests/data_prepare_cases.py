@@ -6,8 +6,9 @@ dropped rows, text splitting, packing, weighted mixtures with seeds). `fingerpri
 every row's input_ids, labels and position_ids, and the batches each collator makes of them.
 
 tests/golden/tokenize_equivalence.json holds the fingerprints of the implementation before issue 20 (one
-process, Python lists), written by `python -m tests.data_prepare_cases --write`: the parallel Arrow path must
-reproduce them token for token.
+process, Python lists): the parallel Arrow path must reproduce them token for token. `python -m
+tests.data_prepare_cases --write` rewrites the file from today's path (finetune.data.prepare.tokenize_for_training);
+`git diff tests/golden` then shows what a change to tokenizing moved (nothing, on 2026-11-27).
 """
 
 from __future__ import annotations
@@ -177,7 +178,7 @@ if __name__ == "__main__":
     import tempfile
 
     from finetune.builtin import ensure_builtin_model
-    from finetune.data.tokenize import tokenize_for_training
+    from finetune.data.prepare import tokenize_for_training
 
     with tempfile.TemporaryDirectory() as tmp:
         tiny = ensure_builtin_model("builtin:tiny-llama", Path(tmp) / "models")
