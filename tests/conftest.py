@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.train_fixtures import cache_dir
+from tests.train_fixtures import cache_dir, runner_env
 
 REPO = Path(__file__).resolve().parent.parent
 FINETUNE = [sys.executable, "-m", "finetune.cli"]
@@ -96,7 +96,6 @@ def shared_sft_run(tmp_path_factory, tiny_cache):
     """(run directory, CompletedProcess) of `finetune train recipes/tiny/lora_zero2.yaml` with SHARED_SFT_SETS,
     trained once per session by the real CLI. Readers must not change what is in it (eval.json aside)."""
     from finetune.run.launch import free_port
-    from tests.train_fixtures import runner_env
 
     out = tmp_path_factory.mktemp("shared-sft") / "run"
     argv = [*FINETUNE, "train", str(SHARED_SFT_RECIPE), "--output-dir", str(out), *SHARED_SFT_SETS,
@@ -132,6 +131,29 @@ def tiny_run(tmp_path_factory, tiny_cache, request):
         return runs[name]
 
     return get
+
+
+@pytest.fixture
+def cli(tiny_cache, monkeypatch):
+    """cli(*args) -> (returncode, stdout, stderr) of the real `finetune` app, run in this process (typer's
+    CliRunner): a process each would import torch and transformers again (~3 s of CPU per call)."""
+    from types import SimpleNamespace
+
+    from typer.testing import CliRunner
+
+    from finetune.cli import app
+
+    for name, value in runner_env(tiny_cache).items():
+        if name in ("FINETUNE_CACHE", "TOKENIZERS_PARALLELISM"):
+            monkeypatch.setenv(name, value)
+
+    def invoke(*args):
+        result = CliRunner().invoke(app, [str(a) for a in args])
+        if result.exception is not None and not isinstance(result.exception, SystemExit):
+            raise result.exception
+        return SimpleNamespace(returncode=result.exit_code, stdout=result.stdout, stderr=result.stderr)
+
+    return invoke
 
 
 @pytest.fixture

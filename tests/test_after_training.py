@@ -16,35 +16,11 @@ import json
 import pytest
 
 from tests.conftest import run_cli
-from tests.train_fixtures import (REPO, TINY_RECIPES, assert_run_report, runner_env,
-                                  write_run_dir)
+from tests.train_fixtures import REPO, TINY_RECIPES, assert_run_report, write_run_dir
 
 RECIPE = TINY_RECIPES / "lora_zero2.yaml"
 STEPS = 12
 PROMPTS = ("Name a primary colour.", "What is the capital of France?")
-
-
-@pytest.fixture
-def cli(tiny_cache, monkeypatch):
-    """cli(*args) -> (returncode, stdout, stderr) of the real `finetune` app, run in this process (typer's
-    CliRunner): a process each would import torch and transformers again (~3 s of CPU per call)."""
-    from types import SimpleNamespace
-
-    from typer.testing import CliRunner
-
-    from finetune.cli import app
-
-    for name, value in runner_env(tiny_cache).items():
-        if name in ("FINETUNE_CACHE", "TOKENIZERS_PARALLELISM"):
-            monkeypatch.setenv(name, value)
-
-    def invoke(*args):
-        result = CliRunner().invoke(app, [str(a) for a in args])
-        if result.exception is not None and not isinstance(result.exception, SystemExit):
-            raise result.exception
-        return SimpleNamespace(returncode=result.exit_code, stdout=result.stdout, stderr=result.stderr)
-
-    return invoke
 
 
 @pytest.fixture(scope="module")

@@ -167,7 +167,8 @@ def test_output_directory_policy(tmp_path):
 def test_run_directory_contents(workspace):
     loaded = load_recipe(recipe_file(workspace, extra="training: {micro_batch_size: 2}\n"))
     run = write_run_dir(loaded, workspace / "runs" / "one", world_size=4)
-    assert sorted(p.name for p in run.iterdir()) == ["deepspeed.json", "logs", "recipe.yaml", "resume_key.json", "training_args.json"]
+    assert sorted(p.name for p in run.iterdir()) == ["deepspeed.json", "format.json", "logs", "recipe.yaml", "resume_key.json",
+                                                     "training_args.json"]
     again = load_recipe(run / "recipe.yaml").recipe
     assert again.data.path == str(workspace / "data.jsonl") and again.model.name_or_path == str(workspace / "model")
     assert again.output_dir == str(run)

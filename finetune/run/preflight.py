@@ -392,10 +392,10 @@ def _wait_for_another_node(run_dir: Path, timeout: float = OTHER_NODE_WRITE_S) -
     `timeout`: another node of this run is writing it. A folder with anything else in it is not waited for."""
     import time
 
-    from finetune.rundir.names import LOGS_DIR, RUN_INPUTS
+    from finetune.rundir.names import FORMAT_FILE, LOGS_DIR, RUN_INPUTS
     from finetune.rundir.resume_key import RESUME_KEY_FILE
 
-    written_first = {RESUME_KEY_FILE, *RUN_INPUTS, LOGS_DIR}
+    written_first = {FORMAT_FILE, RESUME_KEY_FILE, *RUN_INPUTS, LOGS_DIR}
 
     def being_written() -> bool:  # only run-directory files and their temporary files (fsutil.write_atomic)
         entries = run_dir_entries(run_dir)

@@ -38,7 +38,7 @@ from typing import Any, Optional
 
 from finetune.errors import FinetuneError
 from finetune.fsutil import write_atomic
-from finetune.rundir.names import CHECKPOINT_PREFIX, SUMMARY_FILE
+from finetune.rundir.names import CHECKPOINT_PREFIX, RECIPE_FILE, SUMMARY_FILE
 from finetune.rundir.resume_key import RESUME_KEY_FILE, process_count_change, read_resume_key, resume_fields
 from finetune.units import gib_text
 
@@ -293,7 +293,13 @@ def plan_resume(run_dir: Path, resolved: dict[str, Any], world_size: Optional[in
     `inspect(path)` (finetune.rundir.verify.inspect; None: the marker's file sizes only) looks inside the
     newest complete checkpoint: a damaged one is passed over for the previous one, saying so; one that
     pickles code is refused."""
+    from finetune.rundir.format import FormatProblem, recorded_version
+
     run_dir = Path(run_dir)
+    try:
+        recorded_version(run_dir / RECIPE_FILE)  # a newer finetune's run directory: its files may mean other things
+    except FormatProblem as exc:
+        return ResumePlan(error=str(exc))
     checkpoints = list_checkpoints(run_dir)
     complete = [c for c in checkpoints if c.complete]
     damaged: list[Checkpoint] = []

@@ -5,6 +5,7 @@
     RUN/deepspeed.json       finetune.render.render_deepspeed(recipe, real world size)
     RUN/training_args.json   finetune.render.render_training_args(recipe, output_dir=RUN)
     RUN/resume_key.json      what a resumed run must share with this one (finetune.rundir.resume_key)
+    RUN/format.json          the run directory's format version (finetune.rundir.format)
     RUN/logs/                launcher output, per-rank logs
 
 The runner adds env.json, adapter/ or model/, tokenizer/ and summary.json.
@@ -65,12 +66,15 @@ def run_files(loaded: LoadedRecipe, run_dir: Path, world_size: int) -> dict[str,
     run_dir = Path(run_dir).absolute()
     header = (f"# The recipe this run trained, written by `finetune train` from {Path(loaded.path).absolute()}\n"
               f"# (extends and --set applied, every default written out, local paths absolute).\n")
+    from finetune.rundir.format import format_text
+    from finetune.rundir.names import FORMAT_FILE
     from finetune.rundir.resume_key import RESUME_KEY_FILE, resume_fields, resume_key_text
 
     resolved = resolved_recipe(recipe, run_dir)
     # Written in this order, recipe.yaml last: another node of the same run that sees recipe.yaml
     # (what makes a folder a run directory) sees the rest too.
     return {
+        FORMAT_FILE: format_text(),
         RESUME_KEY_FILE: resume_key_text(resume_fields(resolved, world_size)),
         DEEPSPEED_FILE: dumps(render_deepspeed(recipe, world_size)),
         TRAINING_ARGS_FILE: dumps(render_training_args(recipe, output_dir=str(run_dir))),

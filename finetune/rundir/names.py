@@ -20,3 +20,5 @@ CHECKPOINT_PREFIX = "checkpoint-"  # transformers.trainer_utils.PREFIX_CHECKPOIN
 RUN_INPUTS = (RECIPE_FILE, DEEPSPEED_FILE, TRAINING_ARGS_FILE)  # what the runner reads
 REPORT_FILE = "report.html"  # finetune.train.report: loss plot, memory, config, versions
 PLOT_FILE = "loss.png"  # the loss curve, embedded in report.html
+FORMAT_FILE = "format.json"  # the run directory's format version (finetune.rundir.format); none before issue 39
+MERGED_FORMAT = "finetune_format.json"  # its copy beside MERGED_RECIPE in a merged model

@@ -6,6 +6,7 @@ the run's recipe, the adapter or the checkpoints, so a file name is spelled here
     RUN/deepspeed.json       the exact DeepSpeed config (finetune.rundir.layout writes it)
     RUN/training_args.json   the TrainingArguments kwargs
     RUN/resume_key.json      what a resumed run must share (finetune.rundir.resume_key)
+    RUN/format.json          the format version, read with the recipe (finetune.rundir.format)
     RUN/logs/                launcher output, per-rank logs
     RUN/checkpoint-N/        checkpoints (finetune.rundir.checkpoint)
     RUN/adapter/ | model/    the trained weights (the runner, at the end)
@@ -180,16 +181,23 @@ class RunDir:
 
 
 def read_recipe_data(path: Path) -> dict[str, Any]:
-    """A run's recipe file (recipe.yaml, or a merged model's finetune_recipe.yaml) as a mapping."""
+    """A run's recipe file (recipe.yaml, or a merged model's finetune_recipe.yaml) as a mapping, in today's keys
+    (an older run directory's recipe migrated: finetune.rundir.format, finetune.recipe.migrations)."""
+    from finetune.recipe.migrations import migrate
     from finetune.recipe.yamlio import DocumentError, load_yaml, read_text
+    from finetune.rundir.format import FORMAT_VERSION, FormatProblem, recorded_version
 
+    try:
+        version = recorded_version(path)
+    except FormatProblem as exc:
+        raise RunDirError(str(exc)) from None
     try:
         data = load_yaml(read_text(path), str(path)).data
     except (DocumentError, OSError, ValueError) as exc:  # ValueError: UnicodeDecodeError, a NUL byte
         raise RunDirError(f"{path}: cannot read the run's recipe: {_one_line(exc)}") from None
     if not isinstance(data, dict):
         raise RunDirError(f"{path}: cannot read the run's recipe: not a mapping of recipe sections")
-    return data
+    return migrate(data, version, FORMAT_VERSION)
 
 
 def read_recipe(path: Path) -> "Recipe":

@@ -33,6 +33,7 @@ from typing import Callable, Optional
 import torch
 
 from finetune.fsutil import atomic_dir, write_atomic
+from finetune.rundir.names import FORMAT_FILE, MERGED_FORMAT
 from finetune.rundir.run_dir import MERGED_RECIPE, RunDir
 from finetune.weights.lora_math import (Adapter, LoraUpdate, Workspace, orient_update, output_tensor, read_adapter, target_name,
                                 tied_embedding)
@@ -295,4 +296,6 @@ def copy_side_files(base: Path, tokenizer_sources: list[Path], out: Path, dtype:
     for source in tokenizer_sources:
         if RunDir(source).is_run():  # the run's data format: `finetune chat MERGED` prompts the same way
             shutil.copy2(RunDir(source).recipe_path, out / MERGED_RECIPE)
+            if RunDir(source).file(FORMAT_FILE).is_file():  # how to read that recipe (finetune.rundir.format)
+                shutil.copy2(RunDir(source).file(FORMAT_FILE), out / MERGED_FORMAT)
             break
