@@ -2,13 +2,15 @@
 
 Each folder of tests/fixtures/rundirs/ is a run directory as `finetune train` wrote it then, byte for byte
 (tests/fixtures/rundirs/README.md: the command, the commit). A copy of it goes through the real commands, in this
-process: `finetune chat`, `eval`, `merge` and `convert`, and the check `finetune train` makes before resuming
-(finetune.run.preflight.resume_step). A change that breaks one of them for an old run directory needs a migration
-(finetune/recipe/migrations.py, finetune/rundir/format.py), which the synthetic rename below exercises.
+process: `finetune chat`, `eval`, `merge`, `convert` and `export` (with the export extra), and the check `finetune
+train` makes before resuming (finetune.run.preflight.resume_step). A change that breaks one of them for an old run
+directory needs a migration (finetune/recipe/migrations.py, finetune/rundir/format.py), which the synthetic rename
+below exercises.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
 from pathlib import Path
@@ -65,7 +67,7 @@ def old_run(request, tmp_path) -> Path:
     return relocated_copy(REPO / "tests" / "fixtures" / "rundirs" / request.param, tmp_path)
 
 
-def test_an_old_run_directory_is_format_1_and_chats_evaluates_merges_and_converts(old_run, tmp_path, tiny_dir, cli):
+def test_an_old_run_directory_is_format_1_and_chats_evaluates_merges_converts_and_exports(old_run, tmp_path, tiny_dir, cli):
     from safetensors.torch import load_file
 
     assert run_format.recorded_version(old_run / "recipe.yaml") == run_format.UNVERSIONED == 1
@@ -85,6 +87,10 @@ def test_an_old_run_directory_is_format_1_and_chats_evaluates_merges_and_convert
     assert done.returncode == 0, done.stderr[-2000:]
     assert (merged / "finetune_recipe.yaml").is_file() and not (merged / "finetune_format.json").exists()
     assert_merged_is_base_plus_adapter(merged, tiny_dir, old_run / "adapter")
+    if importlib.util.find_spec("conversion") is not None:  # llama.cpp's converter: the export extra
+        exported = cli("export", merged, "--gguf", "f16", "-o", tmp_path / "gguf", "--no-verify")
+        assert exported.returncode == 0, exported.stderr[-2000:]
+        assert "the Alpaca prompt the run trained with" in exported.stderr + exported.stdout
 
     converted = cli("convert", old_run / "checkpoint-4", "-o", tmp_path / "adapter-4")
     assert converted.returncode == 0, converted.stderr[-2000:]
