@@ -10,6 +10,8 @@ Each kernel runs in its own process, and its peak is the growth of the process's
 allocations. The hidden size changes the compute, not the logits' memory, so the default keeps it small.
 With float32 (the default here, for CPU speed) the head's output is already fp32: the default loss
 then has no separate 16-bit copy of the logits, which bf16 training would add.
+The tests run `measure` for both kernels on a tiny head in their own process (tests/test_entry_points.py): two
+fresh processes would import torch twice.
 """
 
 from __future__ import annotations

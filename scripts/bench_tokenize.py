@@ -31,6 +31,8 @@ every token of the result, is not: `_tokenized`):
   what the processes allocated;
 side by side with the ratios (finetune / reference) and the load average at the end of each side, and checks
 that both sides give the same number of sequences, tokens and trained tokens.
+The tests run both sides on 24 rows in their own process and `watch` on a small process tree
+(tests/test_entry_points.py): the workers' fresh processes would cost seconds.
 """
 
 from __future__ import annotations
