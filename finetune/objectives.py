@@ -87,6 +87,23 @@ PREFERENCE = tuple(o.name for o in OBJECTIVES.values() if o.section == "preferen
 TRL = tuple(o.name for o in OBJECTIVES.values() if o.uses_trl)
 
 
+# Data and training keys the SFT data path reads and TRL's trainers do not (lint R119 warns about them; a run's
+# recorded recipe leaves them out: finetune.rundir.layout.recorded_recipe).
+TRL_IGNORED: dict[tuple[str, str], str] = {
+    ("data", "packing"): "TRL's trainers keep each example apart in its own padded rows",
+    ("data", "padding_free"): "TRL's trainers keep each example apart in its own padded rows",
+    ("data", "mask_prompt"): "these losses score only the answers",
+    ("training", "loss_kernel"): "TRL's trainers compute their own log-probabilities",
+    ("training", "loss_chunk_tokens"): "TRL's trainers compute their own log-probabilities",
+}
+
+# The settings of a grpo.rewards entry each built-in reward reads (a user function reads only the data's columns).
+REWARD_SETTINGS: dict[str, frozenset[str]] = {
+    "exact_match": frozenset({"column"}), "number_match": frozenset({"column"}), "regex": frozenset({"pattern"}),
+    "length": frozenset({"target"}), "think_format": frozenset()}
+REWARD_SETTING_KEYS = ("column", "pattern", "target")
+
+
 def get(name: str) -> Objective:
     return OBJECTIVES[name]
 

@@ -25,7 +25,7 @@ DS_OPTIMIZERS = {"adamw": "AdamW", "adam": "Adam", "lion": "Lion", "adagrad": "A
 HF_OPTIMIZERS = {"sgd": "sgd", "adamw_bnb_8bit": "adamw_bnb_8bit"}
 
 # DeepSpeed prints every N steps; the Trainer already logs, so keep DeepSpeed quiet.
-_STEPS_PER_PRINT = 1_000_000
+STEPS_PER_PRINT = 1_000_000
 
 
 def render_deepspeed(recipe: Recipe, world_size: Optional[int] = None) -> dict[str, Any]:
@@ -51,7 +51,7 @@ def render_deepspeed(recipe: Recipe, world_size: Optional[int] = None) -> dict[s
     if t.optimizer in HF_OPTIMIZERS and ds.offload_optimizer != "none":
         # DeepSpeed refuses a client optimizer with offload unless told it may (lint flags this).
         config["zero_force_ds_cpu_optimizer"] = False
-    config["steps_per_print"] = _STEPS_PER_PRINT
+    config["steps_per_print"] = STEPS_PER_PRINT
     config["wall_clock_breakdown"] = False
     return deep_merge(config, ds.overrides)
 

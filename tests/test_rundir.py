@@ -77,3 +77,47 @@ def test_another_node_writing_the_shared_run_directory_is_waited_for(tmp_path):
     started = time.monotonic()
     _wait_for_another_node(tmp_path / "mine", timeout=20)
     assert time.monotonic() - started < 1
+
+
+SHIPPED_RECIPES = sorted((PACKAGE.parent / "recipes").rglob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", SHIPPED_RECIPES, ids=lambda p: p.relative_to(PACKAGE.parent / "recipes").as_posix())
+def test_a_runs_recorded_recipe_lints_as_its_recipe_and_reproduces_it(tmp_path, path, monkeypatch):
+    """Issue 34: runs/X/recipe.yaml (and merge's copy) failed lint and preflight with R118 on the `preference` /
+    `grpo` defaults finetune wrote. The record lints with no more findings than the recipe it came from, and
+    `finetune train runs/X/recipe.yaml`, read from inside the run directory, renders and resumes as the run."""
+    from finetune.lint import LintOptions, lint_paths
+    from finetune.recipe import load_recipe
+    from finetune.render import render_deepspeed, render_training_args
+    from finetune.rundir.layout import resolved_recipe, run_files
+    from finetune.rundir.resume_key import resume_fields
+
+    monkeypatch.chdir(tmp_path)  # the record must not depend on where the command ran
+    loaded = load_recipe(path)
+    world = loaded.recipe.world_size or 2
+    run = tmp_path / "runs" / "x"
+    run.mkdir(parents=True)
+    (run / RECIPE_FILE).write_text(run_files(loaded, run, world)[RECIPE_FILE])
+
+    def findings(file):
+        return {(f.rule, f.severity, f.key) for f in lint_paths([file], LintOptions()).findings if f.severity != "info"}
+
+    assert findings(run / RECIPE_FILE) <= findings(path)
+    again = load_recipe(run / RECIPE_FILE).recipe
+    assert resume_fields(resolved_recipe(again, run), world) == resume_fields(resolved_recipe(loaded.recipe, run), world)
+    assert render_deepspeed(again, world) == render_deepspeed(loaded.recipe, world)
+    assert render_training_args(again, str(run)) == render_training_args(loaded.recipe, str(run))
+
+
+def test_a_full_fine_tunes_lora_keys_do_not_block_its_resume():
+    """A full run's recipe.yaml leaves out the `lora` section it never read, so its resume key no longer holds
+    lora.*; a run directory written before (with them) still resumes, and a LoRA run's rank still counts."""
+    from finetune.rundir.resume_key import changed_fields, resume_fields
+
+    full = {"model": {"name_or_path": "org/m"}, "method": "full", "data": {"path": "org/d"}, "lora": {"r": 8}}
+    assert not any(key.startswith("lora.") for key in resume_fields(full, 2))
+    older = {**resume_fields(full, 2), "lora.r": 8, "lora.alpha": 16}
+    assert changed_fields(older, resume_fields(full, 2)) == []
+    lora = {**full, "method": "lora"}
+    assert changed_fields(resume_fields(lora, 2), resume_fields({**lora, "lora": {"r": 16}}, 2)) == ["lora.r: 8 -> 16"]

@@ -175,11 +175,19 @@ def test_training_arguments_use_the_current_names():
     assert training_arguments_kwargs(kwargs, old) == kwargs
 
 
-def test_json_safe_makes_strict_json():
+def test_json_safe_makes_strict_json_that_lints_clean(tmp_path):
+    # Issue 34: deepspeed.effective.json held steps_per_print "inf" (accelerate's float("inf") as a string), which
+    # DeepSpeed crashes on and lint called DS110.
+    from finetune.lint import LintOptions, lint_paths
+    from finetune.render import STEPS_PER_PRINT
     from finetune.train.callbacks import json_safe
 
     text = json.dumps(json_safe({"steps_per_print": float("inf"), "a": [1.5, float("nan")]}), allow_nan=False)
-    assert json.loads(text) == {"steps_per_print": "inf", "a": [1.5, "nan"]}
+    assert json.loads(text) == {"steps_per_print": STEPS_PER_PRINT, "a": [1.5, "nan"]}
+    config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "train_batch_size": 8,
+              "zero_optimization": {"stage": 3}, "steps_per_print": float("inf"), "wall_clock_breakdown": False}
+    (tmp_path / "deepspeed.effective.json").write_text(json.dumps(json_safe(config), allow_nan=False))
+    assert lint_paths([tmp_path / "deepspeed.effective.json"], LintOptions(hf=False)).findings == []
 
 
 def test_runner_accepts_the_deepspeed_launchers_local_rank():

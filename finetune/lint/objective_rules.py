@@ -60,22 +60,12 @@ def _reference_mode(loaded: LoadedRecipe) -> Iterator[RawFinding]:
                          "remove it, or set preference.reference.mode: model")
 
 
-# Data and training keys the SFT data path reads and TRL's trainers do not.
-TRL_IGNORED = {
-    ("data", "packing"): "TRL's trainers keep each example apart in its own padded rows",
-    ("data", "padding_free"): "TRL's trainers keep each example apart in its own padded rows",
-    ("data", "mask_prompt"): "these losses score only the answers",
-    ("training", "loss_kernel"): "TRL's trainers compute their own log-probabilities",
-    ("training", "loss_chunk_tokens"): "TRL's trainers compute their own log-probabilities",
-}
-
-
 @rule
 def trl_ignored_keys(loaded: LoadedRecipe) -> Iterator[RawFinding]:
     record = objectives.get(loaded.recipe.objective)
     if not record.uses_trl:
         return
-    ignored = dict(TRL_IGNORED)
+    ignored = dict(objectives.TRL_IGNORED)
     if not record.data_formats:
         ignored[("data", "format")] = (f"its rows are recognised by their columns ({'/'.join(record.columns)})")
     # Written by this file (or --set): a DPO recipe may extend an SFT one whose data section it replaces.
@@ -132,18 +122,14 @@ def grpo_rewards(loaded: LoadedRecipe) -> Iterator[RawFinding]:
     yield from _groups(loaded)
 
 
-_SETTINGS = {"exact_match": {"column"}, "number_match": {"column"}, "regex": {"pattern"}, "length": {"target"},
-             "think_format": set()}
-
-
 def _reward_settings(loaded: LoadedRecipe, spec, key: tuple) -> Iterator[RawFinding]:
     if spec.weight == 0 and len(loaded.recipe.grpo.rewards) > 1:
         yield RawFinding("R121", "warning", (*key, "weight"), f"reward {spec.function} has weight 0: it is computed "
                          "and logged but does not change the training", "remove it, or give it a weight")
-    reads = _SETTINGS.get(spec.function, set())  # a user function reads only the data's columns
+    reads = objectives.REWARD_SETTINGS.get(spec.function, frozenset())
     written = loaded.raw.get("grpo", {}).get("rewards", [])
     item = written[key[-1]] if isinstance(written, list) and key[-1] < len(written) else {}
-    for setting in ("column", "pattern", "target"):
+    for setting in objectives.REWARD_SETTING_KEYS:
         if isinstance(item, dict) and setting in item and setting not in reads:
             yield RawFinding("R121", "warning", (*key, setting), f"`{setting}` is not read by reward {spec.function}",
                              "remove it")

@@ -326,12 +326,13 @@ def written_here(loaded: LoadedRecipe, *key: str) -> bool:
 
 @rule
 def ignored_sections(loaded: LoadedRecipe) -> Iterator[RawFinding]:
+    from finetune.recipe.schema import METHOD_SECTIONS
+
     method = loaded.recipe.method
-    if method != "qlora" and written_here(loaded, "quantization"):
-        yield RawFinding("R111", "warning", ("quantization",), f"`quantization` is ignored with method: {method}",
-                         "remove it, or set method: qlora")
-    if method == "full" and written_here(loaded, "lora"):
-        yield RawFinding("R111", "warning", ("lora",), "`lora` is ignored with method: full", "remove it, or set method: lora")
+    for section, methods in METHOD_SECTIONS.items():
+        if method not in methods and written_here(loaded, section):
+            yield RawFinding("R111", "warning", (section,), f"`{section}` is ignored with method: {method}",
+                             f"remove it, or set method: {methods[0]}")
 
 
 @rule

@@ -358,6 +358,10 @@ class HardwareSection(_Section):
         return value
 
 
+# The sections only some methods read (lint R111 warns when another method's recipe writes one).
+METHOD_SECTIONS: dict[str, tuple[str, ...]] = {"lora": ("lora", "qlora"), "quantization": ("qlora",)}
+
+
 class Recipe(_Section):
     """A fine-tuning recipe."""
 

@@ -1,7 +1,8 @@
 """The run directory `finetune train` writes before launch: everything the ranks (and later `convert`,
 `merge` and resume) read about the run, so it describes itself.
 
-    RUN/recipe.yaml          the resolved recipe (extends and --set applied, local paths absolute)
+    RUN/recipe.yaml          the resolved recipe (extends and --set applied, local paths absolute, the
+                             defaults of settings this objective and method do not read left out)
     RUN/deepspeed.json       finetune.render.render_deepspeed(recipe, real world size)
     RUN/training_args.json   finetune.render.render_training_args(recipe, output_dir=RUN)
     RUN/resume_key.json      what a resumed run must share with this one (finetune.rundir.resume_key)
@@ -44,7 +45,90 @@ def resolved_recipe(recipe: Recipe, run_dir: Path) -> dict[str, Any]:
             section[key] = str(Path(value).expanduser().absolute())
     if data["launch"].get("hostfile"):
         data["launch"]["hostfile"] = str(Path(data["launch"]["hostfile"]).expanduser().absolute())
+    for reward in data["grpo"]["rewards"]:
+        # `file.py:function`, rebased onto the recipe's folder when loaded: absolute, so that the record read from
+        # inside the run directory names the same file (issue 34).
+        file, _, function = reward["function"].rpartition(":")
+        if file.endswith(".py"):
+            reward["function"] = f"{Path(file).expanduser().absolute()}:{function}"
     return data
+
+
+def recorded_recipe(recipe: Recipe, run_dir: Path) -> dict[str, Any]:
+    """resolved_recipe without what nothing reads with this objective and method: the record lints as the recipe
+    did (issue 34: it failed R118 on the `preference` and `grpo` defaults finetune wrote). The sections another
+    method reads go whole; elsewhere only values equal to their default are left out, so the file reads back as
+    a recipe that renders, plans and resumes as this one."""
+    from finetune.recipe.schema import METHOD_SECTIONS
+
+    data = resolved_recipe(recipe, run_dir)
+    for section, methods in METHOD_SECTIONS.items():
+        if recipe.method not in methods:
+            del data[section]
+    for path in unused_keys(recipe):
+        _drop_defaults(data, path, _default_at(recipe, path))
+    return data
+
+
+def unused_keys(recipe: Recipe) -> list[tuple]:
+    """Key paths nothing reads with this recipe's objective, adapter, rewards and checkpointing (what lint's R104,
+    R118, R119, R120 and R121 warn about when a recipe writes them; R111's sections: recorded_recipe)."""
+    from finetune import objectives
+    from finetune.recipe.schema import PreferenceSection, GrpoSection
+
+    record = objectives.get(recipe.objective)
+    sections = sorted({o.section for o in objectives.OBJECTIVES.values() if o.section})
+    keys: list[tuple] = [(s,) for s in sections if s != record.section]
+    fields = {"preference": PreferenceSection.model_fields, "grpo": GrpoSection.model_fields}.get(record.section or "", {})
+    keys += [(record.section, k) for k in fields if k not in record.keys]
+    if record.uses_trl:
+        keys += list(objectives.TRL_IGNORED)
+        if not record.data_formats:
+            keys += [("data", "format")] + [("data", "sources", i, "format") for i in range(len(recipe.data.sources or []))]
+    if recipe.model.adapter is not None:
+        keys.append(("lora",))  # the adapter keeps its own rank, alpha and targets
+    for i, spec in enumerate(recipe.grpo.rewards):
+        reads = objectives.REWARD_SETTINGS.get(spec.function, frozenset())
+        keys += [("grpo", "rewards", i, k) for k in objectives.REWARD_SETTING_KEYS if k not in reads]
+    t = recipe.training
+    if not t.gradient_checkpointing or (recipe.method != "full" and recipe.deepspeed.stage == 3):
+        keys.append(("training", "gradient_checkpointing_reentrant"))  # finetune.render.reentrant_checkpointing
+    return keys
+
+
+def _default_at(recipe: Recipe, path: tuple) -> Any:
+    """The schema's default for `path` (list items: a source, or a reward with this recipe's function)."""
+    from finetune.recipe.schema import RewardSection, SourceSection
+
+    if path[:2] == ("data", "sources"):
+        node: Any = SourceSection(path="-").model_dump(mode="json")
+        path = path[3:]
+    elif path[:2] == ("grpo", "rewards"):
+        node = RewardSection(function=recipe.grpo.rewards[path[2]].function).model_dump(mode="json")
+        path = path[3:]
+    else:
+        node = Recipe.model_validate({"model": {"name_or_path": "-"}, "data": {"path": "-"}}).model_dump(mode="json")
+    for part in path:
+        node = node[part]
+    return node
+
+
+def _drop_defaults(data: dict[str, Any], path: tuple, default: Any) -> None:
+    """Delete data[path] where it equals `default`; in a mapping, the keys that do (and the mapping once empty)."""
+    parent: Any = data
+    for part in path[:-1]:
+        parent = parent[part]
+    key = path[-1]
+    if not isinstance(parent, dict) or key not in parent:
+        return
+    value = parent[key]
+    if isinstance(value, dict) and isinstance(default, dict):
+        for sub in [k for k in value if k in default]:
+            _drop_defaults(value, (sub,), default[sub])
+        if not value:
+            del parent[key]
+    elif value == default:
+        del parent[key]
 
 
 def dump_yaml(data: dict[str, Any], header: str = "") -> str:
@@ -65,7 +149,7 @@ def run_files(loaded: LoadedRecipe, run_dir: Path, world_size: int) -> dict[str,
     recipe = loaded.recipe
     run_dir = Path(run_dir).absolute()
     header = (f"# The recipe this run trained, written by `finetune train` from {Path(loaded.path).absolute()}\n"
-              f"# (extends and --set applied, every default written out, local paths absolute).\n")
+              f"# (extends and --set applied, every default it reads written out, local paths absolute).\n")
     from finetune.rundir.format import format_text
     from finetune.rundir.names import FORMAT_FILE
     from finetune.rundir.resume_key import RESUME_KEY_FILE, resume_fields, resume_key_text
@@ -78,7 +162,7 @@ def run_files(loaded: LoadedRecipe, run_dir: Path, world_size: int) -> dict[str,
         RESUME_KEY_FILE: resume_key_text(resume_fields(resolved, world_size)),
         DEEPSPEED_FILE: dumps(render_deepspeed(recipe, world_size)),
         TRAINING_ARGS_FILE: dumps(render_training_args(recipe, output_dir=str(run_dir))),
-        RECIPE_FILE: dump_yaml(resolved, header),
+        RECIPE_FILE: dump_yaml(recorded_recipe(recipe, run_dir), header),
     }
 
 

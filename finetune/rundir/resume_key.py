@@ -49,7 +49,8 @@ def objective_section(name: Any) -> Optional[str]:
 
 def resume_fields(resolved: dict[str, Any], world_size: int) -> dict[str, Any]:
     """The resume-relevant values of a resolved recipe (finetune.rundir.layout.resolved_recipe)."""
-    keys = RESUME_KEYS + (QLORA_KEYS if resolved.get("method") == "qlora" else ())
+    keys = tuple(k for k in RESUME_KEYS if not _unread(k, resolved.get("method")))
+    keys += QLORA_KEYS if resolved.get("method") == "qlora" else ()
     fields: dict[str, Any] = {key: _lookup(resolved, key) for key in keys}
     for key, default in KEYS_IF_SET.items():
         if _lookup(resolved, key) not in (None, default):
@@ -86,10 +87,18 @@ def read_resume_key(run_dir: Path) -> Optional[dict[str, Any]]:
     return fields if isinstance(fields, dict) else None
 
 
+def _unread(key: str, method: Any) -> bool:
+    """A LoRA key of a full fine-tune: nothing reads it (a run's recipe.yaml leaves the section out)."""
+    return method == "full" and key.startswith("lora.")
+
+
 def changed_fields(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
-    """`key: old -> new` for every field that differs."""
+    """`key: old -> new` for every field that differs (a full fine-tune's LoRA keys, which run directories written
+    before issue 34 kept, are not compared)."""
     changes = []
     for key in sorted(set(old) | set(new)):
+        if _unread(key, old.get("method")) and _unread(key, new.get("method")):
+            continue
         if old.get(key) != new.get(key):
             label = "world size (processes)" if key == "world_size" else key
             changes.append(f"{label}: {_show(old.get(key))} -> {_show(new.get(key))}")

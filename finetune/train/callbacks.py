@@ -121,11 +121,20 @@ class LossPlot(TrainerCallback):
 
 
 def json_safe(value: Any) -> Any:
-    """Replace inf/nan (accelerate sets steps_per_print to inf) by strings: strict JSON has neither."""
-    if isinstance(value, float) and (value != value or value in (float("inf"), float("-inf"))):
+    """Replace inf/nan by strings: strict JSON has neither. accelerate sets steps_per_print to inf to keep DeepSpeed
+    quiet; DeepSpeed crashes on the string "inf" (lint DS110, issue 34), so it gets render's own quiet count and the
+    file stays a config DeepSpeed runs."""
+    from finetune.render import STEPS_PER_PRINT
+
+    if _non_finite(value):
         return str(value)
     if isinstance(value, dict):
-        return {k: json_safe(v) for k, v in value.items()}
+        return {k: STEPS_PER_PRINT if k == "steps_per_print" and _non_finite(v) else json_safe(v)
+                for k, v in value.items()}
     if isinstance(value, list):
         return [json_safe(v) for v in value]
     return value
+
+
+def _non_finite(value: Any) -> bool:
+    return isinstance(value, float) and (value != value or value in (float("inf"), float("-inf")))
