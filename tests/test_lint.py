@@ -6,10 +6,11 @@ import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from finetune.lint import LintOptions, lint_paths
+from finetune.lint import LintOptions, lint_paths, report
 from finetune.lint.recipe_rules import RULES as RECIPE_RULES
 from tests.conftest import MINIMAL, REPO, run_cli
 
@@ -205,6 +206,37 @@ def test_directories_are_searched_recursively(tmp_path):
     result = lint_paths([tmp_path])
     assert sorted(p.rsplit("/", 1)[-1] for p in result.files) == ["deep.yaml", "ok.json"]
     assert any(f.rule == "R005" for f in result.findings)
+
+
+def test_a_project_folder_lints_its_recipes_and_deepspeed_configs_not_finetunes_outputs(tmp_path):
+    """Issue 34: `finetune lint .` read every JSON under runs/ and merged/ as a DeepSpeed config (123 files, 259
+    errors). Run directories and merged models below the folder are skipped, so is JSON that is not a DeepSpeed
+    config, and the summary says how many; a run directory named on the command line is linted, and clean."""
+    from finetune.recipe import load_recipe
+    from finetune.rundir.layout import write_run_dir
+
+    recipe = tmp_path / "demo.yaml"
+    recipe.write_text((REPO / "recipes" / "demo.yaml").read_text().replace("data/demo", str(REPO / "recipes/data/demo")))
+    run = write_run_dir(load_recipe(recipe), tmp_path / "runs" / "demo", world_size=2)
+    (run / "tokenizer").mkdir()
+    (run / "tokenizer" / "tokenizer_config.json").write_text('{"model_max_length": 64, "pad_token": "<pad>"}')
+    merged = tmp_path / "merged" / "demo"
+    merged.mkdir(parents=True)
+    (merged / "finetune_recipe.yaml").write_text((run / "recipe.yaml").read_text())
+    (merged / "config.json").write_text('{"architectures": ["LlamaForCausalLM"], "hidden_size": 64}')
+    (tmp_path / "ds.json").write_text('{"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": 1}')
+    (tmp_path / "rows.json").write_text('[{"instruction": "a", "output": "b"}]')
+    (tmp_path / "trainer_state.json").write_text('{"global_step": 3, "train_batch_size": 4, "log_history": []}')
+
+    result = lint_paths([tmp_path])
+    assert sorted(Path(p).name for p in result.files) == ["demo.yaml", "ds.json"]
+    assert result.errors == []
+    assert report.render(result).splitlines()[-1].endswith(
+        "; skipped 2 JSON files that are not DeepSpeed configs, 1 merged model, 1 run directory "
+        "(name a file or folder to lint it)")
+    named = lint_paths([run])
+    assert sorted(Path(p).name for p in named.files) == ["deepspeed.json", "recipe.yaml"]
+    assert [f for f in named.findings if f.severity != "info"] == []
 
 
 def test_json_and_github_formats(write_recipe):

@@ -12,7 +12,6 @@ each rule's key path into `file:line:col`:
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Optional
@@ -20,8 +19,8 @@ from typing import Iterable, Optional
 from finetune.recipe import LoadedRecipe, RecipeProblem, load_recipe, parse_size
 from finetune.recipe.yamlio import DocumentError, load_json, read_text
 
-RECIPE_SUFFIXES = (".yaml", ".yml")
-DS_SUFFIXES = (".json",)
+from finetune.lint.files import DS_SUFFIXES, RECIPE_SUFFIXES, discover  # noqa: F401 (re-exported)
+
 SEVERITIES = ("error", "warning", "info")
 
 PLAN_RULES: dict[str, str] = {
@@ -64,6 +63,7 @@ class LintOptions:
 class LintResult:
     findings: list[Finding] = field(default_factory=list)
     files: list[str] = field(default_factory=list)
+    skipped: dict[tuple[str, str], int] = field(default_factory=dict)  # finetune.lint.files.discover: what and how many
 
     @property
     def errors(self) -> list[Finding]:
@@ -79,32 +79,13 @@ class LintResult:
         return 0
 
 
-def discover(paths: Iterable[Path]) -> list[Path]:
-    """Files to lint: the given files, and recipes/configs found recursively in given directories."""
-    found: list[Path] = []
-    for path in paths:
-        path = Path(path)
-        if path.is_dir():
-            for root, dirs, files in os.walk(path):
-                dirs[:] = sorted(d for d in dirs if not d.startswith((".", "__")) and d != "node_modules")
-                for name in sorted(files):
-                    if name.endswith(RECIPE_SUFFIXES + DS_SUFFIXES) and not name.startswith("."):
-                        found.append(Path(root) / name)
-        else:
-            found.append(path)
-    seen, unique = set(), []
-    for path in found:
-        if path not in seen:
-            seen.add(path)
-            unique.append(path)
-    return unique
-
-
 def lint_paths(paths: Iterable[Path], options: Optional[LintOptions] = None) -> LintResult:
     options = options or LintOptions()
     result = LintResult()
     reference = _reference_training_args(options, result)
-    for path in discover(paths):
+    found = discover(paths)
+    result.skipped = found.skipped
+    for path in found.files:
         result.files.append(str(path))
         if path.suffix in DS_SUFFIXES:
             result.findings.extend(lint_deepspeed_file(path, options, reference))

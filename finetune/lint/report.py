@@ -24,11 +24,15 @@ def _text_line(f: Finding) -> str:
 
 
 def _summary(result: LintResult) -> str:
+    from finetune.lint.files import skipped_text
+
     files_with = len({f.path for f in result.findings if f.severity != "info"})
     n_files = len(result.files)
+    skipped = skipped_text(result.skipped)
     return (f"{n_files} file{'s' if n_files != 1 else ''} checked, {files_with} with problems: "
             f"{len(result.errors)} error{'s' if len(result.errors) != 1 else ''}, "
-            f"{len(result.warnings)} warning{'s' if len(result.warnings) != 1 else ''}")
+            f"{len(result.warnings)} warning{'s' if len(result.warnings) != 1 else ''}"
+            + (f"; {skipped}" if skipped else ""))
 
 
 def _text(result: LintResult) -> str:
@@ -43,6 +47,7 @@ def _json(result: LintResult) -> str:
         "findings": [f.to_dict() for f in result.findings],
         "errors": len(result.errors),
         "warnings": len(result.warnings),
+        "skipped": {several: n for (_, several), n in result.skipped.items()},
     }
     return json.dumps(payload, indent=2) + "\n"
 
