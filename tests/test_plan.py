@@ -762,3 +762,45 @@ def test_whole_deepspeed_step_on_one_rank_against_the_plan(probed):
                   for p in ("backward", "step")}
         assert phases["step"] == pytest.approx(got["step"], rel=0.03), (case["stage"], phases, got)
         assert 0 <= phases["backward"] / got["backward"] - 1 <= 0.05, (case["stage"], phases, got)
+
+
+def test_recommend_never_trains_bf16_on_a_card_without_it():
+    """Issue 34: `plan --set hardware.gpu_type=P40 --recommend` recommended the recipe's bf16; the plan says so
+    and every setup --recommend tries is float16 (the same bytes), with the keys to set. An A100 keeps bf16."""
+    from finetune.plan.recommendation import recommendation_overrides
+
+    setup = qlora_setup("llama-3-8b", stage=2, gpus_per_node=2, gpu_memory=24 * GiB, gpu_type="Tesla P40")
+    assert any("P40 has no bf16" in note for note in plan(setup).notes)
+    advice = recommend(setup)
+    assert {r.setup.dtype for r in advice.tried} == {"float16"}
+    assert recommendation_overrides(advice)[:3] == ["model.dtype=float16", "quantization.compute_dtype=float16",
+                                                    "quantization.storage_dtype=float16"]
+    ampere = recommend(Setup(**{**setup.__dict__, "gpu_type": "A100"}))
+    assert {r.setup.dtype for r in ampere.tried} == {"bfloat16"} and not any("bf16" in n for n in plan(ampere.current.setup).notes)
+    from typer.testing import CliRunner
+    from finetune.cli import app
+
+    out = CliRunner().invoke(app, ["plan", "--model", "llama-3-8b", "--method", "lora", "--gpu-memory", "24GiB",
+                                   "--gpu-type", "T4", "--recommend", "--format", "json"])
+    data = json.loads(out.stdout)
+    assert data["recommendation"]["chosen"]["dtype"] == "float16" and "T4 has no bf16" in data["notes"][-1]
+
+
+def test_recommend_quotes_its_table_shows_its_choice_and_offers_a_larger_micro_batch():
+    """Issue 34: a why line quoted ZeRO-3 and ZeRO-2 totals of the chunked-loss variants (9.21 against 8.17 GiB)
+    while the table showed the recipe's loss (12.07, 11.03); the recommended setup was missing from the table when
+    its micro batch differed; GiBs to spare never suggested a larger micro batch."""
+    import re
+
+    setup = qlora_setup("llama-3-8b", stage=2, gpus_per_node=2, gpu_memory=48 * GiB, gradient_accumulation=2)
+    advice = recommend(setup)
+    text = advice.render_text()
+    table = text.split("tried (")[1]
+    zero3 = next(r for r in advice.reasons if r.startswith("ZeRO-3 needs more than ZeRO-2"))
+    for number in re.findall(r"\((\d+\.\d\d) against (\d+\.\d\d) GiB\)", zero3)[0]:
+        assert f" {number} " in table, (number, table)
+    assert advice.chosen.setup.micro_batch == 2  # accumulation 2 absorbs it: the rows per step stay
+    assert "<- recommended" in next(line for line in table.splitlines() if "micro batch 2" in line)
+    assert advice.larger is not None and advice.larger.setup.micro_batch > 2 and advice.larger.fits
+    assert f"micro batch {advice.larger.setup.micro_batch} fits too" in text
+    assert "<- fits too" in next(line for line in table.splitlines() if f"micro batch {advice.larger.setup.micro_batch}" in line)

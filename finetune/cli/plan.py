@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import List, Optional
 
@@ -20,6 +21,7 @@ def plan(
     nodes: Optional[int] = typer.Option(None, "--nodes", min=1, help="Machines (default: launch.nodes)."),
     gpu_memory: Optional[str] = typer.Option(None, "--gpu-memory", help="Memory per GPU, e.g. 24GiB (default: hardware.gpu_memory)."),
     cpu_memory: Optional[str] = typer.Option(None, "--cpu-memory", help="RAM per node, e.g. 256GiB (default: hardware.cpu_memory)."),
+    gpu_type: Optional[str] = typer.Option(None, "--gpu-type", help="GPU model, e.g. A100, RTX 4070, P40 (default: hardware.gpu_type): a card without bf16 is planned and recommended in float16."),
     fmt: str = typer.Option("text", "--format", help="text or json."),
     recommend: bool = typer.Option(False, "--recommend", help="Try ZeRO stages x offload x micro batch; print the fastest setup that fits."),
     model: Optional[str] = typer.Option(None, "--model", help="config.json (or its directory), an architecture (llama-3-8b, qwen2.5-7b, ...) or a parameter count (7.5B: model states only)."),
@@ -74,6 +76,8 @@ def plan(
         the_recipe = planner.recipe_without_file(sets)
     setup = planner.setup_from_recipe(the_recipe, gpus, gpu_bytes, nodes, cpu_bytes, deepspeed=zero != "none",
                                       data_lengths=recipe is not None and seq_len is None)
+    if gpu_type is not None:
+        setup = replace(setup, gpu_type=gpu_type)
     result = planner.plan(setup)
     advice = planner.recommend(setup, the_recipe.training.gradient_accumulation_steps) if recommend else None
     traced = _trace(setup, the_recipe.model.name_or_path) if trace else None

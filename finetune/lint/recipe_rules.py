@@ -7,7 +7,6 @@ recipe key path (the engine turns it into file:line:col).
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -56,13 +55,6 @@ NO_POSITION_IDS_MODEL_TYPES = frozenset({
     "mamba2", "marian", "mbart", "mpt", "mvp", "pegasus", "plbart", "prophetnet", "roformer", "rwkv", "trocr",
     "xlstm",
 })
-
-# GPUs before Ampere (compute capability < 8.0) have no bf16 and no FlashAttention-2.
-_PRE_AMPERE = re.compile(
-    r"\b(v100|t4|p40|p100|p4|p6|k80|k40|m40|m60|titan\s*(v|xp?|rtx)|quadro\s*rtx|gtx\s*\d+|rtx\s*20\d\d|tesla\s*[kmp]\d*)\b",
-    re.IGNORECASE,
-)
-
 
 Rule = Callable[[LoadedRecipe], Iterator[RawFinding]]
 _RULES: list[Rule] = []
@@ -128,9 +120,11 @@ def zero3_gather_on_save(loaded: LoadedRecipe) -> Iterator[RawFinding]:
 
 @rule
 def pre_ampere_features(loaded: LoadedRecipe) -> Iterator[RawFinding]:
+    from finetune.plan.planner import pre_ampere
+
     r = loaded.recipe
     gpu = r.hardware.gpu_type if r.hardware else None
-    if not gpu or not _PRE_AMPERE.search(gpu):
+    if not pre_ampere(gpu):
         return
     if r.model.dtype == "bfloat16":
         yield RawFinding("R103", "error", ("model", "dtype"), f"{gpu} has no bf16 support (needs compute capability 8.0+)",

@@ -40,6 +40,7 @@ def plan(setup: Setup) -> PlanResult:
         terms += backward_end_terms(setup, terms)
         cpu += offloaded
         notes += _moe_notes(setup)
+    notes += bf16_note(setup)
     terms += _overhead(setup, groups, terms)
     cpu += _cpu_base(setup, groups)
     return PlanResult(setup, terms, cpu, notes, complete, trainable)
@@ -133,6 +134,32 @@ def _history(setup: Setup, transient: int, terms: list[Term]) -> list[Term]:
             size = max(0, room)
             note += "; up to the GPU's memory (the cache is freed before an allocation fails)"
     return [Term("overhead", "allocator history", size, phase="backward", counter="reserved", note=note)]
+
+
+# GPUs before Ampere (compute capability < 8.0) have no bf16 and no FlashAttention-2 (lint R103 reads it too).
+_PRE_AMPERE = re.compile(
+    r"\b(v100|t4|p40|p100|p4|p6|k80|k40|m40|m60|titan\s*(v|xp?|rtx)|quadro\s*rtx|gtx\s*\d+|rtx\s*20\d\d|tesla\s*[kmp]\d*)\b",
+    re.IGNORECASE,
+)
+
+
+def pre_ampere(gpu_type: Optional[str]) -> bool:
+    """A GPU named as one before Ampere: no bf16, no FlashAttention (an unknown GPU is not one)."""
+    return bool(gpu_type) and _PRE_AMPERE.search(gpu_type) is not None
+
+
+def bf16_note(setup: Setup) -> list[str]:
+    """What a bf16 setup on a card without bf16 must change (the memory is the same in float16)."""
+    if setup.dtype != "bfloat16" or not pre_ampere(setup.gpu_type):
+        return []
+    sets = " ".join(f"--set {s}" for s in FLOAT16_SETS[setup.method == "qlora"])
+    return [f"{setup.gpu_type} has no bf16 (compute capability below 8.0): train in float16, which needs the same "
+            f"memory ({sets})"]
+
+
+# The recipe keys that move a bf16 run to float16 (QLoRA: its 4-bit matmuls and, equal under ZeRO-3, its storage).
+FLOAT16_SETS = {False: ("model.dtype=float16",),
+                True: ("model.dtype=float16", "quantization.compute_dtype=float16", "quantization.storage_dtype=float16")}
 
 
 def is_hopper(gpu_type: Optional[str]) -> bool:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 from finetune.plan.constants import MiB
-from finetune.plan.planner import plan
+from finetune.plan.planner import FLOAT16_SETS, bf16_note, plan
 from finetune.plan.result import PlanResult, gib
 from finetune.plan.setup import PlanError, Setup, overflow_as_plan_error
 
@@ -51,18 +51,22 @@ class Recommendation:
     tried: list[PlanResult]
     reasons: list[str]
     gradient_accumulation_steps: Optional[int] = None
+    larger: Optional[PlanResult] = None  # a larger micro batch that fits too (larger_micro_batch)
 
     def to_json(self) -> dict[str, Any]:
         c = self.chosen
         return {
             "chosen": None if c is None else {
-                "zero": c.setup.stage, "offload_optimizer": c.setup.offload_optimizer,
+                "zero": c.setup.stage, "dtype": c.setup.dtype, "offload_optimizer": c.setup.offload_optimizer,
                 "offload_param": c.setup.offload_param, "micro_batch": c.setup.micro_batch,
                 "gradient_checkpointing": c.setup.gradient_checkpointing, "loss_kernel": c.setup.loss_kernel,
                 "gradient_accumulation_steps": self.gradient_accumulation_steps,
                 "per_gpu": c.per_gpu, "cpu": c.cpu, "headroom": c.headroom,
                 "set": recommendation_overrides(self)},
             "reasons": self.reasons,
+            "larger_micro_batch": None if self.larger is None else {
+                "micro_batch": self.larger.setup.micro_batch, "total": self.larger.per_gpu["total"],
+                "upper_bound": self.larger.upper_bound},
             "tried": [{"zero": r.setup.stage, "offload_optimizer": r.setup.offload_optimizer,
                        "offload_param": r.setup.offload_param, "micro_batch": r.setup.micro_batch,
                        "gradient_checkpointing": r.setup.gradient_checkpointing, "loss_kernel": r.setup.loss_kernel,
@@ -91,14 +95,34 @@ class Recommendation:
         lines.append("")
         lines.append("  tried (GiB per GPU: estimate, upper bound; micro batch " + str(self.current.setup.micro_batch)
                      + ", checkpointing as in the recipe):")
-        for r in self.tried:
+        cur = self.current.setup
+        shown = [r for r in self.tried if _as_recipe(r.setup, cur)]
+        shown += [r for r in (self.chosen, self.larger) if r is not None and r not in shown]
+        for r in shown:
             s = r.setup
-            if s.micro_batch != self.current.setup.micro_batch or s.loss_kernel != self.current.setup.loss_kernel or \
-                    s.gradient_checkpointing != self.current.setup.gradient_checkpointing:
-                continue
-            what = _short(s, self.current.setup.max_live_parameters)
-            lines.append(f"    {what:<56}{gib(r.per_gpu['total']):>7}{gib(r.upper_bound):>7}  {'fits' if r.fits else 'no'}")
+            what = _short(s, cur.max_live_parameters) + _differences(s, cur)
+            mark = {id(self.chosen): "  <- recommended", id(self.larger): "  <- fits too (more rows per step)"}
+            lines.append(f"    {what:<56}{gib(r.per_gpu['total']):>7}{gib(r.upper_bound):>7}  "
+                         f"{'fits' if r.fits else 'no'}{mark.get(id(r), '')}")
         return "\n".join(lines) + "\n"
+
+
+def _as_recipe(s: Setup, cur: Setup) -> bool:
+    """A tried setup with the recipe's micro batch, checkpointing and loss: one row of the table."""
+    return (s.micro_batch, s.loss_kernel, s.gradient_checkpointing) == \
+        (cur.micro_batch, cur.loss_kernel, cur.gradient_checkpointing)
+
+
+def _differences(s: Setup, cur: Setup) -> str:
+    """', micro batch 4, no checkpointing, chunked loss' where a table row differs from the recipe."""
+    out = []
+    if s.micro_batch != cur.micro_batch:
+        out.append(f"micro batch {s.micro_batch}")
+    if s.gradient_checkpointing != cur.gradient_checkpointing:
+        out.append("checkpointing" if s.gradient_checkpointing else "no checkpointing")
+    if s.loss_kernel != cur.loss_kernel:
+        out.append(f"{s.loss_kernel} loss")
+    return "".join(f", {part}" for part in out)
 
 
 def _short(s: Setup, live_default: Optional[int] = None) -> str:
@@ -119,7 +143,7 @@ def recommendation_overrides(rec: Recommendation) -> list[str]:
     if rec.chosen is None:
         return []
     a, b = rec.current.setup, rec.chosen.setup
-    out = []
+    out = list(FLOAT16_SETS[a.method == "qlora"]) if b.dtype != a.dtype else []
     if b.stage != a.stage:
         out.append(f"deepspeed.stage={b.stage}")
     if b.offload_optimizer != a.offload_optimizer:
@@ -140,14 +164,19 @@ def recommendation_overrides(rec: Recommendation) -> list[str]:
 
 
 def candidates(setup: Setup) -> list[Setup]:
-    """Stages 0-3 x offload {none, optimizer, optimizer + params} x micro batch (halving down to 1)
-    x gradient checkpointing on/off x the chunked loss (when the recipe's is the default), and for
+    """Stages 0-3 x offload {none, optimizer, optimizer + params} x micro batch (halving down to 1, and doubling
+    while gradient accumulation keeps the rows per step) x gradient checkpointing on/off x the chunked loss (when the recipe's is the default), and for
     ZeRO-3 a smaller stage3_max_live_parameters. speed_key ranks these cheap fixes before offload."""
     micro = []
     m = setup.micro_batch
     while m >= 1:
         micro.append(m)
         m //= 2
+    # Larger micro batches that gradient accumulation absorbs (the rows per step stay): fewer, fuller steps.
+    rows, m = setup.micro_batch * setup.gradient_accumulation, setup.micro_batch * 2
+    while m <= rows and rows % m == 0:
+        micro.insert(0, m)
+        m *= 2
     kernels = [setup.loss_kernel] + (["chunked"] if setup.loss_kernel == "default" else [])
     out = []
     for stage in (0, 1, 2, 3):
@@ -173,7 +202,9 @@ def recommend(setup: Setup, accumulation: Optional[int] = None) -> Recommendatio
     if setup.gpu_memory is None:
         raise PlanError("--recommend needs the GPU memory: --gpu-memory 24GiB or hardware.gpu_memory in the recipe")
     current = plan(setup)
-    tried = [plan(c) for c in candidates(setup)]
+    # Never a bf16 setup on a card without bf16 (issue 34): the candidates train in float16, the same bytes.
+    base = replace(setup, dtype="float16") if bf16_note(setup) else setup
+    tried = [plan(c) for c in candidates(base)]
     # `fits` is decided on each candidate's upper bound (finetune/plan/bound.py): the margin for what the
     # estimate misses is the bound's width, measured on the corpus, not a share of the GPU.
     fitting = sorted((r for r in tried if r.fits), key=lambda r: speed_key(r.setup))
@@ -183,8 +214,21 @@ def recommend(setup: Setup, accumulation: Optional[int] = None) -> Recommendatio
         # Keep the sequences per optimizer step: micro batch x accumulation x GPUs.
         steps = max(1, math.ceil(setup.micro_batch * accumulation / chosen.setup.micro_batch))
     rec = Recommendation(current, chosen, tried, [], steps)
+    rec.larger = larger_micro_batch(chosen) if chosen is not None else None
     rec.reasons = explain(rec)
     return rec
+
+
+def larger_micro_batch(chosen: PlanResult, doublings: int = 3) -> Optional[PlanResult]:
+    """The largest of 2x, 4x, 8x the chosen micro batch that still fits, or None: GiB to spare buy fuller steps,
+    but more rows per step than the recipe's (gradient accumulation cannot absorb it), so it is a suggestion."""
+    larger = None
+    for k in range(1, doublings + 1):
+        result = plan(replace(chosen.setup, micro_batch=chosen.setup.micro_batch * 2 ** k))
+        if not result.fits:
+            break
+        larger = result
+    return larger
 
 
 def explain(rec: Recommendation) -> list[str]:
@@ -200,9 +244,9 @@ def explain(rec: Recommendation) -> list[str]:
         out.append(f"{needs}, and {gib(cur.cpu['total'])} GiB of CPU memory of {gib(s.cpu_memory)} GiB: it does not fit.")
     else:
         out.append(f"{needs}: it does not fit, {gib(-cur.headroom)} GiB over.")
+    # The table's rows (render_text): the numbers quoted below are the ones it shows.
     base = {(r.setup.stage, r.setup.offload_optimizer, r.setup.offload_param): r for r in rec.tried
-            if r.setup.micro_batch == s.micro_batch and r.setup.gradient_checkpointing == s.gradient_checkpointing
-            and r.setup.max_live_parameters == s.max_live_parameters}
+            if _as_recipe(r.setup, s) and r.setup.max_live_parameters == s.max_live_parameters}
     zero0 = base.get((0, "none", "none"))
     for stage in (1, 2):
         r = base.get((stage, "none", "none"))
@@ -248,6 +292,7 @@ def explain(rec: Recommendation) -> list[str]:
         out.append(f"The loss alone needs {gib(cur.per_gpu['logits'])} GiB ({s.micro_batch} x {s.seq_len} tokens "
                    f"x a vocabulary of {s.arch.vocab:,} x 12 bytes); a smaller micro batch shrinks it"
                    + (", and so does the chunked loss (--set training.loss_kernel=chunked)." if s.loss_kernel == "default" else "."))
+    out += [f"{note}; every setup tried does." for note in bf16_note(s)]
     out.append("Only setups whose upper bound fits count as fitting: the estimate widened by how far published "
                "measurements of such setups came out above it (docs/plan.md, 'The bound').")
     chosen = rec.chosen
@@ -260,4 +305,10 @@ def explain(rec: Recommendation) -> list[str]:
                    "communication), then those that compute more per token: checkpointing recomputes the forward "
                    f"(x4/3), a micro batch of t tokens keeps the GPU busy about t/(t + {SATURATION_TOKENS}) of the "
                    "time, the chunked loss recomputes the output head.")
+    if rec.larger is not None and chosen is not None:
+        m, big = chosen.setup.micro_batch, rec.larger
+        out.append(f"With {gib(chosen.headroom)} GiB to spare, micro batch {big.setup.micro_batch} fits too "
+                   f"({gib(big.per_gpu['total'])} GiB, upper bound {gib(big.upper_bound)}): fuller steps, "
+                   f"{big.setup.micro_batch // m}x the rows per optimizer step, so the learning rate may want retuning "
+                   f"(--set training.micro_batch_size={big.setup.micro_batch}).")
     return out
