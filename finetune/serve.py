@@ -175,10 +175,11 @@ def trained_template_file(folder: Path, tokenizer_dir: Optional[Path], recipe) -
     """FOLDER/trained_chat_template.jinja holding the prompt the run trained with, written when it differs from
     the tokenizer's own template (the demo: Alpaca vs `<|user|>`); None when the tokenizer's is the trained one,
     or the run trained on plain text (no chat template to give a server)."""
-    from finetune.data.formats import alpaca_chat_template, chat_format
+    from finetune.data.formats import alpaca_chat_template
+    from finetune.data.show import trained_format
     from finetune.fsutil import write_atomic
 
-    fmt = chat_format(recipe)
+    fmt = trained_format(recipe)
     tokenizer_template = _tokenizer_template(tokenizer_dir)
     if fmt == "alpaca":
         trained = alpaca_chat_template()

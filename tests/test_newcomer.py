@@ -569,3 +569,32 @@ def test_init_reads_the_format_off_the_first_row_and_never_overwrites(tmp_path):
     (tmp_path / "d.yaml").write_text("mine\n")
     out = run_cli("init", "--data", tmp_path / "d.jsonl")
     assert out.returncode == 1 and "exists" in out.stderr and (tmp_path / "d.yaml").read_text() == "mine\n"
+
+
+@pytest.mark.parametrize("row, objective", [
+    ({"prompt": "What is 7 plus 0?", "chosen": "7.", "rejected": "No."}, "dpo"),
+    ({"prompt": "What is 7 plus 0?", "completion": "7.", "label": True}, "kto"),
+    ({"prompt": "What is 7 plus 0?", "solution": "7"}, "grpo"),
+    ({"question": "What is 7 plus 0?"}, "grpo"),
+    ({"question": "What is 7 plus 0?", "answer": "7"}, "sft"),
+])
+def test_init_writes_the_objective_its_rows_train_and_epochs_that_learn(tmp_path, row, objective):
+    """Issue 34: init on prompt/chosen/rejected rows wrote an SFT recipe that trained on `chosen` ("lint: no
+    problems"); its `epochs: 1` on 200 rows was 25 steps, and nothing said so."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from finetune.cli import app
+    from finetune.lint import LintOptions, lint_paths
+    from finetune.recipe import load_recipe
+
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(row) + "\n" for _ in range(200)))
+    out = CliRunner().invoke(app, ["init", "--data", str(tmp_path / "d.jsonl")])
+    assert out.exit_code == 0, out.output
+    recipe = load_recipe(tmp_path / "d.yaml").recipe
+    assert recipe.objective == objective
+    assert [f for f in lint_paths([tmp_path / "d.yaml"], LintOptions()).findings if f.severity != "info"] == []
+    per_step = 1 if objective == "grpo" else 8  # grpo: a step's 8 completions are one prompt's group
+    assert recipe.training.epochs * 200 / per_step >= 100 or recipe.training.epochs == 10
+    assert f"200 rows x {recipe.training.epochs:g} = " in out.output and "lint: no problems" in out.output

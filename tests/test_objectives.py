@@ -53,9 +53,9 @@ def test_lint_keys_are_exactly_the_keys_training_passes_to_trl(name):
 @pytest.mark.parametrize("name", objectives.TRL)
 def test_trl_classes_exist_and_take_the_keys(name):
     pytest.importorskip("trl")
-    from finetune.train.preference import _trl, config_kwargs
+    from finetune.train.preference import config_kwargs, trl_classes
 
-    config_class, trainer_class = _trl(_recipe(name))
+    config_class, trainer_class = trl_classes(_recipe(name))
     assert (config_class.__name__, trainer_class.__name__) == (objectives.get(name).trl_config,
                                                                objectives.get(name).trl_trainer)
     fields = {f.name for f in dataclasses.fields(config_class)}

@@ -252,7 +252,7 @@ def test_trl_configs_accept_those_keys():
     pytest.importorskip("trl")
     import dataclasses
 
-    from finetune.train.preference import _trl
+    from finetune.train.preference import trl_classes
     from finetune.recipe import Recipe
 
     for objective, keys in (("dpo", {"beta", "loss_type", "precompute_ref_log_probs", "label_smoothing"}),
@@ -262,7 +262,7 @@ def test_trl_configs_accept_those_keys():
                             ("simpo", {"beta", "max_completion_length", "loss_type", "simpo_gamma", "cpo_alpha",
                                        "label_smoothing"})):
         recipe = Recipe.model_validate({"model": {"name_or_path": "m"}, "data": {"path": "d"}, "objective": objective})
-        fields = {f.name for f in dataclasses.fields(_trl(recipe)[0])}
+        fields = {f.name for f in dataclasses.fields(trl_classes(recipe)[0])}
         assert keys | {"max_length"} <= fields, (objective, keys - fields)
 
 
@@ -352,3 +352,52 @@ def test_preference_rows_refuse_unknown_roles_and_name_a_null_column():
     assert problem(row) == "`prompt`[0]: unknown role `narrator` (known: system, user, assistant, tool)"
     assert problem({"prompt": "q", "chosen": None, "rejected": "b"}) == "`chosen` is null"
     assert problem({"prompt": "q", "rejected": "b"}).startswith("no `chosen` column")
+
+
+@pytest.mark.parametrize("name", ["dpo_lora_zero3", "orpo_lora", "simpo_lora", "kto_lora", "reward_full_zero2",
+                                  "grpo_lora_zero3"])
+def test_data_show_prints_each_sequence_trl_makes_of_a_row(name):
+    """Issue 34: `data show` refused every preference recipe. It now shows what the objective's TRL code makes of
+    the row: the chosen and rejected answers (kto: the completion) as the trained tokens after the prompt; a
+    reward model's sequences whole; a GRPO prompt with nothing trained."""
+    from finetune.builtin import resolve_model_path
+    from finetune.data.show import TRAINED_END, TRAINED_START
+    from finetune.tokenizer import load_tokenizer
+    from finetune.train.show_rows import show_rows
+
+    recipe = load_recipe(TINY / f"{name}.yaml").recipe
+    tokenizer = load_tokenizer(recipe, resolve_model_path(recipe.model.name_or_path))
+    first = json.loads(recipe.data.path and Path(recipe.data.path).read_text().splitlines()[0])
+    shown = show_rows(recipe, tokenizer)
+    if recipe.objective == "grpo":
+        assert len(shown) == 1 and shown[0].trained == 0 and first["instruction"] in shown[0].text
+        return
+    answers = [first["chosen"], first["rejected"]] if "chosen" in first else [first["completion"]]
+    assert [s.where.split()[1] for s in shown] == (["chosen", "rejected"] if "chosen" in first else ["completion"])
+    for one, answer in zip(shown, answers):
+        content = answer[-1]["content"] if isinstance(answer, list) else answer
+        if recipe.objective == "reward":
+            assert one.trained == 0 and content in one.text
+        else:
+            assert one.trained > 0 and f"{TRAINED_START}{content}" in one.text and one.text.endswith(TRAINED_END)
+
+
+def test_a_preference_runs_prompt_format_is_named_and_a_change_from_its_sft_run_is_flagged(tmp_path):
+    """Issue 34: SFT on the Alpaca prompt, then DPO on text rows, changed the prompt format silently, and chat
+    said "messages (as the run trained)". Lint (R120, so preflight too) says so; chat names the rows' format."""
+    from finetune.rundir.layout import write_run_dir
+    from finetune.data.show import trained_format
+    from finetune.use.chat import format_why
+
+    sft = write_run_dir(load_recipe(TINY / "lora_zero3.yaml"), tmp_path / "runs" / "sft", world_size=2)
+    (tmp_path / "text.jsonl").write_text(json.dumps({"prompt": "What is 7 plus 0?", "chosen": "7.", "rejected": "No."}) + "\n")
+    recipe = tmp_path / "dpo.yaml"
+    recipe.write_text(f"extends: {TINY / 'dpo_lora_zero3.yaml'}\nmodel: {{adapter: {sft}}}\ndata: {{path: text.jsonl}}\n")
+    found = [f for f in lint_paths([recipe], LintOptions()).findings if f.rule == "R120" and f.severity == "warning"]
+    assert len(found) == 1 and "trained on Alpaca prompts, these dpo rows are plain text" in found[0].message
+    loaded = load_recipe(recipe).recipe
+    assert trained_format(loaded) == "text" and format_why(loaded) == "as the run trained: its text prompts as written"
+    messages = load_recipe(TINY / "dpo_lora_zero3.yaml").recipe
+    assert trained_format(messages) == "messages" and "its rows were chat messages" in format_why(messages)
+    recipe.write_text(f"extends: {TINY / 'dpo_lora_zero3.yaml'}\nmodel: {{adapter: {sft}}}\n")  # chat rows: they differ too
+    assert [f.rule for f in lint_paths([recipe], LintOptions()).findings if f.severity == "warning"] == ["R120"]

@@ -82,6 +82,8 @@ def chat(
 
 
 def _format_why(source, fmt: Optional[str]) -> str:
+    from finetune.use.chat import format_why
+
     if fmt is not None:
         return "--format"
-    return "as the run trained" if source.recipe is not None else "the model's own"
+    return format_why(source.recipe) if source.recipe is not None else "the model's own"

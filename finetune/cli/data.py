@@ -19,7 +19,9 @@ def show(
     overrides: Optional[List[str]] = typer.Option(None, "--set", help=SET_HELP),
 ) -> None:
     """Tokenize one row with the recipe's tokenizer, format, max_length and masking, and print it with the
-    tokens the loss trains on between [[ and ]] (everything else is context the model only reads).
+    tokens the loss trains on between [[ and ]] (everything else is context the model only reads). For dpo, orpo,
+    simpo, kto and reward recipes: each sequence TRL's trainer makes of the row (chosen and rejected); grpo: the
+    prompt the completions are generated from.
 
     Example:
 
@@ -42,11 +44,20 @@ def show(
         tokenizer = load_tokenizer(loaded.recipe, resolve_model_path(loaded.recipe.model.name_or_path))
     except (OSError, ValueError) as exc:
         raise fail(f"cannot load the tokenizer of {loaded.recipe.model.name_or_path}: {str(exc).splitlines()[0]}") from None
-    shown = show_example(loaded.recipe, tokenizer, row)
-    cut = f"; cut at data.max_length {loaded.recipe.data.max_length}" if shown.truncated else ""
-    typer.echo(f"{shown.where} ({shown.fmt}): {shown.tokens} tokens, {shown.trained} trained "
-               f"(between {TRAINED_START} {TRAINED_END}){cut}")
-    typer.echo(shown.text)
+    if loaded.recipe.objective == "sft":
+        shown = [show_example(loaded.recipe, tokenizer, row)]
+    else:
+        from finetune.train.show_rows import show_rows
+
+        shown = show_rows(loaded.recipe, tokenizer, row)
+    for one in shown:
+        cut = f"; cut at data.max_length {loaded.recipe.data.max_length}" if one.truncated else ""
+        what = f"{one.trained} trained (between {TRAINED_START} {TRAINED_END})" if one.trained else {
+            "prompts": "the completions are generated from it",
+            "pairs": "scored whole (the score head reads its last token)"}.get(one.fmt, "0 trained")
+        typer.echo(f"{one.where} ({loaded.recipe.objective if one.fmt in ('pairs', 'prompts') else one.fmt}): "
+                   f"{one.tokens} tokens, {what}{cut}")
+        typer.echo(one.text)
 
 
 data_app.command("show")(handled(show))

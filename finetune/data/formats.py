@@ -151,11 +151,13 @@ def alpaca_chat_template() -> str:
             "{% endfor %}")
 
 
-def chat_format(recipe) -> str:
+def chat_format(recipe, rows_kind: Optional[str] = None) -> str:
     """How to prompt a model trained on `recipe`'s data (chat, export, serve): the chat template when any source
-    was a conversation (sharegpt trains through it too), else the format of its sources."""
-    if recipe.objective not in ("sft", "grpo"):  # TRL renders message rows with the chat template (text rows: --format text)
-        return "messages"
+    was a conversation (sharegpt trains through it too), else the format of its sources. TRL's objectives prompt
+    with their rows as they are: `rows_kind` (finetune.data.show.prompt_kind: messages, alpaca or text; None when
+    the rows are not here: the chat template)."""
+    if recipe.objective not in ("sft", "grpo"):
+        return rows_kind if rows_kind in ("alpaca", "text") else "messages"
     formats = recipe.data.source_formats()  # grpo: prompts read from these formats (a `prompt` column: messages)
     return "messages" if any(f in ("messages", "sharegpt", "prompt") for f in formats) else formats[0]
 

@@ -184,3 +184,4 @@ def load_rows(data: Any, objective: str, seed: int):
     except MixError as exc:
         raise DataError(str(exc)) from None
     return datasets.Dataset.from_list([per_source[s][i] for s, i in mixture(shares, seed)])
+

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from finetune.errors import FinetuneError
 
@@ -33,23 +33,9 @@ class Shown:
 
 def show_example(recipe, tokenizer, row_number: int = 1) -> Shown:
     """Row `row_number` (1-based) of the recipe's first local source, tokenized as training does with
-    `tokenizer` (the run's: finetune.tokenizer.load_tokenizer)."""
-    from finetune.data.sources import SourceProblem, data_files, is_local, sources_of
-    from finetune.data.validate import BadRow, iter_rows
-
-    if recipe.objective != "sft":
-        raise ShowError(f"objective {recipe.objective}: `data show` shows SFT rows (preference rows are checked by "
-                        "`finetune train`'s preflight)")
-    source = next((s for s in sources_of(recipe.data) if is_local(s.path)), None)
-    if source is None:
-        raise ShowError("no local data source in the recipe (hub data sets are read at launch)")
-    try:
-        files = data_files(Path(source.path).expanduser(), source.split)
-    except SourceProblem as exc:
-        raise ShowError(str(exc)) from None
-    row, where = _nth_row((r for f in files for r in iter_rows(f)), row_number, source.path)
-    if isinstance(row, BadRow):
-        raise ShowError(f"{where}: {row.message}")
+    `tokenizer` (the run's: finetune.tokenizer.load_tokenizer). SFT only: TRL's objectives tokenize their rows
+    themselves (finetune.train.show_rows)."""
+    row, where, source = nth_row(recipe, row_number)
     from finetune.data.formats import RowProblem
     from finetune.data.tokenize import tokenize_examples
 
@@ -63,6 +49,25 @@ def show_example(recipe, tokenizer, row_number: int = 1) -> Shown:
     ids, labels = rows[0]["input_ids"], rows[0]["labels"]
     return Shown(where, source.format, len(ids), sum(1 for label in labels if label != -100),
                  marked_text(tokenizer, ids, labels), len(ids) >= recipe.data.max_length)
+
+
+def nth_row(recipe, row_number: int) -> tuple[Any, str, Any]:
+    """(row, `file:line`, source) of row `row_number` (1-based) of the recipe's first local source, its source
+    read as the recipe's objective reads it (finetune.data.sources.sources_of)."""
+    from finetune.data.sources import SourceProblem, data_files, is_local, sources_of
+    from finetune.data.validate import BadRow, iter_rows
+
+    source = next((s for s in sources_of(recipe.data, recipe.objective) if is_local(s.path)), None)
+    if source is None:
+        raise ShowError("no local data source in the recipe (hub data sets are read at launch)")
+    try:
+        files = data_files(Path(source.path).expanduser(), source.split)
+    except SourceProblem as exc:
+        raise ShowError(str(exc)) from None
+    row, where = _nth_row((r for f in files for r in iter_rows(f)), row_number, source.path)
+    if isinstance(row, BadRow):
+        raise ShowError(f"{where}: {row.message}")
+    return row, where, source
 
 
 def _nth_row(rows, number: int, path: str) -> tuple[Any, str]:
@@ -82,3 +87,40 @@ def marked_text(tokenizer, ids: list[int], labels: list[int]) -> str:
             out.append(f"{TRAINED_START}{text}{TRAINED_END}" if labels[start] != -100 else text)
             start = end
     return "".join(out)
+
+
+# The prompt format a run trains with, read off its rows (chat names it; lint R120 compares it with the SFT run a
+# preference run continues).
+
+
+def prompt_kind(recipe) -> Optional[str]:
+    """How TRL prompts the model with a preference recipe's rows: "messages" (chat template), "alpaca" (text
+    prompts written as the Alpaca prompt), "text" (as written), or None when the first local row is not here."""
+    from finetune.data.formats import ALPACA_PROMPT, RowProblem, to_example
+
+    try:
+        row, _, source = nth_row(recipe, 1)
+        prompt = to_example(row, source.spec).values.get("prompt")
+    except (ShowError, RowProblem, OSError, ValueError):
+        return None
+    if isinstance(prompt, list):
+        return "messages"
+    if isinstance(prompt, str):
+        return "alpaca" if prompt.startswith(ALPACA_PROMPT.split("{")[0]) else "text"
+    return None
+
+
+def trained_format(recipe) -> str:
+    """finetune.data.formats.chat_format, for a preference run from the kind of its rows (issue 34: SFT on the
+    Alpaca prompt, then DPO on text rows, and chat said "messages (as the run trained)")."""
+    from finetune.data.formats import chat_format
+
+    preference = recipe.objective not in ("sft", "grpo")
+    return chat_format(recipe, prompt_kind(recipe) if preference else None)
+
+
+def sft_prompt_kind(formats: list[str]) -> str:
+    """The same for an SFT run's data formats: a conversation trains through the chat template."""
+    from finetune.data.formats import CHAT_FORMATS
+
+    return "messages" if any(f in CHAT_FORMATS for f in formats) else formats[0]

@@ -87,9 +87,9 @@ def prompt_format(source: ExportSource) -> str:
     """How the run prompted its model: alpaca, messages or text; `messages` for a model without a recipe."""
     if source.recipe is None:
         return "messages"
-    from finetune.data.formats import chat_format
+    from finetune.data.show import trained_format
 
-    return chat_format(source.recipe)
+    return trained_format(source.recipe)
 
 
 def context_length(source: ExportSource) -> Optional[int]:

@@ -5,6 +5,7 @@ trainers ignore, GRPO's rewards and groups. What each objective reads is finetun
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Iterator
 
 from finetune import objectives
@@ -80,6 +81,37 @@ def trl_ignored_keys(loaded: LoadedRecipe) -> Iterator[RawFinding]:
             yield RawFinding("R116", "error", (*key, "format"),
                              f"objective {record.name} reads formats {', '.join(record.data_formats)}, not {block.format}",
                              f"set format: {record.data_formats[0]}")
+
+
+_KIND_NAMES = {"messages": "chat messages (through the chat template)", "alpaca": "Alpaca prompts",
+               "text": "plain text"}
+
+
+@rule
+def continued_prompt_format(loaded: LoadedRecipe) -> Iterator[RawFinding]:
+    """A preference run continuing an SFT run's adapter should prompt as the SFT run trained (issue 34: SFT on
+    alpaca, then DPO on text rows, changed the prompt format silently)."""
+    from finetune.data.show import prompt_kind, sft_prompt_kind
+    from finetune.rundir.run_dir import RunDir, RunDirError
+
+    r = loaded.recipe
+    if objectives.get(r.objective).section != "preference" or r.model.adapter is None:
+        return
+    adapter = Path(r.model.adapter).expanduser()
+    run = next((RunDir(p) for p in (adapter, adapter.parent) if RunDir(p).is_run()), None)
+    try:
+        before = sft_prompt_kind(run.recipe().data.source_formats()) if run is not None else None
+    except RunDirError:
+        before = None
+    now = prompt_kind(r) if before is not None else None
+    if before is None or now is None or before == now or (before == "text" and now == "alpaca"):
+        return
+    yield RawFinding("R120", "warning", ("model", "adapter"),
+                     f"{run.path} trained on {_KIND_NAMES[before]}, these {r.objective} rows are {_KIND_NAMES[now]}: "
+                     "the model learns a second prompt format (and chat prompts it with this one)",
+                     {"messages": "write the rows' prompt, chosen and rejected as lists of {role, content} messages",
+                      "alpaca": "write each text prompt as the Alpaca prompt (### Instruction: ... ### Response:)",
+                      "text": "write the rows as plain text"}[before])
 
 
 @rule

@@ -38,7 +38,7 @@ def columns(recipe: Recipe) -> tuple[str, ...]:
     return objectives.get(recipe.objective).columns
 
 
-def _trl(recipe: Recipe) -> tuple[Any, Any]:
+def trl_classes(recipe: Recipe) -> tuple[Any, Any]:
     import importlib
     import warnings
 
@@ -54,7 +54,7 @@ def arguments(recipe: Recipe, training_arguments_class, kwargs: dict[str, Any]):
     """TrainingArguments for sft; TRL's config class (a subclass) with the objective's keys otherwise."""
     if not objectives.get(recipe.objective).uses_trl:
         return training_arguments_class(**kwargs)
-    return _trl(recipe)[0](**{**kwargs, **config_kwargs(recipe)})
+    return trl_classes(recipe)[0](**{**kwargs, **config_kwargs(recipe)})
 
 
 # One function per objective: the TRL config keys the recipe sets, only those the objective reads (lint R118
@@ -197,7 +197,7 @@ def load_reference(recipe: Recipe, model_path: str):
 
 
 def make_trainer(recipe: Recipe, model, ref_model, peft_config, args, train_set, eval_set, tokenizer, callbacks):
-    _, trainer_class = _trl(recipe)
+    _, trainer_class = trl_classes(recipe)
     trainer_class = _counting_pairs(trainer_class)
     kwargs: dict[str, Any] = {"model": model, "args": args, "train_dataset": train_set, "eval_dataset": eval_set,
                               "processing_class": tokenizer, "callbacks": callbacks, "peft_config": peft_config}

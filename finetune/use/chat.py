@@ -23,6 +23,7 @@ from typing import Any, Callable, Optional
 from finetune.errors import FinetuneError
 from finetune.recipe import Recipe
 from finetune.data.formats import chat_format  # noqa: F401  (re-exported: chat's callers ask it here)
+from finetune.data.show import trained_format
 from finetune.rundir.run_dir import (  # noqa: F401  (no_model_yet: used below)
     ADAPTER_CONFIG, ADAPTER_WEIGHTS, MERGED_RECIPE, MODEL_CONFIG, RunDir, RunDirError, command_line, no_model_yet,
     read_recipe,
@@ -79,8 +80,22 @@ def resolve_source(path: Optional[Path], base: Optional[str] = None, adapter: Op
     else:
         raise ChatError(f"{path}: not a run directory ({RunDir(path).recipe_path.name}), a model ({MODEL_CONFIG}) "
                         f"or an adapter ({ADAPTER_CONFIG})")
-    source.fmt = fmt or (chat_format(source.recipe) if source.recipe is not None else "messages")
+    source.fmt = fmt or (trained_format(source.recipe) if source.recipe is not None else "messages")
     return source
+
+
+def format_why(recipe) -> str:
+    """Why chat prompts this run's model the way trained_format says (printed beside the format)."""
+    from finetune.data.show import prompt_kind
+
+    if recipe.objective in ("sft", "grpo"):
+        return "as the run trained"
+    kind = prompt_kind(recipe)
+    if kind is None:
+        return (f"the {recipe.objective} run's rows are not readable here, so the chat template; "
+                "--format text if its prompts were plain text")
+    return "as the run trained: " + {"messages": "its rows were chat messages", "alpaca": "its text prompts were "
+                                     "Alpaca prompts", "text": "its text prompts as written"}[kind]
 
 
 def _run_source(run: RunDir, base: Optional[str], adapter: Optional[Path]) -> Source:
