@@ -30,6 +30,19 @@ def _one_extensions_folder() -> None:
 
 _one_extensions_folder()
 
+
+def _no_hub_requests() -> None:
+    """The tests never touch the network: preflight's look-up of a hub model id (finetune.run.hub) is off for the
+    session and its subprocesses; tests/test_preflight.py turns it on with huggingface_hub mocked."""
+    import os
+
+    from finetune.run.hub import CHECK_ENV
+
+    os.environ[CHECK_ENV] = "0"
+
+
+_no_hub_requests()
+
 MINIMAL = """\
 model:
   name_or_path: org/some-model

@@ -327,3 +327,73 @@ def test_the_template_check_stops_at_its_budget_and_says_so(workspace):
     result = Preflight()
     chat_template_step(recipe, result, budget=0.0)
     assert not result.errors and "data.chat_template: rendered on the first 0 row(s) in 0 s" in result.notes[0]
+
+
+@pytest.fixture
+def hub(monkeypatch):
+    """The hub look-up on, with huggingface_hub's model_info answering from `hub.known` (no network)."""
+    import types
+
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import RepositoryNotFoundError
+
+    from finetune.run.hub import CHECK_ENV
+
+    state = types.SimpleNamespace(known={"meta-llama/Meta-Llama-3-8B-Instruct"}, calls=[], network=True)
+
+    def model_info(self, repo_id, revision=None, timeout=None, **_):
+        state.calls.append((repo_id, timeout))
+        if not state.network:
+            raise ConnectionError("[Errno -2] Name or service not known")
+        if repo_id not in state.known:
+            error = RepositoryNotFoundError.__new__(RepositoryNotFoundError)  # its __init__ wants an httpx response
+            Exception.__init__(error, f"404 Client Error: Repository Not Found for url: .../{repo_id}")
+            raise error
+        return types.SimpleNamespace(id=repo_id, gated=False)
+
+    monkeypatch.setenv(CHECK_ENV, "1")
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(HfApi, "model_info", model_info)
+    monkeypatch.setattr("finetune.run.hub._cached", lambda repo_id, revision: False)
+    return state
+
+
+def test_a_misspelled_hub_id_is_refused_before_launch_with_did_you_mean_and_leaves_nothing(workspace, hub, monkeypatch):
+    """Issue 34: `Meta-Llama-3-8B-Instuct` passed preflight, then 47-50 s of retries, "cannot write the run
+    directory", an empty run directory, no suggestion. Now one request with a short timeout and one line."""
+    from finetune.run.hub import TIMEOUT
+
+    out = workspace / "out"
+    result = train(recipe_file(workspace, model="meta-llama/Meta-Llama-3-8B-Instuct"), "--output-dir", out)
+    assert result.exit_code == 1
+    assert ("model meta-llama/Meta-Llama-3-8B-Instuct: not found on the Hugging Face Hub (a private one needs "
+            "HF_TOKEN); did you mean meta-llama/Meta-Llama-3-8B-Instruct?") in result.stderr
+    assert hub.calls == [("meta-llama/Meta-Llama-3-8B-Instuct", TIMEOUT)] and not out.exists()
+    right = train(recipe_file(workspace, model="meta-llama/Meta-Llama-3-8B-Instruct"), "--output-dir", out, "--dry-run")
+    assert right.exit_code == 0, right.output
+    assert "on the Hugging Face Hub, not in the local cache: downloaded at launch" in right.stderr
+
+
+def test_a_hub_id_offline_is_refused_with_one_line_that_says_so(workspace, hub, monkeypatch):
+    out = workspace / "out"
+    hub.network = False
+    result = train(recipe_file(workspace, model="meta-llama/Meta-Llama-3-8B-Instruct"), "--output-dir", out)
+    assert result.exit_code == 1 and not out.exists()
+    assert "the Hub cannot be reached: offline? (ConnectionError: [Errno -2] Name or service not known)" in result.stderr
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    result = train(recipe_file(workspace, model="meta-llama/Meta-Llama-3-8B-Instuct"), "--output-dir", out)
+    assert result.exit_code == 1 and not out.exists() and len(hub.calls) == 1  # offline: no request at all
+    assert ("not in the local Hugging Face cache, and HF_HUB_OFFLINE is set: offline, it cannot be downloaded; "
+            "did you mean meta-llama/Meta-Llama-3-8B-Instruct?") in result.stderr
+
+
+def test_every_shipped_recipes_hub_model_is_in_the_planners_table_of_ids():
+    from finetune.plan.archs import HUB_IDS, match_hub_id
+    from finetune.recipe.references import is_model_path
+
+    known = {i: name for name, ids in HUB_IDS.items() for i in ids}
+    assert all(match_hub_id(i).name == name for i, name in known.items())
+    for path in (Path(__file__).parent.parent / "recipes").rglob("*.yaml"):
+        model = load_recipe(path).recipe.model.name_or_path
+        if not model.startswith("builtin:") and not is_model_path(model):
+            assert model in known, path

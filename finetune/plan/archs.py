@@ -229,6 +229,28 @@ BUILTIN: tuple[Arch, ...] = (
 )
 BY_NAME = {a.name: a for a in BUILTIN}
 
+# The Hub ids of each architecture above (base and instruct/chat): preflight's did-you-mean for a hub id the Hub
+# does not know (finetune.run.hub; tests/test_plan.py checks each maps back to its architecture, and that every
+# shipped recipe's hub model is here).
+HUB_IDS: dict[str, tuple[str, ...]] = {
+    "llama-2-7b": ("meta-llama/Llama-2-7b-hf", "meta-llama/Llama-2-7b-chat-hf"),
+    "llama-2-13b": ("meta-llama/Llama-2-13b-hf", "meta-llama/Llama-2-13b-chat-hf"),
+    "llama-2-70b": ("meta-llama/Llama-2-70b-hf", "meta-llama/Llama-2-70b-chat-hf"),
+    "llama-3-8b": ("meta-llama/Meta-Llama-3-8B", "meta-llama/Meta-Llama-3-8B-Instruct"),
+    "llama-3-70b": ("meta-llama/Meta-Llama-3-70B", "meta-llama/Meta-Llama-3-70B-Instruct"),
+    "llama-3.1-8b": ("meta-llama/Llama-3.1-8B", "meta-llama/Llama-3.1-8B-Instruct"),
+    "llama-3.1-70b": ("meta-llama/Llama-3.1-70B", "meta-llama/Llama-3.1-70B-Instruct"),
+    **{f"qwen2.5-{size.lower()}": (f"Qwen/Qwen2.5-{size}", f"Qwen/Qwen2.5-{size}-Instruct")
+       for size in ("0.5B", "1.5B", "3B", "7B", "14B", "32B", "72B")},
+    "mistral-7b-v0.3": ("mistralai/Mistral-7B-v0.3", "mistralai/Mistral-7B-Instruct-v0.3"),
+    "mistral-7b": ("mistralai/Mistral-7B-v0.1", "mistralai/Mistral-7B-Instruct-v0.2"),
+    "gemma-2-2b": ("google/gemma-2-2b", "google/gemma-2-2b-it"),
+    "gemma-2-9b": ("google/gemma-2-9b", "google/gemma-2-9b-it"),
+    "gemma-2-27b": ("google/gemma-2-27b", "google/gemma-2-27b-it"),
+    "mixtral-8x7b": ("mistralai/Mixtral-8x7B-v0.1", "mistralai/Mixtral-8x7B-Instruct-v0.1"),
+    "qwen1.5-moe-a2.7b": ("Qwen/Qwen1.5-MoE-A2.7B", "Qwen/Qwen1.5-MoE-A2.7B-Chat"),
+}
+
 
 def match_hub_id(name: str) -> Optional[Arch]:
     """The built-in architecture a hub id (or a table name) refers to, or None.

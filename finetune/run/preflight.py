@@ -297,10 +297,12 @@ def model_step(recipe: Recipe, result: Preflight) -> None:
     elif is_model_path(reference):
         _local_model(reference, "model.name_or_path", result)
     else:
-        result.warnings.append(f"model {reference}: {_hub_note(reference, recipe.model.revision)}")
+        _hub_model("model", reference, recipe.model.revision, result)
     tokenizer = recipe.model.tokenizer
     if tokenizer and is_model_path(tokenizer) and not Path(tokenizer).expanduser().is_dir():
         result.errors.append(f"model.tokenizer {tokenizer}: directory does not exist")
+    elif tokenizer and not is_model_path(tokenizer) and tokenizer != reference:
+        _hub_model("model.tokenizer", tokenizer, None, result)
     if recipe.model.adapter:
         from finetune.rundir.run_dir import adapter_problem
 
@@ -334,17 +336,12 @@ def _local_model(reference: str, key: str, result: Preflight) -> None:
         result.notes.append(f"model {reference}: local directory")
 
 
-def _hub_note(repo_id: str, revision: Optional[str]) -> str:
-    """Hub ids are downloaded at launch; say whether the local HF cache already has the config."""
-    try:
-        from huggingface_hub import try_to_load_from_cache
+def _hub_model(key: str, repo_id: str, revision: Optional[str], result: Preflight) -> None:
+    """A hub id: in the local cache, or on the Hub (finetune.run.hub); else one line that stops the launch."""
+    from finetune.run.hub import hub_model_problem
 
-        cached = try_to_load_from_cache(repo_id, MODEL_CONFIG, revision=revision)
-    except Exception:  # not a valid repo id, or huggingface_hub missing: the download will tell
-        cached = None
-    if isinstance(cached, str):
-        return "a hub id, found in the local Hugging Face cache"
-    return "a hub id, not in the local cache: it will be downloaded at launch (needs network, and HF_TOKEN for gated models)"
+    problem, note = hub_model_problem(repo_id, revision)
+    (result.errors if problem else result.warnings).append(f"{key} {repo_id}: {problem or note}")
 
 
 # ----------------------------------------------------------------------------------------------
