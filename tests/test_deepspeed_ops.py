@@ -246,3 +246,89 @@ def test_doctor_build_ops_failure_is_one_line(cache, monkeypatch):
     assert result.exit_code == 1, result.output
     assert result.output.splitlines()[-1] == (f"error: compiling {CPU_COMM_OP} failed: RuntimeError: ninja: build "
                                               "stopped: subcommand failed.")
+
+
+def _built(build_dir: Path, seconds_log: int | None = None) -> None:
+    import torch
+
+    (build_dir / f"{build_dir.name}.so").write_bytes(b"")
+    (build_dir / "build.ninja").write_text(f"cflags = -isystem {Path(torch.__file__).parent / 'include'}\n")
+    if seconds_log is not None:  # ninja's own log: start, end (ms), mtime, output, hash
+        (build_dir / ".ninja_log").write_text(f"# ninja log v5\n5\t{seconds_log * 1000 - 900}\t1\tshm.o\tab\n"
+                                              f"{seconds_log * 1000 - 900}\t{seconds_log * 1000}\t1\t{build_dir.name}.so\tcd\n")
+
+
+def test_a_rebuild_of_a_built_op_is_announced_with_its_last_build_time(cache, tmp_path):
+    """Issue 34: a recompile of an op that was built ran 58 s in silence under "loading model"."""
+    import shutil
+
+    _built(cache / CPU_COMM_OP, seconds_log=58)
+    watch = BuildWatch(cache, [CPU_COMM_OP])
+    assert watch.notes() == [] and watch.poll() == []
+    compiler = tmp_path / "cc1plus"  # what g++ runs; a no-op ninja run at every load starts none
+    shutil.copy(shutil.which("sleep"), compiler)
+    running = subprocess.Popen([str(compiler), "60"], cwd=cache / CPU_COMM_OP)
+    try:
+        for _ in range(50):  # /proc shows the new process's name once it has exec'd
+            if Path(f"/proc/{running.pid}/comm").read_text().strip() == "cc1plus":
+                break
+            time.sleep(0.05)
+        assert watch.poll() == [f"compiling DeepSpeed op {CPU_COMM_OP} again (about 58 s, as its last build here): "
+                                f"ninja rebuilds it in {cache / CPU_COMM_OP}"]
+        assert watch.poll() == []  # said once
+    finally:
+        running.kill()
+        running.wait()
+    [done] = watch.poll()
+    assert done.startswith(f"compiled {CPU_COMM_OP} (")
+
+
+def test_missing_build_tools_fail_doctor_and_preflight_with_what_to_install(cache, tmp_path, monkeypatch):
+    """Issue 34: without a compiler the demo died after a 190-line traceback ending "ninja: build stopped", and
+    `finetune doctor` said "all checks passed". Checked only while an op still has to be compiled."""
+    import sysconfig
+
+    from finetune.run import deepspeed_ops
+    from finetune.run.doctor import build_tool_checks, checks_for_recipe, run_doctor
+    from finetune.run.machine import collect_facts
+    from tests.conftest import hub_recipe
+
+    os_release = tmp_path / "os-release"
+    os_release.write_text('ID=ubuntu\nID_LIKE=debian\n')
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    assert deepspeed_ops.system_packages(str(os_release)) == {"c++": "sudo apt install g++",
+                                                             "python-dev": f"sudo apt install python{version}-dev"}
+    os_release.write_text('ID="rocky"\nID_LIKE="rhel centos fedora"\n')
+    assert deepspeed_ops.system_packages(str(os_release))["c++"] == "sudo dnf install gcc-c++"
+
+    bare = tmp_path / "bin"
+    bare.mkdir()
+    monkeypatch.setattr(sysconfig, "get_paths", lambda: {"include": str(tmp_path / "no-headers")})
+    missing = deepspeed_ops.missing_build_tools(str(bare / "python"), {"PATH": str(bare), "CXX": "c++"})
+    assert [what.split()[0] for what, _ in missing] == ["the", "ninja", "Python's"]
+    assert missing[1][1] == f"{bare / 'python'} -m pip install ninja"
+
+    monkeypatch.setenv("CXX", "no-such-compiler-here")
+    facts = collect_facts()
+    device = "cuda" if facts.cuda_available and facts.gpus else "cpu"
+    [check] = build_tool_checks(facts)
+    assert check.status == "fail" and "`no-such-compiler-here`" in check.message and "Python's headers" in check.message
+    assert check.name in {c.name for c in run_doctor(facts)[1]}
+    assert "deepspeed.build-tools" in {c.name for c in checks_for_recipe(hub_recipe(), facts)}  # preflight's checks
+    for op in deepspeed_ops.recipe_ops(device, None):  # built: nothing to compile, nothing to check
+        (cache / op).mkdir(exist_ok=True)
+        _built(cache / op)
+    assert build_tool_checks(facts) == []
+
+
+def test_the_ranks_find_ninja_beside_the_interpreter_of_a_venv_used_without_activating(tmp_path):
+    from finetune.run.deepspeed_ops import ranks_path
+
+    venv_bin, elsewhere = tmp_path / "venv" / "bin", tmp_path / "usr-bin"
+    venv_bin.mkdir(parents=True)
+    elsewhere.mkdir()
+    ninja = venv_bin / "ninja"
+    ninja.write_text("#!/bin/sh\n")
+    ninja.chmod(0o755)
+    assert ranks_path(str(venv_bin / "python"), {"PATH": str(elsewhere)}) == f"{venv_bin}{os.pathsep}{elsewhere}"
+    assert ranks_path(str(venv_bin / "python"), {"PATH": f"{venv_bin}"}) is None  # on PATH already

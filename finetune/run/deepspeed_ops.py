@@ -164,6 +164,65 @@ def launch_extensions_root(python: str = sys.executable, environ: Optional[dict[
     return per_environment_root(python, environ)
 
 
+def ranks_path(python: str = sys.executable, environ: Optional[dict[str, str]] = None) -> Optional[str]:
+    """PATH for the ranks when theirs would miss `ninja`: torch's extension builder runs it from PATH
+    (torch.utils.cpp_extension.is_ninja_available), pip installs it beside the interpreter (DeepSpeed requires
+    the `ninja` package), and a venv used without activation is not on PATH. None when nothing needs adding."""
+    import shutil
+
+    environ = os.environ if environ is None else environ
+    path = environ.get("PATH", os.defpath)
+    here = os.path.dirname(python)
+    if shutil.which("ninja", path=path) or not shutil.which("ninja", path=here):
+        return None
+    return here + os.pathsep + path
+
+
+def missing_build_tools(python: str = sys.executable, environ: Optional[dict[str, str]] = None) -> list[tuple[str, str]]:
+    """(what is missing, the command that installs it) for each tool torch's extension builder needs to compile
+    DeepSpeed's ops (torch.utils.cpp_extension: the C++ compiler CXX, else `c++`; `ninja` on the ranks' PATH;
+    Python's headers, Python.h), on this machine (issue 34: the demo died after a 190-line traceback ending
+    "ninja: build stopped" and `finetune doctor` said "all checks passed")."""
+    import shutil
+    import sysconfig
+
+    environ = os.environ if environ is None else environ
+    path = ranks_path(python, environ) or environ.get("PATH", os.defpath)
+    install = system_packages()
+    missing = []
+    compiler = environ.get("CXX", "c++")
+    if not shutil.which(compiler, path=path):
+        missing.append((f"the C++ compiler `{compiler}` (CXX, else c++)", install["c++"]))
+    if not shutil.which("ninja", path=path):
+        missing.append(("ninja", f"{python} -m pip install ninja"))
+    headers = Path(sysconfig.get_paths()["include"]) / "Python.h"
+    if not headers.is_file():
+        missing.append((f"Python's headers ({headers})", install["python-dev"]))
+    return missing
+
+
+def system_packages(os_release: str = "/etc/os-release") -> dict[str, str]:
+    """The commands that install a C++ compiler and Python's headers on this system (by /etc/os-release)."""
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    if sys.platform == "darwin":
+        return {"c++": "xcode-select --install", "python-dev": "reinstall Python (python.org or Homebrew)"}
+    try:
+        fields = dict(line.split("=", 1) for line in Path(os_release).read_text().splitlines() if "=" in line)
+    except OSError:
+        fields = {}
+    family = " ".join(fields.get(k, "").strip('"').lower() for k in ("ID", "ID_LIKE")).split()
+    if {"debian", "ubuntu"} & set(family):
+        return {"c++": "sudo apt install g++", "python-dev": f"sudo apt install python{version}-dev"}
+    if {"fedora", "rhel", "centos"} & set(family):
+        return {"c++": "sudo dnf install gcc-c++", "python-dev": "sudo dnf install python3-devel"}
+    if "alpine" in family:
+        return {"c++": "apk add g++", "python-dev": "apk add python3-dev"}
+    if "arch" in family:
+        return {"c++": "sudo pacman -S gcc", "python-dev": "sudo pacman -S python"}
+    return {"c++": "install g++ (or clang++) with the system's package manager",
+            "python-dev": f"install the Python {version} development headers (python3-dev / python3-devel)"}
+
+
 def prebuilt_ops(device: str) -> set[str]:
     """The ops DeepSpeed's install compiled ahead for `device` (DS_BUILD_OPS=1 / DS_BUILD_<OP>=1 pip install):
     its setup.py writes them to deepspeed/git_version_info_installed.py, read here as text (importing
@@ -218,6 +277,42 @@ def compiling_pids(build_dir: Path) -> list[int]:
     return sorted(pids)
 
 
+# What ninja runs to build an op (a no-op ninja run, every load, compiles nothing and runs none of these).
+COMPILERS = {"cc1plus", "c++", "g++", "gcc", "cc", "clang", "clang++", "nvcc", "cicc", "ptxas", "ld", "collect2"}
+
+
+def compiler_running(build_dir: Path) -> bool:
+    """A compiler or linker at work in `build_dir`: an op being (re)built now."""
+    for pid in compiling_pids(build_dir):
+        try:
+            name = Path(f"/proc/{pid}/comm").read_text().strip()
+        except OSError:
+            continue
+        if name in COMPILERS:
+            return True
+    return False
+
+
+def last_build_seconds(build_dir: Path) -> Optional[float]:
+    """How long the op's last build took, from ninja's own log (`.ninja_log`: start and end in ms of each
+    output, from the start of its run; a later line for an output replaces an earlier one), or None."""
+    try:
+        lines = (build_dir / ".ninja_log").read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError:
+        return None
+    ends = {}
+    for line in lines:
+        parts = line.split("\t")
+        if len(parts) >= 4 and parts[1].isdigit():
+            ends[parts[3]] = int(parts[1])
+    return max(ends.values()) / 1000 if ends else None
+
+
+def compile_estimate(build_dir: Path) -> str:
+    seconds = last_build_seconds(build_dir)
+    return f"about {seconds:.0f} s, as its last build here" if seconds else "about a minute on a few cores"
+
+
 def lock_note(build_dir: Path, now: Optional[float] = None, remove: bool = True) -> Optional[str]:
     """What to say about `build_dir`'s build lock (None: there is none); removes a stale one when `remove`."""
     lock = build_dir / "lock"
@@ -253,6 +348,7 @@ class BuildWatch:
     remove_stale: bool = True  # False for a dry run: it writes nothing, it says what to remove
     started: float = field(default_factory=time.monotonic)
     pending: set[str] = field(default_factory=set)
+    rebuilding: dict[str, float] = field(default_factory=dict)  # op -> when a rebuild was seen starting
     every: float = 2.0  # seconds between polls: /proc is scanned when a lock is there
     _last: float = 0.0
 
@@ -272,7 +368,7 @@ class BuildWatch:
                 out.append(note)
             if not is_built(build_dir):
                 self.pending.add(op)
-                out.append(f"{COMPILE_NOTE}{op} (first run in this environment; about a minute on a few cores; "
+                out.append(f"{COMPILE_NOTE}{op} (first run in this environment; {compile_estimate(build_dir)}; "
                            f"`finetune doctor --build-ops` compiles it ahead) into {build_dir}")
         return out
 
@@ -287,6 +383,23 @@ class BuildWatch:
             elif is_built(build_dir):
                 self.pending.discard(op)
                 out.append(f"compiled {op} ({time.monotonic() - self.started:.0f} s after launch)")
+        out += self._rebuilds()
+        return out
+
+    def _rebuilds(self) -> list[str]:
+        """An op that was built at launch and that ninja compiles again (its sources, flags or torch changed):
+        a line when it starts and when it ends, not a minute of silence under "loading model" (issue 34)."""
+        out = []
+        for op in self.ops:
+            build_dir = self.root / op
+            if op in self.pending:
+                continue
+            if op not in self.rebuilding and compiler_running(build_dir):
+                self.rebuilding[op] = time.monotonic()
+                out.append(f"{COMPILE_NOTE}DeepSpeed op {op} again ({compile_estimate(build_dir)}): ninja "
+                           f"rebuilds it in {build_dir}")
+            elif op in self.rebuilding and not compiler_running(build_dir) and not (build_dir / "lock").exists():
+                out.append(f"compiled {op} ({time.monotonic() - self.rebuilding.pop(op):.0f} s)")
         return out
 
 

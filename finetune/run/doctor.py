@@ -108,6 +108,7 @@ def machine_checks(facts: Facts) -> list[Check]:
     # the combination fails on them in `finetune train` (checks_for_recipe).
     checks += floor_checks(facts, QLORA_ZERO3_FLOORS, "qlora-zero3", "for QLoRA + ZeRO-3",
                            optional=OPTIONAL_FOR_QLORA_ZERO3 | {"bitsandbytes"}, severity="warn")
+    checks += build_tool_checks(facts)
     for module, error in sorted(facts.import_errors.items()):
         if module != "torch":
             # Optional libraries (bitsandbytes) only break the recipes that use them: warn here.
@@ -218,11 +219,30 @@ def checks_for_recipe(recipe: "Recipe", facts: Optional[Facts] = None) -> list[C
                                 "weight directly, which ZeRO-3 keeps partitioned outside the head's own forward",
                                 "use training.loss_kernel: chunked with ZeRO-3"))
     checks += nvcc_checks(recipe, facts)
+    checks += build_tool_checks(facts, recipe)
     checks += vllm_checks(recipe.grpo.vllm, facts) if recipe.objective == "grpo" and recipe.grpo.vllm != "off" else []
     checks += parallel_checks(recipe, facts)
     checks += device_checks(recipe, facts)
     checks += stop_timeout_checks(recipe, facts)
     return checks + deepspeed_release_checks(facts, recipe)
+
+
+def build_tool_checks(facts: Facts, recipe: Optional["Recipe"] = None) -> list[Check]:
+    """The C++ compiler, ninja and Python's headers, when a launch of `recipe` (None: the defaults) here would
+    JIT-compile a DeepSpeed op that is not built yet (finetune.run.deepspeed_ops.missing_build_tools)."""
+    if facts.version("torch") is None or facts.version("deepspeed") is None or "torch" in facts.import_errors:
+        return []
+    from finetune.run.deepspeed_ops import is_built, launch_extensions_root, missing_build_tools, recipe_ops
+
+    device = "cuda" if facts.cuda_available and facts.gpus else "cpu"
+    root = launch_extensions_root()
+    ops = [op for op in recipe_ops(device, recipe) if not is_built(root / op)]
+    missing = missing_build_tools() if ops else []
+    if not missing:
+        return []
+    return [Check("deepspeed.build-tools", "fail", f"DeepSpeed compiles {', '.join(ops)} on the first run, and this "
+                  f"machine lacks {' and '.join(what for what, _ in missing)}",
+                  "; ".join(dict.fromkeys(fix for _, fix in missing)))]
 
 
 def nvcc_checks(recipe: "Recipe", facts: Facts) -> list[Check]:

@@ -78,7 +78,7 @@ class LaunchPlan:
 
 
 # Set for every run; not worth showing in the printed command.
-_QUIET_ENV = {"PYTHONUNBUFFERED", "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", "TQDM_DISABLE", "TORCH_EXTENSIONS_DIR"}
+_QUIET_ENV = {"PYTHONUNBUFFERED", "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", "TQDM_DISABLE", "TORCH_EXTENSIONS_DIR", "PATH"}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -153,6 +153,11 @@ def plan_launch(recipe: Recipe, run_dir: Path, gpu_count: int, module: str = RUN
             env["TORCH_CUDA_ARCH_LIST"] = arch_list
     if device == "cpu" and "DS_ACCELERATOR" not in environ:
         env["DS_ACCELERATOR"] = "cpu"  # skip DeepSpeed's accelerator probing (and its warning)
+    from finetune.run.deepspeed_ops import ranks_path
+
+    path = ranks_path(python, environ)
+    if path is not None:  # `ninja` for DeepSpeed's JIT ops, beside the interpreter of a venv used without activating
+        env["PATH"] = path
     hosts = None
     if choose_launcher(recipe) == "deepspeed":
         argv, world = deepspeed_argv(recipe, run_dir, procs, port, module, python, environ)
