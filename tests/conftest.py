@@ -291,3 +291,34 @@ def pytest_runtest_setup(item):
 
 def pytest_addoption(parser):
     parser.addoption("--keep-going", action="store_true", help="Run the slow tier even after a fast test failed.")
+
+
+# A readable progress line (issue 34: `pytest -q -n auto` printed only dots for 10 minutes): each test or fixture
+# set-up that took at least PROGRESS_SECONDS, and each failure, as it finishes, with the time since the start.
+PROGRESS_SECONDS = 10.0
+_progress: list = []  # [(config, start)] in the process that prints: the controller, or the only process
+
+
+def pytest_sessionstart(session):
+    import time
+
+    if not hasattr(session.config, "workerinput"):
+        _progress.append((session.config, time.monotonic()))
+
+
+def pytest_runtest_logreport(report):
+    import time
+
+    if not _progress or (report.duration < PROGRESS_SECONDS and not report.failed):
+        return
+    if report.when == "teardown" and not report.failed:
+        return
+    config, started = _progress[0]
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is None:
+        return
+    elapsed = int(time.monotonic() - started)
+    what = {"setup": "set-up", "call": report.outcome}.get(report.when, report.when)
+    if reporter._tw.width_of_current_line:  # after the dots of -q
+        reporter.write("\n")
+    reporter.write_line(f"  {elapsed // 60}:{elapsed % 60:02d}  {what:<7} {report.duration:5.0f} s  {report.nodeid}")

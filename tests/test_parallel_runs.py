@@ -27,8 +27,8 @@ pytestmark = pytest.mark.slow
 RTOL = 1e-5
 ONE_PROCESS = ("parallel.sequence=1", "launch.procs_per_node=1")
 # Full fine-tunes of 8 rows per step, however they are spread: one process accumulating 2 micro batches of 4,
-# an AutoTP pair accumulating 2 x 4, a Ulysses pair on micro batches of 8, and (resumed) two data-parallel
-# processes of 4.
+# an AutoTP pair accumulating 2 x 4, a Ulysses pair on micro batches of 8 (and that pair resumed from its
+# step 3), and (resumed) two data-parallel processes of 4.
 FULL = ("method=full", "training.learning_rate=2.0e-3", "deepspeed.stage=2")
 SAVE = ("training.save_steps=2", "training.save_total_limit=null")
 DATA_PARALLEL = FULL + SAVE + ("parallel.sequence=1",)  # 2 processes x micro batch 4
@@ -36,7 +36,8 @@ RUNS = {
     "ref_lora": (1, ONE_PROCESS),
     "sp_lora_zero3": (2, ()),  # recipes/tiny/long_context_sp2.yaml as shipped
     "ref_full": (1, FULL + SAVE + ONE_PROCESS + ("training.gradient_accumulation_steps=2",)),
-    "sp_full_zero2": (2, FULL + ("training.micro_batch_size=8",)),
+    # saves at step 3: resumed there by "sp_resumed" (issue 34: a Ulysses run never resumed)
+    "sp_full_zero2": (2, FULL + ("training.micro_batch_size=8", "training.save_steps=3", "training.save_total_limit=null")),
     "tp_full_zero1": (2, FULL + ("parallel.sequence=1", "parallel.tensor=2", "deepspeed.stage=1",
                                  "training.gradient_accumulation_steps=2")),
 }
@@ -78,6 +79,10 @@ def runs(tmp_path_factory, tiny_cache):
     one = _train(tmp, "resumed_on_one", 1, RUNS["ref_full"][1])
     shutil.copytree(two / "checkpoint-4", one / "checkpoint-4")
     out["resumed_on_one"], out["resumed_on_one.result"] = one, _run(one, tiny_cache, 1, extra=("--resume",))
+    # The Ulysses pair's step-3 checkpoint continued by a Ulysses pair (steps 4-6).
+    sp = _train(tmp, "sp_resumed", 2, RUNS["sp_full_zero2"][1])
+    shutil.copytree(out["sp_full_zero2"] / "checkpoint-3", sp / "checkpoint-3")
+    out["sp_resumed"], out["sp_resumed.result"] = sp, _run(sp, tiny_cache, 2, extra=("--resume",))
     return out
 
 
@@ -140,3 +145,15 @@ def test_resume_on_another_process_count_continues_the_loss_curve(runs, resumed,
     # the steps after the checkpoint, trained from the re-partitioned Adam states, continue the 1-process curve
     assert _curve(resumed)[step:] == pytest.approx(_curve(original)[step:], rel=RTOL)
     assert _curve(resumed, "grad_norm")[step:] == pytest.approx(_curve(original, "grad_norm")[step:], rel=10 * RTOL)
+
+
+def test_a_ulysses_run_resumes_mid_epoch_to_the_losses_of_the_uninterrupted_run(runs):
+    """Issue 34: every resume of a parallel.sequence run failed on rank 0 with `AttributeError:
+    'UlyssesSPDataLoaderAdapter' object has no attribute 'dataset'` (accelerate's skip_first_batches). Step 3 of a
+    pair is 3 of the adapter's micro batches: one batch of the loader it wraps, skipped unread, and one micro batch
+    of the next (finetune.train.parallel.skip_batches); steps 4-6 then train the rows the uninterrupted run did."""
+    resumed, original = runs["sp_resumed"], runs["sp_full_zero2"]
+    assert "resuming from checkpoint-3 (step 3)" in runs["sp_resumed.result"].stdout
+    assert _summary(resumed)["steps"] == 6 and _summary(resumed)["resumed_from"].endswith("checkpoint-3")
+    assert _curve(resumed)[3:] == pytest.approx(_curve(original)[3:], rel=RTOL)
+    assert _curve(resumed, "grad_norm")[3:] == pytest.approx(_curve(original, "grad_norm")[3:], rel=10 * RTOL)

@@ -202,4 +202,35 @@ def for_this_run(checkpoint: Optional[str], ds_config: dict[str, Any], args_kwar
     world = world_size()
     ds_config = universal.prepare_resume(checkpoint, ds_config, world, universal.converts_here(ds_config), log)
     args_kwargs = training_arguments({**args_kwargs, "deepspeed": ds_config}, world)
+    if sequence_parallel_size(args_kwargs) > 1:
+        resume_through_ulysses()
     return ds_config, without_offload_on_cpu(args_kwargs, log)
+
+
+def resume_through_ulysses() -> None:
+    """transformers' Trainer resumes mid-epoch with accelerate's skip_first_batches(train_dataloader, n), which reads
+    the loader's `dataset` and sampler; under Ulysses the Trainer's loader is DeepSpeed's UlyssesSPDataLoaderAdapter,
+    which has neither (issue 34: every resume of a parallel.sequence run failed with AttributeError on rank 0).
+    transformers.trainer's name is pointed at skip_batches for this process."""
+    import transformers.trainer
+
+    transformers.trainer.skip_first_batches = skip_batches
+
+
+def skip_batches(dataloader, num_batches: int = 0):
+    """accelerate's skip_first_batches, and for a UlyssesSPDataLoaderAdapter the same skip done where the batches
+    come from. The adapter turns each batch of the loader it wraps (one per rank of the group, all-gathered) into
+    sp micro batches, one per rank's batch in rank order: the Trainer's n micro batches are n // sp batches of that
+    loader, skipped by accelerate without reading them, then n % sp micro batches of the next (every rank of the
+    group skips the same, so their all-gathers stay paired)."""
+    from accelerate import skip_first_batches
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPDataLoaderAdapter
+
+    if not isinstance(dataloader, UlyssesSPDataLoaderAdapter):
+        return skip_first_batches(dataloader, num_batches)
+    whole, part = divmod(num_batches, dataloader.sp_world_size)
+    resumed = UlyssesSPDataLoaderAdapter(skip_first_batches(dataloader.dl, whole), dataloader.sp_rank,
+                                         dataloader.sp_group, dataloader.sp_world_size, dataloader.device)
+    for _ in range(part):
+        next(resumed)
+    return resumed
