@@ -1,4 +1,4 @@
-"""The built-in tiny model: `model.name_or_path: builtin:tiny-llama` in a recipe.
+"""The built-in tiny models: `model.name_or_path: builtin:tiny-llama` (or a zoo model, `builtin:tiny-qwen3-moe`).
 
 A random-init Llama (4 layers, hidden 128, grouped-query attention) with a byte-level BPE tokenizer
 trained on the demo instructions, built on first use under `~/.cache/finetune/models/` (the
@@ -6,7 +6,9 @@ trained on the demo instructions, built on first use under `~/.cache/finetune/mo
 recipes/demo.yaml` runs anywhere, CPU included, without a download, and so that tests train a real
 model through the real runner. It is also where the demo data comes from: `demo_examples()` writes
 `recipes/data/demo_instructions.jsonl` (scripts/make_demo_data.py) and is the tokenizer's corpus,
-so the model can be rebuilt from the package alone.
+so the model can be rebuilt from the package alone. The zoo (`ZOO`) adds one tiny model per family
+users bring (Qwen2.5, Qwen3, Qwen3-MoE, Qwen2-MoE, Mistral, Mixtral, Gemma 2, Gemma 3, Phi-3/4, gpt-oss,
+OLMo-2), each from its family's config class, with the same tokenizer.
 
     from finetune.builtin import resolve_model_path
     resolve_model_path("builtin:tiny-llama")  # -> '/root/.cache/finetune/models/tiny-llama-3f2a9c1e0b7d'
@@ -46,6 +48,38 @@ BUILTIN_CONFIGS: dict[str, dict[str, Any]] = {
         rms_norm_eps=1e-5, tie_word_embeddings=False, initializer_range=0.08,
     ),
 }
+# The zoo (issue 37): one tiny random model per family users bring, from the family's own config class
+# (`model_type`), with what sets the family apart kept: grouped-query attention everywhere, q/k biases and
+# tied embeddings (Qwen2.5), qk-norm and a head_dim that is not hidden / heads (Qwen3, Gemma 3, OLMo-2's
+# full-width q/k norms), sliding windows of 16 tokens (Mistral, Gemma 2/3, gpt-oss) so the tests' longer
+# rows cross them, soft-capping (Gemma 2), fused qkv and gate_up projections (Phi-3/Phi-4), attention sinks
+# and biased routers and experts (gpt-oss), routers with 4 experts, 2 per token, and a shared expert with its
+# sigmoid gate (Qwen2-MoE). Expert width 48: neither hidden (64) nor twice it, so an expert weight's
+# orientation is never ambiguous. Every one builds in well under a second.
+_ZOO_BASE = dict(vocab_size=768, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.08)
+_MOE = dict(num_experts_per_tok=2)
+ZOO: dict[str, dict[str, Any]] = {
+    "tiny-qwen2.5": dict(_ZOO_BASE, model_type="qwen2", tie_word_embeddings=True),
+    "tiny-qwen3": dict(_ZOO_BASE, model_type="qwen3", head_dim=32),
+    "tiny-qwen3-moe": dict(_ZOO_BASE, **_MOE, model_type="qwen3_moe", head_dim=32, num_experts=4,
+                           moe_intermediate_size=48, decoder_sparse_step=1, mlp_only_layers=[]),
+    "tiny-qwen2-moe": dict(_ZOO_BASE, **_MOE, model_type="qwen2_moe", num_experts=4, moe_intermediate_size=48,
+                           shared_expert_intermediate_size=96, decoder_sparse_step=1, mlp_only_layers=[]),
+    "tiny-mistral": dict(_ZOO_BASE, model_type="mistral", sliding_window=16),
+    "tiny-mixtral": dict(_ZOO_BASE, **_MOE, model_type="mixtral", intermediate_size=48, num_local_experts=4),
+    "tiny-gemma2": dict(_ZOO_BASE, model_type="gemma2", head_dim=32, sliding_window=16, query_pre_attn_scalar=32,
+                        attn_logit_softcapping=50.0, final_logit_softcapping=30.0),
+    "tiny-gemma3": dict(_ZOO_BASE, model_type="gemma3_text", head_dim=32, sliding_window=16,
+                        query_pre_attn_scalar=32, layer_types=["sliding_attention", "full_attention"]),
+    "tiny-phi3": dict(_ZOO_BASE, model_type="phi3"),
+    "tiny-gpt-oss": dict(_ZOO_BASE, **_MOE, model_type="gpt_oss", head_dim=16, intermediate_size=48,
+                         max_position_embeddings=131072,  # its YaRN default stretches 4,096 positions 32 times
+                         num_local_experts=4, sliding_window=16, layer_types=["sliding_attention", "full_attention"]),
+    "tiny-olmo2": dict(_ZOO_BASE, model_type="olmo2"),
+}
+BUILTIN_CONFIGS.update(ZOO)
+DEFAULT_MODEL_TYPE = "llama"  # tiny-llama's config predates the zoo and names no model_type
 MODEL_SEED = 0
 # Bump when the builder or the demo data changes in a way the config does not show: it is part of
 # the cache directory's name, so old builds are never reused by mistake.
@@ -80,8 +114,8 @@ def builtin_name(name_or_path: str) -> str:
 
 
 def builtin_config(name_or_path: str) -> dict[str, Any]:
-    """The LlamaConfig keyword arguments of a built-in model (for the planner; no torch)."""
-    return dict(BUILTIN_CONFIGS[builtin_name(name_or_path)])
+    """A built-in model's config.json as a dict, model_type included (for the planner and lint; no torch)."""
+    return {"model_type": DEFAULT_MODEL_TYPE, **BUILTIN_CONFIGS[builtin_name(name_or_path)]}
 
 
 def resolve_model_path(name_or_path: str) -> str:
@@ -127,17 +161,16 @@ def _build(name: str, out: Path) -> None:
 
 def _build_model(name: str, out: Path) -> None:
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from transformers import PreTrainedTokenizerFast
+    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
     tokenizer = PreTrainedTokenizerFast.from_pretrained(str(out))
-    config = LlamaConfig(**BUILTIN_CONFIGS[name], bos_token_id=tokenizer.bos_token_id,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    kwargs = builtin_config(name)
+    config = AutoConfig.for_model(kwargs.pop("model_type"), **kwargs, bos_token_id=tokenizer.bos_token_id,
+                                  eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     # fork_rng: building the model must not move the caller's random state.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(MODEL_SEED)
-        model = LlamaForCausalLM(config)
+        model = AutoModelForCausalLM.from_config(config)
     model.save_pretrained(str(out))
 
 

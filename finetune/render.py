@@ -165,7 +165,25 @@ def _zero_block(recipe: Recipe) -> dict[str, Any]:
         if ds.stage3_max_live_parameters is not None:
             zero["stage3_max_live_parameters"] = ds.stage3_max_live_parameters
         zero["stage3_gather_16bit_weights_on_model_save"] = ds.gather_16bit_weights_on_model_save
+        leaf = moe_leaf_block(recipe)
+        if leaf is not None:
+            zero["leaf_module"] = leaf
     return zero
+
+
+def moe_leaf_block(recipe: Recipe) -> Optional[dict[str, Any]]:
+    """ZeRO-3's leaf modules for a mixture of experts (None for a dense model): DeepSpeed's defaults plus the
+    model's sparse block, written out because a `leaf_module.classes` list replaces DeepSpeed's defaults. A leaf
+    is fetched whole when entered, which the experts need: their order changes with every batch, and with LoRA
+    on the fused experts peft's ParamWrapper reads the parameters without entering their module, so a
+    per-module fetch would gather nothing (issue 37)."""
+    from finetune.models.families import leaf_classes
+    from finetune.models.identify import identify
+
+    ident = identify(recipe.model.name_or_path)
+    if ident is None or not ident.moe:
+        return None
+    return {"classes": leaf_classes(ident.family)}
 
 
 def reentrant_checkpointing(recipe: Recipe) -> bool:

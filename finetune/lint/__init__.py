@@ -109,7 +109,7 @@ def lint_recipe_file(path: Path, options: LintOptions) -> list[Finding]:
 def lint_loaded(loaded: LoadedRecipe, options: Optional[LintOptions] = None) -> LintResult:
     """Every check on an already loaded recipe (also used by `finetune train`'s preflight)."""
     from finetune.render import render_deepspeed, render_training_args
-    from finetune.lint import deepspeed, objective_rules, parallel_rules, recipe_rules  # noqa: F401 - they register their rules
+    from finetune.lint import deepspeed, moe_rules, objective_rules, parallel_rules, recipe_rules  # noqa: F401 - they register their rules
 
     options = options or LintOptions()
     recipe = loaded.recipe

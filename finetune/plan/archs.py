@@ -56,6 +56,10 @@ class Arch:
     norms_per_layer: int = 2  # Gemma 2 adds pre/post feed-forward norms: 4
     attn_softcap: bool = False  # Gemma 2: tanh soft-capping of attention scores (eager keeps one more s^2 tensor)
     logit_softcap: bool = False  # Gemma 2: tanh soft-capping of the logits (one more vocab-sized tensor)
+    qk_norm: int = 0  # elements of a layer's q and k norms: Qwen3, Gemma 3 2 x head_dim; OLMo-2 q_dim + kv_dim
+    attention_bias: bool = False  # a bias on o_proj too (gpt-oss, Llama's attention_bias)
+    sinks: bool = False  # gpt-oss: one learned attention sink per head and layer
+    fused: bool = False  # Phi-3/Phi-4: one qkv_proj and one gate_up_proj instead of three and two
     # Mixture of experts (0 experts: a dense model). Every expert's weights are resident on the GPU;
     # each token runs through `experts_per_token` of them (top-k routing) and the shared expert.
     experts: int = 0  # routed experts per MoE layer
@@ -63,6 +67,7 @@ class Arch:
     moe_intermediate: int = 0  # width of one routed expert's MLP
     shared_intermediate: int = 0  # width of the shared expert(s) beside the routed ones (Qwen2-MoE, DeepSeek)
     shared_expert_gate: bool = False  # Qwen2-MoE: a sigmoid Linear(hidden, 1) scales the shared expert
+    expert_bias: bool = False  # gpt-oss: biases on the router and on each expert's gate_up and down projections
     dense_layers: int = 0  # DeepSeek: the first layers keep a dense MLP (first_k_dense_replace)
     source: str = "built-in table"
     patterns: tuple[str, ...] = field(default=(), compare=False, repr=False)
@@ -82,16 +87,30 @@ class Arch:
 
     def attention_linears(self) -> tuple[Linear, ...]:
         h = self.hidden
+        if self.fused:
+            return (Linear("qkv_proj", h, self.q_dim + 2 * self.kv_dim, self.qkv_bias),
+                    Linear("o_proj", self.q_dim, h, self.attention_bias))
         return (
             Linear("q_proj", h, self.q_dim, self.qkv_bias),
             Linear("k_proj", h, self.kv_dim, self.qkv_bias),
             Linear("v_proj", h, self.kv_dim, self.qkv_bias),
-            Linear("o_proj", self.q_dim, h),
+            Linear("o_proj", self.q_dim, h, self.attention_bias),
         )
 
     def mlp_linears(self, width: int) -> tuple[Linear, ...]:
         h = self.hidden
+        if self.fused:
+            return (Linear("gate_up_proj", h, 2 * width), Linear("down_proj", width, h))
         return (Linear("gate_proj", h, width), Linear("up_proj", h, width), Linear("down_proj", width, h))
+
+    def linear_names(self) -> tuple[str, ...]:
+        """The names LoRA's all-linear reaches in a layer (of a MoE layer: attention and shared expert)."""
+        return tuple(l.name for l in self.layer_linears()) + (("shared_expert_gate",) if self.shared_expert_gate else ())
+
+    @property
+    def layer_extras(self) -> int:
+        """A layer's parameters beyond its linears and norms: q/k norms and attention sinks."""
+        return self.qk_norm + (self.heads if self.sinks else 0)
 
     def layer_linears(self) -> tuple[Linear, ...]:
         """The nn.Linear layers of a dense decoder layer (of a MoE layer: attention and shared expert)."""
@@ -116,7 +135,12 @@ class Arch:
 
     @property
     def router_params(self) -> int:
-        return self.experts * self.hidden
+        return self.experts * self.hidden + (self.experts if self.expert_bias else 0)
+
+    @property
+    def expert_bias_params(self) -> int:
+        """gpt-oss's per-expert biases: gate_up_proj_bias (experts x 2 width) and down_proj_bias (experts x hidden)."""
+        return self.experts * (2 * self.moe_intermediate + self.hidden) if self.expert_bias else 0
 
     @property
     def active_mlp_width(self) -> int:
@@ -137,13 +161,14 @@ class Arch:
     def layer_params(self) -> int:
         """A dense decoder layer (the dense layers of a MoE model)."""
         return (self._linear_params(self.attention_linears() + self.mlp_linears(self.intermediate))
-                + self.norms_per_layer * self.hidden)
+                + self.norms_per_layer * self.hidden + self.layer_extras)
 
     @property
     def moe_layer_params(self) -> int:
         shared = self._linear_params(self.mlp_linears(self.shared_intermediate)) if self.shared_intermediate else 0
-        return (self._linear_params(self.attention_linears()) + self.norms_per_layer * self.hidden
-                + self.router_params + self.expert_params + shared + (self.hidden if self.shared_expert_gate else 0))
+        return (self._linear_params(self.attention_linears()) + self.norms_per_layer * self.hidden + self.layer_extras
+                + self.router_params + self.expert_params + self.expert_bias_params + shared
+                + (self.hidden if self.shared_expert_gate else 0))
 
     @property
     def total_params(self) -> int:
@@ -159,7 +184,8 @@ class Arch:
         linears = self.attention_linears() + (self.mlp_linears(self.intermediate) if self.dense_mlp_layers else ()) \
             + (self.mlp_linears(self.shared_intermediate) if self.moe_layers and self.shared_intermediate else ())
         biggest_linear = max(l.weight_numel + (l.out_features if l.bias else 0) for l in linears)
-        return max(self.embed_params, biggest_linear, self.expert_params if self.moe_layers else 0)
+        return max(self.embed_params, biggest_linear,
+                   self.expert_params + self.expert_bias_params if self.moe_layers else 0)
 
     def describe(self) -> str:
         n = self.total_params
@@ -184,6 +210,12 @@ class Arch:
                        moe_intermediate_size=self.moe_intermediate,
                        shared_expert_intermediate_size=self.shared_intermediate, decoder_sparse_step=1,
                        mlp_only_layers=[], qkv_bias=self.qkv_bias)
+        elif self.experts and self.model_type == "qwen3_moe":
+            cfg.update(num_experts=self.experts, num_experts_per_tok=self.experts_per_token,
+                       moe_intermediate_size=self.moe_intermediate, decoder_sparse_step=1, mlp_only_layers=[])
+        elif self.experts and self.model_type == "gpt_oss":
+            cfg.update(num_local_experts=self.experts, num_experts_per_tok=self.experts_per_token,
+                       intermediate_size=self.moe_intermediate)
         return cfg
 
 
@@ -296,6 +328,9 @@ def arch_from_config(config: dict, source: str) -> Arch:
         head_dim = 0  # the default; keep the Arch minimal
     if config.get("kv_lora_rank"):
         raise ArchError(f"{source}: multi-head latent attention (DeepSeek-V2/V3 kv_lora_rank) is not modelled")
+    kv_heads = config.get("num_key_value_heads") or heads
+    dim_head = head_dim or config["hidden_size"] // heads
+    attention_bias = bool(config.get("attention_bias", model_type == "gpt_oss"))
     return Arch(
         name=str(config.get("_name_or_path") or Path(source).parent.name or model_type),
         model_type=model_type,
@@ -303,19 +338,35 @@ def arch_from_config(config: dict, source: str) -> Arch:
         intermediate=config["intermediate_size"],
         layers=config["num_hidden_layers"],
         heads=heads,
-        kv_heads=config.get("num_key_value_heads") or heads,
+        kv_heads=kv_heads,
         vocab=config["vocab_size"],
         tied=bool(tied),
         head_dim=head_dim,
         # Qwen2 always has q/k/v biases; Llama-style configs say so with attention_bias.
-        qkv_bias=bool(config.get("qkv_bias", model_type in ("qwen2", "qwen2_moe")))
-        or bool(config.get("attention_bias", False)),
+        qkv_bias=bool(config.get("qkv_bias", model_type in ("qwen2", "qwen2_moe"))) or attention_bias,
         norms_per_layer=4 if gemma2 else 2,
         attn_softcap=bool(config.get("attn_logit_softcapping")) if gemma2 else False,
         logit_softcap=bool(config.get("final_logit_softcapping")) if gemma2 else False,
+        qk_norm=_qk_norm(model_type, heads * dim_head, kv_heads * dim_head, dim_head),
+        attention_bias=attention_bias,
+        sinks=model_type == "gpt_oss",
+        fused=model_type == "phi3",
+        expert_bias=model_type == "gpt_oss",
         source=source,
         **_moe_fields(config),
     )
+
+
+# Families that normalise q and k: per head (Qwen3, Gemma 3: one head_dim-wide RMSNorm each) or over the whole
+# projection (OLMo-2: q_norm over heads x head_dim, k_norm over kv_heads x head_dim).
+_QK_NORM_PER_HEAD = ("qwen3", "qwen3_moe", "gemma3_text")
+_QK_NORM_FULL = ("olmo2",)
+
+
+def _qk_norm(model_type: str, q_dim: int, kv_dim: int, head_dim: int) -> int:
+    if model_type in _QK_NORM_PER_HEAD:
+        return 2 * head_dim
+    return q_dim + kv_dim if model_type in _QK_NORM_FULL else 0
 
 
 def _moe_fields(config: dict) -> dict:

@@ -89,7 +89,7 @@ def _setup_from_recipe(recipe, gpus, gpu_memory_bytes, nodes, cpu_memory_bytes, 
         raise PlanError(f"zero_optimization.stage must be 0-3, got {stage}")
     hidden = arch.hidden if arch else None
     lora = recipe.lora
-    targets = LAYER_LINEARS if lora.target_modules == "all-linear" else tuple(lora.target_modules)
+    targets, lora_experts, lora_router = lora_targets(arch, lora)
     overlap = zero.get("overlap_comm")
     seq_len, data_note = recipe.data.max_length, ""
     if data_lengths:
@@ -102,6 +102,8 @@ def _setup_from_recipe(recipe, gpus, gpu_memory_bytes, nodes, cpu_memory_bytes, 
         arch=arch, params=params, model_label=label,
         method=recipe.method, dtype=recipe.model.dtype, attn=recipe.model.attn_implementation,
         lora_r=lora.r, lora_targets=tuple(targets), lora_dropout=lora.dropout,
+        lora_experts=lora_experts, lora_router=lora_router,
+        router_logits=router_logits(recipe, arch), moe_leaf=moe_leaf(zero, arch),
         modules_to_save=tuple(lora.modules_to_save or ()),
         double_quant=recipe.quantization.double_quant,
         optimizer=recipe.training.optimizer,
@@ -140,6 +142,41 @@ def _setup_from_recipe(recipe, gpus, gpu_memory_bytes, nodes, cpu_memory_bytes, 
         reference_adapter=(objectives.get(recipe.objective).reference == "preference" and recipe.method != "full"
                            and recipe.model.adapter is not None and recipe.preference.reference.mode == "adapter_disabled"),
     )
+
+
+def lora_targets(arch: Optional[Arch], lora) -> tuple[tuple[str, ...], bool, bool]:
+    """(the layer linears LoRA adapts, LoRA on the fused experts, on the router) as the runner resolves them
+    (finetune.models.targets): a dense model's all-linear is its own linears (Phi-3's fused qkv_proj and
+    gate_up_proj too); a mixture of experts' is its attention and shared expert."""
+    from finetune.models.families import family
+    from finetune.models.targets import LoraChoice, resolve
+
+    resolved = resolve(LoraChoice.of(lora), family(arch.model_type) if arch else None)
+    if resolved.modules == "all-linear":
+        names = arch.linear_names() if arch else LAYER_LINEARS
+    else:
+        names = tuple(name.rsplit(".", 1)[-1] for name in resolved.modules)
+    return names, resolved.experts, resolved.router
+
+
+def router_logits(recipe, arch: Optional[Arch]) -> bool:
+    """Whether every layer's router logits are returned for the auxiliary loss (finetune.train.moe: unless the
+    recipe's router_aux_loss_coef is 0)."""
+    return bool(arch and arch.experts) and recipe.moe.router_aux_loss_coef != 0
+
+
+def moe_leaf(zero: dict, arch: Optional[Arch]) -> bool:
+    """Whether ZeRO-3 fetches the model's sparse block whole: its class is among the rendered leaf classes."""
+    from finetune.models.families import DEEPSPEED_DEFAULT_LEAF_CLASSES, family
+
+    fam = family(arch.model_type) if arch and arch.experts else None
+    if fam is None or not fam.moe:
+        return False
+    leaf = zero.get("leaf_module")
+    classes = leaf.get("classes", DEEPSPEED_DEFAULT_LEAF_CLASSES) if isinstance(leaf, dict) else DEEPSPEED_DEFAULT_LEAF_CLASSES
+    if isinstance(classes, str):
+        classes = [classes]
+    return any(c in (fam.moe_block, fam.moe_block.rsplit(".", 1)[-1]) for c in classes or ())
 
 
 def _device(block: Any) -> str:
@@ -195,7 +232,7 @@ def resolve_model(name: str) -> tuple[Optional[Arch], int, str]:
             config = builtin_config(text)
         except BuiltinModelError as exc:
             raise PlanError(str(exc)) from None
-        arch = replace(arch_from_config({"model_type": "llama", **config}, text), name=text)
+        arch = replace(arch_from_config(config, text), name=text)
         return arch, arch.total_params, arch.describe()
     path = Path(text).expanduser()
     if path.exists():

@@ -50,6 +50,10 @@ def param_groups(setup: Setup) -> list[ParamGroup]:
         out.append(ParamGroup("embed_tokens copy (modules_to_save)", v * h, 1, True, unit="embed_tokens.copy"))
     for k in range(arch.norms_per_layer):
         out.append(ParamGroup(f"layer norm {k + 1}", h, n, full, unit=f"norm{k + 1}", per_layer=True))
+    if arch.layer_extras:
+        # q/k norms and attention sinks: small vectors of the attention module (fetched with its projections)
+        out.append(ParamGroup("q/k norms, attention sinks", arch.layer_extras, n, full, unit="attn_extras",
+                              per_layer=True))
 
     def linears(lins, count: int, prefix: str = "") -> None:
         for lin in lins:
@@ -70,18 +74,14 @@ def param_groups(setup: Setup) -> list[ParamGroup]:
         linears(arch.mlp_linears(arch.intermediate), arch.dense_mlp_layers)
     if arch.moe_layers:
         m = arch.moe_layers
-        # transformers keeps the router and the experts as plain Parameters (not nn.Linear): LoRA's
-        # "all-linear" and bitsandbytes' 4-bit skip them, so a QLoRA keeps them 16-bit.
-        out.append(ParamGroup("router", arch.router_params, m, full, unit="router", per_layer=True))
-        out.append(ParamGroup("experts (gate_up_proj, down_proj)", arch.expert_params, m, full, unit="experts",
-                              per_layer=True))
+        out.extend(moe_groups(setup))
         if arch.shared_intermediate:
             linears(arch.mlp_linears(arch.shared_intermediate), m, prefix="shared_expert.")
         if arch.shared_expert_gate:
             out.append(ParamGroup("shared_expert_gate.weight", h, m, full, quantized=qlora,
                                   unit="shared_expert_gate", per_layer=True))
-            if lora and set(LAYER_LINEARS) <= targets:
-                # peft's "all-linear" reaches this nn.Linear(hidden, 1) as well.
+            if lora and ("shared_expert_gate" in targets or set(LAYER_LINEARS) <= targets):
+                # an nn.Linear(hidden, 1): peft's all-linear reaches it, and finetune's resolution names it
                 out.append(ParamGroup("shared_expert_gate.lora_A", r * h, m, True,
                                       unit="shared_expert_gate.lora_A", per_layer=True))
                 out.append(ParamGroup("shared_expert_gate.lora_B", r, m, True,
@@ -94,6 +94,31 @@ def param_groups(setup: Setup) -> list[ParamGroup]:
         out.append(ParamGroup("lm_head.lora_B", v * r, 1, True, unit="lm_head.lora_B"))
     if "lm_head" in setup.modules_to_save and lora:
         out.append(ParamGroup("lm_head copy (modules_to_save)", v * h, 1, True, unit="lm_head.copy"))
+    return out
+
+
+def moe_groups(setup: Setup) -> list[ParamGroup]:
+    """A MoE layer's router and experts, and their LoRA as finetune.models.targets resolves it.
+
+    transformers keeps the router and the experts as plain Parameters (not nn.Linear): bitsandbytes' 4-bit skips
+    them, so a QLoRA keeps them 16-bit, and peft adapts them only as target_parameters (ParamWrapper): LoRA on
+    the fused experts is lora_A (r x experts, in) and lora_B (out, r x experts) per projection, gate_up_proj at
+    rank 2r (in: hidden, out: 2 x width), down_proj at r; on the router a plain (r, hidden), (experts, r) pair."""
+    arch = setup.arch
+    assert arch is not None
+    full, lora = setup.method == "full", setup.method != "full"
+    h, m, r, e, w = arch.hidden, arch.moe_layers, setup.lora_r, arch.experts, arch.moe_intermediate
+    out = [ParamGroup("router", arch.router_params, m, full, unit="router", per_layer=True),
+           ParamGroup("experts (gate_up_proj, down_proj)", arch.expert_params + arch.expert_bias_params, m, full,
+                      unit="experts", per_layer=True)]
+    if lora and setup.lora_router:
+        out.append(ParamGroup("router.lora_A", r * h, m, True, unit="router.lora_A", per_layer=True))
+        out.append(ParamGroup("router.lora_B", e * r, m, True, unit="router.lora_B", per_layer=True))
+    if lora and setup.lora_experts:
+        out.append(ParamGroup("experts.lora_A (gate_up_proj, down_proj)", 2 * r * e * h + r * e * w, m, True,
+                              unit="experts.lora_A", per_layer=True))
+        out.append(ParamGroup("experts.lora_B (gate_up_proj, down_proj)", 2 * w * 2 * r * e + h * r * e, m, True,
+                              unit="experts.lora_B", per_layer=True))
     return out
 
 

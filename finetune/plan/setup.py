@@ -44,6 +44,13 @@ class Setup:
     lora_r: int = 16
     lora_targets: tuple[str, ...] = LAYER_LINEARS
     lora_dropout: float = 0.05
+    # Mixture of experts (finetune.models.targets): LoRA on the fused experts / the router (peft's
+    # target_parameters); the router logits of every layer kept for the auxiliary loss (output_router_logits);
+    # ZeRO-3 fetching each sparse block whole (its class among leaf_module.classes).
+    lora_experts: bool = False
+    lora_router: bool = False
+    router_logits: bool = False
+    moe_leaf: bool = False
     modules_to_save: tuple[str, ...] = ()
     # Without DeepSpeed, the dtype peft keeps LoRA adapters in: "float32" (peft >= 0.12's
     # autocast_adapter_dtype, what training here gets; peft <= 0.6 too, whose lora.Linear built its

@@ -110,6 +110,15 @@ class LoraSection(_Section):
     rslora: bool = Field(False, description="Rank-stabilised LoRA: scale by alpha / sqrt(r).")
     dora: bool = Field(False, description="Weight-decomposed LoRA (DoRA).")
     bias: Literal["none", "all", "lora_only"] = Field("none", description="Which biases are trained.")
+    target_experts: bool = Field(False, description="Mixture of experts: LoRA on every routed expert too (the fused gate_up_proj at rank 2r, down_proj; peft's target_parameters). Needs dropout 0, no DoRA, bias none (peft's ParamWrapper). README: Mixture of experts.")
+    target_router: bool = Field(False, description="Mixture of experts: LoRA on the router's weight too (peft's target_parameters; dropout 0, no DoRA, bias none).")
+
+
+class MoeSection(_Section):
+    experts_implementation: Optional[Literal["eager", "grouped_mm", "batched_mm"]] = Field(
+        None, description="How the experts run (transformers' experts_implementation): null keeps transformers' default (grouped_mm, eager where grouped_mm cannot run); eager loops over the experts.")
+    router_aux_loss_coef: Optional[float] = Field(
+        None, ge=0, le=100, description="Weight of the router's load-balancing loss, added to every objective's loss alike (SFT and TRL's): null: the model config's router_aux_loss_coef; 0: off.")
 
 
 class QuantizationSection(_Section):
@@ -373,6 +382,7 @@ class Recipe(_Section):
     preference: PreferenceSection = Field(default_factory=PreferenceSection, description=f"Preference objectives' settings ({', '.join(objectives.PREFERENCE)}).")
     grpo: GrpoSection = Field(default_factory=GrpoSection, description="objective grpo: generation, the GRPO loss and the reward functions (README: GRPO).")
     lora: LoraSection = Field(default_factory=LoraSection, description="LoRA adapter settings (lora and qlora).")
+    moe: MoeSection = Field(default_factory=MoeSection, description="Mixture-of-experts models: how the experts run and the router's auxiliary loss (README: Mixture of experts).")
     quantization: QuantizationSection = Field(default_factory=QuantizationSection, description="4-bit quantization of the frozen base (qlora).")
     data: DataSection = Field(description="The training data.")
     training: TrainingSection = Field(default_factory=TrainingSection, description="Optimisation hyper-parameters (HF TrainingArguments).")

@@ -43,11 +43,16 @@ def load_model(recipe: Recipe, model_path: str):
     """The base causal LM in the recipe's dtype and attention kernel (4-bit for qlora)."""
     from transformers import AutoModelForCausalLM
 
-    kwargs = model_kwargs(recipe)
+    from finetune.train import moe
+
+    kwargs = {**model_kwargs(recipe), **moe.load_kwargs(recipe, model_path)}
     if recipe.model.rope_scaling is not None:
         from finetune.train.parallel import rope_scaled_config
 
         kwargs["config"] = rope_scaled_config(model_path, recipe.model)
+        moe.apply_config_overrides(kwargs["config"], recipe, model_path)
+    else:  # config attributes as keyword arguments: transformers applies them before building the model
+        kwargs.update(moe.config_overrides(recipe, model_path))
     return AutoModelForCausalLM.from_pretrained(model_path, **kwargs)
 
 
@@ -69,8 +74,10 @@ def model_kwargs(recipe: Recipe) -> dict[str, Any]:
     return kwargs
 
 
-def lora_config(recipe: Recipe):
+def lora_config(recipe: Recipe, model):
     from peft import LoraConfig
+
+    from finetune.train.moe import peft_targets
 
     lora = recipe.lora
     return LoraConfig(
@@ -81,8 +88,9 @@ def lora_config(recipe: Recipe):
         # Ollama's adapter import, which reads lora_alpha as an unsigned integer (issue 36, finetune.serve).
         lora_alpha=int(lora.alpha) if float(lora.alpha).is_integer() else lora.alpha,
         lora_dropout=lora.dropout,
-        # peft expands "all-linear" to every nn.Linear (and 4-bit Linear) except the output head.
-        target_modules=lora.target_modules,
+        # Dense models: peft expands "all-linear" to every nn.Linear (and 4-bit Linear) but the output head.
+        # Mixtures of experts: finetune names the modules (and the experts, as target_parameters) itself.
+        **peft_targets(recipe, model),
         modules_to_save=lora.modules_to_save,
         use_rslora=lora.rslora,
         use_dora=lora.dora,
@@ -123,7 +131,7 @@ def prepare_model(model, recipe: Recipe):
         model.enable_input_require_grads()
     # No peft.prepare_model_for_kbit_training: it casts every non-4-bit weight to float32, which
     # breaks ZeRO-3's uniform dtype; the 4-bit path here needs only the hook above.
-    return get_peft_model(model, lora_config(recipe))
+    return get_peft_model(model, lora_config(recipe, model))
 
 
 def count_parameters(model) -> tuple[int, int]:

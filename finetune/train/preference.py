@@ -173,7 +173,7 @@ def prepare_policy(model, recipe: Recipe, model_path: str) -> tuple[Any, Any, An
     if recipe.model.adapter is None:
         from finetune.train.model import lora_config
 
-        return model, lora_config(recipe), reference
+        return model, lora_config(recipe, model), reference
     from peft import PeftModel
 
     adapter = str(adapter_dir(recipe.model.adapter))

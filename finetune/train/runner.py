@@ -382,8 +382,11 @@ def run(run_dir: Path, resume: bool = False) -> None:
     clock = TrainClock()
     callbacks = [clock, EffectiveDeepSpeedConfig(run_dir), LossPlot(run_dir), resilience.callback]
     if recipe.objective == "sft":
-        trainer = Trainer(model=model, args=training_args, train_dataset=train_set, eval_dataset=eval_set,
-                          data_collator=collator, processing_class=tokenizer, callbacks=callbacks)
+        from finetune.train.moe import logging_aux_loss, moe_identity
+
+        trainer_class = logging_aux_loss(Trainer) if moe_identity(model_path) else Trainer
+        trainer = trainer_class(model=model, args=training_args, train_dataset=train_set, eval_dataset=eval_set,
+                                data_collator=collator, processing_class=tokenizer, callbacks=callbacks)
     else:
         if recipe.objective == "grpo":  # a few completions and their rewards, for report.html
             from finetune.train.grpo import completion_samples
@@ -425,10 +428,15 @@ def run(run_dir: Path, resume: bool = False) -> None:
                  "peak_memory_reserved_bytes": reserved if any(r is not None for r in reserved) else None,
                  "loss_kernel": recipe.training.loss_kernel, "startup": startup.split(clock)}
         extra.update(preference.summary_extra(recipe, trainer.state.log_history))
+        from finetune.train import moe
+
+        extra.update(moe.summary_extra(recipe, model_path, trainer.state.log_history))
         summary = summarize(trainer, clock, world_size, memory, extra, token_replicas=recipe.parallel.tensor)
         _write_json(run_dir / SUMMARY_FILE, summary)
+        aux = (f" (router aux loss {_fmt(summary['aux_loss_first'])} -> {_fmt(summary['aux_loss_last'])}, weight "
+               f"{summary['router_aux_loss_coef']})" if summary.get("aux_loss_last") is not None else "")
         _log_main(True)(f"done: {summary['steps']} steps, loss {_fmt(summary['train_loss_first'])} -> "
-                        f"{_fmt(summary['train_loss_last'])}, {summary['tokens_per_second'] or 0:.0f} tokens/s; "
+                        f"{_fmt(summary['train_loss_last'])}{aux}, {summary['tokens_per_second'] or 0:.0f} tokens/s; "
                         f"{saved}/ in {run_dir}")
         if summary.get("preference_metrics"):
             _log_main(True)(preference.summary_line(summary["preference_metrics"]))
