@@ -102,12 +102,37 @@ def use_chunked_loss(model, num_chunks: int) -> None:
         if labels is None or args or not lm.training:
             return original(*args, labels=labels, logits_to_keep=logits_to_keep, **kwargs)
         # transformers passes the same kwargs to the decoder and to the loss; so does this.
-        outputs = decoder(**kwargs)
+        router = _returns_router_logits(lm, kwargs)
+        outputs = decoder(**kwargs, **({"output_router_logits": True} if router else {}))
         loss = chunked_causal_lm_loss(outputs.last_hidden_state, lm.get_output_embeddings(), labels, num_chunks,
                                       num_items_in_batch=kwargs.get("num_items_in_batch"),
                                       ignore_index=kwargs.get("ignore_index", IGNORE_INDEX),
                                       shift_labels=kwargs.get("shift_labels"), softcap=softcap)
+        if router:
+            from transformers.modeling_outputs import MoeCausalLMOutputWithPast
+
+            aux = router_aux_loss(lm, outputs.router_logits, kwargs.get("attention_mask"))
+            return MoeCausalLMOutputWithPast(loss=loss + lm.router_aux_loss_coef * aux.to(loss.device), aux_loss=aux,
+                                             logits=None, past_key_values=outputs.past_key_values,
+                                             hidden_states=outputs.hidden_states, attentions=outputs.attentions)
         return CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=outputs.past_key_values,
                                       hidden_states=outputs.hidden_states, attentions=outputs.attentions)
 
     lm.forward = forward
+
+
+def _returns_router_logits(lm, kwargs: dict) -> bool:
+    """A mixture of experts adds its router's load-balancing loss when asked for its router logits (the
+    forward's argument, else config.output_router_logits): transformers' MoE forwards do, so this one does too."""
+    if not hasattr(lm, "router_aux_loss_coef"):
+        return False
+    asked = kwargs.get("output_router_logits")
+    return bool(asked if asked is not None else getattr(lm.config, "output_router_logits", False))
+
+
+def router_aux_loss(lm, router_logits, attention_mask):
+    """The model's own load_balancing_loss_func (each MoE modeling module has one), as its forward calls it."""
+    import sys
+
+    balance = sys.modules[type(lm).__module__].load_balancing_loss_func
+    return balance(router_logits, lm.num_experts, lm.num_experts_per_tok, attention_mask)

@@ -174,9 +174,9 @@ def _zero_block(recipe: Recipe) -> dict[str, Any]:
 def moe_leaf_block(recipe: Recipe) -> Optional[dict[str, Any]]:
     """ZeRO-3's leaf modules for a mixture of experts (None for a dense model): DeepSpeed's defaults plus the
     model's sparse block, written out because a `leaf_module.classes` list replaces DeepSpeed's defaults. A leaf
-    is fetched whole when entered, which the experts need: their order changes with every batch, and with LoRA
-    on the fused experts peft's ParamWrapper reads the parameters without entering their module, so a
-    per-module fetch would gather nothing (issue 37)."""
+    is fetched whole when entered: the experts a batch runs change with every batch (no fixed trace to prefetch),
+    and with LoRA on the fused experts peft's ParamWrapper reads the parameters outside their module's hooks,
+    where DeepSpeed would gather them one at a time on access (issue 37)."""
     from finetune.models.families import leaf_classes
     from finetune.models.identify import identify
 

@@ -1,9 +1,11 @@
-"""Recipe rules for mixtures of experts (R160-R167), torch-free: the model is known to be a MoE from a local
+"""Recipe rules for mixtures of experts and the model families of finetune.models (R160-R168), torch-free: the model is known to be a MoE from a local
 config.json (model_type, num_experts...), a built-in model, or its hub id's family (finetune.models).
 
 Each refuses what fails after launch, with the library's own words where it has some: peft 0.21's
 ParamWrapper (LoRA on the fused experts and the router) raises on dropout, DoRA and lora_bias; DeepSpeed 0.19.8
-replaces its default ZeRO-3 leaf classes with a user's list; tests/test_moe.py reproduces both.
+replaces its default ZeRO-3 leaf classes with a user's list. Without a leaf, ZeRO-3 still trains LoRA on the
+experts correctly (DeepSpeed gathers a partitioned parameter read during forward: tests/test_moe_runs.py
+trained one so and matched one process), but fetches the expert stacks one by one, so it is a warning.
 """
 
 from __future__ import annotations
@@ -19,10 +21,11 @@ MOE_RULES: dict[str, str] = {
     "R161": "LoRA on the experts or the router of a model that is not a mixture of experts finetune knows.",
     "R162": "Target names peft would turn into LoRA on the fused experts (use lora.target_experts).",
     "R163": "A mixture of experts finetune has no layout for, with lora.target_modules: all-linear.",
-    "R164": "ZeRO-3 with LoRA on the experts, without the model's sparse block as a leaf module.",
+    "R164": "ZeRO-3 with LoRA on the experts, without the model's sparse block as a leaf module (fetched per parameter).",
     "R165": "A deepspeed leaf_module.classes list that drops DeepSpeed's default leaf classes.",
     "R166": "A mixture of experts under ZeRO-3: the figures peers report, and ZeRO-2 when it fits (info).",
     "R167": "A `moe` section on a model that is not a mixture of experts (ignored).",
+    "R168": "An attention kernel the model's family does not run (gpt-oss has no sdpa in transformers 5.24).",
 }
 RULES.update(MOE_RULES)
 
@@ -144,10 +147,11 @@ def zero3_expert_leaf(loaded: LoadedRecipe) -> Iterator[RawFinding]:
     classes = _leaf_classes(loaded) or []
     if not any(c in (block, block.rsplit(".", 1)[-1]) for c in classes):
         key = _user_leaf_key() if _written_leaf(loaded) else ("deepspeed", "stage")
-        yield RawFinding("R164", "error", key,
-                         f"ZeRO-3 with LoRA on the experts needs {block.rsplit('.', 1)[-1]} as a leaf module: peft's "
-                         "ParamWrapper reads the fused expert parameters without entering their module, so ZeRO-3's "
-                         "per-module fetch would leave them partitioned",
+        yield RawFinding("R164", "warning", key,
+                         f"ZeRO-3 with LoRA on the experts without {block.rsplit('.', 1)[-1]} as a leaf module: peft's "
+                         "ParamWrapper reads the fused expert parameters outside their module's hooks, so ZeRO-3 "
+                         "fetches them on access, one at a time and unprefetched (DeepSpeed 0.19.8's ZeROOrderedDict), "
+                         "instead of the whole block at once",
                          f"add {block} to leaf_module.classes (or remove the override: finetune writes it)")
 
 
@@ -215,3 +219,14 @@ def _moe_types() -> list[str]:
     from finetune.models.families import FAMILIES
 
     return sorted(t for t, f in FAMILIES.items() if f.moe)
+
+
+@rule
+def attention_kernel_of_the_family(loaded: LoadedRecipe) -> Iterator[RawFinding]:
+    ident = _identity(loaded)
+    attn = loaded.recipe.model.attn_implementation
+    if ident is not None and ident.family is not None and attn == "sdpa" and not ident.family.sdpa:
+        yield RawFinding("R168", "error", ("model", "attn_implementation"),
+                         f"{ident.model_type} does not run sdpa attention (transformers refuses it at load: its "
+                         "attention adds learned sinks that torch's sdpa kernel has no input for)",
+                         "set model.attn_implementation: eager (or flash_attention_2 on a GPU)")

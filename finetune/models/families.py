@@ -51,6 +51,7 @@ class Family:
     # the router, so finetune never names them as target_modules for such a family.
     peft_renames: tuple[str, ...] = ()
     names: tuple[str, ...] = ()  # how the family's published models are named on the hub (lower case)
+    sdpa: bool = True  # transformers 5.24 runs it with attn_implementation sdpa (gpt-oss: _supports_sdpa = False)
 
     @property
     def moe(self) -> bool:
@@ -95,7 +96,7 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
            checkpoint_expert="{experts}.{e}.{proj}.weight", peft_renames=("gate", "gate_proj", "up_proj", "down_proj"),
            names=(r"qwen3-[0-9.]+b-a[0-9.]+b", r"qwen3-coder-[0-9.]+b-a[0-9.]+b")),
     Family("gpt_oss", moe_block=_MOE_MODULES.format("gpt_oss", "GptOssMLP"), transposed=True, router="mlp.router",
-           names=(r"gpt-oss",)),
+           names=(r"gpt-oss",), sdpa=False),
 )}
 
 

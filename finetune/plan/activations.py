@@ -26,6 +26,10 @@ def activation_terms(setup: Setup) -> list[Term]:
         terms.append(Term("activations", "layer inputs (checkpointed)", arch.layers * tokens * r * h,
                           phase="backward", note=f"{arch.layers} layers x {r * h} B/token"
                                                  + (" (fp32 residual stream)" if r != e else "")))
+        if setup.router_logits and arch.moe_layers:
+            # Each MoE layer returns its router logits, which wait for the auxiliary loss outside the checkpoint.
+            terms.append(Term("activations", "router logits (auxiliary loss)", arch.moe_layers * tokens * 4 * arch.experts,
+                              phase="backward", note=f"{arch.moe_layers} layers x {arch.experts} experts x 4 B/token"))
     else:
         saved = arch.layers * per_layer
         if not full:
@@ -137,7 +141,8 @@ def layer_activation_bytes(setup: Setup) -> int:
         probs = 4 + (e if e != 4 else 0)  # fp32 softmax, and its cast back to the model dtype
         scores = arch.heads * attention_row(setup) * (probs + (e if arch.attn_softcap else 0))
     per_token += moe_mlp_bytes(setup) if arch.experts else 3 * e * inter
-    return setup.micro_batch * s * (per_token + scores) + mask_copy + adapter_casts(setup, kept)
+    return (setup.micro_batch * s * (per_token + scores) + mask_copy + adapter_casts(setup, kept)
+            + expert_lora_bytes(setup))
 
 
 def adapter_casts(setup: Setup, kept: int) -> int:
@@ -188,10 +193,32 @@ def moe_mlp_bytes(setup: Setup) -> int:
     if setup.method == "full":
         per_expert += e * h + e * arch.moe_intermediate
     router = 4 * arch.experts + 12 * k + 4
+    if setup.router_logits:
+        router += 4 * arch.experts  # the layer's fp32 router logits, returned for the auxiliary loss
     shared = 3 * e * arch.shared_intermediate if arch.shared_intermediate else 0
     if arch.shared_intermediate and arch.shared_expert_gate:
         shared += e * h + e
     return k * per_expert + router + shared
+
+
+def expert_lora_bytes(setup: Setup) -> int:
+    """What LoRA on the fused experts and the router adds to one MoE layer's saved tensors (the trace: peft
+    0.21's ParamWrapper, tests/test_moe.py). The experts then run on W + scale x B @ A, a parametrization
+    computed once per forward: that whole stack of expert weights is saved for backward (every expert, 3 x
+    hidden x width each: 1.2 GB in bf16 per layer of Qwen3-30B-A3B), and with the weights needing a gradient
+    the experts keep their inputs too (each token's k routed copies of hidden and of width). The router's LoRA
+    keeps its merged weight, its input and 12 bytes per token of routing state."""
+    arch = setup.arch
+    if arch is None or not arch.experts or setup.method == "full":
+        return 0
+    e, tokens = setup.element_bytes, setup.micro_batch * setup.seq_len
+    out = 0
+    if setup.lora_experts:
+        routed = arch.experts_per_token * tokens * (arch.hidden + arch.moe_intermediate) * e
+        out += arch.expert_params * e + routed
+    if setup.lora_router:
+        out += arch.experts * arch.hidden * e + tokens * (arch.hidden * e + 12)
+    return out
 
 
 def backward_working_bytes(setup: Setup, per_layer: int) -> int:

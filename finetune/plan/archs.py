@@ -229,6 +229,55 @@ _QWEN2 = {"qkv_bias": True}
 _QWEN2_MOE = {"qkv_bias": True, "shared_expert_gate": True}
 _GEMMA2 = {"norms_per_layer": 4, "attn_softcap": True, "logit_softcap": True}
 
+_QWEN3 = {"head_dim": 128, "qk_norm": 256}  # per-head q/k RMSNorms of head_dim 128
+_GEMMA3 = {"norms_per_layer": 4}
+_GPT_OSS = {"head_dim": 64, "qkv_bias": True, "attention_bias": True, "sinks": True, "expert_bias": True,
+            "experts_per_token": 4, "moe_intermediate": 2880}
+
+# The models users bring this year (issue 37), each from its published config.json (hidden, intermediate, layers,
+# heads, kv-heads, head_dim, vocab, tie_word_embeddings, experts), read from verbatim copies since the hub is not
+# reachable here: huggingface.co/<id>/blob/main/config.json of
+#   Qwen/Qwen3-0.6B, -1.7B, -4B, -8B, -14B, -32B, -30B-A3B, -235B-A22B (the 4B-32B and 30B-A3B in
+#     github.com/citsjtu2020/LLM-Prof sglang/Model_Config.md; 0.6B, 1.7B and 235B-A22B in other quoted copies);
+#   meta-llama/Llama-3.2-1B (unsloth/Llama-3.2-1B-Instruct's, quoted verbatim), Llama-3.2-3B (LLM-Prof),
+#     Llama-3.3-70B (a cached LlamaConfig of it; untied like 3.1-70B);
+#   google/gemma-3-1b (Gemma3ForCausalLM) and the text decoders of gemma-3-4b/12b/27b (Gemma3ForConditionalGeneration:
+#     their vision tower is not counted here), from one file of cached configs;
+#   microsoft/phi-4 (model_type phi3: fused qkv_proj and gate_up_proj);
+#   openai/gpt-oss-20b (ollama's x/models/gptoss test quotes it) and gpt-oss-120b (36 layers, 128 experts: the
+#     defaults of transformers 5.24's GptOssConfig, and two quoted copies); both ship MXFP4 experts, which
+#     transformers dequantizes to the model dtype to train;
+#   mistralai/Mistral-Small-24B-Instruct-2501 (MistralForCausalLM; 3.1 and 3.2 are image-text models of the
+#     same text shapes).
+# tests/test_models_table.py builds each on the meta device and checks the parameter count.
+THIS_YEAR: tuple[Arch, ...] = (
+    _arch("qwen3-0.6b", "qwen3", 1024, 3072, 28, 16, 8, 151936, True, r"qwen3-0\.6b", **_QWEN3),
+    _arch("qwen3-1.7b", "qwen3", 2048, 6144, 28, 16, 8, 151936, True, r"qwen3-1\.7b", **_QWEN3),
+    _arch("qwen3-4b", "qwen3", 2560, 9728, 36, 32, 8, 151936, True, r"qwen3-4b", **_QWEN3),
+    _arch("qwen3-8b", "qwen3", 4096, 12288, 36, 32, 8, 151936, False, r"qwen3-8b", **_QWEN3),
+    _arch("qwen3-14b", "qwen3", 5120, 17408, 40, 40, 8, 151936, False, r"qwen3-14b", **_QWEN3),
+    _arch("qwen3-32b", "qwen3", 5120, 25600, 64, 64, 8, 151936, False, r"qwen3-32b", **_QWEN3),
+    _arch("qwen3-30b-a3b", "qwen3_moe", 2048, 6144, 48, 32, 4, 151936, False, r"qwen3-30b-a3b",
+          experts=128, experts_per_token=8, moe_intermediate=768, **_QWEN3),
+    _arch("qwen3-235b-a22b", "qwen3_moe", 4096, 12288, 94, 64, 4, 151936, False, r"qwen3-235b-a22b",
+          experts=128, experts_per_token=8, moe_intermediate=1536, **_QWEN3),
+    _arch("llama-3.2-1b", "llama", 2048, 8192, 16, 32, 8, 128256, True, r"llama-?3\.2-1b"),
+    _arch("llama-3.2-3b", "llama", 3072, 8192, 28, 24, 8, 128256, True, r"llama-?3\.2-3b"),
+    _arch("llama-3.3-70b", "llama", 8192, 28672, 80, 64, 8, 128256, False, r"llama-?3\.3-70b"),
+    _arch("gemma-3-1b", "gemma3_text", 1152, 6912, 26, 4, 1, 262144, True, r"gemma-?3-1b", head_dim=256,
+          qk_norm=512, **_GEMMA3),
+    _arch("gemma-3-4b", "gemma3_text", 2560, 10240, 34, 8, 4, 262208, True, r"gemma-?3-4b", head_dim=256,
+          qk_norm=512, **_GEMMA3),
+    _arch("gemma-3-12b", "gemma3_text", 3840, 15360, 48, 16, 8, 262208, True, r"gemma-?3-12b", head_dim=256,
+          qk_norm=512, **_GEMMA3),
+    _arch("gemma-3-27b", "gemma3_text", 5376, 21504, 62, 32, 16, 262208, True, r"gemma-?3-27b", head_dim=128,
+          qk_norm=256, **_GEMMA3),
+    _arch("phi-4", "phi3", 5120, 17920, 40, 40, 10, 100352, False, r"phi-?4(?!-mini|-multimodal)", fused=True),
+    _arch("gpt-oss-20b", "gpt_oss", 2880, 2880, 24, 64, 8, 201088, False, r"gpt-oss-20b", experts=32, **_GPT_OSS),
+    _arch("gpt-oss-120b", "gpt_oss", 2880, 2880, 36, 64, 8, 201088, False, r"gpt-oss-120b", experts=128, **_GPT_OSS),
+    _arch("mistral-small-24b", "mistral", 5120, 32768, 40, 32, 8, 131072, False, r"mistral-small-24b", head_dim=128),
+)
+
 # Patterns are searched in a lower-cased hub id with `_` read as `-`; a size is never followed by
 # another digit, so `llama-2-7b` does not match `llama-2-70b`.
 BUILTIN: tuple[Arch, ...] = (
@@ -258,6 +307,7 @@ BUILTIN: tuple[Arch, ...] = (
           experts=8, experts_per_token=2, moe_intermediate=14336),
     _arch("qwen1.5-moe-a2.7b", "qwen2_moe", 2048, 5632, 24, 16, 16, 151936, False, r"qwen1\.5-moe-a2\.7b",
           experts=60, experts_per_token=4, moe_intermediate=1408, shared_intermediate=5632, **_QWEN2_MOE),
+    *THIS_YEAR,
 )
 BY_NAME = {a.name: a for a in BUILTIN}
 

@@ -24,7 +24,8 @@ def zero3_live_params(setup: Setup, groups: list[ParamGroup]) -> int:
     """
     # The trace depends only on these (param_groups is a function of the same fields).
     key = (setup.arch, setup.params, setup.method, setup.lora_r, setup.lora_targets, setup.modules_to_save,
-           setup.param_persistence_threshold, setup.gradient_checkpointing)
+           setup.param_persistence_threshold, setup.gradient_checkpointing, setup.lora_experts, setup.lora_router,
+           setup.moe_leaf)
     return _live_cached(key, setup.prefetch_bucket_size, setup.max_live_parameters, setup.max_reuse_distance)
 
 
@@ -36,9 +37,10 @@ def _live_cached(key: tuple, prefetch: int, max_live: int, reuse: int) -> int:
 
 @functools.lru_cache(maxsize=16)
 def _trace_cached(key: tuple) -> list:
-    arch, params, method, r, targets, saved, threshold, ckpt = key
+    arch, params, method, r, targets, saved, threshold, ckpt, experts, router, moe_leaf = key
     setup = Setup(arch=arch, params=params, method=method, lora_r=r, lora_targets=targets, modules_to_save=saved,
-                  param_persistence_threshold=threshold, gradient_checkpointing=ckpt, stage=3)
+                  param_persistence_threshold=threshold, gradient_checkpointing=ckpt, stage=3, lora_experts=experts,
+                  lora_router=router, moe_leaf=moe_leaf)
     return _module_trace(setup, param_groups(setup))
 
 
@@ -81,9 +83,11 @@ def _module_trace(setup: Setup, groups: list[ParamGroup]) -> list[tuple[str, int
 
     def layer(i: int) -> tuple:
         p = f"{i}."
-        attn = container(p + "attn", [module(p, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")])
-        mlp = container(p + "mlp", [module(p, "gate_proj"), ("call", (p + "act", 0, 0), []),
-                                     module(p, "up_proj"), module(p, "down_proj")])
+        attn = container(p + "attn", [module(p, lin.name) for lin in arch.attention_linears()]
+                         + ([module(p, "attn_extras")] if arch.layer_extras else []))
+        gated = [lin.name for lin in arch.mlp_linears(arch.intermediate)]
+        mlp = container(p + "mlp", [module(p, gated[0]), ("call", (p + "act", 0, 0), [])]
+                        + [module(p, n) for n in gated[1:]])
         if i >= arch.dense_mlp_layers:
             # A MoE block: the router, the experts module (every expert's weights at once), then the
             # shared expert and its gate.
@@ -92,6 +96,11 @@ def _module_trace(setup: Setup, groups: list[ParamGroup]) -> list[tuple[str, int
                 if arch.shared_intermediate else []
             gate = [module(p, "shared_expert_gate")] if arch.shared_expert_gate else []
             mlp = container(p + "mlp", [module(p, "router"), module(p, "experts")] + shared + gate)
+            if setup.moe_leaf:
+                # A leaf (leaf_module.classes): entering the block fetches all of it, LoRA included, and no
+                # hook fires inside it.
+                mlp = ("call", leaf(p + "mlp", [g for unit, members in units.items() if _in_moe_block(unit)
+                                                 for g in members]), [])
         norms = [module(p, f"norm{k + 1}") for k in range(arch.norms_per_layer)]
         # Gemma 2 wraps attention and MLP in pre/post norms; Llama-style models have one norm before each.
         body = [norms[0], attn] + norms[1:-1] + [mlp] + norms[-1:] if arch.norms_per_layer == 4 else \
@@ -159,6 +168,11 @@ def _module_trace(setup: Setup, groups: list[ParamGroup]) -> list[tuple[str, int
 
 
 RELEASE_HELD = ("<release recompute params>", 0, 0, False)
+_MOE_BLOCK_UNITS = ("router", "experts", "shared_expert.", "shared_expert_gate")
+
+
+def _in_moe_block(unit: str) -> bool:
+    return unit.startswith(_MOE_BLOCK_UNITS)
 
 
 def _walk(node: tuple, forward, children_only: bool = False) -> list:

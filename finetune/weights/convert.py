@@ -272,11 +272,18 @@ def convert_lora(ckpt: Checkpoint, output: Path, dtype, adapter_config: Optional
 
 
 def _check_rank(tensors: dict, config: dict, where: Path) -> None:
-    """Catch an adapter_config.json from another run: its r must match the weights' rank."""
+    """Catch an adapter_config.json from another run: its r must match the weights' rank (LoRA on fused experts:
+    lora_A holds r rows per expert)."""
+    from finetune.weights.experts import parameter_of, wrapped_parameters
+
+    wrapped = wrapped_parameters(config)
     for key, tensor in tensors.items():
         if key.endswith(".lora_A.weight"):
             module = key[len(PEFT_PREFIX):-len(".lora_A.weight")]
-            r, _ = lora_scaling(config, module)
+            param = parameter_of(module, wrapped)
+            r, _ = lora_scaling(config, param or module)
+            if param is not None and not param.endswith(".weight") and tensor.shape[0] % r == 0:
+                continue
             if tensor.shape[0] != r:
                 raise ConvertError(f"{where}: gives {module} r={r}, but the checkpoint's weights have rank "
                                    f"{tensor.shape[0]} (an {ADAPTER_CONFIG} from another run?)")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Optional
 
@@ -19,8 +19,10 @@ PEFT_PREFIX = "base_model.model."
 
 # LoRA variants (PEFT's LoraConfig fields tagged is_lora_variant) whose merge is not W + s * B @ A.
 # DoRA is the exception: merge_lora() implements it.
+# `target_parameters` (LoRA on parameters: a mixture of experts' fused experts and router) is merged by
+# finetune.weights.experts.
 _UNSUPPORTED_VARIANTS = ("velora_config", "alora_invocation_tokens", "monteclora_config", "use_bdlora",
-                         "arrow_config", "kasa_config", "use_qalora", "layer_replication", "target_parameters",
+                         "arrow_config", "kasa_config", "use_qalora", "layer_replication",
                          "trainable_token_indices", "megatron_config")
 # init_lora_weights values that rewrite the base weights at init (PiSSA and friends): the adapter is then
 # only meaningful on that residual base, not on the original one this merge reads.
@@ -45,6 +47,9 @@ class LoraUpdate:
     B: torch.Tensor
     scaling: float
     embedding: bool = False
+    # LoRA on a 2-D parameter (peft's ParamWrapper, e.g. a router's weight): the merge casts the delta to the
+    # weight's dtype before adding it, as Embedding's merge does (Linear's adds the float32 delta).
+    rounded_delta: bool = False
     bias: Optional[torch.Tensor] = None  # lora_B.bias (lora_bias=True)
     magnitude: Optional[torch.Tensor] = None  # DoRA's magnitude vector
     fan_in_fan_out: bool = False  # decided against the base shape in plan_merge
@@ -63,6 +68,7 @@ class Adapter:
     updates: dict[str, LoraUpdate]  # by module name (model.layers.0.self_attn.q_proj)
     # base tensor name -> (tensor saved whole, True for a modules_to_save module / False for a base_layer tensor)
     replacements: dict[str, tuple[torch.Tensor, bool]]
+    experts: dict = field(default_factory=dict)  # fused expert parameter path -> experts.ExpertUpdate
 
 
 def read_adapter(path: Path) -> Adapter:
@@ -87,8 +93,25 @@ def read_adapter(path: Path) -> Adapter:
             # (bias="all"/"lora_only", saved as <layer>.base_layer.bias) and the base weights of
             # LoRA-wrapped embedding layers (saved as <layer>.base_layer.weight).
             replacements[rest.replace(".base_layer.", ".")] = (tensor, ".base_layer." not in rest)
-    updates = {module: _lora_update(module, p, config, weights_file) for module, p in parts.items()}
-    return Adapter(path, config, updates, replacements)
+    from finetune.weights.experts import ExpertUpdate, parameter_of, wrapped_parameters
+
+    wrapped = wrapped_parameters(config)
+    updates: dict[str, LoraUpdate] = {}
+    experts: dict[str, ExpertUpdate] = {}
+    for module, p in parts.items():
+        param = parameter_of(module, wrapped)
+        if param is None:
+            updates[module] = _lora_update(module, p, config, weights_file)
+        elif param.endswith(".weight"):  # a 2-D parameter: an ordinary pair, merged onto that weight
+            owner = param[: -len(".weight")]
+            updates[owner] = replace(_lora_update(param, p, config, weights_file), module=owner, rounded_delta=True)
+        else:
+            r, scaling = lora_scaling(config, param)
+            A, B = p.get("lora_A.weight"), p.get("lora_B.weight")
+            if A is None or B is None or A.dim() != 2 or B.dim() != 2 or A.shape[0] % r or A.shape[0] != B.shape[1]:
+                raise MergeError(f"{weights_file}: LoRA on {param} is not a (rank x experts) pair of rank {r}")
+            experts[param] = ExpertUpdate(param, A.float(), B.float(), scaling, r)
+    return Adapter(path, config, updates, replacements, experts)
 
 
 def check_adapter_config(config: dict, where: Path) -> None:
@@ -253,15 +276,15 @@ def merge_lora(weight: torch.Tensor, update: LoraUpdate, out_dtype: torch.dtype,
     """The merged weight in out_dtype, checked finite. PEFT does `base.weight.data += delta` (bf16 += fp32:
     the sum is formed in float32 and rounded once to bf16); every path here rounds the same way, and none
     writes into the (memory-mapped) base tensor."""
-    plain = update.magnitude is None and not update.embedding and not update.fan_in_fan_out
+    plain = update.magnitude is None and not update.embedding and not update.fan_in_fan_out and not update.rounded_delta
     if ws is not None and plain and weight.is_contiguous() and weight.dtype in (torch.bfloat16, torch.float16, torch.float32):
         return _merge_linear_chunked(weight, update, out_dtype, ws, slot)
     delta = lora_delta(update)
     if update.magnitude is not None:
         out = _merge_dora(weight, delta, update, out_dtype)
     else:
-        if update.embedding:
-            # Embedding.merge rounds the delta to the base dtype before adding (Linear.merge does not).
+        if update.embedding or update.rounded_delta:
+            # Embedding.merge and ParamWrapper.merge round the delta to the base dtype before adding (Linear's does not).
             delta = delta.to(weight.dtype)
         out = torch.empty(weight.shape, dtype=out_dtype)
         torch.add(weight, delta, out=out)
@@ -346,6 +369,10 @@ def output_tensor(t: OutTensor, tensor: torch.Tensor, ws: Optional[Workspace] = 
         # ModulesToSaveWrapper copies the base module and loads the saved weight into it: a cast to the base dtype.
         tensor = t.replacement.to(tensor.dtype)
     if t.update is not None:
+        from finetune.weights.experts import ExpertSlice, merge_expert
+
+        if isinstance(t.update, ExpertSlice):
+            return merge_expert(tensor, t.update, out_dtype)
         return merge_lora(tensor, t.update, out_dtype, ws, slot)
     if t.bias_of is not None:
         tensor = merge_bias(tensor, t.bias_of, out_dtype)

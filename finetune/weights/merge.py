@@ -35,6 +35,7 @@ import torch
 from finetune.fsutil import atomic_dir, write_atomic
 from finetune.rundir.names import FORMAT_FILE, MERGED_FORMAT
 from finetune.rundir.run_dir import MERGED_RECIPE, RunDir
+from finetune.weights.experts import expert_slices
 from finetune.weights.lora_math import (Adapter, LoraUpdate, Workspace, orient_update, output_tensor, read_adapter, target_name,
                                 tied_embedding)
 from finetune.weights.safetensors_io import (CONFIG_FILES, DEFAULT_MAX_SHARD_SIZE, DTYPES, TORCH_TO_ST, BaseModel, MergeError,
@@ -53,9 +54,14 @@ def plan_merge(base: BaseModel, adapter: Adapter, dtype: Optional[torch.dtype]) 
     """Match every adapter tensor to a base tensor, check shapes, and fix each output's dtype and size."""
     problems: list[str] = []
     warnings: list[str] = []
-    targets: dict[str, LoraUpdate] = {}
+    targets: dict = {}  # base tensor name -> LoraUpdate, or experts.ExpertSlice (LoRA on fused experts)
+    fam = _family(base)
+    for update in adapter.experts.values():
+        slices, trouble = expert_slices(update, base.tensors, fam)
+        targets.update(slices)
+        problems += trouble
     for module, update in adapter.updates.items():
-        name = target_name(base, module + ".weight")
+        name = target_name(base, (fam.checkpoint_path(module) if fam else module) + ".weight")
         if name is None:
             problems.append(f"LoRA layer {module} matches no base tensor ({module}.weight)")
             continue
@@ -123,6 +129,13 @@ def plan_merge(base: BaseModel, adapter: Adapter, dtype: Optional[torch.dtype]) 
             raise MergeError(f"{t.source.file}: {t.name} is {t.source.dtype}; merge needs a float base "
                              "(a quantized checkpoint cannot take a LoRA update)")
     return Plan(tensors, warnings=warnings)
+
+
+def _family(base: BaseModel):
+    """The base's model family (finetune.models): where its checkpoint keeps experts and routers."""
+    from finetune.models.families import family
+
+    return family(base.config.get("model_type"))
 
 
 def _architecture_hint(base: BaseModel, adapter: Adapter) -> str:
