@@ -25,7 +25,7 @@ MOE_RULES: dict[str, str] = {
     "R165": "A deepspeed leaf_module.classes list that drops DeepSpeed's default leaf classes.",
     "R166": "A mixture of experts under ZeRO-3: the figures peers report, and ZeRO-2 when it fits (info).",
     "R167": "A `moe` section on a model that is not a mixture of experts (ignored).",
-    "R168": "An attention kernel the model's family does not run (gpt-oss has no sdpa in transformers 5.24).",
+    "R168": "An attention kernel the model's family does not run (Gemma 2 and gpt-oss have no sdpa in transformers 5.24).",
 }
 RULES.update(MOE_RULES)
 
@@ -227,6 +227,6 @@ def attention_kernel_of_the_family(loaded: LoadedRecipe) -> Iterator[RawFinding]
     attn = loaded.recipe.model.attn_implementation
     if ident is not None and ident.family is not None and attn == "sdpa" and not ident.family.sdpa:
         yield RawFinding("R168", "error", ("model", "attn_implementation"),
-                         f"{ident.model_type} does not run sdpa attention (transformers refuses it at load: its "
-                         "attention adds learned sinks that torch's sdpa kernel has no input for)",
+                         f"{ident.model_type} does not run sdpa attention: transformers' model class declares no sdpa "
+                         "support (Gemma 2's soft-capped scores, gpt-oss's attention sinks) and refuses it at load",
                          "set model.attn_implementation: eager (or flash_attention_2 on a GPU)")

@@ -51,7 +51,7 @@ class Family:
     # the router, so finetune never names them as target_modules for such a family.
     peft_renames: tuple[str, ...] = ()
     names: tuple[str, ...] = ()  # how the family's published models are named on the hub (lower case)
-    sdpa: bool = True  # transformers 5.24 runs it with attn_implementation sdpa (gpt-oss: _supports_sdpa = False)
+    sdpa: bool = True  # its transformers 5.24 model class runs sdpa (Gemma 2, gpt-oss: _supports_sdpa = False)
 
     @property
     def moe(self) -> bool:
@@ -80,7 +80,7 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("mistral", names=(r"mistral",)),
     Family("qwen2", names=(r"qwen2\.5", r"qwen2-")),
     Family("qwen3", names=(r"qwen3-",)),
-    Family("gemma2", names=(r"gemma-?2",)),
+    Family("gemma2", names=(r"gemma-?2",), sdpa=False),
     Family("gemma3_text", names=(r"gemma-?3-(270m|1b)",)),  # 4b and up are gemma3 (images too)
     Family("olmo2", names=(r"olmo-?2",)),
     Family("phi3", attention=("qkv_proj", "o_proj"), mlp=("gate_up_proj", "down_proj"), names=(r"phi-?[34]",)),
