@@ -476,6 +476,10 @@ def _quiet_libraries() -> None:
                             category=FutureWarning)  # TRL toggles checkpointing around each reference forward
     # accelerate on a CPU: "OMP_NUM_THREADS/MKL_NUM_THREADS unset, we set it at N" (it picks cores / ranks itself).
     warnings.filterwarnings("ignore", message=r"OMP_NUM_THREADS/MKL_NUM_THREADS unset", category=UserWarning)
+    # peft 0.21's check of rank_pattern / alpha_pattern looks at targeted modules only (tuners_utils.inject_adapter),
+    # so the fused gate_up_proj's 2r (finetune.models.targets), which it does apply, is reported as ignored.
+    warnings.filterwarnings("ignore", message=r"The following (rank|alpha)_pattern keys did not match any targeted module",
+                            category=RuntimeWarning)
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     if rank != 0:
         import datasets
