@@ -64,7 +64,7 @@ def test_every_reader_of_a_builtin_name_answers_alike():
     from finetune.run.preflight import Preflight, model_step
     from tests.conftest import hub_recipe
 
-    unknown = r"unknown built-in model `builtin:tiny-gpt` \(known: builtin:tiny-llama\)"
+    unknown = r"unknown built-in model `builtin:tiny-gpt` \(known: builtin:tiny-llama, builtin:tiny-qwen2\.5, .*\)"
     with pytest.raises(PlanError, match=unknown):
         resolve_model("builtin:tiny-gpt")
     result = Preflight()

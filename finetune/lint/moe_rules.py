@@ -127,12 +127,9 @@ def _user_leaf_key() -> tuple:
 
 
 def _written_leaf(loaded: LoadedRecipe) -> bool:
-    node = loaded.recipe.deepspeed.overrides
-    for part in _user_leaf_key()[2:]:
-        if not isinstance(node, dict) or part not in node:
-            return False
-        node = node[part]
-    return True
+    from finetune.lint.recipe_rules import written
+
+    return written(loaded, *_user_leaf_key())
 
 
 @rule

@@ -46,6 +46,12 @@ KNOWN_POSITIONS = {
     "qwen2.5-3b": 32768, "qwen2.5-7b": 32768, "qwen2.5-14b": 32768, "qwen2.5-32b": 32768, "qwen2.5-72b": 32768,
     "mistral-7b-v0.3": 32768, "mistral-7b": 32768, "gemma-2-2b": 8192, "gemma-2-9b": 8192, "gemma-2-27b": 8192,
     "mixtral-8x7b": 32768, "qwen1.5-moe-a2.7b": 8192,
+    # this year's (finetune.plan.archs.THIS_YEAR, the same config.json copies)
+    **dict.fromkeys(("qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "qwen3-14b", "qwen3-32b", "qwen3-30b-a3b",
+                     "qwen3-235b-a22b"), 40960),
+    "llama-3.2-1b": 131072, "llama-3.2-3b": 131072, "llama-3.3-70b": 131072, "gemma-3-1b": 32768,
+    "gemma-3-4b": 131072, "gemma-3-12b": 131072, "gemma-3-27b": 131072, "phi-4": 16384,
+    "gpt-oss-20b": 131072, "gpt-oss-120b": 131072,
 }
 
 

@@ -69,7 +69,7 @@ def check_recipe(loaded: LoadedRecipe) -> list[RawFinding]:
     return [finding for fn in _RULES for finding in fn(loaded)]
 
 
-def _written(loaded: LoadedRecipe, *key: str) -> bool:
+def written(loaded: LoadedRecipe, *key: str) -> bool:
     """Whether the user wrote `key` (in the recipe, an extended one, or --set), not a default."""
     node = loaded.raw
     for part in key:
@@ -162,7 +162,7 @@ def reentrant_checkpointing(loaded: LoadedRecipe) -> Iterator[RawFinding]:
     if r.deepspeed.stage == 3:
         # LoRA under ZeRO-3 always checkpoints reentrant (finetune.render.reentrant_checkpointing says why);
         # a `false` written here is not what runs, and TRL would log that it overrides it.
-        if not t.gradient_checkpointing_reentrant and _written(loaded, "training", "gradient_checkpointing_reentrant"):
+        if not t.gradient_checkpointing_reentrant and written(loaded, "training", "gradient_checkpointing_reentrant"):
             yield RawFinding("R104", "warning", ("training", "gradient_checkpointing_reentrant"),
                              f"{r.method} under ZeRO-3 checkpoints reentrant whatever this says: non-reentrant "
                              "recompute sees ZeRO-3's partitioned frozen weights (DeepSpeed#4332, crashes before "
@@ -315,7 +315,7 @@ def written_here(loaded: LoadedRecipe, *key: str) -> bool:
     """Written by this very file (or --set), not inherited through `extends`: a shared base may
     legitimately hold a `lora` section that a full fine-tune extending it does not use."""
     source = loaded.where(key)[0]
-    return _written(loaded, *key) and (source == str(loaded.path) or source.startswith("--set"))
+    return written(loaded, *key) and (source == str(loaded.path) or source.startswith("--set"))
 
 
 @rule

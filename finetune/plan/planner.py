@@ -50,10 +50,18 @@ def _moe_notes(setup: Setup) -> list[str]:
     arch = setup.arch
     if arch is None or not arch.experts or setup.method == "full":
         return []
+    adapted = "the attention" + (" and shared-expert" if arch.shared_intermediate else "") + " projections"
+    if setup.lora_experts:
+        adapted += ", every routed expert (gate_up_proj at rank 2r, down_proj), whose weights run as W + BA: one " \
+                   f"layer's stack ({arch.expert_params * setup.element_bytes / 2**30:.2f} GiB) is kept for backward"
+    if setup.lora_router:
+        adapted += ", the router"
     out = [f"mixture of experts: all {arch.experts} experts of each layer are resident; a token runs through "
-           f"{arch.experts_per_token}. transformers stores the experts (and the router) as plain parameters, not "
-           "nn.Linear: the plan adapts the attention" + (" and shared-expert" if arch.shared_intermediate else "")
-           + " projections only; peft versions that also reach experts through target_parameters train more"]
+           f"{arch.experts_per_token}. LoRA adapts {adapted}" + ("" if setup.lora_experts else
+           " (lora.target_experts: true adapts the experts too)")]
+    if setup.router_logits:
+        out.append("the router's auxiliary loss is on (moe.router_aux_loss_coef null: the model's weight): every "
+                   "layer's router logits are kept until the loss")
     if setup.method == "qlora":
         out.append("bitsandbytes 4-bit replaces nn.Linear layers only: the experts stay in "
                    f"{setup.dtype} ({arch.moe_layers * arch.expert_params / 1e9:.1f}B parameters)")

@@ -256,7 +256,7 @@ def _method_line(result: PlanResult) -> str:
     share = f"{100 * t / s.params:.2f}%" if s.params else "?"
     if s.method == "full":
         return f"full fine-tune: {t / 1e6:,.1f}M trainable (100%)"
-    targets = ",".join(s.lora_targets)
+    targets = ",".join(s.lora_targets) + (",experts" if s.lora_experts else "") + (",router" if s.lora_router else "")
     base = "frozen base 4-bit NF4" + (" + double quant" if s.double_quant else "") if s.method == "qlora" \
         else f"frozen base {s.dtype}"
     return f"{s.method} r={s.lora_r} on {targets}: {t:,} trainable ({share}), {base}"

@@ -37,6 +37,7 @@ from finetune.rundir.checkpoint import Checkpoint, checkpoint_dirs, checkpoint_s
 from finetune.rundir import verify
 from finetune.rundir.run_dir import ADAPTER_CONFIG, RunDir, find_adapter, no_adapter_message
 from finetune.fsutil import atomic_dir, write_atomic
+from finetune.weights.experts import checkpoint_names
 from finetune.weights.lora_math import PEFT_PREFIX, lora_scaling
 from finetune.weights.safetensors_io import (CONFIG_FILES, DEFAULT_MAX_SHARD_SIZE, DTYPES, ST_TO_TORCH, TORCH_TO_ST, BaseTensor,
                                      MergeError, OnWrite, OutTensor, Plan, ShardWriter, WriteCounter, copy_tokenizer,
@@ -301,26 +302,38 @@ def convert_full(ckpt: Checkpoint, output: Path, dtype, overwrite: bool, max_sha
     state = fp32_state_dict(ckpt, exclude_frozen=False)
     aliases = {alias for alias, _ in ckpt.model_states.get("shared_params", {}).items()}
     seen: set[int] = set()
-    plan = Plan([])
+    kept: dict[str, tuple] = {}
     for name, tensor in state.items():
         # Tied weights (lm_head = embed_tokens) come back under both names; save_pretrained writes one.
         if name in aliases or id(tensor) in seen:
             continue
         seen.add(id(tensor))
-        target = (dtype or training_dtype(ckpt, name)) if tensor.dtype.is_floating_point else tensor.dtype
-        shape = tuple(tensor.shape)
+        kept[name] = tuple(tensor.shape)
+    # A mixture of experts' fused parameters are written per expert, as save_pretrained writes them (weights/experts.py).
+    layout = checkpoint_names(kept, _checkpoint_family(ckpt))
+    plan = Plan([])
+    for name, (source, _, _, shape) in layout.items():
+        tensor = state[source]
+        target = (dtype or training_dtype(ckpt, source)) if tensor.dtype.is_floating_point else tensor.dtype
         nbytes = math.prod(shape) * torch.empty(0, dtype=target).element_size()
         plan.tensors.append(OutTensor(name, BaseTensor(name, ckpt.step_dir, TORCH_TO_ST[target], shape),
                                       TORCH_TO_ST[target], nbytes))
     names = prepare_shards(plan, output, max_shard_size, log)
     counter = WriteCounter(plan.total_bytes, len(plan.tensors), on_write)
+    fused: list = [None, None]
     with sigterm_as_interrupt(), atomic_dir(output, overwrite=overwrite) as tmp:
         for shard_name, shard in zip(names, plan.shards):
             writer = ShardWriter(tmp / shard_name, shard)
             try:
                 for t in shard:
-                    tensor = state[t.name].contiguous()
-                    writer.write(t.name, tensor.to(ST_TO_TORCH[t.dtype]))
+                    source, expert, rows, _ = layout[t.name]
+                    if expert is None:
+                        tensor = state[source].contiguous()
+                    else:  # one expert's slice of a fused stack, gathered once for all its slices
+                        if fused[0] != source:
+                            fused[:] = [source, state[source].contiguous()]
+                        tensor = fused[1][expert] if rows is None else fused[1][expert][rows]
+                    writer.write(t.name, tensor.contiguous().to(ST_TO_TORCH[t.dtype]))
                     del tensor
                     counter.add(t.nbytes)
                 writer.close()
@@ -341,6 +354,19 @@ def convert_full(ckpt: Checkpoint, output: Path, dtype, overwrite: bool, max_sha
         log(f"warning: no config.json in {ckpt.path}; copy the model's config.json into {output} to load it")
     return ConvertResult(output, "full", len(plan.tensors), plan.total_bytes, len(names),
                          str(ST_TO_TORCH[plan.tensors[0].dtype]) if plan.tensors else "-")
+
+
+def _checkpoint_family(ckpt: Checkpoint):
+    """The model family (finetune.models) of the config.json beside the checkpoint, or None."""
+    from finetune.models.families import family
+
+    for folder in (ckpt.path, ckpt.path.parent / "model"):
+        if (folder / MODEL_CONFIG).is_file():
+            try:
+                return family(json.loads((folder / MODEL_CONFIG).read_text(encoding="utf-8")).get("model_type"))
+            except (OSError, ValueError, AttributeError):
+                return None
+    return None
 
 
 def _set_config_dtype(path: Path, dtype: torch.dtype) -> None:

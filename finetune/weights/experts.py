@@ -146,3 +146,27 @@ def merge_expert(weight: torch.Tensor, part: ExpertSlice, out_dtype: torch.dtype
     if not bool(torch.isfinite(out).all()):
         raise MergeError(f"merged {part.module} has inf/NaN values; the adapter (or the --dtype) is broken for this base")
     return out
+
+
+def checkpoint_names(shapes: dict[str, tuple], family) -> dict[str, tuple[str, Optional[int], Optional[slice], tuple]]:
+    """{name save_pretrained writes: (name in memory, expert, rows, shape)} for a full model's state dict in memory
+    (what a ZeRO checkpoint holds): the fused experts split per expert as transformers 5 saves them, renamed
+    modules (Mixtral's mlp -> block_sparse_moe) renamed; every other tensor as it is."""
+    out: dict[str, tuple[str, Optional[int], Optional[slice], tuple]] = {}
+    for name, shape in shapes.items():
+        module, _, param = name.rpartition(".")
+        fused = family is not None and family.checkpoint_expert and module.endswith("." + family.experts) \
+            and param in family.expert_params and len(shape) == 3
+        if not fused:
+            out[family.checkpoint_path(name) if family is not None else name] = (name, None, None, tuple(shape))
+            continue
+        gate, up, down = family.checkpoint_projections
+        experts, rows_out, cols = shape
+        disk = family.checkpoint_path(module)
+        parts = [(gate, slice(0, rows_out // 2)), (up, slice(rows_out // 2, rows_out))] if param == "gate_up_proj" \
+            else [(down, None)]
+        for e in range(experts):
+            for proj, rows in parts:
+                height = (rows.stop - rows.start) if rows else rows_out
+                out[family.checkpoint_expert.format(experts=disk, e=e, proj=proj)] = (name, e, rows, (height, cols))
+    return out
