@@ -275,3 +275,27 @@ def test_zero3_renders_the_leaf_classes_of_a_moe_only():
     assert leaf("builtin:tiny-gpt-oss") == {"classes": [*DEEPSPEED_DEFAULT_LEAF_CLASSES, FAMILIES["gpt_oss"].moe_block]}
     assert leaf("Qwen/Qwen3-30B-A3B") == {"classes": list(DEEPSPEED_DEFAULT_LEAF_CLASSES)}
     assert leaf("builtin:tiny-llama") is None and leaf("builtin:tiny-gpt-oss", stage=2) is None
+
+
+def test_the_runner_refuses_what_lint_could_not_see():
+    """A hub model lint could not read (R161, R163) is refused by the runner in one line when loaded."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from finetune.recipe import Recipe
+    from finetune.train.moe import MoeError, peft_targets
+
+    config = AutoConfig.for_model("olmoe", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                  num_attention_heads=4, num_key_value_heads=4, num_experts=4, num_experts_per_tok=2,
+                                  vocab_size=64)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+
+    def recipe(**lora):
+        return Recipe.model_validate({"model": {"name_or_path": "org/m"}, "data": {"path": "x"}, "lora": lora})
+
+    with pytest.raises(MoeError, match="`olmoe` is a mixture of experts finetune has no layout for"):
+        peft_targets(recipe(), model)
+    with pytest.raises(MoeError, match="no expert layout for model type `olmoe`"):
+        peft_targets(recipe(target_experts=True, dropout=0), model)
+    assert peft_targets(recipe(target_modules=["q_proj", "v_proj"]), model) == {"target_modules": ["q_proj", "v_proj"]}

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from finetune.errors import FinetuneError
 from finetune.models.identify import ModelIdentity, identify
 from finetune.recipe import Recipe
 
@@ -57,13 +58,30 @@ def apply_config_overrides(config, recipe: Recipe, model_path: str) -> None:
         setattr(config, key, value)
 
 
+class MoeError(FinetuneError, ValueError):
+    """LoRA targets finetune cannot resolve for the loaded model (lint says so first when the model is local)."""
+
+
 def peft_targets(recipe: Recipe, model) -> dict[str, Any]:
-    """LoraConfig's target keywords for the loaded model (finetune.models.targets)."""
+    """LoraConfig's target keywords for the loaded model (finetune.models.targets); a MoeError for what lint
+    R161/R163 refuse, for a hub model lint could not read."""
     from finetune.models.families import family
+    from finetune.models.identify import expert_count
     from finetune.models.targets import LoraChoice, resolve
 
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
-    targets = resolve(LoraChoice.of(recipe.lora), family(model_type))
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    fam = family(model_type)
+    known = fam is not None and fam.moe
+    experts = expert_count(config.to_dict()) if config is not None and hasattr(config, "to_dict") else 0
+    lora = recipe.lora
+    if (lora.target_experts or lora.target_router) and not known:
+        raise MoeError(f"lora.target_experts / target_router: finetune has no expert layout for model type "
+                       f"`{model_type}`{'' if experts else ' (it is not a mixture of experts)'}")
+    if experts and not known and lora.target_modules == "all-linear":
+        raise MoeError(f"`{model_type}` is a mixture of experts finetune has no layout for: name the attention "
+                       "projections in lora.target_modules (peft would decide what all-linear means for its experts)")
+    targets = resolve(LoraChoice.of(lora), fam)
     out: dict[str, Any] = {"target_modules": targets.modules if isinstance(targets.modules, str) else list(targets.modules)}
     if targets.parameters:
         out.update(target_parameters=list(targets.parameters), rank_pattern=dict(targets.rank_pattern),
