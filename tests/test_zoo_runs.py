@@ -17,7 +17,8 @@ import subprocess
 import pytest
 
 from tests.conftest import FINETUNE, REPO
-from tests.train_fixtures import TINY_RECIPES, os_free_port, runner_env
+from finetune.run.launch.commands import free_port
+from tests.train_fixtures import TINY_RECIPES, runner_env
 
 pytestmark = [pytest.mark.full, pytest.mark.slow]
 STEPS = 6
@@ -56,7 +57,7 @@ def test_family_trains_converts_merges_and_chats(name, method, stage, sets, tmp_
     if method == "full":
         overrides.append("training.learning_rate=2.0e-3")
     args = [x for o in overrides for x in ("--set", o)]
-    trained = cli("train", TINY_RECIPES / "base.yaml", "--output-dir", run, "--master-port", os_free_port(), *args,
+    trained = cli("train", TINY_RECIPES / "base.yaml", "--output-dir", run, "--master-port", free_port(), *args,
                   cache=tiny_cache)
     assert trained.returncode == 0, trained.stdout[-3000:] + trained.stderr[-5000:]
     summary = json.loads((run / "summary.json").read_text())

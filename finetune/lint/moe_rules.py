@@ -202,10 +202,9 @@ def _zero2_alternative(loaded: LoadedRecipe) -> str:
 
 @rule
 def moe_section_on_dense(loaded: LoadedRecipe) -> Iterator[RawFinding]:
-    from finetune.lint.recipe_rules import written_here
-
-    if not written_here(loaded, "moe"):
-        return
+    moe = loaded.recipe.moe
+    if moe.experts_implementation is None and moe.router_aux_loss_coef is None:
+        return  # the defaults (a run's recipe.yaml writes them for every model)
     ident = _identity(loaded)
     if ident is not None and not ident.moe:
         yield RawFinding("R167", "warning", ("moe",), f"`moe` is ignored: {ident.model_type} is not a mixture of "

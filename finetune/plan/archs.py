@@ -331,6 +331,19 @@ HUB_IDS: dict[str, tuple[str, ...]] = {
     "gemma-2-27b": ("google/gemma-2-27b", "google/gemma-2-27b-it"),
     "mixtral-8x7b": ("mistralai/Mixtral-8x7B-v0.1", "mistralai/Mixtral-8x7B-Instruct-v0.1"),
     "qwen1.5-moe-a2.7b": ("Qwen/Qwen1.5-MoE-A2.7B", "Qwen/Qwen1.5-MoE-A2.7B-Chat"),
+    # this year's (THIS_YEAR): Qwen3 publishes no base model of the 32B and the 235B-A22B, Meta none of Llama-3.3-70B
+    **{f"qwen3-{size.lower()}": (f"Qwen/Qwen3-{size}", f"Qwen/Qwen3-{size}-Base")
+       for size in ("0.6B", "1.7B", "4B", "8B", "14B", "30B-A3B")},
+    "qwen3-32b": ("Qwen/Qwen3-32B",),
+    "qwen3-235b-a22b": ("Qwen/Qwen3-235B-A22B",),
+    "llama-3.2-1b": ("meta-llama/Llama-3.2-1B", "meta-llama/Llama-3.2-1B-Instruct"),
+    "llama-3.2-3b": ("meta-llama/Llama-3.2-3B", "meta-llama/Llama-3.2-3B-Instruct"),
+    "llama-3.3-70b": ("meta-llama/Llama-3.3-70B-Instruct",),
+    **{f"gemma-3-{size}": (f"google/gemma-3-{size}-pt", f"google/gemma-3-{size}-it") for size in ("1b", "4b", "12b", "27b")},
+    "phi-4": ("microsoft/phi-4",),
+    "gpt-oss-20b": ("openai/gpt-oss-20b",),
+    "gpt-oss-120b": ("openai/gpt-oss-120b",),
+    "mistral-small-24b": ("mistralai/Mistral-Small-24B-Base-2501", "mistralai/Mistral-Small-24B-Instruct-2501"),
 }
 
 

@@ -47,12 +47,12 @@ class LoraUpdate:
     B: torch.Tensor
     scaling: float
     embedding: bool = False
-    # LoRA on a 2-D parameter (peft's ParamWrapper, e.g. a router's weight): the merge casts the delta to the
-    # weight's dtype before adding it, as Embedding's merge does (Linear's adds the float32 delta).
-    rounded_delta: bool = False
     bias: Optional[torch.Tensor] = None  # lora_B.bias (lora_bias=True)
     magnitude: Optional[torch.Tensor] = None  # DoRA's magnitude vector
     fan_in_fan_out: bool = False  # decided against the base shape in plan_merge
+    # LoRA on a 2-D parameter (peft's ParamWrapper, e.g. a router's weight): the merge casts the delta to the
+    # weight's dtype before adding it, as Embedding's merge does (Linear's adds the float32 delta).
+    rounded_delta: bool = False
 
     def delta_shape(self) -> tuple:
         """Shape of B @ A as the base holds it: (out, in) for nn.Linear, (num_embeddings, dim) for nn.Embedding."""
