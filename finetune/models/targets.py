@@ -75,7 +75,8 @@ def resolve(choice: LoraChoice, fam: Optional[Family]) -> LoraTargets:
         parameters += [f"{fam.experts}.{p}" for p in fam.expert_params]
         # peft's own key for the fused projection (transformers_weight_conversion._convert_peft_config_moe)
         rank[r".*\.gate_up_proj"] = 2 * choice.r
-        alpha[r".*\.gate_up_proj"] = 2 * choice.alpha
+        doubled = 2 * choice.alpha
+        alpha[r".*\.gate_up_proj"] = int(doubled) if float(doubled).is_integer() else doubled  # as lora_alpha
     if choice.target_router:
         parameters.append(f"{fam.router}.weight")
     return LoraTargets(modules, tuple(parameters), rank, alpha)

@@ -74,7 +74,8 @@ def model_kwargs(recipe: Recipe) -> dict[str, Any]:
     return kwargs
 
 
-def lora_config(recipe: Recipe, model):
+def lora_config(recipe: Recipe, model=None):
+    """peft's LoraConfig for the recipe; `model` (the loaded base) decides a mixture of experts' targets."""
     from peft import LoraConfig
 
     from finetune.train.moe import peft_targets
