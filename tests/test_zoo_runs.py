@@ -1,7 +1,7 @@
 """The zoo's full tier (issue 37): families trained by the real `finetune train` on 2 CPU processes under ZeRO-2
 and ZeRO-3, LoRA (on the experts too) and full, then converted, merged and chatted with, as a user would.
 
-    python -m pytest -q -m full tests/test_zoo_runs.py     # 18 min on the shared 2-core box; never in the default run
+    python -m pytest -q -m full tests/test_zoo_runs.py     # 12-18 min on the shared 2-core box; never in the default run
 
 Each run: the default recipe of the family's built-in model (recipes/tiny/base.yaml's data and steps), whose loss
 falls; its last checkpoint converted (`finetune convert`) gives the adapter (or weights) the run saved; `finetune
