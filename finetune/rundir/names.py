@@ -22,3 +22,5 @@ REPORT_FILE = "report.html"  # finetune.train.report: loss plot, memory, config,
 PLOT_FILE = "loss.png"  # the loss curve, embedded in report.html
 FORMAT_FILE = "format.json"  # the run directory's format version (finetune.rundir.format); none before issue 39
 MERGED_FORMAT = "finetune_format.json"  # its copy beside MERGED_RECIPE in a merged model
+EVAL_FILE = "eval.json"  # finetune eval: loss and perplexity, base vs fine-tuned (finetune.use.evaluate)
+BENCHMARKS_KEY = "benchmarks"  # eval.json's section for `finetune eval --tasks` (finetune.use.benchmark)

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from finetune.fsutil import write_atomic
-from finetune.rundir.names import DEEPSPEED_FILE, PLOT_FILE, REPORT_FILE
+from finetune.rundir.names import BENCHMARKS_KEY, DEEPSPEED_FILE, EVAL_FILE, PLOT_FILE, REPORT_FILE
 from finetune.units import gib_text
 
 REWARD_PLOT_FILE = "rewards.png"  # GRPO: mean reward, each reward, KL, length; dpo/orpo/kto/simpo: TRL's rewards/*
@@ -322,6 +322,9 @@ def render_report(run_dir: Path, plot_written: bool) -> str:
         note += f"<p>No plan: {html.escape(why_no_plan)}</p>"
     parts.append(_section("Memory per rank: plan vs measured",
                           _table(memory, ("rank", "planned (per GPU)", "measured peak", "measured as")) + note))
+    evaluated = _eval_body(run_dir)
+    if evaluated:
+        parts.append(_section("Evaluation (finetune eval: base vs fine-tuned)", evaluated))
     parts.append(_section("Next", _table([(w, c) for w, c in next_steps(run_dir, summary)], ("what", "command"))))
     parts.append(_section(f"Recipe ({RECIPE_FILE}, resolved)", _pre(recipe_text)))
     parts.append(_section(f"DeepSpeed config ({ds_path.name if ds_path.is_file() else DEEPSPEED_FILE})", _pre(ds_text)))
@@ -365,6 +368,26 @@ def _rewards_body(run_dir: Path, summary: dict[str, Any]) -> str:
     metrics = summary.get("preference_metrics") or {}
     rows = [(name, f"{_num(v.get('first'))} -> {_num(v.get('last'))}") for name, v in sorted(metrics.items())]
     return body + (_table(rows, ("metric", "first -> last")) if rows else "<p>No preference metric was logged.</p>")
+
+
+def _eval_body(run_dir: Path) -> str:
+    """eval.json's loss and perplexity and its lm-eval benchmarks (`finetune eval --tasks`), one table each."""
+    record = _json(run_dir / EVAL_FILE)
+    if not isinstance(record, dict):
+        return ""
+    body = ""
+    if isinstance(record.get("base"), dict) and isinstance(record.get("tuned"), dict) and "loss" in record["tuned"]:
+        rows = [(who, _num(record[key].get("loss")), _num(record[key].get("perplexity"), ".2f"))
+                for who, key in (("base", "base"), ("fine-tuned", "tuned"))]
+        body += f"<p>{html.escape(str(record.get('data', '')))}</p>" + _table(rows, ("model", "loss", "perplexity"))
+    bench = record.get(BENCHMARKS_KEY)
+    if isinstance(bench, dict):
+        rows = [(task, metric, _num(v.get("base")), _num(v.get("fine_tuned")))
+                for task, entry in (bench.get("tasks") or {}).items()
+                for metric, v in (entry.get("metrics") or {}).items()]
+        body += (f"<p>lm-evaluation-harness {html.escape(str(bench.get('lm_eval')))}, prompted as the run trained "
+                 f"({html.escape(str(bench.get('prompt')))})</p>" + _table(rows, ("task", "metric", "base", "fine-tuned")))
+    return body
 
 
 def _num(value: Any, spec: str = ".4f") -> str:

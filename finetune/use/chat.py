@@ -366,18 +366,30 @@ class Conversation:
 
     def prompt_ids(self, user: str, first: int = 0) -> list[int]:
         """Token ids the model continues to answer `user`, with the turns from `first` on before it."""
+        if self.fmt == "alpaca":
+            return self._alpaca(self.turns[first:], user)
+        text = self.prompt_text(user, first)
+        return list(self.tokenizer(text, add_special_tokens=self.adds_special_tokens)["input_ids"])
+
+    @property
+    def adds_special_tokens(self) -> bool:
+        """Whether the tokenizer adds its special tokens to prompt_text (text rows, as training tokenizes them);
+        a chat template writes its own."""
+        return self.fmt == "text"
+
+    def prompt_text(self, user: str, first: int = 0) -> Optional[str]:
+        """The text prompt_ids tokenizes (messages: the chat template's render; text: the turns joined); None for
+        alpaca, whose turns are tokenized one by one."""
         turns = self.turns[first:]
         if self.fmt == "alpaca":
-            return self._alpaca(turns, user)
+            return None
         if self.fmt == "messages":
             messages = []
             for turn in turns:
                 messages += [{"role": "user", "content": turn.user}, {"role": "assistant", "content": turn.reply}]
             messages.append({"role": "user", "content": user})
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-        text = "".join(turn.user + turn.reply for turn in turns) + user
-        return list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
+            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return "".join(turn.user + turn.reply for turn in turns) + user
 
     def _alpaca(self, turns: list[Turn], user: str) -> list[int]:
         from finetune.data.formats import alpaca_prompt

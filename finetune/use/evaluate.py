@@ -21,9 +21,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from finetune.errors import FinetuneError
-from finetune.rundir.names import SUMMARY_FILE
-
-EVAL_FILE = "eval.json"
+from finetune.rundir.names import BENCHMARKS_KEY, EVAL_FILE, SUMMARY_FILE
 
 
 def eval_file(data: Optional[Path]) -> str:
@@ -190,10 +188,22 @@ def evaluate(run_dir: Path, data: Optional[Path] = None, device: str = "auto", b
     base = _base_score(chat, source, rows, collator, batch_size)
     result = EvalResult(data=described, held_out=held_out, sequences=len(rows), base=base, tuned=tuned,
                         seconds=time.perf_counter() - started)
+    write_record(run_dir / eval_file(data), result.to_json())
+    return result
+
+
+def write_record(path: Path, record: dict[str, Any]) -> None:
+    """Write an eval record; the benchmarks `finetune eval --tasks` put in eval.json stay (and the other way round)."""
     from finetune.fsutil import write_atomic
 
-    write_atomic(run_dir / eval_file(data), json.dumps(result.to_json(), indent=2) + "\n")
-    return result
+    try:
+        earlier = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    except (OSError, ValueError):
+        earlier = {}
+    if isinstance(earlier, dict):
+        keep = {BENCHMARKS_KEY} if BENCHMARKS_KEY not in record else set(earlier) - {BENCHMARKS_KEY}
+        record = {**{k: v for k, v in earlier.items() if k in keep}, **record}
+    write_atomic(path, json.dumps(record, indent=2) + "\n")
 
 
 def _base_score(chat, source, rows, collator, batch_size: int) -> Score:

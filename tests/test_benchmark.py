@@ -1,0 +1,144 @@
+"""`finetune eval RUN --tasks`: lm-evaluation-harness on the shipped demo task, offline, prompted as `finetune chat`
+prompts the run. In-process on a run directory with a random (non-zero) adapter of the tiny model; the slow case
+reuses the session's shared trained run."""
+
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO
+
+pytest.importorskip("lm_eval", reason="lm-evaluation-harness: pip install 'finetune[eval]'")
+
+TASKS = REPO / "benchmarks"
+
+
+@pytest.fixture
+def no_network(monkeypatch):
+    """Every connection attempt is recorded and refused: offline means not one."""
+    tried = []
+
+    def refuse(self, address, *args, **kwargs):
+        tried.append(address)
+        raise OSError("the test forbids the network")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    return tried
+
+
+@pytest.fixture(scope="module")
+def adapter_run(tiny_dir, tmp_path_factory):
+    """A run directory of the demo recipe whose adapter is random (LoRA B not zero), as training leaves one."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from tests.train_fixtures import write_run_dir
+
+    run_dir = tmp_path_factory.mktemp("bench") / "run"
+    write_run_dir(REPO / "recipes" / "demo.yaml", run_dir)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_dir))
+    peft = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False))
+    peft.save_pretrained(str(run_dir / "adapter"))
+    return run_dir
+
+
+def test_lm_eval_requests_carry_chats_prompt_tokens_and_trainings_answer_tokens(adapter_run, tiny_cache, monkeypatch,
+                                                                               no_network):
+    from lm_eval.models.huggingface import HFLM
+
+    from finetune.data.tokenize import IGNORE_INDEX, tokenize_examples
+    from finetune.use.benchmark import prompted_lm, run_tasks, task_config
+    from finetune.use.chat import Conversation, load_chat_model, resolve_source
+
+    monkeypatch.setenv("FINETUNE_CACHE", str(tiny_cache))
+    chat = load_chat_model(resolve_source(adapter_run), "cpu")
+    seen = []
+    original = HFLM._loglikelihood_tokens
+
+    def spy(self, requests, **kwargs):
+        seen.extend(requests)
+        return original(self, requests, **kwargs)
+
+    monkeypatch.setattr(HFLM, "_loglikelihood_tokens", spy)
+    out = run_tasks(prompted_lm(chat, 4), [task_config(TASKS / "demo_qa.yaml")], limit=6)
+    assert set(out["results"]["demo_qa"]) >= {"acc,none", "acc_norm,none"}
+    rows = [json.loads(line) for line in (TASKS / "demo_qa.jsonl").read_text().splitlines()[:6]]
+    assert len(seen) == 6 * 4  # a request per choice
+    for row in rows:
+        prompt_ids = Conversation(chat.tokenizer, "alpaca").prompt_ids(row["question"])  # what `finetune chat` sends
+        asked = {(args[1], tuple(continuation)) for args, context, continuation in seen if context == prompt_ids}
+        expected = set()
+        for choice in row["choices"]:  # each answer as training tokenizes it after this prompt, without its EOS
+            (trained,) = tokenize_examples([{"instruction": row["question"], "output": choice}], chat.tokenizer,
+                                           "alpaca", 64)
+            prompt = [t for t, label in zip(trained["input_ids"], trained["labels"]) if label == IGNORE_INDEX]
+            assert prompt == prompt_ids
+            expected.add((choice, tuple(trained["input_ids"][len(prompt):-1])))
+        assert asked == expected, row["question"]
+    assert not no_network
+
+
+def test_eval_tasks_writes_base_and_fine_tuned_beside_the_loss_eval(adapter_run, tiny_cache, monkeypatch, no_network):
+    from typer.testing import CliRunner
+
+    from finetune.cli import app
+
+    monkeypatch.setenv("FINETUNE_CACHE", str(tiny_cache))
+    (adapter_run / "eval.json").write_text(json.dumps({"data": "earlier", "base": {"loss": 1.0}}))
+    (adapter_run / "report.html").write_text("<html></html>")
+    result = CliRunner().invoke(app, ["eval", str(adapter_run), "--tasks", str(TASKS), "--limit", "2",
+                                      "--device", "cpu"])
+    assert result.exit_code == 0, result.output[-3000:]
+    record = json.loads((adapter_run / "eval.json").read_text())
+    assert record["data"] == "earlier"  # the loss eval's numbers stay
+    tasks = record["benchmarks"]["tasks"]
+    assert set(tasks) == {"demo_qa", "demo_qa_exact"} and tasks["demo_qa"]["samples"] == 2
+    assert set(tasks["demo_qa"]["metrics"]) == {"acc", "acc_norm"}
+    for values in tasks["demo_qa"]["metrics"].values():
+        assert 0 <= values["base"] <= 1 and 0 <= values["fine_tuned"] <= 1 and values["fine_tuned_stderr"] is not None
+    assert set(tasks["demo_qa_exact"]["metrics"]["exact_match"]) >= {"base", "fine_tuned"}
+    assert "demo_qa_exact" in result.stdout and "exact_match" in result.stdout
+    assert "demo_qa" in (adapter_run / "report.html").read_text()
+    assert not no_network
+
+
+def test_task_files_are_checked_before_any_model_loads(tmp_path):
+    from finetune.use.benchmark import task_config, task_files
+    from finetune.use.evaluate import EvalError
+
+    (tmp_path / "empty").mkdir()
+    cases = {
+        "no such file or folder": lambda: task_files([tmp_path / "missing.yaml"]),
+        "no *.yaml task file": lambda: task_files([tmp_path / "empty"]),
+    }
+    (tmp_path / "group.yaml").write_text("group: mine\ntask: [a, b]\n")
+    cases["no `task:` name"] = lambda: task_config(tmp_path / "group.yaml")
+    (tmp_path / "far.yaml").write_text("task: far\ndataset_path: json\ndataset_kwargs: {data_files: {test: gone.jsonl}}\n")
+    cases["does not exist"] = lambda: task_config(tmp_path / "far.yaml")
+    (tmp_path / "url.yaml").write_text("task: url\ndataset_path: json\ndataset_kwargs: {data_files: https://x/y.jsonl}\n")
+    cases["reads local files only"] = lambda: task_config(tmp_path / "url.yaml")
+    for expected, call in cases.items():
+        with pytest.raises(EvalError, match=expected.replace("*", r"\*")):
+            call()
+    config = task_config(TASKS / "demo_qa.yaml")
+    assert config["dataset_kwargs"]["data_files"]["test"] == str(TASKS / "demo_qa.jsonl")  # from the task's folder
+
+
+@pytest.mark.slow
+def test_the_trained_run_picks_the_demo_answers_more_often_than_its_base(shared_sft_run, tiny_cache, monkeypatch, no_network):
+    from finetune.use.benchmark import benchmark
+
+    monkeypatch.setenv("FINETUNE_CACHE", str(tiny_cache))
+    run_dir, _ = shared_sft_run
+    result = benchmark(run_dir, [TASKS / "demo_qa.yaml"], device="cpu", log=lambda s: None)
+    (task,) = result.tasks
+    accuracy = task.metrics["acc"]
+    assert accuracy["fine_tuned"] > accuracy["base"] + 0.2, accuracy  # the demo itself: 0.30 -> 0.80
+    assert json.loads((Path(run_dir) / "eval.json").read_text())["benchmarks"]["tasks"]["demo_qa"]["samples"] == 40
+    assert not no_network
