@@ -137,8 +137,9 @@ class ServeContext:
     notes: list[str] = field(default_factory=list)
 
 
-def serve_steps(ctx: ServeContext, finetune: str) -> list[tuple[str, str]]:
-    """(command, why) per server that will serve `ctx` as it trained; "merge first" lines where one would not."""
+def serve_steps(ctx: ServeContext, finetune: str, local: bool = True) -> list[tuple[str, str]]:
+    """(command, why) per server that will serve `ctx` as it trained; "merge first" lines where one would not.
+    local False: `ctx` names a Hub repository (a model card's lines), which `finetune export` cannot read."""
     from finetune.rundir.run_dir import command_line
 
     template = ["--chat-template", ctx.chat_template] if ctx.chat_template is not None else []
@@ -147,8 +148,9 @@ def serve_steps(ctx: ServeContext, finetune: str) -> list[tuple[str, str]]:
         steps.append((command_line("vllm", "serve", ctx.model, *template), "vLLM (OpenAI API on :8000)"))
         steps.append((command_line("python", "-m", "sglang.launch_server", "--model-path", ctx.model, *template),
                       "SGLang"))
-        steps.append((f"{finetune} {command_line('export', ctx.model, '--gguf', 'q8_0', '-o', f'exports/{ctx.name}')}",
-                      "llama.cpp / Ollama / LM Studio: GGUF + Modelfile, verified"))
+        if local:
+            steps.append((f"{finetune} {command_line('export', ctx.model, '--gguf', 'q8_0', '-o', f'exports/{ctx.name}')}",
+                          "llama.cpp / Ollama / LM Studio: GGUF + Modelfile, verified"))
         return steps
     if ctx.adapter is None or ctx.facts is None or ctx.base is None:
         return steps
@@ -313,6 +315,29 @@ def export_next_steps(output: Path, gguf: Path, name: str) -> list[str]:
              (f"cd {command_line(output)} && {command_line('ollama', 'create', name, '-f', 'Modelfile')} && "
               f"{command_line('ollama', 'run', name)}", "Ollama")]
     return lines(steps)
+
+
+def hub_steps(kind: str, name: str, repo_id: str, base: Optional[str], adapter_config: dict,
+              template: bool) -> list[tuple[str, str]]:
+    """(command, why) that serve a published repository as it trained, for its model card: `kind` adapter, model or
+    gguf (finetune.publish.contents). vLLM and SGLang take a Hub id for the model and for a LoRA adapter; llama.cpp's
+    `-hf` (common/arg.cpp, --hf-repo) downloads a repository's GGUF; Ollama reads the Modelfile this repository
+    carries once it is downloaded (`hf download`, huggingface_hub's CLI)."""
+    from finetune.rundir.run_dir import command_line
+
+    chat_template = Path(TRAINED_TEMPLATE) if template else None  # a file of the repository, downloaded beside
+    if kind == "gguf":
+        return [(command_line("llama-server", "-hf", repo_id), "llama.cpp (the GGUF carries the trained prompt)"),
+                (f"{command_line('hf', 'download', repo_id, '--local-dir', name)} && cd {command_line(name)} && "
+                 f"{command_line('ollama', 'create', name, '-f', 'Modelfile')} && {command_line('ollama', 'run', name)}",
+                 "Ollama, with the Modelfile's trained TEMPLATE and stops")]
+    if kind == "model":
+        return serve_steps(ServeContext(name, model=Path(repo_id), chat_template=chat_template), "finetune", local=False)
+    if base is None:
+        return [("# The base model is not on the Hub", "serve the adapter on your copy of the base, or publish a merged "
+                 "model (finetune merge RUN -o MERGED, then finetune publish MERGED)")]
+    return serve_steps(ServeContext(name, base=base, adapter=Path(repo_id), chat_template=chat_template,
+                                    facts=adapter_facts(adapter_config)), "finetune", local=False)
 
 
 def lines(steps: list[tuple[str, str]]) -> list[str]:

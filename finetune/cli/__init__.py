@@ -18,6 +18,7 @@ from finetune.cli.lint import lint
 from finetune.cli.merge import merge
 from finetune.cli.plan import plan
 from finetune.cli.prepare import prepare
+from finetune.cli.publish import publish
 from finetune.cli.render import render
 from finetune.cli.schema import schema
 from finetune.cli.slurm import slurm
@@ -25,7 +26,7 @@ from finetune.cli.train import train
 
 app = typer.Typer(
     name="finetune",
-    help="Fine-tune open LLMs from one YAML recipe: lint, plan, render, prepare, train, convert, merge, chat, eval, export.",
+    help="Fine-tune open LLMs from one YAML recipe: lint, plan, render, prepare, train, convert, merge, chat, eval, export, publish.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -49,7 +50,7 @@ def _version(value: bool) -> None:
 @app.callback()
 def _main(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
                                        help="Print the version and exit.")) -> None:
-    """Fine-tune open LLMs from one YAML recipe: lint, plan, render, prepare, train, convert, merge, chat, eval, export."""
+    """Fine-tune open LLMs from one YAML recipe: lint, plan, render, prepare, train, convert, merge, chat, eval, export, publish."""
 
 
 # The order `finetune --help` lists them in.
@@ -59,6 +60,7 @@ for _command in (lint, render, schema, merge, prepare, train, chat):
     app.command()(handled(_command))
 app.command("eval")(handled(eval_command))
 app.command()(handled(export))
+app.command()(handled(publish))
 for _command in (doctor, convert, plan, slurm):
     app.command()(handled(_command))
 

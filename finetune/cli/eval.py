@@ -51,7 +51,9 @@ def eval_command(
         result = benchmark(run_dir, list(tasks), device=device, batch_size=batch_size, limit=limit,
                            log=lambda line: typer.echo(line, err=True))
         typer.echo(result.table(), nl=False)
-        typer.echo(f"wrote {run_dir / 'eval.json'} (benchmarks) in {result.seconds:.1f} s", err=True)
+        from finetune.rundir.names import EVAL_FILE
+
+        typer.echo(f"wrote {run_dir / EVAL_FILE} (benchmarks) in {result.seconds:.1f} s", err=True)
         return
     if limit is not None:
         raise fail("--limit goes with --tasks", 2)
