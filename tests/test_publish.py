@@ -92,7 +92,7 @@ def test_publish_round_trip_sends_no_local_path_or_token(hub_base_run, hub, tmp_
     sent = {item.path: item.data() for item in result.publication.items}
     assert sorted(sent) == sorted(["adapter_model.safetensors", "adapter_config.json", "tokenizer.json",
                                    "tokenizer_config.json", "chat_template.jinja", "trained_chat_template.jinja",
-                                   "loss.png", "finetune_recipe.yaml", "README.md"])
+                                   "loss.png", "finetune_recipe.yaml", "finetune_format.json", "README.md"])
     assert hub.repos["me/demo-lora"].private
     assert {"adapter_model.safetensors", "loss.png"} <= hub.repos["me/demo-lora"].lfs_paths  # both upload kinds ran
 
@@ -136,7 +136,7 @@ def test_dry_run_lists_every_file_and_the_card_without_a_token(hub_base_run, mon
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing listens: a request would fail the command
     dry = CliRunner().invoke(app, ["publish", str(hub_base_run), "--repo", "me/demo-lora", "--dry-run"])
     assert dry.exit_code == 0, dry.output
-    assert "would upload to me/demo-lora (adapter, 9 files" in dry.stdout
+    assert "would upload to me/demo-lora (adapter, 10 files" in dry.stdout
     assert "adapter_model.safetensors" in dry.stdout and "--- README.md (the model card) ---" in dry.stdout
     refused = CliRunner().invoke(app, ["publish", str(hub_base_run), "--repo", "me/demo-lora"])
     assert refused.exit_code == 1 and refused.stderr.strip() == "error: " + __import__(

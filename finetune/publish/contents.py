@@ -3,7 +3,7 @@
     run directory, LoRA   adapter_model.safetensors, adapter_config.json (finetune.serve.portable_adapter_config:
                           no local base path, lora_alpha an integer when it is one), the run's tokenizer files,
                           trained_chat_template.jinja (where the trained prompt differs from the tokenizer's),
-                          loss.png, finetune_recipe.yaml (scrubbed), README.md (the card)
+                          loss.png, finetune_recipe.yaml (scrubbed) with finetune_format.json, README.md (the card)
     run directory, full   model/ and tokenizer/ files, the same extras
     merged model          its weights, config and tokenizer files (finetune merge's output), the extras it has
     GGUF export           NAME-TYPE.gguf, Modelfile, export.json (finetune export's output)
@@ -22,7 +22,7 @@ from typing import Any, Optional, Union
 from finetune.errors import FinetuneError
 from finetune.export.gguf_export import EXPORT_RECORD
 from finetune.rundir.names import (
-    ADAPTER_CONFIG, ADAPTER_WEIGHTS, EVAL_FILE, MERGED_RECIPE, MODEL_CONFIG, PLOT_FILE, SUMMARY_FILE,
+    ADAPTER_CONFIG, ADAPTER_WEIGHTS, EVAL_FILE, MERGED_FORMAT, MERGED_RECIPE, MODEL_CONFIG, PLOT_FILE, SUMMARY_FILE,
 )
 
 CARD_FILE = "README.md"
@@ -183,6 +183,9 @@ def _extras(pub: Publication, template: Optional[Path], plot: Optional[Path]) ->
         pub.recipe_yaml = ("# The recipe this model trained with (finetune), its local paths reduced to file names and "
                            "secrets removed.\n" + dump_yaml(data))
         pub.items.append(Item(MERGED_RECIPE, pub.recipe_yaml.encode()))
+        from finetune.rundir.format import format_text
+
+        pub.items.append(Item(MERGED_FORMAT, format_text().encode()))  # the recipe above is in this finetune's format
 
 
 def _tokenizer_template(pub: Publication) -> Optional[str]:
@@ -199,7 +202,8 @@ def _tokenizer_template(pub: Publication) -> Optional[str]:
 def _model_files(folder: Path) -> list[Item]:
     items = []
     for path in sorted(folder.iterdir()):
-        if path.name.startswith(".") or path.name in (MERGED_RECIPE, "README.md") or path.suffix not in MODEL_SUFFIXES:
+        if path.name.startswith(".") or path.name in (MERGED_RECIPE, MERGED_FORMAT, "README.md") or \
+                path.suffix not in MODEL_SUFFIXES:
             continue
         if path.is_file():
             items.append(Item(path.name, _inside(folder, path)))

@@ -68,6 +68,10 @@ def publish(path: Path, repo_id: str, *, private: bool = False, dry_run: bool = 
     from finetune.publish.card import card_text
 
     check_repo_id(repo_id)
+    try:
+        import huggingface_hub  # noqa: F401
+    except ImportError:
+        raise PublishError("publish needs huggingface_hub, which is not installed: pip install 'finetune[publish]'") from None
     token = None if dry_run else _token()
     pub = collect(path)
     card = card_text(pub, repo_id)
