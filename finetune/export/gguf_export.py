@@ -104,7 +104,8 @@ def export_gguf(path: Path, out_type: str, output: Optional[Path] = None, *, ove
                 from finetune.export.readback import verify_export
 
                 log("verifying: the GGUF read back against the model it came from ...")
-                check = verify_export(target, model_dir, source, prompt)
+                check = verify_export(target, model_dir, source, prompt,
+                                      _float_type(model_dir) if quantize is not None else None)
                 record["verify"] = check
                 if not check["ok"]:
                     raise ExportError(f"verify: the GGUF does not compute what {model_dir} computes "

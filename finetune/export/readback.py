@@ -8,8 +8,10 @@ it; prompts rendered with the trained template when there is no recipe):
 - 16-bit and q8_0: the weights equal the reference rounded the way the converter rounds (gguf-py's quantizers, the
   same code), and KL(reference || GGUF) is within twice what that rounding costs (as `merge --verify` derives its
   tolerance from the rounding it measures), plus a floor;
-- K-quants (llama.cpp's C quantizer, which gguf-py does not implement): KL within twice what gguf-py's Q4_0 / Q5_0 /
-  Q8_0 rounding costs (coarser than, or as coarse as, the K-quant of the same bits);
+- K-quants: with llama-cpp-python installed, the weights equal the reference (rounded to the f16/bf16 file the
+  quantizer read) rounded by llama.cpp's own ggml_quantize_chunk (finetune.export.ggml_quants), and the KL bound comes
+  from that rounding; without it, KL within twice what gguf-py's Q4_0 / Q5_0 / Q8_0 rounding costs (coarser than,
+  or as coarse as, the K-quant of the same bits);
 - the argmax equal at every position where the reference's top-2 margin exceeds the measured max |logit difference|;
 - the metadata: heads, kv-heads, RoPE base, context, BOS/EOS ids, the chat template, and no local path anywhere.
 """
@@ -63,25 +65,39 @@ def read_state_dict(path: Path, model) -> tuple[dict[str, torch.Tensor], dict[st
     return tensors, types
 
 
-def rounded_like(model, types: dict[str, str]) -> dict[str, torch.Tensor]:
-    """The reference's weights rounded as the GGUF stores each one (gguf-py's quantizers; K-quants by proxy)."""
+def rounded_like(model, types: dict[str, str], intermediate: Optional[str] = None
+                 ) -> tuple[dict[str, torch.Tensor], set[str]]:
+    """The reference's weights rounded as the GGUF stores each one, and the names rounded by proxy.
+
+    gguf-py's quantizers for F16/BF16/Q8_0 (the converter's code); llama.cpp's own for K-quants when
+    llama-cpp-python is installed (finetune.export.ggml_quants), else gguf-py's Q4_0/Q5_0/Q8_0 by proxy. A K-quant
+    export was quantized from an f16 or bf16 file (`intermediate`), so its tensors are rounded to that first."""
     import gguf
 
-    out = {}
+    from finetune.export import ggml_quants
+
+    middle = {"f16": torch.float16, "bf16": torch.bfloat16}.get(intermediate or "")
+    out, proxied = {}, set()
     for key, value in model.state_dict().items():
         kind = types.get(key, "F32")
-        array = value.detach().to(torch.float32).numpy()
         if kind == "F32":
             out[key] = value.detach().to(torch.float32).clone()
             continue
-        qtype = gguf.GGMLQuantizationType[_PROXY.get(kind, kind)]
-        try:
-            packed = gguf.quants.quantize(array, qtype)
-            back = gguf.quants.dequantize(packed, qtype)
-        except (NotImplementedError, gguf.quants.QuantError):
-            back = array
+        tensor = value.detach()
+        if middle is not None:
+            tensor = tensor.to(middle)
+        array = tensor.to(torch.float32).numpy()
+        back = ggml_quants.round_trip(array, kind) if kind in _PROXY else None
+        if back is None:
+            if kind in _PROXY:
+                proxied.add(key)
+            qtype = gguf.GGMLQuantizationType[_PROXY.get(kind, kind)]
+            try:
+                back = gguf.quants.dequantize(gguf.quants.quantize(array, qtype), qtype)
+            except (NotImplementedError, gguf.quants.QuantError):
+                back = array
         out[key] = torch.from_numpy(np.ascontiguousarray(back, dtype=np.float32)).reshape(value.shape)
-    return out
+    return out, proxied
 
 
 def _rows(model_dir: Path, source, prompt: TrainedPrompt, tokenizer) -> list[list[int]]:
@@ -178,8 +194,10 @@ def _local_path(text: str) -> bool:
     return text.startswith(("/", "~")) or (home != "/" and home in text) or os.getcwd() in text
 
 
-def verify_export(path: Path, model_dir: Path, source, prompt: TrainedPrompt) -> dict[str, Any]:
-    """The numbers and the verdict, as export.json keeps them (`why` says what failed)."""
+def verify_export(path: Path, model_dir: Path, source, prompt: TrainedPrompt,
+                  intermediate: Optional[str] = None) -> dict[str, Any]:
+    """The numbers and the verdict, as export.json keeps them (`why` says what failed). `intermediate`: the f16 or
+    bf16 file a K-quant was quantized from."""
     import warnings
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -202,8 +220,8 @@ def verify_export(path: Path, model_dir: Path, source, prompt: TrainedPrompt) ->
         missing = [m for m in missing if not (tied and m.endswith("lm_head.weight"))]
     if missing:
         return {**result, "ok": False, "why": f"no tensor in the GGUF for {', '.join(missing[:5])}"}
-    rounded = rounded_like(model, types)
-    exact = all(torch.equal(loaded[k], rounded[k]) for k in loaded if not any(p in types[k] for p in _PROXY))
+    rounded, proxied = rounded_like(model, types, intermediate)
+    exact = all(torch.equal(loaded[k], rounded[k]) for k in loaded if k not in proxied)
     model.load_state_dict(rounded, strict=False)
     expected = compare(reference, _logits(model, rows))
     model.load_state_dict(loaded, strict=False)
@@ -212,7 +230,9 @@ def verify_export(path: Path, model_dir: Path, source, prompt: TrainedPrompt) ->
     result.update({"kl": got["kl"], "kl_bound": bound, "rounding_kl": expected["kl"],
                    "max_abs_logit_diff": got["max_abs_logit_diff"], "positions": got["positions"],
                    "decided_positions": got["decided_positions"], "argmax_agree": got["argmax_agree"],
-                   "weights_equal_rounding": exact})
+                   "weights_equal_rounding": exact,
+                   "rounding": "gguf-py's Q4_0/Q5_0/Q8_0 for the K-quants (llama-cpp-python is not installed)"
+                   if proxied else "the quantizers that wrote the file"})
     problems = check_metadata(path, model.config, tokenizer, prompt, None)
     all_f32 = set(types.values()) == {"F32"}
     if all_f32 and got["max_abs_logit_diff"] != 0.0:
@@ -222,7 +242,7 @@ def verify_export(path: Path, model_dir: Path, source, prompt: TrainedPrompt) ->
     if got["argmax_agree"] != got["decided_positions"]:
         problems.append(f"argmax differs at {got['decided_positions'] - got['argmax_agree']} positions where the "
                         "reference's margin exceeds the logit difference")
-    if not exact and not any(t in _PROXY for t in types.values()):
+    if not exact:
         problems.append("the weights differ from the reference rounded as the GGUF's types round")
     result["ok"] = not problems
     result["why"] = "; ".join(problems)
