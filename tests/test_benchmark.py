@@ -142,3 +142,16 @@ def test_the_trained_run_picks_the_demo_answers_more_often_than_its_base(shared_
     assert accuracy["fine_tuned"] > accuracy["base"] + 0.2, accuracy  # the demo itself: 0.30 -> 0.80
     assert json.loads((Path(run_dir) / "eval.json").read_text())["benchmarks"]["tasks"]["demo_qa"]["samples"] == 40
     assert not no_network
+
+
+def test_a_task_lm_eval_cannot_build_is_one_line_before_the_model_loads(adapter_run, tmp_path, monkeypatch):
+    from finetune.use import benchmark
+    from finetune.use.evaluate import EvalError
+
+    (tmp_path / "rows.jsonl").write_text('{"question": "q", "answer": "a"}\n')
+    (tmp_path / "bad.yaml").write_text("task: bad\ndataset_path: json\ndataset_kwargs: {data_files: {test: rows.jsonl}}\n"
+                                       "test_split: test\noutput_type: nonsense\ndoc_to_text: '{{question}}'\n"
+                                       "doc_to_target: '{{answer}}'\n")
+    monkeypatch.setattr("finetune.use.chat.load_chat_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    with pytest.raises(EvalError, match=r"lm-eval could not run the tasks \(bad\)"):
+        benchmark.benchmark(adapter_run, [tmp_path / "bad.yaml"], log=lambda s: None)

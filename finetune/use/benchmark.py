@@ -260,18 +260,33 @@ def run_tasks(lm, configs: list[dict[str, Any]], limit: Optional[int]) -> dict[s
     from lm_eval.tasks import TaskManager
 
     _quiet()
-    with offline(), contextlib.redirect_stderr(io.StringIO()):  # lm-eval's progress bars (errors are raised)
+    with offline(), contextlib.redirect_stderr(io.StringIO()), _one_line(configs):  # lm-eval's progress bars
         manager = TaskManager(include_defaults=False)  # local task files only: no scan of lm-eval's 10k YAMLs
-        try:
-            out = simple_evaluate(model=lm, tasks=[dict(c) for c in configs], task_manager=manager, limit=limit,
-                                  apply_chat_template=True, fewshot_as_multiturn=True, log_samples=False,
-                                  bootstrap_iters=1000)
-        except EvalError:
-            raise
-        except (FileNotFoundError, ConnectionError, ValueError) as exc:
-            raise EvalError(f"lm-eval could not run the tasks ({', '.join(c['task'] for c in configs)}): "
-                            f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}") from None
-    return out
+        return simple_evaluate(model=lm, tasks=[dict(c) for c in configs], task_manager=manager, limit=limit,
+                               apply_chat_template=True, fewshot_as_multiturn=True, log_samples=False,
+                               bootstrap_iters=1000)
+
+
+def load_tasks(configs: list[dict[str, Any]]) -> None:
+    """Build every task (its data read) before a model loads: a bad task file costs seconds, not a model load."""
+    from lm_eval.tasks import TaskManager
+
+    _quiet()
+    with offline(), contextlib.redirect_stderr(io.StringIO()), _one_line(configs):
+        TaskManager(include_defaults=False).load([dict(c) for c in configs])
+
+
+@contextmanager
+def _one_line(configs: list[dict[str, Any]]) -> Iterator[None]:
+    """Whatever lm-eval raises on a task (a missing column, an unknown metric or output_type, unreadable data) as
+    one line naming the tasks; finetune's own errors pass through."""
+    try:
+        yield
+    except EvalError:
+        raise
+    except Exception as exc:  # lm-eval raises many types for a bad task file; the user reads one line
+        raise EvalError(f"lm-eval could not run the tasks ({', '.join(c['task'] for c in configs)}): "
+                        f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}") from None
 
 
 def benchmark(run_dir: Path, tasks: list[Path], device: str = "auto", batch_size: int = 8,
@@ -295,6 +310,7 @@ def benchmark(run_dir: Path, tasks: list[Path], device: str = "auto", batch_size
     if recipe.objective == "reward":
         raise EvalError(f"{run_dir} is a reward model (a score head): lm-eval tasks need a language model")
     started = time.perf_counter()
+    load_tasks(configs)
     try:
         source = resolve_source(run_dir)
         log(f"loading {source.label} ...")
