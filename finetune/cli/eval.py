@@ -19,7 +19,7 @@ def eval_command(
     tasks: Optional[List[Path]] = typer.Option(None, "--tasks", help="Benchmark tasks instead: an lm-evaluation-harness task YAML, or a folder of them (repeatable; needs pip install 'finetune[eval]'). Offline; prompted as the run trained; into eval.json's benchmarks and report.html."),
     limit: Optional[int] = typer.Option(None, "--limit", min=1, help="With --tasks: the first N documents of each task."),
 ) -> None:
-    """Loss and perplexity of the base model and the fine-tuned one, on the same tokens (written to RUN/eval.json; RUN/eval-NAME.json for --data NAME.jsonl).
+    """Loss and perplexity of the base model and the fine-tuned one, on the same tokens (written to RUN/eval.json; RUN/eval-NAME.json for --data NAME.jsonl); with --tasks, lm-evaluation-harness tasks.
 
     The data is the run's validation split, or --data FILE (with --format when the run mixes sources
     read in different formats and FILE is none of them); sequences are tokenized and masked as in

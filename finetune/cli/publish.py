@@ -13,8 +13,10 @@ def publish(
     private: bool = typer.Option(False, "--private", help="Create the repository private (an existing one keeps its visibility)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="List every file and print the model card; send nothing (no token needed)."),
 ) -> None:
-    """Upload the model with a model card: base model, relation, library, data sets, licence, eval results, the exact
-    prompt format, the run's numbers and loss plot, serve commands, the recipe without local paths or secrets.
+    """Publish a run, a merged model or a GGUF export to the Hugging Face Hub, with a model card.
+
+    The card: base model, relation, library, data sets, licence, eval results, the exact prompt format, the run's
+    numbers and loss plot, serve commands, the recipe without local paths or secrets.
 
     Needs a Hugging Face token (HF_TOKEN, or `hf auth login`) unless --dry-run; HF_ENDPOINT names another hub.
 
