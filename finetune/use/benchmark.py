@@ -210,7 +210,8 @@ def prompted_lm(chat, batch_size: int):
                 return super()._encode_pair(context, continuation)
             ids, text = self.prompts[context]
             if text is not None:  # one text, as training tokenizes a chat or a document; split after the prompt
-                whole = list(self.tokenizer(text + continuation, add_special_tokens=self.fmt == "text")["input_ids"])
+                adds = Conversation(self.tokenizer, self.fmt).adds_special_tokens
+                whole = list(self.tokenizer(text + continuation, add_special_tokens=adds)["input_ids"])
                 if whole[:len(ids)] == ids:
                     return list(ids), whole[len(ids):]
             return list(ids), self._response_ids(continuation)
