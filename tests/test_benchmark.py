@@ -170,3 +170,24 @@ def test_a_task_lm_eval_cannot_build_is_one_line_before_the_model_loads(adapter_
     monkeypatch.setattr("finetune.use.chat.load_chat_model", lambda *a, **k: pytest.fail("the model was loaded"))
     with pytest.raises(EvalError, match=r"lm-eval could not run the tasks \(bad\)"):
         benchmark.benchmark(adapter_run, [tmp_path / "bad.yaml"], log=lambda s: None)
+
+
+def test_a_chat_run_is_prompted_with_its_template_and_scored_on_the_trained_tokens(tiny_dir):
+    """format: messages: lm-eval's context is `finetune chat`'s prompt and its continuation the tokens the training
+    row holds after it (the answer inside the rendered chat, not tokenized apart)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from finetune.data.tokenize import tokenize_examples
+    from finetune.use.benchmark import prompted_lm
+    from finetune.use.chat import ChatModel, Conversation
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_dir)).eval()
+    lm = prompted_lm(ChatModel(model, tokenizer, "messages", "cpu", "tiny"), 2)
+    question, answer = "Name a primary colour.", "Red is one."
+    context, continuation = lm._encode_pair(lm.apply_chat_template([{"role": "user", "content": question}]), answer)
+    assert context == Conversation(tokenizer, "messages").prompt_ids(question)
+    (row,) = tokenize_examples([{"messages": [{"role": "user", "content": question},
+                                              {"role": "assistant", "content": answer}]}], tokenizer, "messages", 64)
+    assert row["input_ids"][:len(context) + len(continuation)] == context + continuation
+    assert tokenizer.decode(continuation).strip() == answer
