@@ -2,7 +2,7 @@
 
 Each folder of tests/fixtures/rundirs/ is a run directory as `finetune train` wrote it then, byte for byte
 (tests/fixtures/rundirs/README.md: the command, the commit). A copy of it goes through the real commands, in this
-process: `finetune chat`, `eval`, `merge`, `convert` and `export` (with the export extra), and the check `finetune
+process: `finetune chat`, `eval`, `merge`, `convert`, `export` (with the export extra) and `publish --dry-run`, and the check `finetune
 train` makes before resuming (finetune.run.preflight.resume_step). A change that breaks one of them for an old run
 directory needs a migration (finetune/recipe/migrations.py, finetune/rundir/format.py), which the synthetic rename
 below exercises.
@@ -67,7 +67,7 @@ def old_run(request, tmp_path) -> Path:
     return relocated_copy(REPO / "tests" / "fixtures" / "rundirs" / request.param, tmp_path)
 
 
-def test_an_old_run_directory_is_format_1_and_chats_evaluates_merges_converts_and_exports(old_run, tmp_path, tiny_dir, cli):
+def test_an_old_run_directory_is_format_1_and_chats_evaluates_merges_converts_exports_publishes(old_run, tmp_path, tiny_dir, cli):
     from safetensors.torch import load_file
 
     assert run_format.recorded_version(old_run / "recipe.yaml") == run_format.UNVERSIONED == 1
@@ -91,6 +91,10 @@ def test_an_old_run_directory_is_format_1_and_chats_evaluates_merges_converts_an
         exported = cli("export", merged, "--gguf", "f16", "-o", tmp_path / "gguf", "--no-verify")
         assert exported.returncode == 0, exported.stderr[-2000:]
         assert "the Alpaca prompt the run trained with" in exported.stderr + exported.stdout
+    if importlib.util.find_spec("huggingface_hub") is not None:  # the publish extra
+        published = cli("publish", old_run, "--repo", "me/old-run", "--dry-run")
+        assert published.returncode == 0 and "(adapter, " in published.stdout, published.stderr[-2000:]
+        assert "finetune_format.json" in published.stdout  # its recipe goes out in this finetune's format
 
     converted = cli("convert", old_run / "checkpoint-4", "-o", tmp_path / "adapter-4")
     assert converted.returncode == 0, converted.stderr[-2000:]
