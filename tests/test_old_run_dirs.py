@@ -2,10 +2,10 @@
 
 Each folder of tests/fixtures/rundirs/ is a run directory as `finetune train` wrote it then, byte for byte
 (tests/fixtures/rundirs/README.md: the command, the commit). A copy of it goes through the real commands, in this
-process: `finetune chat`, `eval`, `merge`, `convert`, `export` (with the export extra) and `publish --dry-run`, and the check `finetune
-train` makes before resuming (finetune.run.preflight.resume_step). A change that breaks one of them for an old run
-directory needs a migration (finetune/recipe/migrations.py, finetune/rundir/format.py), which the synthetic rename
-below exercises.
+process: `finetune chat`, `eval`, `merge`, `convert`, `export` (with the export extra) and `publish --dry-run`, and
+the check `finetune train` makes before resuming (finetune.run.preflight.resume_step). A change that breaks one of
+them for an old run directory needs a migration (finetune/recipe/migrations.py, finetune/rundir/format.py), which
+the synthetic rename below exercises.
 """
 
 from __future__ import annotations
