@@ -66,6 +66,12 @@ def test_q4_k_m_is_k_quants_and_equals_llama_cpps_own_rounding(tiny_dir, tmp_pat
     assert check["ok"], check
     assert check["weights_equal_rounding"] and check["rounding"] == "the quantizers that wrote the file"
     assert json.loads((tmp_path / "q4" / "export.json").read_text())["verify"]["ok"]
+    assert not result.notes  # nothing fell back
+
+    narrow = export_gguf(_with_demo_recipe(Path(shutil.copytree(tiny_dir, tmp_path / "narrow"))), "q4_k_m",
+                         tmp_path / "q4-narrow")
+    assert narrow.verify["ok"] and narrow.verify["weights_equal_rounding"], narrow.verify
+    assert any("not K-quants: their rows (128 wide)" in note for note in narrow.notes), narrow.notes
 
 
 def test_llama_cpp_tokenizes_and_computes_the_f16_export_as_transformers_does(tiny_dir, tmp_path):

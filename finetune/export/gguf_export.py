@@ -83,6 +83,7 @@ def export_gguf(path: Path, out_type: str, output: Optional[Path] = None, *, ove
         model_dir = source.model_dir or _merge(source, work / "merged", log)
         with atomic_dir(output, overwrite=overwrite) as tmp:
             target = tmp / gguf_name
+            fallback = None
             if quantize is None:
                 log(f"converting {model_dir} to {out_type} with llama.cpp's converter ...")
                 llama_cpp.convert(model_dir, pre, out_type, target, source.name, prompt, base_hub_id(source), work)
@@ -94,8 +95,11 @@ def export_gguf(path: Path, out_type: str, output: Optional[Path] = None, *, ove
                 log(f"quantizing to {llama_cpp.K_QUANTS[out_type]} with llama.cpp's quantizer ...")
                 quantize(middle, target, llama_cpp.K_QUANTS[out_type])
                 middle.unlink()
+                fallback = llama_cpp.fallback_note(target, out_type)
             adds_bos = _adds_bos(target)
             text, notes = modelfile(gguf_name, prompt, adds_bos, context_length(source))
+            if fallback:
+                notes.append(fallback)
             (tmp / MODELFILE).write_text(text, encoding="utf-8")
             record = {"source": source.name, "type": out_type, "gguf": gguf_name, "prompt": prompt.fmt,
                       "stops": prompt.stops, "context_length": context_length(source), "base_model": base_hub_id(source)}

@@ -255,10 +255,34 @@ def quantizer() -> Optional[Callable[[Path, Path, str], None]]:
     def run_lib(src: Path, dst: Path, kind: str) -> None:
         params = llama_cpp.llama_model_quantize_default_params()
         params.ftype = _LLAMA_FTYPE[kind]
-        if llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), params) != 0:
-            raise ExportError(f"llama.cpp's llama_model_quantize {kind} failed")
+        # llama-cpp-python prints llama.cpp's log (a line per tensor, a warning per fallback) unless its logger says
+        # otherwise; the export says what fell back itself (fallback_note).
+        log = logging.getLogger("llama-cpp-python")
+        level = log.level
+        log.setLevel(logging.CRITICAL)
+        try:
+            if llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), params) != 0:
+                raise ExportError(f"llama.cpp's llama_model_quantize {kind} failed")
+        finally:
+            log.setLevel(level)
     return run_lib
 
 
 NO_QUANTIZER = ("K-quants need llama.cpp's quantizer, which is not installed: put llama.cpp's `llama-quantize` on "
                 "PATH, or `pip install llama-cpp-python` (builds llama.cpp, 8-15 min); or export --gguf q8_0")
+
+
+def fallback_note(gguf_file: Path, kind: str) -> Optional[str]:
+    """What of a K-quant export is not K-quant: llama.cpp quantizes a tensor whose rows are not a multiple of 256
+    (a K-quant block) with Q5_0/Q8_0 instead, and says so only in its log (llama-quant.cpp, "falling back")."""
+    from gguf import GGUFReader
+
+    tensors = GGUFReader(str(gguf_file)).tensors
+    quantized = [t for t in tensors if t.tensor_type.name not in ("F32", "F16", "BF16")]
+    fallen = [t for t in quantized if not t.tensor_type.name.endswith("_K")]
+    if not fallen:
+        return None
+    widths = sorted({int(t.shape[0]) for t in fallen})
+    return (f"{kind}: {len(fallen)} of {len(quantized)} quantized tensors are "
+            f"{'/'.join(sorted({t.tensor_type.name for t in fallen}))}, not K-quants: their rows "
+            f"({', '.join(map(str, widths))} wide) are not a multiple of a K-quant block (256)")
