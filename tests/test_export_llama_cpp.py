@@ -67,6 +67,8 @@ def test_q4_k_m_is_k_quants_and_equals_llama_cpps_own_rounding(tiny_dir, tmp_pat
     assert check["weights_equal_rounding"] and check["rounding"] == "the quantizers that wrote the file"
     assert json.loads((tmp_path / "q4" / "export.json").read_text())["verify"]["ok"]
     assert not result.notes  # nothing fell back
+    runtime = check["llama_cpp"]  # --verify ran the GGUF in llama.cpp too
+    assert runtime["tokens_equal"] and runtime["argmax_agree"] == runtime["decided_positions"] > 0, runtime
 
     narrow = export_gguf(_with_demo_recipe(Path(shutil.copytree(tiny_dir, tmp_path / "narrow"))), "q4_k_m",
                          tmp_path / "q4-narrow")

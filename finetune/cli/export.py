@@ -49,6 +49,12 @@ def export(
         typer.echo(f"verify: KL {check['kl']:.2g} (bound {check['kl_bound']:.2g} from {gguf}'s rounding), max |logit "
                    f"diff| {check['max_abs_logit_diff']:.3g}, argmax equal at {check['argmax_agree']} of "
                    f"{check['decided_positions']} decided positions ({check['rows']} rows)")
+        runtime = check.get("llama_cpp")
+        if runtime is not None:
+            typer.echo(f"llama.cpp: the trained prompt tokenized as transformers does; its logits against the GGUF's "
+                       f"weights in transformers: KL {runtime['kl']:.2g}, max |logit diff| "
+                       f"{runtime['max_abs_logit_diff']:.3g}, argmax equal at {runtime['argmax_agree']} of "
+                       f"{runtime['decided_positions']} decided positions")
     for note in result.notes:
         typer.echo(f"note: {note}", err=True)
     typer.echo(f"prompt: {result.prompt.origin}; stops {', '.join(result.prompt.stops) or 'none'}")

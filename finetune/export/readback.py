@@ -13,7 +13,9 @@ it; prompts rendered with the trained template when there is no recipe):
   from that rounding; without it, KL within twice what gguf-py's Q4_0 / Q5_0 / Q8_0 rounding costs (coarser than,
   or as coarse as, the K-quant of the same bits);
 - the argmax equal at every position where the reference's top-2 margin exceeds the measured max |logit difference|;
-- the metadata: heads, kv-heads, RoPE base, context, BOS/EOS ids, the chat template, and no local path anywhere.
+- the metadata: heads, kv-heads, RoPE base, context, BOS/EOS ids, the chat template, and no local path anywhere;
+- with llama-cpp-python installed, llama.cpp itself (finetune.export.runtime): its tokens of the trained prompt equal
+  transformers', and its argmax equals that of the GGUF's weights in transformers wherever that is decided.
 """
 
 from __future__ import annotations
@@ -111,16 +113,17 @@ def _rows(model_dir: Path, source, prompt: TrainedPrompt, tokenizer) -> list[lis
                 return picked
         except Exception:  # the data moved or changed since training: the fixed prompts below still compare
             pass
+    return [list(tokenizer(text, add_special_tokens=specials)["input_ids"]) for text, specials in prompt_texts(prompt)]
+
+
+def prompt_texts(prompt: TrainedPrompt) -> list[tuple[str, bool]]:
+    """Fixed questions in the trained prompt, as text, and whether the tokenizer adds its special tokens to it (a
+    chat template writes its own BOS; plain text gets the tokenizer's)."""
     texts = ["What is the capital of France?", "Add 7 and 5.", "Name a primary colour.", "Reverse the word cat."]
-    rows = []
-    for text in texts:
-        if prompt.chat_template is not None:
-            text = render(prompt.chat_template, [{"role": "user", "content": text}], prompt.bos_token,
-                          prompt.eos_token, True)
-            rows.append(list(tokenizer(text, add_special_tokens=False)["input_ids"]))
-        else:
-            rows.append(list(tokenizer(text)["input_ids"]))
-    return rows
+    if prompt.chat_template is None:
+        return [(text, True) for text in texts]
+    return [(render(prompt.chat_template, [{"role": "user", "content": text}], prompt.bos_token, prompt.eos_token,
+                    True), False) for text in texts]
 
 
 def _logits(model, rows: list[list[int]]) -> list[torch.Tensor]:
@@ -225,7 +228,8 @@ def verify_export(path: Path, model_dir: Path, source, prompt: TrainedPrompt,
     model.load_state_dict(rounded, strict=False)
     expected = compare(reference, _logits(model, rows))
     model.load_state_dict(loaded, strict=False)
-    got = compare(reference, _logits(model, rows))
+    loaded_logits = _logits(model, rows)
+    got = compare(reference, loaded_logits)
     bound = _KL_FACTOR * expected["kl"] + _KL_FLOOR
     result.update({"kl": got["kl"], "kl_bound": bound, "rounding_kl": expected["kl"],
                    "max_abs_logit_diff": got["max_abs_logit_diff"], "positions": got["positions"],
@@ -244,6 +248,21 @@ def verify_export(path: Path, model_dir: Path, source, prompt: TrainedPrompt,
                         "reference's margin exceeds the logit difference")
     if not exact:
         problems.append("the weights differ from the reference rounded as the GGUF's types round")
+    from finetune.export.runtime import llama_cpp_run
+
+    ran = llama_cpp_run(path, tokenizer, prompt_texts(prompt), rows)
+    if ran is not None:
+        differ, computed = ran
+        numbers = compare(loaded_logits, computed)
+        runtime = {"tokens_equal": not differ, "tokens_differ": "; ".join(differ[:2]), "kl": numbers["kl"],
+                   "max_abs_logit_diff": numbers["max_abs_logit_diff"],
+                   "decided_positions": numbers["decided_positions"], "argmax_agree": numbers["argmax_agree"]}
+        result["llama_cpp"] = runtime
+        if not runtime["tokens_equal"]:
+            problems.append(f"llama.cpp tokenizes the trained prompt differently ({runtime['tokens_differ']})")
+        if runtime["argmax_agree"] != runtime["decided_positions"]:
+            problems.append(f"llama.cpp's argmax differs at {runtime['decided_positions'] - runtime['argmax_agree']} "
+                            "positions where the GGUF's own logits in transformers are decided")
     result["ok"] = not problems
     result["why"] = "; ".join(problems)
     return result
