@@ -4,9 +4,9 @@ Two checks against transformers: llama.cpp's tokens of the trained prompt (rende
 ids transformers' tokenizer gives (a wrong pre-tokenizer or special-token handling shows here, not in the weights),
 and on the run's rows llama.cpp's logits against transformers' logits of the same GGUF weights (read back): the
 argmax must agree wherever transformers' top-2 margin exceeds the measured max |logit difference|; KL and the max
-difference are recorded. llama.cpp multiplies a quantized matrix with 8-bit-quantized activations, so its logits
-differ from the dequantized weights' in transformers by more than rounding the weights does: KL is reported, not
-bounded (README: "llama.cpp itself" has the numbers measured).
+difference are recorded. llama.cpp's CPU matmuls round the activations too (to 8-bit blocks for quantized weights,
+to f16 for f16 weights: ggml-cpu's vec_dot_type), so its logits differ from the dequantized weights' in transformers
+by more than rounding the weights does: KL is reported, not bounded (README: "llama.cpp itself" has the numbers).
 """
 
 from __future__ import annotations
