@@ -49,20 +49,32 @@ def _umask() -> int:
     return mask
 
 
+def remove_path(path: Path) -> None:
+    """Remove `path` whatever it is: a folder's tree, or a link or file itself (never what a link points at).
+
+    shutil.rmtree refuses a link to a folder (and ignore_errors hides that), which left links that finetune had
+    renamed aside in place forever, and a later rename onto them failed with "Not a directory" (issue 34)."""
+    path = Path(path)
+    if path.is_symlink() or (path.exists() and not path.is_dir()):
+        path.unlink(missing_ok=True)
+    else:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def replace_dir(tmp: Path, target: Path, old: Path) -> None:
     """Move the finished directory `tmp` to `target`; an existing `target` is moved aside to `old` and removed after.
 
     Where the kernel can (Linux renameat2 RENAME_EXCHANGE) the two directories trade places in one step, so
     `target` never stops existing: a run directory's lock (finetune.rundir.lock) taken in `tmp` guards it
     from the moment it appears, and nobody can create an empty `target` in between."""
-    if target.exists():
-        shutil.rmtree(old, ignore_errors=True)
+    if target.exists() or target.is_symlink():
+        remove_path(old)
         if exchange_dirs(tmp, target):
             os.replace(tmp, old)  # tmp now holds the previous target
         else:
             os.replace(target, old)
             os.replace(tmp, target)
-        shutil.rmtree(old, ignore_errors=True)
+        remove_path(old)
     else:
         os.replace(tmp, target)
 
@@ -148,9 +160,9 @@ def remove_stale_partials(target: Path) -> list[str]:
         owner = _owner(leftover, target.name)
         if owner is None or owner[1] != socket.gethostname() or _alive(owner[0]):
             continue
-        size = sum(f.stat().st_size for f in leftover.rglob("*") if f.is_file())
-        shutil.rmtree(leftover, ignore_errors=True)
-        if not leftover.exists():
+        size = 0 if leftover.is_symlink() else sum(f.stat().st_size for f in leftover.rglob("*") if f.is_file())
+        remove_path(leftover)
+        if not leftover.exists() and not leftover.is_symlink():
             removed.append(f"removed {leftover} ({human_size(size)}), left by process {owner[0]} which is gone")
     return removed
 

@@ -163,7 +163,34 @@ def _poison_shard(path: Path) -> None:
     torch.save({"x": _RunsAShellCommand(path.parent.parent / "PWNED")}, path)
 
 
+def _poisoned_copy_outside(checkpoint: Path) -> Path:
+    """A copy of the checkpoint's step folder outside the run directory, every shard pickling a command."""
+    outside = checkpoint.parent.parent / f"{checkpoint.parent.name}-elsewhere" / "global_step4"
+    shutil.copytree(checkpoint / "global_step4", outside)
+    for shard in outside.iterdir():
+        _poison_shard(shard)
+    return outside
+
+
+def _link(path: Path, target: Path) -> None:
+    shutil.rmtree(path) if path.is_dir() else path.unlink()
+    path.symlink_to(target)
+
+
+# Issue 34 item 1: DeepSpeed's loader and the universal conversion open CHECKPOINT/<tag from latest>/<name>.
+LINKS_OUT = {
+    "step-folder-links-out": lambda c: _link(c / "global_step4", _poisoned_copy_outside(c)),
+    "shard-links-out": lambda c: _link(c / "global_step4" / "mp_rank_00_model_states.pt",
+                                       _poisoned_copy_outside(c) / "mp_rank_00_model_states.pt"),
+    "latest-absolute": lambda c: (c / "latest").write_text(str(_poisoned_copy_outside(c))),
+    "latest-dot-dot": lambda c: (c / "latest").write_text(
+        f"../../{_poisoned_copy_outside(c).parent.name}/global_step4"),
+    "universal-links-out": lambda c: ((c / "global_step4_universal").symlink_to(_poisoned_copy_outside(c)),
+                                      (c / "latest_universal").write_text("global_step4_universal")),
+}
+
 CHECKPOINT_CORRUPTIONS = {
+    **LINKS_OUT,
     "trainer-state-garbage": lambda c: (c / "trainer_state.json").write_bytes(
         b"\x00" * (c / "trainer_state.json").stat().st_size),
     "weights-truncated": lambda c: _truncate(c / "adapter_model.safetensors"),
@@ -197,5 +224,8 @@ def test_convert_and_resume_on_a_corrupt_checkpoint_say_one_line(good_run, corru
     assert_one_line_or_works(run, resumed)
     if corruption == "shard-pickles-code":
         assert resumed.exit_code == 1 and "refused to load: it pickles posix.system" in resumed.stderr
+    elif corruption in LINKS_OUT:
+        assert resumed.exit_code == 1 and "cannot be resumed from" in resumed.stderr, resumed.output
+        assert "outside" in resumed.stderr and "outside" in converted.stderr, (resumed.stderr, converted.stderr)
     else:  # checkpoint-4 is passed over (damaged, or not complete) for checkpoint-2
         assert "resuming from checkpoint-2 (step 2)" in resumed.stderr, resumed.output

@@ -295,6 +295,48 @@ def test_conversion_failure_is_one_clear_line(tmp_path):
     assert not (checkpoint / "latest_universal").exists() and not list(checkpoint.glob(".*partial"))
 
 
+def test_conversion_reads_and_writes_only_inside_the_checkpoint(tmp_path):
+    """Issue 34 item 1: a `latest` naming a folder outside (here `../../X`) was converted, and the universal
+    copy written beside it, outside the checkpoint; links the conversion writes through are replaced instead."""
+    import subprocess
+
+    from finetune.rundir.checkpoint import publish
+    from pathlib import Path
+
+    from finetune.train.universal import UniversalCheckpointError, convert
+
+    outside = tmp_path / "X"
+    (outside / "global_step3").mkdir(parents=True)
+    checkpoint = tmp_path / "run" / "checkpoint-3"
+    (checkpoint / "global_step3").mkdir(parents=True)
+    publish(checkpoint, 3, {"world_size": 2})
+    calls = []
+
+    def converter(argv, **kwargs):
+        calls.append(argv)
+        Path(argv[argv.index("--output_folder") + 1], "zero").mkdir(parents=True)
+        return subprocess.CompletedProcess(argv, 0, "", "")
+
+    for tag in ("../../X/global_step3", str(outside / "global_step3")):
+        (checkpoint / "latest").write_text(tag)
+        with pytest.raises(UniversalCheckpointError, match="outside"):
+            convert(checkpoint, run=converter)
+    assert not calls and sorted(p.name for p in tmp_path.iterdir()) == ["X", "run"]
+    assert list(outside.iterdir()) == [outside / "global_step3"]
+    (checkpoint / "latest").write_text("global_step3")
+    (checkpoint / ".global_step3_universal.partial").symlink_to(outside, target_is_directory=True)
+    with pytest.raises(UniversalCheckpointError, match="partial is a link to .*outside"):
+        convert(checkpoint, run=converter)
+    # links that stay inside are replaced, never written through
+    (checkpoint / ".global_step3_universal.partial").unlink()
+    (checkpoint / ".global_step3_universal.partial").symlink_to(checkpoint / "global_step3", target_is_directory=True)
+    (checkpoint / "latest_universal").symlink_to(checkpoint / "global_step3" / "x")
+    target = convert(checkpoint, run=converter)
+    assert target == checkpoint / "global_step3_universal" and (target / "zero").is_dir()
+    assert not (checkpoint / "latest_universal").is_symlink() and (checkpoint / "latest_universal").read_text() == target.name
+    assert not list((checkpoint / "global_step3").iterdir()) and list(outside.iterdir()) == [outside / "global_step3"]
+
+
 # ------------------------------------------------------------------------------------------------
 # ALST's tiled MLP
 

@@ -272,6 +272,18 @@ def test_only_checkpoints_with_a_valid_marker_count(tmp_path):
     assert marker["step"] == 8 and marker["files"] == {"global_step8/shard.pt": 10, "trainer_state.json": 2}
 
 
+def test_the_ranks_load_nothing_through_a_link_out_of_the_checkpoint(tmp_path):
+    """Issue 34 item 1, where DeepSpeed's loader is about to follow the links (preflight refused them already)."""
+    from finetune.train.preemption import agreed_checkpoint
+
+    run = tmp_path / "run"
+    path = fake_checkpoint(run, 4)
+    assert agreed_checkpoint(run, resume=True) == str(path)
+    (path / "latest").write_text(str(tmp_path))
+    with pytest.raises(ckpt.CheckpointError, match="latest names .* outside"):
+        agreed_checkpoint(run, resume=True)
+
+
 def test_rotation_removes_only_after_a_newer_checkpoint_is_complete(tmp_path):
     for step in (2, 4, 6):
         fake_checkpoint(tmp_path, step)
@@ -413,7 +425,16 @@ def test_a_damaged_newest_checkpoint_is_passed_over_for_the_previous_one(workspa
     both = dry_run()
     assert both.exit_code == 1 and "every complete checkpoint is damaged (checkpoint-8: trainer_state.json" in both.stderr
     found = ckpt.Checkpoint(8, out / "checkpoint-8", True)
+    # Issue 34: a link in the way (to a folder of the user's) made every rerun fail with "Not a directory"; the
+    # link is removed, never what it points at, and so are links left where a removal renamed a checkpoint.
+    keep = workspace / "theirs"
+    (keep / "global_step1").mkdir(parents=True)
+    (out / ".checkpoint-8.damaged").symlink_to(keep, target_is_directory=True)
+    (out / ".checkpoint-3.deleting-1").symlink_to(keep, target_is_directory=True)
     assert ckpt.set_aside(found) == out / ".checkpoint-8.damaged" and ckpt.latest_complete(out).step == 4
+    ckpt.discard_incomplete(out)
+    assert (out / ".checkpoint-8.damaged" / "COMPLETE").is_file() and not (out / ".checkpoint-3.deleting-1").is_symlink()
+    assert (keep / "global_step1").is_dir()
 
 
 def test_no_resume_and_overwrite(workspace, no_launch):

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from finetune.errors import FinetuneError
-from finetune.fsutil import write_atomic
+from finetune.fsutil import remove_path, write_atomic
 from finetune.rundir.names import CHECKPOINT_PREFIX, RECIPE_FILE, SUMMARY_FILE
 from finetune.rundir.resume_key import RESUME_KEY_FILE, process_count_change, read_resume_key, resume_fields
 from finetune.units import gib_text
@@ -202,7 +202,7 @@ def remove_checkpoint(path: Path) -> None:
         os.replace(path, doomed)
     except FileNotFoundError:
         return  # another node sharing this folder got there first
-    shutil.rmtree(doomed, ignore_errors=True)
+    remove_path(doomed)
 
 
 def rotate(run_dir: Path, keep: Optional[int]) -> list[Path]:
@@ -232,7 +232,7 @@ def discard_incomplete(run_dir: Path) -> list[Path]:
             remove_checkpoint(checkpoint.path)
             removed.append(checkpoint.path)
     for leftover in Path(run_dir).glob(".checkpoint-*.deleting-*"):
-        shutil.rmtree(leftover, ignore_errors=True)
+        remove_path(leftover)
     return removed
 
 
@@ -281,7 +281,7 @@ DAMAGED_SUFFIX = ".damaged"
 def set_aside(checkpoint: Checkpoint) -> Path:
     """Move a damaged checkpoint out of the way (kept, hidden, for a look): nothing resumes from it or rotates it."""
     aside = checkpoint.path.with_name(f".{checkpoint.path.name}{DAMAGED_SUFFIX}")
-    shutil.rmtree(aside, ignore_errors=True)
+    remove_path(aside)  # a link there is removed, not followed (a rename onto it failed: "Not a directory")
     os.replace(checkpoint.path, aside)
     return aside
 

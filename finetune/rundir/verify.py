@@ -8,6 +8,11 @@ Two promises (issue 25):
   refused when it names a global outside DEEPSPEED_GLOBALS, the allow-list `finetune convert` loads with.
   The Trainer's own files (rng_state_<rank>.pth, scheduler.pt) load with weights_only=True and the
   numpy globals of transformers.trainer_pt_utils.safe_globals, so those globals are allowed there too.
+- nothing is loaded through a link that leaves the checkpoint (issue 34). DeepSpeed opens
+  `os.path.join(checkpoint, tag, name)` for a tag read from `latest` (or `latest_universal`), so an absolute
+  tag, a `..` in it, a `global_step<N>` folder or a shard that is a link to somewhere else would make it
+  unpickle a file the scan never saw. `links_outside` refuses all of them before anything is unpickled;
+  the scan then reads every file the loaders can reach, since they all lie inside.
 - a corrupt newest checkpoint (same-size garbage the COMPLETE marker's sizes cannot see) is found
   before launch, so `finetune train` falls back to the previous complete one instead of failing on
   every rerun (finetune.rundir.checkpoint.plan_resume).
@@ -18,6 +23,7 @@ torch is imported inside the functions (only `finetune train`, which has it, cal
 from __future__ import annotations
 
 import json
+import os
 import struct
 import zipfile
 from pathlib import Path
@@ -71,6 +77,45 @@ def refuse_foreign_globals(path: Path, allowed: tuple[str, ...] = DEEPSPEED_GLOB
                                "checkpoints never hold; unpickling it could run code")
 
 
+LATEST_FILES = ("latest", "latest_universal")  # where DeepSpeed's load_checkpoint reads its tag (engine.py)
+
+
+def inside(path: Path, folder: Path) -> bool:
+    """Whether `path`, every link followed, lies in `folder` (itself followed)."""
+    real, root = os.path.realpath(path), os.path.realpath(folder)
+    return real == root or real.startswith(root.rstrip(os.sep) + os.sep)
+
+
+def links_outside(folder: Path) -> Optional[str]:
+    """Why a loader opening files under `folder` could read one outside it, or None: a link (a folder, a
+    shard, `latest` itself) leading out, or a `latest` naming a tag outside (absolute, `..`, a link)."""
+    folder = Path(folder)
+    for root, dirs, files in os.walk(folder):  # links to folders are listed, not descended into
+        for name in dirs + files:
+            path = Path(root) / name
+            if path.is_symlink() and not inside(path, folder):
+                return f"{path} is a link to {os.path.realpath(path)}, outside {folder}"
+    for name in LATEST_FILES:
+        try:
+            read_tag(folder, name)
+        except UnsafeCheckpoint as exc:
+            return str(exc)
+    return None
+
+
+def read_tag(folder: Path, name: str = "latest") -> Optional[str]:
+    """The tag DeepSpeed reads from `folder/name` (None without that file); UnsafeCheckpoint when the folder
+    it names is not inside `folder`."""
+    latest = Path(folder) / name
+    if not latest.is_file():
+        return None
+    tag = latest.read_text(encoding="utf-8", errors="replace").strip()
+    if tag and not inside(Path(folder) / tag, folder):
+        raise UnsafeCheckpoint(f"{latest} names {tag[:200]!r}, which is outside {folder}; DeepSpeed would load "
+                               "whatever is there")
+    return tag
+
+
 def pickle_files(checkpoint: Path) -> list[Path]:
     return sorted(p for p in Path(checkpoint).rglob("*") if p.suffix in PICKLE_SUFFIXES and p.is_file())
 
@@ -99,11 +144,9 @@ def damage(checkpoint: Path) -> Optional[str]:
             problem = exc.strerror or str(exc)
         if problem:
             return f"{path.relative_to(checkpoint)}: {problem}"
-    latest = checkpoint / "latest"
-    if latest.is_file():
-        tag = latest.read_text(encoding="utf-8", errors="replace").strip()
-        if not (checkpoint / tag).is_dir():
-            return f"latest names {tag[:80]!r}, which is not a folder there"
+    tag = read_tag(checkpoint)
+    if tag is not None and not (checkpoint / tag).is_dir():
+        return f"latest names {tag[:80]!r}, which is not a folder there"
     return None
 
 
@@ -150,7 +193,15 @@ def safetensors_damage(path: Path) -> Optional[str]:
 
 
 def inspect(checkpoint: Path) -> Optional[tuple[str, str]]:
-    """("unsafe" | "damaged", why) for a complete-looking checkpoint that must not be resumed from, or None."""
+    """("unsafe" | "damaged", why) for a complete-looking checkpoint that must not be resumed from, or None.
+
+    `checkpoint` is a run directory's `checkpoint-<N>`: it may not lead out of the run directory either."""
+    checkpoint = Path(checkpoint)
+    if checkpoint.is_symlink() and not inside(checkpoint, checkpoint.parent):
+        return "unsafe", f"{checkpoint} is a link to {os.path.realpath(checkpoint)}, outside the run directory {checkpoint.parent}"
+    escape = links_outside(checkpoint)
+    if escape:
+        return "unsafe", f"{escape} (nothing is loaded through a link that leaves the checkpoint)"
     problem = damage(checkpoint)
     if problem:
         return "damaged", problem

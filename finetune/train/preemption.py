@@ -158,6 +158,14 @@ def agreed_checkpoint(run_dir: Path, resume: bool) -> Optional[str]:
                                    f"copy the newest checkpoint-N to every node's run directory, or start over with --overwrite")
     step = max(common)
     path = run_dir / f"{ckpt.CHECKPOINT_PREFIX}{step}"
+    from finetune.rundir.verify import links_outside
+
+    # `finetune train` refused these before launch (verify.inspect); checked again here, where DeepSpeed's loader
+    # is about to follow them, since a node's own copy or a change since then would otherwise go unseen (issue 34).
+    escape = links_outside(path)
+    if escape:
+        raise ckpt.CheckpointError(f"{path} cannot be resumed from: {escape}; nothing is loaded through a link "
+                                   "that leaves the checkpoint")
     _log(f"resuming from {path.name} (step {step})")
     return str(path)
 

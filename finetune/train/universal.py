@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from finetune.errors import FinetuneError
+from finetune.fsutil import remove_path, write_atomic
 
 UNIVERSAL_SUFFIX = "_universal"
 LATEST_UNIVERSAL = "latest_universal"  # the file DeepSpeed reads the tag from with load_universal
@@ -47,10 +48,16 @@ def saved_world_size(checkpoint: Path) -> Optional[int]:
 
 
 def deepspeed_tag(checkpoint: Path) -> str:
-    """The DeepSpeed tag (global_stepN) inside a Trainer checkpoint, from DeepSpeed's `latest` file."""
+    """The DeepSpeed tag (global_stepN) inside a Trainer checkpoint, from DeepSpeed's `latest` file; refused when
+    anything there leads out of the checkpoint (finetune.rundir.verify.links_outside: the conversion unpickles
+    every shard and writes beside the tag)."""
+    from finetune.rundir.verify import links_outside, read_tag
+
     checkpoint = Path(checkpoint)
-    latest = checkpoint / "latest"
-    tag = latest.read_text(encoding="utf-8").strip() if latest.is_file() else ""
+    escape = links_outside(checkpoint)
+    if escape:
+        raise UniversalCheckpointError(f"{escape}; nothing is converted through a link that leaves the checkpoint")
+    tag = read_tag(checkpoint) or ""
     if not tag or not (checkpoint / tag).is_dir():
         tags = sorted(p.name for p in checkpoint.glob("global_step*") if p.is_dir() and not p.name.endswith(UNIVERSAL_SUFFIX))
         if not tags:
@@ -66,7 +73,7 @@ def convert(checkpoint: Path, run: Callable[..., subprocess.CompletedProcess] = 
     target = checkpoint / f"{tag}{UNIVERSAL_SUFFIX}"
     if not target.is_dir():
         partial = checkpoint / f".{target.name}.partial"
-        shutil.rmtree(partial, ignore_errors=True)
+        remove_path(partial)
         argv = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(checkpoint / tag),
                 "--output_folder", str(partial), "--num_extract_workers", "1", "--num_merge_workers", "1",
                 # the engine writes universal_checkpoint_info only for models that describe their own slicing
@@ -74,14 +81,14 @@ def convert(checkpoint: Path, run: Callable[..., subprocess.CompletedProcess] = 
                 "--inject_missing_state"]
         result = run(argv, capture_output=True, text=True)
         if result.returncode != 0:
-            shutil.rmtree(partial, ignore_errors=True)
+            remove_path(partial)
             tail = (result.stderr or result.stdout or "").strip().splitlines()[-1:] or ["no output"]
             raise UniversalCheckpointError(f"converting {checkpoint.name} to DeepSpeed's universal checkpoint failed "
                                            f"(deepspeed.checkpoint.ds_to_universal: {tail[0]}); resume on the process "
                                            "count that saved it, or start over with --overwrite")
         shutil.rmtree(partial / "tmp", ignore_errors=True)  # ds_to_universal's extracted fragments
         partial.rename(target)
-    (checkpoint / LATEST_UNIVERSAL).write_text(target.name, encoding="utf-8")
+    write_atomic(checkpoint / LATEST_UNIVERSAL, target.name)  # replaces a link there instead of writing through it
     return target
 
 

@@ -93,10 +93,14 @@ def find_checkpoint(path: Path) -> Checkpoint:
     """Accept checkpoint-N/ (with `latest`), global_stepN/ itself, or a folder with exactly one global_step*."""
     if not path.is_dir():
         raise ConvertError(f"{path}: no such checkpoint directory")
+    # Nothing is loaded through a link that leaves the folder given (finetune.rundir.verify, issue 34).
+    escape = verify.links_outside(path)
+    if escape:
+        raise ConvertError(f"{escape}; convert loads nothing through a link that leaves the checkpoint")
     if _STEP_DIR.match(path.name) or any(path.glob("*_model_states.pt")):
         root, tag = path.parent, path.name
     elif (path / "latest").is_file():
-        root, tag = path, (path / "latest").read_text(encoding="utf-8").strip()
+        root, tag = path, verify.read_tag(path) or ""
     else:
         steps = sorted(p.name for p in path.glob("global_step*") if p.is_dir())
         if len(steps) != 1:
