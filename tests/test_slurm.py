@@ -111,6 +111,28 @@ def test_exit_75_requeues_the_job(tmp_path):
     assert "--master-addr 127.0.0.1 --master-port 29500" in log  # expanded once, the same for every node
 
 
+def test_a_name_with_a_newline_runs_no_command(tmp_path):
+    """Issue 34 item 2: a recipe name (and so its run directory) with a newline, written raw into a comment and
+    into #SBATCH --job-name, ended the line there and the rest ran as a command in the batch script."""
+    recipe = REPO / "recipes" / "tiny" / "lora_zero2.yaml"
+    name = "x\ntouch PWNED\r\x0btouch PWNED2"
+    result = run_cli("slurm", recipe, "--set", f"name={json.dumps(name)}", "--gpus-per-node", "1", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "#SBATCH --job-name=x-touch-PWNED-touch-PWNED2\n" in result.stdout
+    assert [line for line in result.stdout.splitlines() if line.startswith("touch")] == []
+    script = tmp_path / "job.sh"
+    script.write_text(result.stdout)
+    recorded = "#!/bin/bash\nprintf '%s\\0' \"$@\" > \"$FAKE_SLURM_LOG\"\n"
+    done = subprocess.run(["bash", str(script)], env={**os.environ, **fake_slurm(tmp_path, srun=recorded)},
+                          cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert not (tmp_path / "PWNED").exists() and not (tmp_path / "PWNED2").exists()
+    argv = (tmp_path / "slurm.log").read_bytes().decode().split("\0")
+    assert argv[argv.index("--output-dir") + 1] == str(tmp_path / "runs" / name)  # the srun line keeps it whole
+    refused = run_cli("slurm", recipe, "--gpus-per-node", "1", "--partition", "gpu\ntouch PWNED", cwd=tmp_path)
+    assert refused.returncode == 2 and "--partition 'gpu\\ntouch PWNED'" in refused.stderr
+
+
 @pytest.mark.slow
 def test_the_script_trains_on_two_nodes_sharing_a_run_directory(tmp_path, tmp_path_factory):
     from finetune.builtin import ensure_builtin_model

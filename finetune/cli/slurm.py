@@ -38,7 +38,7 @@ def slurm(
         $ sbatch job.sh
     """
     from finetune.render import resolved_output_dir
-    from finetune.run.slurm import SlurmJob, gpus_per_node, sbatch_script
+    from finetune.run.slurm import SlurmJob, gpus_per_node, plain_job_name, sbatch_script
 
     usable_path("--output-dir", output_dir)
     usable_path("-o", output)
@@ -48,7 +48,7 @@ def slurm(
         recipe_path=recipe.expanduser().absolute(),
         run_dir=(output_dir or Path(resolved_output_dir(r))).expanduser().absolute(),
         workdir=Path.cwd(), python=sys.executable, nodes=nodes or r.launch.nodes,
-        gpus_per_node=gpus_per_node(r, gpus), job_name=job_name or r.name or recipe.stem,
+        gpus_per_node=gpus_per_node(r, gpus), job_name=job_name or plain_job_name(r.name or recipe.stem),
         master_port=r.launch.master_port, signal_seconds=signal_seconds or r.launch.stop_timeout,
         overrides=tuple(overrides or ()), time=time_limit, partition=partition, account=account, cpus_per_task=cpus)
     text = sbatch_script(job)

@@ -20,6 +20,7 @@ collective until the NCCL timeout.
 
 from __future__ import annotations
 
+import re
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,7 +68,45 @@ def gpus_per_node(recipe: Recipe, given: Optional[int]) -> int:
                      "hardware.gpus): pass --gpus-per-node")
 
 
+def plain_job_name(name: str) -> str:
+    """A recipe's name as a SLURM job name: letters, digits, `.`, `_` and `-` only (a newline there ended the
+    #SBATCH line and the rest ran as a command, issue 34)."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-")[:64] or "finetune"
+
+
+def comment_text(value: object) -> str:
+    """`value` for a `#` comment line: control characters (newline, CR, ...) written as escapes, so the comment
+    ends where the line does."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(value))
+
+
+def shell_word(value: object) -> str:
+    """`value` as one bash word that keeps the script one command per line: shlex.quote, or for a value with
+    control characters bash's $'...' with them escaped (inside '...' a newline is safe but splits the line)."""
+    text = str(value)
+    if all(c.isprintable() for c in text):
+        return shlex.quote(text)
+    escaped = "".join(c if c.isprintable() and c not in "\\'" else "\\" + c if c in "\\'"
+                      else f"\\x{ord(c):02x}" if ord(c) < 256 else f"\\u{ord(c):04x}" for c in text)
+    return f"$'{escaped}'"
+
+
+# What sbatch reads in one #SBATCH value: no blank, quote or control character (a newline would end the directive
+# and start a command line; sbatch splits directives at blanks).
+_DIRECTIVE_VALUE = re.compile(r"[\w.,:@%+=/-]+")
+
+
+def directive_problems(job: SlurmJob) -> list[str]:
+    """The user-given values that cannot be written into an #SBATCH line as they are."""
+    given = {"--job-name": job.job_name, "--time": job.time, "--partition": job.partition, "--account": job.account}
+    return [f"{option} {value!r}: only letters, digits and . , : @ % + = / - _ fit an #SBATCH line"
+            for option, value in given.items() if value is not None and not _DIRECTIVE_VALUE.fullmatch(value)]
+
+
 def sbatch_script(job: SlurmJob) -> str:
+    problems = directive_problems(job)
+    if problems:
+        raise SlurmError("; ".join(problems))
     directives = [
         f"--job-name={job.job_name}",
         f"--nodes={job.nodes}",
@@ -95,17 +134,17 @@ def sbatch_script(job: SlurmJob) -> str:
     # bash -c 'exec "$0" "$@" --node-rank "$SLURM_NODEID"' ARGS: the batch shell expands
     # $MASTER_ADDR/$MASTER_PORT once; SLURM_NODEID is expanded on each node by its task's shell.
     task = ("bash -c 'exec \"$0\" \"$@\" --node-rank \"" + NODE_RANK + "\"' "
-            + " ".join(shlex.quote(a) for a in train) + ' --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT"')
+            + " ".join(shell_word(a) for a in train) + ' --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT"')
     lines = [
         "#!/bin/bash",
-        f"# Written by `finetune slurm {job.recipe_path.name}`. Submit with: sbatch THIS_FILE",
-        f"# {job.nodes} node(s) x {job.gpus_per_node} GPU(s); run directory {job.run_dir}",
+        f"# Written by `finetune slurm {comment_text(job.recipe_path.name)}`. Submit with: sbatch THIS_FILE",
+        f"# {job.nodes} node(s) x {job.gpus_per_node} GPU(s); run directory {comment_text(job.run_dir)}",
         "# Exit 75: stopped by SIGTERM (time limit, preemption) with a checkpoint saved; the job is requeued",
         "# and `finetune train` resumes from that checkpoint.",
         *(f"#SBATCH {d}" for d in directives),
         "",
         "set -u",
-        f"cd {shlex.quote(str(job.workdir))}",
+        f"cd {shell_word(job.workdir)}",
         "# Node 0 of the allocation hosts the rendezvous (torchrun's static store).",
         'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
         f"MASTER_PORT={job.master_port}",
