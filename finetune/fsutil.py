@@ -106,6 +106,10 @@ def atomic_dir(target: Path, overwrite: bool = False) -> Iterator[Path]:
     target = Path(target)
     if target.exists() and not overwrite:
         raise FileExistsError(f"{target} already exists (use --overwrite to replace it)")
+    if target.is_symlink():
+        # A link (merged/ -> a larger disk) is written at its target and stays: the temporary directory then
+        # lies beside the target, on the same disk, and nothing is left beside the link (issue 34).
+        target = Path(os.path.realpath(target))
     target.parent.mkdir(parents=True, exist_ok=True)
     # The PID in the name too: the owner file is removed just before the swap, and a kill there must still
     # leave a partial that remove_stale_partials can tell is orphaned.
@@ -153,7 +157,7 @@ def remove_stale_partials(target: Path) -> list[str]:
     A directory whose writer is alive, or on another host (shared storage; the owner file says), is left
     alone: it may still be written. Without an owner file (removed just before the swap) the PID in the
     name is the writer's on this host."""
-    target = Path(target)
+    target = Path(os.path.realpath(target)) if Path(target).is_symlink() else Path(target)  # as atomic_dir writes it
     removed = []
     name = glob.escape(target.name)
     for leftover in sorted([*target.parent.glob(f".{name}.*.partial"), *target.parent.glob(f".{name}.old-*")]):

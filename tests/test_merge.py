@@ -254,9 +254,23 @@ def test_existing_output_needs_overwrite(models, bf16_adapter, tmp_path):
     result = runner.invoke(app, args)
     assert result.exit_code == 1 and "already exists" in result.output and "--overwrite" in result.output
     assert (out / "keep.txt").exists()
+    # Issue 34: --overwrite replaces only a folder merge or convert wrote, never one holding anything else
+    result = runner.invoke(app, args + ["--overwrite"])
+    assert result.exit_code == 1 and f"{out} holds keep.txt, which merge and convert never write" in result.output
+    assert sorted(p.name for p in out.iterdir()) == ["keep.txt"]
+    (out / "keep.txt").unlink()
+    (out / "model.safetensors").write_text("a previous merge")
+    (out / "config.json").write_text("{}")
     result = runner.invoke(app, args + ["--overwrite"])
     assert result.exit_code == 0, result.output
-    assert not (out / "keep.txt").exists() and (out / "model.safetensors").is_file()
+    assert (out / "model.safetensors").stat().st_size > 100
+    # Issue 34: through a link the output is replaced at the link's target; the link stays, nothing is left beside
+    link = tmp_path / "link"
+    link.symlink_to(out, target_is_directory=True)
+    result = runner.invoke(app, ["merge", "--base", str(models["bf16"]), "--adapter", str(bf16_adapter), "-o", str(link),
+                                 "--overwrite"])
+    assert result.exit_code == 0, result.output
+    assert link.is_symlink() and (out / "model.safetensors").is_file() and sorted(p.name for p in tmp_path.iterdir()) == ["link", "out"]
 
 
 def test_output_inside_an_input_is_refused(models, bf16_adapter, tmp_path):
@@ -542,12 +556,12 @@ def test_a_merge_that_fails_verify_is_not_published(models, tmp_path, monkeypatc
     monkeypatch.setattr(merge_module, "plan_merge", lossy_plan)
     out = tmp_path / "out"
     out.mkdir()
-    (out / "previous.txt").write_text("the previous output")
+    (out / "model.safetensors").write_text("the previous output")
     result = runner.invoke(app, ["merge", "--base", str(models["bf16"]), "--adapter", str(adapter), "-o", str(out),
                                  "--verify", "--overwrite"])
     assert result.exit_code == 1 and "Traceback" not in result.output
     assert "error: verify: the merged model does not reproduce base + adapter; it was not published" in result.output
-    assert sorted(p.name for p in out.iterdir()) == ["previous.txt"]  # the old output is still there
+    assert (out / "model.safetensors").read_text() == "the previous output"  # the old output is still there
     assert not list(tmp_path.glob(".out.*"))
 
 

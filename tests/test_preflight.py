@@ -16,6 +16,7 @@ from finetune.cli import app
 from finetune.run.preflight import Preflight, model_step, output_dir_problem
 from finetune.recipe import Recipe, load_recipe
 from finetune.rundir.layout import write_run_dir
+from finetune.rundir.names import RECIPE_HEADER
 from tests.conftest import write_local_inputs
 
 ALPACA = [{"instruction": "Add 2 and 3.", "input": "", "output": "5"},
@@ -90,12 +91,18 @@ def test_occupied_output_directory(workspace, no_launch):
     (out / "notes.txt").write_text("mine")
     result = train(recipe_file(workspace), "--output-dir", out)
     assert result.exit_code == 1
-    assert "is not empty (notes.txt); pass --overwrite" in result.stderr
+    assert f"output directory {out} is not empty (notes.txt) and is not a run directory" in result.stderr
     assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
-    # --overwrite never deletes a folder that is not a run directory
-    result = train(recipe_file(workspace), "--output-dir", out, "--overwrite")
-    assert result.exit_code == 1 and "not a finetune run directory" in result.stderr
-    assert (out / "notes.txt").read_text() == "mine"
+    # --overwrite never deletes a folder that is not a run directory; issue 34 item 3: not even one holding the
+    # recipe being run as recipe.yaml (it used to count as a run directory, and went with the user's code)
+    (out / "src").mkdir()
+    (out / "recipe.yaml").write_text(recipe_file(workspace).read_text())
+    for extra in ((), ("--dry-run",)):
+        result = train(out / "recipe.yaml", "--output-dir", out, "--overwrite", *extra)
+        assert result.exit_code == 1 and f"output directory {out} is not empty (notes.txt, recipe.yaml, src) and is " \
+            "not a run directory `finetune train` wrote" in result.stderr, result.output
+        assert "would replace" not in result.output and "replace the previous run" not in result.output
+    assert (out / "notes.txt").read_text() == "mine" and (out / "src").is_dir()
     assert not no_launch
 
 
@@ -160,6 +167,11 @@ def test_output_directory_policy(tmp_path):
     run = tmp_path / "run"
     run.mkdir()
     (run / "recipe.yaml").write_text("")
+    for overwrite in (False, True):  # a recipe.yaml alone does not make a run directory
+        assert "is not a run directory" in output_dir_problem(run, overwrite=overwrite)
+    (run / "recipe.yaml").write_text(RECIPE_HEADER + " from r.yaml\n")
+    for name in ("deepspeed.json", "training_args.json"):
+        (run / name).write_text("{}")
     assert "pass --overwrite" in output_dir_problem(run, overwrite=False)
     assert output_dir_problem(run, overwrite=True) is None
 

@@ -27,7 +27,7 @@ from finetune.recipe.references import is_local, is_model_path
 from finetune.builtin import is_builtin
 from finetune.recipe.references import MODEL_CONFIG
 from finetune.errors import FinetuneError
-from finetune.rundir.run_dir import RECIPE_FILE, RunDir
+from finetune.rundir.run_dir import RUN_INPUTS, RunDir
 
 # data.chat_template is rendered on every row before launch, for at most TEMPLATE_BUDGET seconds in all (the
 # rest render in the ranks), and at most TEMPLATE_ROW_SECONDS for one row: a template that takes longer on one
@@ -374,7 +374,7 @@ def output_dir_step(run_dir: Path, overwrite: bool, result: Preflight, loaded: O
                     world_size: Optional[int] = None, resume: bool = False, force_resume: bool = False) -> None:
     if loaded is not None and loaded.recipe.launch.nodes > 1 and not overwrite:
         _wait_for_another_node(run_dir)
-    if loaded is not None and not overwrite and RunDir(run_dir).is_run():
+    if loaded is not None and not overwrite and RunDir(run_dir).written_by_train():
         resume_step(run_dir, loaded.recipe, world_size, resume, force_resume, result)
         return
     problem = output_dir_problem(run_dir, overwrite)
@@ -389,7 +389,7 @@ def _wait_for_another_node(run_dir: Path, timeout: float = OTHER_NODE_WRITE_S) -
     `timeout`: another node of this run is writing it. A folder with anything else in it is not waited for."""
     import time
 
-    from finetune.rundir.names import FORMAT_FILE, LOGS_DIR, RUN_INPUTS
+    from finetune.rundir.names import FORMAT_FILE, LOGS_DIR
     from finetune.rundir.resume_key import RESUME_KEY_FILE
 
     written_first = {FORMAT_FILE, RESUME_KEY_FILE, *RUN_INPUTS, LOGS_DIR}
@@ -431,14 +431,15 @@ def output_dir_problem(run_dir: Path, overwrite: bool) -> Optional[str]:
         return f"output directory {run_dir}: exists and is not a directory"
     if run_dir.is_dir():
         entries = run_dir_entries(run_dir)
+        shown = ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")
+        if entries and not RunDir(run_dir).written_by_train():
+            # --overwrite deletes the directory: only ever a previous run's, never a user's folder.
+            return (f"output directory {run_dir} is not empty ({shown}) and is not a run directory `finetune train` "
+                    f"wrote (its {', '.join(RUN_INPUTS)}); nothing there is replaced, even with --overwrite: "
+                    "choose another --output-dir")
         if entries and not overwrite:
-            shown = ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")
             return (f"output directory {run_dir} is not empty ({shown}); "
                     f"pass --overwrite to replace it, or choose another --output-dir")
-        if entries and not RunDir(run_dir).is_run():
-            # --overwrite deletes the directory: only ever a previous run's, never a user's folder.
-            return (f"output directory {run_dir} is not empty and is not a finetune run directory "
-                    f"(no {RECIPE_FILE}); --overwrite only replaces run directories: choose another --output-dir")
     parent = _existing_ancestor(run_dir)
     if not os.access(parent, os.W_OK | os.X_OK):
         return f"output directory {run_dir}: cannot create it ({parent} is not writable)"

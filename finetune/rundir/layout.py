@@ -26,7 +26,7 @@ from finetune.recipe.references import is_local, is_model_path
 from finetune.builtin import is_builtin
 
 from finetune.rundir.run_dir import (  # noqa: F401  (RunDirError: re-exported for the runner)
-    DEEPSPEED_FILE, LOGS_DIR, RECIPE_FILE, RUN_INPUTS, TRAINING_ARGS_FILE, RunDir, RunDirError,
+    DEEPSPEED_FILE, LOGS_DIR, RECIPE_FILE, RECIPE_HEADER, RUN_INPUTS, TRAINING_ARGS_FILE, RunDir, RunDirError,
 )
 
 
@@ -148,7 +148,7 @@ def run_files(loaded: LoadedRecipe, run_dir: Path, world_size: int) -> dict[str,
 
     recipe = loaded.recipe
     run_dir = Path(run_dir).absolute()
-    header = (f"# The recipe this run trained, written by `finetune train` from {Path(loaded.path).absolute()}\n"
+    header = (f"{RECIPE_HEADER} from {Path(loaded.path).absolute()}\n"
               f"# (extends and --set applied, every default it reads written out, local paths absolute).\n")
     from finetune.rundir.format import format_text
     from finetune.rundir.names import FORMAT_FILE

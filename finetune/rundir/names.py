@@ -4,6 +4,9 @@ this module imports nothing else, so checkpoint, lock and resume_key can use the
 from finetune.recipe.references import MODEL_CONFIG  # noqa: F401 (a model directory's file: recipe.references owns it)
 
 RECIPE_FILE = "recipe.yaml"
+# The first words of the recipe.yaml `finetune train` writes into a run directory (finetune.rundir.layout): with
+# the other run inputs beside it, what tells a run directory from a folder that merely holds a recipe.yaml.
+RECIPE_HEADER = "# The recipe this run trained, written by `finetune train`"
 DEEPSPEED_FILE = "deepspeed.json"
 TRAINING_ARGS_FILE = "training_args.json"
 SUMMARY_FILE = "summary.json"

@@ -29,8 +29,8 @@ if TYPE_CHECKING:
 from finetune.errors import FinetuneError
 from finetune.rundir.names import (  # noqa: F401 (re-exported: the names belong to RunDir)
     ADAPTER_CONFIG, ADAPTER_DIR, ADAPTER_WEIGHTS, CHECKPOINT_PREFIX, DEEPSPEED_FILE, ENV_FILE, LOGS_DIR, MERGED_RECIPE,
-    MODEL_CONFIG, MODEL_DIR, PLOT_FILE, RECIPE_FILE, REPORT_FILE, RUN_INPUTS, SUMMARY_FILE, TOKENIZER_DIR,
-    TRAINING_ARGS_FILE,
+    MODEL_CONFIG, MODEL_DIR, PLOT_FILE, RECIPE_FILE, RECIPE_HEADER, REPORT_FILE, RUN_INPUTS, SUMMARY_FILE,
+    TOKENIZER_DIR, TRAINING_ARGS_FILE,
 )
 
 
@@ -121,6 +121,18 @@ class RunDir:
         """A folder holding recipe.yaml (written last, so the other inputs are there too)."""
         try:
             return self.recipe_path.is_file()
+        except OSError:
+            return False
+
+    def written_by_train(self) -> bool:
+        """Whether `finetune train` wrote this folder: every run input there, recipe.yaml with its header. The one
+        test before --overwrite deletes a folder: one that merely holds the user's recipe.yaml (their notes,
+        their code) is not a run directory (issue 34)."""
+        try:
+            if not all(self.file(name).is_file() for name in RUN_INPUTS):
+                return False
+            with open(self.recipe_path, "rb") as handle:
+                return handle.read(len(RECIPE_HEADER.encode())) == RECIPE_HEADER.encode()
         except OSError:
             return False
 

@@ -40,7 +40,7 @@ from finetune.fsutil import atomic_dir, write_atomic
 from finetune.weights.experts import checkpoint_names
 from finetune.weights.lora_math import PEFT_PREFIX, lora_scaling
 from finetune.weights.safetensors_io import (CONFIG_FILES, DEFAULT_MAX_SHARD_SIZE, DTYPES, ST_TO_TORCH, TORCH_TO_ST, BaseTensor,
-                                     MergeError, OnWrite, OutTensor, Plan, ShardWriter, WriteCounter, copy_tokenizer,
+                                     MergeError, OnWrite, OutTensor, Plan, ShardWriter, WriteCounter, copy_tokenizer, not_replaceable,
                                      prepare_output, prepare_shards, sigterm_as_interrupt, write_index)
 from finetune.units import human_size
 from finetune.recipe.references import MODEL_CONFIG
@@ -410,6 +410,9 @@ def convert(checkpoint: Path, output: Path, *, dtype: Optional[str] = None, over
         raise ConvertError(f"--dtype must be one of bfloat16, float16, float32, got {dtype!r}")
     if output.exists() and not overwrite:
         raise ConvertError(f"{output} already exists (use --overwrite to replace it)")
+    problem = not_replaceable(output) if output.is_dir() else None
+    if problem:
+        raise ConvertError(problem)
     ckpt = find_checkpoint(checkpoint)
     out = output.resolve()
     if out == ckpt.path.resolve() or ckpt.path.resolve() in out.parents or out in ckpt.path.resolve().parents:

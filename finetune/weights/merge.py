@@ -40,7 +40,7 @@ from finetune.weights.lora_math import (Adapter, LoraUpdate, Workspace, orient_u
                                 tied_embedding)
 from finetune.weights.safetensors_io import (CONFIG_FILES, DEFAULT_MAX_SHARD_SIZE, DTYPES, TORCH_TO_ST, BaseModel, MergeError,
                                      ITEMSIZE, OnWrite, OutTensor, Plan, ShardWriter, TensorReader, WriteCounter,
-                                     copy_tokenizer, prepare_shards, read_base, sigterm_as_interrupt,
+                                     copy_tokenizer, not_replaceable, prepare_shards, read_base, sigterm_as_interrupt,
                                      write_index)
 from finetune.units import human_size
 from finetune.recipe.references import MODEL_CONFIG
@@ -288,6 +288,10 @@ def _check_output_location(output: Path, inputs: list[Path], overwrite: bool) ->
         raise MergeError(f"{output} already exists (use --overwrite to replace it)")
     if output.exists() and not output.is_dir():
         raise MergeError(f"{output} exists and is not a directory")
+    if output.exists():
+        problem = not_replaceable(output)
+        if problem:
+            raise MergeError(problem)
 
 
 def copy_side_files(base: Path, tokenizer_sources: list[Path], out: Path, dtype: Optional[torch.dtype]) -> None:

@@ -8,6 +8,7 @@ import json
 import math
 import mmap
 import os
+import re
 import shutil
 import signal
 import struct
@@ -24,6 +25,7 @@ from safetensors import safe_open
 from finetune.errors import FinetuneError
 from finetune.fsutil import remove_stale_partials, write_atomic
 from finetune.recipe.references import MODEL_CONFIG
+from finetune.rundir.names import ADAPTER_CONFIG, ADAPTER_WEIGHTS, MERGED_RECIPE
 from finetune.units import human_size
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -38,6 +40,27 @@ TOKENIZER_FILES = (
     "chat_template.jinja", "chat_template.json",
 )
 TOKENIZER_DIRS = ("additional_chat_templates",)
+
+# What `finetune merge` and `finetune convert` write into an output folder; --overwrite replaces only a folder
+# holding nothing else (issue 34: only what finetune wrote is replaced, never a folder of the user's).
+OUTPUT_FILES = frozenset((INDEX_NAME, *CONFIG_FILES, *TOKENIZER_FILES, *TOKENIZER_DIRS, MERGED_RECIPE, ADAPTER_CONFIG,
+                          *ADAPTER_WEIGHTS))
+_SHARD_NAME = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors")
+
+
+def not_replaceable(output: Path) -> Optional[str]:
+    """Why --overwrite must not replace the existing folder `output` (files merge and convert never write), or None."""
+    try:
+        names = sorted(p.name for p in Path(output).iterdir())
+    except OSError as exc:
+        return f"{output}: cannot read it ({exc.strerror or exc})"
+    foreign = [name for name in names if name not in OUTPUT_FILES and not _SHARD_NAME.fullmatch(name)]
+    if not foreign:
+        return None
+    shown = ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else "")
+    return (f"{output} holds {shown}, which merge and convert never write: --overwrite only replaces a model or "
+            "adapter folder they wrote; choose another -o")
+
 
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
           "float32": torch.float32, "fp32": torch.float32}
