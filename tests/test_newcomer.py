@@ -419,10 +419,19 @@ def test_launcher_banners_stay_in_the_launcher_log(tmp_path):
              b"[rank0]: DeepSpeed deepspeed.ops.comm.deepspeed_shm_comm_op built successfully\n",
              b"[rank0]: [finetune] parameters: 65,536 trainable of 853,120 (lora)\n"]
     console = io.BytesIO()
-    relay = Relay(io.BytesIO(b"".join(lines)), console, tmp_path / "launcher.log")
+    # issue 34: torchrun's report of the Ctrl-C (or SIGTERM) the user sent, traceback and SignalException
+    stopped = [b"W1127 14:58:05.886000 30447 torch/distributed/elastic/agent/server/api.py:753] Received 15 death "
+               b"signal, shutting down workers\n",
+               b"W1127 14:58:05.886000 30447 torch/distributed/elastic/multiprocessing/api.py:1028] Sending process "
+               b"30514 closing signal SIGTERM\n",
+               b"Traceback (most recent call last):\n", b'  File "<frozen runpy>", line 198, in _run_module_as_main\n',
+               b"    raise SignalException(f\"Process {os.getpid()} got signal: {sigval}\", sigval=sigval)\n",
+               b"torch.distributed.elastic.multiprocessing.api.SignalException: Process 30447 got signal: 15\n"]
+    console = io.BytesIO()
+    relay = Relay(io.BytesIO(b"".join(lines + stopped)), console, tmp_path / "launcher.log")
     relay.run()
-    assert console.getvalue() == lines[-1]
-    assert (tmp_path / "launcher.log").read_bytes() == b"".join(lines)
+    assert console.getvalue() == lines[-1] + stopped[1]
+    assert (tmp_path / "launcher.log").read_bytes() == b"".join(lines + stopped)
 
 
 # ---- item 6: the examples in --help are real output (re-run here, or the README's recorded demo run)

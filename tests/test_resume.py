@@ -165,6 +165,7 @@ def test_four_interrupted_runs_end_as_the_uninterrupted_one(reference, tmp_path,
     assert 5 <= step < STEPS and stopped["signal"] == "SIGTERM"  # what the ranks are sent for a SIGHUP
     assert ckpt.latest_complete(out).step == step  # saved where it stopped, not at the last save_steps
     assert f"stopped: SIGHUP at step {step}: checkpoint-{step} is complete" in second.text()
+    assert "SignalException" not in second.text() and "death signal" not in second.text()  # torchrun's (issue 34)
     assert not (out / "adapter").exists() and not (out / "summary.json").exists()  # no final outputs
     assert all(c.complete for c in ckpt.list_checkpoints(out))
 

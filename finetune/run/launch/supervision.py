@@ -270,6 +270,9 @@ class Relay(threading.Thread):
                 self._write(self.console, shown)
 
     def _filter(self, line: bytes) -> list[bytes]:
+        if _SIGNALLED.search(line.rstrip(b"\r\n")):
+            self._held = []  # its traceback too: `finetune train` says itself what the signal did (issue 34)
+            return []
         if _NOISE.search(line.rstrip(b"\r\n")):
             return []  # in launcher.log only (issue 24: every line on screen worth reading)
         if line.startswith(b"Traceback (most recent call last):"):
@@ -302,6 +305,11 @@ class Relay(threading.Thread):
 # finetune.run.deepspeed_ops already announced (and that a cache hit merely loads).
 _NOISE = re.compile(rb"^\*{20,}$|^Setting OMP_NUM_THREADS environment variable for each process"
                     rb"|^(\[(rank|default)\d+\]:\s?)?DeepSpeed \S+ built successfully$")
+
+# torchrun's own account of being signalled (its agent's warning, and the SignalException its handler raises
+# through main, with the traceback): on every Ctrl-C, while `finetune train` reports the stop and the checkpoint.
+_SIGNALLED = re.compile(rb"torch/distributed/elastic/agent/server/api\.py:\d+\] Received \S+ death signal"
+                        rb"|^torch\.distributed\.elastic\.multiprocessing\.api\.SignalException: Process \d+ got signal")
 
 # Exceptions torchrun raises itself when ranks fail or it is signalled (torch.distributed.elastic).
 _LAUNCHER_EXCEPTIONS = (b"torch.distributed.elastic.", b"torch.distributed.DistNetworkError")
