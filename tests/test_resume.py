@@ -587,6 +587,70 @@ def test_runner_exit_codes(tmp_path):
     assert ckpt.EXIT_PREEMPTED == getattr(os, "EX_TEMPFAIL", 75)  # sysexits.h
 
 
+def _trained(nan_in: str = ""):
+    """(model, optimizer as the Trainer holds it under DeepSpeed: accelerate's wrapper around DeepSpeed's
+    optimizer around torch's) after one step; `nan_in`: "state" or "weights" turns NaN."""
+    from types import SimpleNamespace
+
+    import torch
+
+    model = torch.nn.Linear(4, 2)
+    torch_adam = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 4)).sum().backward()
+    torch_adam.step()
+    if nan_in == "state":
+        next(iter(torch_adam.state.values()))["exp_avg_sq"][0] = float("nan")
+    elif nan_in == "weights":
+        model.weight.data[0, 0] = float("inf")
+    return model, SimpleNamespace(optimizer=SimpleNamespace(optimizer=torch_adam), step_was_skipped=False)
+
+
+def test_a_resumed_state_that_is_not_finite_is_set_aside_for_the_previous_checkpoint(tmp_path):
+    """Issue 34 item 8: a damaged optimizer state (bytes overwritten, archive intact) trained 29 steps of loss 0 and
+    grad norm inf and ended "done"; it is refused where the Trainer has loaded it, and the rerun resumes earlier."""
+    from transformers import TrainerControl, TrainerState
+
+    from finetune.train.finite import FiniteGuard, NonFiniteState
+
+    run = tmp_path / "run"
+    for step in (4, 8):
+        fake_checkpoint(run, step)
+    state, control = TrainerState(global_step=8, max_steps=12), TrainerControl()
+    FiniteGuard(run, str(run / "checkpoint-8")).on_train_begin(None, state, control, *_trained())
+    with pytest.raises(NonFiniteState, match=r"^checkpoint-8 holds values that are not finite \(rank 0: optimizer "
+                       r"state exp_avg_sq of master weights 0 holds NaN\): .* set aside as \.checkpoint-8\.damaged; "
+                       r"run the same command again to resume from checkpoint-4$"):
+        FiniteGuard(run, str(run / "checkpoint-8")).on_train_begin(None, state, control, *_trained("state"))
+    assert ckpt.latest_complete(run).step == 4 and (run / ".checkpoint-8.damaged" / ckpt.MARKER).is_file()
+    # weights that turned inf are never published, nor reported as trained
+    guard = FiniteGuard(run, None)
+    with pytest.raises(NonFiniteState, match="by step 8 .*weight weight holds inf.*checkpoint-8 is not published; "
+                                             "the newest complete checkpoint is checkpoint-4"):
+        guard.on_save(None, state, control, *_trained("weights"))
+    guard.on_save(None, state, control, *_trained())
+    with pytest.raises(NonFiniteState, match="no adapter or model was written"):
+        guard.on_train_end(None, TrainerState(global_step=12, max_steps=12), control, *_trained("weights"))
+
+
+def test_a_run_whose_every_step_was_skipped_is_not_done(tmp_path):
+    from transformers import TrainerControl, TrainerState
+
+    from finetune.train.finite import FiniteGuard, NonFiniteState
+
+    model, optimizer = _trained()
+    optimizer.step_was_skipped = True  # DeepSpeed's overflow, as accelerate reports it
+    guard = FiniteGuard(tmp_path, str(tmp_path / "checkpoint-8"))
+    for step in (9, 10, 11, 12):
+        guard.on_step_end(None, TrainerState(global_step=step), TrainerControl(), optimizer=optimizer)
+    guard.on_train_end(None, TrainerState(global_step=10, max_steps=12), TrainerControl(), model, optimizer)  # a signal
+    with pytest.raises(NonFiniteState, match="after resuming from checkpoint-8, which may be damaged .*skipped every one "
+                                             "of the 4 optimizer steps"):
+        guard.on_train_end(None, TrainerState(global_step=12, max_steps=12), TrainerControl(), model, optimizer)
+    optimizer.step_was_skipped = False
+    guard.on_step_end(None, TrainerState(global_step=13), TrainerControl(), optimizer=optimizer)
+    guard.on_train_end(None, TrainerState(global_step=13, max_steps=13), TrainerControl(), model, optimizer)
+
+
 # ------------------------------------------------------------------------------------------------
 # Fast: the supervisor's signals, with fake ranks under the real torchrun
 

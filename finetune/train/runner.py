@@ -299,6 +299,7 @@ def run(run_dir: Path, resume: bool = False) -> None:
 
     from finetune.builtin import cache_root, ensure_builtin_model, is_builtin
     from finetune.train.callbacks import EffectiveDeepSpeedConfig, LossPlot, ProgressLines, TrainClock
+    from finetune.train.finite import FiniteGuard
     from finetune.data.sources import section_for_tokenizing
     from finetune.data.prepare import load_prepared, mix_report
     from finetune.data.packing import make_collator
@@ -380,7 +381,9 @@ def run(run_dir: Path, resume: bool = False) -> None:
                                             t.loss_chunk_tokens))
     startup.mark("model")
     clock = TrainClock()
-    callbacks = [clock, EffectiveDeepSpeedConfig(run_dir), LossPlot(run_dir), resilience.callback]
+    # FiniteGuard before the preemption callback: a state that is not finite is refused before that one publishes it.
+    guard = FiniteGuard(run_dir, resilience.checkpoint, node_local=resilience.callback.node_local)
+    callbacks = [clock, EffectiveDeepSpeedConfig(run_dir), LossPlot(run_dir), guard, resilience.callback]
     if recipe.objective == "sft":
         from finetune.train.moe import logging_aux_loss, moe_identity
 
