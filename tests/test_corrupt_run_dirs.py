@@ -220,6 +220,11 @@ def test_convert_and_resume_on_a_corrupt_checkpoint_say_one_line(good_run, corru
     assert converted.exit_code == 1
     monkeypatch.chdir(run.parent)
     (run.parent / f"{run.name}.yaml").write_text((run / "recipe.yaml").read_text() + "launch: {procs_per_node: 1}\n")
+    from finetune.recipe import load_recipe
+    from finetune.rundir.layout import write_run_dir
+
+    # the run inputs `finetune train` wrote (only a run directory is resumed, issue 34)
+    write_run_dir(load_recipe(run.parent / f"{run.name}.yaml"), run, world_size=1, in_place=True)
     resumed = runner.invoke(app, ["train", f"{run.name}.yaml", "--output-dir", str(run), "--dry-run"])
     assert_one_line_or_works(run, resumed)
     if corruption == "shard-pickles-code":

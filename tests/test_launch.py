@@ -486,6 +486,54 @@ def test_a_rank_that_exits_with_its_own_one_line_error_is_named_with_it(tmp_path
     assert [f.rank for f in failures] == [0, 1] and failures[0].message == message
 
 
+# What torchrun printed when the run directory's disk filled during a checkpoint (issue 34 item 9, abridged from a
+# run on a 1.5 MB tmpfs): its parse of the rank's empty error file, then its own error file unwritable.
+FULL_DISK_OUTPUT = b"""\
+[rank0]: {'loss': '5.035', 'grad_norm': '1.219'}
+E1127 15:08:10.867000 6342 .venv/lib/python3.11/site-packages/torch/distributed/elastic/multiprocessing/errors/__init__.py:132] Failed to parse reply file: /x/run/logs/torchrun/none_oi1rdop2/attempt_0/0/error.json
+E1127 15:08:10.867000 6342 .venv/lib/python3.11/site-packages/torch/distributed/elastic/multiprocessing/errors/__init__.py:132] Traceback (most recent call last):
+E1127 15:08:10.867000 6342 .venv/lib/python3.11/site-packages/torch/distributed/elastic/multiprocessing/errors/__init__.py:132] json.decoder.JSONDecodeError: Expecting value: line 1 column 1 (char 0)
+Traceback (most recent call last):
+  File "/v/lib/python3.11/site-packages/torch/distributed/elastic/multiprocessing/errors/__init__.py", line 123, in __post_init__
+    self.error_file_data = json.load(fp)
+json.decoder.JSONDecodeError: Expecting value: line 1 column 1 (char 0)
+
+During handling of the above exception, another exception occurred:
+
+OSError: [Errno 28] No space left on device
+
+During handling of the above exception, another exception occurred:
+
+Traceback (most recent call last):
+  File "<frozen runpy>", line 198, in _run_module_as_main
+  File "/v/lib/python3.11/site-packages/torch/distributed/elastic/multiprocessing/errors/error_handler.py", line 87, in record_exception
+    with open(file, "w") as fp:
+OSError: [Errno 28] No space left on device
+"""
+
+
+def test_a_disk_that_fills_during_a_checkpoint_is_one_line_naming_the_mount(tmp_path):
+    """Issue 34 item 9: 4 tracebacks and "torchrun exited with code 1"; now the console keeps the ranks' lines, the
+    log that cannot be written is given up, and the verdict names the mount."""
+    import io
+    import types
+
+    from finetune.rundir.checkpoint import mount_point
+    from finetune.run.launch.outcome import judge
+    from finetune.run.launch.supervision import Relay
+
+    console = io.BytesIO()
+    relay = Relay(io.BytesIO(FULL_DISK_OUTPUT), console, Path("/dev/full"))  # every write: ENOSPC
+    relay.run()  # raised ENOSPC out of the thread when it closed the log
+    assert console.getvalue() == FULL_DISK_OUTPUT.splitlines(True)[0]
+    plan = types.SimpleNamespace(run_dir=tmp_path, launcher="torchrun", master_port=29500, master_addr="127.0.0.1",
+                                 node_rank=0, procs_per_node=2)
+    outcome = judge(plan, 1, relay.tail(), None)
+    assert outcome.returncode == 1 and outcome.message == (
+        f"no space left on {mount_point(tmp_path)}: the output disk is full (writing {tmp_path}); free some space, "
+        "then run the same command again to resume")
+
+
 # ------------------------------------------------------------------------------------------------
 # The lifeline between `finetune train` and the launcher
 

@@ -246,6 +246,31 @@ def test_not_enough_disk_space(models, bf16_adapter, tmp_path, monkeypatch):
     assert "not enough disk space" in out
 
 
+def test_a_disk_that_fills_during_the_merge_is_one_line_naming_the_mount(models, bf16_adapter, tmp_path, monkeypatch):
+    """Issue 34 item 9: ENOSPC, then BufferError, was a traceback; now the mount, the file, and nothing published."""
+    import errno
+    import os
+
+    from finetune.rundir.checkpoint import mount_point
+
+    real_write = os.write
+
+    def full(fd, data):
+        if fd > 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(fd, data)
+
+    monkeypatch.setattr(os, "write", full)
+    out = tmp_path / "out"
+    result = runner.invoke(app, ["merge", "--base", str(models["bf16"]), "--adapter", str(bf16_adapter), "-o", str(out)])
+    assert result.exit_code == 1 and result.exception is None or isinstance(result.exception, SystemExit), result.output
+    errors = [line for line in result.output.splitlines() if line.startswith("error")]
+    assert len(errors) == 1 and errors[0].startswith(f"error: no space left on {mount_point(tmp_path)}: the output disk "
+                                                     f"is full (writing {tmp_path}/.out."), result.output
+    assert errors[0].endswith(f"model.safetensors); free some space, then run merge again ({out} was not changed)")
+    assert not out.exists() and not list(tmp_path.glob(".out.*"))
+
+
 def test_existing_output_needs_overwrite(models, bf16_adapter, tmp_path):
     out = tmp_path / "out"
     out.mkdir()

@@ -92,6 +92,25 @@ def test_other_write_errors_are_raised(tmp_path, monkeypatch):
     assert info.value.errno == errno.ENOSPC
 
 
+def test_a_full_disk_names_the_file_and_the_block_still_closes(tmp_path, monkeypatch):
+    """Issue 34: ENOSPC in a direct write, then close() while that error was being handled (merge's `finally:
+    writer.abort()`) raised BufferError, and the one line became a traceback."""
+    def full(fd, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    out = OutputFile(tmp_path / "f", direct=True)
+    if not out.direct:
+        out.close()
+        pytest.skip("this file system refuses O_DIRECT")
+    monkeypatch.setattr(os, "write", full)
+    with pytest.raises(OSError) as info:
+        try:
+            out.write(np.zeros(1 << 17, dtype=np.uint8))
+        finally:
+            out.close()
+    assert info.value.errno == errno.ENOSPC and info.value.filename == str(tmp_path / "f")
+
+
 @pytest.mark.parametrize("direct", [True, False])
 def test_shard_writer_files_load_with_safetensors(tmp_path, direct):
     # convert writes buffered, merge direct: both must give safetensors the same file.

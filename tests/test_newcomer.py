@@ -102,9 +102,11 @@ def test_readme_setup_lines_run_twice(tmp_path):
     assert len(lines) == 2
     demo = [part.strip() for part in lines[0].split("&&") if "finetune train" in part][0]
     args = shlex.split(demo)[2:]  # after `.venv/bin/finetune train`
+    from finetune.recipe import load_recipe
+    from finetune.rundir.layout import write_run_dir
+
     run = tmp_path / "runs" / "demo"
-    run.mkdir(parents=True)
-    (run / "recipe.yaml").write_text((REPO / "recipes" / "demo.yaml").read_text())
+    write_run_dir(load_recipe(REPO / "recipes" / "demo.yaml"), run, world_size=2)  # what the first line left
     (run / "summary.json").write_text("{}")
     args = [str(REPO / a) if a.endswith(".yaml") else a for a in args]
     second = run_cli("train", *args, "--dry-run", cwd=tmp_path)

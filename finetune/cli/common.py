@@ -9,6 +9,7 @@ so `finetune --help`, `lint`, `render`, `schema` and `plan` start in a fraction 
 
 from __future__ import annotations
 
+import errno
 import functools
 import sys
 from contextlib import contextmanager
@@ -93,6 +94,11 @@ def write_errors(command: str, output: Path):
     except FileExistsError as exc:
         raise fail(str(exc)) from None
     except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):  # the partial output is already removed: one line, which mount
+            from finetune.rundir.checkpoint import disk_full_message
+
+            raise fail(disk_full_message(Path(exc.filename or output), f"free some space, then run {command} again "
+                                         f"({output} was not changed)")) from None
         raise fail(f"cannot write {output}: {exc.strerror or exc}") from None
 
 

@@ -104,7 +104,10 @@ def train(
     except FileExistsError as exc:
         raise fail(str(exc)) from None
     except OSError as exc:
-        raise fail(f"cannot write the run directory {prepared.run_dir}: {exc.strerror or exc}") from None
+        from finetune.rundir.checkpoint import disk_error_message
+
+        raise fail(disk_error_message(exc, prepared.run_dir)
+                   or f"cannot write the run directory {prepared.run_dir}: {exc.strerror or exc}") from None
     if outcome.ok:
         run = RunDir(prepared.run_dir)
         saved = [folder.name for folder in (run.adapter_path, run.model_path) if folder.is_dir()]

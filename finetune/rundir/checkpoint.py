@@ -430,6 +430,25 @@ def mount_point(path: Path) -> str:
 _FULL = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
 
 
+def disk_full_message(where: Path, then: str = "free some space, then run the same command again to resume") -> str:
+    """The one line for a full disk: its mount point (what to free space on), the file being written, what next."""
+    return f"no space left on {mount_point(Path(where))}: the output disk is full (writing {where}); {then}"
+
+
+# How a full disk reads in a launcher's output (Python's OSError, C++'s strerror) when nobody could write more.
+_FULL_TEXT = re.compile(r"No space left on device|Disk quota exceeded|\[Errno (28|122)\]")
+_FULL_FILE = re.compile(r"(?:No space left on device|Disk quota exceeded): '([^']+)'")
+
+
+def disk_full_in(text: str, run_dir: Path) -> Optional[str]:
+    """disk_full_message when `text` (a launcher's output) says a write found the disk full, else None: the
+    ranks' own one-line errors may not have reached their logs, which are on that disk too (issue 34)."""
+    if not _FULL_TEXT.search(text):
+        return None
+    named = _FULL_FILE.findall(text)
+    return disk_full_message(Path(named[-1]) if named else Path(run_dir))
+
+
 def disk_error_message(exc: BaseException, run_dir: Path) -> Optional[str]:
     """One line for an error that means the output disk is full or read-only, else None.
 
@@ -437,8 +456,7 @@ def disk_error_message(exc: BaseException, run_dir: Path) -> Optional[str]:
     code = getattr(exc, "errno", None)
     where = getattr(exc, "filename", None) or run_dir
     if code in _FULL:
-        return (f"no space left on {mount_point(Path(where))}: the output disk is full (writing {where}); "
-                f"free some space, then run the same command again to resume")
+        return disk_full_message(Path(where))
     if code == errno.EROFS:
         return f"the output disk is read-only (writing {where}): remount it read-write or choose another --output-dir"
     if code == errno.EACCES and isinstance(exc, OSError):

@@ -75,8 +75,12 @@ def acquire(run_dir: Path, name: str = LOCK_FILE) -> RunLock:
         # Removed or replaced between our open and our flock (a holder cleaning up the directory it created,
         # or an --overwrite swap): the lock that counts is the file at the path now.
         os.close(fd)
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"pid {os.getpid()} host {platform.node()} since {time.strftime('%Y-%m-%dT%H:%M:%S%z')}\n".encode(), 0)
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} host {platform.node()} since {time.strftime('%Y-%m-%dT%H:%M:%S%z')}\n".encode(), 0)
+    except OSError:
+        pass  # a full disk: the lock is held all the same (an escaping error left it held by a lost descriptor,
+        # and the run then called itself "a live run", issue 34); the next write into the directory says what is wrong
     return RunLock(path, fd)
 
 

@@ -275,16 +275,18 @@ class OutputFile:
 
     def _write_block(self, length: int) -> None:
         """Write the first `length` bytes of the block (a multiple of the alignment) with direct I/O."""
+        failed: Optional[tuple[int, str]] = None
         try:
             self._write_all(memoryview(self.block)[:length])
-            refused = False
         except OSError as exc:
-            if exc.errno != errno.EINVAL:
-                raise
-            refused = True
-        if refused:  # out of the except clause: its traceback holds views of the block, which closing needs gone
+            failed = (exc.errno, exc.strerror)
+        # Out of the except clause: its traceback holds views of the block, which closing it needs gone (a full
+        # disk raised here, then BufferError from close() replaced the one line with a traceback, issue 34).
+        if failed is not None and failed[0] == errno.EINVAL:
             self._fall_back(length)
             return
+        if failed is not None:
+            raise OSError(failed[0], failed[1], str(self.path))
         self.filled = 0
 
     def _fall_back(self, length: int) -> None:

@@ -92,7 +92,7 @@ def parse_torchrun_failures(text: str) -> list[RankFailure]:
 
 
 def judge(plan: LaunchPlan, returncode: int, output: str, forwarded: Optional[int]) -> Outcome:
-    from finetune.rundir.checkpoint import EXIT_PREEMPTED, latest_complete, read_stop_record
+    from finetune.rundir.checkpoint import EXIT_PREEMPTED, disk_full_in, latest_complete, read_stop_record
 
     if returncode == 0:
         return Outcome(0, message="all ranks finished")
@@ -115,6 +115,9 @@ def judge(plan: LaunchPlan, returncode: int, output: str, forwarded: Optional[in
                        message=f"the rendezvous port {busy} on {plan.master_addr} is in use (another run?); "
                                f"nothing was started. Pass --master-port with a free port")
     failures = torchrun_failures(plan, output) if plan.launcher == "torchrun" else []
+    full = disk_full_in(output + "\n" + (launcher_error or ""), plan.run_dir)
+    if full and not (failures and failures[0].message and "no space left" in failures[0].message):
+        return Outcome(1, failures=failures, message=full)  # the cause is known: no rank log tails
     if failures:
         root = failures[0]
         logs = rank_log_files(plan, root.local_rank)

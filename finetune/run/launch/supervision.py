@@ -257,44 +257,76 @@ class Relay(threading.Thread):
         super().__init__(daemon=True)
         self.source, self.console, self.log_path = source, console, log_path
         self._tail: collections.deque[bytes] = collections.deque(maxlen=TAIL_LINES)
-        self._held: list[bytes] = []  # a launcher traceback being read, not shown yet
+        self._held: list[bytes] = []  # a launcher traceback being read (with its chained ones), not shown yet
+        self._raised = False  # the held traceback's exception line has come: a line that continues nothing ends it
 
     def run(self) -> None:
-        with open(self.log_path, "ab") as log:
+        # Unbuffered, and a log that cannot be written is given up: on a full disk the relay goes on (a close that
+        # flushed a buffer raised ENOSPC out of this thread, issue 34); the console and the tail still get every line.
+        try:
+            log: Optional[IO[bytes]] = open(self.log_path, "ab", buffering=0)
+        except OSError:
+            log = None
+        try:
             for line in iter(self.source.readline, b""):
                 self._tail.append(line.rstrip(b"\n"))
-                self._write(log, line)
+                if log is not None and not self._write(log, line):
+                    log.close()
+                    log = None
                 for shown in self._filter(line):
                     self._write(self.console, shown)
-            for shown in self._held:
+            for shown in self._end_traceback():
                 self._write(self.console, shown)
+        finally:
+            if log is not None:
+                log.close()
 
     def _filter(self, line: bytes) -> list[bytes]:
-        if _SIGNALLED.search(line.rstrip(b"\r\n")):
-            self._held = []  # its traceback too: `finetune train` says itself what the signal did (issue 34)
+        stripped = line.rstrip(b"\r\n")
+        if _SIGNALLED.search(stripped):
+            self._held, self._raised = [], False  # its traceback too: `finetune train` reports the stop (issue 34)
             return []
-        if _NOISE.search(line.rstrip(b"\r\n")):
+        if _NOISE.search(stripped):
             return []  # in launcher.log only (issue 24: every line on screen worth reading)
-        if line.startswith(b"Traceback (most recent call last):"):
-            held, self._held = self._held, [line]
-            return held
         if not self._held:
+            if line.startswith(b"Traceback (most recent call last):"):
+                self._held = [line]
+                return []
             return [line]
-        if line[:1] in (b" ", b"\t"):
-            self._held.append(line)
+        if line[:1] in (b" ", b"\t") or not stripped or line.startswith(b"Traceback (most recent call last):") \
+                or stripped in _CHAINED:
+            self._held.append(line)  # a frame, or the next exception of a chain
+            if stripped in _CHAINED:
+                self._raised = False  # its exception line (with or without frames) comes next
             return []
-        held, self._held = self._held, []
-        if line.startswith(_LAUNCHER_EXCEPTIONS):
-            return [line]  # the frames are the launcher's, not the user's: keep only the exception
-        return held + [line]
+        if not self._raised:
+            self._held.append(line)  # the exception line; a chained traceback may follow
+            self._raised = True
+            return []
+        return self._end_traceback() + self._filter(line)
+
+    def _end_traceback(self) -> list[bytes]:
+        """What the console shows of the launcher traceback just read: torchrun's own (its frames in
+        torch/distributed) only as its last exception line when that is torchrun's report of failed ranks
+        (ChildFailedError, whose report follows), else nothing: launcher.log keeps it, and `finetune train`'s
+        verdict says what failed (a full disk, a port in use)."""
+        held, self._held, self._raised = self._held, [], False
+        raised = [line for line in held if line[:1] not in (b" ", b"\t") and line.strip()
+                  and not line.startswith(b"Traceback (most recent call last):") and line.rstrip(b"\r\n") not in _CHAINED]
+        if raised and raised[-1].startswith(_LAUNCHER_EXCEPTIONS):
+            return [raised[-1]]
+        if any(b"torch/distributed/" in line for line in held if line.lstrip().startswith(b'File "')):
+            return []
+        return held
 
     @staticmethod
-    def _write(sink: IO[bytes], data: bytes) -> None:
+    def _write(sink: IO[bytes], data: bytes) -> bool:
         try:
             sink.write(data)
             sink.flush()
-        except (OSError, ValueError):  # a closed terminal must not stop the training
-            pass
+            return True
+        except (OSError, ValueError):  # a closed terminal, a full disk: must not stop the training
+            return False
 
     def tail(self) -> str:
         return b"\n".join(self._tail).decode("utf-8", "replace")
@@ -303,8 +335,13 @@ class Relay(threading.Thread):
 # Lines that tell the user nothing to act on: torchrun's OMP_NUM_THREADS banner (it sets 1 per rank, as it
 # says, whenever several ranks share a machine), and DeepSpeed's "built successfully" for an op that
 # finetune.run.deepspeed_ops already announced (and that a cache hit merely loads).
+# Also torchrun's "Failed to parse reply file" with its traceback (a rank's error file that a full disk left
+# empty, or a rank killed while writing it): the verdict names the rank and the cause.
 _NOISE = re.compile(rb"^\*{20,}$|^Setting OMP_NUM_THREADS environment variable for each process"
-                    rb"|^(\[(rank|default)\d+\]:\s?)?DeepSpeed \S+ built successfully$")
+                    rb"|^(\[(rank|default)\d+\]:\s?)?DeepSpeed \S+ built successfully$"
+                    rb"|^E\d{4} [\d:.]+ +\d+ \S*torch/distributed/elastic/multiprocessing/errors/__init__\.py:\d+\] ")
+_CHAINED = (b"During handling of the above exception, another exception occurred:",
+            b"The above exception was the direct cause of the following exception:")
 
 # torchrun's own account of being signalled (its agent's warning, and the SignalException its handler raises
 # through main, with the traceback): on every Ctrl-C, while `finetune train` reports the stop and the checkpoint.
