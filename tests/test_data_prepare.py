@@ -109,6 +109,53 @@ def test_a_killed_prepare_leaves_nothing_a_run_takes_for_a_cache(tmp_path, tiny_
     assert prep.prepare(section, tokenizer, tmp_path / "cache", log=lines.append).cached
 
 
+def _flip_byte(path):
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    path.write_bytes(bytes(data))
+
+
+def _garbage(path):
+    path.write_bytes(bytes(range(256)) * (path.stat().st_size // 256) + b"\xff" * (path.stat().st_size % 256))
+
+
+CACHE_DAMAGE = {  # issue 34 item 6, each seen making rank 0 crash (SIGSEGV for garbage) on every rerun
+    "truncated-arrow": lambda e, arrow: arrow.write_bytes(arrow.read_bytes()[:1000]),
+    "garbage-arrow": lambda e, arrow: _garbage(arrow),
+    "flipped-byte": lambda e, arrow: _flip_byte(arrow),
+    "missing-arrow": lambda e, arrow: arrow.unlink(),
+    "manifest-garbage": lambda e, arrow: (e / prep.MANIFEST).write_text("{"),
+    "manifest-names-outside": lambda e, arrow: (e / prep.MANIFEST).write_text(json.dumps(
+        {**json.loads((e / prep.MANIFEST).read_text()), "files": ["../x.arrow"]})),
+}
+
+
+def test_a_damaged_cache_entry_is_set_aside_and_made_again(tmp_path, tiny_dir):
+    """The launcher and `finetune prepare` (both call prepare) read the entry against its manifest's sizes and
+    digests; a rank that finds it changed after that says so instead of crashing."""
+    from transformers import AutoTokenizer
+
+    from finetune.data.tokenize import DataError
+
+    section = cases._section(path=str(cases.SHIPPED / "demo_instructions.jsonl"))
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_dir))
+    cache = tmp_path / "cache"
+    target = prep.prepare(section, tokenizer, cache, log=lambda line: None).path
+    for name, damage in CACHE_DAMAGE.items():
+        arrow = target / json.loads((target / prep.MANIFEST).read_text())["files"][0]
+        damage(target, arrow)
+        if name == "truncated-arrow":
+            with pytest.raises(DataError, match=f"the tokenized data in the cache {target} is damaged .*has 1000 bytes"):
+                prep.load_prepared(section, tokenizer, cache)
+        lines: list[str] = []
+        again = prep.prepare(section, tokenizer, cache, log=lines.append)
+        assert not again.cached, name
+        assert lines[0].startswith(f"tokenized data: the cache entry {target} is damaged (") and \
+            lines[0].endswith(f"); set aside as .{target.name}.damaged, tokenizing again"), (name, lines[0])
+        assert (cache / f".{target.name}.damaged").is_dir() and len(prep.load_prepared(section, tokenizer, cache)) == 307
+    assert prep.prepare(section, tokenizer, cache, log=lines.append).cached
+
+
 def test_a_partial_folder_whose_writer_exited_unreaped_is_removed(tmp_path):
     """A writer that has exited but that its parent has not reaped yet (a zombie) still answers signal 0;
     it writes nothing any more, so what it left is removed like any dead writer's."""
@@ -136,6 +183,46 @@ def test_a_partial_folder_whose_writer_exited_unreaped_is_removed(tmp_path):
         assert not partial.exists()
     finally:
         os.waitpid(child, 0)
+
+
+KILLED_PARENT = """
+import subprocess, sys, time
+import multiprocess
+from finetune.data.prepare_fresh import child_argv
+from finetune.parentdeath import forks_die_with_parent
+
+forks_die_with_parent()  # what prepare() does before datasets forks its workers
+pool = multiprocess.Pool(2)  # datasets' map(num_proc=2) forks its workers with multiprocess
+pool.map_async(time.sleep, [60, 60])
+child = subprocess.Popen(child_argv(), stdin=subprocess.PIPE, stderr=open(sys.argv[1], "w"))  # the launcher's
+print(*[p.pid for p in pool._pool], child.pid, flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_killed_tokenizer_takes_its_workers_and_its_child_along(tmp_path):
+    """Issue 34 item 7: kill -9 of `finetune prepare` (or of `finetune train` while it tokenizes) left the
+    tokenizing child and the workers running at full CPU, which then printed BrokenPipeError tracebacks."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.conftest import REPO
+    from tests.test_resume import running
+
+    psutil = pytest.importorskip("psutil")
+    parent = subprocess.Popen([sys.executable, "-c", KILLED_PARENT, str(tmp_path / "child.err")], cwd=REPO,
+                              stdout=subprocess.PIPE, text=True)
+    pids = [int(pid) for pid in parent.stdout.readline().split()]
+    assert len(pids) == 3
+    time.sleep(0.5)  # the child has started to read its arguments
+    os.kill(parent.pid, signal.SIGKILL)
+    parent.wait()
+    alive = running([psutil.Process(pid) for pid in pids if psutil.pid_exists(pid)], timeout=10)
+    assert not alive, [p.cmdline() for p in alive]
+    assert (tmp_path / "child.err").read_text() == ""  # no EOFError / BrokenPipeError traceback
 
 
 @pytest.mark.slow  # three CLI processes (~25 s on 2 cores)

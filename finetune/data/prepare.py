@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Union
 
+from finetune.data import cache_entry
 from finetune.data.formats import RowSpec
 from finetune.data.mix import MixError, mixture_arrays, targets
 from finetune.data.peak import PeakMemory
@@ -45,7 +46,7 @@ from finetune.data.tokenize import DataError, RowError, encode_rows, load_raw
 from finetune.fsutil import OWNER_FILE, remove_stale_partials
 
 # Bump when tokenization or the cache layout changes, so caches written by an older version are never reused.
-TOKENIZE_VERSION = 3
+TOKENIZE_VERSION = 4  # 4: the manifest records each file's size and digest (finetune.data.cache_entry)
 MIX_REPORT = "mix.json"
 # The Arrow files of a cache entry, in order, the mixture's order over them (a .npy of row numbers) and the
 # columns to drop on loading: the files are those the workers wrote, never copied.
@@ -157,12 +158,19 @@ def prepare(data: dict[str, Any], tokenizer, cache_dir: Path, log: Callable[[str
     max_length = int(data["max_length"])
     procs = resolve_num_proc(num_proc if num_proc is not None else data.get("num_proc"))
     if is_prepared(target):
-        log(f"tokenized data: found in the cache {target} (made earlier, or by another node on a shared file system)")
-        for report in read_reports(target):
-            log(report.line(max_length))
-        return Prepared(target, True, time.perf_counter() - started, 0, procs)
+        damaged = cache_entry.problem(target, MANIFEST)
+        if damaged is None:
+            log(f"tokenized data: found in the cache {target} (made earlier, or by another node on a shared file system)")
+            for report in read_reports(target):
+                log(report.line(max_length))
+            return Prepared(target, True, time.perf_counter() - started, 0, procs)
+        aside = cache_entry.set_aside(target, MANIFEST, cache_entry.identity(target, MANIFEST))
+        log(f"tokenized data: the cache entry {target} is damaged ({damaged}); set aside as {aside.name}, tokenizing again")
     for line in remove_stale_partials(target):
         log(line)
+    from finetune.parentdeath import forks_die_with_parent
+
+    forks_die_with_parent()  # the tokenizing workers go when this process does (kill -9)
     import datasets
 
     bars = datasets.is_progress_bar_enabled()
@@ -182,8 +190,9 @@ def prepare(data: dict[str, Any], tokenizer, cache_dir: Path, log: Callable[[str
             for stale in set(tmp.glob("*.arrow")) - set(files):  # the sources' rows, once packed
                 stale.unlink()
             (tmp / MIX_REPORT).write_text(json.dumps([asdict(r) for r in reports], indent=2), encoding="utf-8")
+            names = [f.name for f in files] + (["order.npy"] if order is not None else []) + [MIX_REPORT]
             manifest = {"files": [f.name for f in files], "order": "order.npy" if order is not None else None,
-                        "drop": ["row"]}
+                        "drop": ["row"], **cache_entry.seal(tmp, names)}
             (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1), encoding="utf-8")  # last: complete
     finally:
         if bars:
@@ -206,6 +215,10 @@ def load_prepared(data: dict[str, Any], tokenizer, cache_dir: Path):
     if not is_prepared(target):
         raise DataError(f"the tokenized data is not in the cache {target}: `finetune train` prepares it before "
                         f"launching (or run `finetune prepare RECIPE`) with the same FINETUNE_CACHE")
+    damaged = cache_entry.problem(target, MANIFEST, digests=False)  # the launcher has just read the bytes
+    if damaged:
+        raise DataError(f"the tokenized data in the cache {target} is damaged ({damaged}): run the same command "
+                        "again (the launcher checks the entry, sets it aside and tokenizes again)")
     manifest = json.loads((target / MANIFEST).read_text(encoding="utf-8"))
     parts = [datasets.Dataset.from_file(str(target / name)) for name in manifest["files"]]
     dataset = datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]

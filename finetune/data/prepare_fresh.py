@@ -7,6 +7,9 @@ So the launcher runs `prepare` here, in a new interpreter that imports only data
 class (the tokenizer arrives pickled, as datasets ships it to its workers), and forks the workers from that.
 `finetune prepare` needs none of this: it never imports torch (finetune.tokenizer.load_without_torch).
 
+The child dies with the launcher (Linux's parent-death signal: a `kill -9` of `finetune train` while it tokenizes
+takes the child and its workers along; finetune.parentdeath).
+
 Protocol: the parent writes a pickle of the arguments to the child's stdin; the child writes JSON lines to
 stdout: {"log": line} for each log line, then {"done": Prepared.as_dict()} or {"error": message}.
 """
@@ -16,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +27,7 @@ from typing import Any, Callable, Union
 
 from finetune.data.prepare import Prepared, prepare
 from finetune.data.tokenize import DataError
+from finetune.parentdeath import die_with_parent
 
 
 def prepare_in_fresh_process(data: dict[str, Any], tokenizer, cache_dir: Path, log: Callable[[str], None] = print,
@@ -33,8 +38,7 @@ def prepare_in_fresh_process(data: dict[str, Any], tokenizer, cache_dir: Path, l
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         p for p in (str(Path(finetune.__file__).resolve().parent.parent), os.environ.get("PYTHONPATH")) if p)}
     payload = pickle.dumps({"data": data, "tokenizer": tokenizer, "cache_dir": str(cache_dir), "num_proc": num_proc})
-    child = subprocess.Popen([sys.executable, "-m", "finetune.data.prepare_fresh"], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, env=env)
+    child = subprocess.Popen(child_argv(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
     assert child.stdin is not None and child.stdout is not None
     child.stdin.write(payload)
     child.stdin.close()
@@ -54,14 +58,25 @@ def prepare_in_fresh_process(data: dict[str, Any], tokenizer, cache_dir: Path, l
     raise DataError(result.get("error") or f"tokenizing failed in its process (exit code {code}); nothing was cached")
 
 
-def _child() -> int:
+def child_argv() -> list[str]:
+    """The child's command line: it is told who its parent is, to die with it."""
+    return [sys.executable, "-m", "finetune.data.prepare_fresh", str(os.getpid())]
+
+
+def _child(parent: int) -> int:
+    # A SIGKILLed launcher takes this process along (and its workers: prepare() ties them to it). Without it the
+    # child tokenized on at full CPU, published the entry, then wrote into the dead launcher's pipe (issue 34).
+    die_with_parent(signal.SIGKILL, parent)
     args = pickle.loads(sys.stdin.buffer.read())
     out = sys.stdout
     sys.stdout = sys.stderr  # only our JSON lines on stdout
 
     def say(**message: Any) -> None:
-        out.write(json.dumps(message) + "\n")
-        out.flush()
+        try:
+            out.write(json.dumps(message) + "\n")
+            out.flush()
+        except BrokenPipeError:  # the launcher is gone (where no parent-death signal exists): nobody to tell
+            os._exit(1)
 
     try:
         done = prepare(args["data"], args["tokenizer"], Path(args["cache_dir"]), log=lambda line: say(log=line),
@@ -77,4 +92,4 @@ def _child() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(_child())
+    sys.exit(_child(int(sys.argv[1])))

@@ -28,30 +28,8 @@ from __future__ import annotations
 import os
 import signal
 import sys
-from typing import Optional
 
-PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-
-
-def set_parent_death_signal(signum: int) -> bool:
-    """Ask for `signum` when the parent dies. False where the kernel has no such thing (not Linux)."""
-    if not sys.platform.startswith("linux"):
-        return False
-    import ctypes
-
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(PR_SET_PDEATHSIG, int(signum), 0, 0, 0) == 0
-    except (OSError, AttributeError):
-        return False
-
-
-def die_with_parent(signum: int, parent: Optional[int] = None) -> None:
-    """set_parent_death_signal, and exit at once if the parent already died before it took effect."""
-    expected = os.getppid() if parent is None else parent
-    if expected == 1 or (set_parent_death_signal(signum) and os.getppid() != expected):
-        os._exit(128 + int(signum))  # adopted by init: the parent is already gone
-
+from finetune.parentdeath import die_with_parent
 
 def wrap(argv: list[str], signum: int = signal.SIGTERM, python: str = sys.executable) -> list[str]:
     """`argv` started through this module, tied to the calling process."""

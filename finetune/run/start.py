@@ -168,7 +168,8 @@ def tokenize_before_launch(loaded: LoadedRecipe, log: Callable[[str], None], num
     if recipe.objective != "sft":
         return None
     from finetune.builtin import cache_root, ensure_builtin_model, is_builtin
-    from finetune.data.prepare import entry, is_prepared, prepare as prepare_data
+    from finetune.data import cache_entry
+    from finetune.data.prepare import MANIFEST, entry, is_prepared, prepare as prepare_data
     from finetune.data.sources import section_for_tokenizing
     from finetune.tokenizer import load_without_torch, tokenizer_args
 
@@ -176,7 +177,8 @@ def tokenize_before_launch(loaded: LoadedRecipe, log: Callable[[str], None], num
         else recipe.model.name_or_path
     tokenizer = load_without_torch(tokenizer_args(recipe, model_path))
     section, cache = section_for_tokenizing(recipe), cache_root() / "tokenized"
-    if "torch" in sys.modules and not is_prepared(entry(section, tokenizer, cache)):
+    target = entry(section, tokenizer, cache)
+    if "torch" in sys.modules and not (is_prepared(target) and cache_entry.problem(target, MANIFEST) is None):
         # `finetune train`'s preflight imported torch: tokenize in a fresh process, so that the workers it
         # forks do not each carry torch (finetune.data.prepare_fresh).
         from finetune.data.prepare_fresh import prepare_in_fresh_process

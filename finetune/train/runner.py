@@ -535,7 +535,7 @@ if __name__ == "__main__":
 
     from torch.distributed.elastic.multiprocessing.errors import record
 
-    from finetune.run.lifeline import die_with_parent
+    from finetune.parentdeath import die_with_parent
 
     # torchrun starts ranks in sessions of their own and does nothing for them when it is SIGKILLed:
     # a rank whose launcher is gone has nobody to publish its checkpoint, so it goes too.
