@@ -10,6 +10,9 @@ tokenizes and writes the entry, its digests included), then times, in this proce
 - check (page cache dropped for the entry's files, posix_fadvise DONTNEED): a hit on a cold cache;
 - sizes: what each rank does before it maps the files.
 Prints the entry's size, each time, and the check as a fraction of the tokenizing time.
+
+Not run by the tests: it only times finetune.data.cache_entry on a large entry (minutes of tokenizing); what
+the check does is tested on the demo's entry by tests/test_data_prepare.py::test_a_damaged_cache_entry_is_set_aside_and_made_again.
 """
 
 from __future__ import annotations

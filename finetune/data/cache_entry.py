@@ -11,7 +11,10 @@ development box, where blake2b does 0.25 and sha256 0.42). Before an entry is us
 - each rank compares the sizes only (the launcher has just read the bytes), so a file cut short after the
   launch is an error naming the entry, not a crash.
 
-A 1M-row entry's digests cost about as long as reading its files once (see scripts/bench_cache_check.py).
+What it costs (scripts/bench_cache_check.py, 100,000 alpaca rows, max_length 512, on the shared 2-core box under
+load): a 279 MB entry tokenized in 202 s was checked in 0.11 s with its files in the page cache (2.4 GiB/s) and
+2.6 s from a cold disk (this disk reads ~110 MB/s; the ranks read the same pages anyway, and now find them
+cached); the ranks' size check took 0.2 ms. A 1M-row entry (~2.8 GB) is about ten times that.
 """
 
 from __future__ import annotations
