@@ -319,3 +319,23 @@ def test_a_line_longer_than_the_maximum_is_one_problem_read_in_bounded_memory(tm
     assert len(found) == 1 and found[0].startswith(f"{path}:3: line 3 is longer than") and "\n" not in found[0]
     with pytest.raises(v.Unreadable, match=r"long.jsonl:3: line 3 is longer than"):
         list(v.iter_rows(path))
+
+
+def test_the_bulk_pass_gives_pyarrow_bytes_it_owns(monkeypatch):
+    """Issue 34 item 10: given the Python bytes of a range, the streaming reader's own threads released the last
+    slice with the GIL held; when the reader failed on its first block and the process exited at once (1,000
+    problems), that thread met interpreter finalization and the process aborted (exit 134, 6 runs in 200:
+    scripts/prepare_abort_loop.sh). The reader must read a copy that Arrow allocated."""
+    import pyarrow as pa
+
+    from finetune.data.fastcheck import clean_counts
+
+    read: list = []
+    real = pa.BufferReader
+    monkeypatch.setattr(pa, "BufferReader", lambda source: read.append(source) or real(source))
+    data = b"".join(json.dumps({"instruction": "q", "output": 7 if i < 5 else "a"}).encode() + b"\n" for i in range(50))
+    assert clean_counts(data, RowSpec("alpaca")) is None  # a bad row: the range goes row by row
+    assert len(read) == 1 and isinstance(read[0], pa.Buffer) and read[0].to_pybytes() == data
+    assert read[0].address != pa.py_buffer(data).address  # not a view of the bytes object
+    clean = data.replace(b'"output": 7', b'"output": "a"')
+    assert sum(len(counts) for counts in clean_counts(clean, RowSpec("alpaca"))) == 50  # and the bulk pass works
