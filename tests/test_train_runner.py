@@ -202,7 +202,7 @@ def test_tiny_and_demo_recipes_load(path):
     from finetune.recipe import load_recipe
 
     recipe = load_recipe(TINY_RECIPES / path).recipe
-    assert recipe.model.name_or_path == "builtin:tiny-llama"
+    assert recipe.model.name_or_path.startswith("builtin:tiny-")  # built here, nothing downloaded
     for source in recipe.data.sources or [recipe.data]:
         assert Path(source.path).is_file()  # relative to the recipe, which was given absolute
 
@@ -211,9 +211,10 @@ def test_every_tested_combination_has_a_recipe():
     from finetune.recipe import load_recipe
 
     # preference objectives (dpo_*, orpo_*, ...) are trained by tests/test_preference.py, sequence / tensor
-    # parallel ones (long_context_*) by tests/test_parallel_runs.py
+    # parallel ones (long_context_*) by tests/test_parallel_runs.py, mixtures of experts (moe_*) by tests/test_moe_runs.py
     recipes = {p.stem: load_recipe(p).recipe for p in TINY_RECIPES.glob("*.yaml")}
-    shipped = {name for name, r in recipes.items() if r.objective == "sft" and r.parallel.model_parallel == 1} - {"base"}
+    shipped = {name for name, r in recipes.items() if r.objective == "sft" and r.parallel.model_parallel == 1
+               and not name.startswith("moe_")} - {"base"}
     assert shipped == set(COMBINATIONS)
 
 
