@@ -69,7 +69,7 @@ BOUND_MIN_CASES = 10
 BOUND_WIDTHS: dict[str, tuple[float, int]] = {
     'all': (0.1948, 142),
     'one shape': (0.1994, 91),
-    'one shape / full': (0.2059, 10),
+    'one shape / full': (0.1957, 10),
     'one shape / lora': (0.2006, 49),
     'one shape / lora / no DeepSpeed': (0.1399, 36),
     'one shape / qlora': (0.1675, 32),

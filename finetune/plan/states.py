@@ -104,13 +104,17 @@ def weight_terms(setup: Setup, groups: list[ParamGroup], cpu: list[Term], notes:
                         note="offload_param=nvme: buffer_count x buffer_size"))
         notes.append(f"parameters on NVMe: {gib(partitioned)} GiB per node on disk")
     terms.append(Term("weights", "quantization constants", constants, note="not partitioned"))
-    if not single_rank_views(setup):
-        # Backward only: step() starts with _partition_all_parameters (stage3.py), which releases every
-        # gathered parameter before the optimizer runs (a whole DeepSpeed step measured on CPU peaks at
-        # the planned step phase without it: docs/plan.md).
-        terms.append(Term("weights", "gathered largest module", gathered, phase="backward",
-                          note=f"estimate_zero3_model_states_mem_needs: {setup.element_bytes} bytes x "
-                               "largest_layer_params"))
+    # Backward only: step() starts with _partition_all_parameters (stage3.py), which releases every
+    # gathered parameter before the optimizer runs (a whole DeepSpeed step measured on CPU peaks at the
+    # planned step phase without it: docs/plan.md). On one rank DeepSpeed gathers nothing (single_rank_views),
+    # yet the term stays, as in DeepSpeed's own estimator (issue 35: `model states` equals
+    # estimate_zero3_model_states_mem_needs; the single-GPU ZeRO-3 rows of the corpus measured above the
+    # plan without it): an over-estimate of at most one module's 16-bit copy there.
+    one_rank = " (one rank gathers nothing: DeepSpeed's estimator counts it, the plan keeps it)" \
+        if single_rank_views(setup) else ""
+    terms.append(Term("weights", "gathered largest module", gathered, phase="backward",
+                      note=f"estimate_zero3_model_states_mem_needs: {setup.element_bytes} bytes x "
+                           f"largest_layer_params{one_rank}"))
     if persistent:
         terms.append(Term("buffers", "persistent small params", persistent,
                           note=f"params <= {thr:,} elements stay whole on every GPU"))
