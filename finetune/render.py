@@ -224,6 +224,9 @@ def render_training_args(recipe: Recipe, output_dir: Optional[str] = None) -> di
         "data_seed": t.seed,
         "logging_steps": t.logging_steps,
         "logging_first_step": True,
+        # The Trainer's nan/inf filter reads every micro batch's loss on the host (bool of a device tensor):
+        # a synchronisation per micro batch (issue 35). Without it a non-finite loss is logged as it is.
+        "logging_nan_inf_filter": False,
         "eval_strategy": "steps" if d.validation_split > 0 else "no",
         "eval_steps": (t.eval_steps or t.logging_steps) if d.validation_split > 0 else None,
         "save_strategy": "steps" if t.save_steps else "no",

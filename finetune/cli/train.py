@@ -112,9 +112,14 @@ def train(
         run = RunDir(prepared.run_dir)
         saved = [folder.name for folder in (run.adapter_path, run.model_path) if folder.is_dir()]
         where = f" ({' and '.join(saved)} in {', '.join(str(prepared.run_dir / s) for s in saved)})" if saved else ""
-        typer.echo(f"finished: {prepared.run_dir}{where}", err=True)
-        for line in next_steps_lines(prepared.run_dir, saved, prepared.loaded.recipe.objective):
-            typer.echo(line, err=True)
+        try:
+            if outcome.signal is not None:  # a stop request after the last step: nothing left to stop
+                typer.echo(f"note: {outcome.message}", err=True)
+            typer.echo(f"finished: {prepared.run_dir}{where}", err=True)
+            for line in next_steps_lines(prepared.run_dir, saved, prepared.loaded.recipe.objective):
+                typer.echo(line, err=True)
+        except OSError:
+            pass  # SIGHUP: the terminal is gone; exit 0 still says the run finished
         return
     if outcome.returncode == EXIT_PREEMPTED:
         try:

@@ -12,10 +12,14 @@ from finetune.rundir.names import PLOT_FILE
 
 
 class TrainClock(TrainerCallback):
-    """Wall time of the training loop only (after the DeepSpeed engine is built, before saving).
+    """Wall time of the training loop only (after the DeepSpeed engine is built, before saving), and the host
+    clock at every optimizer step's end: the steady window of finetune.speed.
 
-    tokens_per_second divides by this, so model loading, the first-use compile of DeepSpeed's ops
-    and saving do not dilute the throughput.
+    tokens_per_second divides by the loop's time, so model loading, the first-use compile of DeepSpeed's ops
+    and saving do not dilute the throughput. The stamps add no synchronisation, except one device
+    synchronisation where the steady window opens (the end of step WARMUP_STEPS of this start) and one where it
+    closes (the last step), so that the window holds finished work. `counter`: a CountingTrainer's host-side
+    counts (finetune.train.counting), else the Trainer's own num_input_tokens_seen is read per step.
     """
 
     def __init__(self) -> None:
@@ -23,23 +27,71 @@ class TrainClock(TrainerCallback):
         self.ended: Optional[float] = None
         self.first_step: Optional[float] = None  # the end of the first optimizer step (the start-up split)
         self.tokens_at_start = 0  # a resumed run's state already counts the tokens trained before
+        self.stamps: list[float] = []  # the loop's start, then each step's end (this start's steps only)
+        self.step_counts: list[tuple[int, int]] = []  # this rank's (tokens, sum of squared lengths) per step
+        self.counter: Optional[list[int]] = None
+        self._seen = (0, 0)
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.started = time.perf_counter()
+        self.stamps = [self.started]
         self.tokens_at_start = int(state.num_input_tokens_seen or 0)
 
     def on_step_end(self, args, state, control, **kwargs):
+        from finetune.speed import WARMUP_STEPS
+
+        if len(self.stamps) == WARMUP_STEPS or (state.max_steps and state.global_step >= state.max_steps):
+            _synchronize()
+        now = time.perf_counter()
         if self.first_step is None:
-            self.first_step = time.perf_counter()
+            self.first_step = now
+        self.stamps.append(now)
+        seen = tuple(self.counter) if self.counter is not None else \
+            (int(state.num_input_tokens_seen or 0) - self.tokens_at_start, 0)
+        self.step_counts.append((seen[0] - self._seen[0], seen[1] - self._seen[1]))
+        self._seen = seen
+        if control.should_save and self.counter is not None:
+            # A checkpoint is written after this callback: the ranks' host counts go into the state it saves,
+            # so a resumed run goes on counting (one collective, where the checkpoint synchronises anyway).
+            state.num_input_tokens_seen = self.tokens_at_start + self.tokens_this_start()
 
     def on_train_end(self, args, state, control, **kwargs):
         self.ended = time.perf_counter()
+
+    def tokens_this_start(self) -> int:
+        """Tokens every rank trained since this process started (collective when counted on the host)."""
+        from finetune.train.dist import all_gather
+
+        if self.counter is None:
+            return sum(c[0] for c in self.step_counts)
+        return sum(all_gather(self.counter[0]))
+
+    def steady(self, world: int, arch=None, peak_flops: Optional[float] = None) -> dict[str, Any]:
+        """finetune.speed.steady over every rank's counts (collective when counted on the host)."""
+        from finetune.speed import steady
+        from finetune.train.dist import all_gather
+
+        counts = self.step_counts
+        if self.counter is not None:
+            ranks = all_gather(self.step_counts)
+            counts = [(sum(r[i][0] for r in ranks), sum(r[i][1] for r in ranks)) for i in range(len(counts))]
+        squares = [c[1] for c in counts] if self.counter is not None else []
+        return steady(self.stamps, [c[0] for c in counts], squares or [0] * len(counts), world,
+                      arch if self.counter is not None else None, peak_flops)
 
     @property
     def seconds(self) -> float:
         if self.started is None:
             return 0.0
         return (self.ended or time.perf_counter()) - self.started
+
+
+def _synchronize() -> None:
+    """Wait for the GPU's queued work (the steady window's edges); nothing to wait for on a CPU."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
 
 
 class EffectiveDeepSpeedConfig(TrainerCallback):
@@ -96,28 +148,31 @@ class ProgressLines(TrainerCallback):
 
 
 class LossPlot(TrainerCallback):
-    """Redraws RUN/loss.png on rank 0 when the Trainer logs, at most every `interval` seconds.
+    """Redraws RUN/loss.png on rank 0 at each checkpoint; the runner draws the final plot after training, with
+    the whole history. Never on a training step's path (issue 35: the first draw imports matplotlib and builds its
+    font cache, hundreds of milliseconds on a fresh machine, and every draw holds the GIL the step's kernel
+    launches need); a checkpoint has stopped the steps anyway."""
 
-    The throttle keeps plotting (tens of milliseconds, on a CPU core the ranks share) out of short
-    logging intervals; the runner draws the final plot after training, with the whole history.
-    """
-
-    def __init__(self, run_dir: Path, interval: float = 10.0) -> None:
+    def __init__(self, run_dir: Path) -> None:
         self.path = Path(run_dir) / PLOT_FILE
-        self.interval = interval
-        self.last: Optional[float] = None
         self.available = True
 
-    def on_log(self, args, state, control, logs=None, **kwargs):
+    def on_save(self, args, state, control, **kwargs):
         if not state.is_world_process_zero or not self.available:
             return
-        now = time.perf_counter()
-        if self.last is not None and now - self.last < self.interval:
-            return
-        self.last = now
         from finetune.train.report import plot_loss
 
         self.available = plot_loss(state.log_history, self.path, title=self.path.parent.name)
+
+
+class LastStepLogged(TrainerCallback):
+    """Logs the last step's loss, so summary.json's last loss is the last step's even when the run is shorter
+    than logging_steps or stops between two of them (issue 34: '0.039 -> 0.039' was step 1's loss twice)."""
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.max_steps and state.global_step >= state.max_steps:
+            control.should_log = True
+        return control
 
 
 def json_safe(value: Any) -> Any:

@@ -8,9 +8,14 @@
 What happens on SIGTERM or SIGINT (sent by `finetune train`, torchrun, DeepSpeed's launcher,
 SLURM or systemd, to one rank or to all):
 1. the rank's handler only sets a flag; the step in progress finishes;
-2. at every step end all ranks all-reduce (MAX) their flags, so every rank makes the same decision
-   at the same step, even when only one rank was signalled;
-3. the Trainer saves `checkpoint-<step>` (control.should_save) and stops (should_training_stop);
+2. at every step end each rank starts a non-blocking all-reduce (MAX) of its flag on a gloo group (a CPU
+   tensor: no device tensor, no synchronisation on the training path, issue 35) and reads the one it started
+   a step earlier, which its peers started at the same step and has long completed: every rank makes the
+   same decision at the same step, one step after the signal, even when only one rank was signalled;
+3. the Trainer saves `checkpoint-<step>` (control.should_save) and stops (should_training_stop); a
+   decision that falls on the last step is no stop: training ends there anyway, the final outputs are
+   written and the run has finished (a checkpoint at the last step would be resumed into one step more:
+   issue 34). While the outputs are written a signal changes nothing (they are written, then the rank exits 0);
 4. after a barrier (every rank's shards written) the checkpoint is published with its COMPLETE
    marker (finetune.rundir.checkpoint), older ones are rotated out, `stopped.json` is written;
 5. the ranks exit with 75 and no final outputs; the next `finetune train` resumes.
@@ -19,7 +24,12 @@ step cgroups), so a second signal within DUPLICATE_WINDOW seconds is the same re
 aborts at once.
 
 Before each checkpoint the ranks also check the free space (estimate: the previous checkpoint's
-size, or the model's for the first one) and stop with one clear error rather than crash half-way.
+size, or the model's for the first one) and stop with one clear error rather than crash half-way; that
+agreement is a blocking collective, made only at the steps that write a checkpoint.
+
+A resumed run whose checkpoint is the last step (a crash while the final outputs were written) trains no
+step: the Trainer loads the checkpoint, AlreadyTrained stops it before its first step, and the runner writes
+the outputs.
 
 Run directories on disks the nodes do not share (each machine its own local disk) are found by a
 probe file at start; then DeepSpeed writes model states per node (checkpoint.use_node_local_storage)
@@ -50,6 +60,11 @@ from finetune.units import human_size
 
 DUPLICATE_WINDOW = ckpt.SECOND_SIGNAL_WINDOW  # the same rule as `finetune train`'s (finetune.run.launch)
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+class AlreadyTrained(Exception):
+    """Raised at the start of training when the resumed checkpoint is the last step: the runner writes the outputs
+    (transformers' loop would train one step before it looks at max_steps)."""
 
 
 class Preempted(FinetuneError):
@@ -120,8 +135,18 @@ def setup(run_dir: Path, recipe: Recipe, ds_config: dict[str, Any], args_kwargs:
     key = resume_key.read_resume_key(run_dir)
     callback = PreemptionCallback(run_dir, keep=recipe.training.save_total_limit,
                                   dtype_bytes=_DTYPE_BYTES.get(recipe.model.dtype, 4), full=recipe.method == "full",
-                                  resume_hash=resume_key.resume_hash(key) if key else None, node_local=not shared)
+                                  resume_hash=resume_key.resume_hash(key) if key else None, node_local=not shared,
+                                  group=flag_group(recipe))
     return Resilience(ds_config, args_kwargs, checkpoint, callback)
+
+
+def flag_group(recipe: Recipe):
+    """A gloo process group for the ranks' stop flags (CPU tensors, whatever the training backend), or None for
+    one process. Collective: every rank creates it."""
+    dist = process_group()
+    if dist is None or dist.get_world_size() == 1:
+        return None
+    return dist.new_group(backend="gloo", timeout=nccl_timeout(recipe))
 
 
 def run_dir_is_shared(run_dir: Path) -> bool:
@@ -178,7 +203,7 @@ class PreemptionCallback(TrainerCallback):
     """Signal -> checkpoint at the next step end on every rank -> publish -> stop (module docstring)."""
 
     def __init__(self, run_dir: Path, keep: Optional[int], dtype_bytes: int, full: bool,
-                 resume_hash: Optional[str] = None, node_local: bool = False):
+                 resume_hash: Optional[str] = None, node_local: bool = False, group=None):
         self.run_dir = Path(run_dir)
         self.keep, self.dtype_bytes, self.full = keep, dtype_bytes, full
         self.resume_hash, self.node_local = resume_hash, node_local
@@ -187,7 +212,10 @@ class PreemptionCallback(TrainerCallback):
         self.stopped_at: Optional[int] = None  # the step we stopped at, after a signal
         self.saved: Optional[str] = None  # the last checkpoint published
         self.first_estimate = 0
+        self.finishing = False  # training has ended: a signal now waits for the outputs (the runner's last stage)
         self._previous: dict[int, Any] = {}
+        self._group = group  # flag_group(): None with one process, whose own flag decides at once
+        self._exchange: Optional[tuple[Any, Any]] = None  # (work, tensor) of the all-reduce started a step ago
 
     # -- signals
 
@@ -207,8 +235,12 @@ class PreemptionCallback(TrainerCallback):
         name = signal.Signals(signum).name
         if self.signal_at is None:
             self.signal_at, self.signal_name = now, name
-            _say(f"[finetune] rank {rank()}: {name}: saving a checkpoint at the end of this step, then stopping "
-                 f"(a second signal aborts)")
+            if self.finishing:
+                _say(f"[finetune] rank {rank()}: {name}: training has finished; writing its outputs, then exiting "
+                     f"(a second signal aborts)")
+            else:
+                _say(f"[finetune] rank {rank()}: {name}: saving a checkpoint at the end of the next step, then "
+                     f"stopping (a second signal aborts)")
         elif now - self.signal_at > DUPLICATE_WINDOW:
             _say(f"[finetune] rank {rank()}: second {name}: aborting without a checkpoint")
             self.uninstall()
@@ -223,18 +255,18 @@ class PreemptionCallback(TrainerCallback):
             discard_incomplete_if_owned(self.run_dir)
         if model is not None:
             self.first_estimate = self._model_estimate(model)
+        if state.max_steps and state.global_step >= state.max_steps:
+            raise AlreadyTrained(f"step {state.global_step} of {state.max_steps}")
 
     def on_step_end(self, args, state, control, **kwargs):
-        saving = bool(control.should_save)
-        requested = self.signal_at is not None
-        short = None
-        if (saving or requested) and local_rank() == 0:
-            short = ckpt.space_problem(self.run_dir, self._estimate())
-        # One collective for both decisions, at every step: cheap (two numbers), and all ranks agree.
-        stop, no_space = self._agree(args, requested, short is not None)
-        if no_space:
-            reason = short or "another node has not enough free space for the next checkpoint"
-            raise ckpt.CheckpointError(f"{reason} (host {platform.node()}, step {state.global_step})")
+        stop = self._agreed_stop(self.signal_at is not None)
+        if stop and state.max_steps and state.global_step >= state.max_steps:
+            stop = False  # the last step: training ends here anyway, with its final outputs (issue 34)
+        if stop or control.should_save:
+            short = ckpt.space_problem(self.run_dir, self._estimate()) if local_rank() == 0 else None
+            if self._agree_now(short is not None):  # blocking, and only where a checkpoint is written
+                reason = short or "another node has not enough free space for the next checkpoint"
+                raise ckpt.CheckpointError(f"{reason} (host {platform.node()}, step {state.global_step})")
         if stop:
             control.should_save = True
             control.should_training_stop = True
@@ -262,22 +294,57 @@ class PreemptionCallback(TrainerCallback):
         return control
 
     def on_train_end(self, args, state, control, **kwargs):
-        self.uninstall()
+        self._finish_exchange()
+        if self.stopped_at is None:
+            # Training has finished: the handlers stay until the runner has written the outputs (finished()).
+            self.finishing = True
+            if self.signal_at is not None:
+                _log(f"{self.signal_name} came at the last step: training has finished; writing its outputs "
+                     "instead of a checkpoint")
+        else:
+            self.uninstall()
         # The final adapter/ or model/ is written once, by rank 0 (finetune.train.runner.save_weights).
         args.save_on_each_node = False
 
+    def finished(self) -> None:
+        """The outputs are written: signals are the process's own again."""
+        self.uninstall()
+
     # -- helpers
 
-    @staticmethod
-    def _agree(args, requested: bool, short: bool) -> tuple[bool, bool]:
-        dist = process_group()
-        if dist is None:
-            return requested, short
+    def _agreed_stop(self, requested: bool) -> bool:
+        """Whether the ranks stop at this step: the flags of the exchange started at the previous step end (this
+        rank's own flag with one process). Starts this step's exchange; waits only for one that every peer has
+        started a step ago, so it has completed already."""
+        if self._group is None:
+            return requested
         import torch
+        import torch.distributed as dist
 
-        flags = torch.tensor([float(requested), float(short)], device=args.device)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        return bool(flags[0].item()), bool(flags[1].item())
+        stop = self._finish_exchange()
+        flags = torch.tensor([int(requested)], dtype=torch.int32)
+        self._exchange = (dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group, async_op=True), flags)
+        return stop
+
+    def _finish_exchange(self) -> bool:
+        if self._exchange is None:
+            return False
+        work, flags = self._exchange
+        self._exchange = None
+        work.wait()
+        return bool(flags[0].item())  # a CPU tensor: no device synchronisation
+
+    def _agree_now(self, short: bool) -> bool:
+        """Whether any rank is short of space for the checkpoint about to be written (a blocking all-reduce on the
+        flag group: every rank writes it, so every rank is here)."""
+        if self._group is None:
+            return short
+        import torch
+        import torch.distributed as dist
+
+        flags = torch.tensor([int(short)], dtype=torch.int32)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group)
+        return bool(flags[0].item())
 
     def _estimate(self) -> int:
         latest = ckpt.latest_complete(self.run_dir)

@@ -281,10 +281,11 @@ def render_report(run_dir: Path, plot_written: bool) -> str:
     facts = [
         ("steps", str(summary.get("steps", "n/a"))),
         ("epochs", f"{summary['epochs']:.2f}" if isinstance(summary.get("epochs"), (int, float)) else "n/a"),
-        ("train loss, first -> last", f"{_num(summary.get('train_loss_first'))} -> {_num(summary.get('train_loss_last'))}"),
+        ("train loss, first -> last", _loss_span(summary)),
         ("eval loss, last", _num(summary.get("eval_loss_last"))),
         ("tokens trained", f"{summary.get('tokens_trained', 0):,}"),
         ("tokens/s (since the last start)", _num(summary.get("tokens_per_second"), ".0f")),
+        ("tokens/s, steady (finetune.speed)", _num((summary.get("steady") or {}).get("tokens_per_second"), ".0f")),
         ("training wall time", f"{_num(summary.get('wall_seconds'), '.1f')} s"),
         ("method, ZeRO stage", f"{summary.get('method', 'n/a')}, {summary.get('zero_stage', 'n/a')}"),
         ("parameters trainable / total",
@@ -297,6 +298,9 @@ def render_report(run_dir: Path, plot_written: bool) -> str:
     parts.append(_section("Summary", _table(facts)))
     from finetune.train.startup import rows as startup_rows
 
+    steady = steady_rows(summary.get("steady"))
+    if steady:
+        parts.append(_section("Speed: the steady state, after the warm-up steps", _table(steady, ("what", "value"))))
     started = startup_rows(summary.get("startup"))
     if started:
         parts.append(_section("Start-up: the time before the first optimizer step", _table(started, ("stage", "took"))))
@@ -338,6 +342,27 @@ def render_report(run_dir: Path, plot_written: bool) -> str:
     return ("<!DOCTYPE html>\n<html lang=en><head><meta charset=utf-8>"
             f"<title>finetune run {html.escape(name)}</title><style>{style}</style></head>\n<body>\n"
             + "\n".join(parts) + "</body></html>\n")
+
+
+def steady_rows(steady: Optional[dict[str, Any]]) -> list[tuple[str, str]]:
+    """summary.json's `steady` (finetune.speed) as (what, value) rows; none for a run directory from before it."""
+    if not steady:
+        return []
+    if steady.get("tokens_per_second") is None:
+        return [("steady state", f"n/a: {steady.get('reason') or 'no tokens counted'}")]
+    first = steady["warmup_steps"] + 1
+    rows = [("tokens/s", f"{steady['tokens_per_second']:,.0f} (all ranks), steps {first} to "
+                         f"{steady['warmup_steps'] + steady['steps']} of this start"),
+            ("step time, p50 / p90", f"{steady['step_seconds_p50']:.4g} s / {steady['step_seconds_p90']:.4g} s "
+                                     "(host clock at each step's end)")]
+    if steady.get("flops_per_token"):
+        rows.append(("model FLOPs per token", f"{steady['flops_per_token'] / 1e9:,.2f} G ({steady.get('flops_basis')})"))
+    if steady.get("mfu") is not None:
+        rows.append(("MFU", f"{100 * steady['mfu']:.1f}% of {steady.get('gpu')}'s dense bf16 peak "
+                            f"({steady.get('peak_source')})"))
+    elif steady.get("reason"):
+        rows.append(("MFU", f"n/a: {steady['reason']}"))
+    return rows
 
 
 def _grpo_sections(run_dir: Path, summary: dict[str, Any]) -> list[str]:
@@ -388,6 +413,13 @@ def _eval_body(run_dir: Path) -> str:
         body += (f"<p>lm-evaluation-harness {html.escape(str(bench.get('lm_eval')))}, prompted as the run trained "
                  f"({html.escape(str(bench.get('prompt')))})</p>" + _table(rows, ("task", "metric", "base", "fine-tuned")))
     return body
+
+
+def _loss_span(summary: dict[str, Any]) -> str:
+    history = summary.get("loss_history") or []
+    if len(history) == 1:  # one logged step: no span to show (issue 34)
+        return f"{_num(history[0].get('loss'))} (step {history[0].get('step')}, the only one logged)"
+    return f"{_num(summary.get('train_loss_first'))} -> {_num(summary.get('train_loss_last'))}"
 
 
 def _num(value: Any, spec: str = ".4f") -> str:

@@ -298,7 +298,8 @@ def run(run_dir: Path, resume: bool = False) -> None:
     from transformers import Trainer, TrainingArguments
 
     from finetune.builtin import cache_root, ensure_builtin_model, is_builtin
-    from finetune.train.callbacks import EffectiveDeepSpeedConfig, LossPlot, ProgressLines, TrainClock
+    from finetune.train.callbacks import EffectiveDeepSpeedConfig, LastStepLogged, LossPlot, ProgressLines, TrainClock
+    from finetune.train.counting import CountingTrainer
     from finetune.train.finite import FiniteGuard
     from finetune.data.sources import section_for_tokenizing
     from finetune.data.prepare import load_prepared, mix_report
@@ -319,8 +320,11 @@ def run(run_dir: Path, resume: bool = False) -> None:
     startup.mark("process_group")
     resilience = preemption.setup(run_dir, recipe, ds_config, args_kwargs, resume)
     ds_config, args_kwargs = resilience.ds_config, resilience.args_kwargs
+    # SFT batches come from our collator, which counts their tokens on the host (finetune.train.counting); TRL's
+    # trainers and Ulysses' data-loader adapter collate their own, so the Trainer counts those (a sync per batch).
+    host_counts = recipe.objective == "sft" and recipe.parallel.sequence == 1
     args_kwargs = {**args_kwargs, "output_dir": str(run_dir), "deepspeed": ds_config,
-                   "include_num_input_tokens_seen": "non_padding"}
+                   "include_num_input_tokens_seen": "no" if host_counts else "non_padding"}
     args_kwargs = training_arguments_kwargs(args_kwargs, {f.name for f in dataclasses.fields(TrainingArguments)})
     ds_config, args_kwargs = parallel.for_this_run(  # another process count, Ulysses, offload (train/parallel.py)
         resilience.checkpoint, ds_config, args_kwargs, _log_main(process_rank() == 0))
@@ -350,7 +354,7 @@ def run(run_dir: Path, resume: bool = False) -> None:
             _write_json(run_dir / "data_mix.json", mix_report(section, tokenizer, cache_root() / "tokenized"))
         train_set, eval_set = split_eval(dataset, recipe.data.validation_split, recipe.training.seed)
         collator = make_collator(tokenizer.pad_token_id, recipe.model.attn_implementation, recipe.data.packing,
-                                 recipe.data.padding_free)
+                                 recipe.data.padding_free, counts=host_counts)
         collator = parallel.wrap_collator(collator, args_kwargs, tokenizer.pad_token_id, recipe, on_cpu)
     else:  # raw rows: TRL's trainer tokenizes them (chat template, EOS, truncation) and collates
         (train_set, eval_set), collator = preference.split_rows(recipe), None
@@ -381,15 +385,19 @@ def run(run_dir: Path, resume: bool = False) -> None:
                                             t.loss_chunk_tokens))
     startup.mark("model")
     clock = TrainClock()
-    # FiniteGuard before the preemption callback: a state that is not finite is refused before that one publishes it.
+    # FiniteGuard before the preemption callback: a state that is not finite is refused (on_save) before that one
+    # publishes it. The preemption callback before the clock: the clock sees a checkpoint it decides on
+    # (control.should_save).
     guard = FiniteGuard(run_dir, resilience.checkpoint, node_local=resilience.callback.node_local)
-    callbacks = [clock, EffectiveDeepSpeedConfig(run_dir), LossPlot(run_dir), guard, resilience.callback]
+    callbacks = [guard, resilience.callback, clock, EffectiveDeepSpeedConfig(run_dir), LossPlot(run_dir), LastStepLogged()]
     if recipe.objective == "sft":
         from finetune.train.moe import logging_aux_loss, moe_identity
 
-        trainer_class = logging_aux_loss(Trainer) if moe_identity(model_path) else Trainer
+        base = CountingTrainer if host_counts else Trainer
+        trainer_class = logging_aux_loss(base) if moe_identity(model_path) else base
         trainer = trainer_class(model=model, args=training_args, train_dataset=train_set, eval_dataset=eval_set,
                                 data_collator=collator, processing_class=tokenizer, callbacks=callbacks)
+        clock.counter = getattr(trainer, "counted", None)
     else:
         if recipe.objective == "grpo":  # a few completions and their rewards, for report.html
             from finetune.train.grpo import completion_samples
@@ -407,11 +415,20 @@ def run(run_dir: Path, resume: bool = False) -> None:
         trainer.add_callback(ProgressLines(progress_interval()))
     checkpoint = resilience.checkpoint
     startup.mark("trainer")
-    trainer.train(resume_from_checkpoint=checkpoint)
+    try:
+        trainer.train(resume_from_checkpoint=checkpoint)
+    except preemption.AlreadyTrained as done:
+        _log_main(is_main)(f"{Path(checkpoint).name} is the training's last step ({done}): nothing is left to "
+                           "train; writing the outputs")
+        clock.ended = time.perf_counter()
+        resilience.callback.finishing = True
     resilience.raise_if_stopped()  # stopped by a signal: the checkpoint is complete; no final outputs
     # The training peak, what `finetune plan` predicts: read before the outputs' own forward.
     memory = all_gather(peak_memory())
     reserved = all_gather(peak_memory_reserved())
+    if clock.counter is not None:  # the ranks' host counts (collective)
+        trainer.state.num_input_tokens_seen = clock.tokens_at_start + clock.tokens_this_start()
+    steady = run_speed(clock, trainer.model, world_size)
 
     # 5. Outputs: the weights first, so that nothing after training can cost them.
     trainer.model.config.use_cache = use_cache
@@ -429,7 +446,7 @@ def run(run_dir: Path, resume: bool = False) -> None:
                  "train_sequences": len(train_set), "eval_sequences": len(eval_set) if eval_set is not None else 0,
                  "resumed_from": checkpoint, "total_seconds": time.perf_counter() - started,
                  "peak_memory_reserved_bytes": reserved if any(r is not None for r in reserved) else None,
-                 "loss_kernel": recipe.training.loss_kernel, "startup": startup.split(clock)}
+                 "loss_kernel": recipe.training.loss_kernel, "startup": startup.split(clock), "steady": steady}
         extra.update(preference.summary_extra(recipe, trainer.state.log_history))
         from finetune.train import moe
 
@@ -438,9 +455,9 @@ def run(run_dir: Path, resume: bool = False) -> None:
         _write_json(run_dir / SUMMARY_FILE, summary)
         aux = (f" (router aux loss {_fmt(summary['aux_loss_first'])} -> {_fmt(summary['aux_loss_last'])}, weight "
                f"{summary['router_aux_loss_coef']})" if summary.get("aux_loss_last") is not None else "")
-        _log_main(True)(f"done: {summary['steps']} steps, loss {_fmt(summary['train_loss_first'])} -> "
-                        f"{_fmt(summary['train_loss_last'])}{aux}, {summary['tokens_per_second'] or 0:.0f} tokens/s; "
-                        f"{saved}/ in {run_dir}")
+        _log_main(True)(f"done: {summary['steps']} steps, {loss_text(summary['loss_history'])}{aux}, "
+                        f"{summary['tokens_per_second'] or 0:.0f} tokens/s; {saved}/ in {run_dir}")
+        _log_main(True)(speed_line(summary))
         if summary.get("preference_metrics"):
             _log_main(True)(preference.summary_line(summary["preference_metrics"]))
         from finetune.train.report import write_run_report
@@ -452,10 +469,48 @@ def run(run_dir: Path, resume: bool = False) -> None:
             _log_main(True)("the weights are a ZeRO checkpoint (gather_16bit_weights_on_model_save is false): "
                             f"run `{command_line('finetune', 'convert', run_dir)}` for an adapter or model")
     barrier()
+    resilience.callback.finished()  # a signal from here on ends the process as usual: everything is written
 
 
 def _fmt(value: Optional[float]) -> str:
     return "n/a" if value is None else f"{value:.3f}"
+
+
+def loss_text(losses: list[dict[str, Any]]) -> str:
+    """'loss 7.148 -> 2.397' (first and last logged step), or 'loss 0.039 at step 1' when one step was logged."""
+    if not losses:
+        return "loss n/a"
+    if len(losses) == 1:
+        return f"loss {_fmt(losses[0].get('loss'))} at step {losses[0].get('step')}"
+    return f"loss {_fmt(losses[0].get('loss'))} -> {_fmt(losses[-1].get('loss'))}"
+
+
+def run_speed(clock, model, world_size: int) -> dict[str, Any]:
+    """summary.json's `steady` (finetune.speed): MFU on a GPU whose peak the table knows, for a model whose shape
+    the planner reads (collective: every rank's counts)."""
+    from finetune.plan.archs import ArchError, arch_from_config
+    from finetune.speed import peak_bf16_flops
+
+    import torch
+
+    try:
+        config = getattr(model, "config", None)
+        arch = arch_from_config(config.to_dict(), "run") if config is not None else None
+    except (ArchError, KeyError, TypeError, ValueError):
+        arch = None
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    peak, source = peak_bf16_flops(gpu) if gpu else (None, None)
+    out = clock.steady(world_size, arch, peak)
+    out.update(gpu=gpu, peak_flops=peak, peak_source=source)
+    return out
+
+
+def speed_line(summary: dict[str, Any]) -> str:
+    """The console's speed line: the steady figures beside the start-up split (finetune.train.startup)."""
+    from finetune.speed import steady_text
+    from finetune.train.startup import startup_text
+
+    return f"speed: {steady_text(summary.get('steady'))}; {startup_text(summary.get('startup'))}"
 
 
 def _log_main(is_main: bool):

@@ -19,6 +19,8 @@ from typing import Any, Optional
 
 from finetune.rundir.names import PREPARE_FILE
 
+STAGES = ("launch", "process_group", "data", "model", "trainer", "deepspeed_init", "first_step")
+
 
 class Startup:
     def __init__(self, run_dir: Path):
@@ -62,7 +64,16 @@ def rows(startup: Optional[dict[str, Any]]) -> list[tuple[str, str]]:
         if not tokenize.get("cached") and tokenize.get("peak_rss"):
             how += f", peak RSS {tokenize['peak_rss'] / 2**30:.2f} GB (summed over the processes)"
         out.append(("tokenize (launcher)", f"{tokenize.get('seconds', 0):.1f} s, {how}"))
-    for stage in ("launch", "process_group", "data", "model", "trainer", "deepspeed_init", "first_step"):
+    for stage in STAGES:
         if isinstance(startup.get(stage), (int, float)):
             out.append((stage.replace("_", " "), f"{startup[stage]:.1f} s"))
     return out
+
+
+def startup_text(startup: Optional[dict[str, Any]]) -> str:
+    """The console's start-up split: 'start-up 14.2 s (launch 3.1, process group 1.0, ..., first step 0.4)'."""
+    stages = [(stage, startup[stage]) for stage in STAGES if isinstance((startup or {}).get(stage), (int, float))]
+    if not stages:
+        return "start-up: n/a"
+    total = sum(seconds for _, seconds in stages)
+    return f"start-up {total:.1f} s (" + ", ".join(f"{s.replace('_', ' ')} {v:.1f}" for s, v in stages) + ")"

@@ -91,11 +91,19 @@ def parse_torchrun_failures(text: str) -> list[RankFailure]:
     return failures
 
 
-def judge(plan: LaunchPlan, returncode: int, output: str, forwarded: Optional[int]) -> Outcome:
+def judge(plan: LaunchPlan, returncode: int, output: str, forwarded: Optional[int],
+          started_at: Optional[float] = None) -> Outcome:
+    """`started_at`: when this launch began (time.time()); a summary.json written since then is a finished run."""
     from finetune.rundir.checkpoint import EXIT_PREEMPTED, disk_full_in, latest_complete, read_stop_record
 
     if returncode == 0:
         return Outcome(0, message="all ranks finished")
+    if forwarded is not None and finished_since(plan.run_dir, started_at):
+        # The signal came during the last step or while the outputs were written: the ranks wrote them and exited
+        # 0, while the launcher, signalled too, reports its own stop (issue 34).
+        name = "SIGHUP" if forwarded == signal.SIGHUP else signal.Signals(forwarded).name
+        return Outcome(0, signal=forwarded, message=f"{name} came after the last step: the run had finished "
+                                                    "and its outputs are complete")
     stopped = read_stop_record(plan.run_dir)  # written by the ranks once the checkpoint is complete
     if stopped is not None:
         # The ranks saw SIGTERM when we were sent SIGHUP (_as_stop): name what the user's side sent.
@@ -131,6 +139,18 @@ def judge(plan: LaunchPlan, returncode: int, output: str, forwarded: Optional[in
         return Outcome(returncode if returncode > 0 else 1, message=f"{plan.launcher} failed: {launcher_error}")
     return Outcome(returncode if returncode > 0 else 1,
                    message=f"{plan.launcher} exited with code {returncode} (see {plan.run_dir / 'logs' / 'launcher.log'})")
+
+
+def finished_since(run_dir: Path, started_at: Optional[float]) -> bool:
+    """Whether the ranks wrote the run's summary.json (their last output but the report) since `started_at`."""
+    from finetune.rundir.names import SUMMARY_FILE
+
+    if started_at is None:
+        return False
+    try:
+        return (Path(run_dir) / SUMMARY_FILE).stat().st_mtime >= started_at
+    except OSError:
+        return False
 
 
 _PORT_IN_USE_RE = re.compile(r"EADDRINUSE|[Aa]ddress already in use")

@@ -104,6 +104,7 @@ def _supervise_once(plan: LaunchPlan, console: IO[bytes], keep_fds: tuple[int, .
     if plan.launcher == "torchrun":
         # torchrun's @record main writes its own exception here; it gives each rank a file of its own.
         plan = LaunchPlan(**{**plan.__dict__, "env": {**plan.env, "TORCHELASTIC_ERROR_FILE": str(error_file)}})
+    started_at = time.time()
     forwarded: list[int] = []
     first_at: list[float] = []
     running: list[subprocess.Popen] = []
@@ -147,7 +148,7 @@ def _supervise_once(plan: LaunchPlan, console: IO[bytes], keep_fds: tuple[int, .
     finally:
         _restore_handlers(previous)
     link_rank_logs(plan)
-    return judge(plan, proc.returncode, relay.tail(), forwarded[0] if forwarded else None)
+    return judge(plan, proc.returncode, relay.tail(), forwarded[0] if forwarded else None, started_at)
 
 
 def _as_stop(signum: int) -> int:
