@@ -24,6 +24,9 @@ DS_OPTIMIZERS = {"adamw": "AdamW", "adam": "Adam", "lion": "Lion", "adagrad": "A
 # These come from the HF Trainer (DeepSpeed wraps a client optimizer it cannot offload).
 HF_OPTIMIZERS = {"sgd": "sgd", "adamw_bnb_8bit": "adamw_bnb_8bit"}
 
+# Without DeepSpeed (deepspeed.enabled: false), the Trainer's own optimizer names (lint R150 refuses the others).
+PLAIN_OPTIMIZERS = {"adamw": "adamw_torch_fused"}
+
 # DeepSpeed prints every N steps; the Trainer already logs, so keep DeepSpeed quiet.
 STEPS_PER_PRINT = 1_000_000
 
@@ -239,6 +242,9 @@ def render_training_args(recipe: Recipe, output_dir: Optional[str] = None) -> di
     }
     if t.optimizer in HF_OPTIMIZERS:
         args["optim"] = HF_OPTIMIZERS[t.optimizer]
+    elif not recipe.deepspeed.enabled:
+        # Without DeepSpeed the Trainer builds the optimizer: torch's fused AdamW (one kernel for every tensor).
+        args["optim"] = PLAIN_OPTIMIZERS.get(t.optimizer, t.optimizer)
     parallelism = render_parallelism(recipe)
     if parallelism is not None:
         args["parallelism_config"] = parallelism

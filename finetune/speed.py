@@ -84,7 +84,7 @@ def steady(stamps: Sequence[float], tokens: Sequence[int], squares: Sequence[int
     """summary.json's `steady`: the steps after `warmup`, from the step-end stamps (stamps[0] is the start of
     training, stamps[k] the end of step k) and each step's trained tokens and sum of squared sequence lengths,
     summed over every rank. `reason` says why a figure is missing."""
-    steps = len(stamps) - 1
+    steps = max(0, len(stamps) - 1)
     out: dict[str, Any] = {"warmup_steps": warmup, "steps": max(0, steps - warmup), "tokens_per_second": None,
                            "step_seconds_p50": None, "step_seconds_p90": None, "mfu": None, "flops_per_token": None,
                            "flops_basis": FLOPS_BASIS, "reason": None}

@@ -81,9 +81,9 @@ def load(source: Path, sets: list[str]):
         recipe, _, _ = read_run_dir(source)
         return recipe, source
     loaded = load_recipe(source, sets)
-    from finetune.plan.auto import resolve_for_this_machine
+    from finetune.run.start import resolve_auto
 
-    return resolve_for_this_machine(loaded.recipe).recipe, None
+    return resolve_auto(loaded.recipe).recipe, None
 
 
 def check_supported(recipe) -> Optional[str]:

@@ -121,17 +121,22 @@ def test_plan_exit_code_says_does_not_fit():
     recipe = REPO / "recipes" / "llama3" / "8b_qlora_2x12gb.yaml"
     fits = run_cli("plan", recipe)
     assert fits.returncode == 0 and ": fits" in fits.stdout
-    over = run_cli("plan", recipe, "--gpu-memory", "8GiB")
+    default_loss = ("--set", "training.loss_kernel=default")  # written: auto would pick the chunked loss, which fits
+    over = run_cli("plan", recipe, "--gpu-memory", "8GiB", *default_loss)
     assert over.returncode == 3 and "does NOT fit" in over.stdout, over.stdout
-    assert run_cli("plan", recipe, "--gpu-memory", "8GiB", "--format", "json").returncode == 3
+    assert run_cli("plan", recipe, "--gpu-memory", "8GiB", "--format", "json", *default_loss).returncode == 3
     assert run_cli("plan", recipe, "--gpu-memory", "80GiB", "--format", "json").returncode == 0
+    # issue 35: left auto, the loss kernel is the chunked one where the logits stand in the way, and plan says why
+    auto = run_cli("plan", recipe, "--gpu-memory", "8GiB")
+    assert auto.returncode == 0 and 'training.loss_kernel = "chunked": the logits' in auto.stdout, auto.stdout
 
 
 def test_recommend_tries_the_chunked_loss_before_a_smaller_batch_or_offload():
     """8B QLoRA on 2x 9 GiB (decided on the upper bound): the 2.9 GiB of fp32 logits are the cheap fix (chunked
     loss), not micro batch 1 with 16 accumulation steps, nor any offload; the reasons are sentences with no
     negative saving."""
-    out = run_cli("plan", REPO / "recipes" / "llama3" / "8b_qlora_2x12gb.yaml", "--gpu-memory", "9GiB", "--recommend")
+    out = run_cli("plan", REPO / "recipes" / "llama3" / "8b_qlora_2x12gb.yaml", "--gpu-memory", "9GiB", "--recommend",
+                  "--set", "training.loss_kernel=default")  # written (auto would choose the chunked loss itself)
     assert out.returncode == 3
     apply = [line for line in out.stdout.splitlines() if "apply with:" in line][0]
     assert "training.loss_kernel=chunked" in apply and "micro_batch_size" not in apply and "offload_param" not in apply

@@ -48,12 +48,16 @@ def plan(
     Example:
 
     \b
-        $ finetune plan --model llama-3-8b --method qlora --lora-r 64 --zero 2 --gpus 2 --gpu-memory 12GiB
+        $ finetune plan --model llama-3-8b --method qlora --lora-r 64 --zero 2 --gpus 2 --gpu-memory 12GiB \
+            --set training.loss_kernel=default
         model    llama-3-8b (8.03B params, hidden 4096, 32 layers, 32/8 heads, vocab 128256)
         ...
           total (peak, backward)                12.13  of 12.00: does NOT fit: the upper bound 14.23 GiB is 2.23 GiB over …
         $ echo $?
         3
+        $ finetune plan --model llama-3-8b --method qlora --lora-r 64 --zero 2 --gpus 2 --gpu-memory 12GiB
+        ...
+          training.loss_kernel = "chunked": the logits (2.94 GiB with the default loss, 0.73 chunked) stand between this GPU and micro batch 1: upper bound 10.84 of 12.00 GiB
         $ finetune plan recipes/llama3/8b_qlora_2x12gb.yaml --recommend
     """
     from finetune import plan as planner
@@ -70,11 +74,15 @@ def plan(
         model=model, method=method, zero=zero, offload_optimizer=offload_optimizer, offload_param=offload_param,
         micro_batch=micro_batch, seq_len=seq_len, gradient_checkpointing=gradient_checkpointing,
         lora_r=lora_r, lora_targets=lora_targets, attn=attn)
+    if zero == "none":
+        sets.append("deepspeed.enabled=false")
     if recipe is not None:
         the_recipe = load_or_exit(recipe, sets).recipe
     else:
         the_recipe = planner.recipe_without_file(sets)
-    setup = planner.setup_from_recipe(the_recipe, gpus, gpu_bytes, nodes, cpu_bytes, deepspeed=zero != "none",
+    auto = planner.resolve_auto(the_recipe, planner.machine_for(the_recipe, gpus, gpu_bytes, nodes, cpu_bytes))
+    the_recipe = auto.recipe
+    setup = planner.setup_from_recipe(the_recipe, gpus, gpu_bytes, nodes, cpu_bytes,
                                       data_lengths=recipe is not None and seq_len is None)
     if gpu_type is not None:
         setup = replace(setup, gpu_type=gpu_type)
@@ -83,6 +91,7 @@ def plan(
     traced = _trace(setup, the_recipe.model.name_or_path) if trace else None
     if fmt == "json":
         data = result.to_json()
+        data["auto"] = auto.to_json()
         if advice is not None:
             data["recommendation"] = advice.to_json()
         if traced is not None:
@@ -90,6 +99,10 @@ def plan(
         typer.echo(json.dumps(data, indent=2))
     else:
         typer.echo(result.render_text(), nl=False)
+        if auto.choices:
+            typer.echo("\nauto (what `auto` in the recipe becomes on this setup; a value the recipe writes wins):")
+            for line in auto.lines():
+                typer.echo(f"  {line}")
         if traced is not None:
             typer.echo("")
             typer.echo(traced.render_text(), nl=False)

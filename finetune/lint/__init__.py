@@ -109,7 +109,9 @@ def lint_recipe_file(path: Path, options: LintOptions) -> list[Finding]:
 def lint_loaded(loaded: LoadedRecipe, options: Optional[LintOptions] = None) -> LintResult:
     """Every check on an already loaded recipe (also used by `finetune train`'s preflight)."""
     from finetune.render import render_deepspeed, render_training_args
-    from finetune.lint import deepspeed, moe_rules, objective_rules, parallel_rules, recipe_rules  # noqa: F401 - they register their rules
+    from finetune.lint import (  # noqa: F401 - they register their rules
+        deepspeed, moe_rules, objective_rules, parallel_rules, recipe_rules, speed_rules,
+    )
 
     options = options or LintOptions()
     recipe = loaded.recipe
@@ -134,9 +136,11 @@ def _plan_findings(loaded: LoadedRecipe, options: LintOptions) -> list[Finding]:
     memory = options.gpu_memory or (hardware.gpu_memory if hardware else None)
     if memory is None:
         return []
-    from finetune.plan import PlanError, plan_recipe
+    from finetune.plan import PlanError, machine_for, plan_recipe, resolve_auto
 
     try:
+        # the recipe as it would run there: its auto keys decided for that memory (finetune.plan.auto)
+        recipe = resolve_auto(recipe, machine_for(recipe, gpus, parse_size(memory))).recipe
         result = plan_recipe(recipe, gpus=gpus, gpu_memory_bytes=parse_size(memory), nodes=recipe.launch.nodes)
     except PlanError as exc:
         path, line, col = loaded.where(("model", "name_or_path"))

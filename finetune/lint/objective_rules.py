@@ -61,6 +61,13 @@ def _reference_mode(loaded: LoadedRecipe) -> Iterator[RawFinding]:
                          "remove it, or set preference.reference.mode: model")
 
 
+def _raw(loaded: LoadedRecipe, key: tuple):
+    node = loaded.raw
+    for part in key:
+        node = node.get(part) if isinstance(node, dict) else None
+    return node
+
+
 @rule
 def trl_ignored_keys(loaded: LoadedRecipe) -> Iterator[RawFinding]:
     record = objectives.get(loaded.recipe.objective)
@@ -71,7 +78,7 @@ def trl_ignored_keys(loaded: LoadedRecipe) -> Iterator[RawFinding]:
         ignored[("data", "format")] = (f"its rows are recognised by their columns ({'/'.join(record.columns)})")
     # Written by this file (or --set): a DPO recipe may extend an SFT one whose data section it replaces.
     for key, why in ignored.items():
-        if written_here(loaded, *key):
+        if written_here(loaded, *key) and _raw(loaded, key) != "auto":  # auto asks for nothing (finetune.plan.auto)
             yield RawFinding("R119", "error", key, f"`{'.'.join(key)}` is not used with objective: "
                              f"{loaded.recipe.objective}: {why}", "remove it")
     data = loaded.recipe.data

@@ -32,6 +32,8 @@ the peak (`total`) is the larger of the backward phase and the step phase.
 # activations (and logits), planner (plan()), result (totals and rendering), from_recipe, recommendation.
 # What the CLI, lint (P001), train, chat, scripts/ and tests use is re-exported here.
 from finetune.plan.activations import attention_mask_bytes, layer_activation_bytes
+from finetune.plan.auto import Machine, Resolution, machine_for
+from finetune.plan.auto import resolve as resolve_auto
 from finetune.plan.constants import (
     DS_ALLGATHER_BUCKET_SIZE, DS_MAX_LIVE_PARAMETERS, DS_MAX_REUSE_DISTANCE, DS_OPTIMIZER_SWAP_BUFFERS,
     DS_PARAM_PERSISTENCE_THRESHOLD, DS_PARAM_SWAP_BUFFER_SIZE, DS_PARAM_SWAP_BUFFERS, DS_PREFETCH_BUCKET_SIZE,
@@ -50,7 +52,8 @@ from finetune.plan.zero3 import zero3_live_params
 __all__ = [
     "DS_ALLGATHER_BUCKET_SIZE", "DS_MAX_LIVE_PARAMETERS", "DS_MAX_REUSE_DISTANCE", "DS_OPTIMIZER_SWAP_BUFFERS",
     "DS_PARAM_PERSISTENCE_THRESHOLD", "DS_PARAM_SWAP_BUFFER_SIZE", "DS_PARAM_SWAP_BUFFERS", "DS_PREFETCH_BUCKET_SIZE",
-    "DS_REDUCE_BUCKET_SIZE", "DS_SUB_GROUP_SIZE", "GiB", "MiB", "ParamGroup", "PlanError", "PlanResult",
+    "DS_REDUCE_BUCKET_SIZE", "DS_SUB_GROUP_SIZE", "GiB", "MiB", "Machine", "ParamGroup", "PlanError", "PlanResult",
+    "Resolution", "machine_for", "resolve_auto",
     "Recommendation", "Setup", "Term", "apply_parallel", "attention_mask_bytes", "flag_overrides", "four_bit_bytes", "gib",
     "largest_module_numel", "layer_activation_bytes", "long_context_text", "longest_sequence", "param_groups", "plan", "plan_recipe", "quant_constant_bytes",
     "recipe_without_file", "recommend", "resolve_model", "setup_from_recipe", "zero3_live_params",

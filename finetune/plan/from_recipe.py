@@ -26,7 +26,7 @@ from finetune.recipe.references import MODEL_CONFIG
 
 def plan_recipe(recipe, gpus: Optional[int] = None, gpu_memory_bytes: Optional[int] = None,
                 nodes: Optional[int] = None, cpu_memory_bytes: Optional[int] = None,
-                deepspeed: bool = True, data_lengths: bool = False) -> PlanResult:
+                deepspeed: Optional[bool] = None, data_lengths: bool = False) -> PlanResult:
     """Plan a validated `finetune.recipe.Recipe`. Missing hardware comes from the recipe's `hardware`
     and `launch` sections. Raises PlanError (for example: a hub id the table does not know)."""
     return plan(setup_from_recipe(recipe, gpus, gpu_memory_bytes, nodes, cpu_memory_bytes, deepspeed, data_lengths))
@@ -35,10 +35,13 @@ def plan_recipe(recipe, gpus: Optional[int] = None, gpu_memory_bytes: Optional[i
 @overflow_as_plan_error
 def setup_from_recipe(recipe, gpus: Optional[int] = None, gpu_memory_bytes: Optional[int] = None,
                       nodes: Optional[int] = None, cpu_memory_bytes: Optional[int] = None,
-                      deepspeed: bool = True, data_lengths: bool = False, parallel: bool = True) -> Setup:
-    """`data_lengths`: read the recipe's local data for its longest example (finetune.plan.data_lengths);
+                      deepspeed: Optional[bool] = None, data_lengths: bool = False, parallel: bool = True) -> Setup:
+    """`deepspeed`: plan DeepSpeed's engine or the plain Trainer (None: the recipe's deepspeed.enabled).
+    `data_lengths`: read the recipe's local data for its longest example (finetune.plan.data_lengths);
     off for lint, which must stay fast on recipes whose data is large. `parallel`: one process of the recipe's
     parallel.sequence / parallel.tensor (finetune.plan.parallel); False gives the Setup before them."""
+    if deepspeed is None:
+        deepspeed = bool(recipe.deepspeed.enabled)
     setup = _setup_from_recipe(recipe, gpus, gpu_memory_bytes, nodes, cpu_memory_bytes, deepspeed, data_lengths)
     if not parallel:
         return setup
@@ -277,6 +280,7 @@ def flag_overrides(*, model: Optional[str] = None, method: Optional[str] = None,
     add("model.name_or_path", model)
     add("method", method)
     add("deepspeed.stage", int(zero) if zero not in (None, "none") else None)
+    add("deepspeed.enabled", True if zero not in (None, "none") else None)  # --zero N asks for DeepSpeed (none: the caller)
     add("deepspeed.offload_optimizer", offload_optimizer)
     add("deepspeed.offload_param", offload_param)
     add("training.micro_batch_size", micro_batch)

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import difflib
 import re
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from finetune import objectives
 from finetune.objectives import DPO_LOSSES, GRPO_LOSSES, KTO_LOSSES
@@ -252,8 +252,9 @@ class GrpoSection(_Section):
 class TrainingSection(_Section):
     epochs: float = Field(1.0, gt=0, le=1_000_000, description="Passes over the data (ignored when max_steps is set).")
     max_steps: Optional[int] = Field(None, ge=1, le=MAX_COUNT, description="Stop after this many optimizer steps.")
-    micro_batch_size: int = Field(1, ge=1, le=MAX_BATCH, description="Sequences per GPU per forward pass (train_micro_batch_size_per_gpu).")
-    gradient_accumulation_steps: int = Field(1, ge=1, le=MAX_BATCH, description="Micro batches per optimizer step.")
+    micro_batch_size: Union[Literal["auto"], Annotated[int, Field(ge=1, le=MAX_BATCH)]] = Field(
+        "auto", description="Sequences per GPU per forward pass (train_micro_batch_size_per_gpu). auto: as many of a step's rows as fit in one forward under the plan's bound, the rows per optimizer step staying what micro batch 1 x gradient_accumulation_steps x data-parallel processes gives (accumulation shrinks to match); 1 without GPU memory to judge by, and for objectives other than sft (README: Speed).")
+    gradient_accumulation_steps: int = Field(1, ge=1, le=MAX_BATCH, description="Micro batches per optimizer step (with micro_batch_size: auto, the rows per GPU per step).")
     learning_rate: float = Field(2e-4, gt=0, le=1, description="Peak learning rate.")
     lr_scheduler: Literal["linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup", "inverse_sqrt"] = Field(
         "cosine", description="HF scheduler type.")
@@ -266,13 +267,13 @@ class TrainingSection(_Section):
     max_grad_norm: float = Field(1.0, ge=0, description="Gradient clipping (0 disables it).")
     optimizer: Literal["adamw", "adam", "lion", "adagrad", "sgd", "adamw_bnb_8bit"] = Field(
         "adamw", description="Optimizer. DeepSpeed builds adamw/adam/lion/adagrad itself (CPU-offloadable); sgd and adamw_bnb_8bit come from the HF Trainer and cannot be offloaded.")
-    loss_kernel: Literal["default", "chunked", "liger"] = Field(
-        "default", description="default: full fp32 logits (12 B per token and vocabulary entry); chunked: head + cross-entropy over ~256 MiB token chunks, recomputed in backward (any device); liger: Liger-Kernel's fused linear cross-entropy (CUDA, `pip install liger-kernel`).")
+    loss_kernel: Literal["auto", "default", "chunked", "liger"] = Field(
+        "auto", description="default: full fp32 logits (12 B per token and vocabulary entry); chunked: head + cross-entropy over ~256 MiB token chunks, recomputed in backward (any device); liger: Liger-Kernel's fused linear cross-entropy (CUDA, `pip install liger-kernel`). auto: chunked where the logits stand between this GPU and a faster setup (no checkpointing, a larger micro batch) under the plan's bound, else default (sft; default without GPU memory to judge by).")
     loss_chunk_tokens: Optional[int] = Field(
         None, ge=1, description="Tokens per chunk with loss_kernel: chunked (default: as many as fit 256 MiB of fp32 logits, 523 at a 128k vocabulary).")
     tiled_mlp: bool = Field(False, description="DeepSpeed ALST's TiledMLP: each MLP runs over slices of the sequence, recomputed in backward, so its intermediate activations (3 x intermediate_size per token) exist for one slice at a time. For very long sequences; one more MLP forward per step. README: Long context.")
     tiled_mlp_shards: Optional[int] = Field(None, ge=1, le=MAX_BATCH, description="Slices per MLP call with tiled_mlp (default: ceil(tokens per process / hidden_size), DeepSpeed's choice).")
-    gradient_checkpointing: bool = Field(True, description="Recompute activations in backward (less memory, ~30% more compute).")
+    gradient_checkpointing: Union[bool, Literal["auto"]] = Field("auto", description="Recompute activations in backward (less memory, ~30% more compute). auto: off when the plan's bound says the activations fit this GPU without it, on otherwise (on without GPU memory to judge by, and with activation_offload).")
     activation_offload: bool = Field(False, description="With gradient_checkpointing: hold the checkpointed layer inputs (layers x tokens x hidden) in pinned host memory instead of the GPU (transformers' activation_checkpointing_enable(offload=True), ALST's activation-checkpoint offload); a copy each way per layer slows the step. README: Long context.")
     gradient_checkpointing_reentrant: bool = Field(False, description="Reentrant checkpointing (PyTorch recommends false). LoRA/QLoRA under ZeRO-3 is always reentrant: non-reentrant recompute sees ZeRO-3's partitioned frozen weights (DeepSpeed#4332; TRL forces it too).")
     seed: int = Field(42, ge=0, le=2**32 - 1, description="Seed for init, data order and dropout.")
@@ -294,6 +295,7 @@ class TrainingSection(_Section):
 
 
 class DeepSpeedSection(_Section):
+    enabled: Union[bool, Literal["auto"]] = Field("auto", description="Train through DeepSpeed's engine. false: transformers' Trainer alone with torch's fused AdamW (one process, no offload, no ZeRO). auto: false for LoRA/QLoRA SFT on one GPU with nothing to offload, where DeepSpeed partitions nothing and its bf16 optimizer wrapper adds host syncs every step; true otherwise (more processes, offload, full fine-tunes for their fp32 master weights, no GPU).")
     stage: Literal[0, 1, 2, 3] = Field(2, description="ZeRO stage: 0 plain data parallel, 1 optimizer states, 2 + gradients, 3 + parameters.")
     offload_optimizer: Offload = Field("none", description="Where optimizer states (and the Adam step) live. Needs stage >= 1.")
     offload_param: Offload = Field("none", description="Where parameters live between uses. Needs stage 3.")
@@ -371,6 +373,38 @@ class HardwareSection(_Section):
 METHOD_SECTIONS: dict[str, tuple[str, ...]] = {"lora": ("lora", "qlora"), "quantization": ("qlora",)}
 
 
+# What an `auto` key is without a machine to judge by (no GPU memory known, or no GPU): the memory-safe values these
+# keys had as fixed defaults before they could be `auto` (issue 35), so CPU runs and plans without --gpu-memory do
+# what they did. finetune.plan.auto decides them for a machine.
+AUTO_WITHOUT_MACHINE: dict[str, Any] = {
+    "training.gradient_checkpointing": True,
+    "training.loss_kernel": "default",
+    "training.micro_batch_size": 1,
+    "deepspeed.enabled": True,
+}
+
+
+def with_auto(data: dict[str, Any], keys) -> dict[str, Any]:
+    """A recipe dumped as data (model_dump) with `auto` written back for `keys` (Recipe.auto_keys)."""
+    for key in keys:
+        section, name = key.split(".")
+        if isinstance(data.get(section), dict):
+            data[section][name] = "auto"
+    return data
+
+
+def with_auto_values(recipe: "Recipe", values: dict[str, Any]) -> "Recipe":
+    """A copy of `recipe` with decided values (a run directory's auto.json, finetune.plan.auto) on the keys it leaves
+    auto, and the accumulation that goes with a decided micro batch; every key the recipe wrote stays."""
+    out = recipe.model_copy(deep=True)
+    for key, value in values.items():
+        if key in out.auto_keys or key == "training.gradient_accumulation_steps" and \
+                "training.micro_batch_size" in out.auto_keys:
+            section, name = key.split(".")
+            setattr(getattr(out, section), name, value)
+    return out
+
+
 class Recipe(_Section):
     """A fine-tuning recipe."""
 
@@ -402,6 +436,27 @@ class Recipe(_Section):
             raise ValueError("must be a plain name without path separators (not `.` or `..`); "
                              "choose the place with output_dir or --output-dir")
         return value
+
+    # The keys left `auto` (so written, or not written at all): finetune.plan.auto resolves them for a machine (GPU
+    # memory, process count). Until then they hold what a run without GPU facts gets (AUTO_WITHOUT_MACHINE), so that
+    # every reader of a recipe sees concrete values; a run directory's recipe.yaml writes `auto` back (with_auto).
+    _auto: frozenset = PrivateAttr(default_factory=frozenset)
+
+    @model_validator(mode="after")
+    def _auto_without_a_machine(self) -> "Recipe":
+        keys = set()
+        for key, value in AUTO_WITHOUT_MACHINE.items():
+            section, name = key.split(".")
+            if getattr(getattr(self, section), name) == "auto":
+                keys.add(key)
+                setattr(getattr(self, section), name, value)
+        self._auto = frozenset(keys)
+        return self
+
+    @property
+    def auto_keys(self) -> frozenset:
+        """Dotted keys the recipe leaves `auto` (their values now: AUTO_WITHOUT_MACHINE, or a machine's choice)."""
+        return self._auto
 
     @property
     def world_size(self) -> Optional[int]:

@@ -27,6 +27,7 @@ from finetune.run.launch import (
     RUNNER_MODULE, HostfileError, LaunchError, LaunchPlan, Outcome, deepspeed_env_text, free_port, plan_launch,
     supervise,
 )
+from finetune.plan.auto import Resolution, machine_from_facts, resolve
 from finetune.run.preflight import Preflight, run_preflight
 from finetune.recipe import LoadedRecipe, Recipe
 from finetune.rundir.layout import write_run_dir
@@ -48,6 +49,7 @@ class Prepared:
     # What prepare() created to hold the lock ("dir": the run directory, "file": the lock file in a folder
     # that existed): removed again when nothing is launched, so a refused run leaves no trace.
     created: Optional[str] = None
+    auto: Optional[Resolution] = None  # the recipe's auto keys decided for this machine (finetune.plan.auto)
 
     def release(self) -> None:
         if self.lock is not None:
@@ -90,9 +92,14 @@ def prepare(loaded: LoadedRecipe, output_dir: Optional[Path] = None, overwrite: 
             plan.notes.append(f"port {recipe.launch.master_port} is busy; using {port}")
     except HostfileError:
         pass  # preflight reports it
+    # The auto keys, decided for these GPUs and processes; everything after reads the decided recipe (the run
+    # directory keeps the recipe as written, with auto.json beside it).
+    auto = resolve(recipe, machine_from_facts(plan.procs_per_node if plan else 1, recipe.launch.nodes,
+                                              facts.gpus if facts.cuda_available else []))
+    loaded.recipe = recipe = auto.recipe
     builds = watch_builds(plan, recipe, dry_run) if plan is not None else None
     lock, in_use, created = claim(run_dir, dry_run, recipe)
-    prepared = Prepared(loaded, run_dir, None, plan, overwrite, lock, builds, created)  # type: ignore[arg-type]
+    prepared = Prepared(loaded, run_dir, None, plan, overwrite, lock, builds, created, auto)  # type: ignore[arg-type]
     try:
         prepared.preflight = run_preflight(loaded, run_dir, overwrite=overwrite, facts=facts,
                                            world_size=plan.world_size if plan else None, resume=resume,
@@ -103,6 +110,17 @@ def prepare(loaded: LoadedRecipe, output_dir: Optional[Path] = None, overwrite: 
     if plan is not None and prepared.preflight.resume_from is not None:
         plan.argv.append("--resume")  # the runner's argument, last on both launchers' command lines
     return prepared
+
+
+def resolve_auto(recipe: Recipe, procs_per_node: Optional[int] = None) -> Resolution:
+    """The recipe's auto keys decided on the GPUs this process sees, as `finetune train` decides them
+    (scripts/bench_hf.py trains a recipe this way). Imports torch (finetune.run.machine)."""
+    from finetune.run.launch.commands import procs_per_node as launch_procs
+
+    facts = collect_facts(())
+    gpus = facts.gpus if facts.cuda_available else []
+    procs = procs_per_node or launch_procs(recipe, len(gpus))
+    return resolve(recipe, machine_from_facts(procs, recipe.launch.nodes, gpus))
 
 
 def watch_builds(plan: LaunchPlan, recipe: Recipe, dry_run: bool) -> Optional[BuildWatch]:
@@ -227,7 +245,7 @@ def start_run(prepared: Prepared, console: Optional[IO[bytes]] = None) -> Outcom
             replaced.append(acquire(new_dir, name))
 
         write_run_dir(prepared.loaded, prepared.run_dir, plan.world_size, overwrite=prepared.overwrite,
-                      in_place=in_place, before_swap=own_new_dir)
+                      in_place=in_place, before_swap=own_new_dir, auto=prepared.auto)
         prepared.created = None  # from here on the directory is the run's, whatever happens
         if replaced:
             prepared.release()

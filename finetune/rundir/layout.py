@@ -7,6 +7,7 @@
     RUN/training_args.json   finetune.render.render_training_args(recipe, output_dir=RUN)
     RUN/resume_key.json      what a resumed run must share with this one (finetune.rundir.resume_key)
     RUN/format.json          the run directory's format version (finetune.rundir.format)
+    RUN/auto.json            the recipe's `auto` keys as decided for this machine, and why (finetune.plan.auto)
     RUN/logs/                launcher output, per-rank logs
 
 The runner adds env.json, adapter/ or model/, tokenizer/ and summary.json.
@@ -14,6 +15,7 @@ The runner adds env.json, adapter/ or model/, tokenizer/ and summary.json.
 
 from __future__ import annotations
 
+import copy
 import io
 import json
 import os
@@ -26,8 +28,10 @@ from finetune.recipe.references import is_local, is_model_path
 from finetune.builtin import is_builtin
 
 from finetune.rundir.run_dir import (  # noqa: F401  (RunDirError: re-exported for the runner)
-    DEEPSPEED_FILE, LOGS_DIR, RECIPE_FILE, RECIPE_HEADER, RUN_INPUTS, TRAINING_ARGS_FILE, RunDir, RunDirError,
+    AUTO_FILE, DEEPSPEED_FILE, LOGS_DIR, RECIPE_FILE, RECIPE_HEADER, RUN_INPUTS, TRAINING_ARGS_FILE, RunDir,
+    RunDirError,
 )
+from finetune.recipe.schema import with_auto, with_auto_values
 
 
 def resolved_recipe(recipe: Recipe, run_dir: Path) -> dict[str, Any]:
@@ -142,8 +146,9 @@ def dump_yaml(data: dict[str, Any], header: str = "") -> str:
     return header + buffer.getvalue()
 
 
-def run_files(loaded: LoadedRecipe, run_dir: Path, world_size: int) -> dict[str, str]:
-    """File name -> text of everything written before launch."""
+def run_files(loaded: LoadedRecipe, run_dir: Path, world_size: int, auto=None) -> dict[str, str]:
+    """File name -> text of everything written before launch. `auto`: the recipe's auto keys as decided for this
+    machine (finetune.plan.auto.Resolution): auto.json; recipe.yaml keeps `auto` where the recipe has it."""
     from finetune.render import dumps, render_deepspeed, render_training_args
 
     recipe = loaded.recipe
@@ -157,17 +162,20 @@ def run_files(loaded: LoadedRecipe, run_dir: Path, world_size: int) -> dict[str,
     resolved = resolved_recipe(recipe, run_dir)
     # Written in this order, recipe.yaml last: another node of the same run that sees recipe.yaml
     # (what makes a folder a run directory) sees the rest too.
+    files = {RESUME_KEY_FILE: resume_key_text(resume_fields(resolved, world_size))}
+    if auto is not None:
+        files[AUTO_FILE] = json.dumps({"values": auto.values(), "choices": auto.to_json()}, indent=2) + "\n"
     return {
         FORMAT_FILE: format_text(),
-        RESUME_KEY_FILE: resume_key_text(resume_fields(resolved, world_size)),
+        **files,
         DEEPSPEED_FILE: dumps(render_deepspeed(recipe, world_size)),
         TRAINING_ARGS_FILE: dumps(render_training_args(recipe, output_dir=str(run_dir))),
-        RECIPE_FILE: dump_yaml(recorded_recipe(recipe, run_dir), header),
+        RECIPE_FILE: dump_yaml(with_auto(recorded_recipe(recipe, run_dir), recipe.auto_keys), header),
     }
 
 
 def write_run_dir(loaded: LoadedRecipe, run_dir: Path, world_size: int, overwrite: bool = False,
-                  in_place: bool = False, before_swap: Optional[Callable[[Path], None]] = None) -> Path:
+                  in_place: bool = False, before_swap: Optional[Callable[[Path], None]] = None, auto=None) -> Path:
     """Create RUN with the files above, all at once: a failure leaves no half-written run directory.
 
     An existing directory is replaced only with `overwrite` (preflight has checked it is a run dir);
@@ -179,7 +187,7 @@ def write_run_dir(loaded: LoadedRecipe, run_dir: Path, world_size: int, overwrit
     from finetune.rundir.lock import is_lock_file
 
     run_dir = Path(run_dir).absolute()
-    files = run_files(loaded, run_dir, world_size)
+    files = run_files(loaded, run_dir, world_size, auto)
     if in_place and not overwrite:
         run_dir.mkdir(parents=True, exist_ok=True)  # the other nodes may be creating it at the same time
     # An empty directory (made by hand, a mount point, or by `finetune train` to hold its lock) is filled in place.
@@ -217,6 +225,9 @@ def read_run_dir(run_dir: Path) -> tuple[Recipe, dict[str, Any], dict[str, Any]]
         recipe = run.recipe()
         ds_config = json.loads(run.file(DEEPSPEED_FILE).read_text(encoding="utf-8"))
         training_args = json.loads(run.file(TRAINING_ARGS_FILE).read_text(encoding="utf-8"))
-    except (RunDirError, ValueError, OSError) as exc:
+        auto = run.file(AUTO_FILE)
+        if auto.is_file():  # the recipe's auto keys as `finetune train` decided them (older runs: none)
+            recipe = with_auto_values(recipe, json.loads(auto.read_text(encoding="utf-8")).get("values") or {})
+    except (RunDirError, ValueError, OSError, AttributeError) as exc:
         raise RunDirError(f"{run_dir}: cannot read the run inputs: {exc}") from None
     return recipe, ds_config, training_args

@@ -10,6 +10,7 @@ RECIPE_HEADER = "# The recipe this run trained, written by `finetune train`"
 DEEPSPEED_FILE = "deepspeed.json"
 TRAINING_ARGS_FILE = "training_args.json"
 SUMMARY_FILE = "summary.json"
+AUTO_FILE = "auto.json"  # the recipe's `auto` keys as `finetune train` decided them (finetune.plan.auto)
 PREPARE_FILE = "prepare.json"  # the launcher's tokenizing and launch time (finetune.run.start), read into summary.json
 ENV_FILE = "env.json"
 LOGS_DIR = "logs"

@@ -31,7 +31,9 @@ RESUME_KEYS = (
 # Keys added after run directories existed, with their defaults: written only when set, so that a
 # run directory started before them still resumes.
 KEYS_IF_SET = {"data.sources": None, "data.seed": None, "data.think": "train", "data.columns": {}, "data.roles": {},
-               "objective": "sft", "model.adapter": None, "parallel.sequence": 1, "parallel.tensor": 1}
+               "objective": "sft", "model.adapter": None, "parallel.sequence": 1, "parallel.tensor": 1,
+               # a checkpoint without DeepSpeed is the Trainer's own format (issue 35)
+               "deepspeed.enabled": True}
 # What a change of process count may change with it: DeepSpeed's universal checkpoint re-partitions the saved
 # states for any count (finetune.train.universal), and the rows per step stay the same when micro x accumulation x
 # data-parallel size does (the Trainer then skips exactly the rows already trained).

@@ -34,6 +34,36 @@ def all_gather(value: Any) -> list[Any]:
     return out
 
 
+def cpu_group(timeout):
+    """A gloo process group of every rank, for small host-side flags whatever the training backend (no device
+    tensor, no device synchronisation); None with one process. Collective: every rank creates it."""
+    dist = process_group()
+    if dist is None or dist.get_world_size() == 1:
+        return None
+    return dist.new_group(backend="gloo", timeout=timeout)
+
+
+def start_max(value: int, group) -> tuple[Any, Any]:
+    """Start a non-blocking all-reduce (MAX) of `value` over `group` (cpu_group); finish_max() reads it."""
+    import torch
+    import torch.distributed as dist
+
+    flags = torch.tensor([int(value)], dtype=torch.int32)
+    return dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group, async_op=True), flags
+
+
+def finish_max(pending: tuple[Any, Any]) -> int:
+    """The result of start_max: waits for it (a CPU tensor: no device synchronisation)."""
+    work, flags = pending
+    work.wait()
+    return int(flags[0].item())
+
+
+def max_now(value: int, group) -> int:
+    """The largest `value` over `group`, blocking."""
+    return finish_max(start_max(value, group))
+
+
 def world_size() -> int:
     dist = process_group()
     return dist.get_world_size() if dist is not None else 1

@@ -192,14 +192,17 @@ def apply_tiled_mlp(model, training) -> int:
 
 
 def for_this_run(checkpoint: Optional[str], ds_config: dict[str, Any], args_kwargs: dict[str, Any],
-                 log: Callable[[str], None]) -> tuple[dict[str, Any], dict[str, Any]]:
+                 log: Callable[[str], None], engine: bool = True) -> tuple[dict[str, Any], dict[str, Any]]:
     """The DeepSpeed config and TrainingArguments kwargs as this run's processes need them: a checkpoint of another
     process count converted (finetune.train.universal), Ulysses' ParallelismConfig object, no activation offload
-    without an accelerator. Collective (every rank calls it)."""
+    without an accelerator. `engine` False (deepspeed.enabled: false): the Trainer gets no DeepSpeed config.
+    Collective (every rank calls it)."""
     from finetune.train import universal
     from finetune.train.dist import world_size
 
     world = world_size()
+    if not engine:
+        return ds_config, without_offload_on_cpu(training_arguments(args_kwargs, world), log)
     ds_config = universal.prepare_resume(checkpoint, ds_config, world, universal.converts_here(ds_config), log)
     args_kwargs = training_arguments({**args_kwargs, "deepspeed": ds_config}, world)
     if sequence_parallel_size(args_kwargs) > 1:

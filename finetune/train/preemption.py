@@ -55,16 +55,20 @@ from finetune.errors import FinetuneError
 from finetune.rundir import checkpoint as ckpt
 from finetune.rundir import resume_key
 from finetune.recipe import Recipe
-from finetune.train.dist import all_gather, barrier, local_rank, process_group, rank
+from finetune.train.dist import (
+    all_gather, barrier, cpu_group, finish_max, local_rank, max_now, process_group, rank, start_max,
+)
 from finetune.units import human_size
 
 DUPLICATE_WINDOW = ckpt.SECOND_SIGNAL_WINDOW  # the same rule as `finetune train`'s (finetune.run.launch)
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
-class AlreadyTrained(Exception):
-    """Raised at the start of training when the resumed checkpoint is the last step: the runner writes the outputs
-    (transformers' loop would train one step before it looks at max_steps)."""
+class AlreadyTrained(FinetuneError):
+    """Raised at the start of training when the resumed checkpoint is the last step: the runner catches it and writes
+    the outputs (transformers' loop would train one step before it looks at max_steps). Not a failure: exit 0."""
+
+    exit_code = 0
 
 
 class Preempted(FinetuneError):
@@ -141,12 +145,8 @@ def setup(run_dir: Path, recipe: Recipe, ds_config: dict[str, Any], args_kwargs:
 
 
 def flag_group(recipe: Recipe):
-    """A gloo process group for the ranks' stop flags (CPU tensors, whatever the training backend), or None for
-    one process. Collective: every rank creates it."""
-    dist = process_group()
-    if dist is None or dist.get_world_size() == 1:
-        return None
-    return dist.new_group(backend="gloo", timeout=nccl_timeout(recipe))
+    """The process group of the ranks' stop flags (finetune.train.dist.cpu_group), or None for one process."""
+    return cpu_group(nccl_timeout(recipe))
 
 
 def run_dir_is_shared(run_dir: Path) -> bool:
@@ -318,33 +318,22 @@ class PreemptionCallback(TrainerCallback):
         started a step ago, so it has completed already."""
         if self._group is None:
             return requested
-        import torch
-        import torch.distributed as dist
-
         stop = self._finish_exchange()
-        flags = torch.tensor([int(requested)], dtype=torch.int32)
-        self._exchange = (dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group, async_op=True), flags)
+        self._exchange = start_max(int(requested), self._group)
         return stop
 
     def _finish_exchange(self) -> bool:
         if self._exchange is None:
             return False
-        work, flags = self._exchange
-        self._exchange = None
-        work.wait()
-        return bool(flags[0].item())  # a CPU tensor: no device synchronisation
+        pending, self._exchange = self._exchange, None
+        return bool(finish_max(pending))
 
     def _agree_now(self, short: bool) -> bool:
         """Whether any rank is short of space for the checkpoint about to be written (a blocking all-reduce on the
         flag group: every rank writes it, so every rank is here)."""
         if self._group is None:
             return short
-        import torch
-        import torch.distributed as dist
-
-        flags = torch.tensor([int(short)], dtype=torch.int32)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group)
-        return bool(flags[0].item())
+        return bool(max_now(int(short), self._group))
 
     def _estimate(self) -> int:
         latest = ckpt.latest_complete(self.run_dir)

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from finetune.fsutil import write_atomic
-from finetune.rundir.names import BENCHMARKS_KEY, DEEPSPEED_FILE, EVAL_FILE, PLOT_FILE, REPORT_FILE
+from finetune.rundir.names import AUTO_FILE, BENCHMARKS_KEY, DEEPSPEED_FILE, EVAL_FILE, PLOT_FILE, REPORT_FILE
 from finetune.units import gib_text
 
 REWARD_PLOT_FILE = "rewards.png"  # GRPO: mean reward, each reward, KL, length; dpo/orpo/kto/simpo: TRL's rewards/*
@@ -287,7 +287,8 @@ def render_report(run_dir: Path, plot_written: bool) -> str:
         ("tokens/s (since the last start)", _num(summary.get("tokens_per_second"), ".0f")),
         ("tokens/s, steady (finetune.speed)", _num((summary.get("steady") or {}).get("tokens_per_second"), ".0f")),
         ("training wall time", f"{_num(summary.get('wall_seconds'), '.1f')} s"),
-        ("method, ZeRO stage", f"{summary.get('method', 'n/a')}, {summary.get('zero_stage', 'n/a')}"),
+        ("method, ZeRO stage", f"{summary.get('method', 'n/a')}, " + (
+            "no DeepSpeed (the plain Trainer)" if summary.get("deepspeed") is False else str(summary.get("zero_stage", "n/a")))),
         ("parameters trainable / total",
          f"{summary.get('trainable_parameters', 0):,} / {summary.get('total_parameters', 0):,}"),
         ("world size, devices", f"{world}, {env.get('devices', 'n/a')}"),
@@ -331,7 +332,16 @@ def render_report(run_dir: Path, plot_written: bool) -> str:
         parts.append(_section("Evaluation (finetune eval: base vs fine-tuned)", evaluated))
     parts.append(_section("Next", _table([(w, c) for w, c in next_steps(run_dir, summary)], ("what", "command"))))
     parts.append(_section(f"Recipe ({RECIPE_FILE}, resolved)", _pre(recipe_text)))
-    parts.append(_section(f"DeepSpeed config ({ds_path.name if ds_path.is_file() else DEEPSPEED_FILE})", _pre(ds_text)))
+    if summary.get("deepspeed") is False:
+        parts.append(_section("DeepSpeed", "<p>Not used: deepspeed.enabled is false for this run (transformers' "
+                                           "Trainer alone, torch's fused AdamW; see auto.json).</p>"))
+    else:
+        parts.append(_section(f"DeepSpeed config ({ds_path.name if ds_path.is_file() else DEEPSPEED_FILE})", _pre(ds_text)))
+    auto = _json(run_dir / AUTO_FILE) or {}
+    if auto.get("choices"):
+        rows = [(c.get("key", ""), json.dumps(c.get("value")), c.get("reason", "")) for c in auto["choices"]]
+        parts.append(_section("auto: what the recipe's `auto` keys became on this machine",
+                              _table(rows, ("key", "value", "why"))))
     versions = env.get("versions") or {}
     rows = [(k, str(v)) for k, v in versions.items()] + [("cuda", str(env.get("cuda"))), ("platform", str(env.get("platform")))]
     parts.append(_section("Versions", _table(rows, ("library", "version"))))

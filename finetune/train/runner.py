@@ -323,11 +323,12 @@ def run(run_dir: Path, resume: bool = False) -> None:
     # SFT batches come from our collator, which counts their tokens on the host (finetune.train.counting); TRL's
     # trainers and Ulysses' data-loader adapter collate their own, so the Trainer counts those (a sync per batch).
     host_counts = recipe.objective == "sft" and recipe.parallel.sequence == 1
-    args_kwargs = {**args_kwargs, "output_dir": str(run_dir), "deepspeed": ds_config,
+    engine = bool(recipe.deepspeed.enabled)  # false: transformers' Trainer alone (finetune.plan.auto decides auto)
+    args_kwargs = {**args_kwargs, "output_dir": str(run_dir), **({"deepspeed": ds_config} if engine else {}),
                    "include_num_input_tokens_seen": "no" if host_counts else "non_padding"}
     args_kwargs = training_arguments_kwargs(args_kwargs, {f.name for f in dataclasses.fields(TrainingArguments)})
     ds_config, args_kwargs = parallel.for_this_run(  # another process count, Ulysses, offload (train/parallel.py)
-        resilience.checkpoint, ds_config, args_kwargs, _log_main(process_rank() == 0))
+        resilience.checkpoint, ds_config, args_kwargs, _log_main(process_rank() == 0), engine)
     if on_cpu:
         args_kwargs["use_cpu"] = True
     os.environ.setdefault("TENSORBOARD_LOGGING_DIR", str(run_dir / "tensorboard"))
@@ -441,7 +442,8 @@ def run(run_dir: Path, resume: bool = False) -> None:
         shutil.rmtree(tmp_tok, ignore_errors=True)
         tokenizer.save_pretrained(str(tmp_tok))
         _replace_dir(tmp_tok, run_dir / TOKENIZER_DIR)
-        extra = {"method": recipe.method, "zero_stage": recipe.deepspeed.stage, "output": saved,
+        extra = {"method": recipe.method, "zero_stage": recipe.deepspeed.stage if engine else None,
+                 "deepspeed": engine, "output": saved,
                  "trainable_parameters": trainable, "total_parameters": total,
                  "train_sequences": len(train_set), "eval_sequences": len(eval_set) if eval_set is not None else 0,
                  "resumed_from": checkpoint, "total_seconds": time.perf_counter() - started,
@@ -502,6 +504,8 @@ def run_speed(clock, model, world_size: int) -> dict[str, Any]:
     peak, source = peak_bf16_flops(gpu) if gpu else (None, None)
     out = clock.steady(world_size, arch, peak)
     out.update(gpu=gpu, peak_flops=peak, peak_source=source)
+    if gpu is None and out["tokens_per_second"] is not None:
+        out["reason"] = "no MFU on a CPU"
     return out
 
 
