@@ -22,8 +22,9 @@ where the steady window opens and closes, as finetune does), and the tokens of e
 from what the collator built, in order.
 
 Writes DIR/summary.json: `steady` in finetune's shape (finetune.speed.steady: tokens/s, step p50/p90, MFU),
-the peak memory per rank, and with --profile a torch.profiler window over a few steady steps: GPU-busy time
-over wall time and the kernels (CPU: operators) that took the most time, also in DIR/profile.json.
+the peak memory per rank, and with --profile a torch.profiler window over the PROFILE_STEPS steps after the warm-up:
+GPU-busy time over wall time and the kernels (CPU: operators) that took the most time, also in DIR/profile.json
+(the steady window then starts after the profiled steps).
 Runs its processes under torchrun, like `finetune train`. Packing and padding-free recipes are not supported.
 """
 
@@ -317,7 +318,9 @@ def rank_main(args: argparse.Namespace) -> int:
         arch = None
     gpu = torch.cuda.get_device_name(0) if on_gpu else None
     peak, source = peak_bf16_flops(gpu) if gpu else (None, None)
-    result = steady(stamps.stamps, [c[0] for c in summed], [c[1] for c in summed], world, arch, peak)
+    # with --profile the steady window starts after the profiled steps (the profiler slows them down)
+    warmup = WARMUP_STEPS + (PROFILE_STEPS if profiler is not None else 0)
+    result = steady(stamps.stamps, [c[0] for c in summed], [c[1] for c in summed], world, arch, peak, warmup=warmup)
     result.update(gpu=gpu, peak_flops=peak, peak_source=source)
     memory = all_gather(int(torch.cuda.max_memory_allocated()) if on_gpu else None)
     reserved = all_gather(int(torch.cuda.max_memory_reserved()) if on_gpu else None)

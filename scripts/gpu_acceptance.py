@@ -43,19 +43,7 @@ sys.path.insert(0, str(REPO))
 from finetune.builtin import BUILTIN_PREFIX, is_builtin  # noqa: E402 (after the path above)
 from finetune.run.launch import free_port  # noqa: E402
 
-# Dense (no sparsity) bf16 tensor-core peak of one GPU, in TFLOP/s, matched against
-# torch.cuda.get_device_name() in this order (the first substring that matches wins).
-PEAK_BF16_TFLOPS = (
-    ("H100 PCIe", 756.0, "NVIDIA H100 datasheet (PCIe: 1,513 with sparsity)"),
-    ("H100 NVL", 835.0, "NVIDIA H100 datasheet (NVL: 1,671 with sparsity)"),
-    ("H100", 989.0, "NVIDIA H100 datasheet (SXM: 1,979 with sparsity)"),
-    ("H200", 989.0, "NVIDIA H200 datasheet (SXM: 1,979 with sparsity)"),
-    ("A100", 312.0, "NVIDIA A100 datasheet (624 with sparsity)"),
-    ("L40S", 362.0, "NVIDIA L40S datasheet (733 with sparsity)"),
-    ("L4", 121.0, "NVIDIA L4 datasheet (242 with sparsity)"),
-    ("A10G", None, "A10G: no NVIDIA datasheet figure (AWS's variant of the A10); MFU left out"),
-    ("A10", 125.0, "NVIDIA A10 datasheet (250 with sparsity)"),
-)
+from finetune.speed import PEAK_BF16_TFLOPS, peak_bf16_flops  # noqa: E402,F401 (the one table of GPU peaks)
 
 # Shapes of public models (their config.json), built here with random weights.
 MODELS = {
@@ -150,13 +138,6 @@ def gpu_facts() -> Optional[tuple[int, str, int]]:
         return None
     count, name, memory = json.loads(lines[-1])
     return int(count), str(name), int(memory)
-
-
-def peak_bf16_flops(device_name: str) -> tuple[Optional[float], Optional[str]]:
-    for key, tflops, source in PEAK_BF16_TFLOPS:
-        if key in device_name:
-            return (tflops * 1e12 if tflops else None), source
-    return None, None
 
 
 # ------------------------------------------------------------------------------------------------
@@ -362,24 +343,14 @@ def stop_session(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-def flops_per_token(model_dir: Path, method: str, trainable: int, seq_len: int) -> tuple[float, str]:
-    """Model FLOPs per trained token (no recomputation: MFU, not hardware FLOPs utilisation).
-
-    N = the parameters of every matmul (layers and output head; the embedding lookup is no matmul).
-    full: 6N (forward 2N, backward 4N) + 12 x layers x heads*head_dim x seq for attention (PaLM,
-    appendix B). lora/qlora: the frozen weights get no weight gradient: 4N + 6 x the adapter's
-    parameters + the same attention term.
-    """
+def flops_per_token(model_dir: Path, seq_len: int) -> tuple[float, str]:
+    """Model FLOPs per trained token of `seq_len`-token sequences, on the published anchors' basis
+    (finetune.speed: 6 x matmul parameters + attention, every method; no recomputation)."""
     from finetune.plan.archs import load_config_json
+    from finetune.speed import FLOPS_BASIS
+    from finetune.speed import flops_per_token as per_token
 
-    arch = load_config_json(model_dir)
-    per_layer = (arch.hidden * (arch.q_dim + 2 * arch.kv_dim) + arch.q_dim * arch.hidden
-                 + 3 * arch.hidden * arch.intermediate)
-    n = arch.layers * per_layer + arch.hidden * arch.vocab
-    attention = 12 * arch.layers * arch.q_dim * seq_len
-    if method == "full":
-        return 6 * n + attention, "6N + 12*L*d_attn*seq"
-    return 4 * n + 6 * trainable + attention, "4N (frozen: no weight gradient) + 6*adapter + 12*L*d_attn*seq"
+    return per_token(load_config_json(model_dir), seq_len), FLOPS_BASIS
 
 
 def model_dir_of(case: Case, out: Path) -> Path:
@@ -422,6 +393,7 @@ def run_case(case: Case, machine: Machine, args, out: Path) -> dict[str, Any]:
         return {**record, "status": "failed", "reason": " | ".join(tail)[-800:]}
     summary = json.loads(summary_path.read_text())
     tps = summary.get("tokens_per_second")
+    steady = summary.get("steady") or {}
     peaks = summary.get("peak_memory_bytes") or []
     record.update({
         "status": "ok",
@@ -435,12 +407,20 @@ def run_case(case: Case, machine: Machine, args, out: Path) -> dict[str, Any]:
         "peak_memory_scope": summary.get("peak_memory_scope"),  # "training": over the steps alone
         "max_memory_reserved_bytes": summary.get("peak_memory_reserved_bytes"),
         "trainable_parameters": summary.get("trainable_parameters"),
+        # issue 35: the steady state (after the warm-up steps) and the start-up split, as the run measured them
+        "steady": steady or None,
+        "steady_tokens_per_second": steady.get("tokens_per_second"),
+        "startup": summary.get("startup"),
+        "auto": summary.get("auto"),
     })
     seq = recipe["data"]["max_length"]
-    flops, formula = flops_per_token(model_dir_of(case, out), case.method, summary.get("trainable_parameters") or 0, seq)
-    record["flops_per_token"] = flops
-    record["flops_formula"] = formula
-    record["mfu"] = (tps * flops / (case.gpus * machine.peak_flops)) if (tps and machine.peak_flops) else None
+    flops, formula = flops_per_token(model_dir_of(case, out), seq)
+    record["flops_per_token"] = steady.get("flops_per_token") or flops
+    record["flops_formula"] = steady.get("flops_basis") or formula
+    steady_tps = steady.get("tokens_per_second")
+    # MFU on the steady figure: the runner's own where it knew the GPU, else from the steady tokens/s here
+    record["mfu"] = steady.get("mfu") if steady.get("mfu") is not None else \
+        ((steady_tps * record["flops_per_token"] / (case.gpus * machine.peak_flops)) if steady_tps and machine.peak_flops else None)
     if not args.keep_weights:
         for name in ("model", "adapter", "zero_checkpoint"):
             shutil.rmtree(run_dir / name, ignore_errors=True)
@@ -533,15 +513,17 @@ def markdown(results: dict[str, Any]) -> str:
              "Memory in GiB per GPU (the largest rank), measured / `finetune plan`'s prediction: allocated = "
              "max_memory_allocated, reserved = max_memory_reserved, smi = nvidia-smi used (on CPU: peak RSS "
              "in allocated).", "",
-             "| run | status | tokens/s | MFU | allocated / plan | reserved / plan | smi / plan | note |",
-             "|---|---|---|---|---|---|---|---|"]
+             "tokens/s: the whole training loop (warm-up included) and steady (after the first 5 steps; MFU from it).", "",
+             "| run | status | tokens/s | steady tokens/s | MFU (steady) | allocated / plan | reserved / plan | smi / plan | note |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in results["runs"]:
         reserved = max(r["max_memory_reserved_bytes"]) if r.get("max_memory_reserved_bytes") else None
         smi = max(r["nvidia_smi_used_bytes"]) if r.get("nvidia_smi_used_bytes") else None
         tps = f"{r['tokens_per_second']:.0f}" if r.get("tokens_per_second") else "-"
+        steady = f"{r['steady_tokens_per_second']:.0f}" if r.get("steady_tokens_per_second") else "-"
         mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "-"
         note = (r.get("reason") or "").replace("|", "/")[:120]
-        lines.append(f"| {r['name']} | {r['status']} | {tps} | {mfu} | "
+        lines.append(f"| {r['name']} | {r['status']} | {tps} | {steady} | {mfu} | "
                      f"{gib(r.get('peak_memory_bytes'))} / {gib(r.get('predicted_allocated_bytes'))} | "
                      f"{gib(reserved)} / {gib(r.get('predicted_reserved_bytes'))} | "
                      f"{gib(smi)} / {gib(r.get('predicted_nvidia_smi_bytes') or r.get('predicted_bytes'))} | {note} |")

@@ -71,7 +71,7 @@ def deepspeed_settings_without_deepspeed(loaded: LoadedRecipe) -> Iterator[RawFi
     # Checked by R150 (offload, stage 3); a default written out (a run directory's recipe.yaml) changes nothing.
     fields = DeepSpeedSection.model_fields
     ignored = [k for k, v in section.items() if k in fields and k not in ("enabled", "offload_optimizer", "offload_param")
-               and v != fields[k].default and not (k == "stage" and v == 3)]
+               and v != fields[k].get_default(call_default_factory=True) and not (k == "stage" and v == 3)]
     for key in ignored:
         yield RawFinding("R152", "warning", ("deepspeed", key),
                          f"deepspeed.{key} is not used: deepspeed.enabled is false (the plain Trainer)",

@@ -385,7 +385,12 @@ AUTO_WITHOUT_MACHINE: dict[str, Any] = {
 
 
 def with_auto(data: dict[str, Any], keys) -> dict[str, Any]:
-    """A recipe dumped as data (model_dump) with `auto` written back for `keys` (Recipe.auto_keys)."""
+    """A recipe dumped as data (model_dump) with `auto` written back for `keys` (Recipe.auto_keys). A decided micro
+    batch took its rows from the accumulation: the accumulation written back is the rows per step again."""
+    training = data.get("training")
+    if "training.micro_batch_size" in keys and isinstance(training, dict) and \
+            isinstance(training.get("micro_batch_size"), int):
+        training["gradient_accumulation_steps"] = training["micro_batch_size"] * training["gradient_accumulation_steps"]
     for key in keys:
         section, name = key.split(".")
         if isinstance(data.get(section), dict):

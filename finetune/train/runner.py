@@ -45,7 +45,7 @@ from typing import Any, Optional
 from finetune.recipe import Recipe
 from finetune.rundir.layout import RunDirError, read_run_dir
 from finetune.rundir.run_dir import (
-    ADAPTER_CONFIG, ADAPTER_DIR, ENV_FILE, MODEL_DIR, REPORT_FILE, SUMMARY_FILE, TOKENIZER_DIR, command_line,
+    ADAPTER_CONFIG, ADAPTER_DIR, AUTO_FILE, ENV_FILE, MODEL_DIR, REPORT_FILE, SUMMARY_FILE, TOKENIZER_DIR, command_line,
 )
 from finetune.train.dist import all_gather, barrier, is_cpu_accelerator
 from finetune.train.dist import rank as process_rank
@@ -448,7 +448,8 @@ def run(run_dir: Path, resume: bool = False) -> None:
                  "train_sequences": len(train_set), "eval_sequences": len(eval_set) if eval_set is not None else 0,
                  "resumed_from": checkpoint, "total_seconds": time.perf_counter() - started,
                  "peak_memory_reserved_bytes": reserved if any(r is not None for r in reserved) else None,
-                 "loss_kernel": recipe.training.loss_kernel, "startup": startup.split(clock), "steady": steady}
+                 "loss_kernel": recipe.training.loss_kernel, "startup": startup.split(clock), "steady": steady,
+                 "auto": _read_json(run_dir / AUTO_FILE).get("values")}
         extra.update(preference.summary_extra(recipe, trainer.state.log_history))
         from finetune.train import moe
 
@@ -472,6 +473,13 @@ def run(run_dir: Path, resume: bool = False) -> None:
                             f"run `{command_line('finetune', 'convert', run_dir)}` for an adapter or model")
     barrier()
     resilience.callback.finished()  # a signal from here on ends the process as usual: everything is written
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
 
 
 def _fmt(value: Optional[float]) -> str:

@@ -1,0 +1,373 @@
+"""The prepared GPU check of issue 35: finetune's speed against the baseline a user would otherwise run, on one GPU,
+in at most 8 minutes of wall time, results written after every run.
+
+    bash scripts/gpu_wheels.sh                                     # here (PyPI): the wheels the GPU image lacks
+    python3 scripts/gpu_speed.py --out $OUT/speed --wheels .whl    # there: one command (docs/gpu-acceptance.md)
+    python scripts/gpu_speed.py --cpu --out /tmp/speed             # the same plumbing on the tiny model (CI)
+
+On the GPU machine it first installs the carried wheels into /tmp/site (deepspeed first, then DeepSpeed's FusedAdam
+compiled in the background while the rest installs and the first runs go: only the last case needs it), builds a
+Llama-3.2-1B-shaped model with random weights and synthetic text (scripts/gpu_acceptance.py), then runs, in this order:
+1. pairs at identical settings, `finetune train` against scripts/bench_hf.py (DeepSpeed ZeRO-0 both: finetune's
+   rendered config with torch's fused AdamW, bench_hf LLaMA-Factory's ds_z0_config.json whose client optimizer is the
+   Trainer's torch fused AdamW; checkpointing on, the default loss, 2,048 tokens): LoRA 1x2k, full 1x2k, LoRA 4x2k,
+   QLoRA 1x2k;
+2. bench_hf --no-deepspeed --profile (LoRA 1x2k): the plain Trainer's GPU-busy share and its largest kernels;
+3. finetune with every speed key auto against the same recipe with LLaMA-Factory's defaults (bench_hf without
+   DeepSpeed, micro batch 1 x 8 accumulation, checkpointing on, the default loss): LoRA 1x2k;
+4. memory rows at 8,192 tokens (LoRA, QLoRA, full; auto) beside `finetune plan`'s prediction, for the planner's corpus.
+A case that would not end inside --budget (from the durations seen so far) is recorded as not run. OUT/results.json
+and OUT/results.md hold every figure (steady tokens/s, step p50/p90, MFU on the published anchors' basis, start-up,
+memory), the ratios (targets: finetune / bench_hf >= 1.00 on every pair, auto / LLaMA-Factory's defaults >= 1.5),
+the card, the library versions and the commit.
+
+--cpu: the tiny built-in model on one CPU process, two cases: finetune without DeepSpeed (with a checkpoint at its last
+step, which tests/test_gpu_speed.py then resumes) against bench_hf --no-deepspeed --profile. Its numbers say nothing
+about a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+REPO = Path(__file__).resolve().parent.parent
+SITE = Path("/tmp/site")  # where the carried wheels are installed on the GPU machine
+
+
+def acceptance():
+    """scripts/gpu_acceptance.py as a module: models, data, machine facts, `finetune train` with nvidia-smi sampling."""
+    spec = importlib.util.spec_from_file_location("gpu_acceptance", REPO / "scripts" / "gpu_acceptance.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_acceptance"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+# ------------------------------------------------------------------------------------------------
+# Setting up the machine
+
+
+def install_wheels(wheels: Path, log) -> Optional[subprocess.Popen]:
+    """pip-install the carried wheels into SITE (no index, no dependencies: the image has the rest), deepspeed first,
+    then start compiling DeepSpeed's ops in the background while the others install. Returns the compile process."""
+    def pip(*files: Path) -> None:
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                        "--no-cache-dir", "--upgrade", "--target", str(SITE), *map(str, files)], check=True)
+
+    started = time.perf_counter()
+    found = sorted(wheels.glob("*.whl"))
+    deepspeed = [w for w in found if w.name.startswith("deepspeed-")]
+    pip(*deepspeed)
+    use_site()
+    build = subprocess.Popen([sys.executable, "-m", "finetune.cli", "doctor", "--build-ops"], cwd=REPO,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    pip(*[w for w in found if w not in deepspeed])
+    log(f"installed {len(found)} wheels into {SITE} in {time.perf_counter() - started:.0f} s; DeepSpeed's ops compiling")
+    return build
+
+
+def use_site() -> None:
+    """SITE and the repository on the import path of this process and of every child."""
+    paths = [str(SITE), str(REPO)]
+    for path in reversed(paths):
+        if path not in sys.path:
+            sys.path.insert(0, path)
+    os.environ["PYTHONPATH"] = os.pathsep.join(paths + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+
+
+# ------------------------------------------------------------------------------------------------
+# The cases
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    tool: str  # finetune | bench_hf
+    recipe: dict[str, Any]
+    bench_args: tuple[str, ...] = ()
+    pair: Optional[str] = None  # cases with the same pair are compared: finetune / bench_hf
+    memory: bool = False  # a memory row: finetune plan's prediction beside the measured peaks
+    estimate: float = 90.0  # seconds, until a run of the same tool measured one
+
+
+def base_recipe(name: str, model: str, data: Path, max_length: int, steps: int, cpu: bool) -> dict[str, Any]:
+    """What every case shares: a model, text rows that fill max_length, a constant schedule, nothing to report."""
+    return {
+        "name": name,
+        "model": {"name_or_path": model, "dtype": "float32" if cpu else "bfloat16", "attn_implementation": "sdpa"},
+        "method": "lora",
+        "lora": {"r": 16, "alpha": 32, "dropout": 0.0},
+        "data": {"path": str(data), "format": "text", "max_length": max_length, "mask_prompt": False},
+        "training": {"max_steps": steps, "learning_rate": 1e-4, "lr_scheduler": "constant", "warmup_steps": 0,
+                     "logging_steps": 10, "report_to": ["none"], "resume": False},
+        "launch": {"procs_per_node": 1},
+    }
+
+
+def fixed(recipe: dict[str, Any], method: str = "lora", micro: int = 1, accumulation: int = 1,
+          engine: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    """`recipe` with every speed key written (nothing auto): identical settings for finetune and bench_hf."""
+    out = json.loads(json.dumps(recipe))
+    out["method"] = method
+    out["training"].update(micro_batch_size=micro, gradient_accumulation_steps=accumulation,
+                           gradient_checkpointing=True, loss_kernel="default")
+    out["deepspeed"] = engine if engine is not None else {
+        # ZeRO-0 with torch's fused AdamW built by DeepSpeed: the optimizer LLaMA-Factory's template gets (the Trainer's)
+        "enabled": True, "stage": 0, "overrides": {"optimizer": {"params": {"torch_adam": True, "fused": True}}}}
+    if method == "qlora":
+        dtype = out["model"]["dtype"]
+        out["quantization"] = {"compute_dtype": dtype, "storage_dtype": dtype}
+    return out
+
+
+def gpu_cases(model: str, data: Path, long_data: Path, steps: int) -> list[Case]:
+    base = base_recipe("speed", model, data, 2048, steps, cpu=False)
+    cases = []
+    for label, method, micro in (("lora_1x2k", "lora", 1), ("full_1x2k", "full", 1), ("lora_4x2k", "lora", 4),
+                                 ("qlora_1x2k", "qlora", 1)):
+        recipe = fixed({**base, "name": label}, method, micro)
+        cases.append(Case(f"{label}_finetune", "finetune", recipe, pair=label))
+        cases.append(Case(f"{label}_bench_hf", "bench_hf", recipe, pair=label, estimate=70.0))
+    plain = fixed({**base, "name": "lora_1x2k_plain"}, "lora", 1, engine={"enabled": False})
+    cases.append(Case("lora_1x2k_bench_hf_profile", "bench_hf", plain, ("--no-deepspeed", "--profile"), estimate=70.0))
+    defaults = fixed({**base, "name": "lora_1x2k_llama_factory"}, "lora", 1, 8, engine={"enabled": False})
+    auto = json.loads(json.dumps({**base, "name": "lora_1x2k_auto"}))
+    auto["training"]["gradient_accumulation_steps"] = 8  # the same rows per step; the speed keys left auto
+    cases.append(Case("lora_8rows_llama_factory_defaults", "bench_hf", defaults, ("--no-deepspeed",), pair="auto"))
+    cases.append(Case("lora_8rows_finetune_auto", "finetune", auto, pair="auto"))
+    for method in ("lora", "qlora", "full"):
+        recipe = json.loads(json.dumps({**base, "name": f"memory_{method}_8k"}))
+        recipe["method"] = method
+        recipe["data"] = {**recipe["data"], "path": str(long_data), "max_length": 8192}
+        recipe["training"]["max_steps"] = 3
+        if method == "qlora":
+            recipe["quantization"] = {"compute_dtype": "bfloat16", "storage_dtype": "bfloat16"}
+        cases.append(Case(f"memory_{method}_8k", "finetune", recipe, memory=True))
+    return cases
+
+
+def cpu_cases(model: str, data: Path, steps: int) -> list[Case]:
+    base = base_recipe("speed-cpu", model, data, 64, steps, cpu=True)
+    # a checkpoint at the last step, which tests/test_gpu_speed.py resumes
+    base["training"].update(save_steps=steps, resume=True)
+    plain = fixed(base, "lora", 4, engine={"enabled": False})
+    return [Case("tiny_lora_plain_finetune", "finetune", plain, pair="tiny_lora_plain"),
+            Case("tiny_lora_plain_bench_hf_profile", "bench_hf", plain, ("--no-deepspeed", "--profile"),
+                 pair="tiny_lora_plain")]
+
+
+# ------------------------------------------------------------------------------------------------
+# Running one
+
+
+def run_case(case: Case, machine, harness, out: Path, timeout: float) -> dict[str, Any]:
+    recipe_path = out / "recipes" / f"{case.name}.yaml"
+    recipe_path.parent.mkdir(parents=True, exist_ok=True)
+    recipe_path.write_text(json.dumps(case.recipe, indent=2) + "\n", encoding="utf-8")  # JSON is YAML
+    record: dict[str, Any] = {"name": case.name, "tool": case.tool, "pair": case.pair, "status": None,
+                              "recipe": str(recipe_path), "bench_args": list(case.bench_args)}
+    log = out / "logs" / f"{case.name}.log"
+    started = time.perf_counter()
+    if case.tool == "finetune":
+        run_dir = out / "runs" / case.name
+        if case.memory and machine.gpu_memory:
+            prediction = harness.predict(recipe_path, harness.Case("speed", case.recipe["method"], 0, False, False,
+                                                                   "sdpa", 1), machine)
+            record.update({k: prediction.get(k) for k in ("predicted_bytes", "predicted_allocated_bytes",
+                                                          "predicted_reserved_bytes", "predicted_nvidia_smi_bytes")})
+            record["predicted_fits"] = prediction.get("fits")
+        code, smi, _ = harness.train(recipe_path, run_dir, log, timeout)
+        record["nvidia_smi_used_bytes"] = smi
+    else:
+        run_dir = out / "bench" / case.name
+        code = bench(recipe_path, run_dir, log, case.bench_args, timeout)
+    record.update(exit_code=code, seconds=round(time.perf_counter() - started, 1))
+    summary_path = run_dir / "summary.json"
+    if code != 0 or not summary_path.is_file():
+        tail = log.read_text(errors="replace").strip().splitlines()[-6:] if log.is_file() else []
+        return {**record, "status": "failed", "reason": " | ".join(tail)[-800:]}
+    summary = json.loads(summary_path.read_text())
+    steady = summary.get("steady") or {}
+    record.update(status="ok", steps=summary.get("steps"), steady=steady, startup=summary.get("startup"),
+                  auto=summary.get("auto"), deepspeed=summary.get("deepspeed"),
+                  tokens_per_second=summary.get("tokens_per_second"),
+                  steady_tokens_per_second=steady.get("tokens_per_second"),
+                  step_seconds_p50=steady.get("step_seconds_p50"), mfu=steady.get("mfu"),
+                  peak_memory_bytes=summary.get("peak_memory_bytes"),
+                  max_memory_reserved_bytes=summary.get("peak_memory_reserved_bytes"),
+                  profile=summary.get("profile"))
+    if case.tool == "finetune" and not case.name.startswith("tiny_"):
+        for name in ("model", "adapter", "zero_checkpoint"):  # 2.5 GB per full 1B run: the disk is 64 GiB
+            shutil.rmtree(run_dir / name, ignore_errors=True)
+    return record
+
+
+def bench(recipe_path: Path, out: Path, log: Path, extra: tuple[str, ...], timeout: float) -> int:
+    log.parent.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(out, ignore_errors=True)
+    cmd = [sys.executable, str(REPO / "scripts" / "bench_hf.py"), str(recipe_path), "--out", str(out), *extra]
+    with log.open("w") as handle:
+        proc = subprocess.Popen(cmd, stdout=handle, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True,
+                                env={**os.environ, "TQDM_DISABLE": "1"})
+        try:
+            return proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            acceptance_module = sys.modules.get("gpu_acceptance")
+            if acceptance_module is not None:
+                acceptance_module.stop_session(proc)
+            return 124
+
+
+# ------------------------------------------------------------------------------------------------
+# Results
+
+
+def ratios(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """finetune / bench_hf steady tokens/s per pair (auto: finetune auto / LLaMA-Factory's defaults)."""
+    out = {}
+    pairs = sorted({r["pair"] for r in records if r.get("pair")})
+    for pair in pairs:
+        mine = [r for r in records if r["pair"] == pair and r["tool"] == "finetune" and r.get("steady_tokens_per_second")]
+        theirs = [r for r in records if r["pair"] == pair and r["tool"] == "bench_hf" and r.get("steady_tokens_per_second")]
+        if mine and theirs:
+            ratio = mine[0]["steady_tokens_per_second"] / theirs[0]["steady_tokens_per_second"]
+            out[pair] = {"finetune": mine[0]["steady_tokens_per_second"], "bench_hf": theirs[0]["steady_tokens_per_second"],
+                         "ratio": ratio, "target": 1.5 if pair == "auto" else 1.0}
+    return out
+
+
+def gib(value) -> str:
+    if isinstance(value, list):
+        value = max(v for v in value if v is not None) if any(v is not None for v in value) else None
+    return "-" if value is None else f"{value / 2**30:.2f}"
+
+
+def markdown(results: dict[str, Any]) -> str:
+    m = results["machine"]
+    where = "CPU (--cpu: the plumbing only)" if m["cpu"] else f"{m['gpus']} x {m['gpu_name']}"
+    v = m["versions"]
+    lines = [f"# GPU speed check: {where}", "",
+             f"{results['created']}; commit {results.get('commit')}; torch {v.get('torch')}, transformers "
+             f"{v.get('transformers')}, deepspeed {v.get('deepspeed')}, peft {v.get('peft')}, bitsandbytes "
+             f"{v.get('bitsandbytes')}; budget {results['budget']:.0f} s, {results['elapsed']:.0f} s used.",
+             "Steady: after the first 5 steps (finetune.speed); MFU on the published anchors' basis "
+             "(6 x matmul parameters + attention, LoRA counted as full).", "",
+             "| case | status | steady tokens/s | step p50 s | MFU | start-up s | peak allocated GiB | plan GiB | s | note |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results["runs"]:
+        steady = r.get("steady_tokens_per_second")
+        startup = sum(v for v in (r.get("startup") or {}).values() if isinstance(v, (int, float)))
+        lines.append(f"| {r['name']} | {r['status']} | {f'{steady:,.0f}' if steady else '-'} | "
+                     f"{r['step_seconds_p50']:.3f} | " if r.get("step_seconds_p50") else
+                     f"| {r['name']} | {r['status']} | {f'{steady:,.0f}' if steady else '-'} | - | ")
+        lines[-1] += (f"{100 * r['mfu']:.1f}% | " if r.get("mfu") is not None else "- | ") + \
+            (f"{startup:.1f} | " if startup else "- | ") + \
+            f"{gib(r.get('peak_memory_bytes'))} | {gib(r.get('predicted_allocated_bytes'))} | {r.get('seconds', '-')} | " + \
+            (r.get("reason") or "").replace("|", "/")[:100] + " |"
+    lines += ["", "| pair | finetune tokens/s | baseline tokens/s | ratio | target |", "|---|---|---|---|---|"]
+    for pair, r in results["ratios"].items():
+        lines.append(f"| {pair} | {r['finetune']:,.0f} | {r['bench_hf']:,.0f} | {r['ratio']:.3f} | >= {r['target']:.2f} |")
+    for r in results["runs"]:
+        profile = r.get("profile")
+        if profile:
+            busy = profile.get("gpu_busy_fraction")
+            lines += ["", f"Profile of {r['name']} ({profile.get('note')}): GPU busy "
+                          f"{'-' if busy is None else f'{100 * busy:.0f}%'} of {profile['wall_seconds']:.3f} s wall.", "",
+                      "| kernel / operator | seconds | share |", "|---|---|---|"]
+            lines += [f"| {k['name'][:90]} | {k['seconds']:.4f} | {100 * k['share']:.1f}% |" for k in profile["top"]]
+    return "\n".join(lines) + "\n"
+
+
+def write_results(out: Path, results: dict[str, Any]) -> None:
+    results["ratios"] = ratios(results["runs"])
+    for name, text in (("results.json", json.dumps(results, indent=2, default=str) + "\n"), ("results.md", markdown(results))):
+        tmp = out / f".{name}.tmp"
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, out / name)
+
+
+# ------------------------------------------------------------------------------------------------
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True, help="models, runs, logs and results")
+    parser.add_argument("--cpu", action="store_true", help="the tiny model on one CPU process (CI)")
+    parser.add_argument("--wheels", type=Path, default=None, help="carried wheels to install first (scripts/gpu_wheels.sh)")
+    parser.add_argument("--budget", type=float, default=None, help="seconds for everything (default 450; --cpu 600)")
+    parser.add_argument("--steps", type=int, default=None, help="optimizer steps per speed case (default 14; --cpu 10)")
+    parser.add_argument("--only", default=None, help="run only the cases whose name contains this text")
+    args = parser.parse_args(argv)
+    begun = time.perf_counter()
+    budget = args.budget or (600.0 if args.cpu else 450.0)
+    out = args.out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+
+    def log(message: str) -> None:
+        print(f"gpu_speed: {message}", flush=True)
+
+    build = install_wheels(args.wheels.resolve(), log) if args.wheels else None
+    use_site()
+    harness = acceptance()
+    machine = harness.detect(args.cpu)
+    if not args.cpu and machine.cpu:
+        log("no CUDA GPU visible (use --cpu to test the plumbing on CPU)")
+        return 2
+    steps = args.steps or (10 if args.cpu else 14)
+    if machine.cpu:
+        from finetune.builtin import BUILTIN_PREFIX
+
+        model = f"{BUILTIN_PREFIX}tiny-llama"
+        cases = cpu_cases(model, REPO / "recipes" / "data" / "demo_instructions.jsonl", steps)
+        cases = [dataclasses.replace(c, recipe={**c.recipe, "data": {**c.recipe["data"], "format": "alpaca"}})
+                 for c in cases]
+    else:
+        model = str(harness.build_model("llama-1b", out))
+        data = harness.write_text_data(out, steps * 8 * 2 + 64, 2048)
+        long_data = harness.write_text_data(out, 64, 8192)
+        cases = gpu_cases(model, data, long_data, steps)
+    if args.only:
+        cases = [c for c in cases if args.only in c.name]
+    results: dict[str, Any] = {"created": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+                               "commit": harness.git_commit(), "machine": dataclasses.asdict(machine), "steps": steps,
+                               "budget": budget, "elapsed": 0.0, "runs": [], "ratios": {}}
+    seen: dict[str, float] = {}  # the longest run so far of each tool
+    for i, case in enumerate(cases, 1):
+        left = budget - (time.perf_counter() - begun)
+        need = seen.get(case.tool, case.estimate)
+        if case.name.startswith("memory_full") and build is not None and build.poll() is None:
+            build.wait()  # DeepSpeed's FusedAdam: this case runs it
+        if need > left:
+            record = {"name": case.name, "tool": case.tool, "pair": case.pair, "status": "not run",
+                      "reason": f"{left:.0f} s left of the {budget:.0f} s budget; a {case.tool} run took {need:.0f} s"}
+        else:
+            record = run_case(case, machine, harness, out, timeout=max(60.0, left))
+            if record.get("seconds"):
+                seen[case.tool] = max(seen.get(case.tool, 0.0), record["seconds"])
+        results["runs"].append(record)
+        results["elapsed"] = time.perf_counter() - begun
+        write_results(out, results)
+        steady = record.get("steady_tokens_per_second")
+        log(f"[{i}/{len(cases)}] {case.name}: {record['status']}" + (f", steady {steady:,.0f} tokens/s" if steady else "")
+            + (f" ({record.get('reason', '')[:200]})" if record["status"] != "ok" else ""))
+    if build is not None and build.poll() is None:
+        build.kill()
+    for pair, r in results["ratios"].items():
+        log(f"{pair}: finetune {r['finetune']:,.0f} / baseline {r['bench_hf']:,.0f} tokens/s = {r['ratio']:.3f} "
+            f"(target >= {r['target']:.2f})")
+    log(f"{out / 'results.md'} ({time.perf_counter() - begun:.0f} s)")
+    return 1 if any(r["status"] == "failed" for r in results["runs"]) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

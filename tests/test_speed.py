@@ -1,0 +1,250 @@
+"""Issue 35, fast parts: the steady-state figures (finetune.speed), the host-side counts of a batch, `auto` decided by
+the plan (finetune.plan.auto) and recorded in the run directory, lint's R150-R153, and the per-step stop flag
+(no per-step collective; the last step finishes the run: issue 34).
+
+    python -m pytest tests/test_speed.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from finetune.plan.archs import BY_NAME
+from finetune.recipe import Recipe
+from finetune.speed import WARMUP_STEPS, flops_per_token, matmul_params, peak_bf16_flops, steady, steady_text
+
+# ------------------------------------------------------------------------------------------------
+# finetune.speed
+
+
+def test_steady_leaves_out_the_warm_up_steps():
+    # a slow first step (warm-up), then 1 s per step at 1,000 tokens a step (sum of squared lengths 2 x 500^2)
+    stamps = [0.0, 30.0] + [30.0 + i for i in range(1, 11)]
+    tokens, squares = [1000] * 11, [2 * 500 ** 2] * 11
+    out = steady(stamps, tokens, squares, world=1)
+    assert out["steps"] == 11 - WARMUP_STEPS and out["tokens_per_second"] == pytest.approx(1000.0)
+    assert out["step_seconds_p50"] == pytest.approx(1.0) and out["step_seconds_p90"] == pytest.approx(1.0)
+    assert out["mfu"] is None and out["reason"] is None  # no architecture: no FLOPs
+    assert "steady 1,000 tokens/s over steps 6-11" in steady_text(out)
+    short = steady(stamps[:WARMUP_STEPS + 2], tokens, squares)
+    assert short["tokens_per_second"] is None and "needs 7" in short["reason"] and "n/a" in steady_text(short)
+    assert steady([], [], [])["steps"] == 0  # a start that trained nothing (resumed at its last step)
+
+
+def test_mfu_uses_the_anchors_flops_basis_and_the_datasheet_peak():
+    arch = BY_NAME["llama-3-8b"]
+    # every matmul weight: all parameters but the embedding lookup and the 65 norms (torchtitan, PaLM appendix B)
+    assert matmul_params(arch) == 8_030_261_248 - 128_256 * 4096 - 65 * 4096
+    assert flops_per_token(arch, 2048) == 6 * matmul_params(arch) + 12 * 32 * 4096 * 2048
+    peak, source = peak_bf16_flops("NVIDIA H100 80GB HBM3")
+    assert peak == 989e12 and "H100" in source
+    assert peak_bf16_flops("NVIDIA H100 PCIe")[0] == 756e12 and peak_bf16_flops("NVIDIA H200")[0] == 989e12
+    assert peak_bf16_flops("NVIDIA A100-SXM4-80GB")[0] == 312e12 and peak_bf16_flops("Tesla P40") == (None, None)
+    stamps = [float(i) for i in range(WARMUP_STEPS + 11)]  # 1 s a step
+    steps = len(stamps) - 1
+    out = steady(stamps, [2048] * steps, [2048 ** 2] * steps, world=1, arch=arch, peak_flops=peak)
+    assert out["mfu"] == pytest.approx(2048 * flops_per_token(arch, 2048) / 989e12)
+
+
+# ------------------------------------------------------------------------------------------------
+# The collators' host-side counts
+
+
+def test_collators_count_trained_tokens_and_squared_lengths_on_the_host():
+    import torch
+
+    from finetune.data.packing import COUNTS_KEY, Collator, FlatteningCollator
+
+    rows = [{"input_ids": [5, 6, 7], "labels": [-100, 6, 7]}, {"input_ids": [8] * 10, "labels": [8] * 10}]
+    batch = Collator(0, counts=True)(rows)
+    assert batch[COUNTS_KEY] == (13, 3 * 3 + 10 * 10)
+    assert batch["input_ids"].shape == (2, 16) and batch["input_ids"].dtype == torch.long
+    assert batch["attention_mask"].sum().item() == 13 and batch["labels"][0, 3:].eq(-100).all()
+    assert COUNTS_KEY not in Collator(0)(rows)  # the verification batch: plain tensors only
+    packed = [{"input_ids": [1] * 7, "labels": [1] * 7, "position_ids": [0, 1, 2, 0, 1, 2, 3]}]
+    assert Collator(0, counts=True)(packed)[COUNTS_KEY] == (7, 3 * 3 + 4 * 4)
+    assert FlatteningCollator(False, counts=True)(packed)[COUNTS_KEY] == (7, 3 * 3 + 4 * 4)
+
+
+# ------------------------------------------------------------------------------------------------
+# auto, decided by the plan
+
+
+def recipe(method: str = "lora", **training) -> Recipe:
+    data = {"model": {"name_or_path": "qwen2.5-0.5b"}, "data": {"path": "org/d", "max_length": 2048},
+            "method": method, "training": training}
+    return Recipe.model_validate(data)
+
+
+def test_auto_without_a_machine_is_the_memory_safe_default():
+    r = recipe()
+    assert r.auto_keys == {"training.gradient_checkpointing", "training.loss_kernel", "training.micro_batch_size",
+                           "deepspeed.enabled"}
+    t = r.training
+    assert (t.gradient_checkpointing, t.loss_kernel, t.micro_batch_size, r.deepspeed.enabled) == (True, "default", 1, True)
+    written = recipe(gradient_checkpointing=False, micro_batch_size=4)
+    assert written.auto_keys == {"training.loss_kernel", "deepspeed.enabled"}
+
+
+def test_auto_on_one_gpu_trains_faster_within_the_bound_and_keeps_the_rows_per_step():
+    from finetune.plan.auto import Machine, resolve
+
+    r = recipe(gradient_accumulation_steps=8)
+    decided = resolve(r, Machine(gpus_per_node=1, gpu_memory=24 * 2**30)).recipe
+    t = decided.training
+    assert decided.deepspeed.enabled is False  # LoRA SFT on one GPU: the plain Trainer
+    assert t.micro_batch_size * t.gradient_accumulation_steps == 8 and t.micro_batch_size > 1
+    assert t.gradient_checkpointing is False and t.loss_kernel == "chunked"  # the logits would stand in the way
+    lines = "\n".join(resolve(r, Machine(gpus_per_node=1, gpu_memory=24 * 2**30)).lines())
+    assert "8 rows per GPU per step = micro batch" in lines and "upper bound" in lines
+    small = resolve(r, Machine(gpus_per_node=1, gpu_memory=6 * 2**30)).recipe.training
+    assert small.gradient_checkpointing is True and small.micro_batch_size * small.gradient_accumulation_steps == 8
+    # a value the recipe writes wins; the rest is still decided around it
+    kept = resolve(recipe(gradient_accumulation_steps=8, micro_batch_size=2, gradient_checkpointing=True),
+                   Machine(gpus_per_node=1, gpu_memory=24 * 2**30)).recipe.training
+    assert (kept.micro_batch_size, kept.gradient_accumulation_steps, kept.gradient_checkpointing) == (2, 8, True)
+
+
+def test_auto_keeps_deepspeed_where_it_does_something_or_cannot_know():
+    from finetune.plan.auto import Machine, resolve
+
+    r = recipe()
+    assert resolve(r, Machine(gpus_per_node=2, gpu_memory=80 * 2**30)).recipe.deepspeed.enabled is True
+    assert resolve(r, Machine(on_gpu=False)).recipe.deepspeed.enabled is True  # CPU: DeepSpeed's CPU accelerator
+    out = resolve(recipe("full"), Machine(gpus_per_node=1, gpu_memory=80 * 2**30))
+    assert out.recipe.deepspeed.enabled is True and "fp32 master weights" in out.lines()[0]
+    unknown = resolve(r, Machine(gpus_per_node=1)).recipe.training  # no GPU memory: the memory-safe values
+    assert (unknown.gradient_checkpointing, unknown.loss_kernel, unknown.micro_batch_size) == (True, "default", 1)
+
+
+def test_the_run_directory_keeps_auto_in_the_recipe_and_the_decisions_beside_it(tmp_path):
+    from finetune.plan.auto import Machine, resolve
+    from finetune.recipe import load_recipe
+    from finetune.rundir.layout import read_run_dir, write_run_dir
+
+    path = tmp_path / "r.yaml"
+    path.write_text("model: {name_or_path: qwen2.5-0.5b}\ndata: {path: org/d}\n"
+                    "training: {gradient_accumulation_steps: 8}\n")
+    loaded = load_recipe(path)
+    decision = resolve(loaded.recipe, Machine(gpus_per_node=1, gpu_memory=24 * 2**30))
+    loaded.recipe = decision.recipe
+    run = write_run_dir(loaded, tmp_path / "run", world_size=1, auto=decision)
+    text = (run / "recipe.yaml").read_text()
+    assert "micro_batch_size: auto" in text and "gradient_checkpointing: auto" in text and "enabled: auto" in text
+    args = json.loads((run / "training_args.json").read_text())
+    assert args["per_device_train_batch_size"] == decision.recipe.training.micro_batch_size > 1
+    assert args["optim"] == "adamw_torch_fused"  # the plain Trainer's optimizer
+    again, _, _ = read_run_dir(run)  # what the runner trains: the decisions, not the machine-less defaults
+    assert again.training == decision.recipe.training and again.deepspeed.enabled is False
+    # the record lints clean and decides the same on the same GPU (a recorded recipe reproduces the run)
+    from finetune.lint import lint_paths
+
+    assert not [f for f in lint_paths([run / "recipe.yaml"]).findings if f.rule >= "R150"]
+    assert resolve(load_recipe(run / "recipe.yaml").recipe, Machine(gpus_per_node=1, gpu_memory=24 * 2**30)).values() \
+        == decision.values()
+
+
+def test_lint_explains_what_the_plain_trainer_cannot_run(write_recipe):
+    from finetune.lint import lint_paths
+
+    def rules(text: str) -> set[str]:
+        return {f.rule for f in lint_paths([write_recipe(text)]).findings}
+
+    base = "model: {name_or_path: org/m}\ndata: {path: org/d}\n"
+    assert not rules(base) & {"R150", "R151", "R152", "R153"}
+    assert "R150" in rules(base + "deepspeed: {enabled: false, offload_optimizer: cpu, stage: 2}\n")
+    assert "R150" in rules(base + "deepspeed: {enabled: false}\nlaunch: {procs_per_node: 2}\n")
+    assert "R151" in rules(base + "method: full\ndeepspeed: {enabled: false}\n")
+    assert "R152" in rules(base + "deepspeed: {enabled: false, stage: 0}\n")
+    assert "R153" in rules(base + "objective: dpo\ntraining: {micro_batch_size: auto}\n")
+
+
+# ------------------------------------------------------------------------------------------------
+# The stop flag and the last step (issue 34)
+
+
+def test_a_stop_that_falls_on_the_last_step_finishes_the_run(tmp_path):
+    from transformers import TrainerControl, TrainerState
+
+    from finetune.train.preemption import AlreadyTrained, PreemptionCallback
+
+    callback = PreemptionCallback(tmp_path, keep=2, dtype_bytes=4, full=False)
+    state, control = TrainerState(), TrainerControl()
+    state.global_step, state.max_steps = 12, 12
+    callback.install()
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        callback.on_step_end(None, state, control)
+        assert not control.should_save and callback.stopped_at is None  # no checkpoint to train a 13th step from
+
+        class Args:
+            save_on_each_node = False
+
+        callback.on_train_end(Args(), state, control)
+        assert callback.finishing and signal.getsignal(signal.SIGTERM) == callback._on_signal  # outputs go on
+    finally:
+        callback.finished()
+    assert signal.getsignal(signal.SIGTERM) != callback._on_signal
+    resumed = PreemptionCallback(tmp_path, keep=2, dtype_bytes=4, full=False)
+    with pytest.raises(AlreadyTrained):  # a checkpoint at the last step: outputs, not one more step
+        resumed.on_train_begin(None, state, control)
+    resumed.uninstall()
+
+
+def test_the_launcher_calls_a_run_finished_when_the_ranks_wrote_it_after_a_signal(tmp_path):
+    import time
+
+    from finetune.run.launch import LaunchPlan
+    from finetune.run.launch.outcome import judge
+
+    plan = LaunchPlan(argv=["torchrun"], env={}, run_dir=tmp_path, launcher="torchrun", procs_per_node=1, nodes=1,
+                      node_rank=0, world_size=1, device="cpu")
+    started = time.time()
+    assert judge(plan, 1, "", signal.SIGTERM, started).returncode == 128 + signal.SIGTERM
+    (tmp_path / "summary.json").write_text("{}")
+    outcome = judge(plan, 1, "", signal.SIGTERM, started)
+    assert outcome.ok and "after the last step" in outcome.message
+
+
+def _flag_rank(rank: int, port: int, out: Path) -> None:  # pragma: no cover - runs in the forked children
+    """One of two gloo ranks: rank 1 is signalled during step 3; both must stop at step 4, the step after."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from transformers import TrainerControl, TrainerState
+
+    from finetune.train.dist import cpu_group
+    from finetune.train.preemption import PreemptionCallback
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    callback = PreemptionCallback(out, keep=2, dtype_bytes=4, full=False, group=cpu_group(timedelta(seconds=60)))
+    callback.first_estimate = 1
+    state, control = TrainerState(), TrainerControl()
+    state.max_steps = 10
+    for step in range(1, 8):
+        state.global_step = step
+        if step == 3 and rank == 1:
+            callback.signal_at, callback.signal_name = 1.0, "SIGTERM"
+        callback.on_step_end(None, state, control)
+        if control.should_training_stop:
+            break
+    (out / f"rank{rank}").write_text(json.dumps([callback.stopped_at, callback.signal_name]))
+    dist.destroy_process_group()
+
+
+def test_the_ranks_agree_on_the_stop_one_step_later_without_a_collective_that_waits(tmp_path):
+    from transformers import TrainerState  # noqa: F401 - imported before the fork, for the children
+    import torch.multiprocessing as mp
+
+    from tests.train_fixtures import os_free_port
+
+    # forked: the children have torch and transformers imported already (spawn would import them again, ~20 s)
+    mp.start_processes(_flag_rank, args=(os_free_port(), tmp_path), nprocs=2, start_method="fork")
+    assert json.loads((tmp_path / "rank0").read_text()) == [4, "a signal to another rank"]
+    assert json.loads((tmp_path / "rank1").read_text()) == [4, "SIGTERM"]
