@@ -59,10 +59,14 @@ def cases_from(results: dict[str, Any], file: str) -> tuple[dict[str, dict], lis
             "measured_gib": round(run["peak_memory_bytes"] / GiB, 3),
             "settings": {
                 "gpu_type": machine["gpu_name"], "method": run["method"], "dtype": run["dtype"], "attn": run["attn"],
-                "deepspeed": True, "stage": run["stage"], "offload_optimizer": "cpu" if run["offload"] else "none",
+                # scripts/gpu_speed.py's memory rows say what `auto` became (engine, checkpointing, loss, batch)
+                "deepspeed": run.get("deepspeed", True) is not False, "stage": run["stage"],
+                "offload_optimizer": "cpu" if run["offload"] else "none",
                 "gpus_per_node": run["gpus"], "nodes": 1, "micro_batch": run["micro_batch"],
-                "seq_len": run["max_length"], "packing": run["packing"], "gradient_checkpointing": True,
-                "gradient_accumulation": 1, "loss_kernel": results.get("loss_kernel", "default"),
+                "seq_len": run["max_length"], "packing": run["packing"],
+                "gradient_checkpointing": run.get("gradient_checkpointing", True),
+                "gradient_accumulation": run.get("gradient_accumulation", 1),
+                "loss_kernel": run.get("loss_kernel") or results.get("loss_kernel", "default"),
                 # `finetune train` sets PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True when it is not set
                 "expandable_segments": True,
             },

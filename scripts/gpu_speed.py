@@ -206,6 +206,18 @@ def run_case(case: Case, machine, harness, out: Path, timeout: float) -> dict[st
                   peak_memory_bytes=summary.get("peak_memory_bytes"),
                   max_memory_reserved_bytes=summary.get("peak_memory_reserved_bytes"),
                   profile=summary.get("profile"))
+    if case.memory:  # the fields scripts/acceptance_to_corpus.py reads, as this run resolved them
+        auto = summary.get("auto") or {}
+        t = case.recipe["training"]
+        record.update(model="llama-1b", method=case.recipe["method"], dtype=case.recipe["model"]["dtype"], attn="sdpa",
+                      stage=case.recipe.get("deepspeed", {}).get("stage", 2), offload=False, gpus=1, packing=False,
+                      max_length=case.recipe["data"]["max_length"],
+                      micro_batch=auto.get("training.micro_batch_size", t.get("micro_batch_size", 1)),
+                      gradient_accumulation=auto.get("training.gradient_accumulation_steps",
+                                                     t.get("gradient_accumulation_steps", 1)),
+                      gradient_checkpointing=auto.get("training.gradient_checkpointing", t.get("gradient_checkpointing", True)),
+                      loss_kernel=summary.get("loss_kernel"), peak_memory_scope=summary.get("peak_memory_scope"),
+                      peak_memory_bytes=max(summary.get("peak_memory_bytes") or [0]) or None)
     if case.tool == "finetune" and not case.name.startswith("tiny_"):
         for name in ("model", "adapter", "zero_checkpoint"):  # 2.5 GB per full 1B run: the disk is 64 GiB
             shutil.rmtree(run_dir / name, ignore_errors=True)
@@ -288,12 +300,26 @@ def markdown(results: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_results(out: Path, results: dict[str, Any]) -> None:
+def write_results(out: Path, results: dict[str, Any], also: Optional[Path] = None) -> None:
+    """results.json and results.md in `out` (and `also`: the GPU machine's $OUT, which comes back even when the
+    command is stopped at its time limit)."""
     results["ratios"] = ratios(results["runs"])
-    for name, text in (("results.json", json.dumps(results, indent=2, default=str) + "\n"), ("results.md", markdown(results))):
-        tmp = out / f".{name}.tmp"
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, out / name)
+    for folder in [out] + ([also] if also else []):
+        folder.mkdir(parents=True, exist_ok=True)
+        for name, text in (("results.json", json.dumps(results, indent=2, default=str) + "\n"),
+                           ("results.md", markdown(results))):
+            tmp = folder / f".{name}.tmp"
+            tmp.write_text(text, encoding="utf-8")
+            os.replace(tmp, folder / name)
+
+
+def pack_logs(out: Path, results: Path) -> None:
+    """The runs' console logs as one archive beside the results (the GPU machine returns at most 8 files)."""
+    import tarfile
+
+    with tarfile.open(results / "logs.tar.gz", "w:gz") as archive:
+        for log in sorted((out / "logs").glob("*.log")):
+            archive.add(log, arcname=log.name)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -307,6 +333,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--budget", type=float, default=None, help="seconds for everything (default 450; --cpu 600)")
     parser.add_argument("--steps", type=int, default=None, help="optimizer steps per speed case (default 14; --cpu 10)")
     parser.add_argument("--only", default=None, help="run only the cases whose name contains this text")
+    parser.add_argument("--results", type=Path, default=None,
+                        help="also write results.json, results.md (after each run) and logs.tar.gz (at the end) here")
     args = parser.parse_args(argv)
     begun = time.perf_counter()
     budget = args.budget or (600.0 if args.cpu else 450.0)
@@ -340,7 +368,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         cases = [c for c in cases if args.only in c.name]
     results: dict[str, Any] = {"created": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
                                "commit": harness.git_commit(), "machine": dataclasses.asdict(machine), "steps": steps,
-                               "budget": budget, "elapsed": 0.0, "runs": [], "ratios": {}}
+                               "budget": budget, "elapsed": 0.0, "runs": [], "ratios": {},
+                               # the shapes the memory rows trained, for scripts/acceptance_to_corpus.py
+                               "models": {} if machine.cpu else {"llama-1b": {"model_type": "llama",
+                                                                             **harness.MODELS["llama-1b"]}}}
     seen: dict[str, float] = {}  # the longest run so far of each tool
     for i, case in enumerate(cases, 1):
         left = budget - (time.perf_counter() - begun)
@@ -356,7 +387,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 seen[case.tool] = max(seen.get(case.tool, 0.0), record["seconds"])
         results["runs"].append(record)
         results["elapsed"] = time.perf_counter() - begun
-        write_results(out, results)
+        write_results(out, results, args.results)
         steady = record.get("steady_tokens_per_second")
         log(f"[{i}/{len(cases)}] {case.name}: {record['status']}" + (f", steady {steady:,.0f} tokens/s" if steady else "")
             + (f" ({record.get('reason', '')[:200]})" if record["status"] != "ok" else ""))
@@ -365,6 +396,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     for pair, r in results["ratios"].items():
         log(f"{pair}: finetune {r['finetune']:,.0f} / baseline {r['bench_hf']:,.0f} tokens/s = {r['ratio']:.3f} "
             f"(target >= {r['target']:.2f})")
+    if args.results:
+        pack_logs(out, args.results)
     log(f"{out / 'results.md'} ({time.perf_counter() - begun:.0f} s)")
     return 1 if any(r["status"] == "failed" for r in results["runs"]) else 0
 

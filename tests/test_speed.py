@@ -248,3 +248,13 @@ def test_the_ranks_agree_on_the_stop_one_step_later_without_a_collective_that_wa
     mp.start_processes(_flag_rank, args=(os_free_port(), tmp_path), nprocs=2, start_method="fork")
     assert json.loads((tmp_path / "rank0").read_text()) == [4, "a signal to another rank"]
     assert json.loads((tmp_path / "rank1").read_text()) == [4, "SIGTERM"]
+
+
+def test_convert_says_a_checkpoint_without_deepspeed_needs_no_convert(tmp_path):
+    from finetune.weights.convert import ConvertError, find_checkpoint
+
+    checkpoint = tmp_path / "checkpoint-6"
+    checkpoint.mkdir()
+    (checkpoint / "adapter_model.safetensors").write_bytes(b"")
+    with pytest.raises(ConvertError, match="checkpoint of a run without DeepSpeed: .* already holds the adapter"):
+        find_checkpoint(checkpoint)

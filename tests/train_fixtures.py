@@ -38,8 +38,10 @@ def write_run_dir(recipe_path: Path, run_dir: Path, world_size: int = 2, overrid
     run_dir.mkdir(parents=True, exist_ok=True)
     yaml = YAML(typ="safe", pure=True)
     yaml.default_flow_style = False
-    with open(run_dir / "recipe.yaml", "w", encoding="utf-8") as handle:
-        yaml.dump(recipe.model_dump(mode="json"), handle)
+    from finetune.recipe.auto import with_auto
+
+    with open(run_dir / "recipe.yaml", "w", encoding="utf-8") as handle:  # `auto` kept, as finetune.rundir.layout writes it
+        yaml.dump(with_auto(recipe.model_dump(mode="json"), recipe.auto_keys), handle)
     (run_dir / "deepspeed.json").write_text(dumps(render_deepspeed(recipe, world_size)))
     (run_dir / "training_args.json").write_text(dumps(render_training_args(recipe, output_dir=str(run_dir))))
     return recipe

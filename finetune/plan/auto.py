@@ -18,7 +18,7 @@ The keys (finetune.recipe.schema.AUTO_WITHOUT_MACHINE holds what each is without
   of AUTO_WITHOUT_MACHINE (memory-safe, deterministic).
 
 The one place these decisions are made: `finetune plan` prints them, `finetune train` writes them into the run
-directory (auto.json, read back by the runner: finetune.recipe.schema.with_auto_values) beside the recipe as written
+directory (auto.json, read back by the runner: finetune.recipe.auto.with_auto_values) beside the recipe as written
 (finetune.run.start.resolve_auto, which scripts/bench_hf.py calls too, to train a recipe the way they make it).
 """
 
@@ -72,7 +72,7 @@ class Resolution:
     choices: list[Choice] = field(default_factory=list)
 
     def values(self) -> dict[str, Any]:
-        """{dotted key: value} of the decisions (auto.json in a run directory; recipe.schema.with_auto_values reads it back)."""
+        """{dotted key: value} of the decisions (auto.json in a run directory; finetune.recipe.auto.with_auto_values reads it back)."""
         return {c.key: c.value for c in self.choices if c.auto}
 
     def to_json(self) -> list[dict[str, Any]]:

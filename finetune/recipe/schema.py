@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import difflib
 import re
-from typing import Annotated, Any, Literal, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from finetune import objectives
 from finetune.objectives import DPO_LOSSES, GRPO_LOSSES, KTO_LOSSES
+from finetune.recipe.auto import AUTO_WITHOUT_MACHINE, auto_or
 
 Dtype = Literal["bfloat16", "float16", "float32"]
 Offload = Literal["none", "cpu", "nvme"]
@@ -252,7 +253,7 @@ class GrpoSection(_Section):
 class TrainingSection(_Section):
     epochs: float = Field(1.0, gt=0, le=1_000_000, description="Passes over the data (ignored when max_steps is set).")
     max_steps: Optional[int] = Field(None, ge=1, le=MAX_COUNT, description="Stop after this many optimizer steps.")
-    micro_batch_size: Union[Literal["auto"], Annotated[int, Field(ge=1, le=MAX_BATCH)]] = Field(
+    micro_batch_size: Union[int, Literal["auto"]] = Field(
         "auto", description="Sequences per GPU per forward pass (train_micro_batch_size_per_gpu). auto: as many of a step's rows as fit in one forward under the plan's bound, the rows per optimizer step staying what micro batch 1 x gradient_accumulation_steps x data-parallel processes gives (accumulation shrinks to match); 1 without GPU memory to judge by, and for objectives other than sft (README: Speed).")
     gradient_accumulation_steps: int = Field(1, ge=1, le=MAX_BATCH, description="Micro batches per optimizer step (with micro_batch_size: auto, the rows per GPU per step).")
     learning_rate: float = Field(2e-4, gt=0, le=1, description="Peak learning rate.")
@@ -287,6 +288,17 @@ class TrainingSection(_Section):
     dataloader_num_workers: int = Field(0, ge=0, le=MAX_PROCS, description="Data loader worker processes per rank.")
 
 
+    @field_validator("micro_batch_size", mode="before")
+    @classmethod
+    def _micro_batch_in_range(cls, value: Any) -> Any:
+        value = auto_or(int, value, f"`auto` or a number of sequences from 1 to {MAX_BATCH:,}")
+        if isinstance(value, int) and not 1 <= value <= MAX_BATCH:
+            raise ValueError(f"expected `auto` or a number of sequences from 1 to {MAX_BATCH:,}")
+        return value
+
+    _auto_bools = field_validator("gradient_checkpointing", mode="before")(
+        lambda value: auto_or(bool, value, "true, false or `auto`"))
+
     @model_validator(mode="after")
     def _offload_needs_checkpointing(self) -> "TrainingSection":
         if self.activation_offload and not self.gradient_checkpointing:
@@ -311,6 +323,7 @@ class DeepSpeedSection(_Section):
     overrides: dict[str, Any] = Field(default_factory=dict, description="Raw DeepSpeed JSON merged last, key by key (linted like any config).")
 
     _paths = field_validator("nvme_path")(plain_path)
+    _auto_bool = field_validator("enabled", mode="before")(lambda value: auto_or(bool, value, "true, false or `auto`"))
 
     @field_validator("reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold")
     @classmethod
@@ -371,43 +384,6 @@ class HardwareSection(_Section):
 
 # The sections only some methods read (lint R111 warns when another method's recipe writes one).
 METHOD_SECTIONS: dict[str, tuple[str, ...]] = {"lora": ("lora", "qlora"), "quantization": ("qlora",)}
-
-
-# What an `auto` key is without a machine to judge by (no GPU memory known, or no GPU): the memory-safe values these
-# keys had as fixed defaults before they could be `auto` (issue 35), so CPU runs and plans without --gpu-memory do
-# what they did. finetune.plan.auto decides them for a machine.
-AUTO_WITHOUT_MACHINE: dict[str, Any] = {
-    "training.gradient_checkpointing": True,
-    "training.loss_kernel": "default",
-    "training.micro_batch_size": 1,
-    "deepspeed.enabled": True,
-}
-
-
-def with_auto(data: dict[str, Any], keys) -> dict[str, Any]:
-    """A recipe dumped as data (model_dump) with `auto` written back for `keys` (Recipe.auto_keys). A decided micro
-    batch took its rows from the accumulation: the accumulation written back is the rows per step again."""
-    training = data.get("training")
-    if "training.micro_batch_size" in keys and isinstance(training, dict) and \
-            isinstance(training.get("micro_batch_size"), int):
-        training["gradient_accumulation_steps"] = training["micro_batch_size"] * training["gradient_accumulation_steps"]
-    for key in keys:
-        section, name = key.split(".")
-        if isinstance(data.get(section), dict):
-            data[section][name] = "auto"
-    return data
-
-
-def with_auto_values(recipe: "Recipe", values: dict[str, Any]) -> "Recipe":
-    """A copy of `recipe` with decided values (a run directory's auto.json, finetune.plan.auto) on the keys it leaves
-    auto, and the accumulation that goes with a decided micro batch; every key the recipe wrote stays."""
-    out = recipe.model_copy(deep=True)
-    for key, value in values.items():
-        if key in out.auto_keys or key == "training.gradient_accumulation_steps" and \
-                "training.micro_batch_size" in out.auto_keys:
-            section, name = key.split(".")
-            setattr(getattr(out, section), name, value)
-    return out
 
 
 class Recipe(_Section):

@@ -31,7 +31,7 @@ from finetune.rundir.run_dir import (  # noqa: F401  (RunDirError: re-exported f
     AUTO_FILE, DEEPSPEED_FILE, LOGS_DIR, RECIPE_FILE, RECIPE_HEADER, RUN_INPUTS, TRAINING_ARGS_FILE, RunDir,
     RunDirError,
 )
-from finetune.recipe.schema import with_auto, with_auto_values
+from finetune.recipe.auto import with_auto, with_auto_values
 
 
 def resolved_recipe(recipe: Recipe, run_dir: Path) -> dict[str, Any]:

@@ -35,12 +35,13 @@ import torch
 
 from finetune.rundir.checkpoint import Checkpoint, checkpoint_dirs, checkpoint_step, inspect_checkpoint
 from finetune.rundir import verify
-from finetune.rundir.run_dir import ADAPTER_CONFIG, RunDir, find_adapter, no_adapter_message
+from finetune.rundir.run_dir import ADAPTER_CONFIG, ADAPTER_WEIGHTS, RunDir, find_adapter, no_adapter_message
 from finetune.fsutil import atomic_dir, write_atomic
 from finetune.weights.experts import checkpoint_names
 from finetune.weights.lora_math import PEFT_PREFIX, lora_scaling
-from finetune.weights.safetensors_io import (CONFIG_FILES, DEFAULT_MAX_SHARD_SIZE, DTYPES, ST_TO_TORCH, TORCH_TO_ST, BaseTensor,
-                                     MergeError, OnWrite, OutTensor, Plan, ShardWriter, WriteCounter, copy_tokenizer, not_replaceable,
+from finetune.weights.safetensors_io import (INDEX_NAME, CONFIG_FILES, DEFAULT_MAX_SHARD_SIZE, DTYPES, ST_TO_TORCH, TORCH_TO_ST,
+                                     BaseTensor, MergeError, OnWrite, OutTensor, Plan, ShardWriter, WriteCounter,
+                                     copy_tokenizer, not_replaceable,
                                      prepare_output, prepare_shards, sigterm_as_interrupt, write_index)
 from finetune.units import human_size
 from finetune.recipe.references import MODEL_CONFIG
@@ -80,6 +81,10 @@ def _run_dir_hint(path: Path) -> str:
     numbered = checkpoint_dirs(path)
     if numbered:
         return f". It is a run directory; its checkpoints: {', '.join(str(p) for _, p in numbered)}"
+    weights = [name for name in (*ADAPTER_WEIGHTS[:1], "model.safetensors", INDEX_NAME) if (path / name).is_file()]
+    if weights:  # the Trainer's own checkpoint (a run with deepspeed.enabled: false): the weights are there already
+        return (f". It is a checkpoint of a run without DeepSpeed: {path / weights[0]} already holds the "
+                f"{'adapter' if weights[0].startswith('adapter') else 'weights'} (load or copy the folder; nothing to convert)")
     run = RunDir(path)
     if run.is_run():
         saved = [folder.name for folder in (run.adapter_path, run.model_path) if folder.is_dir()]

@@ -1,0 +1,96 @@
+"""finetune's own cost per step, measured on CPU: its steady step time against scripts/bench_hf.py's, the plain
+Hugging Face Trainer, with the same DeepSpeed config, model, rows, LoRA, micro batch and processes (issue 35).
+
+    python scripts/bench_overhead.py                  # tiny Llama, LoRA, ZeRO-2, 2 CPU processes, 2 rounds
+    python scripts/bench_overhead.py --steps 80 --rounds 3
+
+Each round trains recipes/tiny/lora_zero2.yaml with `finetune train`, then bench_hf.py on that run directory with
+the run's own deepspeed.json (what DeepSpeed ran, less nothing: the same engine settings and optimizer), the order
+alternating between rounds; both report finetune.speed's steady figures (the steps after the warm-up). Prints
+each round and the ratio of the medians, finetune / bench_hf (the target: at most 1.02). What finetune adds around
+the step is what differs: its callbacks (the step clock, the stop flag, the last step's log), its collator with
+the host-side token count, the summary; bench_hf's collator is transformers' DataCollatorForSeq2Seq. On a machine
+shared with other jobs, single rounds swing: compare the medians of one invocation, never numbers across runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+RECIPE = REPO / "recipes" / "tiny" / "lora_zero2.yaml"
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run(cmd: list[str], env: dict[str, str]) -> None:
+    result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    if result.returncode != 0:
+        sys.exit(f"bench_overhead: {' '.join(cmd[:4])} ... failed:\n{(result.stdout + result.stderr)[-3000:]}")
+
+
+def finetune(out: Path, steps: int, env: dict[str, str]) -> dict:
+    run([sys.executable, "-m", "finetune.cli", "train", str(RECIPE), "--output-dir", str(out), "--overwrite",
+         "--set", f"training.max_steps={steps}", "--set", "training.logging_steps=10", "--master-port", str(free_port())],
+        env)
+    return json.loads((out / "summary.json").read_text())["steady"]
+
+
+def bench_hf(run_dir: Path, out: Path, env: dict[str, str]) -> dict:
+    run([sys.executable, str(REPO / "scripts" / "bench_hf.py"), str(run_dir), "--out", str(out), "--deepspeed-config",
+         str(run_dir / "deepspeed.json")], env)
+    return json.loads((out / "summary.json").read_text())["steady"]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=60, help="optimizer steps per run (the first 5 are warm-up)")
+    parser.add_argument("--rounds", type=int, default=2, help="finetune + bench_hf pairs, alternating order")
+    args = parser.parse_args(argv)
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+           "TQDM_DISABLE": "1", "PYTHONUNBUFFERED": "1"}
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    ours, theirs = [], []
+    with tempfile.TemporaryDirectory(prefix="bench-overhead-") as tmp:
+        last = None  # a finetune run directory: bench_hf trains what it says
+        for r in range(args.rounds):
+            order = ("finetune", "bench_hf") if r % 2 == 0 or last is None else ("bench_hf", "finetune")
+            results = {}
+            for tool in order:
+                if tool == "finetune":
+                    last = Path(tmp) / f"run{r}"
+                    results[tool] = finetune(last, args.steps, env)
+                else:
+                    results[tool] = bench_hf(last, Path(tmp) / f"bench{r}", env)
+            ours.append(results["finetune"])
+            theirs.append(results["bench_hf"])
+            print(f"round {r + 1} ({' then '.join(order)}): finetune {results['finetune']['step_seconds_p50']:.4f} s/step, "
+                  f"{results['finetune']['tokens_per_second']:,.0f} tokens/s; bench_hf "
+                  f"{results['bench_hf']['step_seconds_p50']:.4f} s/step, {results['bench_hf']['tokens_per_second']:,.0f} "
+                  "tokens/s", flush=True)
+    step_ours = statistics.median(s["step_seconds_p50"] for s in ours)
+    step_theirs = statistics.median(s["step_seconds_p50"] for s in theirs)
+    tps_ours = statistics.median(s["tokens_per_second"] for s in ours)
+    tps_theirs = statistics.median(s["tokens_per_second"] for s in theirs)
+    print(f"median steady step time (p50): finetune {step_ours:.4f} s, bench_hf {step_theirs:.4f} s: "
+          f"finetune / bench_hf = {step_ours / step_theirs:.3f} (target <= 1.02)")
+    print(f"median steady tokens/s: finetune {tps_ours:,.0f}, bench_hf {tps_theirs:,.0f}: "
+          f"finetune / bench_hf = {tps_ours / tps_theirs:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
