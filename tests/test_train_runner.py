@@ -49,6 +49,10 @@ def test_two_process_run_learns_and_saves_what_it_trained(name, tiny_run, tiny_c
     assert len(summary["loss_history"]) == recipe.training.max_steps  # logging_steps: 1
     assert summary["tokens_trained"] > 0 and summary["tokens_per_second"] > 0
     assert summary["wall_seconds"] > 0
+    steady = summary["steady"]  # issue 35: the steps after the warm-up, tokens counted on the host, summed over ranks
+    assert steady["steps"] == recipe.training.max_steps - 5 and steady["tokens_per_second"] > 0
+    assert 0 < steady["step_seconds_p50"] <= steady["step_seconds_p90"] and steady["tokens"] < summary["tokens_trained"]
+    assert steady["flops_per_token"] > 0 and steady["mfu"] is None and steady["reason"] == "no MFU on a CPU"
     startup = summary["startup"]
     # launched by hand (train_fixtures.launch_runner): no launcher's prepare.json; by `finetune train`: its seconds
     tokenize = startup["tokenize"]

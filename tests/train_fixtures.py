@@ -156,7 +156,8 @@ def assert_run_report(run_dir: Path, steps: int) -> None:
     page = Page()
     page.feed((run_dir / "report.html").read_text(encoding="utf-8"))
     page.close()
-    assert {"Summary", "Loss and learning rate", "Memory per rank: plan vs measured", "Next", "Versions"} <= set(page.headings)
+    assert {"Summary", "Loss and learning rate", "Memory per rank: plan vs measured", "Next", "Versions",
+            "Speed: the steady state, after the warm-up steps"} <= set(page.headings)
     (image,) = page.images
     assert base64.b64decode(image.split(",", 1)[1]) == png
     text = "".join(page.text)
