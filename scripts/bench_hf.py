@@ -115,7 +115,7 @@ def launch(args: argparse.Namespace) -> int:
     tokenize_before_launch(load_recipe(recipe_file, [] if run_dir else args.set), log=lambda line: print(f"[bench_hf] {line}"))
     procs = args.procs or (recipe.world_size or 1)
     argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(procs), "--master-port",
-            str(free_port(0, "127.0.0.1")), str(Path(__file__).resolve()), *sys.argv[1:]]
+            str(free_port()), str(Path(__file__).resolve()), *sys.argv[1:]]
     args.out.mkdir(parents=True, exist_ok=True)
     return subprocess.run(argv, check=False).returncode
 

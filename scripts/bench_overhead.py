@@ -25,15 +25,11 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
 RECIPE = REPO / "recipes" / "tiny" / "lora_zero2.yaml"
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from finetune.run.launch import free_port  # noqa: E402 (after the path above)
 
 
 def run(cmd: list[str], env: dict[str, str]) -> None:

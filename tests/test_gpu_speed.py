@@ -12,7 +12,8 @@ import sys
 
 import pytest
 
-from tests.train_fixtures import REPO, cache_dir, os_free_port, runner_env
+from finetune.run.launch import free_port
+from tests.train_fixtures import REPO, cache_dir, runner_env
 
 SCRIPT = REPO / "scripts" / "gpu_speed.py"
 
@@ -36,7 +37,7 @@ def test_cpu_plumbing_pairs_finetune_with_bench_hf_and_a_finished_run_trains_no_
     assert (run / "checkpoint-10" / "adapter_model.safetensors").is_file()  # the Trainer's own checkpoint format
     # issue 34: the finished run, resumed from its checkpoint at the last step, writes its outputs and trains nothing
     again = subprocess.run([sys.executable, "-m", "finetune.cli", "train", mine["recipe"], "--output-dir",
-                            str(run), "--force-resume", "--master-port", str(os_free_port())],
+                            str(run), "--force-resume", "--master-port", str(free_port())],
                            cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert "checkpoint-10 is the training's last step (step 10 of 10): nothing is left to train" in again.stdout

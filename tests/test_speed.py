@@ -242,10 +242,10 @@ def test_the_ranks_agree_on_the_stop_one_step_later_without_a_collective_that_wa
     from transformers import TrainerState  # noqa: F401 - imported before the fork, for the children
     import torch.multiprocessing as mp
 
-    from tests.train_fixtures import os_free_port
+    from finetune.run.launch import free_port
 
     # forked: the children have torch and transformers imported already (spawn would import them again, ~20 s)
-    mp.start_processes(_flag_rank, args=(os_free_port(), tmp_path), nprocs=2, start_method="fork")
+    mp.start_processes(_flag_rank, args=(free_port(), tmp_path), nprocs=2, start_method="fork")
     assert json.loads((tmp_path / "rank0").read_text()) == [4, "a signal to another rank"]
     assert json.loads((tmp_path / "rank1").read_text()) == [4, "SIGTERM"]
 

@@ -25,7 +25,7 @@ def with_auto(data: dict[str, Any], keys) -> dict[str, Any]:
         training["gradient_accumulation_steps"] = training["micro_batch_size"] * training["gradient_accumulation_steps"]
     for key in keys:
         section, name = key.split(".")
-        if isinstance(data.get(section), dict):
+        if isinstance(data.get(section), dict) and name in data[section]:  # not a key the record leaves out
             data[section][name] = "auto"
     return data
 
