@@ -25,7 +25,8 @@ Writes DIR/summary.json: `steady` in finetune's shape (finetune.speed.steady: to
 the peak memory per rank, and with --profile a torch.profiler window over the PROFILE_STEPS steps after the warm-up:
 GPU-busy time over wall time and the kernels (CPU: operators) that took the most time, also in DIR/profile.json
 (the steady window then starts after the profiled steps).
-Runs its processes under torchrun, like `finetune train`. Packing and padding-free recipes are not supported.
+Runs its processes under torchrun, like `finetune train` (one process without DeepSpeed: in this process).
+Packing and padding-free recipes are not supported.
 """
 
 from __future__ import annotations
@@ -114,9 +115,11 @@ def launch(args: argparse.Namespace) -> int:
     recipe_file = run_dir / "recipe.yaml" if run_dir else args.source
     tokenize_before_launch(load_recipe(recipe_file, [] if run_dir else args.set), log=lambda line: print(f"[bench_hf] {line}"))
     procs = args.procs or (recipe.world_size or 1)
+    args.out.mkdir(parents=True, exist_ok=True)
+    if procs == 1 and args.no_deepspeed:  # one process, no DeepSpeed: the Trainer needs no process group
+        return rank_main(args)
     argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(procs), "--master-port",
             str(free_port()), str(Path(__file__).resolve()), *sys.argv[1:]]
-    args.out.mkdir(parents=True, exist_ok=True)
     return subprocess.run(argv, check=False).returncode
 
 
