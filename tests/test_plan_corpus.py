@@ -392,8 +392,10 @@ def test_cli_text_names_the_three_counters_and_the_bound():
     for needle in ("as torch.cuda.max_memory_allocated", "as torch.cuda.max_memory_reserved", "as nvidia-smi",
                    "upper bound (nvidia-smi)", "`fits` uses this one", "fits under the upper bound"):
         assert needle in out.stdout
-    # 12 GiB: the estimate (11.2 GiB) would fit, the bound (13.0) does not: exit 3, and the text says both.
-    out = run_cli("plan", "--model", "llama-3-8b", "--method", "qlora", "--gpu-memory", "12GiB")
+    # 12 GiB: the estimate (11.2 GiB) would fit, the bound (13.0) does not: exit 3, and the text says both. (The loss
+    # and the engine written: left auto, the plan would choose the chunked loss and the plain Trainer, which fit.)
+    out = run_cli("plan", "--model", "llama-3-8b", "--method", "qlora", "--gpu-memory", "12GiB",
+                  "--set", "training.loss_kernel=default", "--set", "deepspeed.enabled=true")
     assert out.returncode == 3 and "does NOT fit: the upper bound" in out.stdout and "the estimate" in out.stdout
 
 
