@@ -11,6 +11,9 @@ each round and the ratio of the medians, finetune / bench_hf (the target: at mos
 the step is what differs: its callbacks (the step clock, the stop flag, the last step's log), its collator with
 the host-side token count, the summary; bench_hf's collator is transformers' DataCollatorForSeq2Seq. On a machine
 shared with other jobs, single rounds swing: compare the medians of one invocation, never numbers across runs.
+
+Not run by the tests: each round is two 2-process training runs (minutes on 2 cores); its parts are
+tested: bench_hf.py through tests/test_gpu_speed.py, finetune train everywhere.
 """
 
 from __future__ import annotations
