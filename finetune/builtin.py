@@ -26,6 +26,7 @@ import random
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
+from finetune.builtin_vision import VLM_SPECS
 from finetune.errors import FinetuneError
 from finetune.fsutil import publish_once
 from finetune.recipe.references import MODEL_CONFIG
@@ -104,18 +105,27 @@ def is_builtin(name_or_path: str) -> bool:
     return name_or_path.startswith(BUILTIN_PREFIX)
 
 
+def builtin_names() -> list[str]:
+    """Every built-in model's name: the tiny Llama, and the tiny vision-language models (finetune.builtin_vision)."""
+    return [*BUILTIN_CONFIGS, *VLM_SPECS]
+
+
 def builtin_name(name_or_path: str) -> str:
     """'builtin:tiny-llama' -> 'tiny-llama' (raises BuiltinModelError for an unknown name)."""
     name = name_or_path[len(BUILTIN_PREFIX):] if is_builtin(name_or_path) else name_or_path
-    if name not in BUILTIN_CONFIGS:
-        known = ", ".join(BUILTIN_PREFIX + n for n in BUILTIN_CONFIGS)
+    if name not in builtin_names():
+        known = ", ".join(BUILTIN_PREFIX + n for n in builtin_names())
         raise BuiltinModelError(f"unknown built-in model `{BUILTIN_PREFIX}{name}` (known: {known})")
     return name
 
 
 def builtin_config(name_or_path: str) -> dict[str, Any]:
-    """A built-in model's config.json as a dict, model_type included (for the planner and lint; no torch)."""
-    return {"model_type": DEFAULT_MODEL_TYPE, **BUILTIN_CONFIGS[builtin_name(name_or_path)]}
+    """A built-in model's config.json as a dict, model_type included (for the planner and lint; no torch); a
+    built-in vision-language model's as finetune.builtin_vision gives it."""
+    name = builtin_name(name_or_path)
+    if name in VLM_SPECS:
+        return dict(VLM_SPECS[name]["config"])
+    return {"model_type": DEFAULT_MODEL_TYPE, **BUILTIN_CONFIGS[name]}
 
 
 def resolve_model_path(name_or_path: str) -> str:
@@ -134,7 +144,8 @@ def builtin_model_dir(name_or_path: str, root: Optional[Path] = None) -> Path:
     """Where a built-in model lives (under `root`, default cache_root()); the name hashes what shapes it."""
     name = builtin_name(name_or_path)
     spec = {"config": BUILTIN_CONFIGS[name], "seed": MODEL_SEED, "version": BUILD_VERSION,
-            "chat_template": CHAT_TEMPLATE, "data": DEMO_DATA_VERSION}
+            "chat_template": CHAT_TEMPLATE, "data": DEMO_DATA_VERSION} if name in BUILTIN_CONFIGS else \
+        {"vlm": VLM_SPECS[name], "version": BUILD_VERSION}
     digest = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
     return (Path(root) if root is not None else cache_root()) / "models" / f"{name}-{digest}"
 
@@ -155,6 +166,11 @@ def ensure_builtin_model(name_or_path: str, root: Optional[Path] = None) -> Path
 
 
 def _build(name: str, out: Path) -> None:
+    if name in VLM_SPECS:
+        from finetune.builtin_vision import build
+
+        build(name, out)
+        return
     build_tokenizer(out)
     _build_model(name, out)
 

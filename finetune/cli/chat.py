@@ -20,11 +20,13 @@ def chat(
     seed: Optional[int] = typer.Option(None, "--seed", help="Seed for sampling (with --temperature > 0)."),
     fmt: Optional[str] = typer.Option(None, "--format", help="alpaca, messages, sharegpt (the chat template, as messages) or text (default: what the run trained on)."),
     device: str = typer.Option("auto", "--device", help="auto (the GPU if there is one), cuda or cpu."),
+    images: Optional[List[str]] = typer.Option(None, "--image", help="An image file shown with the first message (a vision-language model; repeatable). Interactive: /image PATH adds one to the next message."),
 ) -> None:
     """Talk to a trained model, with the prompt format it trained on (chat template or alpaca prompt).
 
     Loads base + adapter (QLoRA: the base in 4-bit, as it trained) or the merged model, on the GPU if
-    there is one. Interactive: /reset starts over, /exit (or Ctrl-D) leaves.
+    there is one. Interactive: /reset starts over, /exit (or Ctrl-D) leaves. A vision-language model takes
+    images (--image, /image PATH), placed before the message's text as the run trained.
 
     Example:
 
@@ -38,22 +40,27 @@ def chat(
         loaded merged/demo (alpaca format, cpu); /reset starts over, /exit leaves
         you> What is the capital of Russia?
         The capital of is isrgenti.
+        $ finetune chat runs/tiny-vlm --image recipes/data/images/red_28x28.png --prompt "What colour is this?"
     """
     from finetune import quiet
 
     quiet.no_progress_bars()
-    from finetune.use.chat import Conversation, answer, load_chat_model, resolve_source
+    from finetune.use.chat import ChatError, Conversation, answer, load_chat_model, resolve_source
+    from finetune.use.images import ImageError, checked_images
 
     if path is None and base is None:
         raise fail("give a run directory, a model directory, or --base (and --adapter)", 2)
     source = resolve_source(path, base, adapter, fmt)
     typer.echo(f"loading {source.label} ...", err=True)  # seconds to a minute: say so (issue 24)
     model = load_chat_model(source, device)
-    conversation = Conversation(model.tokenizer, model.fmt)
+    conversation = Conversation(model.tokenizer, model.fmt, vision=model.vision)
+    pending = checked_images(list(images or []), model.vision)  # shown with the next message
 
     def say(user: str) -> None:
+        shown = tuple(pending)
+        pending.clear()
         reply = answer(model, conversation, user, max_new_tokens=max_new_tokens, temperature=temperature,
-                       seed=seed, on_text=lambda text: typer.echo(text, nl=False))
+                       seed=seed, on_text=lambda text: typer.echo(text, nl=False), images=shown)
         typer.echo("")
         if reply.dropped_turns:
             typer.echo(f"(the {reply.dropped_turns} oldest turn(s) no longer fit the model's context and were left out)", err=True)
@@ -76,6 +83,14 @@ def chat(
         if command == "/reset":
             conversation.reset()
             typer.echo("(conversation cleared)", err=True)
+            continue
+        if command.startswith("/image "):
+            try:
+                pending.extend(checked_images([command[len("/image "):].strip()], model.vision))
+            except (ImageError, ChatError) as exc:
+                typer.echo(f"error: {exc}", err=True)
+                continue
+            typer.echo(f"({len(pending)} image(s) go with your next message)", err=True)
             continue
         if command:
             say(user)

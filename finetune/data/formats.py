@@ -80,11 +80,14 @@ Example = Union[Prompted, Text, Chat, Columns]
 class RowSpec:
     """How to read a source's rows: format, column names, role map (resolved by finetune.data.sources).
     `reader`: the registered format that converts the rows when it is not `format` itself (GRPO reads the
-    prompt out of a messages, sharegpt, alpaca or prompt row: finetune.data.preference)."""
+    prompt out of a messages, sharegpt, alpaca or prompt row: finetune.data.preference; a VLM's rows with their
+    images: finetune.data.images)."""
     format: str = "alpaca"
     columns: Mapping[str, str] = field(default_factory=dict)
     roles: Mapping[str, str] = field(default_factory=dict)
     reader: Optional[str] = None
+    # A vision-language model's data (finetune.data.images.ImageSpec): where images are and what they cost.
+    images: Any = None
 
     def __post_init__(self) -> None:
         # Resolved once: validation asks for a column name several times per row, millions of rows.

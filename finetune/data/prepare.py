@@ -43,6 +43,7 @@ from finetune.data.peak import PeakMemory
 from finetune.data.sources import Source, data_files, is_local, sources_of
 from finetune.data.packing import pack_starts, pack_table
 from finetune.data.tokenize import DataError, RowError, encode_rows, load_raw
+from finetune.data import vision_encode  # noqa: F401 - registers the tokenization of rows with images
 from finetune.fsutil import OWNER_FILE, remove_stale_partials
 
 # Bump when tokenization or the cache layout changes, so caches written by an older version are never reused.
@@ -72,6 +73,8 @@ def cache_key(data: dict[str, Any], tokenizer) -> str:
     # padding_free and num_proc are left out on purpose: they change how rows are batched or made, not the rows.
     section = {k: data.get(k) for k in ("path", "format", "split", "columns", "roles", "sources", "seed", "think",
                                         "chat_template", "max_length", "packing", "mask_prompt")}
+    if data.get("vision"):  # a VLM's image sizing: another limit gives other rows
+        section["vision"] = data["vision"]
     # The launcher reads `data/x.jsonl`, the ranks the run directory's absolute path: one key for both.
     section["path"] = _absolute(section["path"])
     section["sources"] = [{**item, "path": _absolute(item.get("path"))} for item in section["sources"] or []] or None
@@ -275,11 +278,14 @@ def _partial_dir(target: Path) -> Iterator[Path]:
 # Building
 
 
-def _features():
+def _features(images: bool = False):
     import datasets
 
     ids = datasets.Sequence(datasets.Value("int32"))
-    return datasets.Features({"input_ids": ids, "labels": ids, "row": datasets.Value("int64")})
+    columns = {"input_ids": ids, "labels": ids, "row": datasets.Value("int64")}
+    if images:  # a VLM's rows: each sequence's images as datasets' Image storage (finetune.data.images)
+        columns["images"] = datasets.List({"bytes": datasets.Value("binary"), "path": datasets.Value("string")})
+    return datasets.Features(columns)
 
 
 def _build(data: dict[str, Any], tokenizer, folder: Path, procs: int, log: Callable[[str], None]):
@@ -300,6 +306,9 @@ def _build(data: dict[str, Any], tokenizer, folder: Path, procs: int, log: Calla
     if (len(order) if order is not None else len(combined)) == 0:
         raise DataError(f"{', '.join(s.path for s in sources)}: no example has a trainable token after truncation "
                         f"to max_length {max_length}")
+    if data.get("packing") and data.get("vision"):
+        raise DataError("data.packing: a vision-language model's rows carry images, which packing would separate "
+                        "from their tokens; set data.packing: false (lint R160)")
     if data.get("packing"):
         mixed = combined.select(order, keep_in_memory=True) if order is not None else combined
         return _pack(mixed.remove_columns("row"), max_length, folder / "packed.arrow", procs), reports, rows_read, None
@@ -329,7 +338,7 @@ def _tokenize_source(raw, source: Source, data: dict[str, Any], tokenizer, stem:
         try:
             parts.append(rows.map(_encode_batch, batched=True, batch_size=BATCH, with_indices=True,
                                   fn_kwargs={**kwargs, "offset": first}, remove_columns=raw.column_names,
-                                  features=_features(), num_proc=procs if procs > 1 and len(rows) >= 2 * BATCH else None,
+                                  features=_features(source.spec.images is not None), num_proc=procs if procs > 1 and len(rows) >= 2 * BATCH else None,
                                   cache_file_name=str(name), writer_batch_size=BATCH, load_from_cache_file=False,
                                   new_fingerprint=f"finetune-tokenize-{name.stem}"))
         except RowError as exc:
@@ -367,10 +376,10 @@ def _encode_batch(batch: dict[str, list], indices: list[int], spec: RowSpec, tok
         encoded = encode_rows(rows, spec, tokenizer, max_length, mask_prompt, think)
     except RowError as exc:
         raise RowError(indices[exc.index], str(exc)) from None
-    return _table(encoded, indices)
+    return _table(encoded, indices, images=spec.images is not None)
 
 
-def _table(encoded: list[list[dict[str, list[int]]]], indices: list[int]):
+def _table(encoded: list[list[dict[str, list[int]]]], indices: list[int], images: bool = False):
     """The sequences of a batch as an Arrow table (input_ids, labels: list<int32>; row: int64), the token lists
     flattened by numpy (fromiter, or concatenate for numpy rows): a half to a third of the time datasets' writer
     takes to convert the lists."""
@@ -394,8 +403,11 @@ def _table(encoded: list[list[dict[str, list[int]]]], indices: list[int]):
             flat = np.fromiter(chain.from_iterable(values), dtype=np.int32, count=total)
         return pa.ListArray.from_arrays(offsets, pa.array(flat))
 
-    return pa.table({"input_ids": column("input_ids"), "labels": column("labels"),
-                     "row": pa.array(rows, type=pa.int64())})
+    table = {"input_ids": column("input_ids"), "labels": column("labels"), "row": pa.array(rows, type=pa.int64())}
+    if images:
+        stored = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+        table["images"] = pa.array([s.get("images", []) for s in sequences], type=pa.list_(stored))
+    return pa.table(table)
 
 
 def _problem(exc: RowError) -> str:

@@ -37,17 +37,23 @@ class Source:
         return Path(self.path).name if is_local(self.path) else self.path
 
 
-def sources_of(data: Any, objective: str = "sft") -> list[Source]:
+def sources_of(data: Any, objective: str = "sft", vision: Optional[dict] = None) -> list[Source]:
     """The sources of a recipe's data section (a pydantic DataSection or its dict dump). The objective decides
-    how rows read (finetune.objectives): a preference objective's own row format, GRPO's prompt reader."""
+    how rows read (finetune.objectives): a preference objective's own row format, GRPO's prompt reader. `vision`
+    (or the dump's `vision` key, finetune.data.images.vision_data): a VLM's rows, read with their images."""
     get = data.get if isinstance(data, dict) else (lambda key, default=None: getattr(data, key, default))
     listed = get("sources")
     blocks = listed or [data]
+    vision = vision or (data.get("vision") if isinstance(data, dict) else None)
     out = []
     for item in blocks:
         item_get = item.get if isinstance(item, dict) else (lambda key, default=None, item=item: getattr(item, key, default))
-        out.append(Source(str(item_get("path")), item_get("split") or "train",
-                          row_spec(item_get("format"), item_get("columns"), item_get("roles"), objective),
+        spec = row_spec(item_get("format"), item_get("columns"), item_get("roles"), objective)
+        if vision:
+            from finetune.data.images import with_images
+
+            spec = with_images(spec, str(item_get("path")), vision)
+        out.append(Source(str(item_get("path")), item_get("split") or "train", spec,
                           item_get("weight") if listed else None, item_get("samples") if listed else None))
     return out
 
@@ -61,8 +67,13 @@ def row_spec(data_format: Optional[str], columns: Any, roles: Any, objective: st
 
 def section_for_tokenizing(recipe: Any) -> dict[str, Any]:
     """The data section as finetune.data.tokenize reads it, with the mixture's seed resolved."""
+    from finetune.data.images import vision_data
+
     data = recipe.data.model_dump(mode="json")
     data["seed"] = recipe.training.seed if recipe.data.seed is None else recipe.data.seed
+    vision = vision_data(recipe)
+    if vision:  # a VLM's rows carry images: what they cost is part of the tokenized rows (and of the cache key)
+        data["vision"] = vision
     return data
 
 

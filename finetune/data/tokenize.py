@@ -92,7 +92,8 @@ def tokenize_examples(examples: Iterable[dict[str, Any]], tokenizer, fmt: str, m
     for index, encoded in enumerate(encode_rows(batch, spec, tokenizer, max_length, mask_prompt, think)):
         if not encoded and dropped is not None:
             dropped.append(index)
-        rows.extend({name: list(map(int, values)) for name, values in sequence.items()} for sequence in encoded)
+        rows.extend({name: list(map(int, values)) if name in ("input_ids", "labels") else values
+                     for name, values in sequence.items()} for sequence in encoded)
     return rows
 
 
@@ -119,7 +120,7 @@ def encode_rows(rows: list[Any], spec: RowSpec, tokenizer, max_length: int, mask
         except RowProblem as exc:
             raise RowError(index, f"example {index}: {exc}") from None
     try:
-        return encode_batch(examples, tokenizer, max_length, mask_prompt, think)
+        return encode_batch(examples, tokenizer, max_length, mask_prompt, think, spec)
     except RowError:
         raise
     except DataError as exc:
@@ -131,9 +132,10 @@ def encode(example, tokenizer, max_length: int, mask_prompt: bool = True, think:
 
 
 def encode_batch(examples: list[Any], tokenizer, max_length: int, mask_prompt: bool = True,
-                 think: str = "train") -> list[list[dict[str, list[int]]]]:
+                 think: str = "train", spec: Optional[RowSpec] = None) -> list[list[dict[str, list[int]]]]:
     """encode() of each example; the examples of one kind share one batched tokenizer call (a fast
-    tokenizer gives the same ids for a text alone or in a batch, without padding)."""
+    tokenizer gives the same ids for a text alone or in a batch, without padding). An encoder added with
+    register_encoder also gets the rows' `spec`."""
     out: list[list[dict[str, list[int]]]] = [[] for _ in examples]
     kinds: dict[type, list[int]] = {}
     for index, example in enumerate(examples):
@@ -142,8 +144,9 @@ def encode_batch(examples: list[Any], tokenizer, max_length: int, mask_prompt: b
         encoder = _ENCODERS.get(kind)
         if encoder is None:
             raise RowError(indices[0], f"no tokenization for {kind.__name__} examples")
+        extra = {"spec": spec} if kind in _REGISTERED else {}
         for index, encoded in zip(indices, encoder([examples[i] for i in indices], indices, tokenizer, max_length,
-                                                   mask_prompt, think)):
+                                                   mask_prompt, think, **extra)):
             out[index] = encoded
     return out
 
@@ -328,6 +331,14 @@ def _encode_chat(examples: list[Chat], indices: list[int], tokenizer, max_length
 _ENCODERS: dict[type, Callable[..., list[list[dict[str, list[int]]]]]] = {
     Prompted: _encode_prompted, Text: _encode_text, Chat: _encode_chat,
 }
+_REGISTERED: set[type] = set()
+
+
+def register_encoder(kind: type, encode: Callable[..., list[list[dict[str, Any]]]]) -> None:
+    """Tokenize examples of `kind` with `encode(examples, indices, tokenizer, max_length, mask_prompt, think, spec)`
+    (a row format's own sequences: finetune.data.vision_encode's rows with images)."""
+    _ENCODERS[kind] = encode
+    _REGISTERED.add(kind)
 
 
 def split_eval(dataset, fraction: float, seed: int):

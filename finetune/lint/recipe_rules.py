@@ -141,15 +141,16 @@ def pre_ampere_features(loaded: LoadedRecipe) -> Iterator[RawFinding]:
 def builtin_model(loaded: LoadedRecipe) -> Iterator[RawFinding]:
     import difflib
 
-    from finetune.builtin import BUILTIN_CONFIGS, BUILTIN_PREFIX, is_builtin
+    from finetune.builtin import BUILTIN_PREFIX, builtin_names, is_builtin
 
+    known = builtin_names()
     for key in (("model", "name_or_path"), ("model", "tokenizer")):
         value = getattr(loaded.recipe.model, key[1])
         name = value[len(BUILTIN_PREFIX):] if value and is_builtin(value) else None
-        if name is not None and name not in BUILTIN_CONFIGS:
-            close = difflib.get_close_matches(name, list(BUILTIN_CONFIGS), n=1)
+        if name is not None and name not in known:
+            close = difflib.get_close_matches(name, known, n=1)
             yield RawFinding("R122", "error", key, f"unknown built-in model `{value}` (known: "
-                             f"{', '.join(BUILTIN_PREFIX + n for n in BUILTIN_CONFIGS)})",
+                             f"{', '.join(BUILTIN_PREFIX + n for n in known)})",
                              f"did you mean `{BUILTIN_PREFIX}{close[0]}`?" if close else None)
 
 

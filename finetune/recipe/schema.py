@@ -196,6 +196,23 @@ class DataSection(_Section):
         return [s.format for s in self.sources] if self.sources else [self.format]
 
 
+class VisionSection(_Section):
+    freeze_tower: bool = Field(True, description="Keep the vision tower frozen (no gradients, no saved activations); false trains it (LoRA: adapters on its linear layers; full: its weights). README: Vision-language models.")
+    freeze_projector: bool = Field(True, description="Keep the projector between the tower and the language model frozen (Qwen2.5-VL's merger, LLaVA's multi_modal_projector).")
+    max_pixels: Optional[int] = Field(None, ge=784, le=1 << 32, description="Qwen2.5-VL: images larger than this many pixels are shrunk (aspect kept) before the tower; caps the tokens an image costs at max_pixels / 784 (default: the model's preprocessor_config.json).")
+    min_pixels: Optional[int] = Field(None, ge=784, le=1 << 32, description="Qwen2.5-VL: images smaller than this many pixels are enlarged (default: the model's preprocessor_config.json).")
+    max_image_tokens: Optional[int] = Field(None, ge=1, le=1 << 22, description="Qwen2.5-VL: the same limit as max_pixels, in tokens per image (max_pixels = tokens x 28 x 28).")
+    tower_guard: Literal["auto", "always", "off"] = Field("auto", description="A micro batch without images still runs the vision tower (a zero-weighted dummy image after the embeddings), so every rank gathers the same ZeRO-3 parameters in the same order: auto = with more than one process.")
+
+    @model_validator(mode="after")
+    def _one_size_limit(self) -> "VisionSection":
+        if self.max_pixels is not None and self.max_image_tokens is not None:
+            raise ValueError("give max_pixels or max_image_tokens, not both (they are the same limit)")
+        if self.min_pixels is not None and self.max_pixels is not None and self.min_pixels > self.max_pixels:
+            raise ValueError("min_pixels is larger than max_pixels")
+        return self
+
+
 PREFERENCE_OBJECTIVES = objectives.PREFERENCE
 
 
@@ -400,6 +417,7 @@ class Recipe(_Section):
     moe: MoeSection = Field(default_factory=MoeSection, description="Mixture-of-experts models: how the experts run and the router's auxiliary loss (README: Mixture of experts).")
     quantization: QuantizationSection = Field(default_factory=QuantizationSection, description="4-bit quantization of the frozen base (qlora).")
     data: DataSection = Field(description="The training data.")
+    vision: VisionSection = Field(default_factory=VisionSection, description="Vision-language models (recognised from config.json): what trains, image sizes (README: Vision-language models).")
     training: TrainingSection = Field(default_factory=TrainingSection, description="Optimisation hyper-parameters (HF TrainingArguments).")
     deepspeed: DeepSpeedSection = Field(default_factory=DeepSpeedSection, description="ZeRO stage, offload and buckets (rendered to DeepSpeed JSON).")
     parallel: ParallelSection = Field(default_factory=ParallelSection, description="Model parallelism beside ZeRO's data parallelism: sequence (Ulysses) and tensor (AutoTP) degrees.")

@@ -44,6 +44,7 @@ def load_model(recipe: Recipe, model_path: str):
     from transformers import AutoModelForCausalLM
 
     from finetune.train import moe
+    from finetune.train.vlm_model import is_vlm, load_vlm
 
     kwargs = {**model_kwargs(recipe), **moe.load_kwargs(recipe, model_path)}
     if recipe.model.rope_scaling is not None:
@@ -53,6 +54,8 @@ def load_model(recipe: Recipe, model_path: str):
         moe.apply_config_overrides(kwargs["config"], recipe, model_path)
     else:  # config attributes as keyword arguments: transformers applies them before building the model
         kwargs.update(moe.config_overrides(recipe, model_path))
+    if is_vlm(recipe):  # its image-text class: AutoModelForCausalLM would leave the tower out (issue 38)
+        return load_vlm(model_path, kwargs)
     return AutoModelForCausalLM.from_pretrained(model_path, **kwargs)
 
 
@@ -79,8 +82,10 @@ def lora_config(recipe: Recipe, model=None):
     from peft import LoraConfig
 
     from finetune.train.moe import peft_targets
+    from finetune.train.vlm_model import lora_kwargs
 
     lora = recipe.lora
+    vision = lora_kwargs(recipe)  # a VLM: the tower and projector out of "all-linear" unless opted in
     return LoraConfig(
         # A reward model's score head is new: SEQ_CLS makes peft train and save it (modules_to_save `score`).
         task_type="SEQ_CLS" if recipe.objective == "reward" else "CAUSAL_LM",
@@ -92,7 +97,9 @@ def lora_config(recipe: Recipe, model=None):
         # Dense models: peft expands "all-linear" to every nn.Linear (and 4-bit Linear) but the output head.
         # Mixtures of experts: finetune names the modules (and the experts, as target_parameters) itself.
         **peft_targets(recipe, model),
-        modules_to_save=lora.modules_to_save,
+        # a VLM: the tower and projector out of "all-linear" unless opted in (finetune.train.vlm_model)
+        modules_to_save=vision.get("modules_to_save", lora.modules_to_save),
+        exclude_modules=vision.get("exclude_modules"),
         use_rslora=lora.rslora,
         use_dora=lora.dora,
         bias=lora.bias,
@@ -112,7 +119,12 @@ def enable_checkpointing(model, reentrant: bool = False, offload: bool = False) 
 
 def prepare_model(model, recipe: Recipe):
     """Gradient checkpointing, then (lora/qlora) the PEFT adapter. Returns the model to train."""
+    from finetune.train.vlm_model import freeze_for_full, is_vlm, text_inputs_require_grads
+
     t = recipe.training
+    vlm = is_vlm(recipe)
+    if vlm and recipe.vision.freeze_tower:
+        text_inputs_require_grads(model)  # not the frozen tower's patch embedding too (finetune.train.vlm_model)
     if t.gradient_checkpointing:
         from finetune.render import reentrant_checkpointing
         from finetune.train.dist import has_accelerator
@@ -121,6 +133,8 @@ def prepare_model(model, recipe: Recipe):
         # already, and transformers 5.23 would still ask for pinned memory, which a CPU-only torch cannot give
         enable_checkpointing(model, reentrant_checkpointing(recipe), offload=t.activation_offload and has_accelerator())
     if recipe.method == "full":
+        if vlm:
+            freeze_for_full(model, recipe)  # the tower and projector train only when the recipe says so
         return model
     from peft import get_peft_model
 

@@ -307,6 +307,7 @@ def run(run_dir: Path, resume: bool = False) -> None:
     from finetune.data.tokenize import split_eval
     from finetune.train import parallel, preference
     from finetune.train.model import count_parameters, load_model, prepare_model
+    from finetune.train.vlm_model import install_guard, save_processor_files, vision_collator
     from finetune.tokenizer import load_tokenizer
 
     on_cpu = is_cpu_accelerator()
@@ -357,8 +358,11 @@ def run(run_dir: Path, resume: bool = False) -> None:
         collator = make_collator(tokenizer.pad_token_id, recipe.model.attn_implementation, recipe.data.packing,
                                  recipe.data.padding_free, counts=host_counts)
         collator = parallel.wrap_collator(collator, args_kwargs, tokenizer.pad_token_id, recipe, on_cpu)
+        images, image_processor = vision_collator(recipe, model_path, tokenizer)  # a VLM: pixels too (issue 38)
+        collator = images or collator
     else:  # raw rows: TRL's trainer tokenizes them (chat template, EOS, truncation) and collates
         (train_set, eval_set), collator = preference.split_rows(recipe), None
+        images = image_processor = None
     startup.mark("data")
 
     # 4. The model, built partitioned under ZeRO-3, then LoRA and gradient checkpointing.
@@ -377,6 +381,7 @@ def run(run_dir: Path, resume: bool = False) -> None:
     else:  # the adapter is TRL's to add (peft_config), or continued from model.adapter; maybe a reference model
         model, peft_config, ref_model = preference.prepare_policy(model, recipe, model_path)
     parallel.apply_tiled_mlp(model, recipe.training)  # DeepSpeed ALST's TiledMLP when training.tiled_mlp
+    install_guard(model, recipe, world_size)  # a VLM under several processes: every batch enters the tower
     if recipe.training.loss_kernel == "chunked":
         from finetune.chunks import chunk_count
         from finetune.loss_kernel import use_chunked_loss
@@ -441,6 +446,8 @@ def run(run_dir: Path, resume: bool = False) -> None:
         tmp_tok = run_dir / ".tokenizer.partial"
         shutil.rmtree(tmp_tok, ignore_errors=True)
         tokenizer.save_pretrained(str(tmp_tok))
+        if image_processor is not None:  # the processor as trained (its image-size limits) beside the tokenizer
+            save_processor_files(image_processor, images.vm, tmp_tok)
         _replace_dir(tmp_tok, run_dir / TOKENIZER_DIR)
         extra = {"method": recipe.method, "zero_stage": recipe.deepspeed.stage if engine else None,
                  "deepspeed": engine, "output": saved,

@@ -186,6 +186,7 @@ class ChatModel:
     fmt: str
     device: str
     label: str
+    vision: Optional[Any] = None  # a vision-language model's finetune.use.images.Vision
 
 
 def pick_device(requested: str = "auto") -> str:
@@ -230,7 +231,9 @@ def check_gpu_fits(source: Source, free_bytes: int, device_name: str) -> None:
 
 def load_chat_model(source: Source, device: str = "auto") -> ChatModel:
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    from finetune.use.images import load_vision
 
     _quiet_loading()
     device = pick_device(device)
@@ -261,8 +264,9 @@ def load_chat_model(source: Source, device: str = "auto") -> ChatModel:
             check_adapter_dir(source.adapter)
     except FileProblem as exc:
         raise ChatError(str(exc)) from None
-    model = loading(f"the model {source.model}", lambda: AutoModelForCausalLM.from_pretrained(source.model, **kwargs),
-                    ChatError)
+    vision = load_vision(source.model, [source.tokenizer, str(source.adapter) if source.adapter else None])
+    auto = AutoModelForImageTextToText if vision is not None else AutoModelForCausalLM  # a VLM: its tower too
+    model = loading(f"the model {source.model}", lambda: auto.from_pretrained(source.model, **kwargs), ChatError)
     if "device_map" not in kwargs:
         model.to(device)
     if source.adapter is not None:
@@ -282,7 +286,7 @@ def load_chat_model(source: Source, device: str = "auto") -> ChatModel:
         if recipe is not None:
             raise ChatError(f"{source.label}: trained with format: messages but the tokenizer has no chat template")
         fmt = "text"  # a model without a recipe and without a template: continue plain text
-    return ChatModel(model=model, tokenizer=tokenizer, fmt=fmt, device=device, label=source.label)
+    return ChatModel(model=model, tokenizer=tokenizer, fmt=fmt, device=device, label=source.label, vision=vision)
 
 
 def check_adapter_loaded(model, adapter: Path) -> None:
@@ -348,6 +352,7 @@ class Turn:
     user: str
     reply: str
     reply_ids: list[int]
+    images: list[str] = field(default_factory=list)  # image files shown with `user` (a VLM)
 
 
 @dataclass
@@ -357,18 +362,26 @@ class Conversation:
     tokenizer: Any
     fmt: str
     turns: list[Turn] = field(default_factory=list)
+    vision: Optional[Any] = None  # finetune.use.images.Vision: images are placed and expanded as in training
 
     def reset(self) -> None:
         self.turns.clear()
 
-    def add(self, user: str, reply: str, reply_ids: list[int]) -> None:
-        self.turns.append(Turn(user, reply, reply_ids))
+    def add(self, user: str, reply: str, reply_ids: list[int], images: tuple[str, ...] = ()) -> None:
+        self.turns.append(Turn(user, reply, reply_ids, list(images)))
 
-    def prompt_ids(self, user: str, first: int = 0) -> list[int]:
-        """Token ids the model continues to answer `user`, with the turns from `first` on before it."""
+    def images(self, first: int = 0, new: tuple[str, ...] = ()) -> list[str]:
+        """The image files of the turns from `first` on and of the new message, in prompt order."""
+        return [image for turn in self.turns[first:] for image in turn.images] + list(new)
+
+    def prompt_ids(self, user: str, first: int = 0, images: tuple[str, ...] = (), counts: tuple[int, ...] = ()) -> list[int]:
+        """Token ids the model continues to answer `user` (shown with `images`, a VLM's), with the turns from `first`
+        on before it; `counts`: the tokens of each image of self.images(first, images), as the processor makes them."""
         if self.fmt == "alpaca":
-            return self._alpaca(self.turns[first:], user)
-        text = self.prompt_text(user, first)
+            return self._alpaca(self.turns[first:], user, images, counts)
+        text = self.prompt_text(user, first, images)
+        if self.vision is not None and self.fmt == "messages":
+            text = self.vision.expand(text, list(counts))  # each image's token run, as training expanded it
         return list(self.tokenizer(text, add_special_tokens=self.adds_special_tokens)["input_ids"])
 
     @property
@@ -377,28 +390,45 @@ class Conversation:
         a chat template writes its own."""
         return self.fmt == "text"
 
-    def prompt_text(self, user: str, first: int = 0) -> Optional[str]:
-        """The text prompt_ids tokenizes (messages: the chat template's render; text: the turns joined); None for
-        alpaca, whose turns are tokenized one by one."""
+    def prompt_text(self, user: str, first: int = 0, images: tuple[str, ...] = ()) -> Optional[str]:
+        """The text prompt_ids tokenizes (messages: the chat template's render, one image token per image; text: the
+        turns joined); None for alpaca, whose turns are tokenized one by one."""
         turns = self.turns[first:]
         if self.fmt == "alpaca":
             return None
         if self.fmt == "messages":
             messages = []
             for turn in turns:
-                messages += [{"role": "user", "content": turn.user}, {"role": "assistant", "content": turn.reply}]
-            messages.append({"role": "user", "content": user})
+                messages += [{"role": "user", "content": _content(turn.user, turn.images)},
+                             {"role": "assistant", "content": turn.reply}]
+            messages.append({"role": "user", "content": _content(user, images)})
             return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return "".join(turn.user + turn.reply for turn in turns) + user
 
-    def _alpaca(self, turns: list[Turn], user: str) -> list[int]:
+    def _alpaca(self, turns: list[Turn], user: str, images: tuple[str, ...] = (), counts: tuple[int, ...] = ()) -> list[int]:
         from finetune.data.formats import alpaca_prompt
 
         eos = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
+        left = list(counts)
+
+        def prompt(text: str, shown: list[str]) -> list[int]:
+            if not shown:
+                return self.tokenizer(alpaca_prompt(text), add_special_tokens=True)["input_ids"]
+            here, left[:] = left[:len(shown)], left[len(shown):]
+            markup = self.vision.vm.family.markup * len(shown)  # the row's <image> placeholders, as trained
+            return self.tokenizer(self.vision.expand(alpaca_prompt(markup + text), here), add_special_tokens=True)["input_ids"]
+
         ids: list[int] = []
         for turn in turns:
-            ids += self.tokenizer(alpaca_prompt(turn.user), add_special_tokens=True)["input_ids"] + turn.reply_ids + eos
-        return ids + list(self.tokenizer(alpaca_prompt(user), add_special_tokens=True)["input_ids"])
+            ids += prompt(turn.user, turn.images) + turn.reply_ids + eos
+        return ids + list(prompt(user, list(images)))
+
+
+def _content(text: str, images: list[str]) -> Any:
+    """A user message's content: the text, after one image part per image (the OpenAI / TRL form)."""
+    if not images:
+        return text
+    return [{"type": "image"} for _ in images] + [{"type": "text", "text": text}]
 
 
 @dataclass
@@ -411,25 +441,35 @@ class Reply:
 
 def context_limit(model) -> Optional[int]:
     config = getattr(model, "config", None)
-    return getattr(config, "max_position_embeddings", None)
+    # a VLM's language model keeps it in text_config
+    return getattr(config, "max_position_embeddings", None) or getattr(getattr(config, "text_config", None),
+                                                                      "max_position_embeddings", None)
 
 
 def answer(chat: ChatModel, conversation: Conversation, user: str, *, max_new_tokens: int = 256,
            temperature: float = 0.0, seed: Optional[int] = None,
-           on_text: Callable[[str], None] = lambda s: None) -> Reply:
-    """Generate the reply to `user`, streaming its text to `on_text`; the turn is added to the conversation."""
+           on_text: Callable[[str], None] = lambda s: None, images: tuple[str, ...] = ()) -> Reply:
+    """Generate the reply to `user` (shown with `images`, a VLM's), streaming its text to `on_text`; the turn is
+    added to the conversation."""
     import torch
     from transformers import TextStreamer, set_seed
 
     from jinja2 import TemplateError
 
     limit = context_limit(chat.model)
+    vision = chat.vision
+
+    def prompt(first: int) -> tuple[list[int], dict[str, Any]]:
+        shown = conversation.images(first, images)
+        counts, pixels = vision.inputs(shown, chat.model.device) if vision is not None else ([], {})
+        return conversation.prompt_ids(user, first, images, tuple(counts)), pixels
+
     try:
-        first, ids = 0, conversation.prompt_ids(user)
+        first, (ids, pixels) = 0, prompt(0)
         # The oldest turns leave when the conversation outgrows the model's context.
         while limit is not None and len(ids) + 1 > limit - min(max_new_tokens, limit // 4) and first < len(conversation.turns):
             first += 1
-            ids = conversation.prompt_ids(user, first)
+            ids, pixels = prompt(first)
     except TemplateError as exc:  # a template error, or one the sandbox refuses (SecurityError)
         raise ChatError(f"the chat template cannot render this conversation: {type(exc).__name__}: "
                         f"{' '.join(str(exc).split())[:300]}") from None
@@ -446,16 +486,18 @@ def answer(chat: ChatModel, conversation: Conversation, user: str, *, max_new_to
         set_seed(seed)
     tokenizer = chat.tokenizer
     input_ids = torch.tensor([ids], dtype=torch.long, device=chat.model.device)
+    if vision is not None:
+        pixels = {**pixels, **vision.token_types(input_ids)}
     sampling: dict[str, Any] = {"do_sample": True, "temperature": temperature} if temperature > 0 else \
         {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
     with torch.no_grad():
         output = chat.model.generate(
             input_ids=input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=new_tokens,
             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
-            streamer=Stream(tokenizer, skip_prompt=True, skip_special_tokens=True), **sampling)
+            streamer=Stream(tokenizer, skip_prompt=True, skip_special_tokens=True), **sampling, **pixels)
     reply_ids = output[0, len(ids):].tolist()
     if reply_ids and reply_ids[-1] == tokenizer.eos_token_id:
         reply_ids = reply_ids[:-1]
     text = tokenizer.decode(reply_ids, skip_special_tokens=True)
-    conversation.add(user, text, reply_ids)
+    conversation.add(user, text, reply_ids, images)
     return Reply(text=text, ids=reply_ids, prompt_tokens=len(ids), dropped_turns=first)

@@ -209,6 +209,11 @@ def target_name(base: BaseModel, name: str) -> Optional[str]:
     in the base files: it is the input embedding, and PEFT merging into the head changes that tensor."""
     if name in base.tensors:
         return name
+    from finetune.weights.checkpoint_names import checkpoint_name
+
+    stored = checkpoint_name(base, name)  # transformers 5's module layout over an older checkpoint's (a VLM)
+    if stored is not None:
+        return stored
     module, _, param = name.rpartition(".")
     if param == "weight" and module.split(".")[-1] in _HEADS:
         return tied_embedding(base)

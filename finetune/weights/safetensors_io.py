@@ -38,6 +38,8 @@ TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
     "tokenizer.model", "spiece.model", "vocab.json", "vocab.txt", "merges.txt",
     "chat_template.jinja", "chat_template.json",
+    # a vision-language model's processor: its image-size settings as trained (issue 38)
+    "preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json",
 )
 TOKENIZER_DIRS = ("additional_chat_templates",)
 
