@@ -133,24 +133,48 @@ class TowerShape:
     positions: int = 0  # CLIP's learned positions (patches + class token)
     feature_layer: int = -1  # LLaVA's vision_feature_layer (layers after it run but are not used)
 
-    def block_params(self) -> int:
+    def block_tensors(self) -> list[tuple[str, int, int]]:
+        """(name, rows, columns) of every parameter of one tower block: a linear layer's weight is (out, in), a
+        bias or norm weight (n, 1). Qwen: 2 RMSNorms, qkv + proj, a SwiGLU MLP, every linear with a bias; CLIP:
+        2 LayerNorms (weight + bias), q/k/v/out, fc1/fc2 with biases."""
         h, i = self.hidden, self.intermediate
-        if self.kind == "qwen":  # 2 RMSNorms, qkv + proj, gate/up/down, all with biases
-            return 2 * h + (h * 3 * h + 3 * h) + (h * h + h) + 2 * (h * i + i) + (i * h + h)
-        return 4 * h + 4 * (h * h + h) + (h * i + i) + (i * h + h)  # 2 LayerNorms, q/k/v/out, fc1/fc2
+        if self.kind == "qwen":
+            linears = [("attn.qkv", h, 3 * h), ("attn.proj", h, h), ("mlp.gate_proj", h, i), ("mlp.up_proj", h, i),
+                       ("mlp.down_proj", i, h)]
+            norms = [("norm1", h), ("norm2", h)]
+        else:
+            linears = [(f"self_attn.{n}", h, h) for n in ("q_proj", "k_proj", "v_proj", "out_proj")] + \
+                [("mlp.fc1", h, i), ("mlp.fc2", i, h)]
+            norms = [(f"{ln}.{p}", h) for ln in ("layer_norm1", "layer_norm2") for p in ("weight", "bias")]
+        return ([(f"{name}.weight", out, inp) for name, inp, out in linears]
+                + [(f"{name}.bias", out, 1) for name, inp, out in linears] + [(name, n, 1) for name, n in norms])
 
-    def tower_params(self) -> int:
+    def block_linears(self) -> list[tuple[str, int, int]]:
+        """(module name, in_features, out_features) of a block's linear layers (what LoRA can adapt)."""
+        return [(name[:-len(".weight")], cols, rows) for name, rows, cols in self.block_tensors()
+                if name.endswith(".weight") and cols > 1]
+
+    def outer_tensors(self) -> list[tuple[str, int, int]]:
+        """The tower's parameters outside its blocks (patch embedding; CLIP: class token, positions, norms)."""
         h = self.hidden
         if self.kind == "qwen":
-            return self.patch_dim * h + self.depth * self.block_params()
-        # patch conv (no bias), class embedding, positions, pre- and post-LayerNorm
-        return self.patch_dim * h + h + self.positions * h + 4 * h + self.depth * self.block_params()
+            return [("patch_embed.proj.weight", h, self.patch_dim)]
+        return [("embeddings.patch_embedding.weight", h, self.patch_dim), ("embeddings.class_embedding", h, 1),
+                ("embeddings.position_embedding.weight", self.positions, h)] + \
+            [(f"{ln}.{p}", h, 1) for ln in ("pre_layrnorm", "post_layernorm") for p in ("weight", "bias")]
+
+    def projector_tensors(self) -> list[tuple[str, int, int]]:
+        h, o = self.hidden, self.out_hidden
+        if self.kind == "qwen":  # the merger: RMSNorm, Linear(4h, 4h), GELU, Linear(4h, out)
+            return [("ln_q.weight", h, 1), ("mlp.0.weight", 4 * h, 4 * h), ("mlp.0.bias", 4 * h, 1),
+                    ("mlp.2.weight", o, 4 * h), ("mlp.2.bias", o, 1)]
+        return [("linear_1.weight", o, h), ("linear_1.bias", o, 1), ("linear_2.weight", o, o), ("linear_2.bias", o, 1)]
+
+    def tower_params(self) -> int:
+        return sum(r * c for _, r, c in self.outer_tensors()) + self.depth * sum(r * c for _, r, c in self.block_tensors())
 
     def projector_params(self) -> int:
-        h, o = self.hidden, self.out_hidden
-        if self.kind == "qwen":  # the merger: RMSNorm, Linear(4h, 4h), Linear(4h, out)
-            return h + (4 * h * 4 * h + 4 * h) + (4 * h * o + o)
-        return (h * o + o) + (o * o + o)  # linear_1, linear_2
+        return sum(r * c for _, r, c in self.projector_tensors())
 
 
 @dataclass(frozen=True)
@@ -258,9 +282,11 @@ def _read_json(path: Path) -> Optional[dict]:
     return data if isinstance(data, dict) else None
 
 
-def model_files(name_or_path: str, revision: Optional[str] = None) -> Optional[tuple[dict, dict, Optional[dict], str]]:
+def model_files(name_or_path: str, revision: Optional[str] = None,
+                download: bool = False) -> Optional[tuple[dict, dict, Optional[dict], str]]:
     """(config, preprocessor, processor, where) of a model reference, read without torch; None when its
-    config.json is nowhere on this machine (a hub id not downloaded and not in PUBLISHED)."""
+    config.json is nowhere on this machine (a hub id not downloaded and not in PUBLISHED). `download`: fetch a
+    hub model's config files first (training reads them anyway; lint and plan never go to the network)."""
     from finetune.builtin import builtin_name, is_builtin
 
     if is_builtin(name_or_path):
@@ -277,7 +303,7 @@ def model_files(name_or_path: str, revision: Optional[str] = None) -> Optional[t
             return None
         return (config, _read_json(local / PREPROCESSOR_CONFIG) or {}, _read_json(local / PROCESSOR_CONFIG),
                 str(local / MODEL_CONFIG))
-    cached = _hub_cache(name_or_path, revision)
+    cached = _hub_cache(name_or_path, revision, download)
     if cached is not None:
         return cached
     text = name_or_path.strip().lower().replace("_", "-")
@@ -287,36 +313,52 @@ def model_files(name_or_path: str, revision: Optional[str] = None) -> Optional[t
     return None
 
 
-def _hub_cache(repo_id: str, revision: Optional[str]) -> Optional[tuple[dict, dict, Optional[dict], str]]:
+def _hub_cache_dir() -> Path:
+    """huggingface_hub's cache folder, as it resolves it (HF_HUB_CACHE, HF_HOME/hub, ~/.cache/huggingface/hub)."""
+    import os
+
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    home = os.environ.get("HF_HOME") or os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "huggingface")
+    return Path(home).expanduser() / "hub"
+
+
+def _hub_cache(repo_id: str, revision: Optional[str], download: bool) -> Optional[tuple[dict, dict, Optional[dict], str]]:
+    # Without the repo's folder in the cache there is nothing to read: huggingface_hub is not even imported
+    # (its first use costs lint about 0.6 s).
+    if not download and not (_hub_cache_dir() / f"models--{repo_id.replace('/', '--')}").is_dir():
+        return None
     try:
-        from huggingface_hub import try_to_load_from_cache
+        from huggingface_hub import hf_hub_download, try_to_load_from_cache
     except ImportError:
         return None
     found = {}
     for name in (MODEL_CONFIG, PREPROCESSOR_CONFIG, PROCESSOR_CONFIG):
         try:
             path = try_to_load_from_cache(repo_id, name, revision=revision)
-        except Exception:  # noqa: BLE001 - not a repo id: nothing cached under it
-            return None
+            if download and not isinstance(path, str):
+                path = hf_hub_download(repo_id, name, revision=revision)
+        except Exception:  # noqa: BLE001 - not a repo id, not on the hub, offline: what is cached is what there is
+            path = None
         found[name] = _read_json(Path(path)) if isinstance(path, str) else None
     if found[MODEL_CONFIG] is None:
         return None
     return found[MODEL_CONFIG], found[PREPROCESSOR_CONFIG] or {}, found[PROCESSOR_CONFIG], f"{repo_id} (hub cache)"
 
 
-def find_vision_model(name_or_path: str, revision: Optional[str] = None) -> Optional[VisionModel]:
+def find_vision_model(name_or_path: str, revision: Optional[str] = None, download: bool = False) -> Optional[VisionModel]:
     """The VisionModel of a reference, None for a text model or a config this machine cannot read;
     VisionModelError for a VLM family that is not supported."""
-    files = model_files(name_or_path, revision)
+    files = model_files(name_or_path, revision, download)
     if files is None or not is_vlm_config(files[0]):
         return None
     return vision_model(*files)
 
 
-def recipe_vision(recipe: Any) -> Optional[VisionModel]:
+def recipe_vision(recipe: Any, download: bool = False) -> Optional[VisionModel]:
     """The recipe's model as a VisionModel with the recipe's image-size limits applied (vision.max_pixels,
-    vision.min_pixels, vision.max_image_tokens), or None for a text model."""
-    found = find_vision_model(recipe.model.name_or_path, recipe.model.revision)
+    vision.min_pixels, vision.max_image_tokens), or None for a text model. `download`: see model_files."""
+    found = find_vision_model(recipe.model.name_or_path, recipe.model.revision, download)
     if found is None:
         return None
     return replace(found, sizing=limited(found.sizing, recipe.vision))

@@ -73,7 +73,7 @@ def _list_item_model(annotation: Any):
 
 
 def rule_table() -> str:
-    from finetune.lint import PLAN_RULES, deepspeed, parallel_rules, recipe_rules  # noqa: F401 (parallel_rules adds to RULES)
+    from finetune.lint import PLAN_RULES, deepspeed, parallel_rules, recipe_rules, vision_rules  # noqa: F401 (they add to RULES)
 
     rules = {**recipe_rules.RULES, **deepspeed.RULES, **PLAN_RULES}
     lines = ["| id | what it catches |", "|---|---|"]

@@ -204,14 +204,15 @@ def image_tokens(example: Any) -> int:
 register_format(VISION_READER, vision_example)
 
 
-def vision_data(recipe: Any) -> Optional[dict[str, Any]]:
+def vision_data(recipe: Any, download: bool = True) -> Optional[dict[str, Any]]:
     """The recipe's image sizing as plain values for the data section (None for a text model): what
-    sources_of turns into each source's ImageSpec, in the launcher and in every rank alike."""
+    sources_of turns into each source's ImageSpec, in the launcher and in every rank alike. `download`: a hub
+    model's config files may be fetched (training; `finetune plan` passes False: it never goes to the network)."""
     from dataclasses import asdict
 
     from finetune.vision_models import FAMILIES, recipe_vision
 
-    found = recipe_vision(recipe)
+    found = recipe_vision(recipe, download=download)
     if found is None:
         return None
     family = FAMILIES[found.sizing.family]
@@ -228,3 +229,18 @@ def with_images(spec: RowSpec, path: str, vision: dict[str, Any]) -> RowSpec:
     images = ImageSpec(str(root.absolute()), ImageSizing(**vision["sizing"]), vision["markup"], vision["image_token"],
                        int(vision["image_token_id"]), tuple(vision["never_trained"]))
     return replace(spec, reader=VISION_READER, images=images)
+
+
+def image_note(check: Any, max_length: int) -> str:
+    """What a source's images cost, for preflight's line about it ("" without images)."""
+    tokens = list(check.image_tokens)
+    with_images = [t for t in tokens if t]
+    if not with_images:
+        return ""
+    over = sum(1 for t in with_images if t >= max_length)
+    note = (f"; {len(with_images)} with images, {min(with_images)} to {max(with_images)} image tokens a row "
+            f"(within max_length {max_length})")
+    if over:
+        note += (f"; {over} row(s) hold max_length {max_length} or more image tokens and will be dropped "
+                 "(a row is never cut inside an image)")
+    return note

@@ -36,6 +36,7 @@ def show_example(recipe, tokenizer, row_number: int = 1) -> Shown:
     `tokenizer` (the run's: finetune.tokenizer.load_tokenizer). SFT only: TRL's objectives tokenize their rows
     themselves (finetune.train.show_rows)."""
     row, where, source = nth_row(recipe, row_number)
+    from finetune.data import vision_encode  # noqa: F401 - registers the tokenization of rows with images
     from finetune.data.formats import RowProblem
     from finetune.data.tokenize import tokenize_examples
 
@@ -57,7 +58,10 @@ def nth_row(recipe, row_number: int) -> tuple[Any, str, Any]:
     from finetune.data.sources import SourceProblem, data_files, is_local, sources_of
     from finetune.data.validate import BadRow, iter_rows
 
-    source = next((s for s in sources_of(recipe.data, recipe.objective) if is_local(s.path)), None)
+    from finetune.data.images import vision_data
+
+    vision = vision_data(recipe) if recipe.objective == "sft" else None  # a VLM's rows, with their images
+    source = next((s for s in sources_of(recipe.data, recipe.objective, vision=vision) if is_local(s.path)), None)
     if source is None:
         raise ShowError("no local data source in the recipe (hub data sets are read at launch)")
     try:

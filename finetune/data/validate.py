@@ -61,6 +61,8 @@ class SourceCheck:
     problems: int = 0
     stopped: bool = False  # gave up after MAX_PER_SOURCE problems
     lengths: array = field(default_factory=lambda: array("I"))  # characters per good row, for the planner
+    # a VLM's rows (finetune.data.images): image tokens per good row, beside `lengths`
+    image_tokens: array = field(default_factory=lambda: array("I"))
 
     def length_stats(self) -> Optional[dict[str, int]]:
         return length_stats(self.lengths)
@@ -178,7 +180,10 @@ def _check_rows(path: Path, rows: Iterator[tuple[str, Any]], check: SourceCheck,
         else:
             check.rows += 1
             try:
-                check.lengths.append(min(_characters(to_example(row, spec)), 2**32 - 1))
+                example = to_example(row, spec)
+                check.lengths.append(min(_characters(example), 2**32 - 1))
+                if spec.images is not None:
+                    check.image_tokens.append(min(sum(ref.tokens for ref in example.images), 2**32 - 1))
                 continue
             except RowProblem as exc:
                 result.add(check, f"{where}: {exc}")

@@ -110,7 +110,7 @@ def lint_loaded(loaded: LoadedRecipe, options: Optional[LintOptions] = None) -> 
     """Every check on an already loaded recipe (also used by `finetune train`'s preflight)."""
     from finetune.render import render_deepspeed, render_training_args
     from finetune.lint import (  # noqa: F401 - they register their rules
-        deepspeed, moe_rules, objective_rules, parallel_rules, recipe_rules, speed_rules,
+        deepspeed, moe_rules, objective_rules, parallel_rules, recipe_rules, speed_rules, vision_rules,
     )
 
     options = options or LintOptions()

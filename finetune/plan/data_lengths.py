@@ -31,12 +31,14 @@ def data_seq_len(recipe: Any) -> tuple[int, str]:
     from finetune.data.sources import SourceProblem, data_files, is_local, sources_of
     from finetune.data.validate import length_stats, validate
 
+    from finetune.data.images import vision_data
+
     data = recipe.data
     if data.packing or data.padding_free:
         return data.max_length, ""
-    sources = sources_of(data)
-    if not all(is_local(s.path) for s in sources):
+    if not all(is_local(s.path) for s in sources_of(data)):
         return data.max_length, ""
+    sources = sources_of(data, vision=vision_data(recipe, download=False))
     try:
         size = sum(f.stat().st_size for s in sources for f in data_files(Path(s.path).expanduser(), s.split))
     except (SourceProblem, OSError):
@@ -44,13 +46,16 @@ def data_seq_len(recipe: Any) -> tuple[int, str]:
     if size > MAX_BYTES:
         return data.max_length, f"data not read for lengths ({gib_text(size, 1)} > {gib_text(MAX_BYTES, 0)}): sized for max_length"
     checked = validate(sources)
+    ratio, how = _chars_per_token(recipe, sources)
     lengths = array("I")
     for check in checked.checks:
-        lengths.extend(check.lengths)
+        if check.image_tokens:  # a VLM's rows: each one's image tokens, as characters at the text's rate
+            lengths.extend(min(c + math.ceil(t * ratio), 2**32 - 1) for c, t in zip(check.lengths, check.image_tokens))
+        else:
+            lengths.extend(check.lengths)
     stats: Optional[dict[str, int]] = length_stats(lengths)
     if stats is None or not checked.ok:
         return data.max_length, ""
-    ratio, how = _chars_per_token(recipe, sources)
     longest, p95 = (math.ceil(stats[k] / ratio) + TEMPLATE_TOKENS for k in ("max", "p95"))
     measured = f"longest example ~{longest} tokens, p95 ~{p95} ({how}, {stats['rows']} rows)"
     if longest >= data.max_length:
@@ -106,3 +111,23 @@ def _sample_texts(source: Any) -> list[str]:
         elif isinstance(example, Chat):
             texts.append("".join(m["content"] for m in example.messages if isinstance(m.get("content"), str)))
     return texts
+
+
+def data_image_tokens(recipe: Any) -> Optional[int]:
+    """The most image tokens one row of a VLM's local data holds (finetune.data.validate reads every row's images
+    from their headers), or None when the data is not read here (a hub source, too large, bad rows)."""
+    from finetune.data.images import vision_data
+    from finetune.data.sources import SourceProblem, data_files, is_local, sources_of
+    from finetune.data.validate import validate
+
+    if not all(is_local(s.path) for s in sources_of(recipe.data)):
+        return None
+    sources = sources_of(recipe.data, vision=vision_data(recipe, download=False))
+    try:
+        if sum(f.stat().st_size for s in sources for f in data_files(Path(s.path).expanduser(), s.split)) > MAX_BYTES:
+            return None
+    except (SourceProblem, OSError):
+        return None
+    checked = validate(sources)
+    tokens = [t for check in checked.checks for t in check.image_tokens]
+    return max(tokens) if tokens and checked.ok else None

@@ -101,6 +101,10 @@ def _setup_from_recipe(recipe, gpus, gpu_memory_bytes, nodes, cpu_memory_bytes, 
         seq_len, data_note = data_seq_len(recipe)
     if recipe.objective == "grpo":  # a trained row is a prompt (data.max_length: its budget) + its completion
         seq_len += recipe.grpo.max_completion_length
+    vision = _vision(recipe, seq_len, data_lengths)
+    if vision is not None:  # the language model's Arch, and the tower and projector beside it
+        extra = vision.tower.tower_params() + vision.tower.projector_params()
+        params, label = params + extra, f"{label} + vision tower and projector ({extra / 1e9:.2f}B)"
     return Setup(
         arch=arch, params=params, model_label=label,
         method=recipe.method, dtype=recipe.model.dtype, attn=recipe.model.attn_implementation,
@@ -144,6 +148,7 @@ def _setup_from_recipe(recipe, gpus, gpu_memory_bytes, nodes, cpu_memory_bytes, 
                               if recipe.objective == "grpo" else 0),
         reference_adapter=(objectives.get(recipe.objective).reference == "preference" and recipe.method != "full"
                            and recipe.model.adapter is not None and recipe.preference.reference.mode == "adapter_disabled"),
+        vision=vision,
     )
 
 
@@ -180,6 +185,23 @@ def moe_leaf(zero: dict, arch: Optional[Arch]) -> bool:
     if isinstance(classes, str):
         classes = [classes]
     return any(c in (fam.moe_block, fam.moe_block.rsplit(".", 1)[-1]) for c in classes or ())
+
+
+def _vision(recipe, seq_len: int, data_lengths: bool):
+    """A VLM's tower and projector (finetune.plan.vision), sized for the data's image tokens when read."""
+    from finetune.plan.vision import vision_setup
+    from finetune.vision_models import VisionModelError, recipe_vision
+
+    try:
+        vm = recipe_vision(recipe)
+    except VisionModelError as exc:
+        raise PlanError(str(exc)) from None
+    tokens = None
+    if vm is not None and data_lengths:
+        from finetune.plan.data_lengths import data_image_tokens
+
+        tokens = data_image_tokens(recipe)
+    return vision_setup(recipe, vm, seq_len, recipe.training.micro_batch_size, tokens)
 
 
 def _device(block: Any) -> str:
@@ -251,9 +273,24 @@ def resolve_model(name: str) -> tuple[Optional[Arch], int, str]:
     if arch is not None:
         label = arch.describe() + ("" if text.lower() == arch.name else f" [table match for {text}]")
         return arch, arch.total_params, label
+    published = _published_vlm(text)
+    if published is not None:
+        return published
     raise PlanError(f"model {text!r} is neither a local directory with config.json nor a known architecture: "
                     f"pass --model with a config.json path, an architecture name ({', '.join(names())}) "
                     "or a parameter count such as 7.5B")
+
+
+def _published_vlm(name: str) -> Optional[tuple[Arch, int, str]]:
+    """A vision-language model whose published config finetune.vision_models holds: its language model's Arch."""
+    from finetune.plan.archs import arch_from_config
+    from finetune.vision_models import PUBLISHED, model_files
+
+    files = model_files(name)
+    if files is None or not any(files[0] is entry["config"] for entry in PUBLISHED.values()):
+        return None
+    arch = replace(arch_from_config(files[0], files[3]), name=name)
+    return arch, arch.total_params, f"{arch.describe()} [{files[3]}]"
 
 
 # ----------------------------------------------------------------------------------------------

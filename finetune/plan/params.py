@@ -94,7 +94,9 @@ def param_groups(setup: Setup) -> list[ParamGroup]:
         out.append(ParamGroup("lm_head.lora_B", v * r, 1, True, unit="lm_head.lora_B"))
     if "lm_head" in setup.modules_to_save and lora:
         out.append(ParamGroup("lm_head copy (modules_to_save)", v * h, 1, True, unit="lm_head.copy"))
-    return out
+    from finetune.plan.vision import vision_groups
+
+    return out + vision_groups(setup)  # a VLM's tower and projector
 
 
 def moe_groups(setup: Setup) -> list[ParamGroup]:

@@ -15,6 +15,7 @@ from finetune.plan.params import ParamGroup, four_bit_bytes, param_groups
 from finetune.plan.preference import generation_terms, reference_terms
 from finetune.plan.result import PlanResult
 from finetune.plan.setup import Setup, Term, overflow_as_plan_error
+from finetune.plan.vision import vision_notes, vision_terms
 from finetune.plan.states import (
     buffer_terms, gradient_and_optimizer_terms, trainable_weight_bytes, weight_terms,
 )
@@ -36,10 +37,10 @@ def plan(setup: Setup) -> PlanResult:
     complete = setup.arch is not None
     if complete:
         activations, offloaded = offload_activations(setup, tile_mlp(setup, activation_terms(setup)))
-        terms += activations + parallel_terms(setup)
+        terms += activations + parallel_terms(setup) + vision_terms(setup)
         terms += backward_end_terms(setup, terms)
         cpu += offloaded
-        notes += _moe_notes(setup)
+        notes += _moe_notes(setup) + vision_notes(setup)
     notes += bf16_note(setup)
     terms += _overhead(setup, groups, terms)
     cpu += _cpu_base(setup, groups)

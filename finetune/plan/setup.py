@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 from finetune import objectives
 from finetune.errors import FinetuneError
@@ -135,6 +135,7 @@ class Setup:
     tensor: int = 1
     activation_offload: bool = False  # training.activation_offload: checkpointed layer inputs in pinned host memory
     tiled_mlp_shards: int = 1  # training.tiled_mlp: slices per MLP call (1: not tiled)
+    vision: Optional[Any] = None  # a vision-language model's tower and projector (finetune.plan.vision.VisionSetup)
 
     @property
     def world(self) -> int:

@@ -125,10 +125,16 @@ def lint_step(loaded: LoadedRecipe, result: Preflight, world_size: Optional[int]
 def dataset_step(recipe: Recipe, result: Preflight) -> None:
     """Every row of every local source (finetune.data.validate), read the way the objective reads it (SFT
     formats, preference rows, GRPO prompts); hub ids are read at launch."""
+    from finetune.data.images import image_note, vision_data
     from finetune.data.sources import sources_of
     from finetune.data.validate import validate
+    from finetune.vision_models import VisionModelError
 
-    checked = validate(sources_of(recipe.data, recipe.objective))
+    try:  # a VLM's rows are read with their images: placeholders, files, sizes (finetune.data.images)
+        vision = vision_data(recipe)
+    except VisionModelError:
+        vision = None  # an unsupported family: lint says so
+    checked = validate(sources_of(recipe.data, recipe.objective, vision=vision))
     for path in checked.skipped:
         result.notes.append(f"dataset {path}: a hub id, not checked here (read at launch; needs network)")
     shown = checked.messages()
@@ -138,7 +144,8 @@ def dataset_step(recipe: Recipe, result: Preflight) -> None:
     result.grouped_problems += checked.total - len(shown)
     if checked.ok:
         for check in checked.checks:
-            result.notes.append(f"dataset {check.source.path}: {check.rows} {check.source.format} row(s), all look right")
+            result.notes.append(f"dataset {check.source.path}: {check.rows} {check.source.format} row(s), all look right"
+                                + image_note(check, recipe.data.max_length))
 
 
 def rewards_step(recipe: Recipe, result: Preflight, world_size: Optional[int] = None) -> None:

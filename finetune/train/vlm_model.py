@@ -27,7 +27,7 @@ from finetune.vision_models import FAMILIES, VisionModel, recipe_vision
 
 
 def is_vlm(recipe) -> bool:
-    return recipe_vision(recipe) is not None
+    return recipe_vision(recipe, download=True) is not None
 
 
 def load_vlm(model_path: str, kwargs: dict[str, Any]):

@@ -89,12 +89,18 @@ def score(model, rows: list[dict[str, list[int]]], collator, device, batch_size:
     return Score(loss=mean, perplexity=math.exp(min(mean, 700.0)), tokens=count)
 
 
-def file_spec(data: Path, recipe_data: Any, fmt: Optional[str] = None):
+def file_spec(data: Path, recipe_data: Any, fmt: Optional[str] = None, vision: Optional[dict] = None):
     """How to read `--data FILE`: as the run's source with the same path (format, columns, roles), in
-    --format when given, else as the only way the run's sources are read; ambiguous is an EvalError."""
+    --format when given, else as the only way the run's sources are read; ambiguous is an EvalError.
+    `vision` (finetune.data.images.vision_data): a VLM's rows, read with their images beside FILE."""
     from finetune.data.formats import FORMATS, RowSpec
     from finetune.data.sources import is_local, sources_of
 
+    if vision:
+        from finetune.data.images import with_images
+
+        spec = file_spec(data, recipe_data, fmt)
+        return with_images(spec, str(data), vision)
     sources = sources_of(recipe_data)
     same = [s.spec for s in sources if is_local(s.path) and _same_file(Path(s.path), Path(data))]
     if fmt is not None:
@@ -133,7 +139,7 @@ def eval_rows(run_dir: Path, recipe, tokenizer, data: Optional[Path], log: Calla
     section = section_for_tokenizing(recipe)
     try:
         if data is not None:
-            spec = file_spec(data, recipe.data, fmt)
+            spec = file_spec(data, recipe.data, fmt, section.get("vision"))
             raw = load_raw(str(data))
             rows = tokenize_examples(raw, tokenizer, spec.format, section["max_length"], section["mask_prompt"],
                                      spec=spec, think=section["think"])
@@ -183,7 +189,12 @@ def evaluate(run_dir: Path, data: Optional[Path] = None, device: str = "auto", b
     rows, described, held_out = eval_rows(run_dir, recipe, chat.tokenizer, data, log, fmt)
     if not rows:
         raise EvalError(f"{described}: no sequence to score")
-    collator = Collator(chat.tokenizer.pad_token_id if chat.tokenizer.pad_token_id is not None else chat.tokenizer.eos_token_id)
+    pad = chat.tokenizer.pad_token_id if chat.tokenizer.pad_token_id is not None else chat.tokenizer.eos_token_id
+    collator = Collator(pad)
+    if chat.vision is not None:  # a VLM's rows: their pixels too, through the run's image processor
+        from finetune.train.vlm_collator import VisionCollator
+
+        collator = VisionCollator(chat.vision.processor, chat.vision.vm, pad)
     tuned = score(chat.model, rows, collator, chat.device, batch_size)
     base = _base_score(chat, source, rows, collator, batch_size)
     result = EvalResult(data=described, held_out=held_out, sequences=len(rows), base=base, tuned=tuned,
