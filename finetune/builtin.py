@@ -29,10 +29,9 @@ from typing import Any, Iterator, Optional
 from finetune.builtin_vision import VLM_SPECS
 from finetune.errors import FinetuneError
 from finetune.fsutil import publish_once
-from finetune.recipe.references import MODEL_CONFIG
-
-# The one spelling of the prefix: everything else asks is_builtin() / builtin_name().
-BUILTIN_PREFIX = "builtin:"
+# BUILTIN_PREFIX: everything else asks is_builtin() / builtin_name() (finetune.vision_models reads it without
+# importing this module, which imports the data formats).
+from finetune.recipe.references import BUILTIN_PREFIX, MODEL_CONFIG
 
 # transformers LlamaConfig keyword arguments. 4 layers x hidden 128 with 768 tokens is ~0.8M
 # parameters, a few milliseconds a step on a CPU. 4 query heads over 2 key/value heads, so

@@ -287,12 +287,12 @@ def model_files(name_or_path: str, revision: Optional[str] = None,
     """(config, preprocessor, processor, where) of a model reference, read without torch; None when its
     config.json is nowhere on this machine (a hub id not downloaded and not in PUBLISHED). `download`: fetch a
     hub model's config files first (training reads them anyway; lint and plan never go to the network)."""
-    from finetune.builtin import builtin_name, is_builtin
+    from finetune.recipe.references import BUILTIN_PREFIX
 
-    if is_builtin(name_or_path):
+    if name_or_path.startswith(BUILTIN_PREFIX):  # the built-in VLMs' config.json, without building them
         from finetune.builtin_vision import VLM_SPECS
 
-        spec = VLM_SPECS.get(builtin_name(name_or_path))
+        spec = VLM_SPECS.get(name_or_path[len(BUILTIN_PREFIX):])
         if spec is None:
             return None
         return spec["config"], spec["preprocessor"], spec.get("processor"), name_or_path

@@ -104,7 +104,8 @@ def _setup_from_recipe(recipe, gpus, gpu_memory_bytes, nodes, cpu_memory_bytes, 
     vision = _vision(recipe, seq_len, data_lengths)
     if vision is not None:  # the language model's Arch, and the tower and projector beside it
         extra = vision.tower.tower_params() + vision.tower.projector_params()
-        params, label = params + extra, f"{label} + vision tower and projector ({extra / 1e9:.2f}B)"
+        size = f"{extra / 1e9:.2f}B" if extra >= 1e8 else f"{extra / 1e6:.2f}M"
+        params, label = params + extra, f"{label} + vision tower and projector ({size} params)"
     return Setup(
         arch=arch, params=params, model_label=label,
         method=recipe.method, dtype=recipe.model.dtype, attn=recipe.model.attn_implementation,

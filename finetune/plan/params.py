@@ -96,7 +96,7 @@ def param_groups(setup: Setup) -> list[ParamGroup]:
         out.append(ParamGroup("lm_head copy (modules_to_save)", v * h, 1, True, unit="lm_head.copy"))
     from finetune.plan.vision import vision_groups
 
-    return out + vision_groups(setup)  # a VLM's tower and projector
+    return out + [ParamGroup(**group) for group in vision_groups(setup)]  # a VLM's tower and projector
 
 
 def moe_groups(setup: Setup) -> list[ParamGroup]:

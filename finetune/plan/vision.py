@@ -69,35 +69,35 @@ def vision_setup(recipe: Any, vm: Optional[VisionModel], seq_len: int, micro_bat
 # Parameters
 
 
-def vision_groups(setup: Setup) -> list:
-    """The tower's and projector's parameters as finetune.plan.params groups (trainable or not, adapters)."""
-    from finetune.plan.params import ParamGroup
-
+def vision_groups(setup: Setup) -> list[dict[str, Any]]:
+    """The tower's and projector's parameters, as finetune.plan.params.ParamGroup's keyword arguments (trainable or
+    not, LoRA adapters on the tower, the projector's trained copy beside LoRA)."""
     v = setup.vision
     if v is None:
         return []
     t = v.tower
     full_tower = v.tower_mode == "full"
     lora = setup.method != "full"
-    out = [ParamGroup(f"vision {name}", rows * cols, 1, full_tower, unit=f"vision.{name.rsplit('.', 1)[0]}")
+
+    def group(name: str, numel: int, count: int, trainable: bool, unit: str, **extra: Any) -> dict[str, Any]:
+        return {"name": name, "numel": numel, "count": count, "trainable": trainable, "unit": unit, **extra}
+
+    out = [group(f"vision {name}", rows * cols, 1, full_tower, f"vision.{name.rsplit('.', 1)[0]}")
            for name, rows, cols in t.outer_tensors()]
-    out += [ParamGroup(f"vision block {name}", rows * cols, t.depth, full_tower, unit=f"vision.block.{name.rsplit('.', 1)[0]}",
-                       per_layer=True, in_features=cols if name.endswith(".weight") and cols > 1 else 0)
+    out += [group(f"vision block {name}", rows * cols, t.depth, full_tower, f"vision.block.{name.rsplit('.', 1)[0]}",
+                  per_layer=True, in_features=cols if name.endswith(".weight") and cols > 1 else 0)
             for name, rows, cols in t.block_tensors()]
     r = setup.lora_r
     for name, inp, outp in t.block_linears():
         if name in v.adapted:
-            out += [ParamGroup(f"vision block {name}.lora_A", r * inp, t.depth, True, unit=f"vision.block.{name}.lora_A",
-                               per_layer=True),
-                    ParamGroup(f"vision block {name}.lora_B", outp * r, t.depth, True, unit=f"vision.block.{name}.lora_B",
-                               per_layer=True)]
+            out += [group(f"vision block {name}.lora_A", r * inp, t.depth, True, f"vision.block.{name}.lora_A", per_layer=True),
+                    group(f"vision block {name}.lora_B", outp * r, t.depth, True, f"vision.block.{name}.lora_B", per_layer=True)]
     # the projector: trained whole (full fine-tune), or a trained copy beside the frozen one (LoRA: modules_to_save)
-    trained_here = v.projector_trained and not lora
-    out += [ParamGroup(f"projector {name}", rows * cols, 1, trained_here, unit=f"projector.{name.rsplit('.', 1)[0]}")
+    out += [group(f"projector {name}", rows * cols, 1, v.projector_trained and not lora, f"projector.{name.rsplit('.', 1)[0]}")
             for name, rows, cols in t.projector_tensors()]
     if v.projector_trained and lora:
-        out += [ParamGroup(f"projector {name} copy (modules_to_save)", rows * cols, 1, True,
-                           unit=f"projector.{name.rsplit('.', 1)[0]}.copy") for name, rows, cols in t.projector_tensors()]
+        out += [group(f"projector {name} copy (modules_to_save)", rows * cols, 1, True,
+                      f"projector.{name.rsplit('.', 1)[0]}.copy") for name, rows, cols in t.projector_tensors()]
     return out
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 DATA_SUFFIXES = (".json", ".jsonl", ".parquet", ".csv")  # the data file types finetune reads
 MODEL_CONFIG = "config.json"  # transformers' CONFIG_NAME: what makes a folder a model directory
+BUILTIN_PREFIX = "builtin:"  # a built-in tiny model (finetune.builtin): the one spelling of the prefix
 
 
 def is_local(reference: str) -> bool:

@@ -26,7 +26,8 @@ def multimodal_model(model):
     pixel_values and that runs the tower; found under a peft or DeepSpeed wrapper too."""
     for module in model.modules():
         name = type(module).__name__
-        if hasattr(module, "get_image_features") and name.endswith("Model") and "For" not in name:
+        # the class's own method: peft's LoraModel forwards every attribute to the model it wraps
+        if hasattr(type(module), "get_image_features") and name.endswith("Model") and "For" not in name:
             return module
     raise ValueError(f"{type(model).__name__} has no image-text module with get_image_features")
 
