@@ -274,7 +274,8 @@ PUBLISHED: dict[str, dict[str, Any]] = {
 }
 
 
-def _read_json(path: Path) -> Optional[dict]:
+def read_json_object(path: Path) -> Optional[dict]:
+    """A JSON file holding an object, else None (missing, unreadable, not an object)."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -298,10 +299,10 @@ def model_files(name_or_path: str, revision: Optional[str] = None,
         return spec["config"], spec["preprocessor"], spec.get("processor"), name_or_path
     local = Path(name_or_path).expanduser()
     if local.is_dir():
-        config = _read_json(local / MODEL_CONFIG)
+        config = read_json_object(local / MODEL_CONFIG)
         if config is None:
             return None
-        return (config, _read_json(local / PREPROCESSOR_CONFIG) or {}, _read_json(local / PROCESSOR_CONFIG),
+        return (config, read_json_object(local / PREPROCESSOR_CONFIG) or {}, read_json_object(local / PROCESSOR_CONFIG),
                 str(local / MODEL_CONFIG))
     cached = _hub_cache(name_or_path, revision, download)
     if cached is not None:
@@ -332,18 +333,21 @@ def _hub_cache(repo_id: str, revision: Optional[str], download: bool) -> Optiona
         from huggingface_hub import hf_hub_download, try_to_load_from_cache
     except ImportError:
         return None
-    found = {}
-    for name in (MODEL_CONFIG, PREPROCESSOR_CONFIG, PROCESSOR_CONFIG):
+    def read(name: str) -> Optional[dict]:
         try:
             path = try_to_load_from_cache(repo_id, name, revision=revision)
             if download and not isinstance(path, str):
                 path = hf_hub_download(repo_id, name, revision=revision)
         except Exception:  # noqa: BLE001 - not a repo id, not on the hub, offline: what is cached is what there is
             path = None
-        found[name] = _read_json(Path(path)) if isinstance(path, str) else None
-    if found[MODEL_CONFIG] is None:
+        return read_json_object(Path(path)) if isinstance(path, str) else None
+
+    config = read(MODEL_CONFIG)
+    if config is None:
         return None
-    return found[MODEL_CONFIG], found[PREPROCESSOR_CONFIG] or {}, found[PROCESSOR_CONFIG], f"{repo_id} (hub cache)"
+    if not is_vlm_config(config):  # a text model: no processor files to look for (nor to download)
+        return config, {}, None, f"{repo_id} (hub cache)"
+    return config, read(PREPROCESSOR_CONFIG) or {}, read(PROCESSOR_CONFIG), f"{repo_id} (hub cache)"
 
 
 def find_vision_model(name_or_path: str, revision: Optional[str] = None, download: bool = False) -> Optional[VisionModel]:

@@ -21,7 +21,7 @@ def test_hub_ids_and_paths_pass_through():
 
 def test_unknown_builtin_names_the_known_ones():
     with pytest.raises(BuiltinModelError, match=r"unknown built-in model `builtin:tiny-gpt` \(known: builtin:tiny-llama, "
-                                                r"builtin:tiny-qwen2.5, .*builtin:tiny-olmo2\)"):
+                                                r"builtin:tiny-qwen2.5, .*builtin:tiny-olmo2, builtin:tiny-qwen2.5-vl, builtin:tiny-llava\)"):
         resolve_model_path("builtin:tiny-gpt")
 
 

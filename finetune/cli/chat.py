@@ -45,8 +45,8 @@ def chat(
     from finetune import quiet
 
     quiet.no_progress_bars()
-    from finetune.use.chat import ChatError, Conversation, answer, load_chat_model, resolve_source
-    from finetune.use.images import ImageError, checked_images
+    from finetune.use.chat import Conversation, answer, load_chat_model, resolve_source
+    from finetune.use.images import checked_images, image_problem
 
     if path is None and base is None:
         raise fail("give a run directory, a model directory, or --base (and --adapter)", 2)
@@ -85,12 +85,13 @@ def chat(
             typer.echo("(conversation cleared)", err=True)
             continue
         if command.startswith("/image "):
-            try:
-                pending.extend(checked_images([command[len("/image "):].strip()], model.vision))
-            except (ImageError, ChatError) as exc:
-                typer.echo(f"error: {exc}", err=True)
-                continue
-            typer.echo(f"({len(pending)} image(s) go with your next message)", err=True)
+            path = command[len("/image "):].strip()
+            problem = image_problem(path, model.vision)  # said, and the conversation goes on
+            if problem:
+                typer.echo(f"error: {problem}", err=True)
+            else:
+                pending.extend(checked_images([path], model.vision))
+                typer.echo(f"({len(pending)} image(s) go with your next message)", err=True)
             continue
         if command:
             say(user)

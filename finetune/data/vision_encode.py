@@ -20,10 +20,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from finetune.data.chat_template import ChatRenderer, assistant_turn_spans, without_think
+from finetune.data.chat_template import ChatRenderer
 from finetune.data.formats import RowProblem
 from finetune.data.images import ImageRef, VisionChat, VisionPrompted
-from finetune.data.tokenize import IGNORE_INDEX, RowError, register_encoder
+from finetune.data.tokenize import IGNORE_INDEX, RowError, chat_text, register_encoder
 
 
 def expand_images(text: str, image_token: str, counts: list[int],
@@ -74,15 +74,7 @@ def encode_vision_chat(examples: list[VisionChat], indices: list[int], tokenizer
     texts, all_spans = [], []
     for index, example in zip(indices, examples):
         try:
-            chat = render.conversation(example.messages)
-            text = render(chat)
-            if mask_prompt:
-                turns = assistant_turn_spans(example.messages, tokenizer, text, render, chat)
-                flags = [flag for message, flag in zip(example.messages, example.train) if message["role"] == "assistant"]
-                spans = [span for span, flag in zip(turns, flags) if flag]
-            else:
-                spans = [(0, len(text))]
-            spans = without_think(spans, text) if think == "mask" else spans
+            text, spans = chat_text(example, tokenizer, render, mask_prompt, think)  # as a text row's
             text, spans = expand_images(text, spec.images.image_token, [ref.tokens for ref in example.images],
                                         tuple(spans))
         except RowProblem as exc:

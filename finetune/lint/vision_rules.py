@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Iterator, Optional
 
 from finetune.lint.deepspeed.context import RawFinding
-from finetune.lint.recipe_rules import RULES, _written, rule
+from finetune.lint.recipe_rules import RULES, rule
 from finetune.recipe import LoadedRecipe
 from finetune.vision_models import FAMILIES, VisionModel, VisionModelError, recipe_vision
 
@@ -61,8 +61,9 @@ def vision_model(loaded: LoadedRecipe) -> Iterator[RawFinding]:
             yield RawFinding("R162", "error", ("parallel", key), f"parallel.{key} with a vision-language model is not "
                              "supported: the tower's image tokens would be split across processes", f"set parallel.{key}: 1")
     if not FAMILIES[vm.family.name].dynamic:
+        written = loaded.raw.get("vision") if isinstance(loaded.raw.get("vision"), dict) else {}
         for key in SIZE_KEYS:
-            if _written(loaded, "vision", key):
+            if key in written:
                 yield RawFinding("R163", "warning", ("vision", key), f"vision.{key} does nothing for {vm.family.name}: "
                                  f"{vm.sizing.describe()}", f"remove vision.{key}")
     if vm.sizing.max_tokens >= r.data.max_length:

@@ -130,8 +130,9 @@ def dataset_step(recipe: Recipe, result: Preflight) -> None:
     from finetune.data.validate import validate
     from finetune.vision_models import VisionModelError
 
-    try:  # a VLM's rows are read with their images: placeholders, files, sizes (finetune.data.images)
-        vision = vision_data(recipe)
+    try:  # a VLM's rows are read with their images: placeholders, files, sizes (finetune.data.images). A hub model
+        # not on this machine is not fetched here: the launcher's tokenizing reads its rows with their images.
+        vision = vision_data(recipe, download=False)
     except VisionModelError:
         vision = None  # an unsupported family: lint says so
     checked = validate(sources_of(recipe.data, recipe.objective, vision=vision))

@@ -106,6 +106,11 @@ def text_inputs_require_grads(model) -> None:
         self._require_grads_hooks = [self.get_input_embeddings().register_forward_hook(make_inputs_require_grads)]
 
     model.enable_input_require_grads = types.MethodType(text_only, model)
+    # The frozen tower's blocks are checkpointing layers too: under reentrant checkpointing (LoRA + ZeRO-3) torch
+    # warns on every step that none of their inputs requires a gradient, which is the point of a frozen tower.
+    import warnings
+
+    warnings.filterwarnings("ignore", message="None of the inputs have requires_grad=True", category=UserWarning)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -129,21 +134,23 @@ def load_image_processor(model_path: str, vm: VisionModel, revision: Optional[st
 
 
 def save_processor_files(image_processor, vm: VisionModel, folder) -> None:
-    """The image processor's settings as trained (the recipe's size limits) beside the tokenizer, and LLaVA's
-    processor settings: a run's tokenizer/ (and a merged model) load as the model's processor."""
+    """The image processor's settings as trained (the recipe's size limits) beside the tokenizer: a run's
+    tokenizer/ (and a merged model) load as the model's processor. LLaVA's in processor_config.json with the
+    processor's own settings, as transformers 5 writes it (the image processor nested in it)."""
     import json
     from pathlib import Path
 
-    image_processor.save_pretrained(str(folder))
-    if vm.family.name == "llava":
-        from finetune.fsutil import write_atomic
-        from finetune.vision_models import PROCESSOR_CONFIG
+    if vm.family.name != "llava":
+        image_processor.save_pretrained(str(folder))
+        return
+    from finetune.fsutil import write_atomic
+    from finetune.vision_models import PROCESSOR_CONFIG
 
-        settings = {"processor_class": "LlavaProcessor", "image_token": vm.family.image_token,
-                    "patch_size": vm.sizing.patch, "vision_feature_select_strategy":
-                        vm.config.get("vision_feature_select_strategy", "default"),
-                    "num_additional_image_tokens": _additional_tokens(vm)}
-        write_atomic(Path(folder) / PROCESSOR_CONFIG, json.dumps(settings, indent=2) + "\n")
+    settings = {"processor_class": "LlavaProcessor", "image_token": vm.family.image_token,
+                "patch_size": vm.sizing.patch, "vision_feature_select_strategy":
+                    vm.config.get("vision_feature_select_strategy", "default"),
+                "num_additional_image_tokens": _additional_tokens(vm), "image_processor": image_processor.to_dict()}
+    write_atomic(Path(folder) / PROCESSOR_CONFIG, json.dumps(settings, indent=2, default=str) + "\n")
 
 
 def _additional_tokens(vm: VisionModel) -> int:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from finetune.errors import FinetuneError
-from finetune.vision_models import FAMILIES, VisionModel, find_vision_model
+from finetune.vision_models import FAMILIES, VisionModel, is_vlm_config
 
 
 class ImageError(FinetuneError, ValueError):
@@ -49,37 +49,49 @@ class Vision:
         return {"mm_token_type_ids": (input_ids == self.vm.image_token_id).long()}
 
 
-def load_vision(model: str, processor_dirs: list[str]) -> Optional[Vision]:
-    """A Vision for a VLM (its image processor from the first of `processor_dirs` that holds one, else the
-    model's), None for a text model."""
-    from finetune.vision_models import PREPROCESSOR_CONFIG, PROCESSOR_CONFIG
+def load_vision(model: str, processor_dirs: list[Optional[str]]) -> Optional[Vision]:
+    """A Vision for a VLM, None for a text model: the model's config.json, the image processor (and its settings,
+    which size the images) from the first of `processor_dirs` that holds one (a run's tokenizer/: as trained),
+    else the model's own."""
+    from finetune.vision_models import PREPROCESSOR_CONFIG, PROCESSOR_CONFIG, model_files, read_json_object, vision_model
 
-    vm = find_vision_model(model)
-    if vm is None:
+    files = model_files(model)
+    if files is None or not is_vlm_config(files[0]):
         return None
+    where = next((Path(d) for d in processor_dirs if d and any((Path(d) / n).is_file()
+                                                                for n in (PREPROCESSOR_CONFIG, PROCESSOR_CONFIG))), None)
+    config, preprocessor, processor, source = files
+    if where is not None:
+        preprocessor = read_json_object(where / PREPROCESSOR_CONFIG) or {}
+        processor = read_json_object(where / PROCESSOR_CONFIG)
     from transformers import AutoImageProcessor
 
-    where = next((d for d in processor_dirs if d and any((Path(d) / n).is_file()
-                                                          for n in (PREPROCESSOR_CONFIG, PROCESSOR_CONFIG))), model)
-    return Vision(vm, AutoImageProcessor.from_pretrained(where))
+    return Vision(vision_model(config, preprocessor, processor, source),
+                  AutoImageProcessor.from_pretrained(str(where) if where is not None else model))
+
+
+def image_problem(path: str, vision: Optional[Vision]) -> Optional[str]:
+    """Why `--image PATH` cannot be shown to the model (a text model, no such file, not an image), or None."""
+    if vision is None:
+        return ("--image needs a vision-language model (its config.json has a vision_config); this one is "
+                "a text model")
+    from finetune.data.formats import RowProblem
+    from finetune.data.images import image_size
+
+    file = Path(path).expanduser()
+    if not file.is_file():
+        return f"--image {path}: no such file"
+    try:
+        image_size(file)
+    except RowProblem as exc:
+        return f"--image {path}: {exc}"
+    return None
 
 
 def checked_images(paths: list[str], vision: Optional[Vision]) -> list[str]:
     """`--image` paths, each an image file Pillow can read; ImageError otherwise."""
-    if paths and vision is None:
-        raise ImageError("--image needs a vision-language model (its config.json has a vision_config); this one is "
-                         "a text model")
-    from finetune.data.formats import RowProblem
-    from finetune.data.images import image_size
-
-    out = []
     for path in paths:
-        file = Path(path).expanduser()
-        if not file.is_file():
-            raise ImageError(f"--image {path}: no such file")
-        try:
-            image_size(file)
-        except RowProblem as exc:
-            raise ImageError(f"--image {path}: {exc}") from None
-        out.append(str(file))
-    return out
+        problem = image_problem(path, vision)
+        if problem:
+            raise ImageError(problem)
+    return [str(Path(path).expanduser()) for path in paths]

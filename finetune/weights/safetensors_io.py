@@ -26,6 +26,7 @@ from finetune.errors import FinetuneError
 from finetune.fsutil import remove_stale_partials, write_atomic
 from finetune.recipe.references import MODEL_CONFIG
 from finetune.rundir.names import ADAPTER_CONFIG, ADAPTER_WEIGHTS, MERGED_RECIPE
+from finetune.vision_models import PREPROCESSOR_CONFIG, PROCESSOR_CONFIG
 from finetune.units import human_size
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -39,7 +40,7 @@ TOKENIZER_FILES = (
     "tokenizer.model", "spiece.model", "vocab.json", "vocab.txt", "merges.txt",
     "chat_template.jinja", "chat_template.json",
     # a vision-language model's processor: its image-size settings as trained (issue 38)
-    "preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json",
+    PREPROCESSOR_CONFIG, PROCESSOR_CONFIG, "video_preprocessor_config.json",
 )
 TOKENIZER_DIRS = ("additional_chat_templates",)
 
