@@ -13,6 +13,7 @@ from typing import Iterator, Optional
 from finetune.lint.deepspeed.context import RawFinding
 from finetune.lint.recipe_rules import RULES, rule
 from finetune.recipe import LoadedRecipe
+from finetune.recipe.schema import VisionSection
 from finetune.vision_models import FAMILIES, VisionModel, VisionModelError, recipe_vision
 
 VISION_RULES: dict[str, str] = {
@@ -43,7 +44,10 @@ def vision_model(loaded: LoadedRecipe) -> Iterator[RawFinding]:
                          "use a Qwen2.5-VL or LLaVA-1.5 model, or follow issue 38 for more families")
         return
     if vm is None:
-        written = [key for key in loaded.raw.get("vision", {}) or {}] if isinstance(loaded.raw.get("vision"), dict) else []
+        # keys set away from their defaults (a run directory's recipe.yaml writes every section out, defaults included)
+        raw = loaded.raw.get("vision") if isinstance(loaded.raw.get("vision"), dict) else {}
+        defaults = VisionSection.model_fields
+        written = [key for key, value in raw.items() if key in defaults and value != defaults[key].default]
         if written and _model_known(r.model.name_or_path):
             yield RawFinding("R163", "warning", ("vision", written[0]),
                              f"`vision` does nothing: {r.model.name_or_path} is a text model (no vision_config in its "
