@@ -257,6 +257,7 @@ def _clip_tower(v: dict, config: dict, text_hidden: int) -> TowerShape:
 PUBLISHED: dict[str, dict[str, Any]] = {
     "qwen2.5-vl-7b": {
         "pattern": r"qwen2\.5-vl-7b",
+        "hub_ids": ("Qwen/Qwen2.5-VL-7B-Instruct",),
         "config": {
             "architectures": ["Qwen2_5_VLForConditionalGeneration"], "model_type": "qwen2_5_vl",
             "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
@@ -375,3 +376,8 @@ def limited(sizing: ImageSizing, section: Any) -> ImageSizing:
     high = section.max_pixels or (section.max_image_tokens * sizing.factor ** 2 if section.max_image_tokens else 0)
     low = section.min_pixels or sizing.min_pixels
     return replace(sizing, max_pixels=high or sizing.max_pixels, min_pixels=min(low, high or sizing.max_pixels))
+
+
+def published_hub_ids() -> list[str]:
+    """The hub ids of PUBLISHED (preflight's did-you-mean knows them beside finetune.plan.archs.HUB_IDS)."""
+    return [hub_id for entry in PUBLISHED.values() for hub_id in entry["hub_ids"]]

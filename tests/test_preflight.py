@@ -403,8 +403,12 @@ def test_every_shipped_recipes_hub_model_is_in_the_planners_table_of_ids():
     from finetune.plan.archs import HUB_IDS, match_hub_id
     from finetune.recipe.references import is_model_path
 
+    from finetune.vision_models import find_vision_model, published_hub_ids
+
     known = {i: name for name, ids in HUB_IDS.items() for i in ids}
     assert all(match_hub_id(i).name == name for i, name in known.items())
+    assert all(find_vision_model(i) is not None for i in published_hub_ids())  # vision-language models
+    known.update((i, "vlm") for i in published_hub_ids())
     for path in (Path(__file__).parent.parent / "recipes").rglob("*.yaml"):
         model = load_recipe(path).recipe.model.name_or_path
         if not model.startswith("builtin:") and not is_model_path(model):

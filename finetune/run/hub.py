@@ -59,8 +59,9 @@ def hub_model_problem(repo_id: str, revision: Optional[str]) -> tuple[Optional[s
 def did_you_mean(repo_id: str) -> Optional[str]:
     """The known hub id closest to `repo_id` (case-insensitive), when it is a near miss and not the same."""
     from finetune.plan.archs import HUB_IDS
+    from finetune.vision_models import published_hub_ids
 
-    known = {i.lower(): i for ids in HUB_IDS.values() for i in ids}
+    known = {i.lower(): i for ids in HUB_IDS.values() for i in ids} | {i.lower(): i for i in published_hub_ids()}
     if repo_id.lower() in known:
         return known[repo_id.lower()] if known[repo_id.lower()] != repo_id else None
     close = difflib.get_close_matches(repo_id.lower(), list(known), n=1, cutoff=0.85)
