@@ -63,3 +63,23 @@ def test_zero3_with_an_image_on_one_rank_finishes_and_matches_one_process(tmp_pa
     inputs = resolve_inputs(one, None, None)
     merge(inputs.base, inputs.adapter, tmp_path / "merged", source_dirs=inputs.tokenizer_dirs)
     assert (tmp_path / "merged" / "preprocessor_config.json").is_file()  # the processor as the run trained it
+
+
+@pytest.mark.full
+def test_the_tiny_llava_recipe_learns_the_colours(tmp_path, tiny_cache):
+    """recipes/tiny/vlm_llava_full.yaml as README shows it: 24 steps on 2 processes, then chat names each colour."""
+    from finetune.builtin_vision import COLOURS
+
+    out = tmp_path / "llava"
+    argv = [*FINETUNE, "train", str(REPO / "recipes" / "tiny" / "vlm_llava_full.yaml"), "--output-dir", str(out),
+            "--master-port", str(os_free_port())]
+    result = subprocess.run(argv, cwd=REPO, env=runner_env(tiny_cache), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    from finetune.use.chat import Conversation, answer, load_chat_model, resolve_source
+
+    chat = load_chat_model(resolve_source(out), "cpu")
+    for colour in COLOURS:
+        image = str(REPO / "recipes" / "data" / "images" / f"{colour}_28x28.png")
+        reply = answer(chat, Conversation(chat.tokenizer, chat.fmt, vision=chat.vision), QUESTION, max_new_tokens=3,
+                       images=(image,))
+        assert reply.text.strip() == colour
