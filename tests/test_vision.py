@@ -121,6 +121,23 @@ def test_bad_image_rows_are_named_by_file_and_line(tmp_path):
     assert checked.total == 6 and list(checked.checks[0].image_tokens) == [1, 0]  # rows 7 and 8 are fine
 
 
+def test_an_image_is_a_path_bytes_a_data_url_or_datasets_struct(tmp_path):
+    import base64
+
+    from finetune.data.images import ImageSpec, read_ref
+
+    colour_rows(tmp_path, 1, seed=2)
+    path = next((tmp_path / "images").glob("*.png"))
+    data = path.read_bytes()
+    vm = find_vision_model("builtin:tiny-qwen2.5-vl")
+    spec = ImageSpec(str(tmp_path), vm.sizing, vm.family.markup, vm.family.image_token, vm.image_token_id, vm.special_ids)
+    refs = [read_ref(value, spec, "images[0]") for value in (
+        path.relative_to(tmp_path).as_posix(), str(path), data, f"data:image/png;base64,{base64.b64encode(data).decode()}",
+        {"bytes": data, "path": None}, {"bytes": None, "path": str(path)})]
+    assert len({(r.width, r.height, r.tokens) for r in refs}) == 1
+    assert [r.path is not None for r in refs] == [True, True, False, False, False, True]
+
+
 def test_image_rows_check_without_torch(colours):
     """lint and preflight's row checks run where torch is not installed: Pillow reads the headers."""
     import subprocess
@@ -331,6 +348,34 @@ def test_trained_tower_activations_within_2_percent(dtype, checkpointing, mode, 
     pixels = torch.randn(side * side, vm.tower.patch_dim, dtype=getattr(torch, dtype))
     measured = saved_bytes(model, lambda: inner.get_image_features(pixels, torch.tensor([[1, side, side]])))
     planned = saved_per_patch(tower, mode, projector, 4 if dtype == "float32" else 2, checkpointing, 8, 5) * side * side
+    assert abs(planned - measured) <= 0.02 * measured, (planned, measured)
+
+
+@pytest.mark.parametrize("dtype,checkpointing", [("float32", False), ("bfloat16", False), ("bfloat16", True)])
+def test_trained_clip_tower_activations_within_2_percent(dtype, checkpointing):
+    """LLaVA's CLIP tower trained in full, its projector frozen: the planner's per-position bytes x positions."""
+    import torch
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from finetune.plan.vision import saved_per_patch
+
+    spec = copy.deepcopy(VLM_SPECS["tiny-llava"]["config"])
+    spec["vision_config"].update(hidden_size=64, intermediate_size=160, num_attention_heads=4, num_hidden_layers=3,
+                                 image_size=56)
+    config = AutoConfig.for_model(**spec)
+    config._attn_implementation = "sdpa"
+    model = AutoModelForImageTextToText.from_config(config).to(getattr(torch, dtype)).train()
+    for name, param in model.named_parameters():
+        param.requires_grad_(name.startswith("model.vision_tower."))
+    if checkpointing:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    vm = find_vision_model("builtin:tiny-llava")
+    tower = type(vm.tower)(**{**vm.tower.__dict__, "hidden": 64, "intermediate": 160, "heads": 4, "depth": 3,
+                              "positions": 17})
+    pixels = torch.randn(1, 3, 56, 56, dtype=getattr(torch, dtype))
+    measured = saved_bytes(model, lambda: model.model.get_image_features(
+        pixels, vision_feature_layer=-1, vision_feature_select_strategy="default"))
+    planned = saved_per_patch(tower, "full", False, 4 if dtype == "float32" else 2, checkpointing) * 17
     assert abs(planned - measured) <= 0.02 * measured, (planned, measured)
 
 

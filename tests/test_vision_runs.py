@@ -15,14 +15,15 @@ import pytest
 
 from finetune.builtin_vision import QUESTION, colour_rows
 from tests.conftest import FINETUNE, REPO
-from tests.train_fixtures import os_free_port, runner_env
+from finetune.run.launch import free_port
+from tests.train_fixtures import runner_env
 
 pytestmark = pytest.mark.slow
 RECIPE = REPO / "recipes" / "tiny" / "vlm_qwen_lora_zero3.yaml"
 
 
 def train(out, data, cache, *sets: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    argv = [*FINETUNE, "train", str(RECIPE), "--output-dir", str(out), "--master-port", str(os_free_port()),
+    argv = [*FINETUNE, "train", str(RECIPE), "--output-dir", str(out), "--master-port", str(free_port()),
             "--set", f"data.path={data}", "--set", "training.max_steps=4", "--set", "launch.nccl_timeout=120", *sets]
     result = subprocess.run(argv, cwd=REPO, env=runner_env(cache), capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -72,7 +73,7 @@ def test_the_tiny_llava_recipe_learns_the_colours(tmp_path, tiny_cache):
 
     out = tmp_path / "llava"
     argv = [*FINETUNE, "train", str(REPO / "recipes" / "tiny" / "vlm_llava_full.yaml"), "--output-dir", str(out),
-            "--master-port", str(os_free_port())]
+            "--master-port", str(free_port())]
     result = subprocess.run(argv, cwd=REPO, env=runner_env(tiny_cache), capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     from finetune.use.chat import Conversation, answer, load_chat_model, resolve_source

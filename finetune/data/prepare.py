@@ -44,6 +44,7 @@ from finetune.data.sources import Source, data_files, is_local, sources_of
 from finetune.data.packing import pack_starts, pack_table
 from finetune.data.tokenize import DataError, RowError, encode_rows, load_raw
 from finetune.data import vision_encode  # noqa: F401 - registers the tokenization of rows with images
+from finetune.data.images import undecoded
 from finetune.fsutil import OWNER_FILE, remove_stale_partials
 
 # Bump when tokenization or the cache layout changes, so caches written by an older version are never reused.
@@ -295,7 +296,7 @@ def _build(data: dict[str, Any], tokenizer, folder: Path, procs: int, log: Calla
     max_length = int(data["max_length"])
     per_source, reports, rows_read = [], [], 0
     for number, source in enumerate(sources):
-        raw = load_raw(source.path, source.split)
+        raw = undecoded(load_raw(source.path, source.split), source.spec)  # a VLM's images: bytes, not PIL images
         rows_read += len(raw)
         tokenized = _tokenize_source(raw, source, data, tokenizer, folder / f"source-{number}", procs, log)
         report = SourceReport(source.path, source.format, len(raw), len(raw) - _rows_kept(tokenized),

@@ -10,7 +10,7 @@ them. What the language-model planner does not see is here:
 - the activations a trained tower saves for backward, per patch it runs on. A frozen tower saves none: its
   weights need no gradient and its input (the pixels) none either, so autograd keeps nothing (finetune keeps
   transformers' input-gradient hook off the tower's patch embedding: finetune.train.vlm_model). Counted from
-  torch's saved tensors on CPU (tests/test_vision.py checks the formula within 2%), per patch, e = bytes of
+  torch's saved tensors on CPU (tests/test_vision.py checks these within 2%), per patch, e = bytes of
   the dtype, h / i the tower's width and MLP width, H its heads, d = h / H:
   - Qwen2.5-VL, a block trained in full: (8 + 11e)h + 4e i + 4H + 8 (the RMSNorms' fp32 copies and rsqrt, the
     qkv output, the fp32 rotary products of q and k, attention's output and log-sum-exp, the SwiGLU's three
@@ -18,7 +18,8 @@ them. What the language-model planner does not see is here:
     checkpointed, e h (the block's input). Outside the blocks: the patches' pixels (3 x 2 x 14 x 14 e) and the
     rotary table (8d) when the patch embedding trains, the merger's RMSNorm and MLP inputs.
   - LLaVA's CLIP, a layer trained in full: 8e h + 3e i + 4H + 4e per position (patches and the class token);
-    checkpointed e h; the layers after vision_feature_layer run but their outputs are dropped.
+    checkpointed e h; the layers after vision_feature_layer run but their outputs are dropped. With LoRA on its
+    layers the same plus r e per adapter: an estimate, not checked against torch (the tests check full training).
 - how many patches: a micro batch's rows filled with image tokens up to data.max_length (or the data's largest
   image-token count per row, when `finetune plan` reads the data), times merge^2 patches per token (Qwen) or the
   tower's positions per image (LLaVA). Only a trained tower's activations depend on it.

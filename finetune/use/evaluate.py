@@ -140,7 +140,9 @@ def eval_rows(run_dir: Path, recipe, tokenizer, data: Optional[Path], log: Calla
     try:
         if data is not None:
             spec = file_spec(data, recipe.data, fmt, section.get("vision"))
-            raw = load_raw(str(data))
+            from finetune.data.images import undecoded
+
+            raw = undecoded(load_raw(str(data)), spec)
             rows = tokenize_examples(raw, tokenizer, spec.format, section["max_length"], section["mask_prompt"],
                                      spec=spec, think=section["think"])
             return rows, str(data), True
