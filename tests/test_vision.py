@@ -81,6 +81,22 @@ def test_tower_shapes_count_the_real_modules(tmp_path):
         assert torch.is_tensor(next(iter(params.values())))
 
 
+@pytest.mark.parametrize("recipe,sets,expected", [
+    ("vlm_qwen_lora_zero3", [], {("R175", "info")}),
+    ("vlm_qwen_lora_zero3", ["data.packing=true"], {("R170", "error"), ("R175", "info")}),
+    ("vlm_qwen_lora_zero3", ["parallel.sequence=2"], {("R172", "error"), ("R175", "info")}),
+    ("vlm_qwen_lora_zero3", ["vision.max_image_tokens=1000", "data.max_length=512"], {("R174", "warning"), ("R175", "info")}),
+    ("vlm_llava_full", ["vision.max_pixels=100000"], {("R173", "warning"), ("R175", "info")}),
+    ("lora_zero3", ["vision.freeze_tower=false"], {("R173", "warning")}),
+])
+def test_lint_says_what_a_vlm_recipe_cannot_do_and_what_an_image_costs(recipe, sets, expected):
+    from finetune.lint import LintOptions, lint_paths
+
+    result = lint_paths([REPO / "recipes" / "tiny" / f"{recipe}.yaml"], LintOptions(overrides=sets))
+    found = {(f.rule, f.severity) for f in result.findings if f.rule.startswith("R17")}
+    assert found == expected, [f.message for f in result.findings]
+
+
 # ------------------------------------------------------------------------------------------------
 # Data: every row checked before launch, named by file and line
 

@@ -309,7 +309,7 @@ def _build(data: dict[str, Any], tokenizer, folder: Path, procs: int, log: Calla
                         f"to max_length {max_length}")
     if data.get("packing") and data.get("vision"):
         raise DataError("data.packing: a vision-language model's rows carry images, which packing would separate "
-                        "from their tokens; set data.packing: false (lint R160)")
+                        "from their tokens; set data.packing: false (lint R170)")
     if data.get("packing"):
         mixed = combined.select(order, keep_in_memory=True) if order is not None else combined
         return _pack(mixed.remove_columns("row"), max_length, folder / "packed.arrow", procs), reports, rows_read, None
