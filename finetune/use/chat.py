@@ -393,15 +393,17 @@ class Conversation:
     def prompt_text(self, user: str, first: int = 0, images: tuple[str, ...] = ()) -> Optional[str]:
         """The text prompt_ids tokenizes (messages: the chat template's render, one image token per image; text: the
         turns joined); None for alpaca, whose turns are tokenized one by one."""
+        from finetune.use.images import message_content
+
         turns = self.turns[first:]
         if self.fmt == "alpaca":
             return None
         if self.fmt == "messages":
             messages = []
             for turn in turns:
-                messages += [{"role": "user", "content": _content(turn.user, turn.images)},
+                messages += [{"role": "user", "content": message_content(turn.user, turn.images)},
                              {"role": "assistant", "content": turn.reply}]
-            messages.append({"role": "user", "content": _content(user, images)})
+            messages.append({"role": "user", "content": message_content(user, images)})
             return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return "".join(turn.user + turn.reply for turn in turns) + user
 
@@ -422,13 +424,6 @@ class Conversation:
         for turn in turns:
             ids += prompt(turn.user, turn.images) + turn.reply_ids + eos
         return ids + list(prompt(user, list(images)))
-
-
-def _content(text: str, images: list[str]) -> Any:
-    """A user message's content: the text, after one image part per image (the OpenAI / TRL form)."""
-    if not images:
-        return text
-    return [{"type": "image"} for _ in images] + [{"type": "text", "text": text}]
 
 
 @dataclass

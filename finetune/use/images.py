@@ -95,3 +95,10 @@ def checked_images(paths: list[str], vision: Optional[Vision]) -> list[str]:
         if problem:
             raise ImageError(problem)
     return [str(Path(path).expanduser()) for path in paths]
+
+
+def message_content(text: str, images: Any) -> Any:
+    """A user message's content: the text, after one image part per image (the OpenAI / TRL form, as rows write it)."""
+    if not images:
+        return text
+    return [{"type": "image"} for _ in images] + [{"type": "text", "text": text}]
