@@ -32,6 +32,8 @@ from finetune.recipe.references import MODEL_CONFIG
 
 PREPROCESSOR_CONFIG = "preprocessor_config.json"
 PROCESSOR_CONFIG = "processor_config.json"
+# A processor's files beside its tokenizer: its image-size settings travel with a run's tokenizer/ and a merge.
+PROCESSOR_FILES = (PREPROCESSOR_CONFIG, PROCESSOR_CONFIG, "video_preprocessor_config.json")
 # The placeholder a data row writes for an image in its text (LLaVA's and LLaMA-Factory's convention).
 PLACEHOLDER = "<image>"
 

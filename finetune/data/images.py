@@ -244,18 +244,3 @@ def image_note(check: Any, max_length: int) -> str:
         note += (f"; {over} row(s) hold max_length {max_length} or more image tokens and will be dropped "
                  "(a row is never cut inside an image)")
     return note
-
-
-def undecoded(raw: Any, spec: RowSpec) -> Any:
-    """`raw` (a datasets.Dataset) with its image column left as {bytes, path}: datasets decodes an Image column
-    into PIL images when rows are read, which reading the header here does not need (nor the cache)."""
-    import datasets
-
-    column = spec.column(IMAGE_COLUMN)
-    feature = raw.features.get(column) if spec.images is not None else None
-    inner = getattr(feature, "feature", None)  # List(Image) / Sequence(Image)
-    if isinstance(feature, datasets.Image):
-        return raw.cast_column(column, datasets.Image(decode=False))
-    if isinstance(inner, datasets.Image):
-        return raw.cast_column(column, datasets.List(datasets.Image(decode=False)))
-    return raw

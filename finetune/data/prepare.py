@@ -43,8 +43,7 @@ from finetune.data.peak import PeakMemory
 from finetune.data.sources import Source, data_files, is_local, sources_of
 from finetune.data.packing import pack_starts, pack_table
 from finetune.data.tokenize import DataError, RowError, encode_rows, load_raw
-from finetune.data import vision_encode  # noqa: F401 - registers the tokenization of rows with images
-from finetune.data.images import undecoded
+from finetune.data.vision_encode import image_column, undecoded  # registers the rows with images too
 from finetune.fsutil import OWNER_FILE, remove_stale_partials
 
 # Bump when tokenization or the cache layout changes, so caches written by an older version are never reused.
@@ -406,8 +405,7 @@ def _table(encoded: list[list[dict[str, list[int]]]], indices: list[int], images
 
     table = {"input_ids": column("input_ids"), "labels": column("labels"), "row": pa.array(rows, type=pa.int64())}
     if images:
-        stored = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
-        table["images"] = pa.array([s.get("images", []) for s in sequences], type=pa.list_(stored))
+        table["images"] = image_column(sequences)
     return pa.table(table)
 
 

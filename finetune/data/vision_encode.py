@@ -21,8 +21,8 @@ from __future__ import annotations
 from typing import Any
 
 from finetune.data.chat_template import ChatRenderer
-from finetune.data.formats import RowProblem
-from finetune.data.images import ImageRef, VisionChat, VisionPrompted
+from finetune.data.formats import RowProblem, RowSpec
+from finetune.data.images import IMAGE_COLUMN, ImageRef, VisionChat, VisionPrompted
 from finetune.data.tokenize import IGNORE_INDEX, RowError, chat_text, register_encoder
 
 
@@ -105,6 +105,29 @@ def encode_vision_prompted(examples: list[VisionPrompted], indices: list[int], t
         trained = [not mask_prompt] * len(prompt) + [True] * (len(ids) - len(prompt))
         out.append(_row(ids, trained, example.images, spec, max_length))
     return out
+
+
+def undecoded(raw: Any, spec: RowSpec) -> Any:
+    """`raw` (a datasets.Dataset) with its image column left as {bytes, path}: datasets decodes an Image column
+    into PIL images when rows are read, which reading the header here does not need (nor the cache)."""
+    import datasets
+
+    column = spec.column(IMAGE_COLUMN)
+    feature = raw.features.get(column) if spec.images is not None else None
+    inner = getattr(feature, "feature", None)  # List(Image) / Sequence(Image)
+    if isinstance(feature, datasets.Image):
+        return raw.cast_column(column, datasets.Image(decode=False))
+    if isinstance(inner, datasets.Image):
+        return raw.cast_column(column, datasets.List(datasets.Image(decode=False)))
+    return raw
+
+
+def image_column(sequences: list[dict[str, Any]]):
+    """The prepared table's `images` column of a batch's sequences: datasets' Image storage, {bytes, path}."""
+    import pyarrow as pa
+
+    stored = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+    return pa.array([s.get("images", []) for s in sequences], type=pa.list_(stored))
 
 
 register_encoder(VisionChat, encode_vision_chat)

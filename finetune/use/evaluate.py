@@ -140,7 +140,7 @@ def eval_rows(run_dir: Path, recipe, tokenizer, data: Optional[Path], log: Calla
     try:
         if data is not None:
             spec = file_spec(data, recipe.data, fmt, section.get("vision"))
-            from finetune.data.images import undecoded
+            from finetune.data.vision_encode import undecoded
 
             raw = undecoded(load_raw(str(data)), spec)
             rows = tokenize_examples(raw, tokenizer, spec.format, section["max_length"], section["mask_prompt"],

@@ -26,7 +26,7 @@ from finetune.errors import FinetuneError
 from finetune.fsutil import remove_stale_partials, write_atomic
 from finetune.recipe.references import MODEL_CONFIG
 from finetune.rundir.names import ADAPTER_CONFIG, ADAPTER_WEIGHTS, MERGED_RECIPE
-from finetune.vision_models import PREPROCESSOR_CONFIG, PROCESSOR_CONFIG
+from finetune.vision_models import PROCESSOR_FILES
 from finetune.units import human_size
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -38,9 +38,7 @@ CONFIG_FILES = (MODEL_CONFIG, "generation_config.json")
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
     "tokenizer.model", "spiece.model", "vocab.json", "vocab.txt", "merges.txt",
-    "chat_template.jinja", "chat_template.json",
-    # a vision-language model's processor: its image-size settings as trained (issue 38)
-    PREPROCESSOR_CONFIG, PROCESSOR_CONFIG, "video_preprocessor_config.json",
+    "chat_template.jinja", "chat_template.json", *PROCESSOR_FILES,  # a VLM's processor settings, as trained
 )
 TOKENIZER_DIRS = ("additional_chat_templates",)
 
