@@ -381,7 +381,7 @@ def run(run_dir: Path, resume: bool = False) -> None:
     else:  # the adapter is TRL's to add (peft_config), or continued from model.adapter; maybe a reference model
         model, peft_config, ref_model = preference.prepare_policy(model, recipe, model_path)
     parallel.apply_tiled_mlp(model, recipe.training)  # DeepSpeed ALST's TiledMLP when training.tiled_mlp
-    guard = install_guard(model, recipe, world_size)  # a VLM under several processes: every batch enters the tower
+    tower_guard = install_guard(model, recipe, world_size)  # a VLM under several processes: every batch enters the tower
     if recipe.training.loss_kernel == "chunked":
         from finetune.chunks import chunk_count
         from finetune.loss_kernel import use_chunked_loss
@@ -435,7 +435,7 @@ def run(run_dir: Path, resume: bool = False) -> None:
     if clock.counter is not None:  # the ranks' host counts (collective)
         trainer.state.num_input_tokens_seen = clock.tokens_at_start + clock.tokens_this_start()
     steady = run_speed(clock, trainer.model, world_size)
-    dummy_forwards = all_gather(guard.dummy_runs) if guard is not None else None
+    dummy_forwards = all_gather(tower_guard.dummy_runs) if tower_guard is not None else None
 
     # 5. Outputs: the weights first, so that nothing after training can cost them.
     trainer.model.config.use_cache = use_cache
