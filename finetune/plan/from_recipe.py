@@ -202,7 +202,7 @@ def _vision(recipe, seq_len: int, data_lengths: bool):
         from finetune.plan.data_lengths import data_image_tokens
 
         tokens = data_image_tokens(recipe)
-    return vision_setup(recipe, vm, seq_len, recipe.training.micro_batch_size, tokens)
+    return vision_setup(recipe, vm, seq_len, tokens)
 
 
 def _device(block: Any) -> str:

@@ -41,12 +41,12 @@ class VisionSetup:
     tower_mode: str  # "frozen" | "full" | "lora"
     projector_trained: bool
     adapted: tuple[str, ...]  # the tower's block linears with LoRA adapters (tower_mode lora)
-    patches: int  # patches (LLaVA: positions) the tower runs on per micro batch
+    patches: int  # patches (LLaVA: positions) the tower runs on per row of a micro batch
     image_tokens: int  # image tokens per row the patches were sized for
     describe: str  # what an image costs in tokens
 
 
-def vision_setup(recipe: Any, vm: Optional[VisionModel], seq_len: int, micro_batch: int,
+def vision_setup(recipe: Any, vm: Optional[VisionModel], seq_len: int,
                  image_tokens: Optional[int] = None) -> Optional[VisionSetup]:
     """The recipe's vision part as the planner sizes it (None for a text model). `image_tokens`: the most image
     tokens a row of the data holds, when known; else rows full of image tokens (the worst case)."""
@@ -62,8 +62,8 @@ def vision_setup(recipe: Any, vm: Optional[VisionModel], seq_len: int, micro_bat
         patches = tokens * vm.sizing.merge ** 2
     else:
         patches = tokens // max(1, vm.sizing.fixed_tokens) * tower.positions
-    return VisionSetup(tower, vm.family.name, mode, not section.freeze_projector, adapted, patches * micro_batch,
-                       tokens, vm.sizing.describe())
+    return VisionSetup(tower, vm.family.name, mode, not section.freeze_projector, adapted, patches, tokens,
+                       vm.sizing.describe())
 
 
 # ------------------------------------------------------------------------------------------------
@@ -139,8 +139,9 @@ def vision_terms(setup: Setup) -> list[Term]:
         return []
     per_patch = saved_per_patch(v.tower, v.tower_mode, v.projector_trained, setup.element_bytes,
                                 setup.gradient_checkpointing, setup.lora_r, len(v.adapted))
-    return [Term("activations", "vision tower (trained)", int(per_patch * v.patches), phase="backward",
-                 note=f"{v.patches:,} patches x {per_patch:,.0f} B ({v.tower_mode}"
+    patches = v.patches * setup.micro_batch
+    return [Term("activations", "vision tower (trained)", int(per_patch * patches), phase="backward",
+                 note=f"{patches:,} patches x {per_patch:,.0f} B ({v.tower_mode}"
                       f"{', checkpointed' if setup.gradient_checkpointing else ''})")]
 
 
@@ -152,6 +153,6 @@ def vision_notes(setup: Setup) -> list[str]:
     if v.tower_mode == "frozen":
         what = f"{tower} frozen: its weights are counted, no saved activations (nothing in it needs a gradient)"
     else:
-        what = (f"{tower} trained ({v.tower_mode}): its activations are sized for {v.patches:,} patches a micro batch "
-                f"({v.image_tokens:,} image tokens a row)")
+        what = (f"{tower} trained ({v.tower_mode}): its activations are sized for {v.patches:,} patches a row "
+                f"({v.image_tokens:,} image tokens)")
     return [f"vision: {v.describe}; image tokens count toward data.max_length, the logits and the loss; {what}"]
