@@ -61,6 +61,10 @@ def test_zero3_with_an_image_on_one_rank_finishes_and_matches_one_process(tmp_pa
     assert reply.prompt_tokens >= len(text_only) + 3  # vision start, end and the image's own tokens
     with pytest.raises(ImageError, match="no such file"):
         checked_images([str(tmp_path / "nothing.png")], chat.vision)
+    from finetune.use.evaluate import evaluate
+
+    scored = evaluate(one, data=data, device="cpu", log=lambda line: None)  # `finetune eval RUN --data`: image rows
+    assert scored.sequences == 4 and scored.tuned.loss < scored.base.loss
     inputs = resolve_inputs(one, None, None)
     merge(inputs.base, inputs.adapter, tmp_path / "merged", source_dirs=inputs.tokenizer_dirs)
     assert (tmp_path / "merged" / "preprocessor_config.json").is_file()  # the processor as the run trained it
