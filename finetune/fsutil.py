@@ -17,6 +17,14 @@ from finetune.units import human_size
 # Inside every partial directory while it is written: who writes it, so that a later run can tell a
 # directory whose writer was killed (SIGKILL, power cut) from one that is still being written.
 OWNER_FILE = ".finetune-owner.json"
+DAMAGED_SUFFIX = ".damaged"
+
+
+def damaged_name(path: Path) -> Path:
+    """Where something damaged that finetune wrote (a checkpoint, a cache entry) is set aside: hidden beside it,
+    kept for a look; nothing resumes from it or reads it again."""
+    path = Path(path)
+    return path.with_name(f".{path.name}{DAMAGED_SUFFIX}")
 
 
 def write_atomic(path: Path, text: "str | bytes") -> None:

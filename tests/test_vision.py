@@ -426,3 +426,20 @@ def test_merge_equals_peft_merge_and_unload(name, projector, tmp_path, tiny_cach
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
     assert (tmp_path / "merged" / "chat_template.jinja").is_file()
     assert any((tmp_path / "merged" / n).is_file() for n in ("preprocessor_config.json", "processor_config.json"))
+
+
+def test_the_shipped_colour_data_is_what_its_script_writes(tmp_path):
+    """recipes/data/colours.jsonl and its PNGs come from scripts/make_vision_data.py: the same rows, the same pixels."""
+    import runpy
+
+    from PIL import Image
+
+    runpy.run_path(str(REPO / "scripts" / "make_vision_data.py"), run_name="make_vision_data")["main"](
+        ["--out", str(tmp_path)])
+    shipped = REPO / "recipes" / "data"
+    assert (tmp_path / "colours.jsonl").read_text() == (shipped / "colours.jsonl").read_text()
+    made = sorted(p.name for p in (tmp_path / "images").glob("*.png"))
+    assert made and made == sorted(p.name for p in (shipped / "images").glob("*.png"))
+    for name in made:
+        with Image.open(tmp_path / "images" / name) as ours, Image.open(shipped / "images" / name) as theirs:
+            assert ours.tobytes() == theirs.tobytes() and ours.size == theirs.size, name

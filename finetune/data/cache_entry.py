@@ -25,9 +25,8 @@ import os
 from pathlib import Path
 from typing import Any, Optional
 
-from finetune.fsutil import remove_path
+from finetune.fsutil import damaged_name, remove_path
 
-DAMAGED_SUFFIX = ".damaged"
 _CHUNK = 64 * 2**20
 
 
@@ -128,7 +127,7 @@ def set_aside(target: Path, manifest_name: str, judged: Optional[tuple[int, int,
 
     `judged`: identity() of the entry found damaged. Another process sharing the cache may have set it aside
     and made it again since: that entry is left alone."""
-    aside = Path(target).with_name(f".{Path(target).name}{DAMAGED_SUFFIX}")
+    aside = damaged_name(Path(target))
     if identity(target, manifest_name) != judged:
         return aside
     remove_path(aside)

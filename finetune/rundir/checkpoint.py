@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from finetune.errors import FinetuneError
-from finetune.fsutil import remove_path, write_atomic
+from finetune.fsutil import damaged_name, remove_path, write_atomic
 from finetune.rundir.names import CHECKPOINT_PREFIX, RECIPE_FILE, SUMMARY_FILE
 from finetune.rundir.resume_key import RESUME_KEY_FILE, process_count_change, read_resume_key, resume_fields
 from finetune.units import gib_text
@@ -275,12 +275,9 @@ class ResumePlan:
     damaged: list[Checkpoint] = field(default_factory=list)  # newer than `checkpoint`, set aside before launch
 
 
-DAMAGED_SUFFIX = ".damaged"
-
-
 def set_aside(checkpoint: Checkpoint) -> Path:
     """Move a damaged checkpoint out of the way (kept, hidden, for a look): nothing resumes from it or rotates it."""
-    aside = checkpoint.path.with_name(f".{checkpoint.path.name}{DAMAGED_SUFFIX}")
+    aside = damaged_name(checkpoint.path)
     remove_path(aside)  # a link there is removed, not followed (a rename onto it failed: "Not a directory")
     os.replace(checkpoint.path, aside)
     return aside
@@ -356,7 +353,7 @@ def plan_resume(run_dir: Path, resolved: dict[str, Any], world_size: Optional[in
     plan.damaged = damaged
     for bad in damaged:
         plan.warnings.append(f"{bad.name} is damaged ({bad.problem}): it is set aside as "
-                             f".{bad.name}{DAMAGED_SUFFIX} and the run resumes from {latest.name}")
+                             f"{damaged_name(bad.path).name} and the run resumes from {latest.name}")
     if changes:
         plan.warnings.append(f"resuming from {latest.name} although the recipe changed (--force-resume): {'; '.join(changes)}")
     if old is None:

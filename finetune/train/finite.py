@@ -25,6 +25,7 @@ from typing import Any, Iterator, Optional
 
 from transformers import TrainerCallback
 
+from finetune.fsutil import damaged_name
 from finetune.rundir import checkpoint as ckpt
 from finetune.train.dist import all_gather, local_rank, rank
 
@@ -114,7 +115,7 @@ class FiniteGuard(TrainerCallback):
         then = (f"run the same command again to resume from {previous.name}" if previous is not None
                 else "no earlier checkpoint is left: start over with --overwrite")
         raise NonFiniteState(f"{name} holds values that are not finite ({problem}): it cannot be resumed from; set "
-                             f"aside as .{name}{ckpt.DAMAGED_SUFFIX}; {then}")
+                             f"aside as {damaged_name(self.resumed_from).name}; {then}")
 
     def on_step_end(self, args, state, control, optimizer=None, **kwargs):
         self.steps += 1
