@@ -1,4 +1,12 @@
-"""Writing files without ever leaving a user's file half-written: temp file or dir, then rename."""
+"""The file system, both ways: what a command may read, and writing without ever leaving a file half-written.
+
+Reading: every path a command is given (a recipe, `extends`, a model, tokenizer or adapter folder, a data file,
+a reward file, a hostfile) passes `refuse_special` before anything opens it, and a file read whole goes through
+`read_capped`. A FIFO blocks whoever opens it until a writer comes (forever, for `lint` in CI); a device such as
+/dev/zero never ends (issue 40: `lint --set model.name_or_path=/dev/zero` grew to 24 GB).
+
+Writing: a temporary file or folder beside the target, then a rename.
+"""
 
 from __future__ import annotations
 
@@ -7,11 +15,13 @@ import json
 import os
 import shutil
 import socket
+import stat
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
+from finetune.errors import FinetuneError
 from finetune.units import human_size
 
 # Inside every partial directory while it is written: who writes it, so that a later run can tell a
@@ -25,6 +35,94 @@ def damaged_name(path: Path) -> Path:
     kept for a look; nothing resumes from it or reads it again."""
     path = Path(path)
     return path.with_name(f".{path.name}{DAMAGED_SUFFIX}")
+
+
+class SpecialFile(FinetuneError, OSError):
+    """A path that is a device, FIFO or socket (or a folder holding one), or a file larger than its reader takes
+    whole: one line naming it. An OSError too, so that a reader's `except OSError` reports it as it would a
+    file it cannot open."""
+
+
+_SPECIAL = ((stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISCHR, "a character device"),
+            (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def special_kind(path: "str | os.PathLike") -> Optional[str]:
+    """What `path` is (links followed) when it exists and is neither a regular file nor a folder, else None
+    (a missing or unreadable path too: whoever opens it says so). Only stat(): never opens it."""
+    try:
+        mode = os.stat(path).st_mode
+    except (OSError, ValueError):  # ValueError: a NUL byte in the name
+        return None
+    if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
+        return None
+    return next((name for test, name in _SPECIAL if test(mode)), "not a regular file")
+
+
+def refuse_special(path: "str | os.PathLike", what: Optional[str] = None) -> None:
+    """Raise SpecialFile when `path`, or an entry directly inside the folder `path`, is a device, FIFO or socket.
+
+    Libraries open a model folder's files by name (config.json, tokenizer.json, the weights), so a FIFO
+    there hangs them as surely as one given directly. `what` names the path for the user (`model.name_or_path`)."""
+    label = f"{what}: " if what else ""
+    kind = special_kind(path)
+    if kind:
+        raise SpecialFile(f"{label}{path} is {kind}, not a regular file or folder")
+    try:
+        entries = os.scandir(path) if os.path.isdir(path) else None
+    except (OSError, ValueError):
+        return
+    if entries is None:
+        return
+    with entries:
+        for entry in entries:
+            kind = special_kind(entry.path)
+            if kind:
+                raise SpecialFile(f"{label}{entry.path} is {kind}, not a regular file")
+
+
+def read_capped(path: "str | os.PathLike", limit: int, what: Optional[str] = None) -> bytes:
+    """The bytes of the regular file `path`, refused (SpecialFile) when it is anything else or holds more than
+    `limit` bytes. Opened without blocking, so a FIFO is refused rather than waited on, and read with at most
+    `limit` + 1 bytes in memory whatever stat() said (/proc files and links to devices report size 0).
+    Other OSErrors (missing, permission) pass through."""
+    label = f"{what}: {path}" if what else str(path)
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            kind = "a folder" if stat.S_ISDIR(info.st_mode) else \
+                next((name for test, name in _SPECIAL if test(info.st_mode)), "not a regular file")
+            raise SpecialFile(f"{label} is {kind}, not a regular file")
+        chunks, size = [], 0
+        while info.st_size <= limit and size <= limit:
+            chunk = os.read(fd, min(limit + 1 - size, 1 << 24))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+    finally:
+        os.close(fd)
+    if info.st_size > limit or size > limit:
+        raise SpecialFile(f"{label} is larger than {human_size(limit)}, too large to be read whole "
+                          "(is it the right file?)")
+    return b"".join(chunks)
+
+
+# The most a JSON file finetune reads whole may hold (a model's config.json, adapter_config.json, a safetensors
+# index, tokenizer_config.json): the largest on the hub are a few MB (the index of a 1T-parameter MoE, a
+# tokenizer_config.json with a long chat template).
+JSON_LIMIT = 64 * 2**20
+
+
+def read_json(path: "str | os.PathLike", what: Optional[str] = None, limit: int = JSON_LIMIT) -> Any:
+    """A JSON file read whole through read_capped. Raises OSError (SpecialFile included) or ValueError (not UTF-8,
+    not JSON, nested deeper than the json module recurses)."""
+    raw = read_capped(path, limit, what)
+    try:
+        return json.loads(raw)
+    except RecursionError:
+        raise ValueError("nested too deeply to read") from None
 
 
 def write_atomic(path: Path, text: "str | bytes") -> None:

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from finetune.errors import FinetuneError
+from finetune.fsutil import SpecialFile, refuse_special
 
 BUILTINS = ("exact_match", "number_match", "regex", "length", "think_format")
 _PATH_RE = re.compile(r"^(?P<module>[A-Za-z_][\w]*(\.[A-Za-z_]\w*)*|[^:]+\.py):(?P<function>[A-Za-z_]\w*)$")
@@ -162,6 +163,7 @@ def load_user(function: str) -> Callable:
     try:
         if module_name.endswith(".py"):
             path = Path(module_name)
+            refuse_special(path, f"reward {function}")  # importing a FIFO waits for a writer forever
             if not path.is_file():
                 raise RewardError(f"reward {function}: no file {path}")
             unique = f"finetune_reward_{abs(hash(str(path.resolve())))}"
@@ -173,6 +175,8 @@ def load_user(function: str) -> Callable:
                 spec.loader.exec_module(module)
         else:
             module = importlib.import_module(module_name)
+    except SpecialFile as exc:
+        raise RewardError(str(exc)) from None
     except RewardError:
         raise
     except ModuleNotFoundError as exc:
@@ -220,6 +224,8 @@ def check_call(fn: Callable, function: str, prompts: list, completions: list, co
         pass
     try:
         out = fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **kwargs)
+    except SpecialFile as exc:
+        raise RewardError(str(exc)) from None
     except RewardError:
         raise
     except Exception as exc:  # noqa: BLE001 - the user's function raised on a real row: name it

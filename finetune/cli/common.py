@@ -64,6 +64,18 @@ def usable_path(option: str, path: Optional[Path]) -> None:
             raise fail(f"{option}: {exc}", 2) from None
 
 
+def input_file(option: str, path: Path) -> None:
+    """Exit 1 unless `path` is a regular file: a device, FIFO or socket is named as such (finetune.fsutil), before
+    anything opens it."""
+    from finetune.fsutil import special_kind
+
+    kind = special_kind(path)
+    if kind:
+        raise fail(f"{option} {path}: {kind}, not a regular file")
+    if not path_exists(path, Path.is_file):
+        raise fail(f"{option} {path}: no such file")
+
+
 def load_or_exit(recipe: Path, overrides: Optional[List[str]]):
     """Load a recipe; its RecipeProblem (every problem, file:line:col) ends the command with exit 1."""
     from finetune.recipe import load_recipe

@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from finetune.cli.common import fail
+from finetune.cli.common import fail, input_file
 
 
 def init(
@@ -35,8 +35,7 @@ def init(
         raise fail("--method must be full, lora or qlora", 2)
     if fmt is not None and fmt not in FORMATS:
         raise fail(f"--format {fmt}: unknown format (known: {', '.join(FORMATS)})", 2)
-    if not data.is_file():
-        raise fail(f"--data {data}: no such file")
+    input_file("--data", data)
     if data.suffix not in (".jsonl", ".json", ".csv", ".parquet"):
         raise fail(f"--data {data}: unsupported file type `{data.suffix}` (.jsonl, .json, .csv or .parquet)", 2)
     output = output or data.with_suffix(".yaml")

@@ -12,6 +12,7 @@ from typing import Any, Optional
 
 from finetune.data.formats import RowSpec
 from finetune.errors import FinetuneError
+from finetune.fsutil import special_kind
 from finetune.objectives import get as objective_record
 from finetune.recipe.references import DATA_SUFFIXES, is_local
 
@@ -89,20 +90,6 @@ class SourceProblem(FinetuneError):
     """A source that cannot be read at all (missing, wrong type): the message names the path."""
 
 
-def _not_regular(path: Path) -> Optional[str]:
-    """What `path` (links followed) is when it is not a regular file, else None."""
-    import stat
-
-    mode = path.stat().st_mode
-    if stat.S_ISREG(mode):
-        return None
-    for test, name in ((stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISCHR, "a character device"),
-                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
-        if test(mode):
-            return name
-    return "not a file"
-
-
 def data_files(path: Path, split: str = "train") -> list[Path]:
     """The files of a local source, in a stable order (a folder of shards: sorted)."""
     if is_arrow_dir(path):
@@ -123,9 +110,8 @@ def data_files(path: Path, split: str = "train") -> list[Path]:
     if not path.exists():
         looked = "" if path.is_absolute() else f" (looked for {path.absolute()})"
         raise SourceProblem(f"{path}: file does not exist{looked}{_did_you_mean(path)}")
-    kind = _not_regular(path)
+    kind = special_kind(path)
     if kind:
-        # A FIFO would block every reader (plan, --dry-run) forever; a device never ends.
         raise SourceProblem(f"{path}: {kind}, not a regular file: give a data file (or a folder of them)")
     if path.suffix not in DATA_SUFFIXES:
         raise SourceProblem(f"{path}: unsupported file type `{path.suffix}` (use {', '.join(DATA_SUFFIXES)}, "

@@ -7,7 +7,6 @@ tests/test_parallel.py reproduces those failures against the installed libraries
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -82,8 +81,10 @@ def _positions(name: str, arch_name: str) -> Optional[int]:
         path = Path(name).expanduser()
         path = path / MODEL_CONFIG if path.is_dir() else path
         if path.is_file():
+            from finetune.fsutil import read_json
+
             try:
-                config = json.loads(path.read_text(encoding="utf-8"))
+                config = read_json(path)
             except (OSError, ValueError):
                 return None
             config = config.get("text_config", config) if isinstance(config, dict) else {}

@@ -6,13 +6,12 @@ recipe key path (the engine turns it into file:line:col).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Callable, Iterator
 
 from finetune.lint.deepspeed.context import RawFinding  # one finding type for every rule module; key = recipe path here
 from finetune.recipe import LoadedRecipe
-from finetune.recipe.references import DATA_SUFFIXES, MODEL_CONFIG, is_local
+from finetune.recipe.references import DATA_SUFFIXES, MODEL_CONFIG, is_local, recipe_paths
 
 RULES: dict[str, str] = {
     "R001": "The file is not a readable YAML recipe (syntax, tags, duplicate keys, size, nesting).",
@@ -43,6 +42,7 @@ RULES: dict[str, str] = {
     "R120": "`model.adapter` that cannot be continued from (objective sft, full fine-tune, missing adapter, a `lora` section it overrides, rows in another prompt format than the SFT run's).",
     "R121": "GRPO rewards and batch that cannot work: no reward, a malformed `module:function`, weights, a built-in without its setting, a batch that does not hold whole groups.",
     "R122": "Unknown `builtin:` model (a misspelled name).",
+    "R123": "A path the recipe names is a device, FIFO or socket, or a folder holding one (every reader would hang or never end).",
 }
 
 # transformers 5.x causal LMs whose forward takes no position_ids: ALiBi (bloom, mpt), recurrent state
@@ -256,6 +256,17 @@ def dataset_file(loaded: LoadedRecipe) -> Iterator[RawFinding]:
 
 
 @rule
+def special_paths(loaded: LoadedRecipe) -> Iterator[RawFinding]:
+    from finetune.fsutil import SpecialFile, refuse_special
+
+    for key, path in recipe_paths(loaded.recipe):
+        try:
+            refuse_special(Path(path).expanduser())
+        except SpecialFile as exc:
+            yield RawFinding("R123", "error", key, str(exc), "give a regular file or a folder")
+
+
+@rule
 def data_mixture(loaded: LoadedRecipe) -> Iterator[RawFinding]:
     from finetune.data.mix import spec_problems
 
@@ -355,8 +366,10 @@ def _local_model_type(name_or_path: str) -> str | None:
     config = Path(name_or_path).expanduser() / MODEL_CONFIG
     if not is_local(name_or_path) or not config.is_file():
         return None
+    from finetune.fsutil import read_json
+
     try:
-        value = json.loads(config.read_text()).get("model_type")
+        value = read_json(config).get("model_type")
     except (OSError, ValueError, AttributeError):
         return None
     return value if isinstance(value, str) else None

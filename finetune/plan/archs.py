@@ -13,7 +13,6 @@ output head (tied to the embedding or not). Pure Python: no torch, no transforme
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -454,12 +453,16 @@ def _moe_fields(config: dict) -> dict:
 
 def load_config_json(path: Path) -> Arch:
     """Read `path` (a config.json, or a directory holding one)."""
+    from finetune.fsutil import SpecialFile, read_json
+
     file = path / MODEL_CONFIG if path.is_dir() else path
     try:
-        data = json.loads(file.read_text(encoding="utf-8"))
+        data = read_json(file)
+    except SpecialFile as exc:
+        raise ArchError(str(exc)) from None
     except OSError as exc:
         raise ArchError(f"{file}: cannot read ({exc.strerror or exc})") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except ValueError as exc:
         raise ArchError(f"{file}: not valid JSON ({exc})") from None
     if not isinstance(data, dict):
         raise ArchError(f"{file}: expected a JSON object")

@@ -22,3 +22,21 @@ def is_local(reference: str) -> bool:
 def is_model_path(reference: str) -> bool:
     p = Path(reference).expanduser()
     return p.is_absolute() or reference.startswith(("./", "../", "~")) or p.exists()
+
+
+def recipe_paths(recipe) -> list[tuple[tuple, str]]:
+    """(key, path) of every local file or folder a validated recipe names for a command to read: the model,
+    tokenizer, adapter and reference model, each data source, the hostfile, NVMe swap folder and reward files
+    (`extends` is read by the loader itself)."""
+    model, data = recipe.model, recipe.data
+    named = [(("model", "name_or_path"), model.name_or_path), (("model", "tokenizer"), model.tokenizer),
+             (("model", "adapter"), model.adapter), (("launch", "hostfile"), recipe.launch.hostfile),
+             (("deepspeed", "nvme_path"), recipe.deepspeed.nvme_path),
+             (("preference", "reference", "name_or_path"), recipe.preference.reference.name_or_path)]
+    sources = data.sources
+    named += [(("data", "sources", i, "path"), s.path) for i, s in enumerate(sources)] if sources else [(("data", "path"), data.path)]
+    for i, reward in enumerate(recipe.grpo.rewards):
+        file = reward.function.rpartition(":")[0]
+        if file.endswith(".py"):
+            named.append((("grpo", "rewards", i, "function"), file))
+    return [(key, value) for key, value in named if value and not value.startswith("builtin:") and is_model_path(value)]

@@ -22,17 +22,37 @@ class FileProblem(FinetuneError):
 
 
 def check_model_dir(path: Path) -> None:
-    """A local model directory: config.json a JSON object, weights readable (headers), pickles plain."""
+    """A local model directory: no device, FIFO or socket among its files, config.json a JSON object, weights
+    readable (headers), pickles plain."""
+    _regular_files(path)
     _json_object(path / MODEL_CONFIG)
     _check_weights(sorted(path.glob("*.safetensors")), sorted(p for p in path.glob("*.bin") if p.name.startswith(("pytorch_model", "model"))))
 
 
 def check_adapter_dir(path: Path) -> None:
+    _regular_files(path)
     config = _json_object(path / ADAPTER_CONFIG)
     if not isinstance(config.get("peft_type"), str):
         raise FileProblem(f"{path / ADAPTER_CONFIG}: peft_type {config.get('peft_type')!r} is not a PEFT adapter type")
     _check_weights([p for p in (path / ADAPTER_WEIGHTS[0],) if p.is_file()],
                    [p for p in (path / ADAPTER_WEIGHTS[1],) if p.is_file()])
+
+
+def check_tokenizer_dir(path: Path, error: Callable[[str], Exception]) -> None:
+    """No device, FIFO or socket among a tokenizer folder's files (AutoTokenizer would open it and wait)."""
+    try:
+        _regular_files(path)
+    except FileProblem as exc:
+        raise error(str(exc)) from None
+
+
+def _regular_files(path: Path) -> None:
+    from finetune.fsutil import SpecialFile, refuse_special
+
+    try:
+        refuse_special(path)
+    except SpecialFile as exc:
+        raise FileProblem(str(exc)) from None
 
 
 def _json_object(path: Path) -> dict:

@@ -418,6 +418,14 @@ def convert(checkpoint: Path, output: Path, *, dtype: Optional[str] = None, over
     problem = not_replaceable(output) if output.is_dir() else None
     if problem:
         raise ConvertError(problem)
+    from finetune.fsutil import SpecialFile, refuse_special
+
+    try:  # `latest`, the adapter config and the tokenizer files are read by name: none may be a FIFO or device
+        refuse_special(checkpoint, "CHECKPOINT")
+        if adapter_config is not None:
+            refuse_special(adapter_config, "--adapter-config")
+    except SpecialFile as exc:
+        raise ConvertError(str(exc)) from None
     ckpt = find_checkpoint(checkpoint)
     out = output.resolve()
     if out == ckpt.path.resolve() or ckpt.path.resolve() in out.parents or out in ckpt.path.resolve().parents:

@@ -25,6 +25,7 @@ class Inputs:
 def resolve_inputs(run_dir: Optional[Path], base: Optional[Path], adapter: Optional[Path]) -> Inputs:
     """Base and adapter from a run directory, or from --base/--adapter (which override the run's)."""
     tokenizer_dirs: tuple = ()
+    _regular(("RUN_DIR", run_dir), ("--base", base), ("--adapter", adapter))
     if run_dir is not None:
         if not run_dir.is_dir():
             raise MergeError(f"{run_dir}: no such run directory")
@@ -34,9 +35,24 @@ def resolve_inputs(run_dir: Optional[Path], base: Optional[Path], adapter: Optio
         tokenizer_dirs = (RunDir(run_dir).tokenizer_path, run_dir)
     if base is None or adapter is None:
         raise MergeError("give a run directory, or both --base and --adapter")
+    # What the run directory named: the adapter and base folders, the tokenizer files merge copies.
+    _regular(("the adapter", adapter), ("the base model", base), *(("the tokenizer", d) for d in tokenizer_dirs))
     adapter_weights(adapter)  # fails early and clearly when the adapter is incomplete
     base_local_dir(base)
     return Inputs(base, adapter, tokenizer_dirs)
+
+
+def _regular(*named: tuple[str, Optional[Path]]) -> None:
+    """MergeError for a device, FIFO or socket given (or found in a folder given) as an input: merge would wait
+    on it or read it forever (finetune.fsutil.refuse_special)."""
+    from finetune.fsutil import SpecialFile, refuse_special
+
+    for what, path in named:
+        if path is not None:
+            try:
+                refuse_special(path, what)
+            except SpecialFile as exc:
+                raise MergeError(str(exc)) from None
 
 
 def _run_adapter(run_dir: Path) -> Path:

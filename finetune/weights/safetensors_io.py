@@ -84,11 +84,15 @@ class MergeError(FinetuneError):
 
 
 def read_json(path: Path) -> dict:
+    from finetune.fsutil import SpecialFile, read_json as read_whole
+
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = read_whole(path)
     except FileNotFoundError:
         raise MergeError(f"{path}: missing") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except SpecialFile as exc:
+        raise MergeError(str(exc)) from None
+    except (OSError, ValueError) as exc:
         raise MergeError(f"{path}: not valid JSON ({exc})") from None
     if not isinstance(data, dict):
         raise MergeError(f"{path}: expected a JSON object")

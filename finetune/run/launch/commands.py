@@ -42,6 +42,7 @@ DEFAULT_MASTER_PORT = 29500  # torchrun's and DeepSpeed's default
 LOG_LINE_PREFIX = "[rank${rank}]: "
 LOCAL_HOSTS = {"localhost", LOOPBACK, "::1"}
 DEEPSPEED_ENV_FILE = "deepspeed.env"
+HOSTFILE_LIMIT = 2**20  # `host slots=N` lines: a megabyte is ten thousand machines
 # Passed to the other nodes of a hostfile launch (DeepSpeed itself exports NCCL*, PYTHON*, UCX*, ...).
 # Never tokens: the file sits in the run directory, readable by the team; put HF_TOKEN in ~/.deepspeed_env.
 PROPAGATED_ENV = ("TQDM_DISABLE", "DS_ACCELERATOR", "FINETUNE_CACHE", "HF_HOME", "HF_HUB_CACHE", "HF_HUB_OFFLINE",
@@ -102,10 +103,14 @@ def procs_per_node(recipe: Recipe, gpu_count: int) -> int:
 
 def read_hostfile(path: Path) -> dict[str, int]:
     """DeepSpeed's format: `host slots=N` per line, `#` comments. Returns host -> slots, in order."""
+    from finetune.fsutil import read_capped
+
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read_capped(path, HOSTFILE_LIMIT).decode("utf-8")
     except OSError as exc:
         raise HostfileError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise HostfileError(f"{path}: not UTF-8 text (byte {exc.start})") from None
     hosts: dict[str, int] = {}
     for number, line in enumerate(text.splitlines(), 1):
         line = line.strip()
