@@ -168,6 +168,11 @@ def _load_chain(path: Path, seen: list[Path]) -> tuple[dict, dict]:
 def _not_a_file(path: Path) -> Optional[str]:
     """Why `path` cannot be read as a recipe, or None. Never raises: a 300-character name makes
     stat() fail with ENAMETOOLONG, which pathlib's is_file() passes on."""
+    from finetune.fsutil import special_kind
+
+    kind = special_kind(path)
+    if kind:
+        return f"is {kind}, not a regular file"
     try:
         if path.is_file():
             return None
@@ -213,7 +218,8 @@ def _rebase_paths(data: dict, base: Path) -> None:
 def _rebase_reward_files(data: dict, base: Path) -> None:
     """grpo.rewards[].function `file.py:function`: the file is relative to the recipe, like data paths."""
     grpo = data.get("grpo")
-    for item in (grpo.get("rewards") if isinstance(grpo, dict) else None) or []:
+    rewards = grpo.get("rewards") if isinstance(grpo, dict) else None
+    for item in rewards if isinstance(rewards, list) else []:  # any other shape is the schema's to report
         value = item.get("function") if isinstance(item, dict) else None
         if isinstance(value, str) and ".py:" in value:
             file, _, function = value.rpartition(":")

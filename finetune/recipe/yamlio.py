@@ -60,16 +60,16 @@ class Document:
 
 
 def read_text(path: Path) -> str:
+    """A recipe or DeepSpeed JSON file as text: a regular file of at most MAX_BYTES (finetune.fsutil.read_capped:
+    a FIFO or a link to /dev/zero is refused, never waited on or read to the end)."""
+    from finetune.fsutil import read_capped
+
     try:
-        size = path.stat().st_size
+        raw = read_capped(path, MAX_BYTES)
     except OSError as exc:
-        raise DocumentError(f"cannot read file: {exc.strerror or exc}") from None
-    if size > MAX_BYTES:
-        raise DocumentError(f"file is {size:,} bytes; a recipe or DeepSpeed config over {MAX_BYTES:,} bytes is refused")
-    try:
-        raw = path.read_bytes()
-    except OSError as exc:
-        raise DocumentError(f"cannot read file: {exc.strerror or exc}") from None
+        if exc.strerror is None:  # read_capped's own refusal: it names the path, which the report names already
+            raise DocumentError(str(exc).replace(f"{path} ", "file ", 1)) from None
+        raise DocumentError(f"cannot read file: {exc.strerror}") from None
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -110,9 +110,35 @@ def load_yaml(text: str, path: str = "<string>", allow_duplicates: bool = False)
     doc = Document(path=path, data=None)
     if not nodes or nodes[0] is None:
         return doc
+    _refuse_alias_bombs(nodes[0])
     builder = _Builder(doc, yaml, allow_duplicates)
     doc.data = builder.build(nodes[0], (), 0)
     return doc
+
+
+def _refuse_alias_bombs(root: Any) -> None:
+    """Raise DocumentError when the document, its aliases expanded, holds more than MAX_NODES values.
+
+    Aliases share their anchor's node, so each node's expanded size is counted once (bottom up): ten levels
+    of ten aliases each ("billion laughs") are refused after a few hundred nodes, where the builder would
+    construct MAX_NODES values first (2 s on a busy 2-core box; issue 40: lint ran past 10 s)."""
+    from ruamel.yaml.nodes import MappingNode, SequenceNode
+
+    sizes: dict[int, int] = {}
+    stack = [(root, False)]
+    while stack:
+        node, children_done = stack.pop()
+        if id(node) in sizes:
+            continue
+        children = [v for pair in node.value for v in pair] if isinstance(node, MappingNode) else \
+            node.value if isinstance(node, SequenceNode) else []
+        if children_done:
+            sizes[id(node)] = size = 1 + sum(sizes.get(id(child), 0) for child in children)
+            if size > MAX_NODES:
+                raise DocumentError(f"document expands to more than {MAX_NODES:,} values (alias bomb?)", *_mark(node))
+        else:
+            stack.append((node, True))
+            stack.extend((child, False) for child in children if id(child) not in sizes)
 
 
 def _refuse_deep_nesting(text: str) -> None:
