@@ -109,7 +109,6 @@ def hf_config(setup: Setup, config: Optional[dict] = None) -> dict:
 def config_of(name_or_path: str) -> Optional[dict]:
     """The config.json dict of a model reference when there is one here (a `builtin:` model or a local
     directory / file), else None (the planner's table shapes are used)."""
-    import json
     from pathlib import Path
 
     from finetune.builtin import builtin_config, is_builtin
@@ -119,8 +118,10 @@ def config_of(name_or_path: str) -> Optional[dict]:
     path = Path(name_or_path).expanduser()
     file = path / MODEL_CONFIG if path.is_dir() else path
     if file.is_file():
+        from finetune.fsutil import read_json
+
         try:
-            data = json.loads(file.read_text(encoding="utf-8"))
+            data = read_json(file)
         except (OSError, ValueError):
             return None
         return data if isinstance(data, dict) else None
@@ -143,12 +144,19 @@ def build_model(setup: Setup, config: dict):
     for key in ("architectures", "_name_or_path", "transformers_version", "torch_dtype", "dtype",
                 "quantization_config", "auto_map"):
         cfg.pop(key, None)
-    hf = AutoConfig.for_model(model_type, **cfg)
     # Flash attention has no CPU kernel; sdpa without a mask runs torch's flash kernel for CPU, which
     # saves what flash-attn saves (q, k, v, out and an fp32 log-sum-exp per head and query).
     attn = "sdpa" if setup.attn.startswith("flash") else setup.attn
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf, dtype=_torch_dtype(setup.dtype), attn_implementation=attn)
+    try:
+        hf = AutoConfig.for_model(model_type, **cfg)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(hf, dtype=_torch_dtype(setup.dtype), attn_implementation=attn)
+    except (ValueError, KeyError, TypeError) as exc:  # a model_type or config this transformers cannot build
+        import transformers
+
+        raise PlanError(f"--trace cannot build model_type {str(model_type)[:80]!r} with transformers "
+                        f"{transformers.__version__} ({' '.join(str(exc).split()).split('. ')[0][:200]}); the plan without --trace "
+                        "does not need it") from None
     if setup.gradient_checkpointing:
         # finetune.train.model.prepare_model: non-reentrant, and the embedding output requires grad.
         kwargs = {"use_reentrant": False}
