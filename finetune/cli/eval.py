@@ -7,7 +7,7 @@ from typing import List, Optional
 
 import typer
 
-from finetune.cli.common import fail
+from finetune.cli.common import fail, input_file
 
 
 def eval_command(
@@ -62,6 +62,8 @@ def eval_command(
 
     if fmt is not None and fmt not in FORMATS:
         raise fail(f"--format {fmt}: unknown format (known: {', '.join(FORMATS)})", 2)
+    if data is not None:
+        input_file("--data", data)
     result = evaluate(run_dir, data=data, device=device, batch_size=batch_size,
                       log=lambda line: typer.echo(line, err=True), fmt=fmt)
     typer.echo(result.table(), nl=False)

@@ -13,6 +13,7 @@ conservative everywhere else.
 
 from __future__ import annotations
 
+import re
 from typing import BinaryIO, Iterator, Optional
 
 from finetune.data.formats import CHAT_FORMATS, RowSpec
@@ -26,6 +27,59 @@ RANGE = 16 * 2**20
 # file without newlines (a JSON array saved as .jsonl, /dev/zero behind a link, a binary file) would
 # otherwise be read whole, in memory, before failing (issue 25: 6.5 GB of RAM for a 2 GB line).
 MAX_LINE = 64 * 2**20
+
+
+# The deepest a row may nest. pyarrow's JSON reader recurses once per level, in time growing with the square
+# of the depth (one row: 2,000 levels 1.9 s, 5,000 levels 10 s, 10,000 past a minute) and dies with SIGSEGV
+# near 20,000 (issue 40); orjson stops at 1,024, the json module at the interpreter's recursion limit. Real
+# rows nest a few levels (row > messages > message > tool_calls > arguments); a tree of 64 is far past any.
+MAX_NESTING = 64
+NESTED_TOO_DEEP = f"nested deeper than {MAX_NESTING} levels"
+
+_DROP_BUT_OPENERS = bytes(b for b in range(256) if b not in b"[{\n")
+# A JSON string (escapes included) or one bracket: what the exact depth count walks, skipping strings' contents.
+_TOKENS = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}]')
+
+
+def deep_lines(data: bytes, first_line: int = 1) -> list[int]:
+    """Numbers of the lines of `data` (the first one numbered `first_line`) nested deeper than MAX_NESTING.
+
+    One pass in C keeps only the `[`, `{` and newlines; a line with at most MAX_NESTING of them cannot nest
+    deeper (strings included, so this only over-counts), and only the others are walked exactly, strings
+    skipped. On JSON lines of ordinary rows the pass costs about what counting the newlines does."""
+    openers = data.translate(None, _DROP_BUT_OPENERS)
+    if len(openers) - openers.count(b"\n") <= MAX_NESTING:
+        return []
+    heavy = [i for i, line in enumerate(openers.split(b"\n")) if len(line) > MAX_NESTING]
+    if not heavy:
+        return []
+    lines = data.split(b"\n") if len(heavy) > 1 else [_nth_line(data, heavy[0])]
+    picked = [lines[i] for i in heavy] if len(heavy) > 1 else lines
+    return [first_line + i for i, line in zip(heavy, picked) if nested_too_deep(line)]
+
+
+def _nth_line(data: bytes, index: int) -> bytes:
+    start = 0
+    for _ in range(index):
+        start = data.index(b"\n", start) + 1
+    end = data.find(b"\n", start)
+    return data[start:] if end < 0 else data[start:end]
+
+
+def nested_too_deep(text: bytes) -> bool:
+    """Whether the JSON text `text` nests deeper than MAX_NESTING (arrays and objects; strings skipped)."""
+    if text.count(b"[") + text.count(b"{") <= MAX_NESTING:
+        return False
+    depth = 0
+    for token in _TOKENS.finditer(text):
+        char = token.group()[0]
+        if char in b"[{":  # `[` or `{`
+            depth += 1
+            if depth > MAX_NESTING:
+                return True
+        elif char in b"]}":
+            depth -= 1
+    return False
 
 
 class LineTooLong(FinetuneError):
@@ -82,11 +136,15 @@ def clean_counts(data: bytes, spec: RowSpec) -> Optional[list]:
         (_chat if kind in CHAT_FORMATS else None)
     if check is None:
         return None
+    if deep_lines(data):  # read row by row instead, which names each such line
+        return None
     lengths = []
     try:
         reader = pj.open_json(pa.BufferReader(_arrow_owned(data)), read_options=pj.ReadOptions(block_size=BLOCK))
         for batch in reader:
             batch.validate(full=True)  # UTF-8 of every string, nested ones included
+            if any(_non_finite(column) for column in batch.columns):
+                return None  # NaN or Infinity: pyarrow reads them, JSON (and the row-by-row pass) does not
             counts = check(batch, spec)
             if counts is None:
                 return None
@@ -112,6 +170,21 @@ def _arrow_owned(data: bytes):
     with memoryview(buffer) as view, view.cast("B") as octets:  # pyarrow exports format "b"; bytes are "B"
         octets[:] = data
     return buffer
+
+
+def _non_finite(array) -> bool:
+    """Whether a float anywhere in `array` (nested in lists and structs too) is NaN or infinite."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    kind = array.type
+    if pa.types.is_floating(kind):
+        return len(array) > 0 and not pc.all(pc.fill_null(pc.is_finite(array), True)).as_py()
+    if pa.types.is_struct(kind):
+        return any(_non_finite(array.field(i)) for i in range(kind.num_fields))
+    if pa.types.is_list(kind) or pa.types.is_large_list(kind):
+        return _non_finite(pc.list_flatten(array))
+    return False
 
 
 def _strings(batch, name: str, required: bool = True, nonblank: bool = False):

@@ -28,7 +28,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, Iterator, Optional
 
-from finetune.data.fastcheck import MAX_LINE, LineTooLong, bounded_lines, clean_counts, line_ranges
+from finetune.data.fastcheck import (
+    MAX_LINE, MAX_NESTING, NESTED_TOO_DEEP, LineTooLong, bounded_lines, clean_counts, line_ranges, nested_too_deep,
+)
 from finetune.data import preference as _trl_rows  # noqa: F401 - registers the rows of TRL's objectives
 from finetune.data.formats import Chat, Columns, Prompted, RowProblem, Text, to_example
 from finetune.data.sources import Source, SourceProblem, data_files, is_local
@@ -256,6 +258,9 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[str, Any]]:
 
 def _jsonl_lines(path: Path, lines: BinaryIO, first_line: int) -> Iterator[tuple[str, Any]]:
     for line_no, line in bounded_lines(lines, first_line):
+        if nested_too_deep(line):  # orjson would refuse it past 1,024 levels, json recurse to its limit
+            yield f"{path}:{line_no}", BadRow(NESTED_TOO_DEEP)
+            continue
         try:
             yield f"{path}:{line_no}", _loads(line)
         except _JSONError as exc:
@@ -273,6 +278,21 @@ def _json_message(line: bytes, exc: Exception) -> str:
         json.loads(text)
     except json.JSONDecodeError as std:  # the json module's wording names what is wrong and where
         return f"not valid JSON ({std.msg}, column {std.colno})"
+    except RecursionError:
+        return NESTED_TOO_DEEP
+    return _only_python_reads(line, exc)
+
+
+# What Python's json module (and pyarrow) read but JSON and orjson do not: NaN, Infinity, -Infinity.
+_NON_FINITE = re.compile(rb"(?<![\w\"])-?(?:NaN|Infinity)(?![\w\"])")
+
+
+def _only_python_reads(text: bytes, exc: Exception) -> str:
+    """Why orjson refused `text` that the json module reads (issue 40: `NaN` in a .json file was a traceback)."""
+    where = f"line {exc.lineno}, column {exc.colno}" if getattr(exc, "lineno", 1) > 1 else f"column {getattr(exc, 'colno', '?')}"
+    found = _NON_FINITE.search(text)
+    if found:
+        return f"not valid JSON: `{found.group().decode()}` ({where}) is not a JSON number; write null or a number"
     return f"not valid JSON ({exc})"
 
 
@@ -286,22 +306,39 @@ def _json_rows(path: Path) -> Iterator[tuple[str, Any]]:
     raw = path.read_bytes()
     try:
         data = _loads(raw)
-    except _JSONError:
+    except _JSONError as first:
         try:
             json.loads(raw.decode("utf-8"))
         except UnicodeDecodeError as bad:
             raise Unreadable(f"{path}: not UTF-8 text (byte {bad.start})") from None
         except json.JSONDecodeError as exc:
             raise Unreadable(f"{path}:{exc.lineno}: not valid JSON ({exc.msg})") from None
-        raise
+        except RecursionError:
+            raise Unreadable(f"{path}: {NESTED_TOO_DEEP}") from None
+        if nested_too_deep(raw):  # orjson's own limit, 1,024 levels: no row can be named
+            raise Unreadable(f"{path}: {NESTED_TOO_DEEP}") from None
+        raise Unreadable(f"{path}:{getattr(first, 'lineno', 1)}: {_only_python_reads(raw, first)}") from None
     if isinstance(data, dict):
         columns = list(data.values())
         if not columns or not all(isinstance(c, list) for c in columns) or len({len(c) for c in columns}) != 1:
             raise Unreadable(f"{path}: one JSON object that is not a table of equal-length columns "
                              f"(expected JSON lines, an array of rows, or {{column: [values]}})")
         data = [{key: values[i] for key, values in data.items()} for i in range(len(columns[0]))]
+    deep = nested_too_deep(raw)  # the whole file: when it is not, no row is
     for number, row in enumerate(data, 1):
-        yield f"{path}: row {number}", row
+        yield f"{path}: row {number}", BadRow(NESTED_TOO_DEEP) if deep and _depth(row) > MAX_NESTING else row
+
+
+def _depth(value: Any) -> int:
+    """Levels of arrays and objects in `value` (a scalar: 0), without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else None
+        if children is not None:
+            deepest = max(deepest, depth)
+            stack.extend((child, depth + 1) for child in children)
+    return deepest
 
 
 def _is_jsonl(path: Path) -> bool:

@@ -117,6 +117,24 @@ def file_spec(data: Path, recipe_data: Any, fmt: Optional[str] = None, vision: O
                     f"say how to read the file with --format ({'|'.join(FORMATS)})")
 
 
+def check_data_file(data: Path, recipe, fmt: Optional[str] = None) -> None:
+    """--data FILE read row by row as preflight reads a run's data (finetune.data.validate: lines of at most
+    64 MiB, nesting bounded, every row converted), before any model loads: a 6 GB file without a newline is one
+    line here, where datasets' JSON reader ran 12 minutes (issue 34)."""
+    from finetune.data.sources import Source, sources_of
+    from finetune.data.validate import validate
+
+    if recipe.objective == "reward":  # finetune.use.reward_eval reads the file as the run's pairs
+        sources = sources_of(recipe.data.model_copy(update={"path": str(data), "sources": None}), "reward")
+    else:
+        sources = [Source(str(data), "train", file_spec(data, recipe.data, fmt))]
+    checked = validate(sources)
+    if not checked.ok:
+        shown = checked.messages()
+        more = f" (and {checked.total - 1} more problem(s) in {data})" if checked.total > 1 else ""
+        raise EvalError(f"--data {shown[0]}{more}")
+
+
 def _same_file(a: Path, b: Path) -> bool:
     try:
         return a.expanduser().resolve() == b.expanduser().resolve()
@@ -170,6 +188,8 @@ def evaluate(run_dir: Path, data: Optional[Path] = None, device: str = "auto", b
         raise EvalError(str(exc)) from None
     if data is not None and not Path(data).is_file():
         raise EvalError(f"--data {data}: no such file")
+    if data is not None:
+        check_data_file(Path(data), run_recipe, fmt)
     started = time.perf_counter()
     if run_recipe.objective == "reward":  # a reward model: pairwise accuracy (finetune.use.reward_eval)
         from finetune.use.reward_eval import evaluate_reward
