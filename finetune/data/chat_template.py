@@ -19,23 +19,23 @@ _THINK = re.compile(r"<think>.*?</think>", re.DOTALL)
 
 class ChatRenderer:
     """`tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=...)`, for a conversation
-    and its prefixes, at a third of the cost: transformers' own compiled template and input conversion
-    (render_jinja_template's steps), with the conversation converted once instead of once per prefix and the
-    template's keyword arguments once per batch. Checked against apply_chat_template on the batch's first
-    conversation; when transformers' internals are not what this expects, it is apply_chat_template."""
+    and its prefixes, within the render budget (finetune.data.template_budget) and at a third of the cost: the
+    conversation converted once instead of once per prefix, the template's keyword arguments once per batch.
+    Checked against apply_chat_template on the batch's first conversation; when transformers' internals are not
+    what this expects, it is apply_chat_template (under the time budget only)."""
 
     def __init__(self, tokenizer, sample: Optional[list[dict]] = None):
+        from finetune.data.template_budget import template_of, tokenizer_kwargs
+
         self.tokenizer = tokenizer
         self.fast = False
-        try:
-            from transformers.utils.chat_template_utils import (
-                _alias_reasoning_fields, _compile_jinja_template, _plain_template_data,
-            )
-        except ImportError:
+        self.template = template_of(tokenizer)
+        if self.template is None:
             return
-        self._alias, self._plain = _alias_reasoning_fields, _plain_template_data
-        self.compiled = _compile_jinja_template(tokenizer.get_chat_template())
-        self.kwargs = _plain_template_data(dict(tokenizer.special_tokens_map))  # apply_chat_template's template_kwargs
+        try:
+            self.kwargs = tokenizer_kwargs(tokenizer)  # apply_chat_template's template_kwargs
+        except ImportError:  # transformers moved its helpers: apply_chat_template it is
+            return
         try:
             self.fast = sample is None or self._render(self._convert(sample)) == self.slow(sample)
         except Exception:  # noqa: BLE001 - the slow path will raise what is wrong with the row, as before
@@ -47,23 +47,35 @@ class ChatRenderer:
         return self._convert(messages) if self.fast else messages
 
     def _convert(self, messages: list[dict]) -> list[dict]:
-        return self._alias(self._plain([{k: v for k, v in m.items() if v is not None} for m in messages]))
+        from finetune.data.template_budget import chat_messages
+
+        return chat_messages(messages)
 
     def _render(self, chat: list[dict], add_generation_prompt: bool = False) -> str:
-        return self.compiled.render(messages=chat, tools=None, documents=None,
-                                    add_generation_prompt=add_generation_prompt, **self.kwargs)
+        from finetune.data.template_budget import render
+
+        return render(self.template, chat, add_generation_prompt, **self.kwargs)
 
     def slow(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+        from finetune.data.template_budget import TemplateBudget, time_budget
+
         try:
-            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+            with time_budget():
+                return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        except TemplateBudget:
+            raise
         except Exception as exc:  # noqa: BLE001 - jinja and transformers raise many types on a row the template rejects
             raise RowProblem(f"the chat template cannot render this conversation: {exc}") from None
 
     def __call__(self, chat: list[dict], add_generation_prompt: bool = False) -> str:
+        from finetune.data.template_budget import TemplateBudget
+
         if not self.fast:
             return self.slow(chat, add_generation_prompt)
         try:
             return self._render(chat, add_generation_prompt)
+        except TemplateBudget:
+            raise
         except Exception as exc:  # noqa: BLE001 - e.g. raise_exception() in the template
             raise RowProblem(f"the chat template cannot render this conversation: {exc}") from None
 
@@ -75,14 +87,13 @@ def assistant_turn_spans(messages: list[dict], tokenizer, text: str, render: Cha
     template = tokenizer.get_chat_template()
     wanted = sum(m["role"] == "assistant" for m in messages)
     if _GENERATION_TAG.search(template):
-        from transformers.utils.chat_template_utils import render_jinja_template
+        from finetune.data.template_budget import chat_messages, render_with_spans, tokenizer_kwargs
 
         # What apply_chat_template(return_assistant_tokens_mask=True) uses, at character level, so
         # the per-turn flags and <think> masking can cut inside the turns.
-        rendered, indices = render_jinja_template([messages], chat_template=template, return_assistant_tokens_mask=True,
-                                                  **tokenizer.special_tokens_map)
-        if rendered[0] == text and len(indices[0]) == wanted:
-            return [tuple(span) for span in indices[0]]
+        rendered, indices = render_with_spans(template, chat_messages(messages), **tokenizer_kwargs(tokenizer))
+        if rendered == text and len(indices) == wanted:
+            return [tuple(span) for span in indices]
     return _assistant_spans(chat, render, text)
 
 

@@ -314,16 +314,18 @@ def _encode_chat(examples: list[Chat], indices: list[int], tokenizer, max_length
     import numpy as np
 
     from finetune.data.chat_template import ChatRenderer
+    from finetune.data.template_budget import alarm_handler
 
     render = ChatRenderer(tokenizer, examples[0].messages if examples else None)
     texts, all_spans = [], []
-    for index, example in zip(indices, examples):
-        try:
-            text, spans = chat_text(example, tokenizer, render, mask_prompt, think)
-        except RowProblem as exc:
-            raise RowError(index, f"example {index}: {exc}") from None
-        texts.append(text)
-        all_spans.append(spans)
+    with alarm_handler():  # each render within the template budget's time (finetune.data.template_budget)
+        for index, example in zip(indices, examples):
+            try:
+                text, spans = chat_text(example, tokenizer, render, mask_prompt, think)
+            except RowProblem as exc:
+                raise RowError(index, f"example {index}: {exc}") from None
+            texts.append(text)
+            all_spans.append(spans)
     out = []
     for ids, offsets, spans in zip(*_ids_and_offsets(tokenizer, texts, max_length), all_spans):
         # A token is trained when its characters overlap a trained span (numpy: ~10x a Python loop per token).

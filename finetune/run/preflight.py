@@ -26,14 +26,14 @@ from finetune.recipe import LoadedRecipe, Recipe
 from finetune.recipe.references import is_local, is_model_path
 from finetune.builtin import is_builtin
 from finetune.recipe.references import MODEL_CONFIG
-from finetune.errors import FinetuneError
+from finetune.data.template_budget import RENDER_SECONDS
 from finetune.rundir.run_dir import RUN_INPUTS, RunDir
 
 # data.chat_template is rendered on every row before launch, for at most TEMPLATE_BUDGET seconds in all (the
 # rest render in the ranks), and at most TEMPLATE_ROW_SECONDS for one row: a template that takes longer on one
 # conversation (nested loops over the messages) would take days over a dataset.
 TEMPLATE_BUDGET = 30.0
-TEMPLATE_ROW_SECONDS = 5.0
+TEMPLATE_ROW_SECONDS = RENDER_SECONDS
 
 
 @dataclass
@@ -75,7 +75,7 @@ def run_preflight(loaded: LoadedRecipe, run_dir: Path, overwrite: bool = False, 
 
     result = Preflight()
     recipe = loaded.recipe
-    lint_step(loaded, result, world_size)
+    readable = lint_step(loaded, result, world_size)
     for check in checks_for_recipe(recipe, facts):
         fix = f" (fix: {check.fix})" if check.fix else ""
         if check.status == "fail":
@@ -88,11 +88,12 @@ def run_preflight(loaded: LoadedRecipe, run_dir: Path, overwrite: bool = False, 
         from finetune.render import batch_arithmetic
 
         result.notes.append("parallel: " + batch_arithmetic(recipe, world_size)["explanation"])
-    dataset_step(recipe, result)
-    rewards_step(recipe, result, world_size)
-    chat_template_step(recipe, result)
-    model_step(recipe, result)
-    hostfile_step(recipe, result)
+    if readable:  # else lint's R123 named the device, FIFO or socket, and nothing may open it
+        dataset_step(recipe, result)
+        rewards_step(recipe, result, world_size)
+        chat_template_step(recipe, result)
+        model_step(recipe, result)
+        hostfile_step(recipe, result)
     if resume is None:
         resume = recipe.training.resume
     if in_use:
@@ -103,7 +104,8 @@ def run_preflight(loaded: LoadedRecipe, run_dir: Path, overwrite: bool = False, 
     return result
 
 
-def lint_step(loaded: LoadedRecipe, result: Preflight, world_size: Optional[int]) -> None:
+def lint_step(loaded: LoadedRecipe, result: Preflight, world_size: Optional[int]) -> bool:
+    """Lint's findings into `result`; False when a path the recipe names must not be read (R123)."""
     from finetune.lint import LintOptions, LintResult, lint_loaded
     from finetune.lint.report import render
 
@@ -116,6 +118,7 @@ def lint_step(loaded: LoadedRecipe, result: Preflight, world_size: Optional[int]
                              else f"lint {finding.rule}: {finding.message}")
     if lint.warnings:
         result.notes.append(f"lint: {len(lint.warnings)} warning(s), shown above")
+    return not any(finding.rule == "R123" for finding in lint.errors)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -178,37 +181,65 @@ _SPECIAL_TOKENS = {name: f"<{name}>" for name in ("bos_token", "eos_token", "unk
 
 
 def chat_template_step(recipe: Recipe, result: Preflight, budget: float = TEMPLATE_BUDGET) -> None:
-    """Render data.chat_template on every row, the way the ranks will (transformers' sandboxed Jinja), within
-    `budget` seconds.
+    """Render the chat template on every chat row, the way the ranks will (transformers' sandboxed Jinja, within
+    finetune.data.template_budget), for at most `budget` seconds: data.chat_template, else the tokenizer's own
+    when it can be loaded here (a local or built-in model; a hub model's is read at launch).
 
     A template the sandbox refuses (`__class__`, mutating a list), that raises on one row (row 51 as well as
     row 1), that leaves out the assistant's reply, or that takes seconds per row otherwise fails (or trains
-    on nothing, or hangs) in every rank's data loading after launch.
+    on nothing, or hangs) in every rank's data loading after launch (issue 34: a tokenizer's own hostile
+    template passed --dry-run).
     """
     import time
 
     from finetune.data.formats import CHAT_FORMATS
     from finetune.data.sources import sources_of
 
-    template = recipe.data.chat_template
-    if not template:
+    chats = [source for source in sources_of(recipe.data) if source.format in CHAT_FORMATS]
+    if not chats:
         return
+    name, template, tokens = "data.chat_template", recipe.data.chat_template, _SPECIAL_TOKENS
+    if not template:
+        name = "the tokenizer's chat template"
+        template, tokens = _tokenizer_template(recipe, result)
+        if not template:
+            return
     deadline = time.monotonic() + budget
     rendered = 0
-    for source in sources_of(recipe.data):
-        if source.format not in CHAT_FORMATS:
-            continue
+    for source in chats:
         for where, messages in _conversations(source):
             left = deadline - time.monotonic()
             if left <= 0:
-                result.notes.append(f"data.chat_template: rendered on the first {rendered} row(s) in {budget:.0f} s; "
+                result.notes.append(f"{name}: rendered on the first {rendered} row(s) in {budget:.0f} s; "
                                     f"the rest are rendered by the ranks")
                 return
-            problem = render_problem(template, messages, recipe.data.mask_prompt, min(left, TEMPLATE_ROW_SECONDS))
+            problem = render_problem(template, messages, recipe.data.mask_prompt, min(left, TEMPLATE_ROW_SECONDS), tokens)
             if problem:
-                result.errors.append(f"data.chat_template: {where}: {problem}")
+                result.errors.append(f"{name}: {where}: {problem}")
                 return
             rendered += 1
+
+
+def _tokenizer_template(recipe: Recipe, result: Preflight) -> tuple[Optional[str], dict]:
+    """(chat template, special tokens) of the recipe's tokenizer, loaded as the launcher loads it, when it is
+    local or built in; (None, {}) otherwise (a hub tokenizer is downloaded at launch; a tokenizer that does not
+    load is model_step's to report). No template for chat data is an error here, as it is at launch."""
+    from finetune.builtin import resolve_model_path
+    from finetune.data.template_budget import template_of, tokenizer_kwargs
+    from finetune.data.tokenize import DataError
+    from finetune.tokenizer import load_without_torch, tokenizer_args
+
+    reference = recipe.model.tokenizer or recipe.model.name_or_path
+    if not (is_builtin(reference) or is_model_path(reference)):
+        return None, {}
+    try:
+        tokenizer = load_without_torch(tokenizer_args(recipe, resolve_model_path(recipe.model.name_or_path)))
+    except DataError as exc:
+        result.errors.append(str(exc))
+        return None, {}
+    except (OSError, ValueError):
+        return None, {}
+    return template_of(tokenizer), tokenizer_kwargs(tokenizer)
 
 
 def _conversations(source) -> Iterator[tuple[str, list]]:
@@ -231,11 +262,13 @@ def _conversations(source) -> Iterator[tuple[str, list]]:
         return  # dataset_step reported it
 
 
-def render_problem(template: str, messages: list, mask_prompt: bool,
-                   seconds: float = TEMPLATE_ROW_SECONDS) -> Optional[str]:
-    """Why `template` cannot render `messages` (as finetune.data.tokenize does), or None."""
+def render_problem(template: str, messages: list, mask_prompt: bool, seconds: float = TEMPLATE_ROW_SECONDS,
+                   tokens: Optional[dict] = None) -> Optional[str]:
+    """Why `template` cannot render `messages` (as finetune.data.tokenize does), or None. Each render within
+    `seconds` and finetune.data.template_budget's memory cap, as everywhere else."""
     from jinja2 import TemplateSyntaxError
-    from transformers.utils.chat_template_utils import render_jinja_template
+
+    from finetune.data.template_budget import TemplateBudget, chat_messages, render
 
     # The calls finetune.data.tokenize makes: the whole conversation, and with mask_prompt every prefix
     # up to an assistant turn with the generation prompt.
@@ -245,15 +278,12 @@ def render_problem(template: str, messages: list, mask_prompt: bool,
     texts = []
     for conversation, generation_prompt in calls:
         try:
-            with _time_limit(seconds):
-                rendered, _ = render_jinja_template([conversation], chat_template=template,
-                                                    add_generation_prompt=generation_prompt, **_SPECIAL_TOKENS)
-            texts.append(rendered[0] if isinstance(rendered, list) and rendered else str(rendered))
+            texts.append(render(template, chat_messages(conversation), generation_prompt, seconds,
+                                **(_SPECIAL_TOKENS if tokens is None else tokens)))
         except TemplateSyntaxError as exc:
             return f"template line {exc.lineno}: {exc.message}"
-        except _TooSlow:
-            return (f"the template did not finish rendering this conversation in {seconds:g} s (loops over loops?); "
-                    f"tokenizing the dataset would take as long per row")
+        except TemplateBudget as exc:
+            return str(exc)
         except Exception as exc:  # noqa: BLE001 - the template is user code; anything it raises stops the ranks
             return f"the template cannot render this conversation: {type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
     replies = [m["content"].strip() for m in messages
@@ -263,35 +293,6 @@ def render_problem(template: str, messages: list, mask_prompt: bool,
         return ("the rendered conversation holds none of the assistant's replies (does the template skip "
                 "`assistant` messages?): the model would train on no reply")
     return None
-
-
-class _TooSlow(FinetuneError):
-    """A render ran past its time limit (SIGALRM): reported as a finding, never raised to the user."""
-
-
-def _time_limit(seconds: float):
-    """Interrupt the Python code inside after `seconds` (SIGALRM; only in the main thread, else no limit)."""
-    import contextlib
-    import signal
-    import threading
-
-    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
-        return contextlib.nullcontext()
-
-    @contextlib.contextmanager
-    def limit():
-        def expire(signum, frame):
-            raise _TooSlow()
-
-        previous = signal.signal(signal.SIGALRM, expire)
-        signal.setitimer(signal.ITIMER_REAL, max(seconds, 0.01))
-        try:
-            yield
-        finally:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-            signal.signal(signal.SIGALRM, previous)
-
-    return limit()
 
 
 # ----------------------------------------------------------------------------------------------

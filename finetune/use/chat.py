@@ -15,7 +15,6 @@ imported inside the functions: `finetune --help` stays fast.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -60,6 +59,14 @@ def resolve_source(path: Optional[Path], base: Optional[str] = None, adapter: Op
         fmt = "messages"
     if fmt is not None and fmt not in FORMATS:
         raise ChatError(f"--format must be one of {', '.join(FORMATS)} or sharegpt, got {fmt!r}")
+    from finetune.fsutil import SpecialFile, refuse_special
+
+    try:
+        for what, value in (("PATH", path), ("--base", base), ("--adapter", adapter)):
+            if value is not None:
+                refuse_special(Path(value).expanduser(), what)
+    except SpecialFile as exc:
+        raise ChatError(str(exc)) from None
     if path is None:
         if base is None:
             raise ChatError("give a run directory, a model directory, or --base (with --adapter for a LoRA adapter)")
@@ -168,9 +175,11 @@ def _read_recipe(path: Path) -> Recipe:
 
 
 def _read_json(path: Path) -> dict[str, Any]:
+    from finetune.fsutil import read_json
+
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as exc:
+        data = read_json(path)
+    except (OSError, ValueError) as exc:
         raise ChatError(f"{path}: cannot read: {exc}") from None
     return data if isinstance(data, dict) else {}
 
@@ -333,9 +342,11 @@ def _load_tokenizer(source: Source):
                                        or (source.adapter / "tokenizer.json").is_file()):
         candidates.append(str(source.adapter))
     candidates.append(source.model)
-    from finetune.use.files import loading
+    from finetune.use.files import check_tokenizer_dir, loading
 
     trust = bool(source.recipe and source.recipe.model.trust_remote_code)
+    if Path(candidates[0]).expanduser().is_dir():
+        check_tokenizer_dir(Path(candidates[0]).expanduser(), ChatError)
     tokenizer = loading(f"the tokenizer from {candidates[0]}",
                         lambda: AutoTokenizer.from_pretrained(candidates[0], trust_remote_code=trust), ChatError)
     if source.recipe is not None and source.recipe.data.chat_template and not source.tokenizer:
@@ -404,7 +415,9 @@ class Conversation:
                 messages += [{"role": "user", "content": message_content(turn.user, turn.images)},
                              {"role": "assistant", "content": turn.reply}]
             messages.append({"role": "user", "content": message_content(user, images)})
-            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            from finetune.data.template_budget import render_for
+
+            return render_for(self.tokenizer, messages, add_generation_prompt=True)
         return "".join(turn.user + turn.reply for turn in turns) + user
 
     def _alpaca(self, turns: list[Turn], user: str, images: tuple[str, ...] = (), counts: tuple[int, ...] = ()) -> list[int]:

@@ -40,10 +40,12 @@ class PairwiseResult:
 
 def texts(row: dict[str, Any], tokenizer) -> tuple[str, str]:
     """(prompt + chosen, prompt + rejected) as RewardTrainer tokenizes them."""
+    from finetune.data.template_budget import render_for
+
     out = []
     for answer in ("chosen", "rejected"):
         if isinstance(row["prompt"], list):
-            out.append(tokenizer.apply_chat_template(row["prompt"] + row[answer], tokenize=False))
+            out.append(render_for(tokenizer, row["prompt"] + row[answer]))
         else:
             out.append(row["prompt"] + row[answer])
     return out[0], out[1]
