@@ -45,7 +45,7 @@ def from_args(source: str, revision: Optional[str] = None, trust_remote_code: bo
 
     from finetune.fsutil import refuse_special
 
-    refuse_special(source, "the tokenizer")  # a FIFO among its files would hang from_pretrained
+    refuse_special(source)  # a FIFO among its files would hang from_pretrained
     tokenizer = AutoTokenizer.from_pretrained(source, revision=revision, trust_remote_code=trust_remote_code)
     if chat_template:
         tokenizer.chat_template = chat_template

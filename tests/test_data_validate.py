@@ -231,8 +231,8 @@ def test_line_ranges_are_whole_lines_numbered_from_one(tmp_path):
 
     data = b"a\nbb\n\nccccccccccc\nd"
     ranges = list(line_ranges(io.BytesIO(data), size=2))
-    assert b"".join(r for _, r in ranges) == data
-    assert ranges == [(1, b"a\n"), (2, b"bb\n"), (3, b"\nccccccccccc\n"), (5, b"d")]
+    assert b"".join(r for _, r, _ in ranges) == data
+    assert ranges == [(1, b"a\n", []), (2, b"bb\n", []), (3, b"\nccccccccccc\n", []), (5, b"d", [])]
 
 
 def test_bad_rows_in_a_file_of_many_ranges_are_named_as_the_row_by_row_pass_names_them(tmp_path, monkeypatch):

@@ -208,3 +208,46 @@ def test_a_huge_set_value_is_not_echoed_whole(write_recipe, key, value):
     result = CliRunner().invoke(app, ["lint", str(write_recipe()), "--set", f"{key}={value}"])
     assert result.exit_code == 1 and len(result.output) < 1000, len(result.output)
     assert "100,0" in result.output  # says how long the value was
+
+
+HUB = "model: {name_or_path: org/m}\ndata: {path: org/d}\n"
+
+
+@pytest.mark.parametrize("text", [
+    HUB + "objective: grpo\ngrpo: {rewards: 8}\n", HUB + "objective: grpo\ngrpo: {rewards: {function: 'r.py:f'}}\n",
+    HUB + "objective: grpo\ngrpo: 8\n", "model: {name_or_path: org/m}\ndata: {sources: 8}\n",
+    "model: {name_or_path: org/m}\ndata: [1, 2]\n", "model: 8\ndata: {path: org/d}\n",
+])
+def test_every_recipe_shape_reaches_the_schema(write_recipe, text):
+    """The loader's own passes (path rebasing, reward files, extends) walk nothing the schema has not seen
+    (issue 40: `grpo.rewards: 8` was a TypeError in lint, render, plan and train alike)."""
+    path = write_recipe(text)
+    with pytest.raises(RecipeProblem) as exc:
+        load_recipe(path)
+    assert all(p.rule in ("R004", "R005") for p in exc.value.problems), exc.value.lines()
+
+
+def test_an_alias_bomb_is_refused_before_any_value_is_built(write_recipe, monkeypatch):
+    """Counted per shared node (a few hundred), not by building 200,000 values first (2 s on a busy box: the
+    issue-40 mutant that ran lint past 10 s)."""
+    from finetune.recipe import yamlio
+    from tests.test_lint_fuzz import ALIAS_BOMB
+
+    built = []
+    monkeypatch.setattr(yamlio._Builder, "build", lambda *args: built.append(args))
+    findings = lint_paths([write_recipe(MINIMAL + ALIAS_BOMB)], LintOptions()).findings
+    assert [f.rule for f in findings] == ["R001"] and "alias bomb" in findings[0].message
+    assert built == []
+
+
+def test_plan_trace_of_a_model_transformers_cannot_build_is_one_line(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "no_such_model", "hidden_size": 64,
+                                                      "num_hidden_layers": 2, "num_attention_heads": 4,
+                                                      "intermediate_size": 128, "vocab_size": 100}))
+    from typer.testing import CliRunner
+
+    from finetune.cli import app
+
+    result = CliRunner().invoke(app, ["plan", "--trace", "--model", str(tmp_path), "--method", "full"])
+    assert result.exit_code == 1 and "Traceback" not in result.output, result.output[-2000:]
+    assert result.output.strip().splitlines()[-1].startswith("error: --trace cannot build model_type 'no_such_model'")

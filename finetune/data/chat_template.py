@@ -36,8 +36,12 @@ class ChatRenderer:
             self.kwargs = tokenizer_kwargs(tokenizer)  # apply_chat_template's template_kwargs
         except ImportError:  # transformers moved its helpers: apply_chat_template it is
             return
+        from finetune.data.template_budget import TemplateBudget
+
         try:
             self.fast = sample is None or self._render(self._convert(sample)) == self.slow(sample)
+        except TemplateBudget:
+            self.fast = True  # a template past the budget: apply_chat_template would not stop it
         except Exception:  # noqa: BLE001 - the slow path will raise what is wrong with the row, as before
             self.fast = False
 

@@ -37,25 +37,32 @@ MAX_NESTING = 64
 NESTED_TOO_DEEP = f"nested deeper than {MAX_NESTING} levels"
 
 _DROP_BUT_OPENERS = bytes(b for b in range(256) if b not in b"[{\n")
+_HEAVY = re.compile(rb"[^\n]{%d}" % (MAX_NESTING + 1))  # a line with more brackets than MAX_NESTING
 # A JSON string (escapes included) or one bracket: what the exact depth count walks, skipping strings' contents.
 _TOKENS = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}]')
 
 
 def deep_lines(data: bytes, first_line: int = 1) -> list[int]:
-    """Numbers of the lines of `data` (the first one numbered `first_line`) nested deeper than MAX_NESTING.
+    """Numbers of the lines of `data` (the first one numbered `first_line`) nested deeper than MAX_NESTING."""
+    return _scan(data, first_line)[1]
 
-    One pass in C keeps only the `[`, `{` and newlines; a line with at most MAX_NESTING of them cannot nest
-    deeper (strings included, so this only over-counts), and only the others are walked exactly, strings
-    skipped. On JSON lines of ordinary rows the pass costs about what counting the newlines does."""
+
+def _scan(data: bytes, first_line: int) -> tuple[int, list[int]]:
+    """(newlines in `data`, numbers of its lines nested deeper than MAX_NESTING), in one pass over the bytes.
+
+    The pass (in C) keeps only the `[`, `{` and newlines: their count is the newline count line_ranges needs
+    anyway, and a line with at most MAX_NESTING brackets cannot nest deeper (strings included, so this only
+    over-counts); only the others are walked exactly, strings skipped."""
     openers = data.translate(None, _DROP_BUT_OPENERS)
-    if len(openers) - openers.count(b"\n") <= MAX_NESTING:
-        return []
+    newlines = openers.count(b"\n")
+    if len(openers) - newlines <= MAX_NESTING or not _HEAVY.search(openers):
+        return newlines, []
     heavy = [i for i, line in enumerate(openers.split(b"\n")) if len(line) > MAX_NESTING]
     if not heavy:
-        return []
+        return newlines, []
     lines = data.split(b"\n") if len(heavy) > 1 else [_nth_line(data, heavy[0])]
     picked = [lines[i] for i in heavy] if len(heavy) > 1 else lines
-    return [first_line + i for i, line in zip(heavy, picked) if nested_too_deep(line)]
+    return newlines, [first_line + i for i, line in zip(heavy, picked) if nested_too_deep(line)]
 
 
 def _nth_line(data: bytes, index: int) -> bytes:
@@ -105,10 +112,10 @@ def bounded_lines(handle: BinaryIO, first_line: int = 1) -> Iterator[tuple[int, 
         number += 1
 
 
-def line_ranges(handle: BinaryIO, size: Optional[int] = None) -> Iterator[tuple[int, bytes]]:
-    """(number of the first line, bytes) of consecutive ranges of whole lines, `size` (RANGE) bytes and
-    up to the next newline: a line longer than that makes its range longer rather than being cut (up to
-    MAX_LINE: LineTooLong)."""
+def line_ranges(handle: BinaryIO, size: Optional[int] = None) -> Iterator[tuple[int, bytes, list[int]]]:
+    """(number of the first line, bytes, numbers of the lines nested deeper than MAX_NESTING) of consecutive
+    ranges of whole lines, `size` (RANGE) bytes and up to the next newline: a line longer than that makes its
+    range longer rather than being cut (up to MAX_LINE: LineTooLong)."""
     size = size or RANGE
     first = 1
     while True:
@@ -120,12 +127,14 @@ def line_ranges(handle: BinaryIO, size: Optional[int] = None) -> Iterator[tuple[
             if len(tail) > MAX_LINE and not tail.endswith(b"\n"):
                 raise LineTooLong(first + data.count(b"\n"))
             data += tail
-        yield first, data
-        first += data.count(b"\n")
+        newlines, deep = _scan(data, first)
+        yield first, data, deep
+        first += newlines
 
 
-def clean_counts(data: bytes, spec: RowSpec) -> Optional[list]:
-    """Character count of every row of one range (numpy arrays, one per batch) when every row is fine, else None."""
+def clean_counts(data: bytes, spec: RowSpec, deep: Optional[list[int]] = None) -> Optional[list]:
+    """Character count of every row of one range (numpy arrays, one per batch) when every row is fine, else None.
+    `deep`: the range's lines nested too deeply, when line_ranges found them already."""
     try:
         import pyarrow as pa
         import pyarrow.json as pj
@@ -136,7 +145,7 @@ def clean_counts(data: bytes, spec: RowSpec) -> Optional[list]:
         (_chat if kind in CHAT_FORMATS else None)
     if check is None:
         return None
-    if deep_lines(data):  # read row by row instead, which names each such line
+    if deep_lines(data) if deep is None else deep:  # read row by row instead, which names each such line
         return None
     lengths = []
     try:

@@ -38,13 +38,15 @@ def show_example(recipe, tokenizer, row_number: int = 1) -> Shown:
     row, where, source = nth_row(recipe, row_number)
     from finetune.data import vision_encode  # noqa: F401 - registers the tokenization of rows with images
     from finetune.data.formats import RowProblem
-    from finetune.data.tokenize import tokenize_examples
+    from finetune.data.tokenize import RowError, tokenize_examples
 
     try:
         rows = tokenize_examples([row], tokenizer, source.format, recipe.data.max_length, recipe.data.mask_prompt,
                                  spec=source.spec, think=recipe.data.think)
     except RowProblem as exc:
         raise ShowError(f"{where}: {exc}") from None
+    except RowError as exc:  # the chat template's refusal, numbered in a batch of one
+        raise ShowError(f"{where}: {str(exc).removeprefix(f'example {exc.index}: ')}") from None
     if not rows:
         raise ShowError(f"{where}: nothing to train on after truncation to data.max_length {recipe.data.max_length}")
     ids, labels = rows[0]["input_ids"], rows[0]["labels"]

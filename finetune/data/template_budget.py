@@ -48,8 +48,8 @@ class time_budget:  # noqa: N801 - used as a context manager, like a function
 
     __slots__ = ("seconds", "outer", "handler")
 
-    def __init__(self, seconds: float = RENDER_SECONDS):
-        self.seconds = seconds
+    def __init__(self, seconds: Optional[float] = None):
+        self.seconds = RENDER_SECONDS if seconds is None else seconds
 
     def __enter__(self) -> None:
         self.outer = getattr(_deadline, "at", None), getattr(_deadline, "seconds", self.seconds)
@@ -264,24 +264,24 @@ def _collect(blocks: Iterator[str], into: list) -> str:
     return "".join(into)
 
 
-def render(template: str, messages: list, add_generation_prompt: bool = False, seconds: float = RENDER_SECONDS,
+def render(template: str, messages: list, add_generation_prompt: bool = False, seconds: Optional[float] = None,
            **kwargs: Any) -> str:
-    """`template` rendered for `messages` (already in the form transformers hands a template) within the budget;
-    `kwargs`: the other variables (the tokenizer's special tokens, tools, documents)."""
+    """`template` rendered for `messages` (already in the form transformers hands a template) within the budget
+    (`seconds`, default RENDER_SECONDS); `kwargs`: the other variables (the special tokens, tools, documents)."""
     compiled = compile_template(template)
-    with time_budget(seconds):
+    with time_budget(RENDER_SECONDS if seconds is None else seconds):
         return _collect(compiled.generate(messages=messages, add_generation_prompt=add_generation_prompt,
                                           **{"tools": None, "documents": None, **kwargs}), [])
 
 
-def render_with_spans(template: str, messages: list, seconds: float = RENDER_SECONDS,
+def render_with_spans(template: str, messages: list, seconds: Optional[float] = None,
                       **kwargs: Any) -> tuple[str, list[tuple[int, int]]]:
     """(text, character spans of the `{% generation %}` blocks): what apply_chat_template's assistant mask is
     computed from (transformers' AssistantTracker extension, activated as transformers activates it)."""
     compiled = compile_template(template)
     blocks: list[str] = []
     spans: list[tuple[int, int]] = []
-    with time_budget(seconds), compiled.environment.activate_tracker(blocks, spans):
+    with time_budget(RENDER_SECONDS if seconds is None else seconds), compiled.environment.activate_tracker(blocks, spans):
         text = _collect(compiled.generate(messages=messages, add_generation_prompt=False,
                                           **{"tools": None, "documents": None, **kwargs}), blocks)
     return text, spans

@@ -155,8 +155,8 @@ def _check_jsonl(path: Path, check: SourceCheck, result: Validation) -> None:
     """Range by range: the bulk pass proves most ranges clean; the others are read row by row."""
     try:
         with path.open("rb") as handle:
-            for first_line, data in line_ranges(handle):
-                clean = clean_counts(data, check.source.spec)
+            for first_line, data, deep in line_ranges(handle):
+                clean = clean_counts(data, check.source.spec, deep)
                 if clean is None:
                     rows = _guarded(path, _jsonl_lines(path, io.BytesIO(data), first_line))
                     if not _check_rows(path, rows, check, result):

@@ -262,6 +262,12 @@ def resolve_model(name: str) -> tuple[Optional[Arch], int, str]:
         return arch, arch.total_params, arch.describe()
     path = Path(text).expanduser()
     if path.exists():
+        from finetune.fsutil import SpecialFile, refuse_special
+
+        try:
+            refuse_special(path)
+        except SpecialFile as exc:
+            raise PlanError(str(exc)) from None
         if path.is_dir() and not (path / MODEL_CONFIG).is_file():
             raise PlanError(f"{path} has no config.json: pass --model with a config.json, an architecture "
                             f"name ({', '.join(names()[:4])}, ...) or a parameter count such as 7.5B")

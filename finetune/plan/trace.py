@@ -375,6 +375,19 @@ SHALLOW = (2, 3, 4)  # depths traced when the model is deeper: two differences t
 
 
 def trace(setup: Setup, config: Optional[dict] = None, extrapolate: bool = True) -> TraceResult:
+    """Trace one training step of `setup` (see the module docstring); model code that fails on this config
+    (transformers' or peft's: a model_type it cannot build, LoRA targets the model lacks) is a PlanError."""
+    try:
+        return _trace(setup, config, extrapolate)
+    except PlanError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the model's own code raises what it likes on a config it does not fit
+        text = " ".join(str(exc).split()).split(". ")[0][:300]
+        raise PlanError(f"--trace cannot trace this model: {type(exc).__name__}: {text}; the plan without --trace "
+                        "does not run the model's code") from None
+
+
+def _trace(setup: Setup, config: Optional[dict], extrapolate: bool) -> TraceResult:
     """Trace one training step of `setup` (see the module docstring).
 
     Decoder layers are identical, so what is live at each place of a phase grows by the same bytes per

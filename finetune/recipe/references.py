@@ -39,4 +39,4 @@ def recipe_paths(recipe) -> list[tuple[tuple, str]]:
         file = reward.function.rpartition(":")[0]
         if file.endswith(".py"):
             named.append((("grpo", "rewards", i, "function"), file))
-    return [(key, value) for key, value in named if value and not value.startswith("builtin:") and is_model_path(value)]
+    return [(key, value) for key, value in named if value and is_model_path(value)]  # `builtin:` names are not paths
