@@ -4,7 +4,8 @@
     python scripts/bench_validate.py --size 256MiB --format sharegpt --no-datasets
 
 Writes a generated file (alpaca or ShareGPT rows of a few hundred bytes), then times:
-- finetune.data.validate.validate on the clean file (the bulk pyarrow pass proves it clean),
+- finetune.data.validate.validate on the clean file (the bulk pyarrow pass proves it clean), and the part of
+  it that finds rows nested too deep for pyarrow, against the newline count it replaced,
 - the same after one bad row is appended at the end: the bulk pass proves every range of lines clean
   but the last, and the row-by-row pass (orjson, as shipped; then the json module, the fallback) reads
   that range to name the line (--range sets the range size, finetune.data.fastcheck.RANGE),
@@ -89,6 +90,23 @@ def time_validate(path: Path, fmt: str, use_orjson: bool) -> tuple[str, list[str
         v._loads, v._JSONError = saved
 
 
+def time_depth_scan(path: Path) -> str:
+    """CPU seconds of fastcheck's pass over every range (newlines and brackets: rows nested too deep never reach
+    pyarrow) against the newline count it replaced, same ranges, alternating (CPU time: a shared box's load)."""
+    from finetune.data.fastcheck import RANGE, _scan
+
+    scan = count = 0.0
+    with path.open("rb") as handle:
+        while data := handle.read(RANGE):
+            start = time.process_time()
+            data.count(b"\n")
+            count += time.process_time() - start
+            start = time.process_time()
+            _scan(data, 1)
+            scan += time.process_time() - start
+    return f"{scan:.2f} s CPU, where counting the newlines alone took {count:.2f} s"
+
+
 def time_datasets(path: Path) -> tuple[float, str]:
     import datasets
 
@@ -127,6 +145,7 @@ def main() -> int:
         print(f"wrote {path}: {mb:,.0f} MB, {lines:,} rows ({args.format}) in {time.perf_counter() - start:.1f} s")
         seconds, problems, rows = time_validate(path, args.format, True)
         print(f"finetune validate, clean file (bulk pass): {seconds}, {rows:,} rows); found: {problems}")
+        print(f"the depth scan (rows nested deeper than 64 levels never reach pyarrow): {time_depth_scan(path)}")
         if not args.no_datasets:
             seconds, outcome = time_datasets(path)
             print(f"datasets.load_dataset('json'), clean file: {seconds:.1f} s ({mb / seconds:,.0f} MB/s); {outcome}")

@@ -115,3 +115,15 @@ def test_every_command_that_reads_the_data_names_the_row(recipe_with, no_launch,
     assert result.exit_code == 1, result.output[-2000:]
     assert "Traceback" not in result.output and needle in result.output, result.output[-2000:]
     assert str(data) in result.output or data.name in result.output
+
+
+def test_the_bulk_reader_is_handed_memory_arrow_owns(monkeypatch):
+    """A Python-owned buffer whose last reference Arrow's read-ahead thread drops during interpreter shutdown
+    aborts the process (exit 134, "terminate called without an active exception"; issue 34 item 10)."""
+    import pyarrow as pa
+
+    handed = []
+    real = pa.BufferReader
+    monkeypatch.setattr(pa, "BufferReader", lambda source: handed.append(source) or real(source))
+    assert clean_counts((GOOD * 3).encode(), RowSpec("alpaca")) is not None
+    assert len(handed) == 1 and isinstance(handed[0], pa.Buffer) and handed[0].is_mutable  # allocate_buffer's
