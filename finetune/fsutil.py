@@ -64,21 +64,29 @@ def refuse_special(path: "str | os.PathLike", what: Optional[str] = None) -> Non
 
     Libraries open a model folder's files by name (config.json, tokenizer.json, the weights), so a FIFO
     there hangs them as surely as one given directly. `what` names the path for the user (`model.name_or_path`)."""
+    problem = special_problem(path, what)
+    if problem:
+        raise SpecialFile(problem)
+
+
+def special_problem(path: "str | os.PathLike", what: Optional[str] = None) -> Optional[str]:
+    """refuse_special's one line, or None."""
     label = f"{what}: " if what else ""
     kind = special_kind(path)
     if kind:
-        raise SpecialFile(f"{label}{path} is {kind}, not a regular file or folder")
+        return f"{label}{path} is {kind}, not a regular file or folder"
     try:
         entries = os.scandir(path) if os.path.isdir(path) else None
     except (OSError, ValueError):
-        return
+        return None
     if entries is None:
-        return
+        return None
     with entries:
         for entry in entries:
             kind = special_kind(entry.path)
             if kind:
-                raise SpecialFile(f"{label}{entry.path} is {kind}, not a regular file")
+                return f"{label}{entry.path} is {kind}, not a regular file"
+    return None
 
 
 def read_capped(path: "str | os.PathLike", limit: int, what: Optional[str] = None) -> bytes:

@@ -64,6 +64,16 @@ def usable_path(option: str, path: Optional[Path]) -> None:
             raise fail(f"{option}: {exc}", 2) from None
 
 
+def input_path(option: str, path: Path) -> None:
+    """Exit 1 when `path`, or a file directly in the folder `path`, is a device, FIFO or socket (finetune.fsutil):
+    the libraries a command hands a folder to open its files by name, and a FIFO would hold them forever."""
+    from finetune.fsutil import special_problem
+
+    problem = special_problem(path, option)
+    if problem:
+        raise fail(problem)
+
+
 def input_file(option: str, path: Path) -> None:
     """Exit 1 unless `path` is a regular file: a device, FIFO or socket is named as such (finetune.fsutil), before
     anything opens it."""

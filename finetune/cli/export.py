@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from finetune.cli.common import fail, usable_path
+from finetune.cli.common import fail, input_path, usable_path
 
 
 def export(
@@ -39,6 +39,7 @@ def export(
     from finetune.units import human_size
 
     usable_path("-o", output)
+    input_path("RUN_OR_MODEL", path)
     try:
         result = export_gguf(path, gguf, output, overwrite=overwrite, verify=verify,
                              log=lambda line: typer.echo(line, err=True))

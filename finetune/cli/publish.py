@@ -6,6 +6,8 @@ from pathlib import Path
 
 import typer
 
+from finetune.cli.common import input_path
+
 
 def publish(
     path: Path = typer.Argument(..., metavar="RUN_OR_EXPORT", help="A run directory (its adapter or full weights), a merged model (finetune merge) or a GGUF export (finetune export)."),
@@ -31,6 +33,7 @@ def publish(
     from finetune.publish.upload import publish as run_publish
     from finetune.units import human_size
 
+    input_path("RUN_OR_EXPORT", path)
     result = run_publish(path, repo, private=private, dry_run=dry_run, log=lambda line: typer.echo(line, err=True))
     pub = result.publication
     total = human_size(sum(i.size for i in pub.items))

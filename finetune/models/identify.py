@@ -9,7 +9,6 @@ families' published names (`Qwen/Qwen3-30B-A3B` -> qwen3_moe). None when none of
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -58,9 +57,11 @@ def read_config(name_or_path: str) -> Optional[tuple[dict[str, Any], str]]:
     if not is_local(name_or_path):
         return None
     path = Path(name_or_path).expanduser() / MODEL_CONFIG
+    from finetune.fsutil import read_json
+
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError):
+        data = read_json(path)  # a FIFO or a link to a device there is refused, never read (issue 40)
+    except (OSError, ValueError):
         return None
     return (data, str(path)) if isinstance(data, dict) else None
 

@@ -23,7 +23,7 @@ import torch
 from safetensors import safe_open
 
 from finetune.errors import FinetuneError
-from finetune.fsutil import remove_stale_partials, write_atomic
+from finetune.fsutil import read_json as read_whole_json, remove_stale_partials, write_atomic
 from finetune.recipe.references import MODEL_CONFIG
 from finetune.rundir.names import ADAPTER_CONFIG, ADAPTER_WEIGHTS, MERGED_RECIPE
 from finetune.vision_models import PROCESSOR_FILES
@@ -84,16 +84,12 @@ class MergeError(FinetuneError):
 
 
 def read_json(path: Path) -> dict:
-    from finetune.fsutil import SpecialFile, read_json as read_whole
-
     try:
-        data = read_whole(path)
+        data = read_whole_json(path)  # a FIFO or a device there is refused, not read; a file read with a cap
     except FileNotFoundError:
         raise MergeError(f"{path}: missing") from None
-    except SpecialFile as exc:
-        raise MergeError(str(exc)) from None
     except (OSError, ValueError) as exc:
-        raise MergeError(f"{path}: not valid JSON ({exc})") from None
+        raise MergeError(f"{path}: not valid JSON ({exc})" if isinstance(exc, ValueError) else str(exc)) from None
     if not isinstance(data, dict):
         raise MergeError(f"{path}: expected a JSON object")
     return data
