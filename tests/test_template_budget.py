@@ -28,6 +28,7 @@ HOSTILE = {
     "macro": "{% macro f(s, n) %}{% if n %}{{ f(s ~ s, n - 1) }}{% endif %}{% endmacro %}{{ f('aaaaaaaa', 40) }}",
     "output": "{% for i in range(100000) %}{{ 'a' * 30000000 }}{% endfor %}",
     "replace": "{{ ('a' * 1000000)|replace('a', 'a' * 1000) }}",
+    "join": "{{ (['a' * 30000000] * 100)|join }}", "str join": "{{ ''.join(['a' * 30000000] * 100) }}",
 }
 
 

@@ -148,6 +148,14 @@ def _check_replace(text: Any, args: tuple) -> None:
             raise _too_big("a replaced string")
 
 
+def _check_join(separator: Any, items: Any) -> None:
+    """A join of many references to one long string is gigabytes from a list that holds a few hundred."""
+    if isinstance(items, (list, tuple)):
+        total = sum(_size(item) if isinstance(item, str) else 0 for item in items) + _size(separator) * len(items)
+        if total > MAX_CHARS:
+            raise _too_big("a joined value")
+
+
 def _check_method(method: Any, args: tuple, kwargs: dict) -> None:
     """Before a str method runs: the result it would build, from its arguments."""
     method = getattr(method, "__wrapped__", method)  # Jinja 3.1.5+ hands str.format out wrapped (wrap_str_format)
@@ -160,6 +168,8 @@ def _check_method(method: Any, args: tuple, kwargs: dict) -> None:
         _check_format(owner)
     elif name == "replace":
         _check_replace(owner, args)
+    elif name == "join" and args:
+        _check_join(owner, args[0])
 
 
 def _bounded_filter(name: str, fn):
@@ -177,6 +187,8 @@ def _bounded_filter(name: str, fn):
             _check_format(value)
         elif name == "replace":
             _check_replace(value, params)
+        elif name == "join":
+            _check_join(params[0] if params else kwargs.get("d", ""), value)
         result = fn(*args, **kwargs)
         if _size(result) > MAX_CHARS:
             raise _too_big("a value")
