@@ -8,6 +8,7 @@ The multi-process run (ZeRO-3, one rank's batch without an image) is tests/test_
 from __future__ import annotations
 
 import copy
+import os
 import json
 import random
 from pathlib import Path
@@ -111,6 +112,7 @@ def test_bad_image_rows_are_named_by_file_and_line(tmp_path):
     outside = tmp_path.parent / f"{tmp_path.name}-outside.png"
     outside.write_bytes((tmp_path / image).read_bytes())
     (tmp_path / "link.png").symlink_to(outside)  # a link out of the data's folder: refused like `..`
+    os.mkfifo(tmp_path / "fifo.png")  # never opened: it would block (issue 40)
     user = {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}
     answer = {"role": "assistant", "content": "red"}
     rows = [
@@ -122,6 +124,7 @@ def test_bad_image_rows_are_named_by_file_and_line(tmp_path):
         {"messages": [user, answer], "images": ["data.jsonl"]},
         {"messages": [user, answer], "images": [image]},
         {"messages": [{"role": "user", "content": "Say hello."}, {"role": "assistant", "content": "hello"}]},
+        {"messages": [user, answer], "images": ["fifo.png"]},
     ]
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps(row) + "\n" for row in rows))
@@ -134,7 +137,8 @@ def test_bad_image_rows_are_named_by_file_and_line(tmp_path):
     assert f"{data}:4: images[0] (link.png) leaves the data's folder" in found
     assert f"{data}:5: messages[0].content[0] is a `video` part" in found
     assert f"{data}:6: images[0]" in found and "not an image Pillow can read" in found
-    assert checked.total == 6 and list(checked.checks[0].image_tokens) == [1, 0]  # rows 7 and 8 are fine
+    assert f"{data}:9: images[0]: {tmp_path / 'fifo.png'} is a named pipe (FIFO), not an image file" in found
+    assert checked.total == 7 and list(checked.checks[0].image_tokens) == [1, 0]  # rows 7 and 8 are fine
 
 
 def test_an_image_is_a_path_bytes_a_data_url_or_datasets_struct(tmp_path):

@@ -120,6 +120,11 @@ def _inside(path: str, root: str, where: str) -> Path:
         if found != base and base not in found.parents:
             raise RowProblem(f"{where} ({path}) leaves the data's folder {base} (through `..` or a link); "
                              "give an absolute path to use a file elsewhere")
+    from finetune.fsutil import special_kind
+
+    kind = special_kind(found)  # Pillow would block on a FIFO or read a device without end (issue 40)
+    if kind:
+        raise RowProblem(f"{where}: {found} is {kind}, not an image file")
     if not found.is_file():
         raise RowProblem(f"{where}: no image file {found}")
     return found
