@@ -20,7 +20,6 @@ PUBLISHED below (the hub's files, for lint and plan on a machine that has not do
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import dataclass, field, replace
@@ -279,8 +278,10 @@ PUBLISHED: dict[str, dict[str, Any]] = {
 
 def read_json_object(path: Path) -> Optional[dict]:
     """A JSON file holding an object, else None (missing, unreadable, not an object)."""
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+    from finetune.fsutil import read_json
+
+    try:  # the one door: a FIFO or device named config.json is refused, never waited on
+        data = read_json(path)
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) else None

@@ -35,6 +35,14 @@ def _vision(loaded: LoadedRecipe) -> tuple[Optional[VisionModel], Optional[str]]
         return None, str(exc)
 
 
+def _set_keys(loaded: LoadedRecipe) -> list[str]:
+    """The `vision` keys set away from their defaults (a run directory's recipe.yaml writes every section out,
+    defaults included, and must lint as its recipe did)."""
+    raw = loaded.raw.get("vision") if isinstance(loaded.raw.get("vision"), dict) else {}
+    defaults = VisionSection.model_fields
+    return [key for key, value in raw.items() if key in defaults and value != defaults[key].default]
+
+
 @rule
 def vision_model(loaded: LoadedRecipe) -> Iterator[RawFinding]:
     r = loaded.recipe
@@ -43,11 +51,8 @@ def vision_model(loaded: LoadedRecipe) -> Iterator[RawFinding]:
         yield RawFinding("R171", "error", ("model", "name_or_path"), unsupported,
                          "use a Qwen2.5-VL or LLaVA-1.5 model, or follow issue 38 for more families")
         return
+    written = _set_keys(loaded)
     if vm is None:
-        # keys set away from their defaults (a run directory's recipe.yaml writes every section out, defaults included)
-        raw = loaded.raw.get("vision") if isinstance(loaded.raw.get("vision"), dict) else {}
-        defaults = VisionSection.model_fields
-        written = [key for key, value in raw.items() if key in defaults and value != defaults[key].default]
         if written and _model_known(r.model.name_or_path):
             yield RawFinding("R173", "warning", ("vision", written[0]),
                              f"`vision` does nothing: {r.model.name_or_path} is a text model (no vision_config in its "
@@ -65,7 +70,6 @@ def vision_model(loaded: LoadedRecipe) -> Iterator[RawFinding]:
             yield RawFinding("R172", "error", ("parallel", key), f"parallel.{key} with a vision-language model is not "
                              "supported: the tower's image tokens would be split across processes", f"set parallel.{key}: 1")
     if not FAMILIES[vm.family.name].dynamic:
-        written = loaded.raw.get("vision") if isinstance(loaded.raw.get("vision"), dict) else {}
         for key in SIZE_KEYS:
             if key in written:
                 yield RawFinding("R173", "warning", ("vision", key), f"vision.{key} does nothing for {vm.family.name}: "

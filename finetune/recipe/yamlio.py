@@ -125,6 +125,7 @@ def _refuse_alias_bombs(root: Any) -> None:
     from ruamel.yaml.nodes import MappingNode, SequenceNode
 
     sizes: dict[int, int] = {}
+    open_nodes: set[int] = set()  # entered, children not yet counted: an alias to one of them is a cycle
     stack = [(root, False)]
     while stack:
         node, children_done = stack.pop()
@@ -133,12 +134,16 @@ def _refuse_alias_bombs(root: Any) -> None:
         children = [v for pair in node.value for v in pair] if isinstance(node, MappingNode) else \
             node.value if isinstance(node, SequenceNode) else []
         if children_done:
+            open_nodes.discard(id(node))
             sizes[id(node)] = size = 1 + sum(sizes.get(id(child), 0) for child in children)
             if size > MAX_NODES:
                 raise DocumentError(f"document expands to more than {MAX_NODES:,} values (alias bomb?)", *_mark(node))
-        else:
-            stack.append((node, True))
-            stack.extend((child, False) for child in children if id(child) not in sizes)
+            continue
+        if id(node) in open_nodes:  # `a: &x [*x]`: a collection that holds itself never ends
+            raise DocumentError("an alias refers to a collection that contains it (a recursive value)", *_mark(node))
+        open_nodes.add(id(node))
+        stack.append((node, True))
+        stack.extend((child, False) for child in children if id(child) not in sizes)
 
 
 def _refuse_deep_nesting(text: str) -> None:
