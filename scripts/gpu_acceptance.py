@@ -95,7 +95,12 @@ class Machine:
 
 
 def git_commit() -> Optional[str]:
-    """The commit of this checkout (what the results measured), None outside a git checkout."""
+    """The commit of this checkout (what the results measured), None outside a git checkout. The GPU machine's copy
+    of .git is the last landed commit's, not the working tree's: scripts/gpu_wheels.sh writes the commit the tree
+    was sent from into .whl/COMMIT, which wins when it is there."""
+    sent = REPO / ".whl" / "COMMIT"
+    if sent.is_file():
+        return sent.read_text(encoding="utf-8").strip() or None
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=False)
     except OSError:  # no git on the machine

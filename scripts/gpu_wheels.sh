@@ -24,6 +24,9 @@ platforms=(--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --p
     trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19
 # DeepSpeed is published as an sdist only: a pure-Python wheel of it (its ops are compiled on the GPU machine).
 DS_BUILD_OPS=0 "$PYTHON" -m pip wheel -q --no-deps --no-build-isolation -w "$OUT" deepspeed==0.19.8
+# The commit the working tree is sent from (the GPU machine's .git is the last landed commit's); "+changes" when the
+# tree differs from it. scripts/gpu_acceptance.py's git_commit() reads it.
+{ git rev-parse HEAD | tr -d '\n'; [ -z "$(git status --porcelain --untracked-files=no)" ] || printf '+changes'; echo; } > "$OUT/COMMIT"
 wheels=$(du -cb "$OUT"/*.whl | tail -1 | cut -f1)
 repo=$(git ls-files -z --cached --others --exclude-standard | xargs -0 du -cb 2>/dev/null | grep total$ | cut -f1 | paste -sd+ | bc)
 total=$((wheels + repo))

@@ -171,10 +171,15 @@ def test_plan_runs_on_every_case(corpus_rows):
 # inference from the rows, so the source left the held-out part: docs/plan.md, "Eighth pass"), with the same
 # README's 70B row: all 6.5% to 6.0% (under >10% 27 to 21); the calibration part gained 7 rows 3-8% over
 # (4.4% to 4.6%); the held-out part lost them (9.1% to 7.8%).
+# This project's second GPU run (an H200, 2026-11-27: docs/gpu_acceptance/2026-11-27_h200_speed_auto_memory.json)
+# added three held-out rows at 8,192 tokens without gradient checkpointing (LoRA, Q-LoRA, full ZeRO-2): the
+# planner is 17-29% over on all three, and so is `finetune plan --trace` (transformers' own code on fake tensors:
+# 33.75 GiB planned against 28.55 measured for the LoRA row), so the gap is in what the CUDA path keeps, not in an
+# analytic term (docs/plan.md, "Ninth pass": open). No term changed: all 6.0% to 6.2%, held out 7.9% to 8.4%.
 REACHED = {
-    "all": {"median_abs_error": 0.060, "under_10": 21, "under_15": 10},
+    "all": {"median_abs_error": 0.0621, "under_10": 21, "under_15": 10},
     "calibration": {"median_abs_error": 0.047, "under_10": 20, "under_15": 9},
-    "holdout": {"median_abs_error": 0.079, "under_10": 1, "under_15": 1},
+    "holdout": {"median_abs_error": 0.0844, "under_10": 1, "under_15": 1},
 }
 
 
@@ -296,12 +301,13 @@ def test_the_shipped_share_is_the_fitted_one(corpus_rows):
 # Without the Qwen README the "one shape" class is its 10 other cases (unsloth's 7, PEFT's 2, this project's
 # H100 row), none as far under as the README's 1.8B, ZeRO-3 and multinode rows; unsloth's rows, 12-22% under
 # before they were planned as prepare_model_for_kbit_training leaves the model, had widened it (93.6% then).
+# The H200's three long-context rows (above) moved the median from 5.96% to 6.2%: that target is open again.
 MET_TARGETS = [
-    "point estimate median |error| <= 6%",
     "point estimate mean error within +-3%",
     "bound <= 20% above measured at the median (leave-one-source-out)",
 ]
 OPEN_TARGETS = [
+    "point estimate median |error| <= 6%",
     "bound >= measured in >= 95% of cases (leave-one-source-out)",
 ]
 

@@ -67,12 +67,12 @@ HISTORY_RECORDS = (1 / 2, 3 / 4, 7 / 8, 15 / 16)
 BOUND_QUANTILE = 0.95
 BOUND_MIN_CASES = 10
 BOUND_WIDTHS: dict[str, tuple[float, int]] = {
-    'all': (0.1948, 142),
-    'one shape': (0.1994, 91),
-    'one shape / full': (0.1957, 10),
-    'one shape / lora': (0.2006, 49),
-    'one shape / lora / no DeepSpeed': (0.1399, 36),
-    'one shape / qlora': (0.1675, 32),
+    'all': (0.1946, 145),
+    'one shape': (0.1976, 94),
+    'one shape / full': (0.1915, 11),
+    'one shape / lora': (0.2, 50),
+    'one shape / lora / no DeepSpeed': (0.1364, 37),
+    'one shape / qlora': (0.1657, 33),
     'one shape / qlora / ZeRO-0/1/2': (0.1818, 24),
     'shapes vary': (0.1508, 51),
     'shapes vary / lora': (0.133, 36),
