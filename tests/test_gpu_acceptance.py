@@ -26,6 +26,7 @@ def harness():
 
 
 @pytest.mark.slow
+@pytest.mark.full  # the harness ran on an H100 (docs/gpu_acceptance/2026-11-24_*)
 def test_cpu_run_records_measured_speed_memory_and_the_plan(tmp_path_factory, tmp_path):
     out = tmp_path / "acceptance"
     env = runner_env(cache_dir(tmp_path_factory))

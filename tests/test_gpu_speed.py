@@ -19,6 +19,7 @@ SCRIPT = REPO / "scripts" / "gpu_speed.py"
 
 
 @pytest.mark.slow
+@pytest.mark.full  # the harness ran on an H200 (docs/gpu_acceptance/2026-11-27_*); the last-step rule: tests/test_speed.py
 def test_cpu_plumbing_pairs_finetune_with_bench_hf_and_a_finished_run_trains_no_more(tmp_path_factory, tmp_path):
     out = tmp_path / "speed"
     env = runner_env(cache_dir(tmp_path_factory))

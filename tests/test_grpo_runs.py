@@ -99,6 +99,7 @@ def test_grpo_lora_zero3_mean_reward_rises(tmp_path, cache):
 
 
 @pytest.mark.slow
+@pytest.mark.full  # a reference model in the default tier: test_preference_runs.py (DPO, full ZeRO-2)
 def test_grpo_full_zero2_with_a_reference_model(tmp_path, cache):
     run = tmp_path / "grpo-full"
     train("grpo_full_zero2", run, cache)

@@ -404,6 +404,7 @@ def test_finetune_train_demo(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.full  # the same report from torchrun's error files in the default tier (test_an_exception_in_a_rank_...)
 def test_a_real_rank_that_raises_is_named_with_its_exception(tmp_path):
     """The real runner writes torchrun's error file (torch's @record): the summary line has the exception."""
     from tests.conftest import REPO, run_cli

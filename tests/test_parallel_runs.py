@@ -32,6 +32,9 @@ ONE_PROCESS = ("parallel.sequence=1", "launch.procs_per_node=1")
 FULL = ("method=full", "training.learning_rate=2.0e-3", "deepspeed.stage=2")
 SAVE = ("training.save_steps=2", "training.save_total_limit=null")
 DATA_PARALLEL = FULL + SAVE + ("parallel.sequence=1",)  # 2 processes x micro batch 4
+# The shipped LoRA ZeRO-3 Ulysses recipe against one process: in the full tier (CI's time); Ulysses' equality and its
+# resume are checked in the default tier on the full fine-tune pair (sp_full_zero2).
+FULL_TIER_RUNS = {"ref_lora", "sp_lora_zero3"}
 RUNS = {
     "ref_lora": (1, ONE_PROCESS),
     "sp_lora_zero3": (2, ()),  # recipes/tiny/long_context_sp2.yaml as shipped
@@ -67,18 +70,16 @@ def _curve(run_dir, key="loss"):
 def runs(tmp_path_factory, tiny_cache):
     """Every run once, shared by the tests below (each run is 15-30 s on 2 CPU cores)."""
     tmp = tmp_path_factory.mktemp("parallel")
-    out = {}
+    out = {"tmp": tmp, "cache": tiny_cache}
     for name, (procs, overrides) in RUNS.items():
-        out[name] = _train(tmp, name, procs, overrides)
-        out[name + ".result"] = _run(out[name], tiny_cache, procs)
+        if name not in FULL_TIER_RUNS:
+            _ensure(out, name, tmp, tiny_cache)
     # A chain of resumes, each on another process count: the 1-process run's step-2 checkpoint continued on 2
-    # data-parallel processes (steps 3-6), whose step-4 checkpoint is continued on 1 process again (steps 5-6).
+    # data-parallel processes (steps 3-6), whose step-4 checkpoint is continued on 1 process again (steps 5-6,
+    # run when a test asks for it: _resumed_on_one, in the full tier).
     two = _train(tmp, "resumed_on_two", 2, DATA_PARALLEL)
     shutil.copytree(out["ref_full"] / "checkpoint-2", two / "checkpoint-2")
     out["resumed_on_two"], out["resumed_on_two.result"] = two, _run(two, tiny_cache, 2, extra=("--resume",))
-    one = _train(tmp, "resumed_on_one", 1, RUNS["ref_full"][1])
-    shutil.copytree(two / "checkpoint-4", one / "checkpoint-4")
-    out["resumed_on_one"], out["resumed_on_one.result"] = one, _run(one, tiny_cache, 1, extra=("--resume",))
     # The Ulysses pair's step-3 checkpoint continued by a Ulysses pair (steps 4-6).
     sp = _train(tmp, "sp_resumed", 2, RUNS["sp_full_zero2"][1])
     shutil.copytree(out["sp_full_zero2"] / "checkpoint-3", sp / "checkpoint-3")
@@ -86,9 +87,10 @@ def runs(tmp_path_factory, tiny_cache):
     return out
 
 
-@pytest.mark.parametrize("parallel,reference", [("sp_lora_zero3", "ref_lora"), ("sp_full_zero2", "ref_full"),
-                                                ("tp_full_zero1", "ref_full")])
+@pytest.mark.parametrize("parallel,reference", [pytest.param("sp_lora_zero3", "ref_lora", marks=pytest.mark.full),
+                                                ("sp_full_zero2", "ref_full"), ("tp_full_zero1", "ref_full")])
 def test_parallel_run_equals_one_process(runs, parallel, reference):
+    _ensure(_ensure(runs, parallel), reference)
     ours, ref = runs[parallel], runs[reference]
     assert _curve(ours) == pytest.approx(_curve(ref), rel=RTOL)
     # the gradients too: their global norm before clipping, step by step. Ulysses under ZeRO-1/2: DeepSpeed
@@ -122,6 +124,14 @@ def test_saved_weights_match_one_process(runs):
     for name, tensor in ref.items():
         assert tp[name].shape == tensor.shape, name
         torch.testing.assert_close(tp[name], tensor, rtol=0, atol=1e-3)  # 6 Adam steps of lr 2e-3: |diff| ~1e-4
+
+
+@pytest.mark.full
+def test_a_ulysses_runs_final_logits_match_one_process(runs):
+    import torch
+    from safetensors.torch import load_file
+
+    _ensure(_ensure(runs, "sp_lora_zero3"), "ref_lora")
     # Ulysses: the final logits of the fixed batch, computed after training (SP is off in eval)
     sp_logits = load_file(str(runs["sp_lora_zero3"] / "final_logits.safetensors"))
     ref_logits = load_file(str(runs["ref_lora"] / "final_logits.safetensors"))
@@ -131,8 +141,29 @@ def test_saved_weights_match_one_process(runs):
     torch.testing.assert_close(sp_logits["logits"][:, :width][real], ref_logits["logits"][real], rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("resumed,saved,now,step", [("resumed_on_two", 1, 2, 2), ("resumed_on_one", 2, 1, 4)])
+def _ensure(runs, name, tmp=None, cache=None):
+    """RUNS[name] trained once (the full tier's runs when a test asks for them)."""
+    if name not in runs:
+        procs, overrides = RUNS[name]
+        runs[name] = _train(tmp or runs["tmp"], name, procs, overrides)
+        runs[name + ".result"] = _run(runs[name], cache or runs["cache"], procs)
+    return runs
+
+
+def _resumed_on_one(runs):
+    """The 2-process run's step-4 checkpoint continued on 1 process (steps 5-6)."""
+    if "resumed_on_one" not in runs:
+        one = _train(runs["tmp"], "resumed_on_one", 1, RUNS["ref_full"][1])
+        shutil.copytree(runs["resumed_on_two"] / "checkpoint-4", one / "checkpoint-4")
+        runs["resumed_on_one"], runs["resumed_on_one.result"] = one, _run(one, runs["cache"], 1, extra=("--resume",))
+    return runs
+
+
+@pytest.mark.parametrize("resumed,saved,now,step", [("resumed_on_two", 1, 2, 2),
+                                                    pytest.param("resumed_on_one", 2, 1, 4, marks=pytest.mark.full)])
 def test_resume_on_another_process_count_continues_the_loss_curve(runs, resumed, saved, now, step):
+    if resumed == "resumed_on_one":
+        runs = _resumed_on_one(runs)
     log = runs[resumed + ".result"].stdout
     assert (f"checkpoint-{step} was saved by {saved} processes, this run has {now}: converted to DeepSpeed's "
             "universal checkpoint") in log

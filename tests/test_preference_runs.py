@@ -75,6 +75,7 @@ def logits_of(model_dir_or_model, inputs: dict):
 
 
 @pytest.mark.slow
+@pytest.mark.full  # DPO trains in the default tier (test_dpo_qlora_zero3_...); this chain adds stop, resume, convert, merge
 def test_sft_then_dpo_stopped_resumed_converted_and_merged(tmp_path, cache, shared_sft_run):
     import torch
     from safetensors.torch import load_file

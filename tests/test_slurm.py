@@ -134,6 +134,7 @@ def test_a_name_with_a_newline_runs_no_command(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.full  # two nodes on localhost in the default tier: tests/test_multinode.py
 def test_the_script_trains_on_two_nodes_sharing_a_run_directory(tmp_path, tmp_path_factory):
     from finetune.builtin import ensure_builtin_model
 
