@@ -159,3 +159,20 @@ def test_router_loss_is_added_to_the_lm_loss(zoo_root):
     chunked = model(input_ids=ids, labels=ids)
     assert float(chunked.loss.detach()) == pytest.approx(float(out.loss.detach()), rel=1e-6)
     assert float(chunked.aux_loss.detach()) == float(out.aux_loss.detach())
+
+
+@pytest.mark.parametrize("name_or_path, attn", [("builtin:tiny-gemma2", "eager"), ("builtin:tiny-gpt-oss", "eager"),
+                                                ("google/gemma-2-9b", "eager"), ("openai/gpt-oss-20b", "eager"),
+                                                ("builtin:tiny-gemma3", "sdpa"), ("builtin:tiny-llama", "sdpa")])
+def test_the_default_attention_is_one_the_family_runs(tmp_path, name_or_path, attn):
+    """Left out, model.attn_implementation is sdpa, or eager where transformers refuses sdpa (the default recipe
+    trains every family); written out, sdpa stays and is R168's one line. Torch-free, as lint."""
+    from finetune.recipe import load_recipe
+
+    (tmp_path / "rows.jsonl").write_text('{"instruction": "Add 2 and 3.", "output": "5"}\n')
+    path = tmp_path / "r.yaml"
+    path.write_text(f'model: {{name_or_path: "{name_or_path}"}}\ndata: {{path: rows.jsonl, max_length: 64}}\n')
+    assert load_recipe(path).recipe.model.attn_implementation == attn
+    assert [f.rule for f in lint_errors(path)] == []
+    written = load_recipe(path, ["model.attn_implementation=sdpa"])
+    assert written.recipe.model.attn_implementation == "sdpa"

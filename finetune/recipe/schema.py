@@ -92,7 +92,7 @@ class ModelSection(_Section):
     revision: Optional[str] = Field(None, description="Git revision (branch, tag or commit) of a hub model.")
     dtype: Dtype = Field("bfloat16", description="Dtype the weights are loaded and trained in (mixed precision follows it).")
     attn_implementation: Literal["eager", "sdpa", "flash_attention_2", "flash_attention_3"] = Field(
-        "sdpa", description="Attention kernel passed to from_pretrained.")
+        "sdpa", description="Attention kernel passed to from_pretrained. Left out: sdpa, or eager for the families whose transformers class refuses sdpa (Gemma 2, gpt-oss).")
     trust_remote_code: bool = Field(False, description="Run modelling code shipped with the checkpoint. Off by default: it executes code from the hub.")
     tokenizer: Optional[str] = Field(None, description="Tokenizer location when it differs from the model's.")
     rope_scaling: Optional[RopeScalingSection] = Field(None, description="Stretch the model's RoPE positions to a longer context (written into the config's rope_parameters before loading). README: Long context.")
