@@ -334,7 +334,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--wheels", type=Path, default=None, help="carried wheels to install first (scripts/gpu_wheels.sh)")
     parser.add_argument("--budget", type=float, default=None, help="seconds for everything (default 450; --cpu 600)")
     parser.add_argument("--steps", type=int, default=None, help="optimizer steps per speed case (default 14; --cpu 10)")
-    parser.add_argument("--only", default=None, help="run only the cases whose name contains this text")
+    parser.add_argument("--only", default=None, help="run only the cases whose name contains one of these comma-separated texts")
     parser.add_argument("--results", type=Path, default=None,
                         help="also write results.json, results.md (after each run) and logs.tar.gz (at the end) here")
     args = parser.parse_args(argv)
@@ -367,7 +367,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         long_data = harness.write_text_data(out, 64, 8192)
         cases = gpu_cases(model, data, long_data, steps)
     if args.only:
-        cases = [c for c in cases if args.only in c.name]
+        wanted = [part for part in args.only.split(",") if part]
+        cases = [c for c in cases if any(part in c.name for part in wanted)]
     ops_seconds = None
     if build is not None:  # no timed run shares the CPUs with the compiler (nvcc and ninja take every core)
         waited = time.perf_counter()
