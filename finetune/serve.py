@@ -253,6 +253,7 @@ def next_steps(run_dir: Path, objective: str = "sft", *, report: bool = True,
     it; every argument shell-quoted)."""
     from finetune import hints
     from finetune.rundir.checkpoint import checkpoint_dirs
+    from finetune.rundir.names import TENSORBOARD_DIR
     from finetune.rundir.run_dir import REPORT_FILE, RunDir, command_line
 
     finetune, steps = hints.finetune(), []
@@ -286,8 +287,8 @@ def next_steps(run_dir: Path, objective: str = "sft", *, report: bool = True,
         newest = checkpoints[-1][1]
         steps.append((f"{finetune} {command_line('convert', newest, '-o', run_dir / f'{newest.name}-hf')}",
                       f"turn {newest.name} into an adapter or weights"))
-    if (run_dir / "tensorboard").is_dir():
-        steps.append((f"{hints.tensorboard()} {command_line('--logdir', run_dir / 'tensorboard')}", "the curves, live"))
+    if (run_dir / TENSORBOARD_DIR).is_dir():
+        steps.append((f"{hints.tensorboard()} {command_line('--logdir', run_dir / TENSORBOARD_DIR)}", "the curves, live"))
     return steps
 
 

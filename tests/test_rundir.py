@@ -15,14 +15,26 @@ from finetune.rundir.run_dir import (
 PACKAGE = Path(__file__).resolve().parent.parent / "finetune"
 
 
+def run_dir_file_names() -> set:
+    """The names of finetune/rundir/names.py that are spelled like files (a dot or an underscore: `recipe.yaml`,
+    `zero_checkpoint`); plain words (`model`, `logs`, `tensorboard`) are also a recipe's values and a library's keys."""
+    tree = ast.parse((PACKAGE / "rundir" / "names.py").read_text(encoding="utf-8"))  # defined there, not imported
+    return {node.value.value for node in tree.body if isinstance(node, ast.Assign)
+            and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)
+            and ("." in node.value.value or "_" in node.value.value) and " " not in node.value.value}
+
+
 def test_the_file_names_are_spelled_once():
-    """`recipe.yaml` and `adapter_config.json` appear as string constants only in finetune/rundir/names.py."""
+    """Every file name a run directory holds appears as a string constant only in finetune/rundir/names.py (issue 39:
+    nine were spelled where they were read or written)."""
+    wanted = run_dir_file_names()
+    assert {RECIPE_FILE, ADAPTER_CONFIG, "deepspeed.effective.json", "zero_checkpoint", "stopped.json"} <= wanted
     spelled = {}
     for path in PACKAGE.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            if isinstance(node, ast.Constant) and node.value in (RECIPE_FILE, ADAPTER_CONFIG):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in wanted:
                 spelled.setdefault(node.value, set()).add(path.relative_to(PACKAGE).as_posix())
-    assert spelled == {RECIPE_FILE: {"rundir/names.py"}, ADAPTER_CONFIG: {"rundir/names.py"}}
+    assert {name: where for name, where in spelled.items() if where != {"rundir/names.py"}} == {}
 
 
 def test_adapter_is_found_in_the_run_or_the_folder_itself(tmp_path):

@@ -167,12 +167,17 @@ def test_router_loss_is_added_to_the_lm_loss(zoo_root):
 def test_the_default_attention_is_one_the_family_runs(tmp_path, name_or_path, attn):
     """Left out, model.attn_implementation is sdpa, or eager where transformers refuses sdpa (the default recipe
     trains every family); written out, sdpa stays and is R168's one line. Torch-free, as lint."""
-    from finetune.recipe import load_recipe
+    from finetune.cli.common import load_or_exit
 
     (tmp_path / "rows.jsonl").write_text('{"instruction": "Add 2 and 3.", "output": "5"}\n')
     path = tmp_path / "r.yaml"
     path.write_text(f'model: {{name_or_path: "{name_or_path}"}}\ndata: {{path: rows.jsonl, max_length: 64}}\n')
-    assert load_recipe(path).recipe.model.attn_implementation == attn
+    assert load_or_exit(path, []).recipe.model.attn_implementation == attn  # what train, plan, render load
     assert [f.rule for f in lint_errors(path)] == []
-    written = load_recipe(path, ["model.attn_implementation=sdpa"])
+    written = load_or_exit(path, ["model.attn_implementation=sdpa"])
     assert written.recipe.model.attn_implementation == "sdpa"
+    from finetune.lint import LintOptions, lint_paths
+
+    options = LintOptions(overrides=["model.attn_implementation=sdpa"])
+    errors = [f.rule for f in lint_paths([path], options).findings if f.severity == "error"]
+    assert errors == ([] if attn == "sdpa" else ["R168"])

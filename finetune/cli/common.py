@@ -88,9 +88,10 @@ def input_file(option: str, path: Path) -> None:
 
 def load_or_exit(recipe: Path, overrides: Optional[List[str]]):
     """Load a recipe; its RecipeProblem (every problem, file:line:col) ends the command with exit 1."""
+    from finetune.models.attention import default_attention
     from finetune.recipe import load_recipe
 
-    return load_recipe(recipe, overrides or [])
+    return default_attention(load_recipe(recipe, overrides or []))
 
 
 def shard_size_or_exit(text: str) -> int:

@@ -18,6 +18,7 @@ from typing import Iterable, Optional
 
 from finetune.recipe import LoadedRecipe, RecipeProblem, load_recipe, parse_size
 from finetune.recipe.yamlio import DocumentError, load_json, read_text
+from finetune.models.attention import default_attention
 
 from finetune.lint.files import DS_SUFFIXES, RECIPE_SUFFIXES, discover  # noqa: F401 (re-exported)
 
@@ -96,11 +97,11 @@ def lint_paths(paths: Iterable[Path], options: Optional[LintOptions] = None) -> 
 
 def lint_recipe_file(path: Path, options: LintOptions) -> list[Finding]:
     try:
-        loaded = load_recipe(path, options.overrides)
+        loaded = default_attention(load_recipe(path, options.overrides))
     except RecipeProblem as exc:
         findings = [Finding(p.rule, "error", p.path, p.line, p.col, p.key, p.message, p.fix) for p in exc.problems]
         if exc.partial is not None:  # keep going without the bad keys: every problem in one pass
-            findings += [f for f in lint_loaded(exc.partial, options).findings
+            findings += [f for f in lint_loaded(default_attention(exc.partial), options).findings
                          if f.key not in {p.key for p in exc.problems}]
         return _sorted(findings)
     return lint_loaded(loaded, options).findings
@@ -229,7 +230,7 @@ def _reference_training_args(options: LintOptions, result: LintResult) -> Option
     from finetune.render import render_training_args
 
     try:
-        loaded = load_recipe(options.recipe, options.overrides)
+        loaded = default_attention(load_recipe(options.recipe, options.overrides))
     except RecipeProblem as exc:
         result.findings.extend(Finding(p.rule, "error", p.path, p.line, p.col, p.key, p.message, p.fix) for p in exc.problems)
         return None

@@ -85,22 +85,7 @@ def load_recipe(path: Union[str, Path], overrides: Optional[list[str]] = None) -
         raise
     if recipe.name is None:
         recipe.name = path.stem
-    default_attention(recipe)
     return LoadedRecipe(recipe, raw, origin, path)
-
-
-def default_attention(recipe: Recipe) -> None:
-    """model.attn_implementation left out: sdpa, except for a family whose transformers model class refuses sdpa at
-    load (Gemma 2's soft-capped scores, gpt-oss's attention sinks: finetune.models.families), which gets eager, so the
-    default recipe trains every family. Written out, sdpa stays and lint's R168 says why it cannot run. Torch-free:
-    the family is read from a built-in's or a local folder's config.json, else from the name."""
-    if "attn_implementation" in recipe.model.model_fields_set:
-        return
-    from finetune.models.identify import identify
-
-    ident = identify(recipe.model.name_or_path)
-    if ident is not None and ident.family is not None and not ident.family.sdpa:
-        recipe.model.attn_implementation = "eager"
 
 
 def _without_bad_keys(raw: dict, origin: dict, path: Path, problems: list[Problem]) -> Optional[LoadedRecipe]:

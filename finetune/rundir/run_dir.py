@@ -30,7 +30,7 @@ from finetune.errors import FinetuneError
 from finetune.rundir.names import (  # noqa: F401 (re-exported: the names belong to RunDir)
     ADAPTER_CONFIG, ADAPTER_DIR, ADAPTER_WEIGHTS, AUTO_FILE, CHECKPOINT_PREFIX, DEEPSPEED_FILE, ENV_FILE, LOGS_DIR,
     MERGED_RECIPE, MODEL_CONFIG, MODEL_DIR, PLOT_FILE, RECIPE_FILE, RECIPE_HEADER, REPORT_FILE, RUN_INPUTS,
-    SUMMARY_FILE, TOKENIZER_DIR, TRAINING_ARGS_FILE,
+    SUMMARY_FILE, TOKENIZER_DIR, TRAINING_ARGS_FILE, ZERO_CHECKPOINT_DIR,
 )
 
 
@@ -237,9 +237,9 @@ def no_model_yet(run_dir: Path) -> str:
                 f"converted: `{command_line('finetune', 'convert', newest, '-o', adapter)}`, then "
                 f"`{command_line('finetune', 'chat', run_dir, '--adapter', adapter)}`; "
                 f"or run `finetune train` again to finish it")
-    if (run_dir / "zero_checkpoint").is_dir():
-        return (f"{run_dir}: the weights are a ZeRO checkpoint (zero_checkpoint/); "
-                f"`{command_line('finetune', 'convert', run_dir / 'zero_checkpoint', '-o', 'OUT')}` turns them "
+    if (run_dir / ZERO_CHECKPOINT_DIR).is_dir():
+        return (f"{run_dir}: the weights are a ZeRO checkpoint ({ZERO_CHECKPOINT_DIR}/); "
+                f"`{command_line('finetune', 'convert', run_dir / ZERO_CHECKPOINT_DIR, '-o', 'OUT')}` turns them "
                 f"into an adapter or model")
     return f"{run_dir}: no adapter/ or model/ yet and no checkpoint: the run has not trained (see {run_dir}/logs/)"
 

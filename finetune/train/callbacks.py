@@ -8,7 +8,7 @@ from typing import Any, Optional
 
 from transformers import TrainerCallback
 
-from finetune.rundir.names import PLOT_FILE
+from finetune.rundir.names import DEEPSPEED_EFFECTIVE_FILE, PLOT_FILE
 
 
 class TrainClock(TrainerCallback):
@@ -113,7 +113,7 @@ class EffectiveDeepSpeedConfig(TrainerCallback):
         from finetune.render import dumps
         from finetune.fsutil import write_atomic
 
-        write_atomic(self.run_dir / "deepspeed.effective.json", dumps(json_safe(hf_config.config)))
+        write_atomic(self.run_dir / DEEPSPEED_EFFECTIVE_FILE, dumps(json_safe(hf_config.config)))
 
 
 class ProgressLines(TrainerCallback):

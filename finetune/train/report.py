@@ -21,7 +21,9 @@ from pathlib import Path
 from typing import Any, Optional
 
 from finetune.fsutil import write_atomic
-from finetune.rundir.names import AUTO_FILE, BENCHMARKS_KEY, DEEPSPEED_FILE, EVAL_FILE, PLOT_FILE, REPORT_FILE
+from finetune.rundir.names import (
+    AUTO_FILE, BENCHMARKS_KEY, DEEPSPEED_EFFECTIVE_FILE, DEEPSPEED_FILE, EVAL_FILE, PLOT_FILE, REPORT_FILE,
+)
 from finetune.units import gib_text
 
 REWARD_PLOT_FILE = "rewards.png"  # GRPO: mean reward, each reward, KL, length; dpo/orpo/kto/simpo: TRL's rewards/*
@@ -269,7 +271,7 @@ def render_report(run_dir: Path, plot_written: bool) -> str:
 
     summary = _json(run_dir / SUMMARY_FILE) or {}
     env = _json(run_dir / ENV_FILE) or {}
-    ds_path = run_dir / "deepspeed.effective.json"
+    ds_path = run_dir / DEEPSPEED_EFFECTIVE_FILE
     ds_text = _read(ds_path) or _read(run_dir / DEEPSPEED_FILE) or "(missing)"
     recipe_text = _read(run_dir / RECIPE_FILE) or "(missing)"
     world = int(summary.get("world_size") or env.get("world_size") or 1)

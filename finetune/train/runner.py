@@ -44,13 +44,14 @@ from typing import Any, Optional
 
 from finetune.recipe import Recipe
 from finetune.rundir.layout import RunDirError, read_run_dir
-from finetune.rundir.run_dir import (
-    ADAPTER_CONFIG, ADAPTER_DIR, AUTO_FILE, ENV_FILE, MODEL_DIR, REPORT_FILE, SUMMARY_FILE, TOKENIZER_DIR, command_line,
+from finetune.rundir.names import (
+    ADAPTER_CONFIG, ADAPTER_DIR, AUTO_FILE, DATA_MIX_FILE, ENV_FILE, FINAL_LOGITS_FILE, MODEL_DIR, REPORT_FILE,
+    SUMMARY_FILE, TENSORBOARD_DIR, TOKENIZER_DIR, ZERO_CHECKPOINT_DIR,
 )
+from finetune.rundir.run_dir import command_line
 from finetune.train.dist import all_gather, barrier, is_cpu_accelerator
 from finetune.train.dist import rank as process_rank
 
-LOGITS_FILE = "final_logits.safetensors"
 LOGITS_BATCH = 4  # examples in the fixed verification batch (the first training examples)
 # Tokens kept of each: enough to tell two sets of weights apart, while the file stays small at any length
 # (4 x 64 x 128,256 float32 logits: 131 MB; whole 2,048-token rows would be 4.2 GB).
@@ -161,7 +162,7 @@ def save_weights(trainer, recipe: Recipe, ds_config: dict[str, Any], run_dir: Pa
 
     zero = ds_config.get("zero_optimization", {})
     gathered = zero.get("stage", 0) != 3 or bool(zero.get("stage3_gather_16bit_weights_on_model_save", False))
-    name = (MODEL_DIR if recipe.method == "full" else ADAPTER_DIR) if gathered else "zero_checkpoint"
+    name = (MODEL_DIR if recipe.method == "full" else ADAPTER_DIR) if gathered else ZERO_CHECKPOINT_DIR
     tmp = run_dir / f".{name}.partial"
     if is_main:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -332,7 +333,7 @@ def run(run_dir: Path, resume: bool = False) -> None:
         resilience.checkpoint, ds_config, args_kwargs, _log_main(process_rank() == 0), engine)
     if on_cpu:
         args_kwargs["use_cpu"] = True
-    os.environ.setdefault("TENSORBOARD_LOGGING_DIR", str(run_dir / "tensorboard"))
+    os.environ.setdefault("TENSORBOARD_LOGGING_DIR", str(run_dir / TENSORBOARD_DIR))
     # 2. The DeepSpeed config, registered with transformers (before the model is created). Preference
     #    objectives use TRL's config class, a TrainingArguments subclass with their own keys.
     training_args = preference.arguments(recipe, TrainingArguments, args_kwargs)
@@ -353,7 +354,7 @@ def run(run_dir: Path, resume: bool = False) -> None:
         section = section_for_tokenizing(recipe)
         dataset = load_prepared(section, tokenizer, cache_root() / "tokenized")
         if is_main:  # the run directory says what it trained on: rows per source, dropped, mixed
-            _write_json(run_dir / "data_mix.json", mix_report(section, tokenizer, cache_root() / "tokenized"))
+            _write_json(run_dir / DATA_MIX_FILE, mix_report(section, tokenizer, cache_root() / "tokenized"))
         train_set, eval_set = split_eval(dataset, recipe.data.validation_split, recipe.training.seed)
         collator = make_collator(tokenizer.pad_token_id, recipe.model.attn_implementation, recipe.data.packing,
                                  recipe.data.padding_free, counts=host_counts)
@@ -442,7 +443,7 @@ def run(run_dir: Path, resume: bool = False) -> None:
     saved = save_weights(trainer, recipe, ds_config, run_dir, is_main)
     batch = fixed_batch(train_set, tokenizer.pad_token_id) if recipe.objective == "sft" else \
         preference.fixed_batch(trainer, tokenizer.pad_token_id, LOGITS_BATCH, min(recipe.data.max_length, LOGITS_TOKENS))
-    save_final_logits(trainer.model, batch, training_args.device, run_dir / LOGITS_FILE if is_main else None)
+    save_final_logits(trainer.model, batch, training_args.device, run_dir / FINAL_LOGITS_FILE if is_main else None)
     if is_main:
         tmp_tok = run_dir / ".tokenizer.partial"
         shutil.rmtree(tmp_tok, ignore_errors=True)
@@ -478,7 +479,7 @@ def run(run_dir: Path, resume: bool = False) -> None:
         for note in write_run_report(run_dir, trainer.state.log_history):
             _log_main(True)(note)
         _log_main(True)(f"report: {run_dir / REPORT_FILE}")
-        if saved == "zero_checkpoint":
+        if saved == ZERO_CHECKPOINT_DIR:
             _log_main(True)("the weights are a ZeRO checkpoint (gather_16bit_weights_on_model_save is false): "
                             f"run `{command_line('finetune', 'convert', run_dir)}` for an adapter or model")
     barrier()

@@ -35,6 +35,7 @@ from finetune.errors import FinetuneError
 from finetune.plan.constants import TRAINING_ALLOC_CONF
 from finetune.recipe import Recipe
 from finetune.recipe.schema import LOOPBACK
+from finetune.rundir.names import LOGS_DIR
 
 RUNNER_MODULE = "finetune.train.runner"
 DEFAULT_MASTER_PORT = 29500  # torchrun's and DeepSpeed's default
@@ -196,7 +197,7 @@ def torchrun_argv(run_dir: Path, procs: int, nodes: int, node_rank: int, master_
         "--node-rank", str(node_rank),
         "--master-addr", master_addr,
         "--master-port", str(master_port),
-        "--log-dir", str(run_dir / "logs" / "torchrun"),
+        "--log-dir", str(run_dir / LOGS_DIR / "torchrun"),
         "--redirects", "3",
         "--tee", "0:3",
         "-m", module, "--run-dir", str(run_dir),
@@ -235,7 +236,7 @@ def deepspeed_argv(recipe: Recipe, run_dir: Path, procs: int, master_port: int, 
         world = procs
     argv += ["--master_port", str(master_port)]
     # The runner reads LOCAL_RANK from the environment, as under torchrun.
-    argv += ["--no_local_rank", "--enable_each_rank_log", str(run_dir / "logs"), "--module", module, "--run-dir", str(run_dir)]
+    argv += ["--no_local_rank", "--enable_each_rank_log", str(run_dir / LOGS_DIR), "--module", module, "--run-dir", str(run_dir)]
     return argv, world
 
 

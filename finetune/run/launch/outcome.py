@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Optional
 
 from finetune.run.launch.commands import LaunchPlan
+from finetune.rundir.names import LAUNCHER_ERROR_FILE, LOGS_DIR
 
-LAUNCHER_ERROR_FILE = "launcher_error.json"  # torchrun's own exception (its main is wrapped in @record)
 
 
 @dataclass
@@ -116,7 +116,7 @@ def judge(plan: LaunchPlan, returncode: int, output: str, forwarded: Optional[in
         latest = latest_complete(plan.run_dir)
         saved = f"the newest complete checkpoint is {latest.name}" if latest else "no checkpoint was saved"
         return Outcome(128 + forwarded, signal=forwarded, message=f"stopped by {name} (forwarded to all ranks); {saved}")
-    launcher_error = read_error_file(plan.run_dir / "logs" / LAUNCHER_ERROR_FILE) if plan.launcher == "torchrun" else None
+    launcher_error = read_error_file(plan.run_dir / LOGS_DIR / LAUNCHER_ERROR_FILE) if plan.launcher == "torchrun" else None
     busy = port_in_use(launcher_error or "", plan.master_port) or port_in_use(output, plan.master_port)
     if busy is not None:
         return Outcome(1, port_in_use=busy,
@@ -256,7 +256,7 @@ def _judge_deepspeed(plan: LaunchPlan, returncode: int, output: str) -> Outcome:
     code = re.findall(r"exits with return code = (-?\d+)", output)
     exitcode = int(code[-1]) if code else returncode
     failures, logs = [], []
-    for path in sorted((plan.run_dir / "logs").glob("*_rank*.log")):
+    for path in sorted((plan.run_dir / LOGS_DIR).glob("*_rank*.log")):
         match = re.search(r"_rank(\d+)\.log$", path.name)
         if match and "Traceback (most recent call last)" in _read_tail(path, 200):
             rank = int(match.group(1))
@@ -290,7 +290,7 @@ def tail_of(path: Path, lines: int = 20) -> str:
 
 def torchrun_attempt_dir(run_dir: Path) -> Optional[Path]:
     """torchrun writes RUN/logs/torchrun/<run id>_<random>/attempt_<n>/<local rank>/; the newest attempt."""
-    attempts = sorted((run_dir / "logs" / "torchrun").glob("*/attempt_*"), key=lambda p: p.stat().st_mtime)
+    attempts = sorted((run_dir / LOGS_DIR / "torchrun").glob("*/attempt_*"), key=lambda p: p.stat().st_mtime)
     return attempts[-1] if attempts else None
 
 
@@ -301,7 +301,7 @@ def rank_log_files(plan: LaunchPlan, local_rank: int) -> list[Path]:
             return []
         return [p for p in (attempt / str(local_rank) / "stderr.log", attempt / str(local_rank) / "stdout.log") if p.exists()]
     rank = plan.node_rank * plan.procs_per_node + local_rank
-    return sorted((plan.run_dir / "logs").glob(f"*_rank{rank}.log"))[-1:]
+    return sorted((plan.run_dir / LOGS_DIR).glob(f"*_rank{rank}.log"))[-1:]
 
 
 def link_rank_logs(plan: LaunchPlan) -> bool:
@@ -313,7 +313,7 @@ def link_rank_logs(plan: LaunchPlan) -> bool:
     attempt = torchrun_attempt_dir(plan.run_dir)
     if attempt is None:
         return False
-    logs = plan.run_dir / "logs"
+    logs = plan.run_dir / LOGS_DIR
     local_dirs = [d for d in attempt.iterdir() if d.name.isdigit()]
     for local_dir in local_dirs:
         if not local_dir.name.isdigit():

@@ -29,7 +29,8 @@ from typing import IO, TYPE_CHECKING, Optional
 
 from finetune.errors import FinetuneError
 from finetune.run.launch.commands import LOCAL_HOSTS, LOOPBACK, LaunchPlan, free_port
-from finetune.run.launch.outcome import LAUNCHER_ERROR_FILE, Outcome, judge, link_rank_logs
+from finetune.run.launch.outcome import Outcome, judge, link_rank_logs
+from finetune.rundir.names import LAUNCHER_ERROR_FILE, LOGS_DIR
 
 if TYPE_CHECKING:
     from finetune.run.deepspeed_ops import BuildWatch
@@ -74,7 +75,7 @@ def supervise(plan: LaunchPlan, console: Optional[IO[bytes]] = None, keep_fds: t
     from finetune.rundir.checkpoint import clear_stop_record
 
     console = console or sys.stdout.buffer
-    (plan.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    (plan.run_dir / LOGS_DIR).mkdir(parents=True, exist_ok=True)
     clear_stop_record(plan.run_dir)
     for attempt in range(PORT_RETRIES + 1):
         outcome = _supervise_once(plan, console, keep_fds, builds)
@@ -98,7 +99,7 @@ def _supervise_once(plan: LaunchPlan, console: IO[bytes], keep_fds: tuple[int, .
                     builds: Optional["BuildWatch"]) -> Outcome:
     from finetune.rundir.checkpoint import SECOND_SIGNAL_WINDOW
 
-    logs = plan.run_dir / "logs"
+    logs = plan.run_dir / LOGS_DIR
     error_file = logs / LAUNCHER_ERROR_FILE
     error_file.unlink(missing_ok=True)
     if plan.launcher == "torchrun":
@@ -210,7 +211,7 @@ def wait(plan: LaunchPlan, proc: subprocess.Popen, console: IO[bytes], tracker: 
          builds: Optional["BuildWatch"] = None) -> None:
     """Until the launcher exits: follow rank 0's log for the deepspeed launcher, link the rank logs, say
     when a first-run compile is done (or a stale build lock was cleared)."""
-    logs = plan.run_dir / "logs"
+    logs = plan.run_dir / LOGS_DIR
     rank0 = Follower(logs, "*_rank0.log", console) if plan.launcher == "deepspeed" and plan.node_rank == 0 else None
     linked = False
     while proc.poll() is None:
