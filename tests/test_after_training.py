@@ -86,7 +86,7 @@ def test_eval_scores_the_fine_tuned_model_below_its_base(trained, cli):
 
 def test_chat_prompts_an_alpaca_run_exactly_as_it_trained():
     """The first turn's ids are the masked prompt of the training row; a second turn follows whole examples."""
-    from finetune.use.chat import Conversation
+    from finetune.use.conversation import Conversation
     from finetune.builtin import ensure_builtin_model
     from finetune.data.tokenize import IGNORE_INDEX, tokenize_examples
     from transformers import AutoTokenizer

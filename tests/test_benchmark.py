@@ -70,7 +70,7 @@ def test_eval_tasks_prompts_as_chat_does_and_writes_base_and_fine_tuned(adapter_
 
     from finetune.cli import app
     from finetune.data.tokenize import IGNORE_INDEX, tokenize_examples
-    from finetune.use.chat import Conversation
+    from finetune.use.conversation import Conversation
 
     monkeypatch.setenv("FINETUNE_CACHE", str(tiny_cache))
     seen = []
@@ -179,7 +179,8 @@ def test_a_chat_run_is_prompted_with_its_template_and_scored_on_the_trained_toke
 
     from finetune.data.tokenize import tokenize_examples
     from finetune.use.benchmark import prompted_lm
-    from finetune.use.chat import ChatModel, Conversation
+    from finetune.use.chat import ChatModel
+    from finetune.use.conversation import Conversation
 
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_dir))
     model = AutoModelForCausalLM.from_pretrained(str(tiny_dir)).eval()

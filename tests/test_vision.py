@@ -295,7 +295,8 @@ def colour_learning(name: str, folder: Path, cache: Path, steps: int = 60) -> tu
     8 rows on 64 colour squares, the tower and projector frozen; chat greedy-decodes the held-out questions."""
     import torch
 
-    from finetune.use.chat import ChatModel, Conversation, answer
+    from finetune.use.chat import ChatModel, answer
+    from finetune.use.conversation import Conversation
     from finetune.use.images import Vision
 
     write_colour_jsonl(folder / "train.jsonl", 64, seed=3)

@@ -48,7 +48,8 @@ def test_zero3_with_an_image_on_one_rank_finishes_and_matches_one_process(tmp_pa
 
     # the 1-process run's adapter, as `finetune chat RUN --image` and `finetune merge RUN` use it (in this process:
     # two more interpreters would cost the suite 20 s)
-    from finetune.use.chat import Conversation, answer, load_chat_model, resolve_source
+    from finetune.use.chat import answer, load_chat_model, resolve_source
+    from finetune.use.conversation import Conversation
     from finetune.use.images import ImageError, checked_images
     from finetune.weights.merge import merge
     from finetune.weights.merge_inputs import resolve_inputs
@@ -80,7 +81,8 @@ def test_the_tiny_llava_recipe_learns_the_colours(tmp_path, tiny_cache):
             "--master-port", str(free_port())]
     result = subprocess.run(argv, cwd=REPO, env=runner_env(tiny_cache), capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    from finetune.use.chat import Conversation, answer, load_chat_model, resolve_source
+    from finetune.use.chat import answer, load_chat_model, resolve_source
+    from finetune.use.conversation import Conversation
 
     chat = load_chat_model(resolve_source(out), "cpu")
     for colour in COLOURS:

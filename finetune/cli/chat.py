@@ -45,7 +45,8 @@ def chat(
     from finetune import quiet
 
     quiet.no_progress_bars()
-    from finetune.use.chat import Conversation, answer, load_chat_model, resolve_source
+    from finetune.use.chat import answer, load_chat_model, resolve_source
+    from finetune.use.conversation import Conversation
     from finetune.use.images import checked_images, image_problem
 
     if path is None and base is None:

@@ -162,7 +162,7 @@ def prompted_lm(chat, batch_size: int):
     """lm-eval's HFLM over the loaded model whose chat-template hook is `finetune chat`'s prompt (module doc)."""
     from lm_eval.models.huggingface import HFLM
 
-    from finetune.use.chat import Conversation
+    from finetune.use.conversation import Conversation
 
     _quiet()
 

@@ -28,7 +28,7 @@ from finetune.rundir.run_dir import (  # noqa: F401  (no_model_yet: used below)
     read_recipe,
 )
 from finetune.units import gib_text
-from finetune.use.conversation import Conversation, Turn  # noqa: F401  (re-exported: chat's callers ask it here)
+from finetune.use.conversation import Conversation
 
 FORMATS = ("alpaca", "messages", "text")
 
