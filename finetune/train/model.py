@@ -119,10 +119,13 @@ def enable_checkpointing(model, reentrant: bool = False, offload: bool = False) 
 
 def prepare_model(model, recipe: Recipe):
     """Gradient checkpointing, then (lora/qlora) the PEFT adapter. Returns the model to train."""
-    from finetune.train.vlm_model import freeze_for_full, is_vlm, text_inputs_require_grads
+    from finetune.train.vlm_model import freeze_for_full, text_inputs_require_grads
+    from finetune.vision_models import is_vlm_config
 
     t = recipe.training
-    vlm = is_vlm(recipe)
+    # read from the loaded model, not the recipe's reference: a hub id would be looked up again (with the Hub's
+    # retries, 23 s where it cannot be reached)
+    vlm = is_vlm_config(model.config.to_dict())
     if vlm and recipe.vision.freeze_tower:
         text_inputs_require_grads(model)  # not the frozen tower's patch embedding too (finetune.train.vlm_model)
     if t.gradient_checkpointing:
