@@ -437,6 +437,7 @@ ZERO3_LIVE = [{"kind": "zero3_live", "config": {**PROBE_LLAMA, "tie_word_embeddi
 
 
 @pytest.mark.slow
+@pytest.mark.full  # one DeepSpeed probe process for the three (~50 s): the full tier; DeepSpeed's estimators: above
 def test_zero3_gathered_parameters_replay_deepspeed(probed):
     """The planner's replay of ZeRO-3's fetch/prefetch/release logic gives the same peak of gathered
     parameters as DeepSpeed's real coordinator (steady-state step, one CPU process)."""
@@ -465,6 +466,7 @@ STEP_GRADS = [{"kind": "step_grads", "config": BUFFERS_LLAMA, "zero": {"sub_grou
 
 
 @pytest.mark.slow
+@pytest.mark.full  # one DeepSpeed probe process for the three (~50 s): the full tier; DeepSpeed's estimators: above
 def test_deepspeed_buffers_and_partitions_as_planned(probed):
     """Reduce buckets (doubled by overlap_comm in ZeRO-1/2 only), fp32 partitions and Adam states have
     the sizes the planner charges, in DeepSpeed's real optimizer."""
@@ -757,6 +759,7 @@ PROBES = {"zero3_live": ZERO3_LIVE, "buffers": BUFFERS, "step_grads": STEP_GRADS
 
 
 @pytest.mark.slow
+@pytest.mark.full  # one DeepSpeed probe process for the three (~50 s): the full tier; DeepSpeed's estimators: above
 def test_whole_deepspeed_step_on_one_rank_against_the_plan(probed):
     """Every tensor storage of a whole DeepSpeed step (one CPU rank, gloo), against the plan's allocated phases
     (less cuBLAS' workspaces, which a CPU run has not). ZeRO-3's step: 16 bytes per parameter and the
