@@ -38,7 +38,7 @@ from typing import Any, Optional
 
 from finetune.errors import FinetuneError
 from finetune.fsutil import damaged_name, remove_path, write_atomic
-from finetune.rundir.names import CHECKPOINT_PREFIX, RECIPE_FILE, STOP_RECORD, SUMMARY_FILE  # noqa: F401 (STOP_RECORD: read here by its callers)
+from finetune.rundir.names import CHECKPOINT_PREFIX, RECIPE_FILE, STOP_RECORD, SUMMARY_FILE
 from finetune.rundir.resume_key import RESUME_KEY_FILE, process_count_change, read_resume_key, resume_fields
 from finetune.units import gib_text
 
