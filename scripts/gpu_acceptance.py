@@ -97,15 +97,21 @@ class Machine:
 def git_commit() -> Optional[str]:
     """The commit of this checkout (what the results measured), None outside a git checkout. The GPU machine's copy
     of .git is the last landed commit's, not the working tree's: scripts/gpu_wheels.sh writes the commit the tree
-    was sent from into .whl/COMMIT, which wins when it is there."""
+    was sent from into .whl/COMMIT, which wins where this .git does not know that commit (the GPU machine; here,
+    where it does, HEAD is the truth and a COMMIT left from an earlier send is stale)."""
+    def git(*args: str) -> Optional[str]:
+        try:
+            out = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, check=False)
+        except OSError:  # no git on the machine
+            return None
+        return (out.stdout.strip() or "known") if out.returncode == 0 else None
+
     sent = REPO / ".whl" / "COMMIT"
-    if sent.is_file():
-        return sent.read_text(encoding="utf-8").strip() or None
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=False)
-    except OSError:  # no git on the machine
-        return None
-    return (out.stdout.strip() or None) if out.returncode == 0 else None
+    recorded = sent.read_text(encoding="utf-8").strip() if sent.is_file() else ""
+    if recorded and git("cat-file", "-e", recorded.split("+")[0] + "^{commit}") is None:
+        return recorded
+    head = git("rev-parse", "HEAD")
+    return head if head != "known" else None
 
 
 def detect(cpu: bool) -> Machine:

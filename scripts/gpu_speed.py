@@ -376,7 +376,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         ops_seconds = time.perf_counter() - begun
         log(f"DeepSpeed's ops compiled ({ops_seconds:.0f} s from the start; waited {time.perf_counter() - waited:.0f} s)"
             if build.returncode == 0 else f"finetune doctor --build-ops failed (the runs compile what they need): "
-            f"{(output or '').strip().splitlines()[-1:] or ''}")
+            f"{((output or '').strip().splitlines() or [''])[-1]}")
     results: dict[str, Any] = {"created": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
                                "commit": harness.git_commit(), "machine": dataclasses.asdict(machine), "steps": steps,
                                "budget": budget, "elapsed": 0.0, "runs": [], "ratios": {},
