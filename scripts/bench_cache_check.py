@@ -12,7 +12,7 @@ tokenizes and writes the entry, its digests included), then times, in this proce
 Prints the entry's size, each time, and the check as a fraction of the tokenizing time.
 
 Not run by the tests: it only times finetune.data.cache_entry on a large entry (minutes of tokenizing); what
-the check does is tested on the demo's entry by tests/test_data_prepare.py::test_a_damaged_cache_entry_is_set_aside_and_made_again.
+the check does is tested on the demo's entry by tests/data/test_prepare.py::test_a_damaged_cache_entry_is_set_aside_and_made_again.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ GPU-busy time over wall time and the kernels (CPU: operators) that took the most
 Runs its processes under torchrun, like `finetune train` (one process without DeepSpeed: in this process).
 Packing and padding-free recipes are not supported.
 
-Not run by the tests: directly; tests/test_gpu_speed.py runs it (its --profile mode too) through
+Not run by the tests: directly; tests/launches/test_gpu_speed.py runs it (its --profile mode too) through
 scripts/gpu_speed.py --cpu, which is how the GPU check uses it.
 """
 

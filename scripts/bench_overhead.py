@@ -13,7 +13,7 @@ the host-side token count, the summary; bench_hf's collator is transformers' Dat
 shared with other jobs, single rounds swing: compare the medians of one invocation, never numbers across runs.
 
 Not run by the tests: each round is two 2-process training runs (minutes on 2 cores); its parts are
-tested: bench_hf.py through tests/test_gpu_speed.py, finetune train everywhere.
+tested: bench_hf.py through tests/launches/test_gpu_speed.py, finetune train everywhere.
 """
 
 from __future__ import annotations

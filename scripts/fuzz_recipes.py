@@ -10,8 +10,8 @@ Mutants of each recipe: every key (at every depth, sections themselves included)
 finetune's own errors, or runs past --limit (SIGALRM), is printed with the mutant; the slowest are listed at the
 end. Exit 1 when any mutant crashed or ran past the limit.
 
-Not run by the tests: its 51,168 invocations take tens of minutes; tests/test_lint_fuzz.py and tests/test_cli_fuzz.py
-draw mutants of the same kinds (hypothesis), and tests/test_special_inputs.py holds the text mutants' cases.
+Not run by the tests: its 51,168 invocations take tens of minutes; tests/lint/test_fuzz.py and tests/cli/test_fuzz.py
+draw mutants of the same kinds (hypothesis), and tests/cli/test_special_inputs.py holds the text mutants' cases.
 """
 
 from __future__ import annotations

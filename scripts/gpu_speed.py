@@ -24,7 +24,7 @@ memory), the ratios (targets: finetune / bench_hf >= 1.00 on every pair, auto / 
 the card, the library versions and the commit.
 
 --cpu: the tiny built-in model on one CPU process, two cases: finetune without DeepSpeed (with a checkpoint at its last
-step, which tests/test_gpu_speed.py then resumes) against bench_hf --no-deepspeed --profile. Its numbers say nothing
+step, which tests/launches/test_gpu_speed.py then resumes) against bench_hf --no-deepspeed --profile. Its numbers say nothing
 about a GPU.
 """
 
@@ -160,7 +160,7 @@ def gpu_cases(model: str, data: Path, long_data: Path, steps: int) -> list[Case]
 
 def cpu_cases(model: str, data: Path, steps: int) -> list[Case]:
     base = base_recipe("speed-cpu", model, data, 64, steps, cpu=True)
-    # a checkpoint at the last step, which tests/test_gpu_speed.py resumes
+    # a checkpoint at the last step, which tests/launches/test_gpu_speed.py resumes
     base["training"].update(save_steps=steps, resume=True)
     plain = fixed(base, "lora", 4, engine={"enabled": False})
     return [Case("tiny_lora_plain_finetune", "finetune", plain, pair="tiny_lora_plain"),

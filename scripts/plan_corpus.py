@@ -4,7 +4,7 @@ print predicted against measured, case by case, with the error distribution.
     python scripts/plan_corpus.py                 # every case, then the summaries
     python scripts/plan_corpus.py --summary       # the summaries only
     python scripts/plan_corpus.py --summary --quantiles   # with each part's error distribution
-    python scripts/plan_corpus.py --json          # machine-readable (used by tests/test_plan_corpus.py)
+    python scripts/plan_corpus.py --json          # machine-readable (used by tests/plan/test_corpus.py)
     python scripts/plan_corpus.py --trace         # the analytic plan against `finetune plan --trace`, per case
     python scripts/plan_corpus.py --allocator     # traced allocations replayed through the allocator's rules
     python scripts/plan_corpus.py --history       # what the measurements leave for the allocator's history

@@ -6,7 +6,7 @@ checkpointing x dropout x rank x dtype x accumulation x loss kernel x packing. P
     python scripts/plan_trace_sweep.py --seed 11 --count 40      # about 3 minutes on 2 cores
 
 The tests plan its random setups (tests/test_entry_points.py) but trace none of them: one trace takes seconds
-(tests/test_plan_trace.py traces small ones).
+(tests/plan/trace/test_trace.py traces small ones).
 """
 
 from __future__ import annotations

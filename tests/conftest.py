@@ -33,7 +33,7 @@ _one_extensions_folder()
 
 def _no_hub_requests() -> None:
     """The tests never touch the network: preflight's look-up of a hub model id (finetune.run.hub) is off for the
-    session and its subprocesses; tests/test_preflight.py turns it on with huggingface_hub mocked."""
+    session and its subprocesses; tests/run/test_preflight.py turns it on with huggingface_hub mocked."""
     import os
 
     from finetune.run.hub import CHECK_ENV
@@ -215,7 +215,14 @@ def _tiny_run_name(item) -> str | None:
     return callspec.params.get("name") if callspec is not None and "tiny_run" in item.fixturenames else None
 
 
+LAUNCHES = Path(__file__).resolve().parent / "launches"
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects: the folder gives the marker
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.is_relative_to(LAUNCHES):
+            item.add_marker(pytest.mark.slow)
     if not hasattr(config, "workerinput"):
         items.sort(key=lambda item: item.get_closest_marker("slow") is not None)  # stable: file order kept
         return

@@ -1,7 +1,7 @@
 """How many examples each fuzz test draws (a fifth in CI, the full count with FINETUNE_FUZZ=full), and the time
 limit each in-process invocation runs under.
 
-    FINETUNE_FUZZ=full python -m pytest tests/test_lint_fuzz.py tests/test_cli_fuzz.py   # the full counts
+    FINETUNE_FUZZ=full python -m pytest tests/lint/test_fuzz.py tests/cli/test_fuzz.py   # the full counts
 
 The examples are derandomized, so a CI run draws the first fifth of the full run's examples.
 """

@@ -3,7 +3,7 @@ NAME` (and `tests...`) in scripts/ and tests/ names a module that exists and a n
 the source with `ast` (nothing is imported: no torch, well under a second); every script runs in at least a smoke
 test below or says in its docstring why not.
 
-A script that moves a module along would otherwise fail only when someone runs it (tests/data_prepare_cases.py's
+A script that moves a module along would otherwise fail only when someone runs it (tests/data/prepare_cases.py's
 `--write` imported `tokenize_for_training` from a module that had lost it; scripts/lint_ds_snapshot.py fell back to
 modules deleted two issues earlier).
 """
@@ -174,7 +174,7 @@ def _string_constants(path: Path) -> Iterator[str]:
 
 
 def test_every_script_runs_in_a_test_or_says_why_not():
-    literals = {text for path in (REPO / "tests").glob("*.py") for text in _string_constants(path)}
+    literals = {text for path in (REPO / "tests").rglob("*.py") for text in _string_constants(path)}
     idle = []
     for script in sorted((REPO / "scripts").glob("*.py")):
         docstring = ast.get_docstring(parsed(script)) or ""
@@ -263,7 +263,7 @@ def test_lint_ds_snapshot_writes_the_findings_of_a_few_configs(tmp_path, monkeyp
 
 
 def test_plan_trace_sweep_setups_are_ones_the_planner_accepts():
-    """The trace of one setup takes seconds (tests/test_plan_trace.py traces small ones); its random setups are planned."""
+    """The trace of one setup takes seconds (tests/plan/trace/test_trace.py traces small ones); its random setups are planned."""
     import random
 
     from finetune.plan import plan

@@ -14,7 +14,7 @@ its last, as the tokenizer reports them).
 `ByteOffsets.of(tokenizer)` says whether the tokenizer is of that kind (None otherwise); `offsets(text, ids)`
 returns the (start, end) character offsets of the tokens, or None when it cannot vouch for them: tokens that
 do not spell the text (checked byte for byte, so a tokenizer that breaks an assumption above gives None, never
-wrong offsets). The caller asks the tokenizer for offsets then. tests/test_data_offsets.py compares them with
+wrong offsets). The caller asks the tokenizer for offsets then. tests/data/test_offsets.py compares them with
 the tokenizer's own on random texts (ASCII, multi-byte characters, special tokens).
 """
 

@@ -5,7 +5,7 @@ The text is what the model's processor would tokenize: the chat template (or the
 image markup) renders one image token per image, and each is repeated as many times as the image costs
 (finetune.vision_models.ImageSizing: Qwen2.5-VL's smart_resize arithmetic, LLaVA's fixed count). The collator
 (finetune.train.vlm_collator) gets the pixels from the image processor and checks that they make exactly that
-many tokens; tests/test_vision.py checks the ids against the processor's own.
+many tokens; tests/models/test_vision.py checks the ids against the processor's own.
 
 Labels are -100 on the prompt (data.mask_prompt), on padding and on every vision special token (the image pads,
 Qwen's vision start/end): TRL's collator leaves the image tokens in the loss. A row longer than max_length keeps

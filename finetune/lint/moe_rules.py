@@ -4,7 +4,7 @@ config.json (model_type, num_experts...), a built-in model, or its hub id's fami
 Each refuses what fails after launch, with the library's own words where it has some: peft 0.21's
 ParamWrapper (LoRA on the fused experts and the router) raises on dropout, DoRA and lora_bias; DeepSpeed 0.19.8
 replaces its default ZeRO-3 leaf classes with a user's list. Without a leaf, ZeRO-3 still trains LoRA on the
-experts correctly (DeepSpeed gathers a partitioned parameter read during forward: tests/test_moe_runs.py
+experts correctly (DeepSpeed gathers a partitioned parameter read during forward: tests/launches/test_moe.py
 trained one so and matched one process), but fetches the expert stacks one by one, so it is a warning.
 """
 

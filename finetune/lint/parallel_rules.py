@@ -2,7 +2,7 @@
 through accelerate's ParallelismConfig), `parallel.tensor` (DeepSpeed AutoTP) and `model.rope_scaling`.
 
 Each rule names the library code that fails (or silently misbehaves) with the combination it refuses;
-tests/test_parallel.py reproduces those failures against the installed libraries.
+tests/train/test_parallel.py reproduces those failures against the installed libraries.
 """
 
 from __future__ import annotations
@@ -251,7 +251,7 @@ def ulysses_gradient_scale(loaded: LoadedRecipe) -> Iterator[RawFinding]:
         return
     # DeepSpeed ZeRO 0-2 divide the all-reduced gradients by dp / sp (zero/stage_1_and_2.py, engine.py), treating
     # each rank's loss as its shard's; the Trainer's Ulysses loss is already the group's mean, whose backward sums
-    # the shards' contributions. ZeRO-3 comes out right. tests/test_parallel_runs.py measures the factor.
+    # the shards' contributions. ZeRO-3 comes out right. tests/launches/test_parallel.py measures the factor.
     clip = r.training.max_grad_norm
     yield RawFinding("R149", "warning", ("parallel", "sequence"),
                      f"Ulysses with ZeRO-{r.deepspeed.stage}: the gradients come out {sp}x too large (DeepSpeed averages them over "

@@ -48,7 +48,7 @@ RULES: dict[str, str] = {
 # transformers 5.x causal LMs whose forward takes no position_ids: ALiBi (bloom, mpt), recurrent state
 # (mamba, rwkv, xlstm) or encoder-decoder heads. Packed examples are kept apart only through restarting
 # position_ids (or the cu_seq_lens derived from them); these models attend, or carry state, across the
-# whole row, and the Trainer even drops the unused position_ids column. tests/test_lint.py checks the
+# whole row, and the Trainer even drops the unused position_ids column. tests/lint/test_lint.py checks the
 # list against the installed transformers.
 NO_POSITION_IDS_MODEL_TYPES = frozenset({
     "bart", "bigbird_pegasus", "blenderbot", "blenderbot-small", "bloom", "cpmant", "falcon_mamba", "mamba",

@@ -22,7 +22,7 @@ states only, and count every parameter as trainable; this one adds what fills th
 
 `model_states` (weights + gradients + optimizer) equals DeepSpeed's own
 `estimate_zero2_model_states_mem_needs` / `estimate_zero3_model_states_mem_needs` for a full
-fine-tune (tests/test_plan.py calls them). Terms are tagged with the phase they live in: the fp32
+fine-tune (tests/plan/test_planner.py calls them). Terms are tagged with the phase they live in: the fp32
 gradient partition of ZeRO-0/1/2 exists only in the optimizer step, after activations are freed, so
 the peak (`total`) is the larger of the backward phase and the step phase.
 """

@@ -71,7 +71,7 @@ def layer_activation_bytes(setup: Setup) -> int:
     """Bytes one decoder layer saves for backward (no checkpointing), for micro_batch x seq_len tokens.
 
     Read off the HF Llama/Qwen2/Mistral code and checked against torch's saved tensors on CPU
-    (tests/test_plan.py): per token, with e = bytes of the 16-bit dtype,
+    (tests/plan/test_planner.py): per token, with e = bytes of the 16-bit dtype,
     - each RMSNorm: its input upcast to fp32 (4h) and the rsqrt (4); full FT also its 16-bit output
       (for the norm weight's gradient);
     - a linear layer saves its input only when its weight is trained or it carries LoRA (frozen
@@ -203,7 +203,7 @@ def moe_mlp_bytes(setup: Setup) -> int:
 
 def expert_lora_bytes(setup: Setup) -> int:
     """What LoRA on the fused experts and the router adds to one MoE layer's saved tensors (the trace: peft
-    0.21's ParamWrapper, tests/test_moe.py). The experts then run on W + scale x B @ A, a parametrization
+    0.21's ParamWrapper, tests/models/test_moe.py). The experts then run on W + scale x B @ A, a parametrization
     computed once per forward: that whole stack of expert weights is saved for backward (every expert, 3 x
     hidden x width each: 1.2 GB in bf16 per layer of Qwen3-30B-A3B), and with the weights needing a gradient
     the experts keep their inputs too (each token's k routed copies of hidden and of width). The router's LoRA
@@ -223,7 +223,7 @@ def expert_lora_bytes(setup: Setup) -> int:
 
 def backward_working_bytes(setup: Setup, per_layer: int) -> int:
     """What backward allocates beyond the saved activations, at its own peak (fitted to torch's CPU
-    allocations of tiny Llamas, tests/test_plan.py): with checkpointing, one layer's recomputed
+    allocations of tiny Llamas, tests/plan/test_planner.py): with checkpointing, one layer's recomputed
     activations plus the MLP's gradients, about (2.5 x intermediate - 2 x hidden) 16-bit elements per
     token, or the fp32 adapters' input copies of the recompute when larger; without, the final norm's
     fp32 gradient temporaries, about 20 x hidden bytes per token."""

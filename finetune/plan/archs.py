@@ -311,7 +311,7 @@ BUILTIN: tuple[Arch, ...] = (
 BY_NAME = {a.name: a for a in BUILTIN}
 
 # The Hub ids of each architecture above (base and instruct/chat): preflight's did-you-mean for a hub id the Hub
-# does not know (finetune.run.hub; tests/test_plan.py checks each maps back to its architecture, and that every
+# does not know (finetune.run.hub; tests/plan/test_planner.py checks each maps back to its architecture, and that every
 # shipped recipe's hub model is here).
 HUB_IDS: dict[str, tuple[str, ...]] = {
     "llama-2-7b": ("meta-llama/Llama-2-7b-hf", "meta-llama/Llama-2-7b-chat-hf"),

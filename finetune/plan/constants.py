@@ -62,7 +62,7 @@ HISTORY_RECORDS = (1 / 2, 3 / 4, 7 / 8, 15 / 16)
 # The stated upper bound (finetune/plan/bound.py; docs/plan.md, "The bound"): per setup class, the
 # BOUND_QUANTILE quantile of measured / planned over the cases of tests/data/plan_corpus.json in that class,
 # less 1; a class needs BOUND_MIN_CASES cases (else the next wider class serves). {class: (width, cases)}:
-# written by `python scripts/plan_corpus.py --widths` and checked by tests/test_plan_corpus.py (not tuned to
+# written by `python scripts/plan_corpus.py --widths` and checked by tests/plan/test_corpus.py (not tuned to
 # a case: quantiles of all of them, recomputed whenever the planner changes).
 BOUND_QUANTILE = 0.95
 BOUND_MIN_CASES = 10

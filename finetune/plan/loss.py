@@ -2,7 +2,7 @@
 
 The note states the arithmetic of the bytes it comes with, as `<expression>; <why>`: the expression
 is numbers joined by ` x ` and ` + ` (with parentheses), each number followed by what it counts, and
-evaluates to the bytes exactly (tests/test_plan.py::test_each_loss_note_states_the_bytes_it_comes_with).
+evaluates to the bytes exactly (tests/plan/test_planner.py::test_each_loss_note_states_the_bytes_it_comes_with).
 """
 
 from __future__ import annotations

@@ -94,7 +94,7 @@ class Setup:
     packing: bool = False
     padding_free: bool = False
     # Every row exactly seq_len tokens with no padding and no packed boundaries (the calibration
-    # measurements in tests/test_plan.py); recipes never set it: their batches are padded or packed.
+    # measurements in tests/plan/test_planner.py); recipes never set it: their batches are padded or packed.
     full_rows: bool = False
     gradient_checkpointing: bool = True
     # PYTORCH_CUDA_ALLOC_CONF's expandable_segments (finetune/plan/allocator.py): what `finetune train` sets

@@ -251,7 +251,7 @@ def gradient_and_optimizer_terms(setup: Setup, groups: list[ParamGroup], trainab
     if setup.stage == 3 and e < 4:
         # stage3.py _prepare_fp32_grad_for_sub_group: self.flatten(averaged_gradients).to(fp32) copies
         # the sub-group's 16-bit gradient views into a new flat buffer first, alive beside its fp32
-        # copy (6 bytes per element at that moment; measured in tests/test_plan.py). A float32 model's
+        # copy (6 bytes per element at that moment; measured in tests/plan/test_planner.py). A float32 model's
         # flat copy is its fp32 gradient: .to() returns it as is.
         terms.append(Term("buffers", "16-bit gradient flatten copy", min(part, setup.sub_group_size) * e,
                           phase="step", note="stage3.py _prepare_fp32_grad_for_sub_group, one sub-group"))
@@ -343,7 +343,7 @@ def _gptq_dequant_terms(setup: Setup, groups: list[ParamGroup], largest: int) ->
     runs torch.matmul(x, weight). With an input that requires grad (LoRA, enable_input_require_grads)
     autograd saves that 16-bit weight: every quantized linear of each layer whose activations are kept
     (one layer, recomputed, with checkpointing). Unpacking goes through an int32 shift and an int8 copy:
-    5 bytes per element at its peak, 3 more than the 16-bit result (measured on CPU: tests/test_plan_corpus.py)."""
+    5 bytes per element at its peak, 3 more than the 16-bit result (measured on CPU: tests/plan/test_corpus.py)."""
     per_layer = sum(g.numel for g in groups if g.quantized and g.per_layer)
     layers = 1 if setup.gradient_checkpointing else setup.arch.layers if setup.arch else 1
     e = setup.element_bytes

@@ -12,7 +12,7 @@ optimizer's states, as in training; the second is the one reported, so its backw
 What runs is the CPU kernels' view (FakeTensorMode dispatches to each op's meta function; its device
 is the CPU). Where a CUDA kernel allocates something the CPU path does not, a cited constant is added
 (CUDA_ONLY below). Not traced: DeepSpeed (its partitions and buckets are the analytic planner's terms,
-checked against DeepSpeed's own estimators and allocations in tests/test_plan.py), and allocator
+checked against DeepSpeed's own estimators and allocations in tests/plan/test_planner.py), and allocator
 rounding / caching (finetune.plan.allocator).
 
 Why not torch.distributed._tools.mem_tracker.MemTracker: its module pre-forward hook registers a
@@ -393,7 +393,7 @@ def _trace(setup: Setup, config: Optional[dict], extrapolate: bool) -> TraceResu
     Decoder layers are identical, so what is live at each place of a phase grows by the same bytes per
     layer: a model deeper than 4 layers is traced at 2, 3 and 4 layers, and when the two differences
     agree to the byte for every place and kind, extrapolated to its depth (else traced whole; _extrapolate).
-    tests/test_plan_trace.py checks the extrapolation against a full-depth trace."""
+    tests/plan/trace/test_trace.py checks the extrapolation against a full-depth trace."""
     if setup.objective != "sft":
         raise PlanError(f"--trace runs the SFT step only (objective {setup.objective} is planned analytically)")
     if setup.loss_kernel == "liger":

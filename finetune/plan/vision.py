@@ -10,7 +10,7 @@ them. What the language-model planner does not see is here:
 - the activations a trained tower saves for backward, per patch it runs on. A frozen tower saves none: its
   weights need no gradient and its input (the pixels) none either, so autograd keeps nothing (finetune keeps
   transformers' input-gradient hook off the tower's patch embedding: finetune.train.vlm_model). Counted from
-  torch's saved tensors on CPU (tests/test_vision.py checks these within 2%), per patch, e = bytes of
+  torch's saved tensors on CPU (tests/models/test_vision.py checks these within 2%), per patch, e = bytes of
   the dtype, h / i the tower's width and MLP width, H its heads, d = h / H:
   - Qwen2.5-VL, a block trained in full: (8 + 11e)h + 4e i + 4H + 8 (the RMSNorms' fp32 copies and rsqrt, the
     qkv output, the fp32 rotary products of q and k, attention's output and log-sum-exp, the SwiGLU's three

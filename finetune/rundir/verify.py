@@ -32,7 +32,7 @@ from typing import Optional
 from finetune.errors import FinetuneError
 
 # The classes DeepSpeed pickles into ZeRO checkpoints beside tensors and plain containers. Found by
-# listing the globals of the ZeRO-1/2/3 LoRA and full checkpoints tests/merge_fixtures.py trains
+# listing the globals of the ZeRO-1/2/3 LoRA and full checkpoints tests/weights/merge_fixtures.py trains
 # (torch.serialization.get_unsafe_globals_in_checkpoint); DynamicLossScaler is what fp16 runs store
 # where bf16 runs store LossScaler (the optimizers' state_dict saves `self.loss_scaler`).
 DEEPSPEED_GLOBALS = (

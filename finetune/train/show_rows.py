@@ -7,7 +7,7 @@ trains with printed with its trained tokens marked (issue 34: `data show` refuse
     grpo:          the prompt as generation sees it (completions are generated; the rewards read the other columns)
 
 TRL's methods are called on a stand-in for the trainer holding the attributes they read (the tokenizer and the
-config's lengths), so no model is loaded; tests/test_preference.py runs each on the shipped tiny recipes.
+config's lengths), so no model is loaded; tests/train/test_preference.py runs each on the shipped tiny recipes.
 """
 
 from __future__ import annotations

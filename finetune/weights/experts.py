@@ -8,7 +8,7 @@ experts): expert e's update is B[:, e::experts-interleaved] @ A[e*r:(e+1)*r] (ge
 (`gate_up_proj`: every expert's gate rows then its up rows) and saves them split per expert (Qwen-MoE:
 `experts.{e}.gate_proj.weight`; Mixtral: `block_sparse_moe.experts.{e}.w1.weight`), so one fused update lands
 on 3 x experts checkpoint tensors, each computed from its expert's factors alone (the per-expert einsum gives
-the same bits as peft's batched one, tests/test_moe.py). gpt-oss keeps the fused tensors on disk: one update, one
+the same bits as peft's batched one, tests/models/test_moe.py). gpt-oss keeps the fused tensors on disk: one update, one
 tensor. Several parameters of one module nest their wrappers in the order the module declares them, the first
 innermost (`experts.base_layer.lora_A` is gate_up_proj's, `experts.lora_A` down_proj's).
 """

@@ -10,7 +10,7 @@ buffers) and a 1 MiB write block; a float32 adapter (as PEFT saves it) stays mem
 anonymous memory of the whole process (torch included), measured by scripts/bench_merge.py: 0.24 GiB
 for a 1.1B model, 0.59 GiB for an 8B one (Llama-3-8B's shape); about 3 GiB estimated for a 70B one
 with a rank-16 adapter on every linear layer (140 GB of weights). The output is bit-identical to PEFT's
-`merge_and_unload()` followed by `save_pretrained()`; tests/test_merge.py checks that with torch.equal.
+`merge_and_unload()` followed by `save_pretrained()`; tests/weights/test_merge.py checks that with torch.equal.
 
     $ finetune merge runs/llama3-8b-qlora -o merged/llama3-8b-qlora
     $ finetune merge --base ~/models/Meta-Llama-3-8B-Instruct --adapter runs/x/adapter -o merged/x --verify

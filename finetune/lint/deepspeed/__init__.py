@@ -25,7 +25,7 @@ schema.py. Each rule is a function registered for one phase (view.PHASES) that r
 and yields findings: structure.py (duplicate, removed and unknown keys, types), setup.py (HF Trainer +
 accelerate, batch sizes, precision, ZeRO and offload, misc), optimizer.py (optimizer, scheduler) and auto.py
 ("auto" values, last); values.py holds the value parsing and message helpers.
-tests/test_lint_deepspeed.py compares the schema tables with the installed DeepSpeed and checks the verdict
+tests/lint/test_deepspeed.py compares the schema tables with the installed DeepSpeed and checks the verdict
 against DeepSpeed + HF + accelerate on a corpus of configs, so the two cannot drift apart.
 """
 

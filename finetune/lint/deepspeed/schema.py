@@ -3,7 +3,7 @@
 This is what must be re-synced for each DeepSpeed release. Read the named DeepSpeed sources
 (runtime/config.py, runtime/constants.py, runtime/zero/config.py, runtime/zero/offload_config.py,
 runtime/precision_config.py, monitor/config.py, runtime/lr_schedules.py, engine._configure_basic_optimizer)
-of the new release and update the tables here, then run tests/test_lint_deepspeed.py:
+of the new release and update the tables here, then run tests/lint/test_deepspeed.py:
 test_schema_tables_match_deepspeed and test_optimizer_and_scheduler_tables_match compare these tables with
 the installed DeepSpeed and fail on drift; the tests/ds_corpus checks compare the verdicts with the real libraries.
 """

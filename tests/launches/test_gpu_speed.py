@@ -1,0 +1,45 @@
+"""scripts/gpu_speed.py's plumbing on CPU (slow), and what it leaves: a finetune run without DeepSpeed, trained,
+resumed at its last step without training a step more (issue 34), its steady figures beside bench_hf.py's.
+
+    python -m pytest tests/launches/test_gpu_speed.py
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from finetune.run.launch import free_port
+from tests.train_fixtures import REPO, cache_dir, runner_env
+
+SCRIPT = REPO / "scripts" / "gpu_speed.py"
+
+
+@pytest.mark.full  # the harness ran on an H200 (docs/gpu_acceptance/2026-11-27_*); the last-step rule: tests/test_speed.py
+def test_cpu_plumbing_pairs_finetune_with_bench_hf_and_a_finished_run_trains_no_more(tmp_path_factory, tmp_path):
+    out = tmp_path / "speed"
+    env = runner_env(cache_dir(tmp_path_factory))
+    result = subprocess.run([sys.executable, str(SCRIPT), "--cpu", "--out", str(out)], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    results = json.loads((out / "results.json").read_text())
+    mine, theirs = results["runs"]
+    assert mine["status"] == theirs["status"] == "ok", results["runs"]
+    assert mine["deepspeed"] is False and mine["steady"]["steps"] == 10 - 5  # the plain Trainer, warm-up left out
+    assert theirs["steady"]["tokens_per_second"] > 0 and theirs["profile"]["top"]  # after the profiled steps
+    assert results["ratios"]["tiny_lora_plain"]["ratio"] > 0 and "| tiny_lora_plain |" in (out / "results.md").read_text()
+    run = out / "runs" / "tiny_lora_plain_finetune"
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == 10 and summary["train_loss_last"] < summary["train_loss_first"]
+    assert (run / "checkpoint-10" / "adapter_model.safetensors").is_file()  # the Trainer's own checkpoint format
+    # issue 34: the finished run, resumed from its checkpoint at the last step, writes its outputs and trains nothing
+    again = subprocess.run([sys.executable, "-m", "finetune.cli", "train", mine["recipe"], "--output-dir",
+                            str(run), "--force-resume", "--master-port", str(free_port())],
+                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert "checkpoint-10 is the training's last step (step 10 of 10): nothing is left to train" in again.stdout
+    resumed = json.loads((run / "summary.json").read_text())
+    assert resumed["steps"] == 10 and resumed["loss_history"] == summary["loss_history"]
