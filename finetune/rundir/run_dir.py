@@ -1,6 +1,6 @@
-"""`RunDir`: the one object that knows a run directory's layout. Every reader and writer of a run
-directory (train, the runner, chat, eval, convert, merge, lint, preflight) asks it for a file's name,
-the run's recipe, the adapter or the checkpoints, so a file name is spelled here only.
+"""`RunDir`: a run directory's folders, its recipe and its adapter, for the commands that read a finished or
+running run (chat, eval, convert, merge, export, publish, serve, lint, preflight). The file names live in
+finetune.rundir.names; the checkpoints, the lock and the resume key have their own modules beside this one.
 
     RUN/recipe.yaml          the resolved recipe; the file that makes a folder a run directory
     RUN/deepspeed.json       the exact DeepSpeed config (finetune.rundir.layout writes it)
@@ -23,8 +23,6 @@ from typing import TYPE_CHECKING, Any, Optional, Union
 
 if TYPE_CHECKING:
     from finetune.recipe import Recipe
-    from finetune.rundir.checkpoint import Checkpoint
-    from finetune.rundir.lock import RunLock
 
 from finetune.errors import FinetuneError
 from finetune.rundir.names import (  # noqa: F401 (re-exported: the names belong to RunDir)
@@ -93,14 +91,6 @@ class RunDir:
         return self.path / RECIPE_FILE
 
     @property
-    def logs(self) -> Path:
-        return self.path / LOGS_DIR
-
-    @property
-    def summary_path(self) -> Path:
-        return self.path / SUMMARY_FILE
-
-    @property
     def adapter_path(self) -> Path:
         """Where the runner saves the adapter (it may not exist yet)."""
         return self.path / ADAPTER_DIR
@@ -142,16 +132,7 @@ class RunDir:
             raise NotARunDir(not_a_run_dir_message(self.path))
         return self
 
-    def finished(self) -> bool:
-        return self.summary_path.is_file()
-
     # --- contents ---------------------------------------------------------------------------------
-    def recipe_data(self) -> dict[str, Any]:
-        """recipe.yaml as plain data (a mapping), or RunDirError naming the file."""
-        if not self.is_run():
-            raise NotARunDir(not_a_run_dir_message(self.path))
-        return read_recipe_data(self.recipe_path)
-
     def recipe(self) -> "Recipe":
         """The run's resolved recipe, validated; RunDirError naming the file when it cannot be read."""
         if not self.is_run():
@@ -164,32 +145,6 @@ class RunDir:
 
     def has_model(self) -> bool:
         return (self.model_path / MODEL_CONFIG).is_file()
-
-    def checkpoints(self) -> "list[Checkpoint]":
-        from finetune.rundir.checkpoint import list_checkpoints
-
-        return list_checkpoints(self.path)
-
-    def latest_checkpoint(self) -> "Optional[Checkpoint]":
-        from finetune.rundir.checkpoint import latest_complete
-
-        return latest_complete(self.path)
-
-    def resume_key(self) -> Optional[dict[str, Any]]:
-        from finetune.rundir.resume_key import read_resume_key
-
-        return read_resume_key(self.path)
-
-    def lock(self, name: Optional[str] = None) -> "RunLock":
-        """Own this run directory (finetune.rundir.lock.acquire); RunDirLocked names the live holder."""
-        from finetune.rundir.lock import LOCK_FILE, acquire
-
-        return acquire(self.path, name or LOCK_FILE)
-
-    def holder(self, name: Optional[str] = None) -> Optional[str]:
-        from finetune.rundir.lock import LOCK_FILE, holder
-
-        return holder(self.path, name or LOCK_FILE)
 
 
 def read_recipe_data(path: Path) -> dict[str, Any]:
