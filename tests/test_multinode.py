@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from finetune.run.launch import commands_per_node, deepspeed_env_text, plan_launch
+from finetune.run.launch.commands import commands_per_node, deepspeed_env_text, plan_launch
 from finetune.recipe import Recipe
 from tests.conftest import hub_recipe, write_local_inputs
-from finetune.run.launch import free_port
+from finetune.run.launch.commands import free_port
 from tests.train_fixtures import REPO, TINY_RECIPES, runner_env
 
 GOLDEN = Path(__file__).parent / "golden"

@@ -397,7 +397,7 @@ def test_auto_buckets_are_what_transformers_fills_in(write_recipe):
 
 
 def run_probe(cases):
-    from finetune.run.launch import free_port
+    from finetune.run.launch.commands import free_port
 
     env = {**os.environ, "MASTER_PORT": str(free_port())}  # never a fixed port: other tests run beside it
     result = subprocess.run([sys.executable, str(REPO / "tests" / "plan_deepspeed_probe.py"), json.dumps(cases)],

@@ -32,7 +32,7 @@ from finetune.recipe import load_recipe
 from finetune.rundir.layout import resolved_recipe, write_run_dir
 from tests.conftest import write_local_inputs
 from tests.conftest import SHARED_SFT_RECIPE, SHARED_SFT_SETS
-from finetune.run.launch import free_port
+from finetune.run.launch.commands import free_port
 from tests.train_fixtures import REPO, assert_run_report, runner_env
 
 RECIPE, SETS = SHARED_SFT_RECIPE, SHARED_SFT_SETS  # the reference is the session's shared run of exactly these
@@ -675,7 +675,8 @@ time.sleep(120)
 DRIVER = '''
 import json, sys
 from pathlib import Path
-from finetune.run.launch import LaunchPlan, supervise
+from finetune.run.launch.commands import LaunchPlan
+from finetune.run.launch.supervision import supervise
 fields = json.loads(sys.argv[1])
 sys.exit(supervise(LaunchPlan(**{**fields, "run_dir": Path(fields["run_dir"])})).returncode)
 '''
@@ -685,7 +686,7 @@ def test_a_second_signal_kills_every_rank_at_once(tmp_path):
     """The rule of finetune.rundir.checkpoint.SECOND_SIGNAL_WINDOW: a repeat within it is the same request;
     a later one SIGKILLs every process of the run."""
     from finetune.rundir.checkpoint import SECOND_SIGNAL_WINDOW
-    from finetune.run.launch import plan_launch
+    from finetune.run.launch.commands import plan_launch
     from finetune.recipe import Recipe
 
     (tmp_path / "fakes").mkdir()

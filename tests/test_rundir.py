@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from finetune.rundir.names import ADAPTER_CONFIG, RECIPE_FILE
 from finetune.rundir.run_dir import (
-    ADAPTER_CONFIG, RECIPE_FILE, NotARunDir, RunDir, RunDirError, find_adapter, no_adapter_message,
-    not_a_run_dir_message,
+    NotARunDir, RunDir, RunDirError, find_adapter, no_adapter_message, not_a_run_dir_message,
 )
 
 PACKAGE = Path(__file__).resolve().parent.parent / "finetune"

@@ -19,7 +19,7 @@ from finetune.recipe import load_recipe
 from finetune.run.slurm import SlurmError, SlurmJob, gpus_per_node, sbatch_script
 from tests.conftest import run_cli
 from tests.test_multinode import check_golden
-from finetune.run.launch import free_port
+from finetune.run.launch.commands import free_port
 from tests.train_fixtures import REPO, TINY_RECIPES, cache_dir, runner_env
 
 

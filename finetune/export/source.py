@@ -10,9 +10,9 @@ from typing import Optional
 
 from finetune.errors import FinetuneError
 from finetune.recipe import Recipe
-from finetune.rundir.run_dir import (
-    MERGED_RECIPE, MODEL_CONFIG, RunDir, RunDirError, not_a_run_dir_message, read_recipe,
-)
+from finetune.recipe.references import MODEL_CONFIG
+from finetune.rundir.names import MERGED_RECIPE
+from finetune.rundir.run_dir import RunDir, RunDirError, not_a_run_dir_message, read_recipe
 
 
 class ExportError(FinetuneError):

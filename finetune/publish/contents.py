@@ -21,8 +21,9 @@ from typing import Any, Optional, Union
 
 from finetune.errors import FinetuneError
 from finetune.export.gguf_export import EXPORT_RECORD
+from finetune.recipe.references import MODEL_CONFIG
 from finetune.rundir.names import (
-    ADAPTER_CONFIG, ADAPTER_WEIGHTS, EVAL_FILE, MERGED_FORMAT, MERGED_RECIPE, MODEL_CONFIG, PLOT_FILE, SUMMARY_FILE,
+    ADAPTER_CONFIG, ADAPTER_WEIGHTS, EVAL_FILE, MERGED_FORMAT, MERGED_RECIPE, PLOT_FILE, SUMMARY_FILE,
 )
 
 CARD_FILE = "README.md"

@@ -27,7 +27,8 @@ from finetune.recipe.references import is_local, is_model_path
 from finetune.builtin import is_builtin
 from finetune.recipe.references import MODEL_CONFIG
 from finetune.data.template_budget import RENDER_SECONDS
-from finetune.rundir.run_dir import RUN_INPUTS, RunDir
+from finetune.rundir.names import RUN_INPUTS
+from finetune.rundir.run_dir import RunDir
 
 # data.chat_template is rendered on every row before launch, for at most TEMPLATE_BUDGET seconds in all (the
 # rest render in the ranks), and at most TEMPLATE_ROW_SECONDS for one row: a template that takes longer on one
@@ -358,7 +359,7 @@ def _hub_model(key: str, repo_id: str, revision: Optional[str], result: Prefligh
 
 
 def hostfile_step(recipe: Recipe, result: Preflight) -> None:
-    from finetune.run.launch import HostfileError, read_hostfile
+    from finetune.run.launch.commands import HostfileError, read_hostfile
 
     if not recipe.launch.hostfile:
         return

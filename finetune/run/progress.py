@@ -16,8 +16,6 @@ import re
 import sys
 from typing import Optional
 
-from finetune.progress_env import PROGRESS_ENV  # noqa: F401  (set by `finetune train` for its ranks)
-
 LIVE_INTERVAL = "1"
 _RANK_PREFIX = re.compile(r"^\[(?:rank|default)\d+\]:\s?")
 _PROGRESS = re.compile(r"^progress: step (\d+)/(\d+)")

@@ -23,10 +23,11 @@ from finetune.run.machine import collect_facts
 from finetune.render import resolved_output_dir
 from finetune.run.deepspeed_ops import BuildWatch, extensions_root, recipe_ops
 from finetune.fsutil import write_atomic
-from finetune.run.launch import (
-    RUNNER_MODULE, HostfileError, LaunchError, LaunchPlan, Outcome, deepspeed_env_text, free_port, plan_launch,
-    supervise,
+from finetune.run.launch.commands import (
+    RUNNER_MODULE, HostfileError, LaunchPlan, deepspeed_env_text, free_port, plan_launch,
 )
+from finetune.run.launch.outcome import Outcome
+from finetune.run.launch.supervision import LaunchError, supervise
 from finetune.plan.auto import Resolution, machine_from_facts, resolve
 from finetune.run.preflight import Preflight, run_preflight
 from finetune.recipe import LoadedRecipe, Recipe

@@ -25,10 +25,9 @@ if TYPE_CHECKING:
     from finetune.recipe import Recipe
 
 from finetune.errors import FinetuneError
-from finetune.rundir.names import (  # noqa: F401 (re-exported: the names belong to RunDir)
-    ADAPTER_CONFIG, ADAPTER_DIR, ADAPTER_WEIGHTS, AUTO_FILE, CHECKPOINT_PREFIX, DEEPSPEED_FILE, ENV_FILE, LOGS_DIR,
-    MERGED_RECIPE, MODEL_CONFIG, MODEL_DIR, PLOT_FILE, RECIPE_FILE, RECIPE_HEADER, REPORT_FILE, RUN_INPUTS,
-    SUMMARY_FILE, TOKENIZER_DIR, TRAINING_ARGS_FILE, ZERO_CHECKPOINT_DIR,
+from finetune.recipe.references import MODEL_CONFIG
+from finetune.rundir.names import (
+    ADAPTER_CONFIG, ADAPTER_DIR, MODEL_DIR, RECIPE_FILE, RECIPE_HEADER, RUN_INPUTS, TOKENIZER_DIR, ZERO_CHECKPOINT_DIR,
 )
 
 

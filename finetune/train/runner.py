@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from finetune.recipe import Recipe
-from finetune.rundir.layout import RunDirError, read_run_dir
+from finetune.rundir.layout import read_run_dir
 from finetune.rundir.names import (
     ADAPTER_CONFIG, ADAPTER_DIR, AUTO_FILE, DATA_MIX_FILE, ENV_FILE, FINAL_LOGITS_FILE, MODEL_DIR, REPORT_FILE,
     SUMMARY_FILE, TENSORBOARD_DIR, TOKENIZER_DIR, ZERO_CHECKPOINT_DIR,

@@ -21,12 +21,10 @@ from typing import Any, Callable, Optional
 
 from finetune.errors import FinetuneError
 from finetune.recipe import Recipe
-from finetune.data.formats import chat_format  # noqa: F401  (re-exported: chat's callers ask it here)
 from finetune.data.show import trained_format
-from finetune.rundir.run_dir import (  # noqa: F401  (no_model_yet: used below)
-    ADAPTER_CONFIG, ADAPTER_WEIGHTS, MERGED_RECIPE, MODEL_CONFIG, RunDir, RunDirError, command_line, no_model_yet,
-    read_recipe,
-)
+from finetune.recipe.references import MODEL_CONFIG
+from finetune.rundir.names import ADAPTER_CONFIG, ADAPTER_WEIGHTS, MERGED_RECIPE
+from finetune.rundir.run_dir import RunDir, RunDirError, no_model_yet, read_recipe
 from finetune.units import gib_text
 from finetune.use.conversation import Conversation
 

@@ -94,7 +94,8 @@ def file_spec(data: Path, recipe_data: Any, fmt: Optional[str] = None, vision: O
     --format when given, else as the only way the run's sources are read; ambiguous is an EvalError.
     `vision` (finetune.data.images.vision_data): a VLM's rows, read with their images beside FILE."""
     from finetune.data.formats import FORMATS, RowSpec
-    from finetune.data.sources import is_local, sources_of
+    from finetune.data.sources import sources_of
+    from finetune.recipe.references import is_local
 
     if vision:
         from finetune.data.images import with_images

@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Callable, TypeVar
 
 from finetune.errors import FinetuneError
-from finetune.rundir.names import ADAPTER_CONFIG, ADAPTER_WEIGHTS, MODEL_CONFIG
+from finetune.recipe.references import MODEL_CONFIG
+from finetune.rundir.names import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 
 T = TypeVar("T")
 

@@ -10,9 +10,8 @@ from typing import Optional
 from finetune.weights.safetensors_io import MergeError, read_json
 from finetune.builtin import is_builtin
 from finetune.recipe.references import MODEL_CONFIG
-from finetune.rundir.run_dir import (
-    ADAPTER_CONFIG, ADAPTER_WEIGHTS, CHECKPOINT_PREFIX, RECIPE_FILE, RunDir, RunDirError, no_adapter_message,
-)
+from finetune.rundir.names import ADAPTER_CONFIG, ADAPTER_WEIGHTS, CHECKPOINT_PREFIX, RECIPE_FILE
+from finetune.rundir.run_dir import RunDir, RunDirError, no_adapter_message
 
 
 @dataclass
