@@ -298,12 +298,11 @@ def merged_next_steps(merged: Path) -> list[tuple[str, str]]:
     """(command, why) after `finetune merge`: chat, then serve the merged model with the trained prompt (the run's
     recipe travels in the merged folder as finetune_recipe.yaml)."""
     from finetune import hints
-    from finetune.rundir.names import MERGED_RECIPE
-    from finetune.rundir.run_dir import RunDirError, command_line, read_recipe
+    from finetune.rundir.run_dir import RunDirError, command_line, merged_recipe
 
     finetune, recipe = hints.finetune(), None
     try:
-        recipe = read_recipe(merged / MERGED_RECIPE) if (merged / MERGED_RECIPE).is_file() else None
+        recipe = merged_recipe(merged)
     except RunDirError:
         pass  # merged by hand or from an older run: the tokenizer's template is all there is
     template = trained_template_file(merged, merged, recipe) if recipe is not None else None

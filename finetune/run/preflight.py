@@ -25,7 +25,7 @@ from typing import Any, Iterator, Optional
 from finetune.recipe import LoadedRecipe, Recipe
 from finetune.recipe.references import is_local, is_model_path
 from finetune.builtin import is_builtin
-from finetune.recipe.references import MODEL_CONFIG
+from finetune.recipe.references import model_dir_problem
 from finetune.data.template_budget import RENDER_SECONDS
 from finetune.rundir.names import RUN_INPUTS
 from finetune.rundir.run_dir import RunDir
@@ -335,13 +335,9 @@ def _builtin_model(reference: str, result: Preflight) -> None:
 
 
 def _local_model(reference: str, key: str, result: Preflight) -> None:
-    path = Path(reference).expanduser()
-    if not path.exists():
-        result.errors.append(f"{key} {reference}: directory does not exist")
-    elif not path.is_dir():
-        result.errors.append(f"{key} {reference}: expected a model directory (with config.json), got a file")
-    elif not (path / MODEL_CONFIG).is_file():
-        result.errors.append(f"{key} {reference}: no config.json in this directory (is it a Hugging Face model folder?)")
+    problem = model_dir_problem(reference)
+    if problem is not None:
+        result.errors.append(f"{key} {reference}: {problem}")
     else:
         result.notes.append(f"model {reference}: local directory")
 

@@ -186,7 +186,8 @@ def tokenize_before_launch(loaded: LoadedRecipe, log: Callable[[str], None], num
     recipe = loaded.recipe
     if recipe.objective != "sft":
         return None
-    from finetune.builtin import cache_root, ensure_builtin_model, is_builtin
+    from finetune.builtin import ensure_builtin_model, is_builtin
+    from finetune.data.cache_root import tokenized_root
     from finetune.data import cache_entry
     from finetune.data.prepare import MANIFEST, entry, is_prepared, prepare as prepare_data
     from finetune.data.sources import section_for_tokenizing
@@ -195,7 +196,7 @@ def tokenize_before_launch(loaded: LoadedRecipe, log: Callable[[str], None], num
     model_path = str(ensure_builtin_model(recipe.model.name_or_path)) if is_builtin(recipe.model.name_or_path) \
         else recipe.model.name_or_path
     tokenizer = load_without_torch(tokenizer_args(recipe, model_path))
-    section, cache = section_for_tokenizing(recipe), cache_root() / "tokenized"
+    section, cache = section_for_tokenizing(recipe), tokenized_root()
     target = entry(section, tokenizer, cache)
     if "torch" in sys.modules and not (is_prepared(target) and cache_entry.problem(target, MANIFEST) is None):
         # `finetune train`'s preflight imported torch: tokenize in a fresh process, so that the workers it

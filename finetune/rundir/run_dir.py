@@ -25,9 +25,10 @@ if TYPE_CHECKING:
     from finetune.recipe import Recipe
 
 from finetune.errors import FinetuneError
-from finetune.recipe.references import MODEL_CONFIG
+from finetune.recipe.references import is_model_dir
 from finetune.rundir.names import (
-    ADAPTER_CONFIG, ADAPTER_DIR, MODEL_DIR, RECIPE_FILE, RECIPE_HEADER, RUN_INPUTS, TOKENIZER_DIR, ZERO_CHECKPOINT_DIR,
+    ADAPTER_CONFIG, ADAPTER_DIR, ADAPTER_WEIGHTS, MERGED_RECIPE, MODEL_DIR, RECIPE_FILE, RECIPE_HEADER, RUN_INPUTS,
+    TOKENIZER_DIR, ZERO_CHECKPOINT_DIR,
 )
 
 
@@ -58,12 +59,30 @@ def no_adapter_message(path: Union[str, Path]) -> str:
     return f"no {ADAPTER_CONFIG} in {path} or {path / ADAPTER_DIR}"
 
 
+class NotAnAdapter(RunDirError):
+    """A folder given as a PEFT adapter that is not one, or not a whole one: `adapter_weights`'s message."""
+
+
+def adapter_weights(path: Union[str, Path]) -> Path:
+    """The weights file of the adapter directory PATH (what makes it a whole adapter), or NotAnAdapter naming what
+    is missing: the one check of chat, eval, merge, export and publish."""
+    path = Path(path).expanduser()
+    if not path.is_dir():
+        raise NotAnAdapter(f"{path}: no such adapter directory")
+    if not (path / ADAPTER_CONFIG).is_file():
+        raise NotAnAdapter(f"{path}: no {ADAPTER_CONFIG} (not a PEFT adapter directory)")
+    for name in ADAPTER_WEIGHTS:
+        if (path / name).is_file():
+            return path / name
+    raise NotAnAdapter(f"{path}: no {ADAPTER_WEIGHTS[0]} (or {ADAPTER_WEIGHTS[1]}): an incomplete adapter")
+
+
 def adapter_problem(reference: str) -> Optional[str]:
     """Why model.adapter (an SFT run directory or an adapter directory) cannot be continued from, or None."""
     if find_adapter(reference) is not None:
         return None
     run = RunDir(Path(reference).expanduser())
-    if run.model_path.is_dir() or run.file(MODEL_CONFIG).is_file():
+    if run.model_path.is_dir() or is_model_dir(run.path):
         return ("holds full weights, not an adapter: continue a full fine-tune through model.name_or_path "
                 "(and method: full)")
     return f"{no_adapter_message(reference)} (give an SFT run directory or an adapter directory)"
@@ -143,7 +162,7 @@ class RunDir:
         return find_adapter(self.path)
 
     def has_model(self) -> bool:
-        return (self.model_path / MODEL_CONFIG).is_file()
+        return is_model_dir(self.model_path)
 
 
 def read_recipe_data(path: Path) -> dict[str, Any]:
@@ -177,6 +196,45 @@ def read_recipe(path: Path) -> "Recipe":
         return Recipe.model_validate(data)
     except ValidationError as exc:
         raise RunDirError(f"{path}: cannot read the run's recipe: {_one_line(exc)}") from None
+
+
+def merged_recipe(path: Union[str, Path]) -> "Optional[Recipe]":
+    """The recipe of the run a merged model directory came from (the finetune_recipe.yaml `finetune merge` copies
+    in), or None for a model merged elsewhere; RunDirError naming the file when it cannot be read."""
+    file = Path(path) / MERGED_RECIPE
+    return read_recipe(file) if file.is_file() else None
+
+
+class NoBaseModel(RunDirError):
+    """An adapter directory whose adapter_config.json names no base model."""
+
+
+def resolve_base(source: "Union[Recipe, RunDir, str, Path]") -> str:
+    """The base model SOURCE was trained on, as from_pretrained takes it (a hub id, or a local directory made
+    absolute): a recipe's model.name_or_path, a `builtin:` name built locally on first use
+    (finetune.builtin.resolve_model_path); a run directory's recorded recipe's; an adapter directory's
+    adapter_config.json base_model_name_or_path (the runner writes this same answer there). RunDirError names
+    the file that cannot be read or names no base; BuiltinModelError an unknown built-in name."""
+    from finetune.builtin import resolve_model_path
+
+    if not isinstance(source, (str, Path, RunDir)):  # a Recipe
+        name = source.model.name_or_path
+    elif RunDir(source).is_run():
+        name = RunDir(source).recipe().model.name_or_path
+    else:
+        from finetune.fsutil import read_json
+
+        config_file = Path(source) / ADAPTER_CONFIG
+        try:
+            config = read_json(config_file)
+        except (OSError, ValueError) as exc:
+            raise RunDirError(f"{config_file}: cannot read: {exc}") from None
+        name = config.get("base_model_name_or_path") if isinstance(config, dict) else None
+        if not isinstance(name, str) or not name:
+            raise NoBaseModel(f"{config_file} names no base model; pass --base")
+    path = resolve_model_path(name)
+    local = Path(path).expanduser()
+    return str(local.resolve()) if local.exists() else path
 
 
 def no_model_yet(run_dir: Path) -> str:
