@@ -13,6 +13,13 @@ finetune.rundir.names; the checkpoints, the lock and the resume key have their o
     RUN/tokenizer/           the tokenizer the run trained with (its chat template included)
     RUN/env.json, summary.json, report.html, eval.json
 
+The one answer to each question those commands ask of a folder (a model directory's:
+finetune.recipe.references.model_dir_problem):
+    a run directory?       RunDir.is_run / RunDir.require (NotARunDir)
+    a whole adapter?       adapter_weights (NotAnAdapter); where a run's adapter is: find_adapter
+    a merged model's run?  merged_recipe
+    trained on which base? resolve_base (a recipe, a run directory or an adapter directory)
+
 No torch, no pydantic at import time: lint and `finetune --help` import this.
 """
 

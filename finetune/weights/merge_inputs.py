@@ -76,8 +76,9 @@ def _run_base(run_dir: Path, adapter: Path) -> Path:
     """The local base model the run's recipe names (finetune.rundir.run_dir.resolve_base), else the adapter's."""
     tried = []
     run = RunDir(run_dir)
-    named = ([(run, f"{run.recipe_path} model.name_or_path")] if run.is_run() else []) + \
-        [(adapter, f"{adapter / ADAPTER_CONFIG} base_model_name_or_path")]
+    named = [(adapter, f"{adapter / ADAPTER_CONFIG} base_model_name_or_path")]
+    if run.is_run():
+        named.insert(0, (run, f"{run.recipe_path} model.name_or_path"))
     for source, where in named:
         try:
             name = resolve_base(source)
