@@ -91,8 +91,8 @@ def test_the_base_of_a_recipe_a_run_and_an_adapter_is_resolved_once(tmp_path):
     base.mkdir()
     recipe = Recipe.model_validate({"model": {"name_or_path": str(base)}, "data": {"path": "x.jsonl"}})
     assert resolve_base(recipe) == str(base.resolve())
-    assert resolve_base(recipe.model_copy(update={"model": recipe.model.model_copy(update={"name_or_path": "org/m"})})) \
-        == "org/m"
+    hub = recipe.model_copy(update={"model": recipe.model.model_copy(update={"name_or_path": "org/m"})})
+    assert resolve_base(hub) == "org/m"
     adapter = tmp_path / "adapter"
     adapter.mkdir()
     (adapter / ADAPTER_CONFIG).write_text('{"base_model_name_or_path": "org/m"}')

@@ -1,6 +1,6 @@
 """The live training display of `finetune train` when its output is a terminal.
 
-Rank 0's output reaches `finetune train` line by line through the launcher (finetune.run.launch.Relay
+Rank 0's output reaches `finetune train` line by line through the launcher (finetune.run.launch.supervision.Relay
 writes whole lines to a console stream). This module is such a stream: it reads the lines the
 runner prints anyway (the Trainer's `{'loss': ...}` dicts and finetune.train.callbacks.ProgressLines'
 `progress: step N/M` lines) and keeps one progress bar (step, loss, tokens/s, ETA) at the bottom
