@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import random
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
 from finetune.builtin_vision import VLM_SPECS
+from finetune.data.cache_root import cache_root
 from finetune.errors import FinetuneError
 from finetune.fsutil import publish_once
 # BUILTIN_PREFIX: everything else asks is_builtin() / builtin_name() (finetune.vision_models reads it without
@@ -132,11 +132,6 @@ def resolve_model_path(name_or_path: str) -> str:
     if not is_builtin(name_or_path):
         return name_or_path
     return str(ensure_builtin_model(name_or_path))
-
-
-def cache_root() -> Path:
-    root = os.environ.get("FINETUNE_CACHE")
-    return Path(root).expanduser() if root else Path.home() / ".cache" / "finetune"
 
 
 def builtin_model_dir(name_or_path: str, root: Optional[Path] = None) -> Path:

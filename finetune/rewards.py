@@ -280,7 +280,8 @@ def first_row(recipe: Any) -> Optional[dict[str, Any]]:
     """The first row of the first local source, as GRPO reads it (finetune.data.preference), or None."""
     from finetune.data import validate
     from finetune.data.formats import RowProblem, to_example
-    from finetune.data.sources import SourceProblem, data_files, is_local, sources_of
+    from finetune.data.sources import SourceProblem, data_files, sources_of
+    from finetune.recipe.references import is_local
 
     for source in sources_of(recipe.data, recipe.objective):
         if not is_local(source.path):

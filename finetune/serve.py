@@ -216,7 +216,8 @@ def _tokenizer_template(tokenizer_dir: Optional[Path]) -> Optional[str]:
 
 def run_context(run_dir: Path) -> Optional[ServeContext]:
     """The serving context of a finished run directory (its adapter or full weights), None when it has neither."""
-    from finetune.rundir.run_dir import ADAPTER_CONFIG, RunDir, RunDirError
+    from finetune.rundir.names import ADAPTER_CONFIG
+    from finetune.rundir.run_dir import RunDir, RunDirError
 
     run = RunDir(run_dir)
     try:
@@ -254,7 +255,8 @@ def next_steps(run_dir: Path, objective: str = "sft", *, report: bool = True,
     from finetune import hints
     from finetune.rundir.checkpoint import checkpoint_dirs
     from finetune.rundir.names import TENSORBOARD_DIR
-    from finetune.rundir.run_dir import REPORT_FILE, RunDir, command_line
+    from finetune.rundir.names import REPORT_FILE
+    from finetune.rundir.run_dir import RunDir, command_line
 
     finetune, steps = hints.finetune(), []
     run = RunDir(run_dir)
@@ -262,7 +264,7 @@ def next_steps(run_dir: Path, objective: str = "sft", *, report: bool = True,
         opener = hints.open_file(run_dir / REPORT_FILE)
         steps.append((opener or command_line(run_dir / REPORT_FILE),
                       "loss plot, memory, config, versions" + ("" if opener else " (open it in a browser)")))
-    from finetune.rundir.run_dir import ADAPTER_DIR
+    from finetune.rundir.names import ADAPTER_DIR
 
     has_adapter = ADAPTER_DIR in saved if saved is not None else run.adapter_path.is_dir()
     saved = bool(saved) if saved is not None else (has_adapter or run.has_model())
@@ -296,11 +298,11 @@ def merged_next_steps(merged: Path) -> list[tuple[str, str]]:
     """(command, why) after `finetune merge`: chat, then serve the merged model with the trained prompt (the run's
     recipe travels in the merged folder as finetune_recipe.yaml)."""
     from finetune import hints
-    from finetune.rundir.run_dir import MERGED_RECIPE, RunDirError, command_line, read_recipe
+    from finetune.rundir.run_dir import RunDirError, command_line, merged_recipe
 
     finetune, recipe = hints.finetune(), None
     try:
-        recipe = read_recipe(merged / MERGED_RECIPE) if (merged / MERGED_RECIPE).is_file() else None
+        recipe = merged_recipe(merged)
     except RunDirError:
         pass  # merged by hand or from an older run: the tokenizer's template is all there is
     template = trained_template_file(merged, merged, recipe) if recipe is not None else None

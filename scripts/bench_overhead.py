@@ -32,7 +32,7 @@ sys.path.insert(0, str(REPO))
 RECIPE = REPO / "recipes" / "tiny" / "lora_zero2.yaml"
 
 
-from finetune.run.launch import free_port  # noqa: E402 (after the path above)
+from finetune.run.launch.commands import free_port  # noqa: E402 (after the path above)
 
 
 def run(cmd: list[str], env: dict[str, str]) -> None:

@@ -41,7 +41,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from finetune.builtin import BUILTIN_PREFIX, is_builtin  # noqa: E402 (after the path above)
-from finetune.run.launch import free_port  # noqa: E402
+from finetune.run.launch.commands import free_port  # noqa: E402
 
 from finetune.speed import PEAK_BF16_TFLOPS, peak_bf16_flops  # noqa: E402,F401 (the one table of GPU peaks)
 

@@ -108,7 +108,7 @@ SHARED_SFT_SETS = ("--set", "training.save_steps=4")  # checkpoints 4, 8, 12 (sa
 def shared_sft_run(tmp_path_factory, tiny_cache):
     """(run directory, CompletedProcess) of `finetune train recipes/tiny/lora_zero2.yaml` with SHARED_SFT_SETS,
     trained once per session by the real CLI. Readers must not change what is in it (eval.json aside)."""
-    from finetune.run.launch import free_port
+    from finetune.run.launch.commands import free_port
 
     out = tmp_path_factory.mktemp("shared-sft") / "run"
     argv = [*FINETUNE, "train", str(SHARED_SFT_RECIPE), "--output-dir", str(out), *SHARED_SFT_SETS,

@@ -140,6 +140,58 @@ def test_the_walk_sees_function_level_relative_and_submodule_imports(tmp_path):
     assert find_cycle(folder_graph(graph)) == ["pkg.sub", "pkg.d", "pkg.sub"]
 
 
+# The packages whose __init__ is their API (`from finetune.recipe import Recipe`): the only pass-throughs.
+FACADES = {"finetune.lint.deepspeed", "finetune.plan", "finetune.recipe"}
+
+
+def pass_throughs(package: Path = PACKAGE) -> list[str]:
+    """`module: name from source` for each name a module imports from one of ours and never uses, and each
+    `__all__` outside FACADES: a second door to a name its module defines (issue 39: run_dir re-exported
+    names.py, layout re-exported run_dir, the launch package its modules). Importing a submodule for what
+    its import does (lint rules register themselves) is not a pass-through."""
+    modules = package_modules(package)
+    found = []
+    for module, (path, _) in modules.items():
+        if module in FACADES:
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+        used = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)}
+        for node in ast.walk(tree):  # names in string annotations ("Recipe", "Optional[Checkpoint]")
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.isprintable():
+                try:
+                    used |= {n.id for n in ast.walk(ast.parse(node.value, mode="eval")) if isinstance(n, ast.Name)}
+                except SyntaxError:
+                    pass
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets):
+                found.append(f"{module}: __all__")
+            if not isinstance(node, ast.ImportFrom) or not (node.module or "").startswith(package.name):
+                continue
+            found += [f"{module}: {alias.asname or alias.name} from {node.module}" for alias in node.names
+                      if f"{node.module}.{alias.name}" not in modules and (alias.asname or alias.name) not in used]
+    return found
+
+
+def test_each_name_is_imported_from_the_module_that_defines_it():
+    """A name passed through a module that does not use it is a second door: callers import it from the
+    module that defines it (finetune.rundir.names for a run directory's files, not run_dir or layout)."""
+    assert pass_throughs() == []
+
+
+def test_the_pass_through_check_sees_a_re_export(tmp_path):
+    package = tmp_path / "finetune"
+    (package / "rundir").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "rundir" / "__init__.py").write_text("")
+    (package / "rundir" / "names.py").write_text('RECIPE_FILE = "recipe.yaml"\n')
+    (package / "rundir" / "layout.py").write_text("from finetune.rundir import names\n"
+                                                  "def f() -> \"RECIPE_FILE\":\n    return names\n")
+    (package / "rundir" / "run_dir.py").write_text(
+        "from finetune.rundir.names import RECIPE_FILE  # noqa: F401 (re-exported)\n__all__ = []\n")
+    assert pass_throughs(package) == ["finetune.rundir.run_dir: RECIPE_FILE from finetune.rundir.names",
+                                      "finetune.rundir.run_dir: __all__"]
+
+
 HEAVY = ("torch", "deepspeed", "transformers", "peft", "bitsandbytes", "accelerate", "datasets")
 
 

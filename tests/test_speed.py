@@ -199,7 +199,7 @@ def test_a_stop_that_falls_on_the_last_step_finishes_the_run(tmp_path):
 def test_the_launcher_calls_a_run_finished_when_the_ranks_wrote_it_after_a_signal(tmp_path):
     import time
 
-    from finetune.run.launch import LaunchPlan
+    from finetune.run.launch.commands import LaunchPlan
     from finetune.run.launch.outcome import judge
 
     plan = LaunchPlan(argv=["torchrun"], env={}, run_dir=tmp_path, launcher="torchrun", procs_per_node=1, nodes=1,
@@ -242,7 +242,7 @@ def test_the_ranks_agree_on_the_stop_one_step_later_without_a_collective_that_wa
     from transformers import TrainerState  # noqa: F401 - imported before the fork, for the children
     import torch.multiprocessing as mp
 
-    from finetune.run.launch import free_port
+    from finetune.run.launch.commands import free_port
 
     # forked: the children have torch and transformers imported already (spawn would import them again, ~20 s)
     mp.start_processes(_flag_rank, args=(free_port(), tmp_path), nprocs=2, start_method="fork")

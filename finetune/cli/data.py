@@ -35,13 +35,13 @@ def show(
     """
     from finetune.data.show import TRAINED_END, TRAINED_START, show_example
 
-    from finetune.builtin import resolve_model_path
+    from finetune.rundir.run_dir import resolve_base
     from finetune.tokenizer import load_tokenizer
 
     loaded = load_or_exit(recipe, overrides)
     typer.echo(f"loading the tokenizer of {loaded.recipe.model.name_or_path} ...", err=True)
     try:
-        tokenizer = load_tokenizer(loaded.recipe, resolve_model_path(loaded.recipe.model.name_or_path))
+        tokenizer = load_tokenizer(loaded.recipe, resolve_base(loaded.recipe))
     except (OSError, ValueError) as exc:
         raise fail(f"cannot load the tokenizer of {loaded.recipe.model.name_or_path}: {str(exc).splitlines()[0]}") from None
     if loaded.recipe.objective == "sft":

@@ -9,7 +9,7 @@ from typing import List, Optional
 import typer
 
 from finetune.cli.common import SET_HELP, fail, load_or_exit, usable_path
-from finetune.rundir.run_dir import REPORT_FILE, RunDir
+from finetune.rundir.run_dir import RunDir
 
 
 def train(
@@ -55,7 +55,8 @@ def train(
         finished: …/runs/demo (adapter in …/runs/demo/adapter)
     """
     from finetune.rundir.checkpoint import EXIT_PREEMPTED
-    from finetune.run.launch import commands_per_node, tail_of
+    from finetune.run.launch.commands import commands_per_node
+    from finetune.run.launch.outcome import tail_of
     from finetune.run.start import prepare, start_run
 
     usable_path("--output-dir", output_dir)
@@ -158,10 +159,11 @@ def _run_with_display(prepared, start_run):
     """start_run, under a live progress bar when stdout is a terminal (plain relayed lines otherwise)."""
     import os
 
+    from finetune.progress_env import PROGRESS_ENV
     from finetune.run import progress
     if not progress.wanted():
         return start_run(prepared)
-    os.environ.setdefault(progress.PROGRESS_ENV, progress.LIVE_INTERVAL)  # the ranks inherit it
+    os.environ.setdefault(PROGRESS_ENV, progress.LIVE_INTERVAL)  # the ranks inherit it
     with progress.TrainingDisplay() as display:
         return start_run(prepared, console=display)
 

@@ -57,7 +57,8 @@ def show_example(recipe, tokenizer, row_number: int = 1) -> Shown:
 def nth_row(recipe, row_number: int) -> tuple[Any, str, Any]:
     """(row, `file:line`, source) of row `row_number` (1-based) of the recipe's first local source, its source
     read as the recipe's objective reads it (finetune.data.sources.sources_of)."""
-    from finetune.data.sources import SourceProblem, data_files, is_local, sources_of
+    from finetune.data.sources import SourceProblem, data_files, sources_of
+    from finetune.recipe.references import is_local
     from finetune.data.validate import BadRow, iter_rows
 
     from finetune.data.images import vision_data

@@ -16,7 +16,6 @@ from finetune.fsutil import special_kind
 from finetune.objectives import get as objective_record
 from finetune.recipe.references import DATA_SUFFIXES, is_local
 
-__all__ = ["DATA_SUFFIXES", "is_local"]  # the single definitions, in finetune.recipe.references
 ARROW_MARKER = "dataset_info.json"  # written by Dataset.save_to_disk next to its .arrow files
 SPLITS_MARKER = "dataset_dict.json"  # DatasetDict.save_to_disk: one such folder per split
 

@@ -25,13 +25,10 @@ from itertools import chain
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
-from finetune.data.formats import (
-    ALPACA_PROMPT, ALPACA_PROMPT_WITH_INPUT, Chat, Prompted, RowProblem, RowSpec, Text, to_example,
-)
-from finetune.data.sources import DATA_SUFFIXES, is_arrow_dir
+from finetune.data.formats import Chat, Prompted, RowProblem, RowSpec, Text, to_example
+from finetune.data.sources import is_arrow_dir
+from finetune.recipe.references import DATA_SUFFIXES
 from finetune.errors import FinetuneError
-
-__all__ = ["ALPACA_PROMPT", "ALPACA_PROMPT_WITH_INPUT"]
 
 IGNORE_INDEX = -100  # transformers' CrossEntropyLoss ignore_index
 # datasets' builder for each data file type (.jsonl files are read by the json builder)

@@ -33,7 +33,8 @@ from finetune.data.fastcheck import (
 )
 from finetune.data import preference as _trl_rows  # noqa: F401 - registers the rows of TRL's objectives
 from finetune.data.formats import Chat, Columns, Prompted, RowProblem, Text, to_example
-from finetune.data.sources import Source, SourceProblem, data_files, is_local
+from finetune.data.sources import Source, SourceProblem, data_files
+from finetune.recipe.references import is_local
 from finetune.errors import FinetuneError
 
 try:

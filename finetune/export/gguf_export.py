@@ -24,7 +24,7 @@ from finetune.export import llama_cpp
 from finetune.export.modelfile import MODELFILE, modelfile
 from finetune.export.prompt import TrainedPrompt, trained_prompt
 from finetune.recipe.references import MODEL_CONFIG
-from finetune.export.source import ExportError, ExportSource, architecture, base_hub_id, context_length, prompt_format, resolve
+from finetune.export.source import ExportError, ExportSource, base_hub_id, context_length, prompt_format, resolve
 
 EXPORT_RECORD = "export.json"
 

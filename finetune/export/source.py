@@ -10,9 +10,8 @@ from typing import Optional
 
 from finetune.errors import FinetuneError
 from finetune.recipe import Recipe
-from finetune.rundir.run_dir import (
-    MERGED_RECIPE, MODEL_CONFIG, RunDir, RunDirError, not_a_run_dir_message, read_recipe,
-)
+from finetune.recipe.references import MODEL_CONFIG, is_model_dir
+from finetune.rundir.run_dir import RunDir, RunDirError, merged_recipe, not_a_run_dir_message
 
 
 class ExportError(FinetuneError):
@@ -53,13 +52,11 @@ def resolve(path: Path) -> ExportSource:
         from finetune.rundir.run_dir import no_model_yet
 
         raise ExportError(no_model_yet(path))
-    if (path / MODEL_CONFIG).is_file():
-        recipe = None
-        if (path / MERGED_RECIPE).is_file():
-            try:
-                recipe = read_recipe(path / MERGED_RECIPE)
-            except RunDirError as exc:
-                raise ExportError(str(exc)) from None
+    if is_model_dir(path):
+        try:
+            recipe = merged_recipe(path)
+        except RunDirError as exc:
+            raise ExportError(str(exc)) from None
         name = (recipe.name if recipe is not None and recipe.name else None) or path.name
         _check_weights_present(path)
         return ExportSource(path, name, recipe, path, tokenizer_dir=path)

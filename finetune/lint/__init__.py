@@ -20,7 +20,7 @@ from finetune.recipe import LoadedRecipe, RecipeProblem, load_recipe, parse_size
 from finetune.recipe.yamlio import DocumentError, load_json, read_text
 from finetune.models.attention import default_attention
 
-from finetune.lint.files import DS_SUFFIXES, RECIPE_SUFFIXES, discover  # noqa: F401 (re-exported)
+from finetune.lint.files import DS_SUFFIXES, discover
 
 SEVERITIES = ("error", "warning", "info")
 

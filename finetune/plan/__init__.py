@@ -37,7 +37,7 @@ from finetune.plan.auto import resolve as resolve_auto
 from finetune.plan.constants import (
     DS_ALLGATHER_BUCKET_SIZE, DS_MAX_LIVE_PARAMETERS, DS_MAX_REUSE_DISTANCE, DS_OPTIMIZER_SWAP_BUFFERS,
     DS_PARAM_PERSISTENCE_THRESHOLD, DS_PARAM_SWAP_BUFFER_SIZE, DS_PARAM_SWAP_BUFFERS, DS_PREFETCH_BUCKET_SIZE,
-    DS_REDUCE_BUCKET_SIZE, DS_SUB_GROUP_SIZE, GiB, MiB,
+    DS_REDUCE_BUCKET_SIZE, DS_SUB_GROUP_SIZE,
 )
 from finetune.plan.from_recipe import flag_overrides, plan_recipe, recipe_without_file, resolve_model, setup_from_recipe
 from finetune.plan.longest import long_context_text, longest_sequence
@@ -48,6 +48,7 @@ from finetune.plan.recommendation import Recommendation, recommend
 from finetune.plan.result import PlanResult, gib
 from finetune.plan.setup import PlanError, Setup, Term
 from finetune.plan.zero3 import zero3_live_params
+from finetune.units import GiB, MiB
 
 __all__ = [
     "DS_ALLGATHER_BUCKET_SIZE", "DS_MAX_LIVE_PARAMETERS", "DS_MAX_REUSE_DISTANCE", "DS_OPTIMIZER_SWAP_BUFFERS",

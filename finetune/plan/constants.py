@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from finetune.units import GiB, MiB  # noqa: F401  (re-exported: the planner's modules read them here)
+from finetune.units import GiB, MiB
 
 # DeepSpeed's defaults (deepspeed/runtime/zero/config.py: DeepSpeedZeroConfig), used when a value is
 # neither in the recipe nor `"auto"`.

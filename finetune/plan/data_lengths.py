@@ -28,7 +28,8 @@ MAX_BYTES = 2**30  # about 15 s of reading on a busy 2-core machine (scripts/ben
 
 def data_seq_len(recipe: Any) -> tuple[int, str]:
     """(tokens per sequence to size activations for, a one-line note; "" when it is max_length as usual)."""
-    from finetune.data.sources import SourceProblem, data_files, is_local, sources_of
+    from finetune.data.sources import SourceProblem, data_files, sources_of
+    from finetune.recipe.references import is_local
     from finetune.data.validate import length_stats, validate
 
     from finetune.data.images import vision_data
@@ -117,7 +118,8 @@ def data_image_tokens(recipe: Any) -> Optional[int]:
     """The most image tokens one row of a VLM's local data holds (finetune.data.validate reads every row's images
     from their headers), or None when the data is not read here (a hub source, too large, bad rows)."""
     from finetune.data.images import vision_data
-    from finetune.data.sources import SourceProblem, data_files, is_local, sources_of
+    from finetune.data.sources import SourceProblem, data_files, sources_of
+    from finetune.recipe.references import is_local
     from finetune.data.validate import validate
 
     if not all(is_local(s.path) for s in sources_of(recipe.data)):

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any, Optional
 
-from finetune.plan.constants import MiB
+from finetune.units import MiB
 from finetune.plan.planner import FLOAT16_SETS, bf16_note, plan
 from finetune.plan.result import PlanResult, gib
 from finetune.plan.setup import PlanError, Setup, overflow_as_plan_error

@@ -49,7 +49,8 @@ def dataset_ids(recipe) -> list[str]:
     """The recipe's data sources that are hub data sets (local files are not named)."""
     if recipe is None:
         return []
-    from finetune.data.sources import is_local, sources_of
+    from finetune.data.sources import sources_of
+    from finetune.recipe.references import is_local
 
     return sorted({s.path for s in sources_of(recipe.data, recipe.objective) if not is_local(s.path)})
 

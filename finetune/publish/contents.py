@@ -21,9 +21,8 @@ from typing import Any, Optional, Union
 
 from finetune.errors import FinetuneError
 from finetune.export.gguf_export import EXPORT_RECORD
-from finetune.rundir.names import (
-    ADAPTER_CONFIG, ADAPTER_WEIGHTS, EVAL_FILE, MERGED_FORMAT, MERGED_RECIPE, MODEL_CONFIG, PLOT_FILE, SUMMARY_FILE,
-)
+from finetune.recipe.references import MODEL_CONFIG, is_model_dir
+from finetune.rundir.names import ADAPTER_CONFIG, EVAL_FILE, MERGED_FORMAT, MERGED_RECIPE, PLOT_FILE, SUMMARY_FILE
 
 CARD_FILE = "README.md"
 # A model folder's files that belong in a model repository (weights, configs, tokenizer, templates).
@@ -80,7 +79,7 @@ def collect(path: Path) -> Publication:
             return _from_run(run)
         if (path / EXPORT_RECORD).is_file():
             return _from_export(path)
-        if (path / MODEL_CONFIG).is_file():
+        if is_model_dir(path):
             return _from_model(path)
     except RunDirError as exc:
         raise PublishError(str(exc)) from None
@@ -114,10 +113,10 @@ def _from_run(run) -> Publication:
         pub.kind, pub.relation = "model", "finetune"
         pub.items += _model_files(run.model_path)
     elif run.adapter() is not None:
+        from finetune.rundir.run_dir import adapter_weights
+
         adapter = run.adapter()
-        weights = next((adapter / w for w in ADAPTER_WEIGHTS if (adapter / w).is_file()), None)
-        if weights is None:
-            raise PublishError(f"{adapter}: no {ADAPTER_WEIGHTS[0]} (an incomplete adapter)")
+        weights = adapter_weights(adapter)  # NotAnAdapter (a RunDirError: collect words it as PublishError)
         config = _json(adapter / ADAPTER_CONFIG)
         pub.adapter_config = portable_adapter_config(config, base_hub_id(recipe))
         pub.relation, pub.library = "adapter", "peft"
@@ -135,10 +134,10 @@ def _from_run(run) -> Publication:
 
 
 def _from_model(path: Path) -> Publication:
-    from finetune.rundir.run_dir import read_recipe
+    from finetune.rundir.run_dir import merged_recipe
     from finetune.serve import TRAINED_TEMPLATE
 
-    recipe = read_recipe(path / MERGED_RECIPE) if (path / MERGED_RECIPE).is_file() else None
+    recipe = merged_recipe(path)
     name = (recipe.name if recipe is not None and recipe.name else None) or path.name
     pub = Publication("model", name, path, recipe=recipe, relation="finetune" if recipe is not None else None)
     _check_weights(path)

@@ -145,7 +145,7 @@ SHUTDOWN_TIMEOUT_TORCH = "2.13"
 
 def stop_timeout_checks(recipe: "Recipe", facts: Facts) -> list[Check]:
     """launch.stop_timeout is torchrun's TORCH_ELASTIC_SHUTDOWN_TIMEOUT; older torchrun ignores it."""
-    from finetune.run.launch import choose_launcher
+    from finetune.run.launch.commands import choose_launcher
 
     wanted = recipe.launch.stop_timeout
     if facts.torchrun_shutdown_timeout is not False or choose_launcher(recipe) != "torchrun" \

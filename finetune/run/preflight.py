@@ -25,9 +25,10 @@ from typing import Any, Iterator, Optional
 from finetune.recipe import LoadedRecipe, Recipe
 from finetune.recipe.references import is_local, is_model_path
 from finetune.builtin import is_builtin
-from finetune.recipe.references import MODEL_CONFIG
+from finetune.recipe.references import model_dir_problem
 from finetune.data.template_budget import RENDER_SECONDS
-from finetune.rundir.run_dir import RUN_INPUTS, RunDir
+from finetune.rundir.names import RUN_INPUTS
+from finetune.rundir.run_dir import RunDir
 
 # data.chat_template is rendered on every row before launch, for at most TEMPLATE_BUDGET seconds in all (the
 # rest render in the ranks), and at most TEMPLATE_ROW_SECONDS for one row: a template that takes longer on one
@@ -334,13 +335,9 @@ def _builtin_model(reference: str, result: Preflight) -> None:
 
 
 def _local_model(reference: str, key: str, result: Preflight) -> None:
-    path = Path(reference).expanduser()
-    if not path.exists():
-        result.errors.append(f"{key} {reference}: directory does not exist")
-    elif not path.is_dir():
-        result.errors.append(f"{key} {reference}: expected a model directory (with config.json), got a file")
-    elif not (path / MODEL_CONFIG).is_file():
-        result.errors.append(f"{key} {reference}: no config.json in this directory (is it a Hugging Face model folder?)")
+    problem = model_dir_problem(reference)
+    if problem is not None:
+        result.errors.append(f"{key} {reference}: {problem}")
     else:
         result.notes.append(f"model {reference}: local directory")
 
@@ -358,7 +355,7 @@ def _hub_model(key: str, repo_id: str, revision: Optional[str], result: Prefligh
 
 
 def hostfile_step(recipe: Recipe, result: Preflight) -> None:
-    from finetune.run.launch import HostfileError, read_hostfile
+    from finetune.run.launch.commands import HostfileError, read_hostfile
 
     if not recipe.launch.hostfile:
         return

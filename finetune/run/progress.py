@@ -1,6 +1,6 @@
 """The live training display of `finetune train` when its output is a terminal.
 
-Rank 0's output reaches `finetune train` line by line through the launcher (finetune.run.launch.Relay
+Rank 0's output reaches `finetune train` line by line through the launcher (finetune.run.launch.supervision.Relay
 writes whole lines to a console stream). This module is such a stream: it reads the lines the
 runner prints anyway (the Trainer's `{'loss': ...}` dicts and finetune.train.callbacks.ProgressLines'
 `progress: step N/M` lines) and keeps one progress bar (step, loss, tokens/s, ETA) at the bottom
@@ -15,8 +15,6 @@ import ast
 import re
 import sys
 from typing import Optional
-
-from finetune.progress_env import PROGRESS_ENV  # noqa: F401  (set by `finetune train` for its ranks)
 
 LIVE_INTERVAL = "1"
 _RANK_PREFIX = re.compile(r"^\[(?:rank|default)\d+\]:\s?")

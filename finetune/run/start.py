@@ -23,10 +23,11 @@ from finetune.run.machine import collect_facts
 from finetune.render import resolved_output_dir
 from finetune.run.deepspeed_ops import BuildWatch, extensions_root, recipe_ops
 from finetune.fsutil import write_atomic
-from finetune.run.launch import (
-    RUNNER_MODULE, HostfileError, LaunchError, LaunchPlan, Outcome, deepspeed_env_text, free_port, plan_launch,
-    supervise,
+from finetune.run.launch.commands import (
+    RUNNER_MODULE, HostfileError, LaunchPlan, deepspeed_env_text, free_port, plan_launch,
 )
+from finetune.run.launch.outcome import Outcome
+from finetune.run.launch.supervision import LaunchError, supervise
 from finetune.plan.auto import Resolution, machine_from_facts, resolve
 from finetune.run.preflight import Preflight, run_preflight
 from finetune.recipe import LoadedRecipe, Recipe
@@ -185,7 +186,8 @@ def tokenize_before_launch(loaded: LoadedRecipe, log: Callable[[str], None], num
     recipe = loaded.recipe
     if recipe.objective != "sft":
         return None
-    from finetune.builtin import cache_root, ensure_builtin_model, is_builtin
+    from finetune.builtin import ensure_builtin_model, is_builtin
+    from finetune.data.cache_root import tokenized_root
     from finetune.data import cache_entry
     from finetune.data.prepare import MANIFEST, entry, is_prepared, prepare as prepare_data
     from finetune.data.sources import section_for_tokenizing
@@ -194,7 +196,7 @@ def tokenize_before_launch(loaded: LoadedRecipe, log: Callable[[str], None], num
     model_path = str(ensure_builtin_model(recipe.model.name_or_path)) if is_builtin(recipe.model.name_or_path) \
         else recipe.model.name_or_path
     tokenizer = load_without_torch(tokenizer_args(recipe, model_path))
-    section, cache = section_for_tokenizing(recipe), cache_root() / "tokenized"
+    section, cache = section_for_tokenizing(recipe), tokenized_root()
     target = entry(section, tokenizer, cache)
     if "torch" in sys.modules and not (is_prepared(target) and cache_entry.problem(target, MANIFEST) is None):
         # `finetune train`'s preflight imported torch: tokenize in a fresh process, so that the workers it

@@ -15,7 +15,6 @@ The runner adds env.json, adapter/ or model/, tokenizer/ and summary.json.
 
 from __future__ import annotations
 
-import copy
 import io
 import json
 import os
@@ -27,10 +26,10 @@ from finetune.recipe import LoadedRecipe, Recipe
 from finetune.recipe.references import is_local, is_model_path
 from finetune.builtin import is_builtin
 
-from finetune.rundir.run_dir import (  # noqa: F401  (RunDirError: re-exported for the runner)
-    AUTO_FILE, DEEPSPEED_FILE, LOGS_DIR, RECIPE_FILE, RECIPE_HEADER, RUN_INPUTS, TRAINING_ARGS_FILE, RunDir,
-    RunDirError,
+from finetune.rundir.names import (
+    AUTO_FILE, DEEPSPEED_FILE, LOGS_DIR, RECIPE_FILE, RECIPE_HEADER, RUN_INPUTS, TRAINING_ARGS_FILE,
 )
+from finetune.rundir.run_dir import RunDir, RunDirError
 from finetune.recipe.auto import with_auto, with_auto_values
 
 

@@ -1,7 +1,7 @@
 """One live run per run directory: `finetune train` holds an flock on RUN/.finetune.lock for the whole run.
 
 The kernel drops an flock when the last descriptor of it closes, so a crash or SIGKILL leaves no stale
-lock. The launcher inherits the descriptor (finetune.run.launch.spawn), so the directory stays owned while
+lock. The launcher inherits the descriptor (finetune.run.launch.supervision.spawn), so the directory stays owned while
 torchrun is still stopping its ranks after `finetune train` itself was killed. The file says who holds it
 (PID, host, start time) for the error a second run prints; the lock, not the text, is what counts.
 """

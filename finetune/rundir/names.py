@@ -1,7 +1,6 @@
-"""The names of a run directory's files and folders, once (finetune.rundir.run_dir.RunDir is their owner;
-this module imports nothing else, so checkpoint, lock and resume_key can use the names without a cycle)."""
-
-from finetune.recipe.references import MODEL_CONFIG  # noqa: F401 (a model directory's file: recipe.references owns it)
+"""The names of a run directory's files and folders, once (finetune.rundir.run_dir.RunDir reads them;
+this module imports nothing, so checkpoint, lock and resume_key can use the names without a cycle). A model
+directory's config.json is not a run directory's name: finetune.recipe.references.MODEL_CONFIG."""
 
 RECIPE_FILE = "recipe.yaml"
 # The first words of the recipe.yaml `finetune train` writes into a run directory (finetune.rundir.layout): with

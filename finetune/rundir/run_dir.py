@@ -1,6 +1,6 @@
-"""`RunDir`: the one object that knows a run directory's layout. Every reader and writer of a run
-directory (train, the runner, chat, eval, convert, merge, lint, preflight) asks it for a file's name,
-the run's recipe, the adapter or the checkpoints, so a file name is spelled here only.
+"""`RunDir`: a run directory's folders, its recipe and its adapter, for the commands that read a finished or
+running run (chat, eval, convert, merge, export, publish, serve, lint, preflight). The file names live in
+finetune.rundir.names; the checkpoints, the lock and the resume key have their own modules beside this one.
 
     RUN/recipe.yaml          the resolved recipe; the file that makes a folder a run directory
     RUN/deepspeed.json       the exact DeepSpeed config (finetune.rundir.layout writes it)
@@ -13,6 +13,13 @@ the run's recipe, the adapter or the checkpoints, so a file name is spelled here
     RUN/tokenizer/           the tokenizer the run trained with (its chat template included)
     RUN/env.json, summary.json, report.html, eval.json
 
+The one answer to each question those commands ask of a folder (a model directory's:
+finetune.recipe.references.model_dir_problem):
+    a run directory?       RunDir.is_run / RunDir.require (NotARunDir)
+    a whole adapter?       adapter_weights (NotAnAdapter); where a run's adapter is: find_adapter
+    a merged model's run?  merged_recipe
+    trained on which base? resolve_base (a recipe, a run directory or an adapter directory)
+
 No torch, no pydantic at import time: lint and `finetune --help` import this.
 """
 
@@ -23,14 +30,12 @@ from typing import TYPE_CHECKING, Any, Optional, Union
 
 if TYPE_CHECKING:
     from finetune.recipe import Recipe
-    from finetune.rundir.checkpoint import Checkpoint
-    from finetune.rundir.lock import RunLock
 
 from finetune.errors import FinetuneError
-from finetune.rundir.names import (  # noqa: F401 (re-exported: the names belong to RunDir)
-    ADAPTER_CONFIG, ADAPTER_DIR, ADAPTER_WEIGHTS, AUTO_FILE, CHECKPOINT_PREFIX, DEEPSPEED_FILE, ENV_FILE, LOGS_DIR,
-    MERGED_RECIPE, MODEL_CONFIG, MODEL_DIR, PLOT_FILE, RECIPE_FILE, RECIPE_HEADER, REPORT_FILE, RUN_INPUTS,
-    SUMMARY_FILE, TOKENIZER_DIR, TRAINING_ARGS_FILE, ZERO_CHECKPOINT_DIR,
+from finetune.recipe.references import is_model_dir
+from finetune.rundir.names import (
+    ADAPTER_CONFIG, ADAPTER_DIR, ADAPTER_WEIGHTS, MERGED_RECIPE, MODEL_DIR, RECIPE_FILE, RECIPE_HEADER, RUN_INPUTS,
+    TOKENIZER_DIR, ZERO_CHECKPOINT_DIR,
 )
 
 
@@ -61,12 +66,30 @@ def no_adapter_message(path: Union[str, Path]) -> str:
     return f"no {ADAPTER_CONFIG} in {path} or {path / ADAPTER_DIR}"
 
 
+class NotAnAdapter(RunDirError):
+    """A folder given as a PEFT adapter that is not one, or not a whole one: `adapter_weights`'s message."""
+
+
+def adapter_weights(path: Union[str, Path]) -> Path:
+    """The weights file of the adapter directory PATH (what makes it a whole adapter), or NotAnAdapter naming what
+    is missing: the one check of chat, eval, merge, export and publish."""
+    path = Path(path).expanduser()
+    if not path.is_dir():
+        raise NotAnAdapter(f"{path}: no such adapter directory")
+    if not (path / ADAPTER_CONFIG).is_file():
+        raise NotAnAdapter(f"{path}: no {ADAPTER_CONFIG} (not a PEFT adapter directory)")
+    for name in ADAPTER_WEIGHTS:
+        if (path / name).is_file():
+            return path / name
+    raise NotAnAdapter(f"{path}: no {ADAPTER_WEIGHTS[0]} (or {ADAPTER_WEIGHTS[1]}): an incomplete adapter")
+
+
 def adapter_problem(reference: str) -> Optional[str]:
     """Why model.adapter (an SFT run directory or an adapter directory) cannot be continued from, or None."""
     if find_adapter(reference) is not None:
         return None
     run = RunDir(Path(reference).expanduser())
-    if run.model_path.is_dir() or run.file(MODEL_CONFIG).is_file():
+    if run.model_path.is_dir() or is_model_dir(run.path):
         return ("holds full weights, not an adapter: continue a full fine-tune through model.name_or_path "
                 "(and method: full)")
     return f"{no_adapter_message(reference)} (give an SFT run directory or an adapter directory)"
@@ -91,14 +114,6 @@ class RunDir:
     @property
     def recipe_path(self) -> Path:
         return self.path / RECIPE_FILE
-
-    @property
-    def logs(self) -> Path:
-        return self.path / LOGS_DIR
-
-    @property
-    def summary_path(self) -> Path:
-        return self.path / SUMMARY_FILE
 
     @property
     def adapter_path(self) -> Path:
@@ -142,16 +157,7 @@ class RunDir:
             raise NotARunDir(not_a_run_dir_message(self.path))
         return self
 
-    def finished(self) -> bool:
-        return self.summary_path.is_file()
-
     # --- contents ---------------------------------------------------------------------------------
-    def recipe_data(self) -> dict[str, Any]:
-        """recipe.yaml as plain data (a mapping), or RunDirError naming the file."""
-        if not self.is_run():
-            raise NotARunDir(not_a_run_dir_message(self.path))
-        return read_recipe_data(self.recipe_path)
-
     def recipe(self) -> "Recipe":
         """The run's resolved recipe, validated; RunDirError naming the file when it cannot be read."""
         if not self.is_run():
@@ -163,33 +169,7 @@ class RunDir:
         return find_adapter(self.path)
 
     def has_model(self) -> bool:
-        return (self.model_path / MODEL_CONFIG).is_file()
-
-    def checkpoints(self) -> "list[Checkpoint]":
-        from finetune.rundir.checkpoint import list_checkpoints
-
-        return list_checkpoints(self.path)
-
-    def latest_checkpoint(self) -> "Optional[Checkpoint]":
-        from finetune.rundir.checkpoint import latest_complete
-
-        return latest_complete(self.path)
-
-    def resume_key(self) -> Optional[dict[str, Any]]:
-        from finetune.rundir.resume_key import read_resume_key
-
-        return read_resume_key(self.path)
-
-    def lock(self, name: Optional[str] = None) -> "RunLock":
-        """Own this run directory (finetune.rundir.lock.acquire); RunDirLocked names the live holder."""
-        from finetune.rundir.lock import LOCK_FILE, acquire
-
-        return acquire(self.path, name or LOCK_FILE)
-
-    def holder(self, name: Optional[str] = None) -> Optional[str]:
-        from finetune.rundir.lock import LOCK_FILE, holder
-
-        return holder(self.path, name or LOCK_FILE)
+        return is_model_dir(self.model_path)
 
 
 def read_recipe_data(path: Path) -> dict[str, Any]:
@@ -223,6 +203,45 @@ def read_recipe(path: Path) -> "Recipe":
         return Recipe.model_validate(data)
     except ValidationError as exc:
         raise RunDirError(f"{path}: cannot read the run's recipe: {_one_line(exc)}") from None
+
+
+def merged_recipe(path: Union[str, Path]) -> "Optional[Recipe]":
+    """The recipe of the run a merged model directory came from (the finetune_recipe.yaml `finetune merge` copies
+    in), or None for a model merged elsewhere; RunDirError naming the file when it cannot be read."""
+    file = Path(path) / MERGED_RECIPE
+    return read_recipe(file) if file.is_file() else None
+
+
+class NoBaseModel(RunDirError):
+    """An adapter directory whose adapter_config.json names no base model."""
+
+
+def resolve_base(source: "Union[Recipe, RunDir, str, Path]") -> str:
+    """The base model SOURCE was trained on, as from_pretrained takes it (a hub id, or a local directory made
+    absolute): a recipe's model.name_or_path, a `builtin:` name built locally on first use
+    (finetune.builtin.resolve_model_path); a run directory's recorded recipe's; an adapter directory's
+    adapter_config.json base_model_name_or_path (the runner writes this same answer there). RunDirError names
+    the file that cannot be read or names no base; BuiltinModelError an unknown built-in name."""
+    from finetune.builtin import resolve_model_path
+
+    if not isinstance(source, (str, Path, RunDir)):  # a Recipe
+        name = source.model.name_or_path
+    elif RunDir(source).is_run():
+        name = RunDir(source).recipe().model.name_or_path
+    else:
+        from finetune.fsutil import read_json
+
+        config_file = Path(source) / ADAPTER_CONFIG
+        try:
+            config = read_json(config_file)
+        except (OSError, ValueError) as exc:
+            raise RunDirError(f"{config_file}: cannot read: {exc}") from None
+        name = config.get("base_model_name_or_path") if isinstance(config, dict) else None
+        if not isinstance(name, str) or not name:
+            raise NoBaseModel(f"{config_file} names no base model; pass --base")
+    path = resolve_model_path(name)
+    local = Path(path).expanduser()
+    return str(local.resolve()) if local.exists() else path
 
 
 def no_model_yet(run_dir: Path) -> str:

@@ -12,7 +12,6 @@ from __future__ import annotations
 from typing import Any
 
 from finetune.recipe import Recipe
-from finetune.builtin import resolve_model_path
 
 
 def torch_dtype(name: str):
@@ -163,13 +162,4 @@ def count_parameters(model) -> tuple[int, int]:
         if param.requires_grad:
             trainable += n
     return trainable, total
-
-
-def base_model_path(recipe: Recipe) -> str:
-    """Absolute local directory of the base model when it is local (what adapter_config records)."""
-    from pathlib import Path
-
-    path = resolve_model_path(recipe.model.name_or_path)
-    local = Path(path).expanduser()
-    return str(local.resolve()) if local.exists() else path
 

@@ -213,7 +213,8 @@ def _gib(n: Optional[float]) -> str:
 def plan_estimate(run_dir: Path, world_size: int) -> tuple[Optional[dict[str, int]], str]:
     """The planner's per-GPU bytes for this run's recipe and world size, or (None, why not)."""
     from finetune import plan as planner
-    from finetune.rundir.layout import RunDirError, read_run_dir
+    from finetune.rundir.layout import read_run_dir
+    from finetune.rundir.run_dir import RunDirError
 
     try:
         recipe, _, _ = read_run_dir(run_dir)
@@ -267,7 +268,7 @@ def memory_rows(summary: dict[str, Any], per_gpu: Optional[dict[str, int]]) -> l
 
 def render_report(run_dir: Path, plot_written: bool) -> str:
     run_dir = Path(run_dir)
-    from finetune.rundir.run_dir import ENV_FILE, RECIPE_FILE, SUMMARY_FILE
+    from finetune.rundir.names import ENV_FILE, RECIPE_FILE, SUMMARY_FILE
 
     summary = _json(run_dir / SUMMARY_FILE) or {}
     env = _json(run_dir / ENV_FILE) or {}

@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from finetune.recipe import Recipe
-from finetune.rundir.layout import RunDirError, read_run_dir
+from finetune.rundir.layout import read_run_dir
 from finetune.rundir.names import (
     ADAPTER_CONFIG, ADAPTER_DIR, AUTO_FILE, DATA_MIX_FILE, ENV_FILE, FINAL_LOGITS_FILE, MODEL_DIR, REPORT_FILE,
     SUMMARY_FILE, TENSORBOARD_DIR, TOKENIZER_DIR, ZERO_CHECKPOINT_DIR,
@@ -158,7 +158,7 @@ def save_weights(trainer, recipe: Recipe, ds_config: dict[str, Any], run_dir: Pa
     gather, save_model writes a ZeRO checkpoint instead: it goes to zero_checkpoint/ for `finetune convert`.
     Returns the name of the folder written.
     """
-    from finetune.train.model import base_model_path
+    from finetune.rundir.run_dir import resolve_base
 
     zero = ds_config.get("zero_optimization", {})
     gathered = zero.get("stage", 0) != 3 or bool(zero.get("stage3_gather_16bit_weights_on_model_save", False))
@@ -176,7 +176,7 @@ def save_weights(trainer, recipe: Recipe, ds_config: dict[str, Any], run_dir: Pa
     if is_main:
         (tmp / "training_args.bin").unlink(missing_ok=True)  # a pickle; training_args.json says the same
         if name == ADAPTER_DIR:
-            _record_base_model(tmp / ADAPTER_CONFIG, base_model_path(recipe))
+            _record_base_model(tmp / ADAPTER_CONFIG, resolve_base(recipe))
         if gathered and not any(tmp.glob("*.safetensors")):
             raise RuntimeError(f"saving {name}/ wrote no safetensors weights")
         _replace_dir(tmp, run_dir / name)
@@ -298,7 +298,8 @@ def run(run_dir: Path, resume: bool = False) -> None:
     import transformers
     from transformers import Trainer, TrainingArguments
 
-    from finetune.builtin import cache_root, ensure_builtin_model, is_builtin
+    from finetune.builtin import ensure_builtin_model, is_builtin
+    from finetune.data.cache_root import tokenized_root
     from finetune.train.callbacks import EffectiveDeepSpeedConfig, LastStepLogged, LossPlot, ProgressLines, TrainClock
     from finetune.train.counting import CountingTrainer
     from finetune.train.finite import FiniteGuard
@@ -352,9 +353,9 @@ def run(run_dir: Path, resume: bool = False) -> None:
     if recipe.objective == "sft":
         # Tokenized by the launcher before this process started (finetune.run.start): memory-mapped, never made here.
         section = section_for_tokenizing(recipe)
-        dataset = load_prepared(section, tokenizer, cache_root() / "tokenized")
+        dataset = load_prepared(section, tokenizer, tokenized_root())
         if is_main:  # the run directory says what it trained on: rows per source, dropped, mixed
-            _write_json(run_dir / DATA_MIX_FILE, mix_report(section, tokenizer, cache_root() / "tokenized"))
+            _write_json(run_dir / DATA_MIX_FILE, mix_report(section, tokenizer, tokenized_root()))
         train_set, eval_set = split_eval(dataset, recipe.data.validation_split, recipe.training.seed)
         collator = make_collator(tokenizer.pad_token_id, recipe.model.attn_implementation, recipe.data.packing,
                                  recipe.data.padding_free, counts=host_counts)

@@ -333,10 +333,11 @@ def _base_results(chat, source, configs, limit, batch_size) -> dict[str, Any]:
     if source.adapter is not None:
         with chat.model.disable_adapter():
             return run_tasks(prompted_lm(chat, batch_size), configs, limit)
-    from finetune.use.chat import ChatModel, Source, load_chat_model, recipe_base_model
+    from finetune.rundir.run_dir import resolve_base
+    from finetune.use.chat import ChatModel, Source, load_chat_model
 
     recipe = source.recipe
-    base = load_chat_model(Source(model=recipe_base_model(recipe), recipe=recipe, fmt=recipe.data.format,
+    base = load_chat_model(Source(model=resolve_base(recipe), recipe=recipe, fmt=recipe.data.format,
                                   tokenizer=source.tokenizer, label="base"), chat.device)
     return run_tasks(prompted_lm(ChatModel(base.model, chat.tokenizer, chat.fmt, chat.device, "base"), batch_size),
                      configs, limit)

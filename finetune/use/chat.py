@@ -21,11 +21,11 @@ from typing import Any, Callable, Optional
 
 from finetune.errors import FinetuneError
 from finetune.recipe import Recipe
-from finetune.data.formats import chat_format  # noqa: F401  (re-exported: chat's callers ask it here)
 from finetune.data.show import trained_format
-from finetune.rundir.run_dir import (  # noqa: F401  (no_model_yet: used below)
-    ADAPTER_CONFIG, ADAPTER_WEIGHTS, MERGED_RECIPE, MODEL_CONFIG, RunDir, RunDirError, command_line, no_model_yet,
-    read_recipe,
+from finetune.recipe.references import MODEL_CONFIG, is_model_dir, is_model_path, require_model_dir
+from finetune.rundir.names import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from finetune.rundir.run_dir import (
+    RunDir, adapter_weights, find_adapter, merged_recipe, no_model_yet, not_a_run_dir_message, resolve_base,
 )
 from finetune.units import gib_text
 from finetune.use.conversation import Conversation
@@ -55,7 +55,18 @@ class Source:
 
 def resolve_source(path: Optional[Path], base: Optional[str] = None, adapter: Optional[Path] = None,
                    fmt: Optional[str] = None) -> Source:
-    """A run directory, a merged/full model directory, or --base + --adapter (which override the run's)."""
+    """A run directory, a merged/full model directory, or --base + --adapter (which override the run's).
+    The folder checks' errors (finetune.rundir.run_dir, finetune.recipe.references) come out as ChatError,
+    worded by their owners: eval and benchmark catch ChatError."""
+    try:
+        return _resolve_source(path, base, adapter, fmt)
+    except ChatError:
+        raise
+    except FinetuneError as exc:
+        raise ChatError(str(exc)) from None
+
+
+def _resolve_source(path: Optional[Path], base: Optional[str], adapter: Optional[Path], fmt: Optional[str]) -> Source:
     if fmt == "sharegpt":  # trained through the chat template, like messages (finetune.data.formats)
         fmt = "messages"
     if fmt is not None and fmt not in FORMATS:
@@ -80,14 +91,14 @@ def resolve_source(path: Optional[Path], base: Optional[str] = None, adapter: Op
         raise ChatError(f"{path}: no such directory")
     if RunDir(path).is_run():
         source = _run_source(RunDir(path), base, adapter)
-    elif (path / MODEL_CONFIG).is_file():
+    elif is_model_dir(path):
         source = Source(model=str(path), adapter=_checked_adapter(adapter) if adapter else None, label=str(path),
-                        recipe=_read_recipe(path / MERGED_RECIPE) if (path / MERGED_RECIPE).is_file() else None)
-    elif (path / ADAPTER_CONFIG).is_file():
-        source = _adapter_source(path, base)
+                        recipe=merged_recipe(path))
+    elif find_adapter(path) is not None:
+        source = _adapter_source(find_adapter(path), base)
     else:
-        raise ChatError(f"{path}: not a run directory ({RunDir(path).recipe_path.name}), a model ({MODEL_CONFIG}) "
-                        f"or an adapter ({ADAPTER_CONFIG})")
+        raise ChatError(f"{not_a_run_dir_message(path)}, a model directory (no {MODEL_CONFIG}) "
+                        f"or an adapter (no {ADAPTER_CONFIG})")
     source.fmt = fmt or (trained_format(source.recipe) if source.recipe is not None else "messages")
     return source
 
@@ -108,81 +119,37 @@ def format_why(recipe) -> str:
 
 def _run_source(run: RunDir, base: Optional[str], adapter: Optional[Path]) -> Source:
     run_dir = run.path
-    try:
-        recipe = run.recipe()
-    except RunDirError as exc:
-        raise ChatError(str(exc)) from None
+    recipe = run.recipe()
     tokenizer = str(run.tokenizer()) if run.tokenizer() else None
     if adapter is None and run.has_model():
         return Source(model=str(run.model_path), tokenizer=tokenizer, recipe=recipe, label=f"{run.model_path}")
+    adapter = adapter or run.adapter()
     if adapter is None:
-        if not (run.adapter_path / ADAPTER_CONFIG).is_file():
-            raise ChatError(no_model_yet(run_dir))
-        adapter = run.adapter_path
-    model = base or recipe_base_model(recipe)
+        raise ChatError(no_model_yet(run_dir))
+    model = base or resolve_base(recipe)
     return Source(model=_local_or_hub(model), adapter=_checked_adapter(adapter), tokenizer=tokenizer, recipe=recipe,
                   label=f"{run_dir} ({recipe.method} adapter on {recipe.model.name_or_path})")
 
 
 def _adapter_source(adapter: Path, base: Optional[str]) -> Source:
-    config = _read_json(adapter / ADAPTER_CONFIG)
-    model = base or config.get("base_model_name_or_path")
-    if not isinstance(model, str) or not model:
-        raise ChatError(f"{adapter / ADAPTER_CONFIG} names no base model; pass --base")
+    model = base or resolve_base(adapter)
     return Source(model=_local_or_hub(model), adapter=_checked_adapter(adapter), label=f"{model} + {adapter}")
-
-
-def recipe_base_model(recipe: Recipe) -> str:
-    return recipe_base_model_name(recipe.model.name_or_path)
-
-
-def recipe_base_model_name(name: str) -> str:
-    from finetune.builtin import BuiltinModelError, resolve_model_path
-
-    try:
-        return resolve_model_path(name)  # builtin:tiny-llama is rebuilt locally if missing
-    except BuiltinModelError as exc:
-        raise ChatError(str(exc)) from None
 
 
 def _local_or_hub(model: str) -> str:
     """A local directory must hold a model; anything else is a hub id (from_pretrained reports it)."""
-    from finetune.builtin import is_builtin
+    from finetune.builtin import is_builtin, resolve_model_path
 
     if is_builtin(model):
-        return recipe_base_model_name(model)
-    local = Path(model).expanduser()
-    looks_local = model.startswith(("/", "./", "../", "~")) or local.exists()
-    if looks_local and not (local / MODEL_CONFIG).is_file():
-        raise ChatError(f"base model {model} not found (no {MODEL_CONFIG} there); pass --base DIR with the base model")
-    return str(local) if looks_local else model
+        return resolve_model_path(model)  # built on first use
+    if is_model_path(model):
+        return str(require_model_dir(model, "base model", "pass --base DIR with the base model"))
+    return model
 
 
 def _checked_adapter(adapter: Path) -> Path:
-    adapter = Path(adapter)
-    if not (adapter / ADAPTER_CONFIG).is_file():
-        raise ChatError(f"{adapter}: no {ADAPTER_CONFIG} (not a PEFT adapter)")
-    if not any((adapter / name).is_file() for name in ADAPTER_WEIGHTS):
-        raise ChatError(f"{adapter}: no {ADAPTER_WEIGHTS[0]} (an incomplete adapter)")
-    return adapter
-
-
-def _read_recipe(path: Path) -> Recipe:
-    """A merged model's copy of its run's recipe (finetune_recipe.yaml), read as a run's recipe.yaml is."""
-    try:
-        return read_recipe(path)
-    except RunDirError as exc:
-        raise ChatError(str(exc)) from None
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    from finetune.fsutil import read_json
-
-    try:
-        data = read_json(path)
-    except (OSError, ValueError) as exc:
-        raise ChatError(f"{path}: cannot read: {exc}") from None
-    return data if isinstance(data, dict) else {}
+    adapter_weights(adapter)
+    return Path(adapter)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -265,14 +232,14 @@ def load_chat_model(source: Source, device: str = "auto") -> ChatModel:
             if quant is not None:
                 kwargs["quantization_config"] = quant
                 kwargs["device_map"] = {"": 0 if device == "cuda" else "cpu"}
-    from finetune.use.files import FileProblem, check_adapter_dir, check_model_dir, loading
+    from finetune.use.files import check_adapter_dir, check_model_dir, loading
 
     try:
         if Path(source.model).is_dir():
             check_model_dir(Path(source.model))
         if source.adapter is not None:
             check_adapter_dir(source.adapter)
-    except FileProblem as exc:
+    except FinetuneError as exc:  # FileProblem, or the folder checks of finetune.rundir and finetune.recipe
         raise ChatError(str(exc)) from None
     vision = load_vision(source.model, [source.tokenizer, str(source.adapter) if source.adapter else None])
     auto = AutoModelForImageTextToText if vision is not None else AutoModelForCausalLM  # a VLM: its tower too

@@ -94,7 +94,8 @@ def file_spec(data: Path, recipe_data: Any, fmt: Optional[str] = None, vision: O
     --format when given, else as the only way the run's sources are read; ambiguous is an EvalError.
     `vision` (finetune.data.images.vision_data): a VLM's rows, read with their images beside FILE."""
     from finetune.data.formats import FORMATS, RowSpec
-    from finetune.data.sources import is_local, sources_of
+    from finetune.data.sources import sources_of
+    from finetune.recipe.references import is_local
 
     if vision:
         from finetune.data.images import with_images
@@ -145,7 +146,7 @@ def _same_file(a: Path, b: Path) -> bool:
 def eval_rows(run_dir: Path, recipe, tokenizer, data: Optional[Path], log: Callable[[str], None],
               fmt: Optional[str] = None):
     """(rows, description, held out?) of the sequences to score."""
-    from finetune.builtin import cache_root
+    from finetune.data.cache_root import tokenized_root
     from finetune.data.prepare import tokenize_for_training
     from finetune.data.tokenize import DataError, load_raw, split_eval, tokenize_examples
 
@@ -164,7 +165,7 @@ def eval_rows(run_dir: Path, recipe, tokenizer, data: Optional[Path], log: Calla
             rows = tokenize_examples(raw, tokenizer, spec.format, section["max_length"], section["mask_prompt"],
                                      spec=spec, think=section["think"])
             return rows, str(data), True
-        dataset = tokenize_for_training(section, tokenizer, cache_root() / "tokenized", log=lambda s: None)
+        dataset = tokenize_for_training(section, tokenizer, tokenized_root(), log=lambda s: None)
         train, held = split_eval(dataset, recipe.data.validation_split, recipe.training.seed)
     except DataError as exc:
         raise EvalError(str(exc)) from None
@@ -244,9 +245,10 @@ def _base_score(chat, source, rows, collator, batch_size: int) -> Score:
     if source.adapter is not None:
         with chat.model.disable_adapter():
             return score(chat.model, rows, collator, chat.device, batch_size)
-    from finetune.use.chat import Source, recipe_base_model, load_chat_model
+    from finetune.rundir.run_dir import resolve_base
+    from finetune.use.chat import Source, load_chat_model
 
     recipe = source.recipe
-    base = load_chat_model(Source(model=recipe_base_model(recipe), recipe=recipe, fmt=recipe.data.format,
+    base = load_chat_model(Source(model=resolve_base(recipe), recipe=recipe, fmt=recipe.data.format,
                                   tokenizer=source.tokenizer, label="base"), chat.device)
     return score(base.model, rows, collator, chat.device, batch_size)

@@ -12,7 +12,9 @@ from pathlib import Path
 from typing import Callable, TypeVar
 
 from finetune.errors import FinetuneError
-from finetune.rundir.names import ADAPTER_CONFIG, ADAPTER_WEIGHTS, MODEL_CONFIG
+from finetune.recipe.references import MODEL_CONFIG, require_model_dir
+from finetune.rundir.names import ADAPTER_CONFIG
+from finetune.rundir.run_dir import adapter_weights
 
 T = TypeVar("T")
 
@@ -25,17 +27,19 @@ def check_model_dir(path: Path) -> None:
     """A local model directory: no device, FIFO or socket among its files, config.json a JSON object, weights
     readable (headers), pickles plain."""
     _regular_files(path)
+    require_model_dir(path)
     _json_object(path / MODEL_CONFIG)
     _check_weights(sorted(path.glob("*.safetensors")), sorted(p for p in path.glob("*.bin") if p.name.startswith(("pytorch_model", "model"))))
 
 
 def check_adapter_dir(path: Path) -> None:
+    """A whole adapter directory (finetune.rundir.run_dir.adapter_weights), then its files as check_model_dir."""
     _regular_files(path)
+    weights = adapter_weights(path)
     config = _json_object(path / ADAPTER_CONFIG)
     if not isinstance(config.get("peft_type"), str):
         raise FileProblem(f"{path / ADAPTER_CONFIG}: peft_type {config.get('peft_type')!r} is not a PEFT adapter type")
-    _check_weights([p for p in (path / ADAPTER_WEIGHTS[0],) if p.is_file()],
-                   [p for p in (path / ADAPTER_WEIGHTS[1],) if p.is_file()])
+    _check_weights(*(([weights], []) if weights.suffix == ".safetensors" else ([], [weights])))
 
 
 def check_tokenizer_dir(path: Path, error: Callable[[str], Exception]) -> None:

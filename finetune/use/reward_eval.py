@@ -76,7 +76,7 @@ def evaluate_reward(run_dir: Path, recipe, data: Optional[Path], device: str, ba
     import torch
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from finetune.builtin import resolve_model_path
+    from finetune.rundir.run_dir import resolve_base
     from finetune.data.preference import load_rows
     from finetune.data.tokenize import DataError
 
@@ -102,7 +102,7 @@ def evaluate_reward(run_dir: Path, recipe, data: Optional[Path], device: str, ba
     elif (run_dir / "adapter").is_dir():
         from peft import PeftModel
 
-        base = AutoModelForSequenceClassification.from_pretrained(resolve_model_path(recipe.model.name_or_path),
+        base = AutoModelForSequenceClassification.from_pretrained(resolve_base(recipe),
                                                                   num_labels=1, dtype=torch.float32)
         base.config.pad_token_id = tokenizer.pad_token_id
         model = PeftModel.from_pretrained(base, str(run_dir / "adapter"))

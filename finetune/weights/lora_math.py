@@ -73,7 +73,7 @@ class Adapter:
 
 def read_adapter(path: Path) -> Adapter:
     weights_file = adapter_weights(path)
-    from finetune.rundir.run_dir import ADAPTER_CONFIG
+    from finetune.rundir.names import ADAPTER_CONFIG
 
     config = read_json(path / ADAPTER_CONFIG)
     check_adapter_config(config, path / ADAPTER_CONFIG)

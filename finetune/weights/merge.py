@@ -34,7 +34,8 @@ import torch
 
 from finetune.fsutil import atomic_dir, write_atomic
 from finetune.rundir.names import FORMAT_FILE, MERGED_FORMAT
-from finetune.rundir.run_dir import MERGED_RECIPE, RunDir
+from finetune.rundir.names import MERGED_RECIPE
+from finetune.rundir.run_dir import RunDir
 from finetune.weights.experts import expert_slices
 from finetune.weights.lora_math import (Adapter, LoraUpdate, Workspace, orient_update, output_tensor, read_adapter, target_name,
                                 tied_embedding)

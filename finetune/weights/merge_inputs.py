@@ -7,12 +7,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from finetune.weights.safetensors_io import MergeError, read_json
-from finetune.builtin import is_builtin
-from finetune.recipe.references import MODEL_CONFIG
-from finetune.rundir.run_dir import (
-    ADAPTER_CONFIG, ADAPTER_WEIGHTS, CHECKPOINT_PREFIX, RECIPE_FILE, RunDir, RunDirError, no_adapter_message,
-)
+from finetune.errors import FinetuneError
+from finetune.weights.safetensors_io import MergeError
+from finetune.recipe.references import require_model_dir
+from finetune.rundir.names import ADAPTER_CONFIG, CHECKPOINT_PREFIX, RECIPE_FILE
+from finetune.rundir.run_dir import NoBaseModel, RunDir, no_adapter_message, resolve_base
+from finetune.rundir.run_dir import adapter_weights as whole_adapter
 
 
 @dataclass
@@ -73,30 +73,22 @@ def _run_adapter(run_dir: Path) -> Path:
 
 
 def _run_base(run_dir: Path, adapter: Path) -> Path:
-    """The base model path from the run's resolved recipe, else from adapter_config.json."""
+    """The local base model the run's recipe names (finetune.rundir.run_dir.resolve_base), else the adapter's."""
     tried = []
     run = RunDir(run_dir)
-    recipe = run.recipe_path
+    named = [(adapter, f"{adapter / ADAPTER_CONFIG} base_model_name_or_path")]
     if run.is_run():
+        named.insert(0, (run, f"{run.recipe_path} model.name_or_path"))
+    for source, where in named:
         try:
-            name = run.recipe().model.name_or_path
-        except RunDirError as exc:
+            name = resolve_base(source)
+        except NoBaseModel:
+            continue
+        except FinetuneError as exc:  # the recipe or the adapter config cannot be read; an unknown built-in model
             raise MergeError(str(exc)) from None
-        if isinstance(name, str) and is_builtin(name):
-            from finetune.builtin import resolve_model_path  # the demo model, built locally on first use
-
-            name = resolve_model_path(name)
-        if isinstance(name, str) and name:
-            path = Path(name) if Path(name).is_absolute() else run_dir / name
-            if path.is_dir():
-                return path
-            tried.append(f"{recipe} model.name_or_path={name!r}")
-    config = read_json(adapter / ADAPTER_CONFIG)
-    name = config.get("base_model_name_or_path")
-    if isinstance(name, str) and name:
         if Path(name).is_dir():
             return Path(name)
-        tried.append(f"{adapter / ADAPTER_CONFIG} base_model_name_or_path={name!r}")
+        tried.append(f"{where}={name!r}")
     if not tried:
         raise MergeError(f"{run_dir}: no {RECIPE_FILE} and no base_model_name_or_path in the adapter config; pass --base")
     raise MergeError(f"base model not found locally ({'; '.join(tried)}); "
@@ -104,24 +96,20 @@ def _run_base(run_dir: Path, adapter: Path) -> Path:
 
 
 def base_local_dir(base: Path) -> None:
-    if base.is_dir():
-        if not (base / MODEL_CONFIG).is_file():
-            raise MergeError(f"{base}: no config.json (not a transformers model directory)")
-        return
-    if base.exists():
-        raise MergeError(f"{base}: the base model must be a directory, not a file")
-    if re.fullmatch(r"[\w.-]+/[\w.-]+", str(base)):
-        raise MergeError(f"{base}: no such directory; merge reads local files only, so for a hub id download "
-                         f"it first (huggingface-cli download {base} --local-dir DIR) and pass --base DIR")
-    raise MergeError(f"{base}: no such base model directory")
+    """finetune.recipe.references.require_model_dir, as merge's error; a hub id says merge reads local files."""
+    hint = ""
+    if not base.exists() and re.fullmatch(r"[\w.-]+/[\w.-]+", str(base)):
+        hint = (f"merge reads local files only, so for a hub id download it first "
+                f"(huggingface-cli download {base} --local-dir DIR) and pass --base DIR")
+    try:
+        require_model_dir(base, "base model", hint)
+    except FinetuneError as exc:
+        raise MergeError(str(exc)) from None
 
 
 def adapter_weights(adapter: Path) -> Path:
-    if not adapter.is_dir():
-        raise MergeError(f"{adapter}: no such adapter directory")
-    if not (adapter / ADAPTER_CONFIG).is_file():
-        raise MergeError(f"{adapter}: no {ADAPTER_CONFIG} (not a PEFT adapter directory)")
-    for name in ADAPTER_WEIGHTS:
-        if (adapter / name).is_file():
-            return adapter / name
-    raise MergeError(f"{adapter}: no {ADAPTER_WEIGHTS[0]} (or {ADAPTER_WEIGHTS[1]})")
+    """finetune.rundir.run_dir.adapter_weights, as merge's error (what merge and export catch)."""
+    try:
+        return whole_adapter(adapter)
+    except FinetuneError as exc:
+        raise MergeError(str(exc)) from None

@@ -343,7 +343,7 @@ def test_a_bad_mixture_is_a_data_error(tmp_path, tokenizer):
 
 
 def test_sources_in_a_recipe_rebase_paths_replace_the_parents_path_and_key_the_resume():
-    from finetune.use.chat import chat_format
+    from finetune.data.formats import chat_format
     from finetune.rundir.resume_key import resume_fields
     from finetune.recipe import load_recipe
     from finetune.rundir.layout import resolved_recipe

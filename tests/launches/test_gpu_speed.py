@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from finetune.run.launch import free_port
+from finetune.run.launch.commands import free_port
 from tests.train_fixtures import REPO, cache_dir, runner_env
 
 SCRIPT = REPO / "scripts" / "gpu_speed.py"

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from finetune.run.launch import free_port
+from finetune.run.launch.commands import free_port
 from tests.train_fixtures import REPO, TINY_RECIPES, cache_dir, runner_env
 
 # every tiny grpo/reward recipe and the test that trains it (tests/train/test_grpo.py could check the list)

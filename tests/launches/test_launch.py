@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from finetune.run.launch import free_port
+from finetune.run.launch.commands import free_port
 
 
 def test_finetune_train_demo(tmp_path):

@@ -9,7 +9,7 @@ import json
 import subprocess
 import sys
 
-from finetune.run.launch import free_port
+from finetune.run.launch.commands import free_port
 from tests.train_fixtures import REPO, TINY_RECIPES, runner_env
 
 

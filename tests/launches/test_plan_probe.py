@@ -19,7 +19,7 @@ from tests.conftest import REPO
 
 
 def run_probe(cases):
-    from finetune.run.launch import free_port
+    from finetune.run.launch.commands import free_port
 
     env = {**os.environ, "MASTER_PORT": str(free_port())}  # never a fixed port: other tests run beside it
     result = subprocess.run([sys.executable, str(REPO / "tests" / "launches" / "deepspeed_probe.py"), json.dumps(cases)],

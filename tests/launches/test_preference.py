@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from finetune.run.launch import free_port
+from finetune.run.launch.commands import free_port
 from tests.train_fixtures import REPO, TINY_RECIPES, cache_dir, runner_env, write_run_dir
 
 # every tiny preference recipe and the test that trains it (tests/train/test_preference.py checks the list)

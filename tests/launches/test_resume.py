@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from finetune.rundir import checkpoint as ckpt
-from finetune.run.launch import free_port
+from finetune.run.launch.commands import free_port
 from tests.conftest import SHARED_SFT_RECIPE, SHARED_SFT_SETS
 from tests.train.test_resume import running
 from tests.train_fixtures import REPO, assert_run_report, runner_env

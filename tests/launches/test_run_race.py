@@ -23,7 +23,7 @@ SIDE = r'''
 import os, sys
 from pathlib import Path
 from finetune.recipe import load_recipe
-from finetune.run.launch import LaunchError
+from finetune.run.launch.supervision import LaunchError
 from finetune.run.start import prepare, start_run
 
 out, overwrite, fakes = Path(sys.argv[1]), sys.argv[2] == "1", sys.argv[3]

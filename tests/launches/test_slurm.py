@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from finetune.run.slurm import sbatch_script
-from finetune.run.launch import free_port
+from finetune.run.launch.commands import free_port
 from tests.run.test_slurm import fake_slurm, job
 from tests.train_fixtures import REPO, TINY_RECIPES, cache_dir, runner_env
 

@@ -15,7 +15,7 @@ import pytest
 
 from finetune.builtin_vision import QUESTION, colour_rows
 from tests.conftest import FINETUNE, REPO
-from finetune.run.launch import free_port
+from finetune.run.launch.commands import free_port
 from tests.train_fixtures import runner_env
 
 RECIPE = REPO / "recipes" / "tiny" / "vlm_qwen_lora_zero3.yaml"

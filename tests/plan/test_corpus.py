@@ -628,7 +628,7 @@ def test_training_sets_expandable_segments_unless_the_user_did():
     """What the plan text says training does with PyTorch's allocator (finetune/run/launch/commands.py), and
     the launch line (the run log) shows it."""
     from finetune.plan.constants import TRAINING_ALLOC_CONF
-    from finetune.run.launch import plan_launch
+    from finetune.run.launch.commands import plan_launch
     from tests.run.test_launch import RUN, recipe
 
     gpu = plan_launch(recipe(), RUN, gpu_count=2, python="python", environ={})

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from finetune.run.launch import (
-    HostfileError, free_port, parse_torchrun_failures, plan_launch, procs_per_node, read_hostfile, supervise,
-)
+from finetune.run.launch.commands import HostfileError, free_port, plan_launch, procs_per_node, read_hostfile
+from finetune.run.launch.outcome import parse_torchrun_failures
+from finetune.run.launch.supervision import supervise
 from finetune.recipe import Recipe, load_recipe
 from finetune.rundir.layout import write_run_dir
 from tests.conftest import hub_recipe
@@ -329,11 +329,11 @@ def test_a_busy_port_that_cannot_be_replaced_is_one_line_naming_it(fake, held_po
 
 def test_failures_are_read_from_torchruns_error_files(fake):
     """The ranks' error.json files name the rank and its exception without torchrun's printed report."""
-    import finetune.run.launch as launch
+    from finetune.run.launch.outcome import judge
 
     plan, run_dir = fake("raise", with_torch=True)
     supervise(plan, Sink())
-    outcome = launch.judge(plan, 1, "", None)  # nothing printed (or a format this code does not know)
+    outcome = judge(plan, 1, "", None)  # nothing printed (or a format this code does not know)
     assert [f.rank for f in outcome.failures] == [1]
     assert outcome.message.endswith("exited with code 1: RuntimeError: bad batch on rank 1"), outcome.message
     assert outcome.failures[0].error_file.endswith("/1/error.json")
@@ -350,7 +350,8 @@ def test_tests_pick_their_ports_from_the_os():
 DRIVER = '''
 import os, sys, json
 from pathlib import Path
-from finetune.run.launch import LaunchPlan, supervise
+from finetune.run.launch.commands import LaunchPlan
+from finetune.run.launch.supervision import supervise
 plan = LaunchPlan(**{**json.loads(sys.argv[1]), "run_dir": Path(json.loads(sys.argv[1])["run_dir"])})
 outcome = supervise(plan)
 sys.exit(outcome.returncode)

@@ -14,7 +14,7 @@ import os
 import sys
 from pathlib import Path
 
-from finetune.run.launch import commands_per_node, deepspeed_env_text, plan_launch
+from finetune.run.launch.commands import commands_per_node, deepspeed_env_text, plan_launch
 from finetune.recipe import Recipe
 from tests.conftest import hub_recipe, write_local_inputs
 

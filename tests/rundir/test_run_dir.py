@@ -7,9 +7,11 @@ from pathlib import Path
 
 import pytest
 
+from finetune.recipe.references import MODEL_CONFIG, NotAModelDir, model_dir_problem, require_model_dir
+from finetune.rundir.names import ADAPTER_CONFIG, ADAPTER_WEIGHTS, RECIPE_FILE
 from finetune.rundir.run_dir import (
-    ADAPTER_CONFIG, RECIPE_FILE, NotARunDir, RunDir, RunDirError, find_adapter, no_adapter_message,
-    not_a_run_dir_message,
+    NoBaseModel, NotAnAdapter, NotARunDir, RunDir, RunDirError, adapter_weights, find_adapter, no_adapter_message,
+    not_a_run_dir_message, resolve_base,
 )
 
 PACKAGE = Path(__file__).resolve().parents[2] / "finetune"
@@ -52,6 +54,54 @@ def test_not_a_run_directory_has_one_error_and_one_message(tmp_path):
     assert str(info.value) == not_a_run_dir_message(tmp_path)
     with pytest.raises(NotARunDir):
         RunDir(tmp_path).recipe()
+
+
+def test_an_adapter_folder_has_one_check_and_one_error(tmp_path):
+    """chat, eval, merge, export and publish ask adapter_weights whether a folder is a whole adapter (issue 39)."""
+    adapter = tmp_path / "adapter"
+    for made, missing in ((lambda: None, "no such adapter directory"),
+                          (adapter.mkdir, f"no {ADAPTER_CONFIG} (not a PEFT adapter directory)"),
+                          (lambda: (adapter / ADAPTER_CONFIG).write_text("{}"),
+                           f"no {ADAPTER_WEIGHTS[0]} (or {ADAPTER_WEIGHTS[1]}): an incomplete adapter")):
+        made()
+        with pytest.raises(NotAnAdapter, match=f"^{adapter}: " + missing.replace("(", r"\(").replace(")", r"\)")):
+            adapter_weights(adapter)
+    (adapter / ADAPTER_WEIGHTS[1]).write_bytes(b"")
+    assert adapter_weights(adapter) == adapter / ADAPTER_WEIGHTS[1]
+
+
+def test_a_model_folder_has_one_check_and_one_wording(tmp_path):
+    """preflight, chat, eval and merge word a model folder that is not one alike: WHAT PATH: why[; what to do]."""
+    assert model_dir_problem(tmp_path / "gone") == "directory does not exist"
+    (tmp_path / "file").write_text("")
+    assert model_dir_problem(tmp_path / "file") == f"expected a model directory (with {MODEL_CONFIG}), got a file"
+    assert model_dir_problem(tmp_path) == f"no {MODEL_CONFIG} in this directory (is it a Hugging Face model folder?)"
+    with pytest.raises(NotAModelDir) as info:
+        require_model_dir(tmp_path / "gone", "base model", "pass --base DIR")
+    assert str(info.value) == f"base model {tmp_path / 'gone'}: directory does not exist; pass --base DIR"
+    (tmp_path / MODEL_CONFIG).write_text("{}")
+    assert model_dir_problem(tmp_path) is None and require_model_dir(tmp_path) == tmp_path
+
+
+def test_the_base_of_a_recipe_a_run_and_an_adapter_is_resolved_once(tmp_path):
+    """resolve_base: a recipe's model (a local folder made absolute), a run's recorded recipe's, an adapter's config."""
+    from finetune.recipe import Recipe
+
+    base = tmp_path / "base"
+    base.mkdir()
+    recipe = Recipe.model_validate({"model": {"name_or_path": str(base)}, "data": {"path": "x.jsonl"}})
+    assert resolve_base(recipe) == str(base.resolve())
+    hub = recipe.model_copy(update={"model": recipe.model.model_copy(update={"name_or_path": "org/m"})})
+    assert resolve_base(hub) == "org/m"
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / ADAPTER_CONFIG).write_text('{"base_model_name_or_path": "org/m"}')
+    assert resolve_base(adapter) == "org/m"
+    (adapter / ADAPTER_CONFIG).write_text("{}")
+    with pytest.raises(NoBaseModel, match="names no base model; pass --base"):
+        resolve_base(adapter)
+    (tmp_path / RECIPE_FILE).write_text(f"model: {{name_or_path: {base}}}\ndata: {{path: x.jsonl}}\n")
+    assert resolve_base(RunDir(tmp_path)) == resolve_base(tmp_path) == str(base.resolve())
 
 
 @pytest.mark.parametrize("text", ["model: [unclosed\n", "- a list\n", "model: {name_or_path: x}\nmethod: lorra\n",

@@ -287,7 +287,7 @@ def test_every_preference_tiny_recipe_is_trained_by_a_slow_test():
 
 
 def test_chat_prompts_a_preference_run_with_the_chat_template_and_eval_says_what_it_cannot_score(tmp_path):
-    from finetune.use.chat import chat_format
+    from finetune.data.formats import chat_format
     from finetune.use.evaluate import EvalError, eval_rows
     from finetune.recipe import Recipe
 

@@ -22,7 +22,7 @@ from finetune.cli import app
 from finetune.recipe import load_recipe
 from finetune.rundir.layout import resolved_recipe, write_run_dir
 from tests.conftest import SHARED_SFT_RECIPE as RECIPE, write_local_inputs
-from finetune.run.launch import free_port
+from finetune.run.launch.commands import free_port
 from tests.train_fixtures import REPO
 
 
@@ -480,7 +480,8 @@ time.sleep(120)
 DRIVER = '''
 import json, sys
 from pathlib import Path
-from finetune.run.launch import LaunchPlan, supervise
+from finetune.run.launch.commands import LaunchPlan
+from finetune.run.launch.supervision import supervise
 fields = json.loads(sys.argv[1])
 sys.exit(supervise(LaunchPlan(**{**fields, "run_dir": Path(fields["run_dir"])})).returncode)
 '''
@@ -490,7 +491,7 @@ def test_a_second_signal_kills_every_rank_at_once(tmp_path):
     """The rule of finetune.rundir.checkpoint.SECOND_SIGNAL_WINDOW: a repeat within it is the same request;
     a later one SIGKILLs every process of the run."""
     from finetune.rundir.checkpoint import SECOND_SIGNAL_WINDOW
-    from finetune.run.launch import plan_launch
+    from finetune.run.launch.commands import plan_launch
     from finetune.recipe import Recipe
 
     (tmp_path / "fakes").mkdir()
