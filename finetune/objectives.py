@@ -40,15 +40,34 @@ class Objective:
     trl_config: Optional[str] = None
     trl_trainer: Optional[str] = None
     fused_logprob: bool = False  # scores tokens through TRL's fused LM head (planner: no full logits)
-    score_head: bool = False  # a one-score head replaces the LM head (planner: no vocabulary-sized logits)
+    score_head: bool = False  # a one-score head replaces the LM head (planner: no vocabulary-sized logits; not a chat model)
+    # The facts below are true for SFT only today; each names why a command treats SFT apart.
+    pretokenized: bool = False  # the launcher tokenizes its data into the cache (finetune.run.start, `prepare`)
+    perplexity: bool = False  # its loss is next-token cross-entropy on the data: `eval` scores loss and perplexity
+    plain_trainer: bool = False  # tested under transformers' Trainer without DeepSpeed (deepspeed.enabled: false)
+    sized_by_plan: bool = False  # `auto` micro_batch_size / loss_kernel are sized by the plan (its own loss)
+    sequence_parallel: bool = False  # Ulysses averages the slices' loss (deepspeed_sp_compute_loss); TRL's do not
+    vision: bool = False  # reads rows with images for a vision-language model (TRL's trainers would drop them)
+    generates: bool = False  # completions are generated in the step and scored by reward functions (grpo)
 
     @property
     def uses_trl(self) -> bool:
         return self.trl_trainer is not None
 
+    @property
+    def reads_data_format(self) -> bool:
+        """data.format decides how its rows read and how the trained model is prompted (else its own rows)."""
+        return bool(self.data_formats)
+
+    @property
+    def format_decides(self) -> bool:
+        """The data's format decides what trains (sft): no columns of its own, so commands name the format."""
+        return not self.columns
+
 
 SFT = Objective("sft", "next-token loss on the data (the data's format decides what trains)",
-                data_formats=("alpaca", "messages", "sharegpt", "text"))
+                data_formats=("alpaca", "messages", "sharegpt", "text"), pretokenized=True,
+                perplexity=True, plain_trainer=True, sized_by_plan=True, sequence_parallel=True, vision=True)
 OBJECTIVES: dict[str, Objective] = {o.name: o for o in (
     SFT,
     # DPO, ORPO and SimPO run chosen and rejected as one concatenated batch of 2 x micro_batch rows.
@@ -75,7 +94,8 @@ OBJECTIVES: dict[str, Objective] = {o.name: o for o in (
               keys=frozenset({"num_generations", "max_completion_length", "temperature", "beta", "loss_type",
                               "scale_rewards", "num_iterations", "epsilon", "rewards", "vllm"}),
               losses=GRPO_LOSSES, reference="beta", trl_module="trl", trl_config="GRPOConfig",
-              trl_trainer="GRPOTrainer", fused_logprob=True),  # grpo_trainer.py: model(..., fused_lm_head=True)
+              trl_trainer="GRPOTrainer", fused_logprob=True,  # grpo_trainer.py: model(..., fused_lm_head=True)
+              generates=True),
     # RewardTrainer scores chosen and rejected as one batch of 2 x micro_batch rows through a one-logit head.
     Objective("reward", "a reward model (sequence classification, one score) on prompt/chosen/rejected rows",
               PAIRED_COLUMNS, "pairs", rows_per_example=2, row_label=_PAIR_ROWS, trl_module="trl", trl_config="RewardConfig",

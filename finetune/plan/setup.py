@@ -171,7 +171,8 @@ class Setup:
         if self.deepspeed and self.stage == 3 and self.offload_param != "none":
             parts.append(f"params->{self.offload_param}")
         parts.append(f"on {where}")
-        rows = "" if self.objective == "sft" else f" ({self.objective}: {objectives.get(self.objective).row_label})"
+        label = objectives.get(self.objective).row_label  # none for sft: a row is a sequence
+        rows = f" ({self.objective}: {label})" if label else ""
         parts.append(f"micro batch {self.micro_batch}{rows} x {self.seq_len} tokens")
         parts.append("checkpointing" if self.gradient_checkpointing else "no checkpointing")
         parts.append(self.attn)
