@@ -35,7 +35,7 @@ def _recipe(objective: str, section: dict | None = None) -> Recipe:
 @pytest.mark.parametrize("name", [o.name for o in objectives.OBJECTIVES.values() if o.section])
 def test_lint_keys_are_exactly_the_keys_training_passes_to_trl(name):
     from finetune.lint.objective_rules import SECTION_KEYS
-    from finetune.train.preference import config_kwargs
+    from finetune.train.objective_steps import config_kwargs
 
     record = objectives.get(name)
     base = config_kwargs(_recipe(name))
@@ -53,7 +53,8 @@ def test_lint_keys_are_exactly_the_keys_training_passes_to_trl(name):
 @pytest.mark.parametrize("name", objectives.TRL)
 def test_trl_classes_exist_and_take_the_keys(name):
     pytest.importorskip("trl")
-    from finetune.train.preference import config_kwargs, trl_classes
+    from finetune.train.objective_steps import config_kwargs
+    from finetune.train.preference import trl_classes
 
     config_class, trainer_class = trl_classes(_recipe(name))
     assert (config_class.__name__, trainer_class.__name__) == (objectives.get(name).trl_config,
