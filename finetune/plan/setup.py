@@ -129,7 +129,7 @@ class Setup:
     objective: str = "sft"
     reference_model: bool = False
     reference_adapter: bool = False  # TRL's frozen copy of a continued adapter (model.adapter)
-    generation_sequences: int = 0  # GRPO: completions one GPU generates at once (finetune/plan/preference.py)
+    generation_sequences: int = 0  # GRPO: completions one GPU generates at once (finetune/plan/grpo.py)
     # parallel.sequence / parallel.tensor (finetune/plan/parallel.py): seq_len and arch are already one process's
     sequence: int = 1
     tensor: int = 1
