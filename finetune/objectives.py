@@ -42,14 +42,14 @@ class Objective:
     fused_logprob: bool = False  # scores tokens through TRL's fused LM head (planner: no full logits)
     score_head: bool = False  # a one-score head replaces the LM head (planner: no vocabulary-sized logits; not a chat model)
     train_module: str = "preference"  # the module of finetune.train with its steps (finetune.train.objective_steps)
-    # The facts below are true for SFT only today; each names why a command treats SFT apart.
+    # What commands branch on (true for sft alone today, `generates` for grpo); each says why it differs.
     pretokenized: bool = False  # the launcher tokenizes its data into the cache (finetune.run.start, `prepare`)
     perplexity: bool = False  # its loss is next-token cross-entropy on the data: `eval` scores loss and perplexity
     plain_trainer: bool = False  # tested under transformers' Trainer without DeepSpeed (deepspeed.enabled: false)
     sized_by_plan: bool = False  # `auto` micro_batch_size / loss_kernel are sized by the plan (its own loss)
     sequence_parallel: bool = False  # Ulysses averages the slices' loss (deepspeed_sp_compute_loss); TRL's do not
     vision: bool = False  # reads rows with images for a vision-language model (TRL's trainers would drop them)
-    generates: bool = False  # completions are generated in the step and scored by reward functions (grpo)
+    generates: bool = False  # completions are generated in the step and scored by reward functions (grpo section)
 
     @property
     def uses_trl(self) -> bool:

@@ -23,7 +23,8 @@ model. Creating the model first would make zero.Init see a world of one and fail
 
 Long because: run() is the one ordered sequence of a rank's life (process group, arguments, data, model, trainer,
 outputs) and its helpers are the run directory's outputs; the parts with a life of their own live beside it
-(preemption, parallel, universal, model, loss, callbacks, report).
+(preemption, parallel, universal, model, loss, callbacks, report), and what differs per objective is its module's
+steps (sft, preference, grpo, reward: finetune.train.objective_steps).
 """
 
 from __future__ import annotations
