@@ -3,7 +3,7 @@ which TRL classes train it. Schema, lint, plan, data and train read their facts 
 
 TRL pairs a config class with a trainer per objective (`dpo_config.py` + `dpo_trainer.py`); this light core
 cannot import TRL, so the record names them, and tests/test_objectives.py checks the names against the
-installed TRL and that lint's keys are exactly the keys finetune.train.preference passes to it.
+installed TRL and that lint's keys are exactly the keys training passes to it (finetune.train.objective_steps).
 """
 
 from __future__ import annotations
@@ -40,15 +40,35 @@ class Objective:
     trl_config: Optional[str] = None
     trl_trainer: Optional[str] = None
     fused_logprob: bool = False  # scores tokens through TRL's fused LM head (planner: no full logits)
-    score_head: bool = False  # a one-score head replaces the LM head (planner: no vocabulary-sized logits)
+    score_head: bool = False  # a one-score head replaces the LM head (planner: no vocabulary-sized logits; not a chat model)
+    train_module: str = "preference"  # the module of finetune.train with its steps (finetune.train.objective_steps)
+    # What commands branch on (true for sft alone today, `generates` for grpo); each says why it differs.
+    pretokenized: bool = False  # the launcher tokenizes its data into the cache (finetune.run.start, `prepare`)
+    perplexity: bool = False  # its loss is next-token cross-entropy on the data: `eval` scores loss and perplexity
+    plain_trainer: bool = False  # tested under transformers' Trainer without DeepSpeed (deepspeed.enabled: false)
+    sized_by_plan: bool = False  # `auto` micro_batch_size / loss_kernel are sized by the plan (its own loss)
+    sequence_parallel: bool = False  # Ulysses averages the slices' loss (deepspeed_sp_compute_loss); TRL's do not
+    vision: bool = False  # reads rows with images for a vision-language model (TRL's trainers would drop them)
+    generates: bool = False  # completions are generated in the step and scored by reward functions (grpo section)
 
     @property
     def uses_trl(self) -> bool:
         return self.trl_trainer is not None
 
+    @property
+    def reads_data_format(self) -> bool:
+        """data.format decides how its rows read and how the trained model is prompted (else its own rows)."""
+        return bool(self.data_formats)
+
+    @property
+    def format_decides(self) -> bool:
+        """The data's format decides what trains (sft): no columns of its own, so commands name the format."""
+        return not self.columns
+
 
 SFT = Objective("sft", "next-token loss on the data (the data's format decides what trains)",
-                data_formats=("alpaca", "messages", "sharegpt", "text"))
+                data_formats=("alpaca", "messages", "sharegpt", "text"), train_module="sft", pretokenized=True,
+                perplexity=True, plain_trainer=True, sized_by_plan=True, sequence_parallel=True, vision=True)
 OBJECTIVES: dict[str, Objective] = {o.name: o for o in (
     SFT,
     # DPO, ORPO and SimPO run chosen and rejected as one concatenated batch of 2 x micro_batch rows.
@@ -75,11 +95,12 @@ OBJECTIVES: dict[str, Objective] = {o.name: o for o in (
               keys=frozenset({"num_generations", "max_completion_length", "temperature", "beta", "loss_type",
                               "scale_rewards", "num_iterations", "epsilon", "rewards", "vllm"}),
               losses=GRPO_LOSSES, reference="beta", trl_module="trl", trl_config="GRPOConfig",
-              trl_trainer="GRPOTrainer", fused_logprob=True),  # grpo_trainer.py: model(..., fused_lm_head=True)
+              trl_trainer="GRPOTrainer", fused_logprob=True,  # grpo_trainer.py: model(..., fused_lm_head=True)
+              train_module="grpo", generates=True),
     # RewardTrainer scores chosen and rejected as one batch of 2 x micro_batch rows through a one-logit head.
     Objective("reward", "a reward model (sequence classification, one score) on prompt/chosen/rejected rows",
               PAIRED_COLUMNS, "pairs", rows_per_example=2, row_label=_PAIR_ROWS, trl_module="trl", trl_config="RewardConfig",
-              trl_trainer="RewardTrainer", score_head=True),
+              trl_trainer="RewardTrainer", score_head=True, train_module="reward"),
 )}
 NAMES = tuple(OBJECTIVES)
 # The objectives with a `preference` section: the preference-optimisation family.

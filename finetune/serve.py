@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from finetune import objectives
+
 # vllm/config/lora.py (v0.26.0): `MaxLoRARanks = Literal[1, 8, 16, 32, 64, 128, 256, 320, 512]`;
 # --max-lora-rank must be one of them and at least the adapter's largest rank (peft_helper.validate_legal).
 VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -225,7 +227,8 @@ def run_context(run_dir: Path) -> Optional[ServeContext]:
     except RunDirError:
         return None
     name = recipe.name or run_dir.name
-    template = trained_template_file(run_dir, run.tokenizer(), recipe) if recipe.objective != "reward" else None
+    template = trained_template_file(run_dir, run.tokenizer(), recipe) \
+        if not objectives.get(recipe.objective).score_head else None
     if run.has_model():
         return ServeContext(name, model=run.model_path, chat_template=template)
     adapter = run.adapter()
@@ -268,16 +271,17 @@ def next_steps(run_dir: Path, objective: str = "sft", *, report: bool = True,
 
     has_adapter = ADAPTER_DIR in saved if saved is not None else run.adapter_path.is_dir()
     saved = bool(saved) if saved is not None else (has_adapter or run.has_model())
-    if saved and objective == "reward":  # a scoring head, not a chat model
+    record = objectives.get(objective)
+    if saved and record.score_head:  # a scoring head, not a chat model
         steps.append((f"{finetune} {command_line('eval', run_dir)}", "pairwise accuracy on its pairs, base vs trained"))
     elif saved:
         steps.append((f"{finetune} {command_line('chat', run_dir)}", "talk to it (--prompt TEXT for one answer)"))
-        if objective == "sft":  # a preference loss is not a perplexity
+        if record.perplexity:  # a preference loss is not a perplexity
             steps.append((f"{finetune} {command_line('eval', run_dir)}", "loss and perplexity, base vs fine-tuned"))
     if has_adapter:
         steps.append((f"{finetune} {command_line('merge', run_dir, '-o', f'merged/{run_dir.name}')}",
                       "one model to serve (CPU, streaming)"))
-    if saved and objective != "reward":
+    if saved and not record.score_head:
         ctx = run_context(run_dir)
         if ctx is not None:
             if ctx.adapter is not None:

@@ -3,8 +3,10 @@ TRL names exist, and the rows of TRL's objectives go through the one validation 
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 
@@ -35,7 +37,7 @@ def _recipe(objective: str, section: dict | None = None) -> Recipe:
 @pytest.mark.parametrize("name", [o.name for o in objectives.OBJECTIVES.values() if o.section])
 def test_lint_keys_are_exactly_the_keys_training_passes_to_trl(name):
     from finetune.lint.objective_rules import SECTION_KEYS
-    from finetune.train.preference import config_kwargs
+    from finetune.train.objective_steps import config_kwargs
 
     record = objectives.get(name)
     base = config_kwargs(_recipe(name))
@@ -53,7 +55,8 @@ def test_lint_keys_are_exactly_the_keys_training_passes_to_trl(name):
 @pytest.mark.parametrize("name", objectives.TRL)
 def test_trl_classes_exist_and_take_the_keys(name):
     pytest.importorskip("trl")
-    from finetune.train.preference import config_kwargs, trl_classes
+    from finetune.train.objective_steps import config_kwargs
+    from finetune.train.preference import trl_classes
 
     config_class, trainer_class = trl_classes(_recipe(name))
     assert (config_class.__name__, trainer_class.__name__) == (objectives.get(name).trl_config,
@@ -62,6 +65,55 @@ def test_trl_classes_exist_and_take_the_keys(name):
     section = CHANGED.get(objectives.get(name).section or "", {})
     kwargs = config_kwargs(_recipe(name, {k: v for k, v in section.items() if k != "loss_type"} if section else None))
     assert set(kwargs) <= fields, set(kwargs) - fields
+
+
+PACKAGE = Path(__file__).resolve().parent.parent / "finetune"
+
+
+def _names_objective(node: ast.AST) -> bool:
+    return (isinstance(node, ast.Name) and node.id == "objective") or \
+        (isinstance(node, ast.Attribute) and node.attr == "objective")
+
+
+def _literal_strings(node: ast.AST) -> bool:
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return bool(node.elts) and all(isinstance(e, ast.Constant) and isinstance(e.value, str) for e in node.elts)
+    return isinstance(node, ast.Constant) and isinstance(node.value, str)
+
+
+def objective_literals(package: Path = PACKAGE) -> list[str]:
+    """`file:line` of every comparison of an objective with a name written out (`recipe.objective == "sft"`,
+    `objective in ("sft", "grpo")`) outside finetune/objectives.py."""
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        if path == package / "objectives.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+            if not isinstance(node, ast.Compare):
+                continue
+            sides = [node.left, *node.comparators]
+            for (left, right), op in zip(zip(sides, sides[1:]), node.ops):
+                if isinstance(op, (ast.Eq, ast.NotEq, ast.In, ast.NotIn)) and \
+                        ((_names_objective(left) and _literal_strings(right)) or
+                         (_names_objective(right) and _literal_strings(left))):
+                    found.append(f"{path.relative_to(package.parent).as_posix()}:{node.lineno}")
+    return found
+
+
+def test_objectives_are_asked_their_facts_not_compared_with_names():
+    """A branch on an objective reads a fact of its record (finetune.objectives: `generates`, `score_head`,
+    `pretokenized`, ...): a name written out is a second table that a new objective would have to find."""
+    assert objective_literals() == []
+
+
+def test_the_check_finds_the_comparisons(tmp_path):
+    package = tmp_path / "finetune"
+    package.mkdir()
+    (package / "objectives.py").write_text('objective = "sft"\nassert objective == "sft"\n')
+    (package / "a.py").write_text('if recipe.objective == "grpo": pass\nif objective not in ("sft", "grpo"): pass\n'
+                                  'if "reward" != r.objective: pass\nif record.generates: pass\n'
+                                  'if recipe.objective in objectives.PREFERENCE: pass\n')
+    assert objective_literals(package) == ["finetune/a.py:1", "finetune/a.py:2", "finetune/a.py:3"]
 
 
 def test_schema_lint_plan_and_data_read_the_table():

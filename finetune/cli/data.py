@@ -7,6 +7,7 @@ from typing import List, Optional
 
 import typer
 
+from finetune import objectives
 from finetune.cli.common import SET_HELP, fail, handled, load_or_exit
 
 data_app = typer.Typer(name="data", help="Look at a recipe's data as training will see it.", no_args_is_help=True,
@@ -44,7 +45,7 @@ def show(
         tokenizer = load_tokenizer(loaded.recipe, resolve_base(loaded.recipe))
     except (OSError, ValueError) as exc:
         raise fail(f"cannot load the tokenizer of {loaded.recipe.model.name_or_path}: {str(exc).splitlines()[0]}") from None
-    if loaded.recipe.objective == "sft":
+    if not objectives.get(loaded.recipe.objective).uses_trl:
         shown = [show_example(loaded.recipe, tokenizer, row)]
     else:
         from finetune.train.show_rows import show_rows

@@ -7,6 +7,7 @@ from typing import Optional
 
 import typer
 
+from finetune import objectives
 from finetune.cli.common import fail, input_file
 
 
@@ -47,7 +48,8 @@ def init(
     objective, found, columns = guess_objective(row) if fmt is None else ("grpo" if fmt == "prompt" else "sft", fmt, {})
     fmt = fmt or found
     rows = sum(1 for _ in iter_rows(data))
-    answer = next((k for k in ("answer", "solution", "output") if k in row), None) if objective == "grpo" else None
+    record = objectives.get(objective)  # the rewards read an answer column
+    answer = next((k for k in ("answer", "solution", "output") if k in row), None) if record.generates else None
     write_atomic(output, starter_recipe(model, data, output, fmt, columns, method, tiny=is_builtin(model),
                                         objective=objective, answer=answer, rows=rows))
     from finetune.lint import LintOptions, lint_paths
@@ -55,5 +57,5 @@ def init(
     result = lint_paths([output], LintOptions())
     verdict = "no problems" if not result.findings else f"{len(result.errors)} error(s), {len(result.warnings)} warning(s): run finetune lint {output}"
     mapping = f", columns {{{', '.join(f'{k}: {v}' for k, v in columns.items())}}}" if columns else ""
-    what = fmt if objective == "sft" else f"objective {objective}"
+    what = fmt if record.format_decides else f"objective {objective}"
     typer.echo(f"wrote {output} ({what}{mapping}; epochs: {epochs_note(rows, objective)}; lint: {verdict})", err=True)

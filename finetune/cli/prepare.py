@@ -7,6 +7,7 @@ from typing import List, Optional
 
 import typer
 
+from finetune import objectives
 from finetune.cli.common import SET_HELP, fail, load_or_exit
 
 
@@ -34,7 +35,7 @@ def prepare(
         prepared: `finetune train recipes/demo.yaml` will find it
     """
     loaded = load_or_exit(recipe, overrides)
-    if loaded.recipe.objective != "sft":
+    if not objectives.get(loaded.recipe.objective).pretokenized:
         raise fail(f"objective {loaded.recipe.objective}: TRL tokenizes preference rows in the trainer; "
                    "`finetune prepare` tokenizes SFT data only")
     from finetune.data.sources import sources_of

@@ -21,6 +21,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Union
 
+from finetune import objectives
 from finetune.errors import FinetuneError
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -159,7 +160,7 @@ def chat_format(recipe, rows_kind: Optional[str] = None) -> str:
     was a conversation (sharegpt trains through it too), else the format of its sources. TRL's objectives prompt
     with their rows as they are: `rows_kind` (finetune.data.show.prompt_kind: messages, alpaca or text; None when
     the rows are not here: the chat template)."""
-    if recipe.objective not in ("sft", "grpo"):
+    if not objectives.get(recipe.objective).reads_data_format:
         return rows_kind if rows_kind in ("alpaca", "text") else "messages"
     formats = recipe.data.source_formats()  # grpo: prompts read from these formats (a `prompt` column: messages)
     return "messages" if any(f in ("messages", "sharegpt", "prompt") for f in formats) else formats[0]

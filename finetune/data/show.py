@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from finetune import objectives
 from finetune.errors import FinetuneError
 
 TRAINED_START, TRAINED_END = "[[", "]]"
@@ -63,7 +64,7 @@ def nth_row(recipe, row_number: int) -> tuple[Any, str, Any]:
 
     from finetune.data.images import vision_data
 
-    vision = vision_data(recipe) if recipe.objective == "sft" else None  # a VLM's rows, with their images
+    vision = vision_data(recipe) if objectives.get(recipe.objective).vision else None  # a VLM's rows, with their images
     source = next((s for s in sources_of(recipe.data, recipe.objective, vision=vision) if is_local(s.path)), None)
     if source is None:
         raise ShowError("no local data source in the recipe (hub data sets are read at launch)")
@@ -122,8 +123,8 @@ def trained_format(recipe) -> str:
     Alpaca prompt, then DPO on text rows, and chat said "messages (as the run trained)")."""
     from finetune.data.formats import chat_format
 
-    preference = recipe.objective not in ("sft", "grpo")
-    return chat_format(recipe, prompt_kind(recipe) if preference else None)
+    own_rows = not objectives.get(recipe.objective).reads_data_format
+    return chat_format(recipe, prompt_kind(recipe) if own_rows else None)
 
 
 def sft_prompt_kind(formats: list[str]) -> str:

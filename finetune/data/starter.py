@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
+from finetune import objectives
 from finetune.errors import FinetuneError
 
 
@@ -83,9 +84,10 @@ def starter_recipe(model: str, data: Path, recipe_path: Path, fmt: str, columns:
     if not relative.startswith((".", "/")):
         relative = "./" + relative  # a path, never read as a hub id
     flow = ", ".join(f"{k}: {v}" for k, v in columns.items())
+    record = objectives.get(objective)
     lines = [
         f"# Written by `finetune init` for {data} ("
-        + (f"format {fmt}" if objective == "sft" else f"objective {objective}: {_ROWS[objective]}") + ", read off its first row).",
+        + (f"format {fmt}" if record.format_decides else f"objective {objective}: {_ROWS[objective]}") + ", read off its first row).",
         "# Only what differs from the documented defaults is here (README: Recipe reference). Next:",
         f"#   finetune lint {recipe_path} && finetune data show {recipe_path}",
         f"#   finetune plan {recipe_path} --gpus 1 --gpu-memory 24GiB",
@@ -97,7 +99,7 @@ def starter_recipe(model: str, data: Path, recipe_path: Path, fmt: str, columns:
         f"method: {method}",
     ]
     lines += _objective_lines(objective, answer, tiny)
-    lines += ["data:", f"  path: {relative}"] + ([f"  format: {fmt}"] if objective in ("sft", "grpo") else [])
+    lines += ["data:", f"  path: {relative}"] + ([f"  format: {fmt}"] if record.reads_data_format else [])
     if columns:
         lines.append(f"  columns: {{{flow}}}   # the format's column: this file's column")
     lines += [
@@ -106,7 +108,7 @@ def starter_recipe(model: str, data: Path, recipe_path: Path, fmt: str, columns:
         f"  epochs: {epochs_for(rows, objective)}" + (f"                  # {epochs_note(rows, objective)}" if rows else ""),
         "  micro_batch_size: 4" if tiny else "  micro_batch_size: 1",
         "  gradient_accumulation_steps: 1" if tiny else "  gradient_accumulation_steps: 8",
-        "  learning_rate: " + _LEARNING_RATES[objective != "sft"][tiny],
+        "  learning_rate: " + _LEARNING_RATES[record.uses_trl][tiny],
         "deepspeed:",
         "  stage: 2",
     ]
@@ -116,7 +118,7 @@ def starter_recipe(model: str, data: Path, recipe_path: Path, fmt: str, columns:
 
 
 _ROWS = {"dpo": "prompt/chosen/rejected rows", "kto": "prompt/completion/label rows", "grpo": "prompts only"}
-# SFT: LoRA's usual 2e-4 (the tiny random model learns at 3e-3, recipes/demo.yaml). Preference objectives move a
+# SFT: LoRA's usual 2e-4 (the tiny random model learns at 3e-3, recipes/demo.yaml). TRL's objectives move a
 # trained policy a little: 5e-5 with LoRA (the tiny DPO recipe uses 5e-3).
 _LEARNING_RATES = {False: {False: "2.0e-4", True: "3.0e-3"}, True: {False: "5.0e-5", True: "5.0e-3"}}
 # An epoch of a small file is a few optimizer steps: the demo learns its 307 rows in 117 steps (3 epochs of 8 rows
@@ -135,7 +137,7 @@ def epochs_for(rows: Optional[int], objective: str = "sft") -> int:
 
 
 def steps(rows: int, epochs: int, objective: str = "sft") -> int:
-    per_step = ROWS_PER_STEP // GENERATIONS if objective == "grpo" else ROWS_PER_STEP
+    per_step = ROWS_PER_STEP // GENERATIONS if objectives.get(objective).generates else ROWS_PER_STEP
     return max(1, -(-rows * epochs // per_step))
 
 
@@ -149,13 +151,14 @@ def epochs_note(rows: int, objective: str = "sft") -> str:
 
 
 def _objective_lines(objective: str, answer: Optional[str], tiny: bool) -> list[str]:
-    if objective in ("dpo", "kto"):
-        # DPO: orpo, simpo and reward read the same rows (objective: ...). The reference is the model with the
+    record = objectives.get(objective)
+    if objective in objectives.PREFERENCE:
+        # The objectives that read the same rows (dpo's: orpo, simpo and reward). The reference is the model with the
         # adapter switched off (LoRA), so no second copy.
-        return [f"objective: {objective}" + ("                   # or orpo, simpo, reward: the same rows"
-                                             if objective == "dpo" else ""),
+        same = [o.name for o in objectives.OBJECTIVES.values() if o.row_format == record.row_format and o is not record]
+        return [f"objective: {objective}" + (f"                   # or {', '.join(same)}: the same rows" if same else ""),
                 "preference:", "  beta: 0.1"]
-    if objective != "grpo":
+    if not record.generates:
         return []
     if answer is None:
         rewards = ["    - {function: length, target: 64}   # a start: replace with your own (README: GRPO)"]

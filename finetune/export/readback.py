@@ -27,6 +27,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from finetune import objectives
 from finetune.export.prompt import TrainedPrompt, render
 
 _ROWS = 16
@@ -103,7 +104,7 @@ def rounded_like(model, types: dict[str, str], intermediate: Optional[str] = Non
 
 
 def _rows(model_dir: Path, source, prompt: TrainedPrompt, tokenizer) -> list[list[int]]:
-    if source.recipe is not None and source.recipe.objective == "sft":
+    if source.recipe is not None and objectives.get(source.recipe.objective).pretokenized:  # rows we tokenize
         try:
             from finetune.use.evaluate import eval_rows
 

@@ -13,8 +13,8 @@ from finetune.lint.deepspeed.context import RawFinding
 from finetune.lint.recipe_rules import written_here, rule
 from finetune.recipe import LoadedRecipe
 
-# Which keys of its section each objective reads: finetune.train.preference passes exactly these to TRL
-# (tests/test_objectives.py builds the TRL kwargs and compares).
+# Which keys of its section each objective reads: training passes exactly these to TRL (each objective's module in
+# finetune.train: config_kwargs; tests/test_objectives.py builds the TRL kwargs and compares).
 SECTION_KEYS = {o.name: o.keys for o in objectives.OBJECTIVES.values() if o.section}
 SECTIONS = sorted({o.section for o in objectives.OBJECTIVES.values() if o.section})
 
@@ -142,7 +142,7 @@ def grpo_rewards(loaded: LoadedRecipe) -> Iterator[RawFinding]:
     from finetune.rewards import syntax_problem
 
     r = loaded.recipe
-    if r.objective != "grpo":
+    if not objectives.get(r.objective).generates:
         return
     rewards = r.grpo.rewards
     if not rewards:
@@ -215,7 +215,7 @@ def group_problems(r, world: int) -> list[tuple[tuple[str, ...], str, str]]:
 @rule
 def reward_model_adapter(loaded: LoadedRecipe) -> Iterator[RawFinding]:
     r = loaded.recipe
-    if r.objective == "reward" and r.model.adapter is not None:
+    if objectives.get(r.objective).score_head and r.model.adapter is not None:
         # An SFT adapter is a causal-LM adapter; the reward model is a sequence classifier with a new head.
         yield RawFinding("R120", "error", ("model", "adapter"),
                          "a reward model starts a new score head on its base: an SFT adapter cannot be continued",
@@ -225,7 +225,7 @@ def reward_model_adapter(loaded: LoadedRecipe) -> Iterator[RawFinding]:
 @rule
 def grpo_reference_with_adapter(loaded: LoadedRecipe) -> Iterator[RawFinding]:
     r = loaded.recipe
-    if r.objective == "grpo" and r.model.adapter is not None and r.grpo.beta > 0:
+    if objectives.get(r.objective).reference == "beta" and r.model.adapter is not None and r.grpo.beta > 0:
         # trl 1.16 GRPOTrainer: a PEFT policy's reference is the model with its adapter switched off (is_peft_model).
         yield RawFinding("R118", "warning", ("grpo", "beta"),
                          "with model.adapter, GRPO's KL reference is the base model without the SFT adapter "

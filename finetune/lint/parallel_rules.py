@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Iterator, Optional
 
+from finetune import objectives
 from finetune.lint.deepspeed.context import RawFinding
 from finetune.lint.recipe_rules import RULES, rule
 from finetune.recipe import LoadedRecipe
@@ -205,7 +206,7 @@ def packed_under_ulysses(loaded: LoadedRecipe) -> Iterator[RawFinding]:
 @rule
 def ulysses_objective(loaded: LoadedRecipe) -> Iterator[RawFinding]:
     r = loaded.recipe
-    if r.parallel.sequence > 1 and r.objective != "sft":
+    if r.parallel.sequence > 1 and not objectives.get(r.objective).sequence_parallel:
         yield RawFinding("R145", "error", ("parallel", "sequence"),
                          f"objective {r.objective} with Ulysses: TRL's trainer computes its own loss on the 1/sp slice each "
                          "process holds; only the Trainer's sft loss averages the slices (deepspeed_sp_compute_loss)",

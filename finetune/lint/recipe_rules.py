@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable, Iterator
 
+from finetune import objectives
 from finetune.lint.deepspeed.context import RawFinding  # one finding type for every rule module; key = recipe path here
 from finetune.recipe import LoadedRecipe
 from finetune.recipe.references import DATA_SUFFIXES, MODEL_CONFIG, is_local, recipe_paths
@@ -401,7 +402,7 @@ def continued_adapter(loaded: LoadedRecipe) -> Iterator[RawFinding]:
     adapter = r.model.adapter
     if adapter is None:
         return
-    if r.objective == "sft":
+    if not objectives.get(r.objective).uses_trl:
         # The SFT runner builds a fresh adapter (finetune.train.model.prepare_model) and would ignore it.
         yield RawFinding("R120", "error", ("model", "adapter"),
                          "model.adapter is continued by the preference objectives (dpo, orpo, kto, simpo) only",

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Iterator
 
+from finetune import objectives
 from finetune.lint.deepspeed.context import RawFinding
 from finetune.lint.recipe_rules import RULES, rule
 from finetune.recipe import LoadedRecipe
@@ -43,7 +44,7 @@ def plain_trainer_limits(loaded: LoadedRecipe) -> Iterator[RawFinding]:
         (t.tiled_mlp, ("training", "tiled_mlp"), "TiledMLP is DeepSpeed's (ALST)"),
         (t.optimizer not in PLAIN_TRAINER_OPTIMIZERS, ("training", "optimizer"),
          f"optimizer {t.optimizer} is built by DeepSpeed here; the plain Trainer runs {', '.join(PLAIN_TRAINER_OPTIMIZERS)}"),
-        (r.objective != "sft", ("objective",), f"objective {r.objective} is tested under DeepSpeed only"),
+        (not objectives.get(r.objective).plain_trainer, ("objective",), f"objective {r.objective} is tested under DeepSpeed only"),
         ((r.world_size or 1) > 1, ("launch",), f"{r.world_size} processes: the plain Trainer path runs one process here"),
     ]
     for failing, key, why in checks:
@@ -83,7 +84,7 @@ def auto_without_choice(loaded: LoadedRecipe) -> Iterator[RawFinding]:
     r = loaded.recipe
     keys = r.auto_keys & {"training.micro_batch_size", "training.loss_kernel"}
     raw_training = loaded.raw.get("training") if isinstance(loaded.raw.get("training"), dict) else {}
-    why = f"objective {r.objective}" if r.objective != "sft" else \
+    why = f"objective {r.objective}" if not objectives.get(r.objective).sized_by_plan else \
         ("parallel.sequence" if r.parallel.sequence > 1 else None)
     if why is None:
         return

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Iterator, Optional
 
+from finetune import objectives
 from finetune.lint.deepspeed.context import RawFinding
 from finetune.lint.recipe_rules import RULES, rule
 from finetune.recipe import LoadedRecipe
@@ -62,7 +63,7 @@ def vision_model(loaded: LoadedRecipe) -> Iterator[RawFinding]:
         if getattr(r.data, key):
             yield RawFinding("R170", "error", ("data", key), f"data.{key} with a vision-language model: a row's images "
                              "travel with its tokens, which packing would mix with other rows'", f"set data.{key}: false")
-    if r.objective != "sft":
+    if not objectives.get(r.objective).vision:
         yield RawFinding("R172", "error", ("objective",), f"objective {r.objective} with a vision-language model: only "
                          "sft reads rows with images so far (TRL's trainers would drop the images)", "use objective: sft")
     for key in ("sequence", "tensor"):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from finetune import objectives
 from finetune.plan.archs import LAYER_LINEARS
 from finetune.plan.loss import loss_working_set
 from finetune.plan.params import param_groups
@@ -282,7 +283,8 @@ def backward_end_terms(setup: Setup, terms: list[Term]) -> list[Term]:
     from the start of backward, as large). With gradient accumulation the gradients are alive in backward
     already, and the backward phase holds this moment."""
     arch = setup.arch
-    if setup.deepspeed or arch is None or setup.objective != "sft" or setup.gradient_accumulation > 1:
+    if setup.deepspeed or arch is None or objectives.get(setup.objective).uses_trl \
+            or setup.gradient_accumulation > 1:  # TRL's step frees its tensors its own way
         return []
     e, tokens = setup.element_bytes, setup.micro_batch * setup.seq_len
     per_layer = layer_activation_bytes(setup)

@@ -28,6 +28,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from finetune import objectives
 from finetune.plan.recommendation import SATURATION_TOKENS, compute_cost
 from finetune.plan.result import gib
 from finetune.plan.setup import PlanError
@@ -106,7 +107,8 @@ def engine_choice(recipe, machine: Machine) -> tuple[bool, str]:
         (offload, "offload needs DeepSpeed's engine"),
         (recipe.method == "full", "a full fine-tune keeps fp32 master weights in DeepSpeed's optimizer (the plain "
                                   "Trainer would step the 16-bit weights themselves)"),
-        (recipe.objective != "sft", f"objective {recipe.objective}: TRL's trainer is tested under DeepSpeed here"),
+        (not objectives.get(recipe.objective).plain_trainer,
+         f"objective {recipe.objective}: TRL's trainer is tested under DeepSpeed here"),
         (ds.stage == 3, "ZeRO-3 was asked for (deepspeed.stage: 3)"),
         (recipe.parallel.model_parallel > 1, "sequence or tensor parallelism is DeepSpeed's"),
         (t.tiled_mlp, "training.tiled_mlp is DeepSpeed's TiledMLP"),
@@ -151,9 +153,9 @@ def memory_choices(recipe, machine: Machine, keys: frozenset) -> tuple[Any, list
     from finetune.plan.planner import plan
 
     t = recipe.training
-    sft = recipe.objective == "sft" and recipe.parallel.sequence == 1
-    micro_auto = MICRO in keys and sft
-    kernel_auto = KERNEL in keys and sft
+    sized = objectives.get(recipe.objective).sized_by_plan and recipe.parallel.sequence == 1
+    micro_auto = MICRO in keys and sized
+    kernel_auto = KERNEL in keys and sized
     rows = t.gradient_accumulation_steps * (1 if MICRO in keys else t.micro_batch_size)
     micros = sorted(_divisors(rows), reverse=True) if micro_auto else [t.micro_batch_size]
     checkpointing = [False, True] if CHECKPOINTING in keys and not t.activation_offload else [t.gradient_checkpointing]
@@ -200,7 +202,8 @@ def _explain(recipe, machine: Machine, keys: frozenset, rows: int, chosen: _Cand
         choices.append(Choice(CHECKPOINTING, chosen.checkpointing, reason))
     if KERNEL in keys:
         if not kernel_auto:
-            reason = f"objective {recipe.objective}: the loss is TRL's own" if recipe.objective != "sft" else \
+            reason = f"objective {recipe.objective}: the loss is TRL's own" \
+                if not objectives.get(recipe.objective).sized_by_plan else \
                 "parallel.sequence: the loss is Ulysses' own"
         elif not fits:
             reason = note
@@ -215,7 +218,8 @@ def _explain(recipe, machine: Machine, keys: frozenset, rows: int, chosen: _Cand
     if MICRO in keys:
         accumulation = rows // chosen.micro
         if not micro_auto:
-            reason = f"objective {recipe.objective}: one row per forward" if recipe.objective != "sft" else \
+            reason = f"objective {recipe.objective}: one row per forward" \
+                if not objectives.get(recipe.objective).sized_by_plan else \
                 "parallel.sequence: one row per forward"
         elif not fits:
             reason = note

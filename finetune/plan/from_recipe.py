@@ -99,7 +99,7 @@ def _setup_from_recipe(recipe, gpus, gpu_memory_bytes, nodes, cpu_memory_bytes, 
         from finetune.plan.data_lengths import data_seq_len
 
         seq_len, data_note = data_seq_len(recipe)
-    if recipe.objective == "grpo":  # a trained row is a prompt (data.max_length: its budget) + its completion
+    if objectives.get(recipe.objective).generates:  # a trained row is a prompt (data.max_length: its budget) + its completion
         seq_len += recipe.grpo.max_completion_length
     vision = _vision(recipe, seq_len, data_lengths)
     if vision is not None:  # the language model's Arch, and the tower and projector beside it
@@ -146,7 +146,7 @@ def _setup_from_recipe(recipe, gpus, gpu_memory_bytes, nodes, cpu_memory_bytes, 
         objective=recipe.objective,
         reference_model=has_reference_model(recipe),
         generation_sequences=(recipe.training.micro_batch_size * recipe.training.gradient_accumulation_steps
-                              if recipe.objective == "grpo" else 0),
+                              if objectives.get(recipe.objective).generates else 0),
         reference_adapter=(objectives.get(recipe.objective).reference == "preference" and recipe.method != "full"
                            and recipe.model.adapter is not None and recipe.preference.reference.mode == "adapter_disabled"),
         vision=vision,

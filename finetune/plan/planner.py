@@ -12,7 +12,8 @@ from finetune.plan.constants import (
 )
 from finetune.plan.parallel import offload_activations, parallel_terms, tile_mlp
 from finetune.plan.params import ParamGroup, four_bit_bytes, param_groups
-from finetune.plan.preference import generation_terms, reference_terms
+from finetune.plan.grpo import generation_terms
+from finetune.plan.preference import reference_terms
 from finetune.plan.result import PlanResult
 from finetune.plan.setup import Setup, Term, overflow_as_plan_error
 from finetune.plan.vision import vision_notes, vision_terms

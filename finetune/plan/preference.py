@@ -1,5 +1,6 @@
-"""What a preference objective (recipe `objective`) adds to a plan: rows per example, TRL's log-prob
-kernel and the reference model. The rest of the memory model is the SFT one (finetune.plan.activations).
+"""What a TRL objective (recipe `objective`) adds to a plan: rows per example, TRL's log-prob kernel and the
+reference model (GRPO's generation phase: finetune.plan.grpo). The rest of the memory model is the SFT one
+(finetune.plan.activations).
 
 Read off TRL 1.16:
 - DPO, ORPO and SimPO (CPOTrainer) run chosen and rejected as one concatenated batch of 2 x micro_batch
@@ -64,26 +65,3 @@ def has_reference_model(recipe) -> bool:
     if record.reference == "beta":
         return recipe.grpo.beta > 0 and recipe.method == "full"
     return False
-
-
-def generation_terms(setup: Setup) -> list[Term]:
-    """GRPO's generation phase (trl GRPOTrainer with transformers' generate): each GPU generates its whole
-    generation batch at once (micro_batch x gradient_accumulation_steps completions), with a KV cache of
-    2 (K, V) x layers x kv_heads x head_dim per token; under ZeRO-3 TRL first gathers every weight
-    (ds3_gather_for_generation, ms-swift #7986). Counted on top of the training peak: conservative, as the
-    two phases do not overlap in time."""
-    if not setup.generation_sequences or setup.arch is None:
-        return []
-    arch = setup.arch
-    head_dim = arch.head_dim or arch.hidden // arch.heads
-    per_token = 2 * arch.layers * arch.kv_heads * head_dim * setup.element_bytes
-    tokens = setup.generation_sequences * setup.seq_len
-    terms = [Term("activations", "generation KV cache", per_token * tokens,
-                  note=f"{setup.generation_sequences} completions x {setup.seq_len:,} tokens x 2 x {arch.layers} layers "
-                       f"x {arch.kv_heads} kv heads x {head_dim} x {setup.element_bytes} B")]
-    if setup.deepspeed and setup.stage == 3 and setup.world > 1:
-        size = four_bit_bytes(setup.params) if setup.method == "qlora" else setup.params * setup.element_bytes
-        gathered = size - math.ceil(size / setup.world)
-        terms.append(Term("weights", "weights gathered for generation", gathered,
-                          note=f"ZeRO-3: the other {setup.world - 1}/{setup.world} of the weights, gathered while generating"))
-    return terms

@@ -129,7 +129,7 @@ class Setup:
     objective: str = "sft"
     reference_model: bool = False
     reference_adapter: bool = False  # TRL's frozen copy of a continued adapter (model.adapter)
-    generation_sequences: int = 0  # GRPO: completions one GPU generates at once (finetune/plan/preference.py)
+    generation_sequences: int = 0  # GRPO: completions one GPU generates at once (finetune/plan/grpo.py)
     # parallel.sequence / parallel.tensor (finetune/plan/parallel.py): seq_len and arch are already one process's
     sequence: int = 1
     tensor: int = 1
@@ -171,7 +171,8 @@ class Setup:
         if self.deepspeed and self.stage == 3 and self.offload_param != "none":
             parts.append(f"params->{self.offload_param}")
         parts.append(f"on {where}")
-        rows = "" if self.objective == "sft" else f" ({self.objective}: {objectives.get(self.objective).row_label})"
+        label = objectives.get(self.objective).row_label  # none for sft: a row is a sequence
+        rows = f" ({self.objective}: {label})" if label else ""
         parts.append(f"micro batch {self.micro_batch}{rows} x {self.seq_len} tokens")
         parts.append("checkpointing" if self.gradient_checkpointing else "no checkpointing")
         parts.append(self.attn)

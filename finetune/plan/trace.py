@@ -30,6 +30,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from finetune import objectives
 from finetune.units import GiB, MiB, gib_text
 from finetune.plan.setup import PlanError, Setup
 from finetune.plan.states import trainable_weight_bytes
@@ -394,7 +395,7 @@ def _trace(setup: Setup, config: Optional[dict], extrapolate: bool) -> TraceResu
     layer: a model deeper than 4 layers is traced at 2, 3 and 4 layers, and when the two differences
     agree to the byte for every place and kind, extrapolated to its depth (else traced whole; _extrapolate).
     tests/plan/trace/test_trace.py checks the extrapolation against a full-depth trace."""
-    if setup.objective != "sft":
+    if objectives.get(setup.objective).uses_trl:  # TRL's step is not the Trainer's causal-LM step traced here
         raise PlanError(f"--trace runs the SFT step only (objective {setup.objective} is planned analytically)")
     if setup.loss_kernel == "liger":
         raise PlanError("--trace cannot run Liger's loss kernel (Triton, CUDA only); it is planned analytically")

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
 
+from finetune import objectives
 from finetune.errors import FinetuneError
 from finetune.export.gguf_export import EXPORT_RECORD
 from finetune.recipe.references import MODEL_CONFIG, is_model_dir
@@ -107,7 +108,7 @@ def _from_run(run) -> Publication:
     name = recipe.name or run.path.name
     pub = Publication("adapter", name, run.path, recipe=recipe, summary=_json(run.path / SUMMARY_FILE),
                       evals=_json(run.path / EVAL_FILE))
-    if recipe.objective == "reward":
+    if objectives.get(recipe.objective).score_head:
         raise PublishError(f"{run.path} is a reward model (a score head): publish supports language models")
     if run.has_model():
         pub.kind, pub.relation = "model", "finetune"

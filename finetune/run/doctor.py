@@ -22,6 +22,7 @@ import sys
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Optional
 
+from finetune import objectives
 from finetune.hints import runnable
 from finetune.run.machine import BF16_MIN_CAPABILITY, PACKAGES, Facts, collect_facts, package_version
 from finetune.run.requirements import extra_floors, python_requirement, satisfies
@@ -220,7 +221,8 @@ def checks_for_recipe(recipe: "Recipe", facts: Optional[Facts] = None) -> list[C
                                 "use training.loss_kernel: chunked with ZeRO-3"))
     checks += nvcc_checks(recipe, facts)
     checks += build_tool_checks(facts, recipe)
-    checks += vllm_checks(recipe.grpo.vllm, facts) if recipe.objective == "grpo" and recipe.grpo.vllm != "off" else []
+    checks += vllm_checks(recipe.grpo.vllm, facts) if objectives.get(recipe.objective).generates \
+        and recipe.grpo.vllm != "off" else []
     checks += parallel_checks(recipe, facts)
     checks += device_checks(recipe, facts)
     checks += stop_timeout_checks(recipe, facts)

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
+from finetune import objectives
 from finetune.recipe import LoadedRecipe, Recipe
 from finetune.recipe.references import is_local, is_model_path
 from finetune.builtin import is_builtin
@@ -157,7 +158,7 @@ def rewards_step(recipe: Recipe, result: Preflight, world_size: Optional[int] = 
     """GRPO: every reward function imported and called on the data's first row (finetune.rewards.preflight):
     a bad one is one line naming it here, not a traceback in every rank after the model loaded. With the
     process count known only now (procs_per_node: auto), the groups are checked again (lint R121)."""
-    if recipe.objective != "grpo":
+    if not objectives.get(recipe.objective).generates:
         return
     from finetune.lint.objective_rules import group_problems
     from finetune.rewards import preflight

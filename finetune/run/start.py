@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Callable, Optional
 
+from finetune import objectives
 from finetune.run.doctor import recipe_imports
 from finetune.run.machine import collect_facts
 from finetune.render import resolved_output_dir
@@ -184,7 +185,7 @@ def tokenize_before_launch(loaded: LoadedRecipe, log: Callable[[str], None], num
     finetune.data.prepare.Prepared result, or None for preference objectives (TRL tokenizes their rows in
     the ranks). Raises finetune.data.tokenize.DataError, naming file and line, on a row it cannot use."""
     recipe = loaded.recipe
-    if recipe.objective != "sft":
+    if not objectives.get(recipe.objective).pretokenized:
         return None
     from finetune.builtin import ensure_builtin_model, is_builtin
     from finetune.data.cache_root import tokenized_root

@@ -1,6 +1,6 @@
-"""GRPO and reward models inside the per-rank runner (finetune.train.runner), beside the preference objectives
-of finetune.train.preference: what differs is the reward functions handed to TRL's GRPOTrainer, the reward
-model's sequence-classification head, and the batch final_logits.safetensors is computed on.
+"""objective grpo inside the per-rank runner (finetune.train.runner): the steps of every TRL objective
+(finetune.train.preference.TrlSteps), with the reward functions handed to TRL's GRPOTrainer, a few completions
+written for report.html, and the prompts as the batch final_logits.safetensors is computed on.
 
 GRPO (trl 1.16 GRPOTrainer): each rank generates its generation batch (micro_batch_size x
 gradient_accumulation_steps completions, num_generations per prompt) with transformers' generate, scores every
@@ -16,11 +16,29 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from finetune.recipe import Recipe
+from finetune.train.preference import TrlSteps
+
+
+def config_kwargs(recipe: Recipe) -> dict[str, Any]:
+    """GRPOConfig: TRL 1.16 has no prompt limit (data.max_length is not passed); the rewards' weights go in
+    reward_weights, in the order of the reward functions (`reward_functions`)."""
+    g = recipe.grpo
+    out = {"num_generations": g.num_generations, "max_completion_length": g.max_completion_length,
+           "temperature": g.temperature, "beta": g.beta, "loss_type": g.loss_type, "scale_rewards": g.scale_rewards,
+           "num_iterations": g.num_iterations, "epsilon": g.epsilon,
+           "reward_weights": [float(r.weight) for r in g.rewards], "use_vllm": g.vllm != "off",
+           # The runner trains with config.use_cache off (packing masks); generation wants its KV cache.
+           "generation_kwargs": {"use_cache": True},
+           # The recipe's columns go to the rewards: TRL must not drop the ones the model does not take.
+           "remove_unused_columns": False}
+    if g.vllm != "off":
+        out["vllm_mode"] = g.vllm
+    return out
 
 
 def reward_functions(recipe: Recipe) -> list[Callable]:
     """The recipe's rewards as TRL calls them, each under its own name (TRL logs `rewards/<name>/mean`);
-    their weights go to GRPOConfig.reward_weights in the same order (finetune.train.preference)."""
+    their weights go to GRPOConfig.reward_weights in the same order (`config_kwargs`)."""
     from finetune import rewards
 
     out = []
@@ -38,19 +56,6 @@ def prompt_ids(row: dict[str, Any], tokenizer) -> list[int]:
         ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
     return list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
-
-
-def load_reward_model(recipe: Recipe, model_path: str, pad_token_id: int):
-    """objective reward: the base model with a one-score head (AutoModelForSequenceClassification,
-    num_labels 1, as TRL's RewardTrainer wants it). The head reads the last non-pad token, so the config
-    needs the pad id."""
-    from transformers import AutoModelForSequenceClassification
-
-    from finetune.train.model import model_kwargs
-
-    model = AutoModelForSequenceClassification.from_pretrained(model_path, num_labels=1, **model_kwargs(recipe))
-    model.config.pad_token_id = pad_token_id
-    return model
 
 
 SAMPLES_PER_STEP = 4  # completions written to RUN/completions.jsonl (finetune.train.report.SAMPLES_FILE) per step
@@ -92,3 +97,26 @@ def completion_samples(run_dir, max_steps: int):
                         "advantage": advantages[i] if i < len(advantages) else None}) + "\n")
 
     return CompletionSamples()
+
+
+class GrpoSteps(TrlSteps):
+    def config_kwargs(self) -> dict[str, Any]:
+        return config_kwargs(self.recipe)
+
+    def trainer_kwargs(self) -> dict[str, Any]:
+        return {**super().trainer_kwargs(), "reward_funcs": reward_functions(self.recipe)}
+
+    def make_trainer(self, model, args, train_set, eval_set, tokenizer, callbacks, model_path: str):
+        samples = completion_samples(self.run_dir, args.max_steps)  # a few completions and their rewards, for report.html
+        trainer = super().make_trainer(model, args, train_set, eval_set, tokenizer, [*callbacks, samples], model_path)
+        samples.trainer = trainer
+        return trainer
+
+    def first_sequences(self, dataset, tokenizer, size: int) -> list[list[int]]:
+        """The prompts (GRPO keeps its rows raw; the completions are generated)."""
+        return [prompt_ids(dataset[i], tokenizer) for i in range(min(size, len(dataset)))]
+
+    def summary_extra(self, log_history: list[dict[str, Any]]) -> dict[str, Any]:
+        out = super().summary_extra(log_history)
+        out["mean_reward"] = out["preference_metrics"].get("reward")  # TRL logs `reward`: the weighted sum, mean over the step's completions
+        return out

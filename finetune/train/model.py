@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from finetune import objectives
 from finetune.recipe import Recipe
 
 
@@ -87,7 +88,7 @@ def lora_config(recipe: Recipe, model=None):
     vision = lora_kwargs(recipe)  # a VLM: the tower and projector out of "all-linear" unless opted in
     return LoraConfig(
         # A reward model's score head is new: SEQ_CLS makes peft train and save it (modules_to_save `score`).
-        task_type="SEQ_CLS" if recipe.objective == "reward" else "CAUSAL_LM",
+        task_type="SEQ_CLS" if objectives.get(recipe.objective).score_head else "CAUSAL_LM",
         r=lora.r,
         # An integer when it is one: the schema types alpha as a float, and adapter_config.json's `32.0` is refused by
         # Ollama's adapter import, which reads lora_alpha as an unsigned integer (issue 36, finetune.serve).

@@ -1,13 +1,14 @@
-"""TRL's objectives (dpo, orpo, kto, simpo; grpo and reward with finetune.train.grpo) inside the per-rank
-runner, with TRL's trainers; which trainer and which recipe keys is finetune.objectives' table.
+"""TRL's preference objectives (dpo, orpo, kto, simpo) inside the per-rank runner, and the steps every TRL objective
+shares (`TrlSteps`: finetune.train.grpo and finetune.train.reward change what differs for theirs); which trainer
+and which recipe keys is finetune.objectives' table.
 
 The runner (finetune.train.runner) stays the spine: the same process group, DeepSpeed config, callbacks,
-checkpoints, resume and save_weights. This module only swaps what differs from SFT:
+checkpoints, resume and save_weights. The steps (finetune.train.objective_steps) swap what differs from SFT:
 
-- the arguments class: TRL's config (a TrainingArguments subclass) with the recipe's `preference` keys;
-- the data: raw rows (prompt/chosen/rejected, or prompt/completion/label for kto), as text or as chat
+- arguments: TRL's config (a TrainingArguments subclass) with the recipe's `preference` keys;
+- datasets: raw rows (prompt/chosen/rejected, or prompt/completion/label for kto), as text or as chat
   messages. TRL tokenizes them itself (its chat-template handling, EOS, truncation), so no SFT tokenizing;
-- the model: a fresh LoRA adapter is handed to TRL as a `peft_config` (TRL wraps the model; the reference is
+- model: a fresh LoRA adapter is handed to TRL as a `peft_config` (TRL wraps the model; the reference is
   the same model with the adapter switched off). A continued adapter (`model.adapter`) is loaded trainable;
   TRL then copies it into a frozen adapter named `ref`, so the reference is the SFT policy, not the bare base;
 - the reference for full fine-tunes: a second model loaded after TrainingArguments, so under ZeRO-3 it is built
@@ -22,7 +23,7 @@ Which trainer (trl 1.16): DPOTrainer and KTOTrainer are in `trl`; ORPOTrainer an
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from finetune import objectives
 from finetune.recipe import Recipe
@@ -48,13 +49,6 @@ def trl_classes(recipe: Recipe) -> tuple[Any, Any]:
         warnings.simplefilter("ignore")
         module = importlib.import_module(record.trl_module)
     return getattr(module, record.trl_config), getattr(module, record.trl_trainer)
-
-
-def arguments(recipe: Recipe, training_arguments_class, kwargs: dict[str, Any]):
-    """TrainingArguments for sft; TRL's config class (a subclass) with the objective's keys otherwise."""
-    if not objectives.get(recipe.objective).uses_trl:
-        return training_arguments_class(**kwargs)
-    return trl_classes(recipe)[0](**{**kwargs, **config_kwargs(recipe)})
 
 
 # One function per objective: the TRL config keys the recipe sets, only those the objective reads (lint R118
@@ -96,32 +90,11 @@ def _simpo(recipe: Recipe) -> dict[str, Any]:
             "label_smoothing": p.label_smoothing}
 
 
-def _grpo(recipe: Recipe) -> dict[str, Any]:
-    """GRPOConfig: TRL 1.16 has no prompt limit (data.max_length is not passed); the rewards' weights go in
-    reward_weights, in the order of the reward functions (finetune.train.grpo.reward_functions)."""
-    g = recipe.grpo
-    out = {"num_generations": g.num_generations, "max_completion_length": g.max_completion_length,
-           "temperature": g.temperature, "beta": g.beta, "loss_type": g.loss_type, "scale_rewards": g.scale_rewards,
-           "num_iterations": g.num_iterations, "epsilon": g.epsilon,
-           "reward_weights": [float(r.weight) for r in g.rewards], "use_vllm": g.vllm != "off",
-           # The runner trains with config.use_cache off (packing masks); generation wants its KV cache.
-           "generation_kwargs": {"use_cache": True},
-           # The recipe's columns go to the rewards: TRL must not drop the ones the model does not take.
-           "remove_unused_columns": False}
-    if g.vllm != "off":
-        out["vllm_mode"] = g.vllm
-    return out
-
-
-def _reward(recipe: Recipe) -> dict[str, Any]:
-    return {"max_length": recipe.data.max_length}
-
-
-CONFIG_KWARGS = {"dpo": _dpo, "kto": _kto, "orpo": _orpo, "simpo": _simpo, "grpo": _grpo, "reward": _reward}
+CONFIG_KWARGS = {"dpo": _dpo, "kto": _kto, "orpo": _orpo, "simpo": _simpo}
 
 
 def config_kwargs(recipe: Recipe) -> dict[str, Any]:
-    """The TRL config keys the recipe sets for its objective."""
+    """The TRL config keys the recipe sets for its preference objective."""
     return CONFIG_KWARGS[recipe.objective](recipe)
 
 
@@ -196,20 +169,6 @@ def load_reference(recipe: Recipe, model_path: str):
     return reference
 
 
-def make_trainer(recipe: Recipe, model, ref_model, peft_config, args, train_set, eval_set, tokenizer, callbacks):
-    _, trainer_class = trl_classes(recipe)
-    trainer_class = _counting_pairs(trainer_class)
-    kwargs: dict[str, Any] = {"model": model, "args": args, "train_dataset": train_set, "eval_dataset": eval_set,
-                              "processing_class": tokenizer, "callbacks": callbacks, "peft_config": peft_config}
-    if objectives.get(recipe.objective).reference == "preference":
-        kwargs["ref_model"] = ref_model
-    if recipe.objective == "grpo":
-        from finetune.train.grpo import reward_functions
-
-        kwargs["reward_funcs"] = reward_functions(recipe)
-    return trainer_class(**kwargs)
-
-
 def _counting_pairs(trainer_class):
     """`trainer_class` counting the tokens of batches without `input_ids` (ORPO, CPO/SimPO: chosen_* and
     rejected_*), which transformers' Trainer skips with a warning every step: the run then ended with
@@ -235,19 +194,10 @@ def _counting_pairs(trainer_class):
     return Counted
 
 
-def fixed_batch(trainer, pad_id: int, size: int, max_length: int) -> dict[str, Any]:
-    """prompt + chosen (kto: prompt + completion; grpo: the prompt) of the first tokenized rows, right-padded:
-    the batch final_logits.safetensors is computed on, as the SFT runner's first training sequences are."""
+def padded(rows: list[list[int]], pad_id: int) -> dict[str, Any]:
+    """Token rows right-padded with an attention mask: the batch final_logits.safetensors is computed on."""
     import torch
 
-    dataset = trainer.train_dataset
-    if "prompt" in dataset.column_names and "prompt_ids" not in dataset.column_names:  # GRPO keeps raw prompts
-        from finetune.train.grpo import prompt_ids
-
-        tokens = [prompt_ids(dataset[i], trainer.processing_class) for i in range(min(size, len(dataset)))]
-    else:
-        tokens = [_answered_sequence(dataset[i]) for i in range(min(size, len(dataset)))]
-    rows = [t[:max_length] for t in tokens]
     width = max(len(r) for r in rows)
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(rows), width), dtype=torch.long)
@@ -284,19 +234,78 @@ def metric_summary(log_history: list[dict[str, Any]]) -> dict[str, dict[str, flo
     return out
 
 
-def summary_extra(recipe: Recipe, log_history: list[dict[str, Any]]) -> dict[str, Any]:
-    """summary.json's keys for the objective: which one, and the preference metrics' first and last values."""
-    if not objectives.get(recipe.objective).uses_trl:
-        return {"objective": recipe.objective}
-    metrics = metric_summary(log_history)
-    out = {"objective": recipe.objective, "preference_metrics": metrics}
-    if recipe.objective == "grpo":  # TRL logs `reward`: the weighted sum, mean over the step's completions
-        out["mean_reward"] = metrics.get("reward")
-    return out
-
-
 def summary_line(metrics: dict[str, dict[str, float]]) -> str:
     parts = [f"{name} {metrics[name]['first']:.3f} -> {metrics[name]['last']:.3f}"
              for name in ("rewards/margins", "rewards/accuracies", "reward", "kl", "completions/mean_length",
                           "accuracy", "margin") if name in metrics]
     return ", ".join(parts) or "no reward metrics logged"
+
+
+# ------------------------------------------------------------------------------------------------
+# The steps (finetune.train.objective_steps)
+
+
+class TrlSteps:
+    """The steps of a TRL objective's run; a subclass sets `config_kwargs` and changes what its objective does
+    differently (finetune.train.grpo, finetune.train.reward)."""
+
+    host_counts = False  # TRL's trainers collate their own batches: the Trainer counts their tokens
+
+    def __init__(self, recipe: Recipe, run_dir: Path):
+        self.recipe, self.run_dir = recipe, run_dir
+        self.peft_config = self.ref_model = None
+
+    def config_kwargs(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def arguments(self, training_arguments_class, kwargs: dict[str, Any]):
+        """TRL's config class (a TrainingArguments subclass) with the objective's keys."""
+        return trl_classes(self.recipe)[0](**{**kwargs, **self.config_kwargs()})
+
+    def datasets(self, tokenizer, model_path: str, is_main: bool, args_kwargs: dict[str, Any], on_cpu: bool):
+        """Raw rows: TRL's trainer tokenizes them (chat template, EOS, truncation) and collates."""
+        return split_rows(self.recipe)
+
+    def load_model(self, model_path: str, tokenizer):
+        from finetune.train.model import load_model
+
+        return load_model(self.recipe, model_path)
+
+    def prepare(self, model, model_path: str):
+        """The adapter is TRL's to add (peft_config), or continued from model.adapter; maybe a reference model."""
+        model, self.peft_config, self.ref_model = prepare_policy(model, self.recipe, model_path)
+        return model
+
+    def trainer_kwargs(self) -> dict[str, Any]:
+        """What the objective's trainer takes beyond the common arguments."""
+        return {"ref_model": self.ref_model} if objectives.get(self.recipe.objective).reference == "preference" else {}
+
+    def make_trainer(self, model, args, train_set, eval_set, tokenizer, callbacks, model_path: str):
+        trainer_class = _counting_pairs(trl_classes(self.recipe)[1])
+        return trainer_class(model=model, args=args, train_dataset=train_set, eval_dataset=eval_set,
+                             processing_class=tokenizer, callbacks=callbacks, peft_config=self.peft_config,
+                             **self.trainer_kwargs())
+
+    def first_sequences(self, dataset, tokenizer, size: int) -> list[list[int]]:
+        """prompt + chosen (kto: prompt + completion) of the first tokenized rows, as the SFT runner's first
+        training sequences are."""
+        return [_answered_sequence(dataset[i]) for i in range(min(size, len(dataset)))]
+
+    def fixed_batch(self, trainer, train_set, pad_token_id: int, size: int, tokens: int) -> dict[str, Any]:
+        rows = self.first_sequences(trainer.train_dataset, trainer.processing_class, size)
+        return padded([r[:min(self.recipe.data.max_length, tokens)] for r in rows], pad_token_id)
+
+    def save_beside_tokenizer(self, folder: Path) -> None:
+        pass
+
+    def summary_extra(self, log_history: list[dict[str, Any]]) -> dict[str, Any]:
+        """summary.json's keys for the objective: which one, and the preference metrics' first and last values."""
+        return {"objective": self.recipe.objective, "preference_metrics": metric_summary(log_history)}
+
+    def summary_line(self, summary: dict[str, Any]) -> Optional[str]:
+        return summary_line(summary["preference_metrics"]) if summary.get("preference_metrics") else None
+
+
+class PreferenceSteps(TrlSteps):
+    def config_kwargs(self) -> dict[str, Any]:
+        return config_kwargs(self.recipe)

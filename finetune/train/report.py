@@ -20,6 +20,7 @@ import json
 from pathlib import Path
 from typing import Any, Optional
 
+from finetune import objectives
 from finetune.fsutil import write_atomic
 from finetune.rundir.names import (
     AUTO_FILE, BENCHMARKS_KEY, DEEPSPEED_EFFECTIVE_FILE, DEEPSPEED_FILE, EVAL_FILE, PLOT_FILE, REPORT_FILE,
@@ -314,10 +315,10 @@ def render_report(run_dir: Path, plot_written: bool) -> str:
     else:
         plot = f"<p>No plot: matplotlib is not installed ({html.escape(PLOT_HINT)}).</p>"
     parts.append(_section("Loss and learning rate", plot))
-    objective = summary.get("objective", "sft")
-    if objective == "grpo":
+    objective = objectives.get(summary.get("objective", objectives.SFT.name))
+    if objective.generates:
         parts.extend(_grpo_sections(run_dir, summary))
-    elif objective != "sft":
+    elif objective.uses_trl:
         parts.append(_section("Preference rewards", _rewards_body(run_dir, summary)))
     memory = memory_rows(summary, per_gpu)
     note = ("<p>Planned: <code>finetune plan</code>'s per-GPU peak for this recipe on "

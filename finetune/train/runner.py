@@ -23,7 +23,8 @@ model. Creating the model first would make zero.Init see a world of one and fail
 
 Long because: run() is the one ordered sequence of a rank's life (process group, arguments, data, model, trainer,
 outputs) and its helpers are the run directory's outputs; the parts with a life of their own live beside it
-(preemption, parallel, universal, model, loss, callbacks, report).
+(preemption, parallel, universal, model, loss, callbacks, report), and what differs per objective is its module's
+steps (sft, preference, grpo, reward: finetune.train.objective_steps).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from typing import Any, Optional
 from finetune.recipe import Recipe
 from finetune.rundir.layout import read_run_dir
 from finetune.rundir.names import (
-    ADAPTER_CONFIG, ADAPTER_DIR, AUTO_FILE, DATA_MIX_FILE, ENV_FILE, FINAL_LOGITS_FILE, MODEL_DIR, REPORT_FILE,
+    ADAPTER_CONFIG, ADAPTER_DIR, AUTO_FILE, ENV_FILE, FINAL_LOGITS_FILE, MODEL_DIR, REPORT_FILE,
     SUMMARY_FILE, TENSORBOARD_DIR, TOKENIZER_DIR, ZERO_CHECKPOINT_DIR,
 )
 from finetune.rundir.run_dir import command_line
@@ -191,27 +192,13 @@ def _record_base_model(config_path: Path, base: str) -> None:
     _write_json(config_path, config)
 
 
-def fixed_batch(dataset, pad_token_id: int) -> dict[str, Any]:
-    """The first LOGITS_BATCH training examples (a packed block's one by one), each cut to LOGITS_TOKENS
-    tokens and right-padded with an attention mask: a batch every attention kernel reads the same way."""
-    from finetune.data.packing import Collator, split_packed
-
-    examples: list[dict[str, list[int]]] = []
-    for i in range(len(dataset)):
-        examples += split_packed(dataset[i])
-        if len(examples) >= LOGITS_BATCH:
-            break
-    rows = [{k: v[:LOGITS_TOKENS] for k, v in e.items()} for e in examples[:LOGITS_BATCH]]
-    return Collator(pad_token_id)(rows)
-
-
 def save_final_logits(model, batch: dict[str, Any], device, path: Optional[Path]) -> None:
     """Forward the fixed batch in eval mode (every rank: ZeRO-3 gathers weights collectively).
 
     One sequence at a time, each one's logits moved to the CPU before the next: the whole batch's
     logits at once (and their float32 copy) held 4 x seq x vocab x 6 B on the GPU (5.9 GiB of whole
     2,048-token rows at Llama-3's 128,256 vocab: more than the training step's loss, after it).
-    The batch is right-padded rows with an attention mask (`fixed_batch`, preference.fixed_batch).
+    The batch is right-padded rows with an attention mask (the objective's `fixed_batch`: finetune.train.sft).
     """
     import torch
     from safetensors.torch import save_file
@@ -296,23 +283,20 @@ def run(run_dir: Path, resume: bool = False) -> None:
 
     import deepspeed
     import transformers
-    from transformers import Trainer, TrainingArguments
+    from transformers import TrainingArguments
 
     from finetune.builtin import ensure_builtin_model, is_builtin
-    from finetune.data.cache_root import tokenized_root
     from finetune.train.callbacks import EffectiveDeepSpeedConfig, LastStepLogged, LossPlot, ProgressLines, TrainClock
-    from finetune.train.counting import CountingTrainer
     from finetune.train.finite import FiniteGuard
-    from finetune.data.sources import section_for_tokenizing
-    from finetune.data.prepare import load_prepared, mix_report
-    from finetune.data.packing import make_collator
-    from finetune.data.tokenize import split_eval
-    from finetune.train import parallel, preference
-    from finetune.train.model import count_parameters, load_model, prepare_model
-    from finetune.train.vlm_model import install_guard, save_processor_files, vision_collator
+    from finetune.train import parallel
+    from finetune.train.model import count_parameters
+    from finetune.train.objective_steps import steps_of
+    from finetune.train.vlm_model import install_guard
     from finetune.tokenizer import load_tokenizer
 
     on_cpu = is_cpu_accelerator()
+    # The objective's steps, picked once: finetune.train.sft, preference (dpo, orpo, kto, simpo), grpo or reward.
+    steps = steps_of(recipe, run_dir)
     ds_config = adapt_deepspeed_config(ds_config, on_cpu)
     # 1. Process group first: TrainingArguments reads the world size from it, and zero.Init in
     #    from_pretrained computes the batch size from that.
@@ -323,9 +307,9 @@ def run(run_dir: Path, resume: bool = False) -> None:
     startup.mark("process_group")
     resilience = preemption.setup(run_dir, recipe, ds_config, args_kwargs, resume)
     ds_config, args_kwargs = resilience.ds_config, resilience.args_kwargs
-    # SFT batches come from our collator, which counts their tokens on the host (finetune.train.counting); TRL's
-    # trainers and Ulysses' data-loader adapter collate their own, so the Trainer counts those (a sync per batch).
-    host_counts = recipe.objective == "sft" and recipe.parallel.sequence == 1
+    # Our SFT collator counts the tokens on the host (finetune.train.counting); batches collated elsewhere (TRL's
+    # trainers, Ulysses' data-loader adapter) are counted by the Trainer, a sync per batch (SftSteps.host_counts).
+    host_counts = steps.host_counts
     engine = bool(recipe.deepspeed.enabled)  # false: transformers' Trainer alone (finetune.plan.auto decides auto)
     args_kwargs = {**args_kwargs, "output_dir": str(run_dir), **({"deepspeed": ds_config} if engine else {}),
                    "include_num_input_tokens_seen": "no" if host_counts else "non_padding"}
@@ -335,9 +319,9 @@ def run(run_dir: Path, resume: bool = False) -> None:
     if on_cpu:
         args_kwargs["use_cpu"] = True
     os.environ.setdefault("TENSORBOARD_LOGGING_DIR", str(run_dir / TENSORBOARD_DIR))
-    # 2. The DeepSpeed config, registered with transformers (before the model is created). Preference
-    #    objectives use TRL's config class, a TrainingArguments subclass with their own keys.
-    training_args = preference.arguments(recipe, TrainingArguments, args_kwargs)
+    # 2. The DeepSpeed config, registered with transformers (before the model is created). TRL's objectives use
+    #    its config class, a TrainingArguments subclass with their own keys.
+    training_args = steps.arguments(TrainingArguments, args_kwargs)
     _ = training_args.device  # sets the CUDA device of this rank (bitsandbytes quantizes onto it)
     is_main = training_args.process_index == 0
     world_size = training_args.world_size
@@ -350,38 +334,16 @@ def run(run_dir: Path, resume: bool = False) -> None:
         model_path = str(ensure_builtin_model(recipe.model.name_or_path)) if is_builtin(recipe.model.name_or_path) \
             else recipe.model.name_or_path
     tokenizer = load_tokenizer(recipe, model_path)
-    if recipe.objective == "sft":
-        # Tokenized by the launcher before this process started (finetune.run.start): memory-mapped, never made here.
-        section = section_for_tokenizing(recipe)
-        dataset = load_prepared(section, tokenizer, tokenized_root())
-        if is_main:  # the run directory says what it trained on: rows per source, dropped, mixed
-            _write_json(run_dir / DATA_MIX_FILE, mix_report(section, tokenizer, tokenized_root()))
-        train_set, eval_set = split_eval(dataset, recipe.data.validation_split, recipe.training.seed)
-        collator = make_collator(tokenizer.pad_token_id, recipe.model.attn_implementation, recipe.data.packing,
-                                 recipe.data.padding_free, counts=host_counts)
-        collator = parallel.wrap_collator(collator, args_kwargs, tokenizer.pad_token_id, recipe, on_cpu)
-        images, image_processor = vision_collator(recipe, model_path, tokenizer)  # a VLM: pixels too (issue 38)
-        collator = images or collator
-    else:  # raw rows: TRL's trainer tokenizes them (chat template, EOS, truncation) and collates
-        (train_set, eval_set), collator = preference.split_rows(recipe), None
-        images = image_processor = None
+    train_set, eval_set = steps.datasets(tokenizer, model_path, is_main, args_kwargs, on_cpu)
     startup.mark("data")
 
     # 4. The model, built partitioned under ZeRO-3, then LoRA and gradient checkpointing.
-    if recipe.objective == "reward":  # a one-score head on the base model (TRL's RewardTrainer)
-        from finetune.train.grpo import load_reward_model
-
-        model = load_reward_model(recipe, model_path, tokenizer.pad_token_id)
-    else:
-        model = load_model(recipe, model_path)
+    model = steps.load_model(model_path, tokenizer)  # reward: a one-score head on the base model
     check_packing_support(model, recipe)
     # No KV cache while training: it is for generation, and with one transformers skips the packed-
     # sequence mask (masking_utils). Restored before saving, so model/ generates with a cache.
     use_cache, model.config.use_cache = getattr(model.config, "use_cache", True), False
-    if recipe.objective == "sft":
-        model = prepare_model(model, recipe)
-    else:  # the adapter is TRL's to add (peft_config), or continued from model.adapter; maybe a reference model
-        model, peft_config, ref_model = preference.prepare_policy(model, recipe, model_path)
+    model = steps.prepare(model, model_path)  # TRL's: the adapter is TRL's to add; maybe a reference model
     parallel.apply_tiled_mlp(model, recipe.training)  # DeepSpeed ALST's TiledMLP when training.tiled_mlp
     tower_guard = install_guard(model, recipe, world_size)  # a VLM under several processes: every batch enters the tower
     if recipe.training.loss_kernel == "chunked":
@@ -398,23 +360,8 @@ def run(run_dir: Path, resume: bool = False) -> None:
     # (control.should_save).
     guard = FiniteGuard(run_dir, resilience.checkpoint, node_local=resilience.callback.node_local)
     callbacks = [guard, resilience.callback, clock, EffectiveDeepSpeedConfig(run_dir), LossPlot(run_dir), LastStepLogged()]
-    if recipe.objective == "sft":
-        from finetune.train.moe import logging_aux_loss, moe_identity
-
-        base = CountingTrainer if host_counts else Trainer
-        trainer_class = logging_aux_loss(base) if moe_identity(model_path) else base
-        trainer = trainer_class(model=model, args=training_args, train_dataset=train_set, eval_dataset=eval_set,
-                                data_collator=collator, processing_class=tokenizer, callbacks=callbacks)
-        clock.counter = getattr(trainer, "counted", None)
-    else:
-        if recipe.objective == "grpo":  # a few completions and their rewards, for report.html
-            from finetune.train.grpo import completion_samples
-
-            callbacks.append(completion_samples(run_dir, training_args.max_steps))
-        trainer = preference.make_trainer(recipe, model, ref_model, peft_config, training_args, train_set, eval_set,
-                                          tokenizer, callbacks)
-        if recipe.objective == "grpo":
-            callbacks[-1].trainer = trainer
+    trainer = steps.make_trainer(model, training_args, train_set, eval_set, tokenizer, callbacks, model_path)
+    clock.counter = getattr(trainer, "counted", None)  # a CountingTrainer's host counts (sft)
     trainable, total = count_parameters(trainer.model)
     _log_main(is_main)(f"parameters: {trainable:,} trainable of {total:,} ({recipe.method})")
     if os.environ.get("TQDM_DISABLE"):  # output relayed line by line (see finetune.run.launch.supervision): plain progress lines
@@ -442,15 +389,13 @@ def run(run_dir: Path, resume: bool = False) -> None:
     # 5. Outputs: the weights first, so that nothing after training can cost them.
     trainer.model.config.use_cache = use_cache
     saved = save_weights(trainer, recipe, ds_config, run_dir, is_main)
-    batch = fixed_batch(train_set, tokenizer.pad_token_id) if recipe.objective == "sft" else \
-        preference.fixed_batch(trainer, tokenizer.pad_token_id, LOGITS_BATCH, min(recipe.data.max_length, LOGITS_TOKENS))
+    batch = steps.fixed_batch(trainer, train_set, tokenizer.pad_token_id, LOGITS_BATCH, LOGITS_TOKENS)
     save_final_logits(trainer.model, batch, training_args.device, run_dir / FINAL_LOGITS_FILE if is_main else None)
     if is_main:
         tmp_tok = run_dir / ".tokenizer.partial"
         shutil.rmtree(tmp_tok, ignore_errors=True)
         tokenizer.save_pretrained(str(tmp_tok))
-        if image_processor is not None:  # the processor as trained (its image-size limits) beside the tokenizer
-            save_processor_files(image_processor, images.vm, tmp_tok)
+        steps.save_beside_tokenizer(tmp_tok)  # a VLM's processor as trained
         _replace_dir(tmp_tok, run_dir / TOKENIZER_DIR)
         extra = {"method": recipe.method, "zero_stage": recipe.deepspeed.stage if engine else None,
                  "deepspeed": engine, "output": saved,
@@ -460,7 +405,7 @@ def run(run_dir: Path, resume: bool = False) -> None:
                  "peak_memory_reserved_bytes": reserved if any(r is not None for r in reserved) else None,
                  "loss_kernel": recipe.training.loss_kernel, "startup": startup.split(clock), "steady": steady,
                  "auto": _read_json(run_dir / AUTO_FILE).get("values")}
-        extra.update(preference.summary_extra(recipe, trainer.state.log_history))
+        extra.update(steps.summary_extra(trainer.state.log_history))
         from finetune.train import moe
 
         extra.update(moe.summary_extra(recipe, model_path, trainer.state.log_history))
@@ -473,8 +418,9 @@ def run(run_dir: Path, resume: bool = False) -> None:
         _log_main(True)(f"done: {summary['steps']} steps, {loss_text(summary['loss_history'])}{aux}, "
                         f"{summary['tokens_per_second'] or 0:.0f} tokens/s; {saved}/ in {run_dir}")
         _log_main(True)(speed_line(summary))
-        if summary.get("preference_metrics"):
-            _log_main(True)(preference.summary_line(summary["preference_metrics"]))
+        line = steps.summary_line(summary)  # TRL's objectives: their reward metrics
+        if line is not None:
+            _log_main(True)(line)
         from finetune.train.report import write_run_report
 
         for note in write_run_report(run_dir, trainer.state.log_history):

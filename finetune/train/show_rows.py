@@ -15,6 +15,7 @@ from __future__ import annotations
 import types
 from typing import Any
 
+from finetune import objectives
 from finetune.data.show import Shown, ShowError, marked_text, nth_row
 from finetune.recipe import Recipe
 
@@ -26,14 +27,15 @@ def show_rows(recipe: Recipe, tokenizer, row_number: int = 1) -> list[Shown]:
     import datasets
 
     from finetune.data.formats import RowProblem, to_example
-    from finetune.train.preference import config_kwargs, trl_classes
+    from finetune.train.objective_steps import config_kwargs
+    from finetune.train.preference import trl_classes
 
     row, where, source = nth_row(recipe, row_number)
     try:
         values = to_example(row, source.spec).values
     except RowProblem as exc:
         raise ShowError(f"{where}: {exc}") from None
-    if recipe.objective == "grpo":
+    if objectives.get(recipe.objective).generates:
         return [_prompt(values, tokenizer, where)]
     config_class, trainer_class = trl_classes(recipe)
     import tempfile

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import json
 import logging
 import os
 import time
@@ -28,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
+from finetune import objectives
 from finetune.rundir.names import BENCHMARKS_KEY, EVAL_FILE
 from finetune.use.evaluate import EvalError, write_record
 INSTALL_HINT = "pip install 'finetune[eval]'"
@@ -308,7 +308,7 @@ def benchmark(run_dir: Path, tasks: list[Path], device: str = "auto", batch_size
         recipe = RunDir(run_dir).require().recipe()
     except RunDirError as exc:
         raise EvalError(str(exc)) from None
-    if recipe.objective == "reward":
+    if objectives.get(recipe.objective).score_head:
         raise EvalError(f"{run_dir} is a reward model (a score head): lm-eval tasks need a language model")
     started = time.perf_counter()
     load_tasks(configs)

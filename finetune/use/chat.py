@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from finetune import objectives
 from finetune.errors import FinetuneError
 from finetune.recipe import Recipe
 from finetune.data.show import trained_format
@@ -107,7 +108,7 @@ def format_why(recipe) -> str:
     """Why chat prompts this run's model the way trained_format says (printed beside the format)."""
     from finetune.data.show import prompt_kind
 
-    if recipe.objective in ("sft", "grpo"):
+    if objectives.get(recipe.objective).reads_data_format:
         return "as the run trained"
     kind = prompt_kind(recipe)
     if kind is None:

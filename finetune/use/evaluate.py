@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from finetune import objectives
 from finetune.errors import FinetuneError
 from finetune.rundir.names import BENCHMARKS_KEY, EVAL_FILE, SUMMARY_FILE
 
@@ -125,7 +126,7 @@ def check_data_file(data: Path, recipe, fmt: Optional[str] = None) -> None:
     from finetune.data.sources import Source, sources_of
     from finetune.data.validate import validate
 
-    if recipe.objective == "reward":  # finetune.use.reward_eval reads the file as the run's pairs
+    if objectives.get(recipe.objective).score_head:  # finetune.use.reward_eval reads the file as the run's pairs
         sources = sources_of(recipe.data.model_copy(update={"path": str(data), "sources": None}), "reward")
     else:
         sources = [Source(str(data), "train", file_spec(data, recipe.data, fmt))]
@@ -150,7 +151,7 @@ def eval_rows(run_dir: Path, recipe, tokenizer, data: Optional[Path], log: Calla
     from finetune.data.prepare import tokenize_for_training
     from finetune.data.tokenize import DataError, load_raw, split_eval, tokenize_examples
 
-    if recipe.objective != "sft" and data is None:
+    if not objectives.get(recipe.objective).perplexity and data is None:
         raise EvalError(f"{run_dir} trained with objective: {recipe.objective}: its preference rows have no loss to "
                         f"score; {SUMMARY_FILE} holds its rewards (pass --data FILE with SFT rows to score those)")
     from finetune.data.sources import describe, section_for_tokenizing
@@ -192,7 +193,7 @@ def evaluate(run_dir: Path, data: Optional[Path] = None, device: str = "auto", b
     if data is not None:
         check_data_file(Path(data), run_recipe, fmt)
     started = time.perf_counter()
-    if run_recipe.objective == "reward":  # a reward model: pairwise accuracy (finetune.use.reward_eval)
+    if objectives.get(run_recipe.objective).score_head:  # a reward model: pairwise accuracy (finetune.use.reward_eval)
         from finetune.use.reward_eval import evaluate_reward
 
         from finetune.fsutil import write_atomic

@@ -152,7 +152,7 @@ def test_builtin_rewards():
 
 
 def test_grpo_trl_config_reads_the_section_and_the_rewards_weights(write_recipe):
-    from finetune.train.preference import config_kwargs
+    from finetune.train.grpo import config_kwargs
 
     recipe = load_recipe(TINY / "grpo_lora_zero3.yaml").recipe
     kwargs = config_kwargs(recipe)

@@ -146,14 +146,15 @@ def test_final_logits_take_one_sequence_at_a_time_and_equal_the_batch(tmp_path, 
 def test_the_verification_batch_is_the_first_examples_cut_short_and_padded():
     """final_logits.safetensors holds the first 4 training examples (a packed block's one by one), their
     first LOGITS_TOKENS tokens each: a file of a few MB, not 4.2 GB for 2,048-token rows at a 128k vocab."""
-    from finetune.train.runner import LOGITS_BATCH, LOGITS_TOKENS, fixed_batch
+    from finetune.train.runner import LOGITS_BATCH, LOGITS_TOKENS
+    from finetune.train.sft import fixed_batch
 
     long = list(range(10, 10 + 3 * LOGITS_TOKENS))
     packed = {"input_ids": [5, 6, 7] + long, "labels": [-100, 6, 7] + long,
               "position_ids": [0, 1, 2] + list(range(len(long)))}  # two examples in one block
     rows = [packed, {"input_ids": [8, 9], "labels": [8, 9]}, {"input_ids": [3] * 5, "labels": [3] * 5},
             {"input_ids": [4] * 7, "labels": [4] * 7}]
-    batch = fixed_batch(rows, pad_token_id=0)
+    batch = fixed_batch(rows, 0, LOGITS_BATCH, LOGITS_TOKENS)
     assert batch["input_ids"].shape == (LOGITS_BATCH, LOGITS_TOKENS) and "position_ids" not in batch
     assert batch["input_ids"][0, :3].tolist() == [5, 6, 7] and batch["attention_mask"][0].sum() == 3
     assert batch["input_ids"][1].tolist() == long[:LOGITS_TOKENS] and batch["attention_mask"][1].all()
