@@ -144,7 +144,7 @@ def gradient_and_optimizer_terms(setup: Setup, groups: list[ParamGroup], trainab
         state_total = stored * states // 4 if setup.optimizer != "adamw_bnb_8bit" else trainable * 2
         # The Trainer's zero_grad (set_to_none) frees them after each step: they are made by backward and
         # live into the step, but not at the start of backward where the loss buffers peak (the trace,
-        # finetune/plan/trace.py, shows no gradient there).
+        # finetune/plan/trace/step.py, shows no gradient there).
         temporaries = foreach_adam_temporaries(setup)
         if setup.gradient_accumulation > 1:
             # transformers Trainer._inner_training_loop calls optimizer.step() and model.zero_grad() only at
@@ -173,7 +173,7 @@ def gradient_and_optimizer_terms(setup: Setup, groups: list[ParamGroup], trainab
                             note=f"{temporaries} moment-sized (optimizer_impl {setup.optimizer_impl})"))
         arch = setup.arch
         if setup.method == "full" and arch is not None and arch.tied:
-            # Backward's last step with tied embeddings (the trace, finetune/plan/trace.py): lm_head's weight
+            # Backward's last step with tied embeddings (the trace, finetune/plan/trace/step.py): lm_head's weight
             # gradient (mm) and embedding_dense_backward's are both vocab x hidden, and their sum becomes the
             # .grad: two embedding-sized tensors beside every gradient. Counted in the step phase, the one
             # that holds every gradient, beyond a foreach AdamW's temporaries (the optimizer runs after it).
