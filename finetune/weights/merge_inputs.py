@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from finetune.weights.safetensors_io import MergeError, read_json
+from finetune.weights.errors import MergeError
+from finetune.weights.safetensors_io import read_json
 from finetune.builtin import is_builtin
 from finetune.recipe.references import MODEL_CONFIG
 from finetune.rundir.run_dir import (
