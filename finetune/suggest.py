@@ -26,10 +26,9 @@ def close_matches(word: str, candidates: Iterable, n: int = 1, cutoff: float = C
     """Up to `n` of `candidates` (as strings, best first) close to `word`; with `ignore_case` compared in lower
     case and returned as spelled in `candidates`."""
     words = [str(c) for c in candidates]
-    if not ignore_case:
-        return difflib.get_close_matches(str(word), words, n=n, cutoff=cutoff)
-    spelled = {w.lower(): w for w in words}
-    return [spelled[m] for m in difflib.get_close_matches(str(word).lower(), list(spelled), n=n, cutoff=cutoff)]
+    spelled = {w.lower() if ignore_case else w: w for w in words}
+    asked = str(word).lower() if ignore_case else str(word)
+    return [spelled[m] for m in difflib.get_close_matches(asked, list(spelled), n=n, cutoff=cutoff)]
 
 
 def closest(word: str, candidates: Iterable, cutoff: float = CUTOFF, ignore_case: bool = False) -> str | None:
