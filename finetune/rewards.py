@@ -50,11 +50,11 @@ def syntax_problem(function: str) -> Optional[str]:
     if function in BUILTINS:
         return None
     if ":" not in function:
-        import difflib
+        from finetune.suggest import closest
 
-        guess = difflib.get_close_matches(function, BUILTINS, n=1, cutoff=0.6)
+        guess = closest(function, BUILTINS)
         return (f"`{function}` is not a built-in reward ({', '.join(BUILTINS)})"
-                + (f"; did you mean `{guess[0]}`?" if guess else "; give your own as `package.module:function`"))
+                + (f"; did you mean `{guess}`?" if guess else "; give your own as `package.module:function`"))
     if not _PATH_RE.match(function):
         return f"`{function}` is not `package.module:function` or `file.py:function`"
     return None

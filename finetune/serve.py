@@ -249,12 +249,13 @@ def run_context(run_dir: Path) -> Optional[ServeContext]:
     return ServeContext(name, base=base, adapter=adapter, chat_template=template, facts=adapter_facts(config))
 
 
-def next_steps(run_dir: Path, objective: str = "sft", *, report: bool = True,
+def next_steps(run_dir: Path, objective: str = "sft", *, for_report: bool = False,
                saved: Optional[list[str]] = None) -> list[tuple[str, str]]:
-    """(command, why) after a finished run, for `finetune train`'s `next:` lines and report.html alike (issue 39:
-    decided once): look at it, talk to it, score it, merge it, serve it. Every command runs as printed here
-    (finetune.hints: the venv's path when it is not activated; a file path where there is no desktop to open
-    it; every argument shell-quoted)."""
+    """(command, why) after a run, for `finetune train`'s `next:` lines and report.html's Next table alike (issue 39:
+    decided here only, the two render it): look at it, talk to it, score it, merge it, serve it. `for_report`: the
+    report does not point at itself, and it adds training further from the newest checkpoint (a run stopped before
+    its final save resumes from there). Every command runs as printed here (finetune.hints: the venv's path when it
+    is not activated; a file path where there is no desktop to open it; every argument shell-quoted)."""
     from finetune import hints
     from finetune.rundir.checkpoint import checkpoint_dirs
     from finetune.rundir.names import TENSORBOARD_DIR
@@ -263,7 +264,7 @@ def next_steps(run_dir: Path, objective: str = "sft", *, report: bool = True,
 
     finetune, steps = hints.finetune(), []
     run = RunDir(run_dir)
-    if report and (run_dir / REPORT_FILE).is_file():
+    if not for_report and (run_dir / REPORT_FILE).is_file():
         opener = hints.open_file(run_dir / REPORT_FILE)
         steps.append((opener or command_line(run_dir / REPORT_FILE),
                       "loss plot, memory, config, versions" + ("" if opener else " (open it in a browser)")))
@@ -295,6 +296,9 @@ def next_steps(run_dir: Path, objective: str = "sft", *, report: bool = True,
                       f"turn {newest.name} into an adapter or weights"))
     if (run_dir / TENSORBOARD_DIR).is_dir():
         steps.append((f"{hints.tensorboard()} {command_line('--logdir', run_dir / TENSORBOARD_DIR)}", "the curves, live"))
+    if for_report and checkpoints:
+        steps.append((f"{finetune} {command_line('train', run.recipe_path, '--force-resume')}",
+                      "train further from the newest checkpoint (after raising training.max_steps or epochs)"))
     return steps
 
 

@@ -220,10 +220,10 @@ def targets(rows: list[dict]) -> dict[str, tuple[float, bool]]:
 
 def trace_rows(corpus: dict) -> list[dict]:
     """The cases a trace can run (one GPU without DeepSpeed, dense): the analytic plan's allocated peak
-    against the trace's (finetune/plan/trace.py), and the measurement against the trace. Qwen v1's remote
+    against the trace's (finetune/plan/trace/step.py), and the measurement against the trace. Qwen v1's remote
     code is not in transformers: its cases are traced as Qwen2 with the same shapes (q/k/v biases, gated
     MLP), which is its layer structure, not its code."""
-    from finetune.plan.trace import trace
+    from finetune.plan.trace.step import trace
 
     rows = []
     for case in corpus["cases"]:
@@ -290,7 +290,7 @@ def allocator_rows(corpus: dict, ids: list[str], earlier: int = 4) -> list[dict]
     allocator's rules (finetune/plan/allocator.py): one shape (two steps at seq_len), and the record order,
     without and with expandable segments, on the case's 80 GB GPU. Needs torch, transformers, peft."""
     from finetune.plan.allocator import replay
-    from finetune.plan.trace_profile import allocation_profile
+    from finetune.plan.trace.allocations import allocation_profile
 
     rows = []
     for case in corpus["cases"]:

@@ -57,7 +57,7 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=11)
     parser.add_argument("--count", type=int, default=40)
     args = parser.parse_args(argv)
-    from finetune.plan.trace import trace
+    from finetune.plan.trace.step import trace
 
     rng = random.Random(args.seed)
     errors = []

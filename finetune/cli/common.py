@@ -108,7 +108,7 @@ def shard_size_or_exit(text: str) -> int:
 def write_errors(command: str, output: Path):
     """The one-line failures of merge and convert: SIGTERM (exit 143, the partial output already removed),
     bad input, and a write that fails."""
-    from finetune.weights.safetensors_io import Terminated
+    from finetune.weights.sigterm import Terminated
 
     try:
         yield

@@ -36,7 +36,7 @@ def merge(
     from finetune.weights.merge_inputs import resolve_inputs
     from finetune.weights.verify import verify as run_verify
     from finetune.units import human_size
-    from finetune.weights.safetensors_io import MergeError
+    from finetune.weights.errors import MergeError
 
     if run_dir is None and (base is None or adapter is None):
         raise fail("give a run directory, or both --base and --adapter", 2)

@@ -118,9 +118,9 @@ def plan(
 
 
 def _trace(setup, name_or_path: str):
-    """finetune.plan.trace, imported here: without --trace `finetune plan` never imports torch."""
+    """finetune.plan.trace.step, imported here: without --trace `finetune plan` never imports torch."""
     try:
-        from finetune.plan.trace import config_of, trace
+        from finetune.plan.trace.step import config_of, trace
     except ImportError as exc:  # pragma: no cover - the light install
         raise fail(f"--trace needs torch, transformers and peft (pip install 'finetune[train]'): {exc}") from None
     return trace(setup, config_of(name_or_path))

@@ -120,11 +120,11 @@ def data_files(path: Path, split: str = "train") -> list[Path]:
 
 def _did_you_mean(path: Path) -> str:
     """The data files beside a missing one whose names are close to it (a typo, .json for .jsonl)."""
-    import difflib
+    from finetune.suggest import NEAR, close_matches
 
     try:
         names = [p.name for p in path.absolute().parent.iterdir() if p.suffix in DATA_SUFFIXES or p.is_dir()]
     except OSError:
         return ""
-    close = difflib.get_close_matches(path.name, names, n=3, cutoff=0.8)
+    close = close_matches(path.name, names, n=3, cutoff=NEAR)
     return f"; did you mean {' or '.join(f'`{path.parent / n}`' for n in close)}?" if close else ""

@@ -122,7 +122,7 @@ def export_gguf(path: Path, out_type: str, output: Optional[Path] = None, *, ove
 
 def _adapter_base(source: ExportSource) -> Path:
     from finetune.weights.merge_inputs import resolve_inputs
-    from finetune.weights.safetensors_io import MergeError
+    from finetune.weights.errors import MergeError
 
     try:
         return resolve_inputs(source.path, None, None).base
@@ -134,7 +134,7 @@ def _merge(source: ExportSource, into: Path, log: Callable[[str], None]) -> Path
     """The run's adapter merged into its base with `finetune merge`'s streaming merge (one tensor in RAM)."""
     from finetune.weights.merge import merge
     from finetune.weights.merge_inputs import resolve_inputs
-    from finetune.weights.safetensors_io import MergeError
+    from finetune.weights.errors import MergeError
 
     try:
         inputs = resolve_inputs(source.path, None, None)

@@ -11,12 +11,13 @@ A file named on the command line is always linted.
 
 from __future__ import annotations
 
-import difflib
 import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
+
+from finetune.suggest import NEAR, closest
 
 RECIPE_SUFFIXES = (".yaml", ".yml")
 DS_SUFFIXES = (".json",)
@@ -99,7 +100,7 @@ def looks_like_deepspeed(path: Path) -> bool:
         return any(f'"{key}"' in text for key in TOP)
     if not isinstance(data, dict) or not data:
         return False
-    ours = [k for k in data if k in known or difflib.get_close_matches(k, TOP, n=1, cutoff=0.85)]
+    ours = [k for k in data if k in known or closest(k, TOP, cutoff=NEAR)]
     return 2 * len(ours) >= len(data)
 
 

@@ -13,6 +13,7 @@ from finetune import objectives
 from finetune.lint.deepspeed.context import RawFinding  # one finding type for every rule module; key = recipe path here
 from finetune.recipe import LoadedRecipe
 from finetune.recipe.references import DATA_SUFFIXES, MODEL_CONFIG, is_local, recipe_paths
+from finetune.suggest import closest
 
 RULES: dict[str, str] = {
     "R001": "The file is not a readable YAML recipe (syntax, tags, duplicate keys, size, nesting).",
@@ -140,8 +141,6 @@ def pre_ampere_features(loaded: LoadedRecipe) -> Iterator[RawFinding]:
 
 @rule
 def builtin_model(loaded: LoadedRecipe) -> Iterator[RawFinding]:
-    import difflib
-
     from finetune.builtin import BUILTIN_PREFIX, builtin_names, is_builtin
 
     known = builtin_names()
@@ -149,10 +148,10 @@ def builtin_model(loaded: LoadedRecipe) -> Iterator[RawFinding]:
         value = getattr(loaded.recipe.model, key[1])
         name = value[len(BUILTIN_PREFIX):] if value and is_builtin(value) else None
         if name is not None and name not in known:
-            close = difflib.get_close_matches(name, known, n=1)
+            close = closest(name, known)
             yield RawFinding("R122", "error", key, f"unknown built-in model `{value}` (known: "
                              f"{', '.join(BUILTIN_PREFIX + n for n in known)})",
-                             f"did you mean `{BUILTIN_PREFIX}{close[0]}`?" if close else None)
+                             f"did you mean `{BUILTIN_PREFIX}{close}`?" if close else None)
 
 
 @rule

@@ -7,7 +7,7 @@ the model in memory. transformers 5 fuses each layer's per-expert nn.Linear weig
 on load (`experts.gate_up_proj`: gate and up concatenated, `experts.down_proj`) and splits them back on save
 (conversion_mapping.py), so a Qwen3-MoE or Mixtral checkpoint still holds `experts.{e}.gate_proj.weight`
 (Mixtral: `block_sparse_moe.experts.{e}.w1.weight`), while gpt-oss keeps the fused tensors on disk too.
-tests/test_models_families.py checks every row against the installed transformers and DeepSpeed.
+tests/models/test_moe.py checks every row against the installed transformers and DeepSpeed.
 """
 
 from __future__ import annotations

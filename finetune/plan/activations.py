@@ -80,7 +80,7 @@ def layer_activation_bytes(setup: Setup) -> int:
       LoRA dropout > 0 makes a private dropped-out copy per target (a, the adapter's element size: 4
       without DeepSpeed, where peft keeps adapters in fp32, else e) and a bool mask (1); without dropout,
       fp32 adapters still get a private fp32 copy per target (peft's _cast_input_dtype; found by the
-      trace, finetune/plan/trace.py);
+      trace, finetune/plan/trace/step.py);
     - each LoRA adapter saves lora_A's output (a x r);
     - attention: eager saves q, k and v repeated to all heads, the fp32 softmax and its 16-bit copy
       (row x heads per token, row = seq, or micro_batch x seq when flattened: the seq^2 term); sdpa/flash

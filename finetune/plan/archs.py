@@ -248,7 +248,7 @@ _GPT_OSS = {"head_dim": 64, "qkv_bias": True, "attention_bias": True, "sinks": T
 #     transformers dequantizes to the model dtype to train;
 #   mistralai/Mistral-Small-24B-Instruct-2501 (MistralForCausalLM; 3.1 and 3.2 are image-text models of the
 #     same text shapes).
-# tests/test_models_table.py builds each on the meta device and checks the parameter count.
+# tests/plan/test_planner.py builds each on the meta device and checks the parameter count.
 THIS_YEAR: tuple[Arch, ...] = (
     _arch("qwen3-0.6b", "qwen3", 1024, 3072, 28, 16, 8, 151936, True, r"qwen3-0\.6b", **_QWEN3),
     _arch("qwen3-1.7b", "qwen3", 2048, 6144, 28, 16, 8, 151936, True, r"qwen3-1\.7b", **_QWEN3),

@@ -27,14 +27,12 @@ def plan(setup: Setup) -> PlanResult:
     """Per-GPU and per-node CPU memory of `setup`."""
     groups = param_groups(setup)
     trainable = sum(g.total for g in groups if g.trainable)
-    terms: list[Term] = []
-    cpu: list[Term] = []
-    notes: list[str] = []
-    terms += weight_terms(setup, groups, cpu, notes)
-    terms += reference_terms(setup, trainable)
-    terms += generation_terms(setup)
-    terms += gradient_and_optimizer_terms(setup, groups, trainable, cpu, notes)
-    terms += buffer_terms(setup, groups, trainable, notes)
+    weights = weight_terms(setup, groups)
+    states = gradient_and_optimizer_terms(setup, groups, trainable)
+    terms: list[Term] = [*weights.gpu, *reference_terms(setup, trainable), *generation_terms(setup), *states.gpu,
+                         *buffer_terms(setup, groups, trainable)]
+    cpu: list[Term] = [*weights.cpu, *states.cpu]
+    notes: list[str] = [*weights.notes, *states.notes]
     complete = setup.arch is not None
     if complete:
         activations, offloaded = offload_activations(setup, tile_mlp(setup, activation_terms(setup)))

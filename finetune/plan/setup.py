@@ -196,3 +196,13 @@ class Term:
     # activations a model without checkpointing saves): the cache serves them again block for block, so the
     # allocator's fragmentation term leaves them out (planner._overhead; docs/plan.md, "The allocator").
     stacked: bool = False
+
+
+@dataclass(frozen=True)
+class Terms:
+    """What one part of the planner found: its per-GPU terms, the per-node CPU terms and the notes that come with
+    them (offloaded optimizer states are CPU memory; states on NVMe are a note). plan() puts the parts together."""
+
+    gpu: tuple[Term, ...] = ()
+    cpu: tuple[Term, ...] = ()
+    notes: tuple[str, ...] = ()

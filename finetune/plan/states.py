@@ -10,7 +10,7 @@ from finetune.plan.constants import (
 )
 from finetune.plan.params import ParamGroup, four_bit_bytes, group_quant_state_bytes, largest_module_numel
 from finetune.plan.result import gib
-from finetune.plan.setup import Setup, Term
+from finetune.plan.setup import Setup, Term, Terms
 from finetune.plan.zero3 import zero3_live_params
 
 
@@ -66,7 +66,8 @@ def _constants_note(setup: Setup) -> str:
     return "absmax per 64 values" + (" (8-bit, double quant)" if setup.double_quant else " (fp32)")
 
 
-def weight_terms(setup: Setup, groups: list[ParamGroup], cpu: list[Term], notes: list[str]) -> list[Term]:
+def weight_terms(setup: Setup, groups: list[ParamGroup]) -> Terms:
+    """The weights on each GPU; under ZeRO-3 with offload_param, the partitions' CPU memory or NVMe swap buffers."""
     wb = trainable_weight_bytes(setup)
     frozen16 = sum(_bytes_of(g, setup, wb) for g in groups if not g.trainable and not g.quantized)
     quantized = [g for g in groups if g.quantized]
@@ -75,13 +76,13 @@ def weight_terms(setup: Setup, groups: list[ParamGroup], cpu: list[Term], notes:
     train = sum(_bytes_of(g, setup, wb) for g in groups if g.trainable)
     dt = "fp32" if wb == 4 else setup.dtype.replace("bfloat16", "bf16").replace("float16", "fp16")
     if not (setup.deepspeed and setup.stage == 3):
-        return [
+        return Terms((
             Term("weights", f"frozen base {'fp32' if kbit_prepared(setup) else _width(setup)}", frozen16,
                  note="fp32: prepare_model_for_kbit_training" if kbit_prepared(setup) else f"{setup.dtype}"),
             Term("weights", "frozen base 4-bit", packed, note="NF4, 2 values per byte"),
             Term("weights", "quantization constants", constants, note=_constants_note(setup)),
             Term("weights", "trainable", train, note=dt),
-        ]
+        ))
     # ZeRO-3 partitions every parameter (frozen ones too) across all GPUs, except the ones at or below
     # stage3_param_persistence_threshold (partition_parameters.py: ds_persist), which every GPU keeps
     # whole. Quantization constants are attributes of the 4-bit tensors, not parameters: never split.
@@ -91,7 +92,7 @@ def weight_terms(setup: Setup, groups: list[ParamGroup], cpu: list[Term], notes:
     persistent = sum(stored[id(g)] for g in groups if g.storage_numel <= thr)
     partitioned = sum(stored.values()) - persistent
     gathered = largest_module_numel(groups) * setup.element_bytes
-    terms = []
+    terms, cpu, notes = [], [], []
     if setup.offload_param == "none":
         terms.append(Term("weights", f"partition 1/{n}", math.ceil(partitioned / n),
                           note=f"{_width(setup)} partitions of all parameters (stage3.py: lp_param_buffer)"))
@@ -118,7 +119,7 @@ def weight_terms(setup: Setup, groups: list[ParamGroup], cpu: list[Term], notes:
     if persistent:
         terms.append(Term("buffers", "persistent small params", persistent,
                           note=f"params <= {thr:,} elements stay whole on every GPU"))
-    return terms
+    return Terms(tuple(terms), tuple(cpu), tuple(notes))
 
 
 def foreach_adam_temporaries(setup: Setup) -> int:
@@ -131,8 +132,8 @@ def foreach_adam_temporaries(setup: Setup) -> int:
     return {"foreach": 1, "foreach_torch20": 2}.get(setup.optimizer_impl, 0)
 
 
-def gradient_and_optimizer_terms(setup: Setup, groups: list[ParamGroup], trainable: int, cpu: list[Term],
-                             notes: list[str]) -> list[Term]:
+def gradient_and_optimizer_terms(setup: Setup, groups: list[ParamGroup], trainable: int) -> Terms:
+    """Gradients and optimizer states on each GPU; with offload_optimizer, their CPU memory or NVMe swap buffers."""
     n = setup.world
     e = trainable_weight_bytes(setup)
     states = OPTIMIZER_STATE_BYTES[setup.optimizer]
@@ -144,7 +145,7 @@ def gradient_and_optimizer_terms(setup: Setup, groups: list[ParamGroup], trainab
         state_total = stored * states // 4 if setup.optimizer != "adamw_bnb_8bit" else trainable * 2
         # The Trainer's zero_grad (set_to_none) frees them after each step: they are made by backward and
         # live into the step, but not at the start of backward where the loss buffers peak (the trace,
-        # finetune/plan/trace.py, shows no gradient there).
+        # finetune/plan/trace/step.py, shows no gradient there).
         temporaries = foreach_adam_temporaries(setup)
         if setup.gradient_accumulation > 1:
             # transformers Trainer._inner_training_loop calls optimizer.step() and model.zero_grad() only at
@@ -173,7 +174,7 @@ def gradient_and_optimizer_terms(setup: Setup, groups: list[ParamGroup], trainab
                             note=f"{temporaries} moment-sized (optimizer_impl {setup.optimizer_impl})"))
         arch = setup.arch
         if setup.method == "full" and arch is not None and arch.tied:
-            # Backward's last step with tied embeddings (the trace, finetune/plan/trace.py): lm_head's weight
+            # Backward's last step with tied embeddings (the trace, finetune/plan/trace/step.py): lm_head's weight
             # gradient (mm) and embedding_dense_backward's are both vocab x hidden, and their sum becomes the
             # .grad: two embedding-sized tensors beside every gradient. Counted in the step phase, the one
             # that holds every gradient, beyond a foreach AdamW's temporaries (the optimizer runs after it).
@@ -183,23 +184,23 @@ def gradient_and_optimizer_terms(setup: Setup, groups: list[ParamGroup], trainab
                                 note=f"2 x {arch.vocab:,} vocab x {arch.hidden:,} hidden x {setup.element_bytes} B "
                                      "at backward's end (lm_head's + the embedding's, before their sum)"
                                      + (", beyond the foreach temporaries" if temporaries else "")))
-        return out
+        return Terms(tuple(out))
     if setup.stage == 0 and setup.dtype == "float32":
         # No bf16/fp16: engine._do_optimizer_sanity_check returns no wrapper, the optimizer runs as is.
-        return [Term("gradients", "fp32 gradients", trainable * 4),
-                Term("optimizer", opt_name, trainable * states)]
+        return Terms((Term("gradients", "fp32 gradients", trainable * 4),
+                      Term("optimizer", opt_name, trainable * states)))
     if setup.stage == 0:
         # deepspeed/runtime/fp16/fused_optimizer.py (FP16_Optimizer, also for bf16 without ZeRO):
         # fp32 master copy of all trainable weights; step() turns the 16-bit grads into fp32 copies,
         # flattens them (a second fp32 copy) and hands the flat buffer to the optimizer as .grad.
-        return [
+        return Terms((
             Term("gradients", f"{_width(setup)} gradients", trainable * e),
             Term("gradients", "fp32 gradients", trainable * 4, phase="step", note="flat fp32 copy for the step"),
             Term("optimizer", "fp32 master weights", trainable * MASTER_BYTES),
             Term("optimizer", opt_name, trainable * states),
             Term("buffers", "fp32 grad copies (flatten)", trainable * 4, phase="step",
                  note="FP16_Optimizer.step: per-param .to(fp32) before flattening"),
-        ]
+        ))
     part = math.ceil(trainable / n)
     offload = setup.offload_optimizer != "none"
     terms: list[Term] = []
@@ -229,14 +230,13 @@ def gradient_and_optimizer_terms(setup: Setup, groups: list[ParamGroup], trainab
         else:
             per_rank += part * e  # param_buffer_of_bit16_for_cpu_offload_groups (stage_1_and_2.py)
         if device == "cpu":
-            cpu.append(Term("cpu", "offloaded optimizer", per_rank * setup.gpus_per_node,
-                            note="fp32 master + states + fp32 grads + 16-bit staging, pinned, per node"))
-        else:
-            largest = min(setup.sub_group_size, part)
-            cpu.append(Term("cpu", "optimizer swap buffers", DS_OPTIMIZER_SWAP_BUFFERS * largest * 4 * setup.gpus_per_node,
-                            note="NVMe offload: buffer_count x sub-group, fp32"))
-            notes.append(f"optimizer states on NVMe: {gib(per_rank * setup.gpus_per_node)} GiB per node on disk")
-        return terms
+            return Terms(tuple(terms), (Term("cpu", "offloaded optimizer", per_rank * setup.gpus_per_node,
+                                             note="fp32 master + states + fp32 grads + 16-bit staging, pinned, per node"),))
+        largest = min(setup.sub_group_size, part)
+        return Terms(tuple(terms),
+                     (Term("cpu", "optimizer swap buffers", DS_OPTIMIZER_SWAP_BUFFERS * largest * 4 * setup.gpus_per_node,
+                           note="NVMe offload: buffer_count x sub-group, fp32"),),
+                     (f"optimizer states on NVMe: {gib(per_rank * setup.gpus_per_node)} GiB per node on disk",))
     # fp32 gradient partition for the step, built in step() from the 16-bit partition and dropped
     # after it: stage_1_and_2.py single_grad_partition; stage3.py _prepare_fp32_grad_for_sub_group,
     # one sub-group (sub_group_size elements) at a time.
@@ -261,10 +261,11 @@ def gradient_and_optimizer_terms(setup: Setup, groups: list[ParamGroup], trainab
         # beside the fp32 one (a whole ZeRO-2 step measured on CPU: docs/plan.md).
         terms.append(Term("buffers", "16-bit gradient flatten copy", part * e, phase="step",
                           note="stage_1_and_2.py step: flatten(averaged_gradients) before .to(fp32)"))
-    return terms
+    return Terms(tuple(terms))
 
 
-def buffer_terms(setup: Setup, groups: list[ParamGroup], trainable: int, notes: list[str]) -> list[Term]:
+def buffer_terms(setup: Setup, groups: list[ParamGroup], trainable: int) -> list[Term]:
+    """The buffers on each GPU: dequantized 4-bit weights, DDP's or DeepSpeed's reduction buckets, ZeRO-3's prefetch."""
     terms = _dequant_buffer(setup, groups)
     if not setup.deepspeed:
         if setup.world > 1:

@@ -4,7 +4,6 @@ error reports that name the file, line and key (with a fix for a misplaced or pe
 from __future__ import annotations
 
 import copy
-import difflib
 import re
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -15,6 +14,7 @@ from finetune.recipe.references import DATA_SUFFIXES
 from finetune.errors import FinetuneError
 from finetune.recipe.schema import Recipe, section_model
 from finetune.recipe.yamlio import DocumentError, load_yaml, read_text, shorten
+from finetune.suggest import closest
 
 
 class RecipeProblem(FinetuneError):
@@ -313,9 +313,9 @@ def _to_problem(err: dict, raw: dict, origin: dict, path: str) -> Problem:
     if kind == "literal_error":
         expected = err.get("ctx", {}).get("expected", "")
         message = f"expected one of {expected}"
-        guess = difflib.get_close_matches(str(value), re.findall(r"'([^']*)'", expected), n=1, cutoff=0.6)
+        guess = closest(str(value), re.findall(r"'([^']*)'", expected))
         if guess:
-            return Problem(file, line, col, key, f"{message}, got {shown}", f"did you mean `{guess[0]}`?", rule="R004", loc=loc)
+            return Problem(file, line, col, key, f"{message}, got {shown}", f"did you mean `{guess}`?", rule="R004", loc=loc)
     return Problem(file, line, col, key, f"{message}, got {shown}", rule="R004", loc=loc)
 
 
@@ -380,9 +380,9 @@ def unknown_key_fix(loc: tuple) -> Optional[str]:
             return "the method is one key: `method: lora` or `method: qlora` (4-bit base)"
         return f"did you mean `{peer}`? (`{name}` is what other tools call it)"
     options = _known_keys(section)
-    guess = difflib.get_close_matches(name, options, n=1, cutoff=0.6)
+    guess = closest(name, options)
     if guess:
-        return f"did you mean `{guess[0]}`?"
+        return f"did you mean `{guess}`?"
     return f"known keys: {', '.join(sorted(options))}" if options else None
 
 

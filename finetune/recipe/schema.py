@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import difflib
 import re
 from typing import Any, Literal, Optional, Union
 
@@ -12,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator,
 from finetune import objectives
 from finetune.objectives import DPO_LOSSES, GRPO_LOSSES, KTO_LOSSES
 from finetune.recipe.auto import AUTO_WITHOUT_MACHINE, auto_or
+from finetune.suggest import closest
 
 Dtype = Literal["bfloat16", "float16", "float32"]
 Offload = Literal["none", "cpu", "nvme"]
@@ -240,8 +240,8 @@ class PreferenceSection(_Section):
     def _known_loss(cls, value: Optional[str]) -> Optional[str]:
         known = DPO_LOSSES + KTO_LOSSES
         if value is not None and value not in known:
-            guess = difflib.get_close_matches(value, known, n=1, cutoff=0.6)
-            raise ValueError(f"unknown loss_type {value!r}" + (f", did you mean {guess[0]!r}?" if guess else "")
+            guess = closest(value, known)
+            raise ValueError(f"unknown loss_type {value!r}" + (f", did you mean {guess!r}?" if guess else "")
                              + f" (dpo: {', '.join(DPO_LOSSES)}; kto: {', '.join(KTO_LOSSES)})")
         return value
 

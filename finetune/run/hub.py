@@ -11,9 +11,10 @@ ranks have it, or the test suite, which never touches the network.
 
 from __future__ import annotations
 
-import difflib
 import os
 from typing import Optional
+
+from finetune.suggest import NEAR, closest
 
 TIMEOUT = 10.0  # seconds: an answer from the Hub takes well under one; the download retries took 47-50 s
 CHECK_ENV = "FINETUNE_HUB_CHECK"
@@ -64,8 +65,8 @@ def did_you_mean(repo_id: str) -> Optional[str]:
     known = {i.lower(): i for ids in HUB_IDS.values() for i in ids} | {i.lower(): i for i in published_hub_ids()}
     if repo_id.lower() in known:
         return known[repo_id.lower()] if known[repo_id.lower()] != repo_id else None
-    close = difflib.get_close_matches(repo_id.lower(), list(known), n=1, cutoff=0.85)
-    return known[close[0]] if close else None
+    close = closest(repo_id.lower(), known, cutoff=NEAR)
+    return known[close] if close else None
 
 
 def _cached(repo_id: str, revision: Optional[str]) -> bool:

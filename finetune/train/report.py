@@ -225,20 +225,13 @@ def plan_estimate(run_dir: Path, world_size: int) -> tuple[Optional[dict[str, in
 
 
 def next_steps(run_dir: Path, summary: dict[str, Any]) -> list[tuple[str, str]]:
-    """(what, command) pairs for the report's table: finetune.serve.next_steps, the same list `finetune train`
-    prints (issue 39), less the report itself; a run stopped before its final save resumes from its checkpoint."""
-    from finetune import hints
-    from finetune.rundir.checkpoint import checkpoint_dirs
-    from finetune.rundir.run_dir import RunDir, command_line
+    """(what, command) rows of the report's Next table: finetune.serve.next_steps decides them (the list `finetune
+    train` prints, for the report; issue 39)."""
     from finetune.serve import next_steps as serve_next_steps
 
     saved = [summary["output"]] if summary.get("output") else None
-    steps = [(why, command) for command, why in serve_next_steps(run_dir, summary.get("objective", "sft"), report=False,
-                                                                 saved=saved)]
-    if checkpoint_dirs(run_dir):
-        steps.append(("train further from the newest checkpoint (after raising training.max_steps or epochs)",
-                      f"{hints.finetune()} {command_line('train', RunDir(run_dir).recipe_path, '--force-resume')}"))
-    return steps
+    return [(why, command) for command, why in serve_next_steps(run_dir, summary.get("objective", "sft"),
+                                                                for_report=True, saved=saved)]
 
 
 def _section(title: str, body: str) -> str:

@@ -60,7 +60,8 @@ def _regular_files(path: Path) -> None:
 
 
 def _json_object(path: Path) -> dict:
-    from finetune.weights.safetensors_io import MergeError, read_json
+    from finetune.weights.errors import MergeError
+    from finetune.weights.safetensors_io import read_json
 
     try:
         return read_json(path)

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-from finetune.weights.safetensors_io import BaseModel, MergeError
+from finetune.weights.errors import MergeError
+from finetune.weights.safetensors_io import BaseModel
 
 
 def _model_on_meta(base: BaseModel):

@@ -40,10 +40,12 @@ from finetune.rundir.run_dir import RunDir, find_adapter, no_adapter_message
 from finetune.fsutil import atomic_dir, write_atomic
 from finetune.weights.experts import checkpoint_names
 from finetune.weights.lora_math import PEFT_PREFIX, lora_scaling
+from finetune.weights.errors import MergeError
 from finetune.weights.safetensors_io import (INDEX_NAME, CONFIG_FILES, DEFAULT_MAX_SHARD_SIZE, DTYPES, ST_TO_TORCH, TORCH_TO_ST,
-                                     BaseTensor, MergeError, OnWrite, OutTensor, Plan, ShardWriter, WriteCounter,
+                                     BaseTensor, OnWrite, OutTensor, Plan, ShardWriter, WriteCounter,
                                      copy_tokenizer, not_replaceable,
-                                     prepare_output, prepare_shards, sigterm_as_interrupt, write_index)
+                                     prepare_output, prepare_shards, write_index)
+from finetune.weights.sigterm import sigterm_as_interrupt
 from finetune.units import human_size
 from finetune.recipe.references import MODEL_CONFIG
 

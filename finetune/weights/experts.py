@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch
 
-from finetune.weights.safetensors_io import MergeError
+from finetune.weights.errors import MergeError
 
 _BASE_LAYER = ".base_layer"
 

@@ -13,7 +13,8 @@ import torch
 
 from finetune.rundir.names import ADAPTER_CONFIG
 from finetune.weights.merge_inputs import adapter_weights
-from finetune.weights.safetensors_io import ST_TO_TORCH, BaseModel, MergeError, OutTensor, read_json
+from finetune.weights.errors import MergeError
+from finetune.weights.safetensors_io import ST_TO_TORCH, BaseModel, OutTensor, read_json
 
 PEFT_PREFIX = "base_model.model."
 

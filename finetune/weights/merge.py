@@ -39,10 +39,11 @@ from finetune.rundir.run_dir import RunDir
 from finetune.weights.experts import expert_slices
 from finetune.weights.lora_math import (Adapter, LoraUpdate, Workspace, orient_update, output_tensor, read_adapter, target_name,
                                 tied_embedding)
-from finetune.weights.safetensors_io import (CONFIG_FILES, DEFAULT_MAX_SHARD_SIZE, DTYPES, TORCH_TO_ST, BaseModel, MergeError,
+from finetune.weights.errors import MergeError
+from finetune.weights.safetensors_io import (CONFIG_FILES, DEFAULT_MAX_SHARD_SIZE, DTYPES, TORCH_TO_ST, BaseModel,
                                      ITEMSIZE, OnWrite, OutTensor, Plan, ShardWriter, TensorReader, WriteCounter,
-                                     copy_tokenizer, not_replaceable, prepare_shards, read_base, sigterm_as_interrupt,
-                                     write_index)
+                                     copy_tokenizer, not_replaceable, prepare_shards, read_base, write_index)
+from finetune.weights.sigterm import sigterm_as_interrupt
 from finetune.units import human_size
 from finetune.recipe.references import MODEL_CONFIG
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Optional
 
 from finetune.errors import FinetuneError
-from finetune.weights.safetensors_io import MergeError
+from finetune.weights.errors import MergeError
 from finetune.recipe.references import require_model_dir
 from finetune.rundir.names import ADAPTER_CONFIG, CHECKPOINT_PREFIX, RECIPE_FILE
 from finetune.rundir.run_dir import NoBaseModel, RunDir, no_adapter_message, resolve_base

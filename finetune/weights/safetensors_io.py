@@ -1,5 +1,6 @@
 """Safetensors I/O shared by merge and convert: header reading, streaming shard writing, sharding, the index,
-disk-space checks, tokenizer copies and the error and signal handling both commands report through."""
+disk-space checks, tokenizer copies. Their error is finetune.weights.errors.MergeError, their SIGTERM handling
+finetune.weights.sigterm."""
 
 from __future__ import annotations
 
@@ -10,24 +11,22 @@ import mmap
 import os
 import re
 import shutil
-import signal
 import struct
 import sys
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import numpy as np
 import torch
 from safetensors import safe_open
 
-from finetune.errors import FinetuneError
 from finetune.fsutil import read_json as read_whole_json, remove_stale_partials, write_atomic
 from finetune.recipe.references import MODEL_CONFIG
 from finetune.rundir.names import ADAPTER_CONFIG, ADAPTER_WEIGHTS, MERGED_RECIPE
 from finetune.vision_models import PROCESSOR_FILES
 from finetune.units import human_size
+from finetune.weights.errors import MergeError
 
 INDEX_NAME = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # "5GB", save_pretrained's default
@@ -77,10 +76,6 @@ for _name, _attr in (("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2"), (
     if hasattr(torch, _attr):
         ST_TO_TORCH[_name] = getattr(torch, _attr)
 TORCH_TO_ST = {v: k for k, v in ST_TO_TORCH.items()}
-
-
-class MergeError(FinetuneError):
-    """A problem with the inputs or the environment, worded for the user (no traceback)."""
 
 
 def read_json(path: Path) -> dict:
@@ -474,26 +469,3 @@ def copy_tokenizer(sources: list[Path], out: Path) -> bool:
                     shutil.copytree(source / name, out / name)
             return True
     return False
-
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM arrived: unwinds like Ctrl-C (the partial output is removed); the CLI exits 143 (128 + 15)."""
-
-
-@contextmanager
-def sigterm_as_interrupt() -> Iterator[None]:
-    """SIGTERM (a scheduler or `kill`) unwinds like Ctrl-C, so the partial output is removed."""
-    def handler(signum, frame):
-        raise Terminated
-
-    try:
-        previous = signal.signal(signal.SIGTERM, handler)
-    except ValueError:  # not the main thread
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-

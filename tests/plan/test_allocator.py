@@ -94,7 +94,7 @@ def test_traced_step_replayed_through_the_allocator():
     (but a page)."""
     pytest.importorskip("transformers")
     from tests.plan.trace.test_trace import TINY, _tiny
-    from finetune.plan.trace_profile import allocation_profile
+    from finetune.plan.trace.allocations import allocation_profile
 
     setup = _tiny(seq_len=128)
     resident, steps = allocation_profile(setup, [32, 64, 96, 128, 128], config=TINY)
@@ -114,7 +114,7 @@ def test_trace_reports_the_replayed_reserved_and_extrapolates_it():
     extrapolated is within one 20 MiB segment of the same model traced whole."""
     pytest.importorskip("transformers")
     from tests.plan.trace.test_trace import TINY, _tiny
-    from finetune.plan.trace import trace
+    from finetune.plan.trace.step import trace
 
     setup = _tiny(seq_len=128, expandable_segments=False)
     deep = {**TINY, "num_hidden_layers": 7}

@@ -254,7 +254,7 @@ def test_fp32_adapters_under_the_trainers_autocast_save_16_bit_inputs(dropout):
     import torch
     from peft import LoraConfig, get_peft_model
 
-    from finetune.plan.trace import cuda_paths
+    from finetune.plan.trace.step import cuda_paths
 
     b, s = 2, 48
     measured = []

@@ -28,7 +28,8 @@ from finetune.cli import app  # noqa: E402
 from finetune.weights.merge import merge  # noqa: E402
 from finetune.weights.merge_inputs import resolve_inputs  # noqa: E402
 from finetune.weights.verify import verify  # noqa: E402
-from finetune.weights.safetensors_io import MergeError, human_size  # noqa: E402
+from finetune.weights.errors import MergeError  # noqa: E402
+from finetune.weights.safetensors_io import human_size  # noqa: E402
 from tests.conftest import REPO  # noqa: E402
 from tests.weights.merge_fixtures import (assert_same, build_adapter, build_gpt2, build_llama,  # noqa: E402
                                   peft_merged_state_dict, safetensors_data_bytes)

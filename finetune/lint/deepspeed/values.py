@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import difflib
 import math
 from typing import Any, Iterator, Optional
 
 from finetune.lint.deepspeed.schema import COMMON_MISNAMES, PYDANTIC_TOP, TA_DEFAULTS, Field
+from finetune.suggest import NEAR, closest
 
 
 BOOL_STRINGS = {"0", "off", "f", "false", "n", "no", "1", "on", "t", "true", "y", "yes"}
@@ -127,26 +127,24 @@ def _num(value: float) -> str:
 
 
 def suggest(name: str, candidates: list, case_insensitive: bool = False) -> Optional[str]:
-    """The closest real key (difflib), or a known confusion (micro_batch_size -> train_micro_...)."""
+    """The closest real key (finetune.suggest), or a known confusion (micro_batch_size -> train_micro_...)."""
     if name in COMMON_MISNAMES and COMMON_MISNAMES[name] != name:
         target = COMMON_MISNAMES[name]
         if target.split(".")[0] in candidates or " " in target:
             return target
     words = [str(c) for c in candidates]
     if case_insensitive:
-        lowered = {w.lower(): w for w in words}
-        match = difflib.get_close_matches(name.lower(), list(lowered), n=1, cutoff=0.75)
-        return lowered[match[0]] if match else None
-    match = difflib.get_close_matches(name, words, n=1, cutoff=0.8)
-    if not match:  # a prefix/suffix slip such as `stage3_` on a key that has none
+        return closest(name, words, cutoff=NEAR, ignore_case=True)
+    match = closest(name, words, cutoff=NEAR)
+    if match is None:  # a prefix/suffix slip such as `stage3_` on a key that has none
         stripped = name[7:] if name.startswith("stage3_") else f"stage3_{name}"
-        match = [stripped] if stripped in words else []
-    return match[0] if match else None
+        match = stripped if stripped in words else None
+    return match
 
 
 def did_you_mean(value: str, choices: list) -> Optional[str]:
-    match = difflib.get_close_matches(str(value).lower(), [str(c).lower() for c in choices], n=1, cutoff=0.6)
-    return f"did you mean {show(match[0])}?" if match else None
+    match = closest(str(value).lower(), [str(c).lower() for c in choices])
+    return f"did you mean {show(match)}?" if match else None
 
 
 def dotted(path: tuple) -> str:

@@ -1,4 +1,4 @@
-"""`finetune plan --trace` (finetune/plan/trace.py): one training step of transformers' model code on fake
+"""`finetune plan --trace` (finetune/plan/trace/step.py): one training step of transformers' model code on fake
 tensors, against torch's own accounting of the same step run for real on the CPU, and at 8B / 70B shapes."""
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ def _real_step(setup: Setup):
     from torch.profiler import ProfilerActivity, profile
     from torch.profiler._memory_profiler import MemoryProfileTimeline
 
-    from finetune.plan import trace as T
-    from finetune.plan.tracemem import LiveTensors
+    from finetune.plan.trace import step as T
+    from finetune.plan.trace.live_tensors import LiveTensors
 
     torch.manual_seed(0)
     model = T.build_model(setup, TINY)
@@ -68,7 +68,7 @@ def test_trace_equals_the_real_cpu_step(settings):
     torch's profiler's memory timeline (torch.profiler._memory_profiler, every CPU allocation of the step)
     to within 256 bytes. With checkpointing the profiler sees 5-7% more than any dispatch-level count
     (docs/plan.md, 'The trace': allocations no aten op returns), so only the first equality is asserted."""
-    from finetune.plan.trace import trace
+    from finetune.plan.trace.step import trace
 
     setup = _tiny(**settings)
     fake = trace(setup, TINY)
@@ -90,7 +90,7 @@ def test_extrapolated_depth_equals_the_full_trace(settings):
     """Traced at 2, 3 and 4 layers and extrapolated to 7, as deep as the whole trace, also where a phase's peak
     moves with depth: with fp32 adapters under autocast and checkpointing, backward's peak is at its start
     (the loss's buffers) up to 5 layers and at its end (layer 0's recompute, every gradient) from 6."""
-    from finetune.plan.trace import trace
+    from finetune.plan.trace.step import trace
 
     config = {**TINY, "num_hidden_layers": 7}
     arch = arch_from_config(config, "tiny7")
@@ -103,7 +103,7 @@ def test_extrapolated_depth_equals_the_full_trace(settings):
 
 @pytest.mark.parametrize("model,method,seq", [("llama-3-8b", "lora", 4096), ("llama-2-70b", "qlora", 2048)])
 def test_7b_and_70b_trace_in_seconds(model, method, seq):
-    from finetune.plan.trace import trace
+    from finetune.plan.trace.step import trace
 
     import peft  # noqa: F401  (imports are not the trace's time)
     import transformers  # noqa: F401
@@ -131,7 +131,7 @@ def test_cli_trace_gives_the_peak_by_kind():
 
 
 def test_trace_text_names_each_kind():
-    from finetune.plan.trace import trace
+    from finetune.plan.trace.step import trace
 
     text = trace(_tiny(), TINY).render_text()
     assert text.startswith("trace    one training step")
@@ -141,7 +141,7 @@ def test_trace_text_names_each_kind():
 
 def test_trace_refuses_what_it_does_not_run():
     from finetune.plan import PlanError
-    from finetune.plan.trace import trace
+    from finetune.plan.trace.step import trace
 
     with pytest.raises(PlanError, match="SFT step only"):
         trace(replace(_tiny(), objective="dpo"), TINY)
@@ -175,7 +175,7 @@ GRID = [
 
 
 def _analytic_against_trace(model: str, settings: dict) -> float:
-    from finetune.plan.trace import trace
+    from finetune.plan.trace.step import trace
 
     arch = BY_NAME[model]
     setup = Setup(arch=arch, params=arch.total_params, deepspeed=False, **settings)

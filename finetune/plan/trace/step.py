@@ -2,9 +2,9 @@
 
 The model is transformers' own modeling code for the architecture, built from a config alone (on the
 meta device: no weights, no initialisation), wrapped as training wraps it (gradient checkpointing,
-peft LoRA; QLoRA's 4-bit linears emulated in finetune/plan/trace_quant.py), then its parameters become
+peft LoRA; QLoRA's 4-bit linears emulated in finetune/plan/trace/qlora.py), then its parameters become
 FakeTensors (torch._subclasses.fake_tensor.FakeTensorMode: shapes, dtypes and strides, no storage). Two training
-steps run under a dispatch mode (finetune.plan.tracemem.LiveTensors) that counts the bytes of every
+steps run under a dispatch mode (finetune.plan.trace.live_tensors.LiveTensors) that counts the bytes of every
 tensor storage each aten op creates and drops: forward, the loss (transformers' ForCausalLMLoss),
 backward and the optimizer step (torch's AdamW, fused), then zero_grad. The first step creates the
 optimizer's states, as in training; the second is the one reported, so its backward sees them.
@@ -179,7 +179,7 @@ def build_model(setup: Setup, config: dict):
             task_type="CAUSAL_LM", r=setup.lora_r, lora_alpha=2 * setup.lora_r, lora_dropout=setup.lora_dropout,
             target_modules=list(setup.lora_targets), modules_to_save=list(setup.modules_to_save) or None))
         if setup.method == "qlora":
-            from finetune.plan.trace_quant import four_bit_linears, prepare_for_kbit_training
+            from finetune.plan.trace.qlora import four_bit_linears, prepare_for_kbit_training
 
             four_bit_linears(model, setup)
             if setup.kbit_prepared:
@@ -348,7 +348,7 @@ def _trace_depth(setup: Setup, cfg: dict):
     """The tracker of one traced step of the model with cfg's depth."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from finetune.plan.tracemem import LiveTensors
+    from finetune.plan.trace.live_tensors import LiveTensors
 
     model = build_model(setup, cfg)
     mode = FakeTensorMode(allow_non_fake_inputs=False)

@@ -1,4 +1,4 @@
-"""QLoRA's model as `finetune plan --trace` builds it (finetune/plan/trace.py): bitsandbytes' 4-bit linears
+"""QLoRA's model as `finetune plan --trace` builds it (finetune/plan/trace/step.py): bitsandbytes' 4-bit linears
 emulated on fake tensors (the packed weight, its quantization state, the dequantized copy while each runs,
 bitsandbytes' dtype handling), and the casts of peft's prepare_model_for_kbit_training. Torch is imported
 inside functions."""

@@ -13,9 +13,9 @@ states) are counted from the start. Kinds:
 
 Each phase's peak is also kept per place (`place_peaks`), a place being where the step is, named the same
 at every depth: the module running (its decoder layer as first, last or mid), else in backward the module
-whose gradient came last (finetune.plan.trace extrapolates each place from shallow models).
+whose gradient came last (finetune.plan.trace.step extrapolates each place from shallow models).
 
-Imported only by finetune.plan.trace (it imports torch at the top).
+Imported only by finetune.plan.trace.step (it imports torch at the top).
 """
 
 from __future__ import annotations

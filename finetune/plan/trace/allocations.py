@@ -3,7 +3,7 @@
 (`python scripts/plan_corpus.py --allocator`; docs/plan.md, "The allocator").
 
 Every layer is traced (no extrapolation: the order of allocations is what matters), on fake tensors as
-finetune/plan/trace.py runs them. Imports torch, transformers and peft.
+finetune/plan/trace/step.py runs them. Imports torch, transformers and peft.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from dataclasses import replace
 from typing import Optional
 
 from finetune.plan.setup import Setup
-from finetune.plan.trace import (
+from finetune.plan.trace.step import (
     build_model, cuda_only_terms, cuda_paths, data_decisions, fake_parameters, hf_config, make_batch, make_optimizer,
     run_step, trainer_autocast,
 )
@@ -24,7 +24,7 @@ def allocation_profile(setup: Setup, lengths: list[int], config: Optional[dict] 
     cuBLAS workspaces (cuda_only_terms: allocated once from the caching allocator) are resident."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from finetune.plan.tracemem import LiveTensors
+    from finetune.plan.trace.live_tensors import LiveTensors
 
     cfg = hf_config(setup, config)
     model = build_model(setup, cfg)
