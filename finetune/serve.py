@@ -219,7 +219,8 @@ def _tokenizer_template(tokenizer_dir: Optional[Path]) -> Optional[str]:
 def run_context(run_dir: Path) -> Optional[ServeContext]:
     """The serving context of a finished run directory (its adapter or full weights), None when it has neither."""
     from finetune.rundir.names import ADAPTER_CONFIG
-    from finetune.rundir.run_dir import RunDir, RunDirError
+    from finetune.rundir.errors import RunDirError
+    from finetune.rundir.run_dir import RunDir
 
     run = RunDir(run_dir)
     try:
@@ -306,7 +307,8 @@ def merged_next_steps(merged: Path) -> list[tuple[str, str]]:
     """(command, why) after `finetune merge`: chat, then serve the merged model with the trained prompt (the run's
     recipe travels in the merged folder as finetune_recipe.yaml)."""
     from finetune import hints
-    from finetune.rundir.run_dir import RunDirError, command_line, merged_recipe
+    from finetune.rundir.errors import RunDirError
+    from finetune.rundir.run_dir import command_line, merged_recipe
 
     finetune, recipe = hints.finetune(), None
     try:

@@ -11,7 +11,8 @@ from typing import Optional
 from finetune.errors import FinetuneError
 from finetune.recipe import Recipe
 from finetune.recipe.references import MODEL_CONFIG, is_model_dir
-from finetune.rundir.run_dir import RunDir, RunDirError, merged_recipe, not_a_run_dir_message
+from finetune.rundir.errors import RunDirError
+from finetune.rundir.run_dir import RunDir, merged_recipe, not_a_run_dir_message
 
 
 class ExportError(FinetuneError):

@@ -99,7 +99,8 @@ def continued_prompt_format(loaded: LoadedRecipe) -> Iterator[RawFinding]:
     """A preference run continuing an SFT run's adapter should prompt as the SFT run trained (issue 34: SFT on
     alpaca, then DPO on text rows, changed the prompt format silently)."""
     from finetune.data.show import prompt_kind, sft_prompt_kind
-    from finetune.rundir.run_dir import RunDir, RunDirError
+    from finetune.rundir.errors import RunDirError
+    from finetune.rundir.run_dir import RunDir
 
     r = loaded.recipe
     if objectives.get(r.objective).section != "preference" or r.model.adapter is None:

@@ -412,7 +412,7 @@ def continued_adapter(loaded: LoadedRecipe) -> Iterator[RawFinding]:
                          "a full fine-tune continues from full weights, not an adapter",
                          "set model.name_or_path to the SFT run's model/ directory and remove model.adapter")
         return
-    from finetune.rundir.run_dir import find_adapter, no_adapter_message
+    from finetune.rundir.adapter import find_adapter, no_adapter_message
 
     if find_adapter(adapter) is None:
         # Info, not a warning: the SFT run a DPO recipe continues from usually exists only on the training box

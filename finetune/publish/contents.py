@@ -69,7 +69,8 @@ class Publication:
 
 def collect(path: Path) -> Publication:
     """The publication of a run directory, a model directory or an export folder; one line for anything else."""
-    from finetune.rundir.run_dir import RunDir, RunDirError, not_a_run_dir_message
+    from finetune.rundir.errors import RunDirError
+    from finetune.rundir.run_dir import RunDir, not_a_run_dir_message
 
     path = Path(path)
     if not path.is_dir():
@@ -114,7 +115,7 @@ def _from_run(run) -> Publication:
         pub.kind, pub.relation = "model", "finetune"
         pub.items += _model_files(run.model_path)
     elif run.adapter() is not None:
-        from finetune.rundir.run_dir import adapter_weights
+        from finetune.rundir.adapter import adapter_weights
 
         adapter = run.adapter()
         weights = adapter_weights(adapter)  # NotAnAdapter (a RunDirError: collect words it as PublishError)

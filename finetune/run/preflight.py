@@ -315,7 +315,7 @@ def model_step(recipe: Recipe, result: Preflight) -> None:
     elif tokenizer and not is_model_path(tokenizer) and tokenizer != reference:
         _hub_model("model.tokenizer", tokenizer, None, result)
     if recipe.model.adapter:
-        from finetune.rundir.run_dir import adapter_problem
+        from finetune.rundir.adapter import adapter_problem
 
         problem = adapter_problem(recipe.model.adapter)
         if problem:

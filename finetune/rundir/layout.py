@@ -29,7 +29,8 @@ from finetune.builtin import is_builtin
 from finetune.rundir.names import (
     AUTO_FILE, DEEPSPEED_FILE, LOGS_DIR, RECIPE_FILE, RECIPE_HEADER, RUN_INPUTS, TRAINING_ARGS_FILE,
 )
-from finetune.rundir.run_dir import RunDir, RunDirError
+from finetune.rundir.errors import RunDirError
+from finetune.rundir.run_dir import RunDir
 from finetune.recipe.auto import with_auto, with_auto_values
 
 

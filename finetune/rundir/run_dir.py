@@ -16,7 +16,8 @@ finetune.rundir.names; the checkpoints, the lock and the resume key have their o
 The one answer to each question those commands ask of a folder (a model directory's:
 finetune.recipe.references.model_dir_problem):
     a run directory?       RunDir.is_run / RunDir.require (NotARunDir)
-    a whole adapter?       adapter_weights (NotAnAdapter); where a run's adapter is: find_adapter
+    a whole adapter?       finetune.rundir.adapter.adapter_weights (NotAnAdapter); where a run's adapter is:
+                           finetune.rundir.adapter.find_adapter
     a merged model's run?  merged_recipe
     trained on which base? resolve_base (a recipe, a run directory or an adapter directory)
 
@@ -31,16 +32,13 @@ from typing import TYPE_CHECKING, Any, Optional, Union
 if TYPE_CHECKING:
     from finetune.recipe import Recipe
 
-from finetune.errors import FinetuneError
 from finetune.recipe.references import is_model_dir
+from finetune.rundir.adapter import find_adapter
+from finetune.rundir.errors import RunDirError
 from finetune.rundir.names import (
-    ADAPTER_CONFIG, ADAPTER_DIR, ADAPTER_WEIGHTS, MERGED_RECIPE, MODEL_DIR, RECIPE_FILE, RECIPE_HEADER, RUN_INPUTS,
+    ADAPTER_CONFIG, ADAPTER_DIR, MERGED_RECIPE, MODEL_DIR, RECIPE_FILE, RECIPE_HEADER, RUN_INPUTS,
     TOKENIZER_DIR, ZERO_CHECKPOINT_DIR,
 )
-
-
-class RunDirError(FinetuneError):
-    """A run directory is missing a file, or holds one that cannot be read (the message names the file)."""
 
 
 class NotARunDir(RunDirError):
@@ -49,50 +47,6 @@ class NotARunDir(RunDirError):
 
 def not_a_run_dir_message(path: Path) -> str:
     return f"{path}: not a run directory (no {RECIPE_FILE}; `finetune train RECIPE` writes one)"
-
-
-def find_adapter(path: Union[str, Path]) -> Optional[Path]:
-    """The PEFT adapter in PATH/adapter (a run directory) or PATH itself (an adapter directory), or None."""
-    path = Path(path).expanduser()
-    for candidate in (path / ADAPTER_DIR, path):
-        if (candidate / ADAPTER_CONFIG).is_file():
-            return candidate
-    return None
-
-
-def no_adapter_message(path: Union[str, Path]) -> str:
-    """Why `path` holds no adapter: the one sentence every command prints."""
-    path = Path(path).expanduser()
-    return f"no {ADAPTER_CONFIG} in {path} or {path / ADAPTER_DIR}"
-
-
-class NotAnAdapter(RunDirError):
-    """A folder given as a PEFT adapter that is not one, or not a whole one: `adapter_weights`'s message."""
-
-
-def adapter_weights(path: Union[str, Path]) -> Path:
-    """The weights file of the adapter directory PATH (what makes it a whole adapter), or NotAnAdapter naming what
-    is missing: the one check of chat, eval, merge, export and publish."""
-    path = Path(path).expanduser()
-    if not path.is_dir():
-        raise NotAnAdapter(f"{path}: no such adapter directory")
-    if not (path / ADAPTER_CONFIG).is_file():
-        raise NotAnAdapter(f"{path}: no {ADAPTER_CONFIG} (not a PEFT adapter directory)")
-    for name in ADAPTER_WEIGHTS:
-        if (path / name).is_file():
-            return path / name
-    raise NotAnAdapter(f"{path}: no {ADAPTER_WEIGHTS[0]} (or {ADAPTER_WEIGHTS[1]}): an incomplete adapter")
-
-
-def adapter_problem(reference: str) -> Optional[str]:
-    """Why model.adapter (an SFT run directory or an adapter directory) cannot be continued from, or None."""
-    if find_adapter(reference) is not None:
-        return None
-    run = RunDir(Path(reference).expanduser())
-    if run.model_path.is_dir() or is_model_dir(run.path):
-        return ("holds full weights, not an adapter: continue a full fine-tune through model.name_or_path "
-                "(and method: full)")
-    return f"{no_adapter_message(reference)} (give an SFT run directory or an adapter directory)"
 
 
 class RunDir:

@@ -127,7 +127,7 @@ def split_rows(recipe: Recipe):
 def adapter_dir(reference: str) -> Path:
     """model.adapter: an SFT run directory (its adapter/) or the adapter directory itself."""
     from finetune.data.tokenize import DataError
-    from finetune.rundir.run_dir import find_adapter, no_adapter_message
+    from finetune.rundir.adapter import find_adapter, no_adapter_message
 
     found = find_adapter(reference)
     if found is None:

@@ -215,7 +215,7 @@ def plan_estimate(run_dir: Path, world_size: int) -> tuple[Optional[dict[str, in
     """The planner's per-GPU bytes for this run's recipe and world size, or (None, why not)."""
     from finetune import plan as planner
     from finetune.rundir.layout import read_run_dir
-    from finetune.rundir.run_dir import RunDirError
+    from finetune.rundir.errors import RunDirError
 
     try:
         recipe, _, _ = read_run_dir(run_dir)

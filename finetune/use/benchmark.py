@@ -294,7 +294,8 @@ def benchmark(run_dir: Path, tasks: list[Path], device: str = "auto", batch_size
               limit: Optional[int] = None, log: Callable[[str], None] = print) -> BenchmarkResult:
     """Run the task files on the fine-tuned model and on its base; written to RUN/eval.json (`benchmarks`) and
     report.html."""
-    from finetune.rundir.run_dir import RunDir, RunDirError
+    from finetune.rundir.errors import RunDirError
+    from finetune.rundir.run_dir import RunDir
     from finetune.use.chat import ChatError, load_chat_model, resolve_source
 
     version = lm_eval_version()

@@ -25,9 +25,8 @@ from finetune.recipe import Recipe
 from finetune.data.show import trained_format
 from finetune.recipe.references import MODEL_CONFIG, is_model_dir, is_model_path, require_model_dir
 from finetune.rundir.names import ADAPTER_CONFIG, ADAPTER_WEIGHTS
-from finetune.rundir.run_dir import (
-    RunDir, adapter_weights, find_adapter, merged_recipe, no_model_yet, not_a_run_dir_message, resolve_base,
-)
+from finetune.rundir.adapter import adapter_weights, find_adapter
+from finetune.rundir.run_dir import RunDir, merged_recipe, no_model_yet, not_a_run_dir_message, resolve_base
 from finetune.units import gib_text
 from finetune.use.conversation import Conversation
 

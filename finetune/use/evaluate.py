@@ -180,7 +180,8 @@ def evaluate(run_dir: Path, data: Optional[Path] = None, device: str = "auto", b
              log: Callable[[str], None] = print, fmt: Optional[str] = None) -> Any:
     """EvalResult (loss and perplexity); for a reward model, finetune.use.reward_eval.PairwiseResult."""
     from finetune.use.chat import ChatError, load_chat_model, resolve_source
-    from finetune.rundir.run_dir import RunDir, RunDirError
+    from finetune.rundir.errors import RunDirError
+    from finetune.rundir.run_dir import RunDir
     from finetune.data.packing import Collator
 
     run_dir = Path(run_dir)

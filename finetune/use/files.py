@@ -14,7 +14,7 @@ from typing import Callable, TypeVar
 from finetune.errors import FinetuneError
 from finetune.recipe.references import MODEL_CONFIG, require_model_dir
 from finetune.rundir.names import ADAPTER_CONFIG
-from finetune.rundir.run_dir import adapter_weights
+from finetune.rundir.adapter import adapter_weights
 
 T = TypeVar("T")
 
@@ -33,7 +33,7 @@ def check_model_dir(path: Path) -> None:
 
 
 def check_adapter_dir(path: Path) -> None:
-    """A whole adapter directory (finetune.rundir.run_dir.adapter_weights), then its files as check_model_dir."""
+    """A whole adapter directory (finetune.rundir.adapter.adapter_weights), then its files as check_model_dir."""
     _regular_files(path)
     weights = adapter_weights(path)
     config = _json_object(path / ADAPTER_CONFIG)

@@ -36,7 +36,8 @@ import torch
 from finetune.rundir.checkpoint import Checkpoint, checkpoint_dirs, checkpoint_step, inspect_checkpoint
 from finetune.rundir import verify
 from finetune.rundir.names import ADAPTER_CONFIG, ADAPTER_WEIGHTS
-from finetune.rundir.run_dir import RunDir, find_adapter, no_adapter_message
+from finetune.rundir.adapter import find_adapter, no_adapter_message
+from finetune.rundir.run_dir import RunDir
 from finetune.fsutil import atomic_dir, write_atomic
 from finetune.weights.experts import checkpoint_names
 from finetune.weights.lora_math import PEFT_PREFIX, lora_scaling

@@ -11,8 +11,9 @@ from finetune.errors import FinetuneError
 from finetune.weights.errors import MergeError
 from finetune.recipe.references import require_model_dir
 from finetune.rundir.names import ADAPTER_CONFIG, CHECKPOINT_PREFIX, RECIPE_FILE
-from finetune.rundir.run_dir import NoBaseModel, RunDir, no_adapter_message, resolve_base
-from finetune.rundir.run_dir import adapter_weights as whole_adapter
+from finetune.rundir.adapter import no_adapter_message
+from finetune.rundir.run_dir import NoBaseModel, RunDir, resolve_base
+from finetune.rundir.adapter import adapter_weights as whole_adapter
 
 
 @dataclass
@@ -108,7 +109,7 @@ def base_local_dir(base: Path) -> None:
 
 
 def adapter_weights(adapter: Path) -> Path:
-    """finetune.rundir.run_dir.adapter_weights, as merge's error (what merge and export catch)."""
+    """finetune.rundir.adapter.adapter_weights, as merge's error (what merge and export catch)."""
     try:
         return whole_adapter(adapter)
     except FinetuneError as exc:

@@ -139,7 +139,8 @@ def test_a_new_run_directory_records_todays_format(write_recipe, tmp_path):
 
 def test_a_renamed_key_is_migrated_when_an_older_run_directory_is_read(tmp_path, monkeypatch):
     """A synthetic rename (format 2 calls training.learning_rate what format 1 called training.lr)."""
-    from finetune.rundir.run_dir import RunDir, RunDirError
+    from finetune.rundir.errors import RunDirError
+    from finetune.rundir.run_dir import RunDir
 
     run = tmp_path / "run"
     run.mkdir()

@@ -9,10 +9,9 @@ import pytest
 
 from finetune.recipe.references import MODEL_CONFIG, NotAModelDir, model_dir_problem, require_model_dir
 from finetune.rundir.names import ADAPTER_CONFIG, ADAPTER_WEIGHTS, RECIPE_FILE
-from finetune.rundir.run_dir import (
-    NoBaseModel, NotAnAdapter, NotARunDir, RunDir, RunDirError, adapter_weights, find_adapter, no_adapter_message,
-    not_a_run_dir_message, resolve_base,
-)
+from finetune.rundir.adapter import NotAnAdapter, adapter_weights, find_adapter, no_adapter_message
+from finetune.rundir.errors import RunDirError
+from finetune.rundir.run_dir import NoBaseModel, NotARunDir, RunDir, not_a_run_dir_message, resolve_base
 
 PACKAGE = Path(__file__).resolve().parents[2] / "finetune"
 

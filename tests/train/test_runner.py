@@ -25,7 +25,7 @@ def test_missing_run_inputs_is_one_line_error(tmp_path):
 
 def test_unreadable_recipe_is_reported(tmp_path):
     from finetune.rundir.layout import read_run_dir
-    from finetune.rundir.run_dir import RunDirError
+    from finetune.rundir.errors import RunDirError
 
     write_run_dir(TINY_RECIPES / "lora_zero2.yaml", tmp_path)
     (tmp_path / "recipe.yaml").write_text("model: {name_or_path: x}\nmethod: lorra\n")
