@@ -277,7 +277,7 @@ def rank_main(args: argparse.Namespace) -> int:
 
     from finetune.builtin import cache_root, ensure_builtin_model, is_builtin
     from finetune.data.prepare import load_prepared
-    from finetune.data.sources import section_for_tokenizing
+    from finetune.data.spec import DataSpec
     from finetune.data.tokenize import split_eval
     from finetune.plan.archs import ArchError, arch_from_config
     from finetune.speed import WARMUP_STEPS, peak_bf16_flops, steady
@@ -292,7 +292,7 @@ def rank_main(args: argparse.Namespace) -> int:
     training_args = training_arguments(recipe, args.out, ds, not on_gpu, args.steps)
     _ = training_args.device  # the process group and this rank's GPU, before the model
     tokenizer = load_tokenizer(recipe, model_path)
-    train_set, _ = split_eval(load_prepared(section_for_tokenizing(recipe), tokenizer, cache_root() / "tokenized"),
+    train_set, _ = split_eval(load_prepared(DataSpec.of(recipe), tokenizer, cache_root() / "tokenized"),
                               recipe.data.validation_split, recipe.training.seed)
     transformers.set_seed(recipe.training.seed)  # the adapter's initial weights as finetune's (it seeds before loading)
     model = build_model(recipe, model_path)

@@ -188,21 +188,21 @@ def tokenize_before_launch(loaded: LoadedRecipe, log: Callable[[str], None], num
     from finetune.builtin import cache_root, ensure_builtin_model, is_builtin
     from finetune.data import cache_entry
     from finetune.data.prepare import MANIFEST, entry, is_prepared, prepare as prepare_data
-    from finetune.data.sources import section_for_tokenizing
+    from finetune.data.spec import DataSpec
     from finetune.tokenizer import load_without_torch, tokenizer_args
 
     model_path = str(ensure_builtin_model(recipe.model.name_or_path)) if is_builtin(recipe.model.name_or_path) \
         else recipe.model.name_or_path
     tokenizer = load_without_torch(tokenizer_args(recipe, model_path))
-    section, cache = section_for_tokenizing(recipe), cache_root() / "tokenized"
-    target = entry(section, tokenizer, cache)
+    spec, cache = DataSpec.of(recipe), cache_root() / "tokenized"
+    target = entry(spec, tokenizer, cache)
     if "torch" in sys.modules and not (is_prepared(target) and cache_entry.problem(target, MANIFEST) is None):
         # `finetune train`'s preflight imported torch: tokenize in a fresh process, so that the workers it
         # forks do not each carry torch (finetune.data.prepare_fresh).
         from finetune.data.prepare_fresh import prepare_in_fresh_process
 
-        return prepare_in_fresh_process(section, tokenizer, cache, log=log, num_proc=num_proc)
-    return prepare_data(section, tokenizer, cache, log=log, num_proc=num_proc)
+        return prepare_in_fresh_process(spec, tokenizer, cache, log=log, num_proc=num_proc)
+    return prepare_data(spec, tokenizer, cache, log=log, num_proc=num_proc)
 
 
 def start_run(prepared: Prepared, console: Optional[IO[bytes]] = None) -> Outcome:

@@ -302,7 +302,7 @@ def run(run_dir: Path, resume: bool = False) -> None:
     from finetune.train.callbacks import EffectiveDeepSpeedConfig, LastStepLogged, LossPlot, ProgressLines, TrainClock
     from finetune.train.counting import CountingTrainer
     from finetune.train.finite import FiniteGuard
-    from finetune.data.sources import section_for_tokenizing
+    from finetune.data.spec import DataSpec
     from finetune.data.prepare import load_prepared, mix_report
     from finetune.data.packing import make_collator
     from finetune.data.tokenize import split_eval
@@ -351,10 +351,10 @@ def run(run_dir: Path, resume: bool = False) -> None:
     tokenizer = load_tokenizer(recipe, model_path)
     if recipe.objective == "sft":
         # Tokenized by the launcher before this process started (finetune.run.start): memory-mapped, never made here.
-        section = section_for_tokenizing(recipe)
-        dataset = load_prepared(section, tokenizer, cache_root() / "tokenized")
+        spec = DataSpec.of(recipe)
+        dataset = load_prepared(spec, tokenizer, cache_root() / "tokenized")
         if is_main:  # the run directory says what it trained on: rows per source, dropped, mixed
-            _write_json(run_dir / DATA_MIX_FILE, mix_report(section, tokenizer, cache_root() / "tokenized"))
+            _write_json(run_dir / DATA_MIX_FILE, mix_report(spec, tokenizer, cache_root() / "tokenized"))
         train_set, eval_set = split_eval(dataset, recipe.data.validation_split, recipe.training.seed)
         collator = make_collator(tokenizer.pad_token_id, recipe.model.attn_implementation, recipe.data.packing,
                                  recipe.data.padding_free, counts=host_counts)
