@@ -34,6 +34,12 @@ def tokenizer_args(recipe: Recipe, model_path: str) -> dict[str, Any]:
             "chat_formats": [f for f in recipe.data.source_formats() if f in ("messages", "sharegpt")]}
 
 
+def load_for_launch(recipe: Recipe):
+    """The recipe's tokenizer as `finetune train`'s launcher and `finetune prepare` load it: a built-in model built
+    first, torch not imported (load_without_torch)."""
+    return load_without_torch(tokenizer_args(recipe, resolve_model_path(recipe.model.name_or_path)))
+
+
 def load_tokenizer(recipe: Recipe, model_path: str):
     """The model's tokenizer (or `model.tokenizer`), with a pad token and the recipe's chat template."""
     return from_args(**tokenizer_args(recipe, model_path))

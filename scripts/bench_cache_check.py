@@ -58,6 +58,7 @@ def main() -> None:
     from finetune.builtin import ensure_builtin_model
     from finetune.data import cache_entry
     from finetune.data.prepare import MANIFEST, prepare
+    from finetune.data.spec import DataSpec
     from finetune.tokenizer import load_without_torch
 
     work = args.work or Path(tempfile.mkdtemp(prefix="bench-cache-check-"))
@@ -65,7 +66,8 @@ def main() -> None:
     if not rows.exists():
         write_rows(rows, "alpaca", args.rows)
     tokenizer = load_without_torch({"source": str(ensure_builtin_model("builtin:tiny-llama"))})
-    section = {"path": str(rows), "format": "alpaca", "max_length": args.max_length, "mask_prompt": True}
+    section = DataSpec.from_section({"path": str(rows), "format": "alpaca", "max_length": args.max_length,
+                                     "mask_prompt": True})
     started = time.perf_counter()
     done = prepare(section, tokenizer, work / "cache", log=lambda line: None, num_proc=args.num_proc)
     tokenize_s = time.perf_counter() - started if not done.cached else float("nan")

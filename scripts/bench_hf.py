@@ -107,7 +107,9 @@ def check_supported(recipe) -> Optional[str]:
 
 def launch(args: argparse.Namespace) -> int:
     from finetune.recipe import load_recipe
-    from finetune.run.start import tokenize_before_launch
+    from finetune.data.cache_root import tokenized_root
+    from finetune.data.prepare_recipe import prepare_recipe
+    from finetune.tokenizer import load_for_launch
     from finetune.run.launch.commands import free_port
 
     recipe, run_dir = load(args.source, args.set)
@@ -116,7 +118,8 @@ def launch(args: argparse.Namespace) -> int:
         print(f"bench_hf: {problem}", file=sys.stderr)
         return 2
     recipe_file = run_dir / "recipe.yaml" if run_dir else args.source
-    tokenize_before_launch(load_recipe(recipe_file, [] if run_dir else args.set), log=lambda line: print(f"[bench_hf] {line}"))
+    launched = load_recipe(recipe_file, [] if run_dir else args.set).recipe
+    prepare_recipe(launched, load_for_launch(launched), tokenized_root(), log=lambda line: print(f"[bench_hf] {line}"))
     procs = args.procs or (recipe.world_size or 1)
     args.out.mkdir(parents=True, exist_ok=True)
     if procs == 1 and args.no_deepspeed:  # one process, no DeepSpeed: the Trainer needs no process group
@@ -278,7 +281,7 @@ def rank_main(args: argparse.Namespace) -> int:
     from finetune.builtin import ensure_builtin_model, is_builtin
     from finetune.data.cache_root import tokenized_root
     from finetune.data.prepare import load_prepared
-    from finetune.data.sources import section_for_tokenizing
+    from finetune.data.spec import DataSpec
     from finetune.data.tokenize import split_eval
     from finetune.plan.archs import ArchError, arch_from_config
     from finetune.speed import WARMUP_STEPS, peak_bf16_flops, steady
@@ -293,7 +296,7 @@ def rank_main(args: argparse.Namespace) -> int:
     training_args = training_arguments(recipe, args.out, ds, not on_gpu, args.steps)
     _ = training_args.device  # the process group and this rank's GPU, before the model
     tokenizer = load_tokenizer(recipe, model_path)
-    train_set, _ = split_eval(load_prepared(section_for_tokenizing(recipe), tokenizer, tokenized_root()),
+    train_set, _ = split_eval(load_prepared(DataSpec.of(recipe), tokenizer, tokenized_root()),
                               recipe.data.validation_split, recipe.training.seed)
     transformers.set_seed(recipe.training.seed)  # the adapter's initial weights as finetune's (it seeds before loading)
     model = build_model(recipe, model_path)

@@ -86,10 +86,10 @@ def write_rows(path: Path, fmt: str, rows: int, seed: int = 0) -> None:
 
 def run_finetune(data: Path, fmt: str, tokenizer, max_length: int, num_proc: int, work: Path) -> dict:
     from finetune.data.prepare import load_prepared, prepare
+    from finetune.data.spec import DataSpec
 
-    section = {"path": str(data), "format": fmt, "split": "train", "columns": {}, "roles": {}, "sources": None,
-               "seed": 0, "think": "train", "chat_template": None, "max_length": max_length, "packing": False,
-               "mask_prompt": True}
+    section = DataSpec.from_section({"path": str(data), "format": fmt, "seed": 0, "max_length": max_length,
+                                     "packing": False, "mask_prompt": True})
     prepare(section, tokenizer, work / "finetune-cache", log=lambda line: None, num_proc=num_proc)
     _tokenized(work)
     return _counts(load_prepared(section, tokenizer, work / "finetune-cache"))

@@ -69,15 +69,20 @@ def launch_runner(run_dir: Path, cache: Path, procs: int = 2, timeout: float = 3
 
 
 def prepare_data(run_dir: Path, cache: Path) -> list[str]:
-    """What finetune.run.start does in the launcher: tokenize the run's training set into `cache`; its lines."""
+    """What `finetune train` does in the launcher: tokenize the run's training set into `cache`; its lines."""
+    from finetune.data.cache_root import tokenized_root
+    from finetune.data.prepare_recipe import prepare_recipe
+    from finetune.objectives import get as objective_record
     from finetune.recipe import load_recipe
-    from finetune.run.start import tokenize_before_launch
+    from finetune.tokenizer import load_for_launch
 
     before = os.environ.get("FINETUNE_CACHE")
     os.environ["FINETUNE_CACHE"] = str(cache)
     lines: list[str] = []
     try:
-        tokenize_before_launch(load_recipe(Path(run_dir) / "recipe.yaml"), log=lines.append)
+        recipe = load_recipe(Path(run_dir) / "recipe.yaml").recipe
+        if not objective_record(recipe.objective).uses_trl:  # TRL's trainers tokenize their own rows
+            prepare_recipe(recipe, load_for_launch(recipe), tokenized_root(), log=lines.append)
     finally:
         if before is None:
             os.environ.pop("FINETUNE_CACHE")

@@ -26,7 +26,7 @@ def tokenized(recipe, cache: Path):
     """(tokenizer, model directory, the recipe's rows as finetune.data.prepare makes them)."""
     from finetune.builtin import ensure_builtin_model
     from finetune.data.prepare import tokenize_for_training
-    from finetune.data.sources import section_for_tokenizing
+    from finetune.data.spec import DataSpec
     from finetune.tokenizer import load_tokenizer
 
     before = os.environ.get("FINETUNE_CACHE")
@@ -34,7 +34,7 @@ def tokenized(recipe, cache: Path):
     try:
         path = str(ensure_builtin_model(recipe.model.name_or_path, cache))
         tokenizer = load_tokenizer(recipe, path)
-        rows = tokenize_for_training(section_for_tokenizing(recipe), tokenizer, cache / "tokenized", log=lambda s: None)
+        rows = tokenize_for_training(DataSpec.of(recipe), tokenizer, cache / "tokenized", log=lambda s: None)
     finally:
         if before is None:
             os.environ.pop("FINETUNE_CACHE")

@@ -46,11 +46,14 @@ def prepare(
         for message in checked.messages():
             typer.echo(f"error: {message}", err=True)
         raise fail(f"{checked.total} problem{'s' if checked.total != 1 else ''} in the data; nothing was tokenized")
-    from finetune.run.start import tokenize_before_launch
+    from finetune.data.cache_root import tokenized_root
+    from finetune.data.prepare_recipe import prepare_recipe
+    from finetune.tokenizer import load_for_launch
 
     # A bad row or model is a FinetuneError: finetune.cli.common.handled prints its line and exits 1.
     try:
-        done = tokenize_before_launch(loaded, lambda line: typer.echo(f"[finetune] {line}", err=True), num_proc)
+        done = prepare_recipe(loaded.recipe, load_for_launch(loaded.recipe), tokenized_root(),
+                              lambda line: typer.echo(f"[finetune] {line}", err=True), num_proc)
     except OSError as exc:
         raise fail(f"cannot load the tokenizer or write the cache: {exc.strerror or exc}") from None
     typer.echo(f"prepared: {done.path} ({'already there' if done.cached else f'{done.seconds:.1f} s'}); "

@@ -1,20 +1,38 @@
 """Chat rows: the chat template rendered for a conversation and its prefixes, and where its assistant turns are.
 
-finetune.data.tokenize encodes a batch of chat rows with these: one render of the conversation, the character
-span of each assistant turn (from the template's `{% generation %}` blocks, or by rendering prefixes), and the
-`<think>` ranges taken out of them for `data.think: mask`. A conversation the template cannot render, or whose
+The one renderer of chat rows: finetune.data.tokenize encodes a batch of them with `chat_text` (one render of the
+conversation, the character span of each assistant turn, from the template's `{% generation %}` blocks or by
+rendering prefixes, and the `<think>` ranges taken out of them for `data.think: mask`), and `finetune train`'s
+preflight (finetune.run.preflight) renders every local row the same way before launch (the rows:
+finetune.data.validate.chat_rows), with a `ChatRenderer.for_template` when no tokenizer is at hand. A conversation the template cannot render, or whose
 turns cannot be located, is a RowProblem (the caller names file and line).
 """
 
 from __future__ import annotations
 
 import re
-from typing import Optional
+from typing import Any, Optional
 
-from finetune.data.formats import RowProblem
+from finetune.data.formats import Chat, RowProblem
 
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 _THINK = re.compile(r"<think>.*?</think>", re.DOTALL)
+# A conversation to render a template on when a source's rows cannot be read here (a hub id).
+SAMPLE_CONVERSATION = [{"role": "system", "content": "You are helpful."}, {"role": "user", "content": "Hi"},
+                       {"role": "assistant", "content": "Hello!"}]
+# apply_chat_template passes the tokenizer's special tokens to the template (`bos_token + ...` is common); without
+# the tokenizer, these stand in: their values do not matter for whether the template renders, only that they are
+# strings.
+PLACEHOLDER_TOKENS = {name: f"<{name}>" for name in ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
+                                                      "cls_token", "mask_token")}
+
+
+class TemplateFailed(RowProblem):
+    """The template raised on a conversation; `cause` is what it raised (preflight names its type and line)."""
+
+    def __init__(self, cause: Any):
+        super().__init__(f"the chat template cannot render this conversation: {cause}")
+        self.cause = cause
 
 
 class ChatRenderer:
@@ -29,6 +47,7 @@ class ChatRenderer:
 
         self.tokenizer = tokenizer
         self.fast = False
+        self.kwargs: Optional[dict[str, Any]] = None
         self.template = template_of(tokenizer)
         if self.template is None:
             return
@@ -44,6 +63,14 @@ class ChatRenderer:
             self.fast = True  # a template past the budget: apply_chat_template would not stop it
         except Exception:  # noqa: BLE001 - the slow path will raise what is wrong with the row, as before
             self.fast = False
+
+    @classmethod
+    def for_template(cls, template: str, variables: dict[str, Any]) -> "ChatRenderer":
+        """A renderer of `template` without a tokenizer (preflight, for a hub model's): `variables` are what
+        apply_chat_template would pass besides the conversation (the special tokens: PLACEHOLDER_TOKENS)."""
+        render = cls.__new__(cls)
+        render.tokenizer, render.template, render.kwargs, render.fast = None, template, dict(variables), True
+        return render
 
     def conversation(self, messages: list[dict]) -> list[dict]:
         """What render_jinja_template hands the template for `messages` (None values dropped, as
@@ -69,7 +96,7 @@ class ChatRenderer:
         except TemplateBudget:
             raise
         except Exception as exc:  # noqa: BLE001 - jinja and transformers raise many types on a row the template rejects
-            raise RowProblem(f"the chat template cannot render this conversation: {exc}") from None
+            raise TemplateFailed(exc) from None
 
     def __call__(self, chat: list[dict], add_generation_prompt: bool = False) -> str:
         from finetune.data.template_budget import TemplateBudget
@@ -81,21 +108,35 @@ class ChatRenderer:
         except TemplateBudget:
             raise
         except Exception as exc:  # noqa: BLE001 - e.g. raise_exception() in the template
-            raise RowProblem(f"the chat template cannot render this conversation: {exc}") from None
+            raise TemplateFailed(exc) from None
 
 
-def assistant_turn_spans(messages: list[dict], tokenizer, text: str, render: ChatRenderer,
-                          chat: list[dict]) -> list[tuple[int, int]]:
+def chat_text(example: Chat, render: ChatRenderer, mask_prompt: bool, think: str) -> tuple[str, list[tuple[int, int]]]:
+    """(the conversation rendered by `render`; the character spans the loss trains on: the assistant turns whose
+    train flag is on, less <think> with think: mask). RowProblem when the template cannot render the row or its
+    turns cannot be located."""
+    chat = render.conversation(example.messages)
+    text = render(chat)
+    if mask_prompt:
+        turns = assistant_turn_spans(example.messages, text, render, chat)
+        flags = [flag for message, flag in zip(example.messages, example.train) if message["role"] == "assistant"]
+        spans = [span for span, flag in zip(turns, flags) if flag]
+    else:
+        spans = [(0, len(text))]
+    return text, without_think(spans, text) if think == "mask" else spans
+
+
+def assistant_turn_spans(messages: list[dict], text: str, render: ChatRenderer,
+                         chat: list[dict]) -> list[tuple[int, int]]:
     """Character spans of the assistant turns in `text`, one per assistant message, in order (`chat`:
     render.conversation(messages))."""
-    template = tokenizer.get_chat_template()
     wanted = sum(m["role"] == "assistant" for m in messages)
-    if _GENERATION_TAG.search(template):
-        from finetune.data.template_budget import chat_messages, render_with_spans, tokenizer_kwargs
+    if render.kwargs is not None and _GENERATION_TAG.search(render.template):
+        from finetune.data.template_budget import chat_messages, render_with_spans
 
         # What apply_chat_template(return_assistant_tokens_mask=True) uses, at character level, so
         # the per-turn flags and <think> masking can cut inside the turns.
-        rendered, indices = render_with_spans(template, chat_messages(messages), **tokenizer_kwargs(tokenizer))
+        rendered, indices = render_with_spans(render.template, chat_messages(messages), **render.kwargs)
         if rendered == text and len(indices) == wanted:
             return [tuple(span) for span in indices]
     return _assistant_spans(chat, render, text)
@@ -135,3 +176,4 @@ def without_think(spans: list[tuple[int, int]], text: str) -> list[tuple[int, in
         if cursor < end:
             out.append((cursor, end))
     return out
+

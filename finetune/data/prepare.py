@@ -1,6 +1,6 @@
 """The tokenized training set, prepared once before any rank starts: every core, flat memory, atomic cache.
 
-`prepare(data, tokenizer, cache_dir)` is what `finetune prepare` and `finetune train` (in the launcher,
+`prepare(spec, tokenizer, cache_dir)` (spec: finetune.data.spec.DataSpec) is what `finetune prepare` and `finetune train` (in the launcher,
 before torchrun spawns anything) run; the ranks only `load_prepared` the finished cache, memory-mapped.
 No tokenizing happens inside a process group, so no collective timeout can cut it short.
 
@@ -18,13 +18,12 @@ No tokenizing happens inside a process group, so no collective timeout can cut i
    (a killed prepare leaves only `.KEY.*.partial`, which no later run takes for a cache, and which the next
    prepare removes when its owner is gone).
 
-The cache entry is keyed by a hash of the data section (not num_proc: same rows on any core count), the
-source files' identity and the tokenizer; mix.json beside the rows holds the per-source report.
+The cache entry is keyed by DataSpec.cache_key: a hash of the data section (not num_proc: same rows on any core
+count), the source files' identity and the tokenizer; mix.json beside the rows holds the per-source report.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -40,14 +39,13 @@ from finetune.data import cache_entry
 from finetune.data.formats import RowSpec
 from finetune.data.mix import MixError, mixture_arrays, targets
 from finetune.data.peak import PeakMemory
-from finetune.data.sources import Source, data_files, is_local, sources_of
+from finetune.data.sources import Source, data_files, is_local
+from finetune.data.spec import DataSpec
 from finetune.data.packing import pack_starts, pack_table
 from finetune.data.tokenize import DataError, RowError, encode_rows, load_raw
 from finetune.data.vision_encode import image_column, undecoded  # registers the rows with images too
 from finetune.fsutil import OWNER_FILE, remove_stale_partials
 
-# Bump when tokenization or the cache layout changes, so caches written by an older version are never reused.
-TOKENIZE_VERSION = 4  # 4: the manifest records each file's size and digest (finetune.data.cache_entry)
 MIX_REPORT = "mix.json"
 # The Arrow files of a cache entry, in order, the mixture's order over them (a .npy of row numbers) and the
 # columns to drop on loading: the files are those the workers wrote, never copied.
@@ -66,46 +64,6 @@ def resolve_num_proc(value: Union[str, int, None]) -> int:
         except AttributeError:  # not Linux
             return max(1, os.cpu_count() or 1)
     return max(1, int(value))
-
-
-def cache_key(data: dict[str, Any], tokenizer) -> str:
-    """Hash of the data section, every source file's identity and the tokenizer (vocabulary + template)."""
-    # padding_free and num_proc are left out on purpose: they change how rows are batched or made, not the rows.
-    section = {k: data.get(k) for k in ("path", "format", "split", "columns", "roles", "sources", "seed", "think",
-                                        "chat_template", "max_length", "packing", "mask_prompt")}
-    if data.get("vision"):  # a VLM's image sizing: another limit gives other rows
-        section["vision"] = data["vision"]
-    # The launcher reads `data/x.jsonl`, the ranks the run directory's absolute path: one key for both.
-    section["path"] = _absolute(section["path"])
-    section["sources"] = [{**item, "path": _absolute(item.get("path"))} for item in section["sources"] or []] or None
-    files = [_identity(source.path) for source in sources_of(data)]
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    vocab = backend.to_str() if backend is not None else json.dumps(tokenizer.get_vocab(), sort_keys=True)
-    blob = json.dumps({"v": TOKENIZE_VERSION, "data": section, "source": files,
-                       "template": tokenizer.chat_template, "bos": tokenizer.bos_token_id,
-                       "eos": tokenizer.eos_token_id, "class": type(tokenizer).__name__}, sort_keys=True, default=str)
-    digest = hashlib.sha256(blob.encode())
-    digest.update(vocab.encode())
-    return digest.hexdigest()[:16]
-
-
-def _absolute(path: Any) -> Any:
-    """A local path as finetune.rundir.layout.resolved_recipe writes it into the run directory."""
-    if isinstance(path, str) and is_local(path):
-        return str(Path(path).expanduser().absolute())
-    return path
-
-
-def _identity(path: str) -> Any:
-    """(path, size, mtime) of each local file of a source: other rows under the same name change the key."""
-    local = Path(path).expanduser()
-    if not is_local(path) or not local.exists():
-        return None
-    try:
-        files = data_files(local) if local.is_dir() else [local]
-    except Exception:  # noqa: BLE001 - an unreadable folder has no identity; loading it will say why
-        return None
-    return [[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in files]
 
 
 @dataclass
@@ -145,21 +103,21 @@ class Prepared:
                    item.get("peak_rss"))
 
 
-def entry(data: dict[str, Any], tokenizer, cache_dir: Path) -> Path:
-    return Path(cache_dir) / cache_key(data, tokenizer)
+def entry(spec: DataSpec, tokenizer, cache_dir: Path) -> Path:
+    return Path(cache_dir) / spec.cache_key(tokenizer)
 
 
 def is_prepared(target: Path) -> bool:
     return (target / MANIFEST).is_file() and (target / MIX_REPORT).is_file()
 
 
-def prepare(data: dict[str, Any], tokenizer, cache_dir: Path, log: Callable[[str], None] = print,
+def prepare(spec: DataSpec, tokenizer, cache_dir: Path, log: Callable[[str], None] = print,
             num_proc: Union[str, int, None] = None) -> Prepared:
-    """Tokenize `data` (a recipe's data section as a dict) into the cache, or find it there."""
+    """Tokenize the rows `spec` names into the cache, or find them there."""
     started = time.perf_counter()
-    target = entry(data, tokenizer, cache_dir)
-    max_length = int(data["max_length"])
-    procs = resolve_num_proc(num_proc if num_proc is not None else data.get("num_proc"))
+    target = entry(spec, tokenizer, cache_dir)
+    max_length = spec.max_length
+    procs = resolve_num_proc(num_proc if num_proc is not None else spec.num_proc)
     if is_prepared(target):
         damaged = cache_entry.problem(target, MANIFEST)
         if damaged is None:
@@ -180,7 +138,7 @@ def prepare(data: dict[str, Any], tokenizer, cache_dir: Path, log: Callable[[str
     datasets.disable_progress_bars()  # per-chunk bars; our own progress lines say how far it is (_Progress)
     try:
         with PeakMemory() as peak, _partial_dir(target) as tmp:
-            dataset, reports, rows_read, order = _build(data, tokenizer, tmp, procs, log)
+            dataset, reports, rows_read, order = _build(spec, tokenizer, tmp, procs, log)
             files = [Path(f["filename"]) for f in dataset.cache_files]
             if order is not None:
                 import numpy as np
@@ -204,17 +162,17 @@ def prepare(data: dict[str, Any], tokenizer, cache_dir: Path, log: Callable[[str
     for report in reports:
         log(report.line(max_length))
     memory = f", peak RSS {peak.bytes / 2**30:.2f} GB summed over the processes" if peak.bytes else ""
-    log(f"tokenized data: {rows_read} rows -> {sequences} {'packed ' if data.get('packing') else ''}"
+    log(f"tokenized data: {rows_read} rows -> {sequences} {'packed ' if spec.packing else ''}"
         f"sequences, {tokens} tokens in {seconds:.1f} s ({rows_read / max(seconds, 1e-9):.0f} rows/s, up to {procs} "
         f"process{'es' if procs != 1 else ''}{memory}) -> {target}")
     return Prepared(target, False, seconds, rows_read, procs, peak.bytes)
 
 
-def load_prepared(data: dict[str, Any], tokenizer, cache_dir: Path):
+def load_prepared(spec: DataSpec, tokenizer, cache_dir: Path):
     """The prepared rows, memory-mapped (what each rank does: it never tokenizes)."""
     import datasets
 
-    target = entry(data, tokenizer, cache_dir)
+    target = entry(spec, tokenizer, cache_dir)
     if not is_prepared(target):
         raise DataError(f"the tokenized data is not in the cache {target}: `finetune train` prepares it before "
                         f"launching (or run `finetune prepare RECIPE`) with the same FINETUNE_CACHE")
@@ -233,16 +191,16 @@ def load_prepared(data: dict[str, Any], tokenizer, cache_dir: Path):
     return dataset.remove_columns([c for c in manifest.get("drop", []) if c in dataset.column_names])
 
 
-def tokenize_for_training(data: dict[str, Any], tokenizer, cache_dir: Path, log: Callable[[str], None] = print,
+def tokenize_for_training(spec: DataSpec, tokenizer, cache_dir: Path, log: Callable[[str], None] = print,
                           num_proc: Union[str, int, None] = None):
     """prepare + load_prepared in one process (finetune eval, tests)."""
-    prepare(data, tokenizer, cache_dir, log, num_proc)
-    return load_prepared(data, tokenizer, cache_dir)
+    prepare(spec, tokenizer, cache_dir, log, num_proc)
+    return load_prepared(spec, tokenizer, cache_dir)
 
 
-def mix_report(data: dict[str, Any], tokenizer, cache_dir: Path) -> list[dict[str, Any]]:
-    """The per-source report of the cached tokenization of `data`."""
-    return [asdict(r) for r in read_reports(entry(data, tokenizer, cache_dir))]
+def mix_report(spec: DataSpec, tokenizer, cache_dir: Path) -> list[dict[str, Any]]:
+    """The per-source report of the cached tokenization of `spec`."""
+    return [asdict(r) for r in read_reports(entry(spec, tokenizer, cache_dir))]
 
 
 def read_reports(target: Path) -> list[SourceReport]:
@@ -288,34 +246,34 @@ def _features(images: bool = False):
     return datasets.Features(columns)
 
 
-def _build(data: dict[str, Any], tokenizer, folder: Path, procs: int, log: Callable[[str], None]):
+def _build(spec: DataSpec, tokenizer, folder: Path, procs: int, log: Callable[[str], None]):
     """(dataset, reports, rows read, order or None): the sequences, written as Arrow files into `folder`; a
     mixture's order (rows of the concatenated sources, numpy) is applied on loading, packing applies it here."""
-    sources = sources_of(data)
-    max_length = int(data["max_length"])
+    sources = spec.read_sources()
+    max_length = spec.max_length
     per_source, reports, rows_read = [], [], 0
     for number, source in enumerate(sources):
         raw = undecoded(load_raw(source.path, source.split), source.spec)  # a VLM's images: bytes, not PIL images
         rows_read += len(raw)
-        tokenized = _tokenize_source(raw, source, data, tokenizer, folder / f"source-{number}", procs, log)
+        tokenized = _tokenize_source(raw, source, spec, tokenizer, folder / f"source-{number}", procs, log)
         report = SourceReport(source.path, source.format, len(raw), len(raw) - _rows_kept(tokenized),
                               len(tokenized), len(tokenized), "all")
         per_source.append(tokenized)
         reports.append(report)
-    combined, order = _mix(sources, per_source, reports, int(data.get("seed") or 0))
+    combined, order = _mix(sources, per_source, reports, spec.seed)
     if (len(order) if order is not None else len(combined)) == 0:
         raise DataError(f"{', '.join(s.path for s in sources)}: no example has a trainable token after truncation "
                         f"to max_length {max_length}")
-    if data.get("packing") and data.get("vision"):
+    if spec.packing and spec.vision:
         raise DataError("data.packing: a vision-language model's rows carry images, which packing would separate "
                         "from their tokens; set data.packing: false (lint R170)")
-    if data.get("packing"):
+    if spec.packing:
         mixed = combined.select(order, keep_in_memory=True) if order is not None else combined
         return _pack(mixed.remove_columns("row"), max_length, folder / "packed.arrow", procs), reports, rows_read, None
     return combined, reports, rows_read, order
 
 
-def _tokenize_source(raw, source: Source, data: dict[str, Any], tokenizer, stem: Path, procs: int,
+def _tokenize_source(raw, source: Source, spec: DataSpec, tokenizer, stem: Path, procs: int,
                      log: Callable[[str], None]):
     """The sequences of one source, tokenized in chunks of rows (a progress line after each), each chunk
     by a batched map over `procs` processes."""
@@ -327,8 +285,8 @@ def _tokenize_source(raw, source: Source, data: dict[str, Any], tokenizer, stem:
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
     log(f"tokenizing {source.path}: {len(raw)} rows, {procs} process{'es' if procs != 1 else ''}"
         + (f" (at least {MIN_ROWS_PER_PROC} rows each)" if procs < requested else ""))
-    kwargs = {"spec": source.spec, "tokenizer": tokenizer, "max_length": int(data["max_length"]),
-              "mask_prompt": bool(data.get("mask_prompt", True)), "think": data.get("think") or "train"}
+    kwargs = {"spec": source.spec, "tokenizer": tokenizer, "max_length": spec.max_length,
+              "mask_prompt": spec.mask_prompt, "think": spec.think}
     chunk = max(CHUNK_ROWS, -(-len(raw) // 20))
     progress = _Progress(len(raw), log)
     parts = []

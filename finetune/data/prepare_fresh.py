@@ -26,18 +26,19 @@ from pathlib import Path
 from typing import Any, Callable, Union
 
 from finetune.data.prepare import Prepared, prepare
+from finetune.data.spec import DataSpec
 from finetune.data.tokenize import DataError
 from finetune.parentdeath import die_with_parent
 
 
-def prepare_in_fresh_process(data: dict[str, Any], tokenizer, cache_dir: Path, log: Callable[[str], None] = print,
+def prepare_in_fresh_process(spec: DataSpec, tokenizer, cache_dir: Path, log: Callable[[str], None] = print,
                              num_proc: Union[str, int, None] = None) -> Prepared:
-    """`prepare(data, tokenizer, cache_dir, log, num_proc)`, run by `python -m finetune.data.prepare_fresh`."""
+    """`prepare(spec, tokenizer, cache_dir, log, num_proc)`, run by `python -m finetune.data.prepare_fresh`."""
     import finetune
 
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         p for p in (str(Path(finetune.__file__).resolve().parent.parent), os.environ.get("PYTHONPATH")) if p)}
-    payload = pickle.dumps({"data": data, "tokenizer": tokenizer, "cache_dir": str(cache_dir), "num_proc": num_proc})
+    payload = pickle.dumps({"spec": spec, "tokenizer": tokenizer, "cache_dir": str(cache_dir), "num_proc": num_proc})
     child = subprocess.Popen(child_argv(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
     assert child.stdin is not None and child.stdout is not None
     child.stdin.write(payload)
@@ -79,7 +80,7 @@ def _child(parent: int) -> int:
             os._exit(1)
 
     try:
-        done = prepare(args["data"], args["tokenizer"], Path(args["cache_dir"]), log=lambda line: say(log=line),
+        done = prepare(args["spec"], args["tokenizer"], Path(args["cache_dir"]), log=lambda line: say(log=line),
                        num_proc=args["num_proc"])
     except DataError as exc:
         say(error=str(exc))

@@ -38,9 +38,10 @@ class Source:
 
 
 def sources_of(data: Any, objective: str = "sft", vision: Optional[dict] = None) -> list[Source]:
-    """The sources of a recipe's data section (a pydantic DataSection or its dict dump). The objective decides
-    how rows read (finetune.objectives): a preference objective's own row format, GRPO's prompt reader. `vision`
-    (or the dump's `vision` key, finetune.data.images.vision_data): a VLM's rows, read with their images."""
+    """The sources of a recipe's data section (a pydantic DataSection, a finetune.data.spec.DataSpec, or a dict of
+    one). The objective decides how rows read (finetune.objectives): a preference objective's own row format, GRPO's
+    prompt reader. `vision` (or a dict's `vision` key, finetune.data.images.vision_data): a VLM's rows, read with
+    their images."""
     get = data.get if isinstance(data, dict) else (lambda key, default=None: getattr(data, key, default))
     listed = get("sources")
     blocks = listed or [data]
@@ -63,18 +64,6 @@ def row_spec(data_format: Optional[str], columns: Any, roles: Any, objective: st
     if record.row_format and not record.data_formats:  # preference rows: data.format is not read
         return RowSpec(record.row_format, dict(columns or {}), {})
     return RowSpec(data_format or "alpaca", dict(columns or {}), dict(roles or {}), reader=record.row_format)
-
-
-def section_for_tokenizing(recipe: Any) -> dict[str, Any]:
-    """The data section as finetune.data.tokenize reads it, with the mixture's seed resolved."""
-    from finetune.data.images import vision_data
-
-    data = recipe.data.model_dump(mode="json")
-    data["seed"] = recipe.training.seed if recipe.data.seed is None else recipe.data.seed
-    vision = vision_data(recipe)
-    if vision:  # a VLM's rows carry images: what they cost is part of the tokenized rows (and of the cache key)
-        data["vision"] = vision
-    return data
 
 
 def describe(data: Any) -> str:

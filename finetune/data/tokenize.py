@@ -289,28 +289,11 @@ def _encode_text(examples: list[Text], indices: list[int], tokenizer, max_length
     return out
 
 
-def chat_text(example: Chat, tokenizer, render, mask_prompt: bool, think: str) -> tuple[str, list[tuple[int, int]]]:
-    """(the conversation rendered by `render`, a finetune.data.chat_template.ChatRenderer; the character spans the
-    loss trains on: the assistant turns whose train flag is on, less <think> with think: mask). RowProblem when
-    the template cannot render the row or its turns cannot be located."""
-    from finetune.data.chat_template import assistant_turn_spans, without_think
-
-    chat = render.conversation(example.messages)
-    text = render(chat)
-    if mask_prompt:
-        turns = assistant_turn_spans(example.messages, tokenizer, text, render, chat)
-        flags = [flag for message, flag in zip(example.messages, example.train) if message["role"] == "assistant"]
-        spans = [span for span, flag in zip(turns, flags) if flag]
-    else:
-        spans = [(0, len(text))]
-    return text, without_think(spans, text) if think == "mask" else spans
-
-
 def _encode_chat(examples: list[Chat], indices: list[int], tokenizer, max_length: int, mask_prompt: bool,
                  think: str) -> list[list[dict[str, list[int]]]]:
     import numpy as np
 
-    from finetune.data.chat_template import ChatRenderer
+    from finetune.data.chat_template import ChatRenderer, chat_text
     from finetune.data.template_budget import alarm_handler
 
     render = ChatRenderer(tokenizer, examples[0].messages if examples else None)
@@ -318,7 +301,7 @@ def _encode_chat(examples: list[Chat], indices: list[int], tokenizer, max_length
     with alarm_handler():  # each render within the template budget's time (finetune.data.template_budget)
         for index, example in zip(indices, examples):
             try:
-                text, spans = chat_text(example, tokenizer, render, mask_prompt, think)
+                text, spans = chat_text(example, render, mask_prompt, think)
             except RowProblem as exc:
                 raise RowError(index, f"example {index}: {exc}") from None
             texts.append(text)

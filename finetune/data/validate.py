@@ -239,6 +239,27 @@ def iter_rows(path: Path) -> Iterator[tuple[str, Any]]:
     return _guarded(path, readers[path.suffix](path))
 
 
+def chat_rows(source: Source) -> Iterator[tuple[str, Chat]]:
+    """(where, conversation) of every row of a local chat source (its first file) as its format
+    makes them, role names mapped; rows that do not convert, and a source that cannot be read, are left out
+    (`validate` reports them). A hub source: finetune.data.chat_template.SAMPLE_CONVERSATION."""
+    from finetune.data.chat_template import SAMPLE_CONVERSATION
+
+    if not is_local(source.path):
+        yield "a sample conversation", Chat(SAMPLE_CONVERSATION, [m["role"] == "assistant" for m in SAMPLE_CONVERSATION])
+        return
+    try:
+        for where, row in iter_rows(data_files(Path(source.path).expanduser(), source.split)[0]):
+            try:
+                example = to_example(row, source.spec)
+            except RowProblem:
+                continue
+            if isinstance(example, Chat):
+                yield where, example
+    except (SourceProblem, Unreadable):
+        return
+
+
 def _guarded(path: Path, rows: Iterator[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
     try:
         yield from rows

@@ -20,10 +20,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from finetune.data.chat_template import ChatRenderer
+from finetune.data.chat_template import ChatRenderer, chat_text
 from finetune.data.formats import RowProblem, RowSpec
 from finetune.data.images import IMAGE_COLUMN, ImageRef, VisionChat, VisionPrompted
-from finetune.data.tokenize import IGNORE_INDEX, RowError, chat_text, register_encoder
+from finetune.data.tokenize import IGNORE_INDEX, RowError, register_encoder
 
 
 def expand_images(text: str, image_token: str, counts: list[int],
@@ -74,7 +74,7 @@ def encode_vision_chat(examples: list[VisionChat], indices: list[int], tokenizer
     texts, all_spans = [], []
     for index, example in zip(indices, examples):
         try:
-            text, spans = chat_text(example, tokenizer, render, mask_prompt, think)  # as a text row's
+            text, spans = chat_text(example, render, mask_prompt, think)  # as a text row's
             text, spans = expand_images(text, spec.images.image_token, [ref.tokens for ref in example.images],
                                         tuple(spans))
         except RowProblem as exc:

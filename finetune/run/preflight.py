@@ -20,11 +20,11 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 from finetune import objectives
 from finetune.recipe import LoadedRecipe, Recipe
-from finetune.recipe.references import is_local, is_model_path
+from finetune.recipe.references import is_model_path
 from finetune.builtin import is_builtin
 from finetune.recipe.references import model_dir_problem
 from finetune.data.template_budget import RENDER_SECONDS
@@ -171,19 +171,8 @@ def rewards_step(recipe: Recipe, result: Preflight, world_size: Optional[int] = 
     result.errors += errors
 
 
-# A conversation to render the template on when the dataset's rows cannot be read here (a hub id).
-_SAMPLE_CONVERSATION = [{"role": "system", "content": "You are helpful."}, {"role": "user", "content": "Hi"},
-                        {"role": "assistant", "content": "Hello!"}]
-
-
-# apply_chat_template passes the tokenizer's special tokens to the template (`bos_token + ...` is
-# common); their values do not matter for whether the template renders, only that they are strings.
-_SPECIAL_TOKENS = {name: f"<{name}>" for name in ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
-                                                   "cls_token", "mask_token")}
-
-
 def chat_template_step(recipe: Recipe, result: Preflight, budget: float = TEMPLATE_BUDGET) -> None:
-    """Render the chat template on every chat row, the way the ranks will (transformers' sandboxed Jinja, within
+    """Render the chat template on every chat row the way tokenizing will (finetune.data.chat_template, within
     finetune.data.template_budget), for at most `budget` seconds: data.chat_template, else the tokenizer's own
     when it can be loaded here (a local or built-in model; a hub model's is read at launch).
 
@@ -194,28 +183,32 @@ def chat_template_step(recipe: Recipe, result: Preflight, budget: float = TEMPLA
     """
     import time
 
+    from finetune.data.chat_template import PLACEHOLDER_TOKENS, ChatRenderer
     from finetune.data.formats import CHAT_FORMATS
     from finetune.data.sources import sources_of
+    from finetune.data.validate import chat_rows
 
     chats = [source for source in sources_of(recipe.data) if source.format in CHAT_FORMATS]
     if not chats:
         return
-    name, template, tokens = "data.chat_template", recipe.data.chat_template, _SPECIAL_TOKENS
+    name, template, tokens = "data.chat_template", recipe.data.chat_template, PLACEHOLDER_TOKENS
     if not template:
         name = "the tokenizer's chat template"
         template, tokens = _tokenizer_template(recipe, result)
         if not template:
             return
+    render = ChatRenderer.for_template(template, tokens)
     deadline = time.monotonic() + budget
     rendered = 0
     for source in chats:
-        for where, messages in _conversations(source):
+        for where, example in chat_rows(source):
             left = deadline - time.monotonic()
             if left <= 0:
                 result.notes.append(f"{name}: rendered on the first {rendered} row(s) in {budget:.0f} s; "
                                     f"the rest are rendered by the ranks")
                 return
-            problem = render_problem(template, messages, recipe.data.mask_prompt, min(left, TEMPLATE_ROW_SECONDS), tokens)
+            problem = render_problem(render, example, recipe.data.mask_prompt, recipe.data.think,
+                                     min(left, TEMPLATE_ROW_SECONDS))
             if problem:
                 result.errors.append(f"{name}: {where}: {problem}")
                 return
@@ -244,54 +237,30 @@ def _tokenizer_template(recipe: Recipe, result: Preflight) -> tuple[Optional[str
     return template_of(tokenizer), tokenizer_kwargs(tokenizer)
 
 
-def _conversations(source) -> Iterator[tuple[str, list]]:
-    """Every row's conversation, as the format makes them (role names mapped)."""
-    from finetune.data.formats import RowProblem, to_example
-    from finetune.data.sources import SourceProblem, data_files
-    from finetune.data.validate import Unreadable, iter_rows
-
-    if not is_local(source.path):
-        yield "a sample conversation", _SAMPLE_CONVERSATION
-        return
-    try:
-        rows = iter_rows(data_files(Path(source.path).expanduser(), source.split)[0])
-        for where, row in rows:
-            try:
-                yield where, to_example(row, source.spec).messages
-            except (RowProblem, AttributeError):
-                continue  # dataset_step reports the row
-    except (SourceProblem, Unreadable):
-        return  # dataset_step reported it
-
-
-def render_problem(template: str, messages: list, mask_prompt: bool, seconds: float = TEMPLATE_ROW_SECONDS,
-                   tokens: Optional[dict] = None) -> Optional[str]:
-    """Why `template` cannot render `messages` (as finetune.data.tokenize does), or None. Each render within
-    `seconds` and finetune.data.template_budget's memory cap, as everywhere else."""
+def render_problem(render, example, mask_prompt: bool, think: str, seconds: float = TEMPLATE_ROW_SECONDS) -> Optional[str]:
+    """Why the template cannot render `example` (a finetune.data.formats.Chat) as tokenizing renders it
+    (finetune.data.chat_template.chat_text, through `render`), or None; all of the row's renders within `seconds`."""
     from jinja2 import TemplateSyntaxError
 
-    from finetune.data.template_budget import TemplateBudget, chat_messages, render
+    from finetune.data.chat_template import TemplateFailed, chat_text
+    from finetune.data.formats import RowProblem
+    from finetune.data.template_budget import time_budget
 
-    # The calls finetune.data.tokenize makes: the whole conversation, and with mask_prompt every prefix
-    # up to an assistant turn with the generation prompt.
-    calls = [(messages, False)]
-    if mask_prompt:
-        calls += [(messages[:i], True) for i, m in enumerate(messages) if i and isinstance(m, dict) and m.get("role") == "assistant"]
-    texts = []
-    for conversation, generation_prompt in calls:
-        try:
-            texts.append(render(template, chat_messages(conversation), generation_prompt, seconds,
-                                **(_SPECIAL_TOKENS if tokens is None else tokens)))
-        except TemplateSyntaxError as exc:
-            return f"template line {exc.lineno}: {exc.message}"
-        except TemplateBudget as exc:
-            return str(exc)
-        except Exception as exc:  # noqa: BLE001 - the template is user code; anything it raises stops the ranks
-            return f"the template cannot render this conversation: {type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
-    replies = [m["content"].strip() for m in messages
+    try:
+        with time_budget(seconds):
+            text, _ = chat_text(example, render, mask_prompt, think)
+    except TemplateFailed as exc:
+        cause = exc.cause
+        if isinstance(cause, TemplateSyntaxError):
+            return f"template line {cause.lineno}: {cause.message}"
+        # The template is user code; anything it raises stops the ranks.
+        return f"the template cannot render this conversation: {type(cause).__name__}: {' '.join(str(cause).split())[:300]}"
+    except RowProblem as exc:  # past the budget, or turns that cannot be located
+        return str(exc)
+    replies = [m["content"].strip() for m in example.messages
                if isinstance(m, dict) and m.get("role") == "assistant" and isinstance(m.get("content"), str)
                and m["content"].strip()]
-    if replies and not any(reply in texts[0] for reply in replies):
+    if replies and not any(reply in text for reply in replies):
         return ("the rendered conversation holds none of the assistant's replies (does the template skip "
                 "`assistant` messages?): the model would train on no reply")
     return None

@@ -3,7 +3,7 @@ lock, launch.
 
 The one module that brings the parts together: finetune.run.preflight checks, finetune.rundir.layout writes the
 run directory, finetune.rundir.lock owns it, finetune.run.launch starts and watches the processes. The SFT
-training set is tokenized here, in the launcher, before torchrun starts anything (finetune.data.prepare): the
+training set is tokenized in the launcher, before torchrun starts anything (finetune.data.prepare_recipe): the
 ranks only memory-map it, so no process-group timeout can hit a long tokenization. The CLI
 (finetune.cli) prints what `prepare` decided and what `start_run` returned.
 """
@@ -16,7 +16,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Callable, Optional
+from typing import IO, Optional
 
 from finetune import objectives
 from finetune.run.doctor import recipe_imports
@@ -180,34 +180,6 @@ def _undo_claim(run_dir: Path, lock: RunLock, created: str) -> None:
         pass
 
 
-def tokenize_before_launch(loaded: LoadedRecipe, log: Callable[[str], None], num_proc: Optional[int] = None):
-    """Tokenize the SFT training set into the cache, or find it there, in this process (every core); the
-    finetune.data.prepare.Prepared result, or None for preference objectives (TRL tokenizes their rows in
-    the ranks). Raises finetune.data.tokenize.DataError, naming file and line, on a row it cannot use."""
-    recipe = loaded.recipe
-    if not objectives.get(recipe.objective).pretokenized:
-        return None
-    from finetune.builtin import ensure_builtin_model, is_builtin
-    from finetune.data.cache_root import tokenized_root
-    from finetune.data import cache_entry
-    from finetune.data.prepare import MANIFEST, entry, is_prepared, prepare as prepare_data
-    from finetune.data.sources import section_for_tokenizing
-    from finetune.tokenizer import load_without_torch, tokenizer_args
-
-    model_path = str(ensure_builtin_model(recipe.model.name_or_path)) if is_builtin(recipe.model.name_or_path) \
-        else recipe.model.name_or_path
-    tokenizer = load_without_torch(tokenizer_args(recipe, model_path))
-    section, cache = section_for_tokenizing(recipe), tokenized_root()
-    target = entry(section, tokenizer, cache)
-    if "torch" in sys.modules and not (is_prepared(target) and cache_entry.problem(target, MANIFEST) is None):
-        # `finetune train`'s preflight imported torch: tokenize in a fresh process, so that the workers it
-        # forks do not each carry torch (finetune.data.prepare_fresh).
-        from finetune.data.prepare_fresh import prepare_in_fresh_process
-
-        return prepare_in_fresh_process(section, tokenizer, cache, log=log, num_proc=num_proc)
-    return prepare_data(section, tokenizer, cache, log=log, num_proc=num_proc)
-
-
 def start_run(prepared: Prepared, console: Optional[IO[bytes]] = None) -> Outcome:
     """Tokenize (or find the cache), write the run directory, then launch and supervise. Call only when
     prepared.preflight.ok. Bad rows raise LaunchError before anything is written or started."""
@@ -220,10 +192,15 @@ def start_run(prepared: Prepared, console: Optional[IO[bytes]] = None) -> Outcom
         out.write(f"[finetune] {line}\n".encode())
         out.flush()
 
+    from finetune.data.cache_root import tokenized_root
+    from finetune.data.prepare_recipe import prepare_recipe
     from finetune.data.tokenize import DataError
+    from finetune.tokenizer import load_for_launch
 
-    try:
-        data = tokenize_before_launch(prepared.loaded, log)
+    recipe = prepared.loaded.recipe
+    try:  # TRL's objectives tokenize their rows in the trainer
+        data = prepare_recipe(recipe, load_for_launch(recipe), tokenized_root(), log) \
+            if objectives.get(recipe.objective).pretokenized else None
     except DataError as exc:
         prepared.release()
         raise LaunchError(f"{exc}; nothing was launched") from None

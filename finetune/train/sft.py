@@ -57,19 +57,19 @@ class SftSteps:
         from finetune.data.cache_root import tokenized_root
         from finetune.data.packing import make_collator
         from finetune.data.prepare import load_prepared, mix_report
-        from finetune.data.sources import section_for_tokenizing
+        from finetune.data.spec import DataSpec
         from finetune.data.tokenize import split_eval
         from finetune.rundir.names import DATA_MIX_FILE
         from finetune.train import parallel
         from finetune.train.vlm_model import vision_collator
 
         recipe = self.recipe
-        section = section_for_tokenizing(recipe)
-        dataset = load_prepared(section, tokenizer, tokenized_root())
+        spec = DataSpec.of(recipe)
+        dataset = load_prepared(spec, tokenizer, tokenized_root())
         if is_main:  # the run directory says what it trained on: rows per source, dropped, mixed
             from finetune.fsutil import write_atomic
 
-            report = mix_report(section, tokenizer, tokenized_root())
+            report = mix_report(spec, tokenizer, tokenized_root())
             write_atomic(self.run_dir / DATA_MIX_FILE, json.dumps(report, indent=2) + "\n")
         train_set, eval_set = split_eval(dataset, recipe.data.validation_split, recipe.training.seed)
         collator = make_collator(tokenizer.pad_token_id, recipe.model.attn_implementation, recipe.data.packing,

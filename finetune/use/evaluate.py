@@ -154,19 +154,20 @@ def eval_rows(run_dir: Path, recipe, tokenizer, data: Optional[Path], log: Calla
     if not objectives.get(recipe.objective).perplexity and data is None:
         raise EvalError(f"{run_dir} trained with objective: {recipe.objective}: its preference rows have no loss to "
                         f"score; {SUMMARY_FILE} holds its rewards (pass --data FILE with SFT rows to score those)")
-    from finetune.data.sources import describe, section_for_tokenizing
+    from finetune.data.sources import describe
+    from finetune.data.spec import DataSpec
 
-    section = section_for_tokenizing(recipe)
+    data_spec = DataSpec.of(recipe)
     try:
         if data is not None:
-            spec = file_spec(data, recipe.data, fmt, section.get("vision"))
+            spec = file_spec(data, recipe.data, fmt, data_spec.vision)
             from finetune.data.vision_encode import undecoded
 
             raw = undecoded(load_raw(str(data)), spec)
-            rows = tokenize_examples(raw, tokenizer, spec.format, section["max_length"], section["mask_prompt"],
-                                     spec=spec, think=section["think"])
+            rows = tokenize_examples(raw, tokenizer, spec.format, data_spec.max_length, data_spec.mask_prompt,
+                                     spec=spec, think=data_spec.think)
             return rows, str(data), True
-        dataset = tokenize_for_training(section, tokenizer, tokenized_root(), log=lambda s: None)
+        dataset = tokenize_for_training(data_spec, tokenizer, tokenized_root(), log=lambda s: None)
         train, held = split_eval(dataset, recipe.data.validation_split, recipe.training.seed)
     except DataError as exc:
         raise EvalError(str(exc)) from None

@@ -89,18 +89,25 @@ def write_generated(folder: Path) -> dict[str, Path]:
     return files
 
 
-def _section(**overrides: Any) -> dict[str, Any]:
+def section_dict(**overrides: Any) -> dict[str, Any]:
     base = {"path": None, "format": "alpaca", "split": "train", "columns": {}, "roles": {}, "sources": None,
             "seed": 0, "think": "train", "chat_template": None, "max_length": 128, "packing": False,
             "padding_free": False, "validation_split": 0.0, "mask_prompt": True}
     return {**base, **overrides}
 
 
-def cases(folder: Path) -> dict[str, tuple[dict[str, Any], str]]:
-    """name -> (data section, tokenizer variant: "builtin" or "generation")."""
+def _section(**overrides: Any):
+    """The finetune.data.spec.DataSpec of a data section with `overrides`."""
+    from finetune.data.spec import DataSpec
+
+    return DataSpec.from_section(section_dict(**overrides))
+
+
+def cases(folder: Path) -> dict[str, tuple[Any, str]]:
+    """name -> (data spec, tokenizer variant: "builtin" or "generation")."""
     g = write_generated(folder)
     demo, chats = str(SHIPPED / "demo_instructions.jsonl"), str(SHIPPED / "demo_chats_sharegpt.jsonl")
-    out: dict[str, tuple[dict[str, Any], str]] = {
+    out: dict[str, tuple[Any, str]] = {
         "shipped_alpaca": (_section(path=demo), "builtin"),
         "shipped_alpaca_packed": (_section(path=demo, packing=True, max_length=256), "builtin"),
         "shipped_alpaca_unmasked_short": (_section(path=demo, mask_prompt=False, max_length=24), "builtin"),

@@ -11,6 +11,7 @@ import pytest
 from finetune.data.formats import Chat, RowProblem, RowSpec, to_example
 from finetune.data.mix import MixError, Share, mixture, pick, spec_problems, targets
 from finetune.data.prepare import tokenize_for_training
+from finetune.data.spec import DataSpec
 from finetune.data.tokenize import IGNORE_INDEX, DataError, tokenize_examples
 from tests.train_fixtures import REPO, cache_dir
 
@@ -290,7 +291,7 @@ def _two_sources(tmp_path, **weights):
 def test_a_weighted_mixture_is_tokenized_reported_and_cached(tmp_path, tokenizer, monkeypatch):
     import finetune.data.prepare as data
 
-    section = _two_sources(tmp_path)
+    section = DataSpec.from_section(_two_sources(tmp_path))
     lines: list[str] = []
     dataset = tokenize_for_training(section, tokenizer, tmp_path / "cache", log=lines.append)
     demo_rows = len(DEMO.read_text().splitlines())
@@ -304,8 +305,8 @@ def test_a_weighted_mixture_is_tokenized_reported_and_cached(tmp_path, tokenizer
     again: list[str] = []
     assert tokenize_for_training(section, tokenizer, tmp_path / "cache", log=again.append)[0] == dataset[0]
     assert [line for line in again if line.startswith("data: ")] == report
-    assert data.cache_key(_two_sources(tmp_path, b=2), tokenizer) != data.cache_key(section, tokenizer)
-    assert data.cache_key({**section, "seed": 8}, tokenizer) != data.cache_key(section, tokenizer)
+    assert DataSpec.from_section(_two_sources(tmp_path, b=2)).cache_key(tokenizer) != section.cache_key(tokenizer)
+    assert DataSpec.from_section({**_two_sources(tmp_path), "seed": 8}).cache_key(tokenizer) != section.cache_key(tokenizer)
 
 
 def test_truncation_drops_are_counted_per_source(tmp_path, tokenizer):
@@ -313,7 +314,7 @@ def test_truncation_drops_are_counted_per_source(tmp_path, tokenizer):
     long.write_text(json.dumps({"instruction": "word " * 80, "output": "yes"}) + "\n"
                     + json.dumps({"instruction": "hi", "output": "yes"}) + "\n")
     lines: list[str] = []
-    tokenize_for_training({**_two_sources(tmp_path), "sources": [{"path": str(long), "format": "alpaca"}]},
+    tokenize_for_training(DataSpec.from_section({**_two_sources(tmp_path), "sources": [{"path": str(long), "format": "alpaca"}]}),
                           tokenizer, tmp_path / "cache", log=lines.append)
     assert f"data: {long} (alpaca): 2 rows -> 1 examples, 1 dropped (nothing left to train within max_length 64); " \
            f"1 in the mixture (all)" in lines
@@ -327,7 +328,8 @@ def test_a_saved_datasets_folder_is_a_source(tmp_path, tokenizer):
     datasets.DatasetDict({"train": datasets.Dataset.from_list(rows)}).save_to_disk(str(tmp_path / "dd"))
     datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "ds"))
     for folder in ("dd", "ds"):
-        section = {**_two_sources(tmp_path), "sources": [{"path": str(tmp_path / folder), "format": "alpaca", "split": "train"}]}
+        section = DataSpec.from_section(
+            {**_two_sources(tmp_path), "sources": [{"path": str(tmp_path / folder), "format": "alpaca", "split": "train"}]})
         assert len(tokenize_for_training(section, tokenizer, tmp_path / "cache", log=lambda m: None)) == 3
 
 
@@ -335,7 +337,7 @@ def test_a_bad_mixture_is_a_data_error(tmp_path, tokenizer):
     section = _two_sources(tmp_path)
     section["sources"][1]["weight"] = None
     with pytest.raises(DataError, match=r"data.sources\[1\] .*has neither weight nor samples"):
-        tokenize_for_training(section, tokenizer, tmp_path / "cache", log=lambda m: None)
+        tokenize_for_training(DataSpec.from_section(section), tokenizer, tmp_path / "cache", log=lambda m: None)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -13,10 +13,10 @@ import json
 
 import pytest
 
-from finetune.data.prepare import cache_key
+from finetune.data.spec import DataSpec
 from finetune.data.packing import FlatteningCollator, make_collator, pack, split_packed
 from finetune.data.tokenize import IGNORE_INDEX, tokenize_examples
-from tests.data.test_training_rows import DEMO, _data, tokenizer  # noqa: F401  (a session fixture)
+from tests.data.test_training_rows import DEMO, _section, tokenizer  # noqa: F401  (a session fixture)
 
 LAYOUTS = {"packing": dict(packing=True, padding_free=False), "padding_free": dict(packing=False, padding_free=True)}
 
@@ -193,8 +193,9 @@ def test_no_label_is_predicted_across_examples(tokenizer, attn, layout):  # noqa
 
 def test_padding_free_batches_the_same_tokenized_rows(tokenizer):  # noqa: F811
     """padding_free changes the batching only, so the tokenization cache is shared."""
-    section = _data(DEMO)
-    assert cache_key({**section, "padding_free": True}, tokenizer) == cache_key(section, tokenizer)
+    section = _section(DEMO)
+    assert DataSpec.from_section({**section, "padding_free": True}).cache_key(tokenizer) == \
+        DataSpec.from_section(section).cache_key(tokenizer)
 
 
 def test_packed_rows_without_boundaries_mix_examples_under_flash(varlen_model, tokenizer):  # noqa: F811

@@ -261,10 +261,10 @@ def test_the_launchers_relative_path_and_the_run_directorys_absolute_one_share_a
     monkeypatch.chdir(tmp_path)
     relative = cases._section(path="data/d.jsonl")
     absolute = cases._section(path=str(tmp_path / "data" / "d.jsonl"))
-    assert prep.cache_key(relative, tokenizer) == prep.cache_key(absolute, tokenizer)
+    assert relative.cache_key(tokenizer) == absolute.cache_key(tokenizer)
     mixed = cases._section(sources=[{"path": "./data/d.jsonl", "format": "alpaca", "weight": 1}])
-    assert prep.cache_key(mixed, tokenizer) == prep.cache_key(
-        {**mixed, "sources": [{"path": str(tmp_path / "data" / "d.jsonl"), "format": "alpaca", "weight": 1}]}, tokenizer)
+    assert mixed.cache_key(tokenizer) == cases._section(
+        sources=[{"path": str(tmp_path / "data" / "d.jsonl"), "format": "alpaca", "weight": 1}]).cache_key(tokenizer)
 
 
 def test_the_live_display_shows_the_tokenizing_rate_and_time_left():
@@ -293,11 +293,13 @@ def test_the_tokenizer_arrives_without_torch_and_gives_the_ranks_cache_key(tmp_p
 
     from tests.conftest import REPO
 
-    section = cases._section(path=str(cases.SHIPPED / "demo_chats_sharegpt.jsonl"), format="sharegpt")
+    written = cases.section_dict(path=str(cases.SHIPPED / "demo_chats_sharegpt.jsonl"), format="sharegpt")
+    section = cases._section(**written)
     script = (f"import json, sys\nfrom pathlib import Path\nfrom finetune.tokenizer import load_without_torch\n"
-              f"from finetune.data.prepare import prepare\n"
+              f"from finetune.data.prepare import prepare\nfrom finetune.data.spec import DataSpec\n"
               f"t = load_without_torch({{'source': {str(tiny_dir)!r}, 'chat_formats': ['sharegpt']}})\n"
-              f"done = prepare({section!r}, t, Path({str(tmp_path / 'cache')!r}), log=lambda line: None, num_proc=2)\n"
+              f"done = prepare(DataSpec.from_section({written!r}), t, Path({str(tmp_path / 'cache')!r}), "
+              f"log=lambda line: None, num_proc=2)\n"
               f"print(json.dumps({{'torch': 'torch' in sys.modules, 'key': done.path.name}}))\n")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, timeout=300)
     assert out.returncode == 0, out.stderr

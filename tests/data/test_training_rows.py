@@ -8,11 +8,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
 from finetune.data.formats import RowSpec, alpaca
-from finetune.data.prepare import cache_key, tokenize_for_training
+from finetune.data.prepare import tokenize_for_training
+from finetune.data.spec import DataSpec
 from finetune.data.packing import Collator, pack
 from finetune.data.tokenize import IGNORE_INDEX, DataError, load_raw, split_eval, tokenize_examples
 from tests.train_fixtures import REPO
@@ -33,9 +35,13 @@ def tokenizer(tiny_dir):
     return AutoTokenizer.from_pretrained(str(tiny_dir))
 
 
-def _data(path, **section):
+def _section(path, **section):
     return {"path": str(path), "format": "alpaca", "split": "train", "chat_template": None, "max_length": 64,
             "packing": False, "mask_prompt": True, **section}
+
+
+def _data(path, **section):
+    return DataSpec.from_section(_section(path, **section))
 
 
 def trained_text(tokenizer, row):
@@ -209,13 +215,13 @@ def test_tokenized_data_is_cached_by_data_and_tokenizer(tmp_path, tokenizer, mon
     assert again[5] == first[5]
     assert not list(tmp_path.glob(".*.partial"))
     # Anything that changes the tokens changes the key.
-    key = cache_key(section, tokenizer)
-    assert cache_key({**section, "max_length": 32}, tokenizer) != key
-    assert cache_key({**section, "packing": True}, tokenizer) != key
-    assert cache_key({**section, "mask_prompt": False}, tokenizer) != key
+    key = section.cache_key(tokenizer)
+    assert replace(section, max_length=32).cache_key(tokenizer) != key
+    assert replace(section, packing=True).cache_key(tokenizer) != key
+    assert replace(section, mask_prompt=False).cache_key(tokenizer) != key
     other = tokenizer.__class__.from_pretrained(tokenizer.name_or_path)
     other.chat_template = "{{ messages }}"
-    assert cache_key(section, other) != key
+    assert section.cache_key(other) != key
 
 
 def test_tokenizing_reports_rows_at_the_progress_interval(tmp_path, tokenizer, monkeypatch):
@@ -239,9 +245,9 @@ def test_tokenizing_reports_rows_at_the_progress_interval(tmp_path, tokenizer, m
 def test_cache_key_follows_the_data_file(tmp_path, tokenizer):
     path = tmp_path / "d.jsonl"
     path.write_text('{"instruction": "a", "input": "", "output": "b"}\n')
-    key = cache_key(_data(path), tokenizer)
+    key = _data(path).cache_key(tokenizer)
     path.write_text('{"instruction": "a", "input": "", "output": "changed"}\n')
-    assert cache_key(_data(path), tokenizer) != key
+    assert _data(path).cache_key(tokenizer) != key
 
 
 def test_eval_split_is_seeded(tmp_path, tokenizer):

@@ -317,6 +317,14 @@ def test_a_chat_template_that_renders_no_reply_is_refused(workspace, no_launch):
     assert_refused(result, workspace / "out", "chat.jsonl:1", "holds none of the assistant's replies")
 
 
+def test_the_check_renders_rows_as_tokenizing_does(workspace, no_launch):
+    """Issue 39: preflight renders through finetune.data.chat_template, as tokenizing does, so a template whose
+    assistant turns cannot be located is refused before launch, not in the launcher's tokenizing."""
+    template = "{% for m in messages %}{% if loop.last %}[last]{% endif %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+    result = train(_chat_recipe(workspace, template, [_turns(i) for i in range(3)]), "--output-dir", workspace / "out")
+    assert_refused(result, workspace / "out", "data.chat_template", "chat.jsonl:1", "renders earlier turns differently")
+
+
 def test_a_chat_template_too_slow_for_one_row_is_refused_in_bounded_time(workspace, no_launch, monkeypatch):
     import time
 
