@@ -1,7 +1,7 @@
 """scripts/gpu_speed.py's plumbing on CPU (slow), and what it leaves: a finetune run without DeepSpeed, trained,
 resumed at its last step without training a step more (issue 34), its steady figures beside bench_hf.py's.
 
-    python -m pytest tests/launches/test_gpu_speed.py
+    python -m pytest -m full tests/launches/test_gpu_speed.py
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """LoRA on a mixture of experts' fused experts and router under ZeRO-3 on 2 processes equals 1 process (issue 37):
 real DeepSpeed runs on CPU of recipes/tiny/moe_lora_zero3.yaml (the built-in Qwen3-MoE), slow.
 
-    python -m pytest tests/launches/test_moe.py -m slow
+    python -m pytest tests/launches/test_moe.py
 
 Both runs train the same 8 rows per step (2 x 4, or 1 x 4 accumulated twice); the token-weighted loss makes that
 the same number, so losses and gradient norms agree to float32 rounding (bound 1e-5 relative, as

@@ -1,7 +1,7 @@
 """Sequence parallelism (Ulysses), AutoTP and resuming on another process count: real DeepSpeed runs on CPU
 processes, each compared with a 1-process run of the same recipe (slow).
 
-    python -m pytest tests/launches/test_parallel.py -m slow
+    python -m pytest tests/launches/test_parallel.py
 
 Why the runs must agree: with parallel.sequence 2 on 2 processes the data-parallel size is 1, so each step
 trains the same rows as one process does (DeepSpeed's UlyssesSPDataLoaderAdapter feeds the rows of both ranks
