@@ -321,10 +321,11 @@ class SmiSampler:
         return [self.peak[i] for i in sorted(self.peak)] if self.peak else None
 
 
-def train(recipe_path: Path, run_dir: Path, log: Path, timeout: float) -> tuple[int, Optional[list[int]], float]:
+def train(recipe_path: Path, run_dir: Path, log: Path, timeout: float,
+          extra_env: Optional[dict[str, str]] = None) -> tuple[int, Optional[list[int]], float]:
     cmd = finetune_cmd("train", str(recipe_path), "--output-dir", str(run_dir), "--overwrite",
                        "--master-port", str(free_port()))
-    env = {**os.environ, "TQDM_DISABLE": "1"}
+    env = {**os.environ, "TQDM_DISABLE": "1", **(extra_env or {})}
     log.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     with log.open("w") as f, SmiSampler() as smi:

@@ -188,8 +188,16 @@ def run_case(case: Case, machine, harness, out: Path, timeout: float) -> dict[st
             record.update({k: prediction.get(k) for k in ("predicted_bytes", "predicted_allocated_bytes",
                                                           "predicted_reserved_bytes", "predicted_nvidia_smi_bytes")})
             record["predicted_fits"] = prediction.get("fits")
-        code, smi, _ = harness.train(recipe_path, run_dir, log, timeout)
+        # A memory row records what is live at its peak and who made it (finetune.train.memory_trace), outside the
+        # run directory that --overwrite replaces.
+        from finetune.train.memory_trace import ENV as MEMORY_TRACE
+
+        trace = out / "memory_at_peak" / f"{case.name}.json"
+        extra = {MEMORY_TRACE: str(trace)} if case.memory else {}
+        code, smi, _ = harness.train(recipe_path, run_dir, log, timeout, extra)
         record["nvidia_smi_used_bytes"] = smi
+        if trace.is_file():
+            record["memory_at_peak"] = json.loads(trace.read_text())
     else:
         run_dir = out / "bench" / case.name
         code = bench(recipe_path, run_dir, log, case.bench_args, timeout)
@@ -299,6 +307,15 @@ def markdown(results: dict[str, Any]) -> str:
                           f"{'-' if busy is None else f'{100 * busy:.0f}%'} of {profile['wall_seconds']:.3f} s wall.", "",
                       "| kernel / operator | seconds | share |", "|---|---|---|"]
             lines += [f"| {k['name'][:90]} | {k['seconds']:.4f} | {100 * k['share']:.1f}% |" for k in profile["top"]]
+    for r in results["runs"]:
+        peak = r.get("memory_at_peak")
+        if peak:
+            lines += ["", f"Live at the peak of {r['name']}'s first {peak.get('steps')} steps: "
+                          f"{gib(peak['peak_bytes'])} GiB ({gib(peak['baseline_bytes'])} before the first step; "
+                          f"max_memory_allocated {gib(peak.get('max_memory_allocated_bytes'))})"
+                          + (", history truncated" if peak.get("truncated") else "") + ".", "",
+                      "| allocated by | GiB | blocks |", "|---|---|---|"]
+            lines += [f"| {g['owner'][:100]} | {gib(g['bytes'])} | {g['blocks']} |" for g in peak["groups"][:15]]
     return "\n".join(lines) + "\n"
 
 

@@ -286,6 +286,7 @@ def run(run_dir: Path, resume: bool = False) -> None:
     from transformers import TrainingArguments
 
     from finetune.builtin import ensure_builtin_model, is_builtin
+    from finetune.train import memory_trace
     from finetune.train.callbacks import EffectiveDeepSpeedConfig, LastStepLogged, LossPlot, ProgressLines, TrainClock
     from finetune.train.finite import FiniteGuard
     from finetune.train import parallel
@@ -360,6 +361,9 @@ def run(run_dir: Path, resume: bool = False) -> None:
     # (control.should_save).
     guard = FiniteGuard(run_dir, resilience.checkpoint, node_local=resilience.callback.node_local)
     callbacks = [guard, resilience.callback, clock, EffectiveDeepSpeedConfig(run_dir), LossPlot(run_dir), LastStepLogged()]
+    trace_to = memory_trace.wanted()  # the harness's memory rows: what is live at the peak (issue 35)
+    if trace_to is not None:
+        callbacks.append(memory_trace.callback(trace_to))
     trainer = steps.make_trainer(model, training_args, train_set, eval_set, tokenizer, callbacks, model_path)
     clock.counter = getattr(trainer, "counted", None)  # a CountingTrainer's host counts (sft)
     trainable, total = count_parameters(trainer.model)
