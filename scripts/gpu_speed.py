@@ -309,7 +309,9 @@ def markdown(results: dict[str, Any]) -> str:
             lines += [f"| {k['name'][:90]} | {k['seconds']:.4f} | {100 * k['share']:.1f}% |" for k in profile["top"]]
     for r in results["runs"]:
         peak = r.get("memory_at_peak")
-        if peak:
+        if peak and peak.get("error"):
+            lines += ["", f"Live at the peak of {r['name']}: {peak['error']}"]
+        elif peak:
             lines += ["", f"Live at the peak of {r['name']}'s first {peak.get('steps')} steps: "
                           f"{gib(peak['peak_bytes'])} GiB ({gib(peak['baseline_bytes'])} before the first step; "
                           f"max_memory_allocated {gib(peak.get('max_memory_allocated_bytes'))})"

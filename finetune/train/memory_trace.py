@@ -107,23 +107,35 @@ def callback(path: Path):
         def __init__(self):
             self.baseline = None
 
+        # A private torch API (it has moved between releases): whatever goes wrong is written to `path` instead of
+        # the summary, and the run trains on; the measurement it rides on matters more than the breakdown.
         def on_train_begin(self, args, state, control, **kwargs):
-            torch.cuda.synchronize()
-            self.baseline = torch.cuda.memory_allocated()
-            torch.cuda.memory._record_memory_history(enabled="all", context="alloc", stacks="python",
-                                                     max_entries=MAX_ENTRIES)
+            try:
+                torch.cuda.synchronize()
+                baseline = torch.cuda.memory_allocated()
+                torch.cuda.memory._record_memory_history(enabled="all", context="alloc", stacks="python",
+                                                         max_entries=MAX_ENTRIES)
+                self.baseline = baseline
+            except Exception as exc:  # noqa: BLE001 (see above)
+                _write(path, {"error": f"recording did not start: {type(exc).__name__}: {exc}"})
 
         def on_step_end(self, args, state, control, **kwargs):
             if self.baseline is None or state.global_step < TRACE_STEPS:
                 return
-            torch.cuda.synchronize()
-            snapshot = torch.cuda.memory._snapshot()
-            torch.cuda.memory._record_memory_history(enabled=None)
-            device = torch.cuda.current_device()
-            summary = peak_summary(snapshot["device_traces"][device], self.baseline)
-            summary.update(steps=state.global_step, max_memory_allocated_bytes=torch.cuda.max_memory_allocated())
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
-            self.baseline = None
+            baseline, self.baseline = self.baseline, None
+            try:
+                torch.cuda.synchronize()
+                snapshot = torch.cuda.memory._snapshot()
+                torch.cuda.memory._record_memory_history(enabled=None)
+                summary = peak_summary(snapshot["device_traces"][torch.cuda.current_device()], baseline)
+                summary.update(steps=state.global_step, max_memory_allocated_bytes=torch.cuda.max_memory_allocated())
+            except Exception as exc:  # noqa: BLE001 (see above)
+                summary = {"error": f"no summary: {type(exc).__name__}: {exc}"}
+            _write(path, summary)
 
     return PeakTrace()
+
+
+def _write(path: Path, data: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")

@@ -52,3 +52,16 @@ def test_nothing_is_recorded_without_cuda(monkeypatch, tmp_path):
     assert memory_trace.wanted() is None  # this machine has no GPU: the runner adds no callback
     monkeypatch.setenv("RANK", "1")
     assert memory_trace.wanted() is None
+
+
+def test_a_recording_that_cannot_start_is_written_down_and_training_goes_on(tmp_path):
+    """torch's history API is private: where it fails (here: no CUDA at all) the callback writes why and returns."""
+    from types import SimpleNamespace
+
+    path = tmp_path / "peak.json"
+    trace = memory_trace.callback(path)
+    trace.on_train_begin(None, SimpleNamespace(global_step=0), None)
+    trace.on_step_end(None, SimpleNamespace(global_step=2), None)  # nothing recorded: nothing more happens
+    import json
+
+    assert json.loads(path.read_text())["error"].startswith("recording did not start: ")
