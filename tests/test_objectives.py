@@ -149,7 +149,7 @@ def test_a_preference_mixture_is_checked_and_mixed_like_sft(tmp_path):
                              "found `q`, `good`)"]
     _write(b, [{"q": "Q", "good": "A", "bad": "B"}] * 4)
     pytest.importorskip("datasets")
-    from finetune.data.preference import load_rows
+    from finetune.data.trl_rows import load_rows
 
     rows = load_rows(load_recipe(recipe_path).recipe.data, "dpo", 0)
     assert rows.column_names == ["prompt", "chosen", "rejected"] and len(rows) == 10 + 5  # b: 4 rows to 5

@@ -282,3 +282,37 @@ def to_example(row: Any, spec: RowSpec) -> Any:
     except KeyError:
         raise RowProblem(f"unknown format `{spec.reader or spec.format}` (known: {', '.join(FORMATS)})") from None
     return convert(row, spec)
+
+
+# ------------------------------------------------------------------------------------------------
+# Cells of TRL objectives' rows (finetune.data.preference, finetune.data.grpo)
+
+
+def decoded_cell(value: Any) -> Any:
+    """A CSV cell holding a JSON list of messages is that list."""
+    if isinstance(value, str) and value.lstrip().startswith("["):
+        try:
+            decoded = json.loads(value)
+        except json.JSONDecodeError:
+            return value
+        return decoded if isinstance(decoded, list) else value
+    return value
+
+
+def cell_kind(value: Any, column: str, may_be_blank: bool = False) -> str:
+    """"text" or "messages": what a column of a TRL objective's row holds (TRL tokenizes a row one way or the other)."""
+    if isinstance(value, str):
+        if not value.strip() and not may_be_blank:
+            raise RowProblem(f"`{column}` is empty")
+        return "text"
+    if isinstance(value, list):
+        if not value:
+            raise RowProblem(f"`{column}` is an empty list of messages")
+        for i, message in enumerate(value):
+            if not isinstance(message, dict) or not isinstance(message.get("role"), str) \
+                    or not isinstance(message.get("content"), str):
+                raise RowProblem(f"`{column}`[{i}] must be an object with text `role` and `content`")
+            if message["role"] not in ROLES:  # as SFT rows (finetune.data.formats): TRL would train it as text
+                raise RowProblem(f"`{column}`[{i}]: unknown role `{message['role'][:40]}` (known: {', '.join(ROLES)})")
+        return "messages"
+    raise RowProblem(f"`{column}` must be text or a list of {{role, content}} messages, got {type(value).__name__}")

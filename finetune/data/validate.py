@@ -31,7 +31,8 @@ from typing import Any, BinaryIO, Iterator, Optional
 from finetune.data.fastcheck import (
     MAX_LINE, MAX_NESTING, NESTED_TOO_DEEP, LineTooLong, bounded_lines, clean_counts, line_ranges, nested_too_deep,
 )
-from finetune.data import preference as _trl_rows  # noqa: F401 - registers the rows of TRL's objectives
+from finetune.data import grpo as _grpo_rows  # noqa: F401 - registers GRPO's prompts
+from finetune.data import preference as _trl_rows  # noqa: F401 - registers the preference objectives' rows
 from finetune.data.formats import Chat, Columns, Prompted, RowProblem, Text, to_example
 from finetune.data.sources import Source, SourceProblem, data_files
 from finetune.recipe.references import is_local

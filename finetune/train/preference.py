@@ -105,7 +105,7 @@ def config_kwargs(recipe: Recipe) -> dict[str, Any]:
 def load_rows(recipe: Recipe):
     """The objective's rows as a `datasets.Dataset` in TRL's column names (finetune.data.preference: the row
     formats preflight checked every local row with, sources mixed like SFT's)."""
-    from finetune.data.preference import load_rows as read
+    from finetune.data.trl_rows import load_rows as read
 
     seed = recipe.training.seed if recipe.data.seed is None else recipe.data.seed
     return read(recipe.data, recipe.objective, seed)

@@ -77,7 +77,7 @@ def evaluate_reward(run_dir: Path, recipe, data: Optional[Path], device: str, ba
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     from finetune.rundir.run_dir import resolve_base
-    from finetune.data.preference import load_rows
+    from finetune.data.trl_rows import load_rows
     from finetune.data.tokenize import DataError
 
     started = time.perf_counter()
