@@ -27,3 +27,13 @@ def test_a_memory_rows_peak_is_in_the_report():
     text = gpu_speed().markdown(results)
     assert "Live at the peak of memory_lora_8k's first 2 steps: 28.00 GiB (3.00 before the first step" in text
     assert "| transformers/loss/loss_utils.py:36 fixed_cross_entropy | 4.00 | 2 |" in text
+
+
+def test_only_runs_the_named_cases_in_the_order_named(tmp_path):
+    module = gpu_speed()
+    cases = module.gpu_cases("model", tmp_path / "d.jsonl", tmp_path / "long.jsonl", steps=10)
+    names = [c.name for c in module.selected(cases, "memory_lora,memory_qlora,lora_1x2k,8rows")]
+    assert names[:2] == ["memory_lora_8k", "memory_qlora_8k"]
+    assert names[2:] == [c.name for c in cases if "lora_1x2k" in c.name] + \
+        ["lora_8rows_llama_factory_defaults", "lora_8rows_finetune_auto"]
+    assert "memory_full_8k" not in names and "full_1x2k_finetune" not in names
