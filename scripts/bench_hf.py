@@ -107,7 +107,6 @@ def check_supported(recipe) -> Optional[str]:
 
 def launch(args: argparse.Namespace) -> int:
     from finetune.recipe import load_recipe
-    from finetune.data.cache_root import tokenized_root
     from finetune.data.prepare_recipe import prepare_recipe
     from finetune.tokenizer import load_for_launch
     from finetune.run.launch.commands import free_port
@@ -119,7 +118,7 @@ def launch(args: argparse.Namespace) -> int:
         return 2
     recipe_file = run_dir / "recipe.yaml" if run_dir else args.source
     launched = load_recipe(recipe_file, [] if run_dir else args.set).recipe
-    prepare_recipe(launched, load_for_launch(launched), tokenized_root(), log=lambda line: print(f"[bench_hf] {line}"))
+    prepare_recipe(launched, load_for_launch(launched), log=lambda line: print(f"[bench_hf] {line}"))
     procs = args.procs or (recipe.world_size or 1)
     args.out.mkdir(parents=True, exist_ok=True)
     if procs == 1 and args.no_deepspeed:  # one process, no DeepSpeed: the Trainer needs no process group

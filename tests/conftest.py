@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 import textwrap
@@ -167,6 +168,32 @@ def cli(tiny_cache, monkeypatch):
         return SimpleNamespace(returncode=result.exit_code, stdout=result.stdout, stderr=result.stderr)
 
     return invoke
+
+
+@pytest.fixture
+def no_network(monkeypatch):
+    """Every connection attempt is recorded and refused: offline means not one (lm-eval's runs, tests/use and
+    tests/launches)."""
+    tried = []
+
+    def refuse(self, address, *args, **kwargs):
+        tried.append(address)
+        raise OSError("the test forbids the network")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    return tried
+
+
+@pytest.fixture
+def one_thread():
+    """torch on one thread: the tiny model's matmuls gain nothing from two, and on a busy 2-core box (or beside the
+    other xdist worker) two threads waiting for each other made an lm-eval run 4x slower (32 s vs 7 s)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture

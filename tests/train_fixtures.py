@@ -70,7 +70,6 @@ def launch_runner(run_dir: Path, cache: Path, procs: int = 2, timeout: float = 3
 
 def prepare_data(run_dir: Path, cache: Path) -> list[str]:
     """What `finetune train` does in the launcher: tokenize the run's training set into `cache`; its lines."""
-    from finetune.data.cache_root import tokenized_root
     from finetune.data.prepare_recipe import prepare_recipe
     from finetune.objectives import get as objective_record
     from finetune.recipe import load_recipe
@@ -82,7 +81,7 @@ def prepare_data(run_dir: Path, cache: Path) -> list[str]:
     try:
         recipe = load_recipe(Path(run_dir) / "recipe.yaml").recipe
         if not objective_record(recipe.objective).uses_trl:  # TRL's trainers tokenize their own rows
-            prepare_recipe(recipe, load_for_launch(recipe), tokenized_root(), log=lines.append)
+            prepare_recipe(recipe, load_for_launch(recipe), log=lines.append)
     finally:
         if before is None:
             os.environ.pop("FINETUNE_CACHE")

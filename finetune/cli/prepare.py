@@ -46,13 +46,12 @@ def prepare(
         for message in checked.messages():
             typer.echo(f"error: {message}", err=True)
         raise fail(f"{checked.total} problem{'s' if checked.total != 1 else ''} in the data; nothing was tokenized")
-    from finetune.data.cache_root import tokenized_root
     from finetune.data.prepare_recipe import prepare_recipe
     from finetune.tokenizer import load_for_launch
 
     # A bad row or model is a FinetuneError: finetune.cli.common.handled prints its line and exits 1.
     try:
-        done = prepare_recipe(loaded.recipe, load_for_launch(loaded.recipe), tokenized_root(),
+        done = prepare_recipe(loaded.recipe, load_for_launch(loaded.recipe),
                               lambda line: typer.echo(f"[finetune] {line}", err=True), num_proc)
     except OSError as exc:
         raise fail(f"cannot load the tokenizer or write the cache: {exc.strerror or exc}") from None

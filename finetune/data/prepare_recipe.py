@@ -10,19 +10,20 @@ trained by TRL tokenize their rows in the trainer and have nothing to prepare he
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 from typing import Any, Callable, Union
 
 from finetune.data import cache_entry
+from finetune.data.cache_root import tokenized_root
 from finetune.data.prepare import MANIFEST, Prepared, entry, is_prepared, prepare
 from finetune.data.spec import DataSpec
 
 
-def prepare_recipe(recipe: Any, tokenizer, cache_dir: Path, log: Callable[[str], None],
+def prepare_recipe(recipe: Any, tokenizer, log: Callable[[str], None],
                    num_proc: Union[str, int, None] = None) -> Prepared:
-    """Tokenize the SFT training set of `recipe` (a finetune.recipe.Recipe) into `cache_dir`, or find it there.
-    Raises finetune.data.tokenize.DataError, naming file and line, on a row it cannot use."""
-    spec = DataSpec.of(recipe)
+    """Tokenize the SFT training set of `recipe` (a finetune.recipe.Recipe) into the tokenized cache
+    (finetune.data.cache_root), or find it there. Raises finetune.data.tokenize.DataError, naming file and line,
+    on a row it cannot use."""
+    spec, cache_dir = DataSpec.of(recipe), tokenized_root()
     target = entry(spec, tokenizer, cache_dir)
     if "torch" in sys.modules and not (is_prepared(target) and cache_entry.problem(target, MANIFEST) is None):
         # `finetune train`'s preflight imported torch: tokenize in a fresh process, so that the workers it

@@ -192,14 +192,13 @@ def start_run(prepared: Prepared, console: Optional[IO[bytes]] = None) -> Outcom
         out.write(f"[finetune] {line}\n".encode())
         out.flush()
 
-    from finetune.data.cache_root import tokenized_root
     from finetune.data.prepare_recipe import prepare_recipe
     from finetune.data.tokenize import DataError
     from finetune.tokenizer import load_for_launch
 
     recipe = prepared.loaded.recipe
     try:  # TRL's objectives tokenize their rows in the trainer
-        data = prepare_recipe(recipe, load_for_launch(recipe), tokenized_root(), log) \
+        data = prepare_recipe(recipe, load_for_launch(recipe), log) \
             if objectives.get(recipe.objective).pretokenized else None
     except DataError as exc:
         prepared.release()

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.use.test_benchmark import TASKS, no_network, one_thread  # noqa: F401  (fixtures)
+from tests.use.test_benchmark import TASKS
 
 pytest.importorskip("lm_eval", reason="lm-evaluation-harness: pip install 'finetune[eval]'")
 

@@ -6,7 +6,6 @@ real trained run is in tests/launches/test_benchmark.py.
 from __future__ import annotations
 
 import json
-import socket
 
 import pytest
 
@@ -15,31 +14,6 @@ from tests.conftest import REPO
 pytest.importorskip("lm_eval", reason="lm-evaluation-harness: pip install 'finetune[eval]'")
 
 TASKS = REPO / "benchmarks"
-
-
-@pytest.fixture
-def no_network(monkeypatch):
-    """Every connection attempt is recorded and refused: offline means not one."""
-    tried = []
-
-    def refuse(self, address, *args, **kwargs):
-        tried.append(address)
-        raise OSError("the test forbids the network")
-
-    monkeypatch.setattr(socket.socket, "connect", refuse)
-    return tried
-
-
-@pytest.fixture
-def one_thread():
-    """torch on one thread: the tiny model's matmuls gain nothing from two, and on a busy 2-core box (or beside the
-    other xdist worker) two threads waiting for each other made this file's lm-eval run 4x slower (32 s vs 7 s)."""
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
