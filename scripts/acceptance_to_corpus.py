@@ -36,6 +36,19 @@ def model_key(name: str) -> str:
     return f"acceptance-{name}"
 
 
+def planned_settings(setup: Optional[dict[str, Any]]) -> dict[str, Any]:
+    """The settings only the run's own plan knows (`finetune plan --format json`'s setup, which the harness records
+    as plan_setup): the recipe's LoRA dropout, DeepSpeed's reduce bucket as `auto` became, and whether every row
+    was cut to max_length one per micro batch (no mask). Without them the corpus would plan Setup's defaults, as
+    it did for the H200's rows of 2026-11-27 (docs/plan.md, "Ninth pass")."""
+    if not setup:
+        return {}
+    out = {key: setup[key] for key in ("lora_dropout", "full_rows") if key in setup}
+    if setup.get("deepspeed") and setup.get("reduce_bucket_size"):
+        out["reduce_bucket_size"] = setup["reduce_bucket_size"]
+    return out
+
+
 def cases_from(results: dict[str, Any], file: str) -> tuple[dict[str, dict], list[dict]]:
     """({corpus model name: entry}, [cases]) for the runs of one results file that measured training alone."""
     machine, commit = results["machine"], results.get("commit")
@@ -69,6 +82,7 @@ def cases_from(results: dict[str, Any], file: str) -> tuple[dict[str, dict], lis
                 "loss_kernel": run.get("loss_kernel") or results.get("loss_kernel", "default"),
                 # `finetune train` sets PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True when it is not set
                 "expandable_segments": True,
+                **planned_settings(run.get("plan_setup")),
             },
             "holdout": True,
         })

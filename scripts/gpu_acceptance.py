@@ -280,7 +280,7 @@ def predict(recipe_path: Path, case: Case, machine: Machine) -> dict[str, Any]:
     plan = json.loads(out.stdout)
     # The planner predicts each counter the run measures (allocated, reserved, nvidia-smi) when it can.
     memory = plan.get("memory") or {}
-    return {"predicted_bytes": plan["per_gpu"]["total"], "fits": plan["fits"],
+    return {"predicted_bytes": plan["per_gpu"]["total"], "fits": plan["fits"], "plan_setup": plan.get("setup"),
             "predicted_allocated_bytes": memory.get("allocated_peak"),
             "predicted_reserved_bytes": memory.get("reserved_peak"),
             "predicted_nvidia_smi_bytes": memory.get("nvidia_smi")}

@@ -196,6 +196,7 @@ def run_case(case: Case, machine, harness, out: Path, timeout: float) -> dict[st
             record.update({k: prediction.get(k) for k in ("predicted_bytes", "predicted_allocated_bytes",
                                                           "predicted_reserved_bytes", "predicted_nvidia_smi_bytes")})
             record["predicted_fits"] = prediction.get("fits")
+            record["plan_setup"] = prediction.get("plan_setup")  # what scripts/acceptance_to_corpus.py reads too
         # A memory row records what is live at its peak and who made it (finetune.train.memory_trace), outside the
         # run directory that --overwrite replaces.
         from finetune.train.memory_trace import ENV as MEMORY_TRACE

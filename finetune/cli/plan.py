@@ -57,7 +57,7 @@ def plan(
         3
         $ finetune plan --model llama-3-8b --method qlora --lora-r 64 --zero 2 --gpus 2 --gpu-memory 12GiB
         ...
-          training.loss_kernel = "chunked": the logits (2.94 GiB with the default loss, 0.73 chunked) stand between this GPU and micro batch 1: upper bound 10.84 of 12.00 GiB
+          training.loss_kernel = "chunked": the logits (2.94 GiB with the default loss, 0.73 chunked) stand between this GPU and micro batch 1: upper bound 10.92 of 12.00 GiB
         $ finetune plan recipes/llama3/8b_qlora_2x12gb.yaml --recommend
     """
     from finetune import plan as planner

@@ -10,7 +10,9 @@ from finetune.plan.setup import Setup, Term
 from finetune.plan.states import kbit_prepared, trainable_weight_bytes
 
 
-def activation_terms(setup: Setup) -> list[Term]:
+def activation_terms(setup: Setup, late_gradients: int = 0) -> list[Term]:
+    """`late_gradients`: gradients made in backward once the loss buffers are freed, alive through the step (ZeRO-2's
+    partition, states.backward_gradient_partition): beside backward's own peak, not beside the loss."""
     per_layer = layer_activation_bytes(setup)
     tokens = setup.micro_batch * setup.seq_len
     arch = setup.arch
@@ -60,10 +62,18 @@ def activation_terms(setup: Setup) -> list[Term]:
     logits, logits_note = loss_working_set(setup)
     # Backward's own peak comes after the loss buffers are freed (they do not coexist), so only the
     # part above them raises the total.
-    extra = max(0, backward_working_bytes(setup, per_layer) - logits)
+    working = backward_working_bytes(setup, per_layer)
+    extra = max(0, working - logits)
     what = "layer recompute + gradients" if setup.gradient_checkpointing else "backward temporaries"
     terms.append(Term("activations", what, extra, phase="backward",
                       note="beyond the loss buffers" if extra else "smaller than the loss buffers"))
+    if late_gradients:
+        # Backward's own peak comes with the gradients made so far (all of them, on the safe side). A buffer, as
+        # ZeRO-3's gradient buffer is, so that model_states stays DeepSpeed's estimators' number.
+        raised = max(0, working + late_gradients - logits) - extra
+        terms.append(Term("buffers", "gradient partition at backward's own peak", raised, phase="backward",
+                          note="beyond the loss buffers" if raised else "backward's start, with the loss buffers, "
+                                                                         "is higher"))
     terms.append(Term("logits", "loss working set", logits, phase="backward", note=logits_note))
     return terms
 
@@ -80,7 +90,7 @@ def layer_activation_bytes(setup: Setup) -> int:
       LoRA dropout > 0 makes a private dropped-out copy per target (a, the adapter's element size: 4
       without DeepSpeed, where peft keeps adapters in fp32, else e) and a bool mask (1); without dropout,
       fp32 adapters still get a private fp32 copy per target (peft's _cast_input_dtype; found by the
-      trace, finetune/plan/trace/step.py);
+      trace, finetune/plan/trace/step.py), but for a bitsandbytes 4-bit base under autocast (bnb_uncast);
     - each LoRA adapter saves lora_A's output (a x r);
     - attention: eager saves q, k and v repeated to all heads, the fp32 softmax and its 16-bit copy
       (row x heads per token, row = seq, or micro_batch x seq when flattened: the seq^2 term); sdpa/flash
@@ -105,6 +115,7 @@ def layer_activation_bytes(setup: Setup) -> int:
     # peft's fp32 copy of the input (or its dropped-out copy) back to 16 bits and saves that cast, and lora_A's
     # output is 16-bit (the fp32 copies are freed after the call).
     kept = e if setup.trainer_autocast else a
+    copies = a != e and not bnb_uncast(setup)
 
     def linear_inputs(names: tuple[str, ...], width: int, shared_with_output: bool = False) -> int:
         if full:
@@ -114,7 +125,7 @@ def layer_activation_bytes(setup: Setup) -> int:
             return 0
         if dropout:
             return len(hit) * (kept + 1) * width
-        if a != e:
+        if copies:
             # peft's lora.Linear.forward casts the input to the adapter's dtype for each adapter
             # (_cast_input_dtype), and lora_A keeps that private copy (or autocast's 16-bit cast of it).
             return len(hit) * kept * width
@@ -144,6 +155,18 @@ def layer_activation_bytes(setup: Setup) -> int:
     per_token += moe_mlp_bytes(setup) if arch.experts else 3 * e * inter
     return (setup.micro_batch * s * (per_token + scores) + mask_copy + adapter_casts(setup, kept)
             + expert_lora_bytes(setup))
+
+
+def bnb_uncast(setup: Setup) -> bool:
+    """peft's LoRA over a bitsandbytes 4-bit layer casts the input to the adapters' fp32 only outside autocast
+    (lora/bnb.py Linear4bit.forward: `requires_conversion = not torch.is_autocast_enabled()`): under the Trainer's
+    CUDA autocast lora_A takes the layer's own 16-bit input, which q/k/v (and gate/up) share, and saves no copy of
+    it. Over the fp32 inputs prepare_model_for_kbit_training leaves, autocast's 16-bit cast is each adapter's own.
+    Measured: an H200, Llama-3.2-1B shape at 8,192 tokens, Q-LoRA keeps 16 KiB per token and layer less than LoRA
+    over bf16 weights (docs/plan.md, "Ninth pass"). Torch's CPU autocast is not what `is_autocast_enabled()` asks
+    about, so `--trace` sets the same (finetune.plan.trace.qlora.four_bit_linears)."""
+    return (setup.method == "qlora" and setup.quant_format == "bnb-nf4" and setup.trainer_autocast
+            and not kbit_prepared(setup))
 
 
 def adapter_casts(setup: Setup, kept: int) -> int:
@@ -262,7 +285,7 @@ def adapter_input_copies(setup: Setup) -> int:
     arch = setup.arch
     assert arch is not None
     a = trainable_weight_bytes(setup)
-    if setup.method == "full" or a == setup.element_bytes:
+    if setup.method == "full" or a == setup.element_bytes or bnb_uncast(setup):
         return 0
     # After prepare_model_for_kbit_training the input is fp32 already: the cast returns it, no copy.
     x = 4 if kbit_prepared(setup) else setup.element_bytes

@@ -59,6 +59,9 @@ class Arch:
     attention_bias: bool = False  # a bias on o_proj too (gpt-oss, Llama's attention_bias)
     sinks: bool = False  # gpt-oss: one learned attention sink per head and layer
     fused: bool = False  # Phi-3/Phi-4: one qkv_proj and one gate_up_proj instead of three and two
+    # Tokens a sliding-window layer attends to (Mistral-7B v0.1, Gemma 2/3, gpt-oss), 0: none. From that length on,
+    # transformers builds a 4D mask for sdpa even over unpadded rows (masking_utils._ignore_causal_mask_sdpa).
+    sliding_window: int = 0
     # Mixture of experts (0 experts: a dense model). Every expert's weights are resident on the GPU;
     # each token runs through `experts_per_token` of them (top-k routing) and the shared expert.
     experts: int = 0  # routed experts per MoE layer
@@ -226,12 +229,12 @@ def _arch(name: str, model_type: str, hidden: int, intermediate: int, layers: in
 
 _QWEN2 = {"qkv_bias": True}
 _QWEN2_MOE = {"qkv_bias": True, "shared_expert_gate": True}
-_GEMMA2 = {"norms_per_layer": 4, "attn_softcap": True, "logit_softcap": True}
+_GEMMA2 = {"norms_per_layer": 4, "attn_softcap": True, "logit_softcap": True, "sliding_window": 4096}
 
 _QWEN3 = {"head_dim": 128, "qk_norm": 256}  # per-head q/k RMSNorms of head_dim 128
 _GEMMA3 = {"norms_per_layer": 4}
 _GPT_OSS = {"head_dim": 64, "qkv_bias": True, "attention_bias": True, "sinks": True, "expert_bias": True,
-            "experts_per_token": 4, "moe_intermediate": 2880}
+            "experts_per_token": 4, "moe_intermediate": 2880, "sliding_window": 128}
 
 # The models users bring this year (issue 37), each from its published config.json (hidden, intermediate, layers,
 # heads, kv-heads, head_dim, vocab, tie_word_embeddings, experts), read from verbatim copies since the hub is not
@@ -264,13 +267,13 @@ THIS_YEAR: tuple[Arch, ...] = (
     _arch("llama-3.2-3b", "llama", 3072, 8192, 28, 24, 8, 128256, True, r"llama-?3\.2-3b"),
     _arch("llama-3.3-70b", "llama", 8192, 28672, 80, 64, 8, 128256, False, r"llama-?3\.3-70b"),
     _arch("gemma-3-1b", "gemma3_text", 1152, 6912, 26, 4, 1, 262144, True, r"gemma-?3-1b", head_dim=256,
-          qk_norm=512, **_GEMMA3),
+          qk_norm=512, sliding_window=512, **_GEMMA3),
     _arch("gemma-3-4b", "gemma3_text", 2560, 10240, 34, 8, 4, 262208, True, r"gemma-?3-4b", head_dim=256,
-          qk_norm=512, **_GEMMA3),
+          qk_norm=512, sliding_window=1024, **_GEMMA3),
     _arch("gemma-3-12b", "gemma3_text", 3840, 15360, 48, 16, 8, 262208, True, r"gemma-?3-12b", head_dim=256,
-          qk_norm=512, **_GEMMA3),
+          qk_norm=512, sliding_window=1024, **_GEMMA3),
     _arch("gemma-3-27b", "gemma3_text", 5376, 21504, 62, 32, 16, 262208, True, r"gemma-?3-27b", head_dim=128,
-          qk_norm=256, **_GEMMA3),
+          qk_norm=256, sliding_window=1024, **_GEMMA3),
     _arch("phi-4", "phi3", 5120, 17920, 40, 40, 10, 100352, False, r"phi-?4(?!-mini|-multimodal)", fused=True),
     _arch("gpt-oss-20b", "gpt_oss", 2880, 2880, 24, 64, 8, 201088, False, r"gpt-oss-20b", experts=32, **_GPT_OSS),
     _arch("gpt-oss-120b", "gpt_oss", 2880, 2880, 36, 64, 8, 201088, False, r"gpt-oss-120b", experts=128, **_GPT_OSS),
@@ -296,7 +299,7 @@ BUILTIN: tuple[Arch, ...] = (
     _arch("qwen2.5-72b", "qwen2", 8192, 29568, 80, 64, 8, 152064, False, r"qwen2\.5-72b", **_QWEN2),
     # v0.3 extended the vocabulary to 32768; v0.1/v0.2 have 32000. Check v0.3 first.
     _arch("mistral-7b-v0.3", "mistral", 4096, 14336, 32, 32, 8, 32768, False, r"mistral-7b(-instruct)?-v0\.3"),
-    _arch("mistral-7b", "mistral", 4096, 14336, 32, 32, 8, 32000, False, r"mistral-7b"),
+    _arch("mistral-7b", "mistral", 4096, 14336, 32, 32, 8, 32000, False, r"mistral-7b", sliding_window=4096),
     _arch("gemma-2-2b", "gemma2", 2304, 9216, 26, 8, 4, 256000, True, r"gemma-?2-2b", head_dim=256, **_GEMMA2),
     _arch("gemma-2-9b", "gemma2", 3584, 14336, 42, 16, 8, 256000, True, r"gemma-?2-9b", head_dim=256, **_GEMMA2),
     _arch("gemma-2-27b", "gemma2", 4608, 36864, 46, 32, 16, 256000, True, r"gemma-?2-27b", head_dim=128, **_GEMMA2),
@@ -413,10 +416,23 @@ def arch_from_config(config: dict, source: str) -> Arch:
         attention_bias=attention_bias,
         sinks=model_type == "gpt_oss",
         fused=model_type == "phi3",
+        sliding_window=_sliding_window(config),
         expert_bias=model_type == "gpt_oss",
         source=source,
         **_moe_fields(config),
     )
+
+
+def _sliding_window(config: dict) -> int:
+    """The window of the config's sliding-window layers; 0 when it has none in use (Qwen2/3 carry the key with
+    use_sliding_window false; Gemma 2/3 and gpt-oss list the layers that use it in layer_types)."""
+    window = config.get("sliding_window")
+    if not isinstance(window, int) or config.get("use_sliding_window") is False:
+        return 0
+    types = config.get("layer_types")
+    if isinstance(types, list) and "sliding_attention" not in types:
+        return 0
+    return window
 
 
 # Families that normalise q and k: per head (Qwen3, Gemma 3: one head_dim-wide RMSNorm each) or over the whole

@@ -2,7 +2,9 @@
 
 Without packing or padding_free a micro batch is padded to its longest example, so when every example
 of the data is shorter than data.max_length the activations are those of the longest example, not of
-max_length. Tokens per character come from the model's own tokenizer.json when it is on this machine
+max_length; when its longest examples exceed max_length, their rows are cut to exactly max_length
+tokens (`cut`, which finetune.plan.from_recipe reads for Setup.full_rows). Tokens per character come
+from the model's own tokenizer.json when it is on this machine
 (a local model directory, or a built-in model already built), through the `tokenizers` library (Rust,
 no torch), measured on the first SAMPLE_ROWS rows of each source; otherwise characters / 4 (English
 through a Llama- or GPT-style BPE; code and other scripts give more tokens per character). The note
@@ -15,7 +17,7 @@ from __future__ import annotations
 import math
 from array import array
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 from finetune.units import gib_text
 
@@ -26,8 +28,14 @@ TEMPLATE_TOKENS = 32
 MAX_BYTES = 2**30  # about 15 s of reading on a busy 2-core machine (scripts/bench_validate.py)
 
 
-def data_seq_len(recipe: Any) -> tuple[int, str]:
-    """(tokens per sequence to size activations for, a one-line note; "" when it is max_length as usual)."""
+class DataLengths(NamedTuple):
+    seq_len: int  # tokens per sequence to size the activations for
+    note: str  # one line for the plan; "" when it is max_length as usual
+    cut: bool = False  # the longest examples exceed max_length: their rows are cut to exactly max_length tokens
+
+
+def data_seq_len(recipe: Any) -> DataLengths:
+    """What the recipe's local data says of its sequences' lengths (the module docstring)."""
     from finetune.data.sources import SourceProblem, data_files, sources_of
     from finetune.recipe.references import is_local
     from finetune.data.validate import length_stats, validate
@@ -36,16 +44,17 @@ def data_seq_len(recipe: Any) -> tuple[int, str]:
 
     data = recipe.data
     if data.packing or data.padding_free:
-        return data.max_length, ""
+        return DataLengths(data.max_length, "")
     if not all(is_local(s.path) for s in sources_of(data)):
-        return data.max_length, ""
+        return DataLengths(data.max_length, "")
     sources = sources_of(data, vision=vision_data(recipe, download=False))
     try:
         size = sum(f.stat().st_size for s in sources for f in data_files(Path(s.path).expanduser(), s.split))
     except (SourceProblem, OSError):
-        return data.max_length, ""
+        return DataLengths(data.max_length, "")
     if size > MAX_BYTES:
-        return data.max_length, f"data not read for lengths ({gib_text(size, 1)} > {gib_text(MAX_BYTES, 0)}): sized for max_length"
+        return DataLengths(data.max_length, f"data not read for lengths ({gib_text(size, 1)} > "
+                                            f"{gib_text(MAX_BYTES, 0)}): sized for max_length")
     checked = validate(sources)
     ratio, how = _chars_per_token(recipe, sources)
     lengths = array("I")
@@ -56,12 +65,12 @@ def data_seq_len(recipe: Any) -> tuple[int, str]:
             lengths.extend(check.lengths)
     stats: Optional[dict[str, int]] = length_stats(lengths)
     if stats is None or not checked.ok:
-        return data.max_length, ""
+        return DataLengths(data.max_length, "")
     longest, p95 = (math.ceil(stats[k] / ratio) + TEMPLATE_TOKENS for k in ("max", "p95"))
     measured = f"longest example ~{longest} tokens, p95 ~{p95} ({how}, {stats['rows']} rows)"
     if longest >= data.max_length:
-        return data.max_length, f"{measured}: sized for max_length {data.max_length}"
-    return longest, f"{measured}: activations sized for {longest}, not max_length {data.max_length}"
+        return DataLengths(data.max_length, f"{measured}: sized for max_length {data.max_length}", cut=True)
+    return DataLengths(longest, f"{measured}: activations sized for {longest}, not max_length {data.max_length}")
 
 
 def _chars_per_token(recipe: Any, sources: list) -> tuple[float, str]:

@@ -94,11 +94,11 @@ def _setup_from_recipe(recipe, gpus, gpu_memory_bytes, nodes, cpu_memory_bytes, 
     lora = recipe.lora
     targets, lora_experts, lora_router = lora_targets(arch, lora)
     overlap = zero.get("overlap_comm")
-    seq_len, data_note = recipe.data.max_length, ""
+    seq_len, data_note, cut = recipe.data.max_length, "", False
     if data_lengths:
         from finetune.plan.data_lengths import data_seq_len
 
-        seq_len, data_note = data_seq_len(recipe)
+        seq_len, data_note, cut = data_seq_len(recipe)
     if objectives.get(recipe.objective).generates:  # a trained row is a prompt (data.max_length: its budget) + its completion
         seq_len += recipe.grpo.max_completion_length
     vision = _vision(recipe, seq_len, data_lengths)
@@ -106,6 +106,16 @@ def _setup_from_recipe(recipe, gpus, gpu_memory_bytes, nodes, cpu_memory_bytes, 
         extra = vision.tower.tower_params() + vision.tower.projector_params()
         size = f"{extra / 1e9:.2f}B" if extra >= 1e8 else f"{extra / 1e6:.2f}M"
         params, label = params + extra, f"{label} + vision tower and projector ({size} params)"
+    micro_batch = recipe.training.micro_batch_size * rows_per_example(recipe.objective)
+    # One SFT row per micro batch, cut to max_length (a multiple of 8, what the collator rounds a batch up to):
+    # the longest batch has no padding, so transformers builds no 4D mask for it (masking_utils.
+    # _ignore_causal_mask_sdpa on an all-ones mask) and sdpa runs is_causal, sharing the key/value heads
+    # (sdpa_attention.use_gqa_in_sdpa); not where a sliding window reaches that far. docs/plan.md, "Ninth pass".
+    full_rows = (cut and micro_batch == 1 and seq_len % 8 == 0 and vision is None and recipe.parallel.sequence == 1
+                 and objectives.get(recipe.objective).pretokenized
+                 and not (arch is not None and arch.sliding_window and seq_len >= arch.sliding_window))
+    if full_rows:
+        data_note += "; one row per micro batch: no padding, no attention mask"
     return Setup(
         arch=arch, params=params, model_label=label,
         method=recipe.method, dtype=recipe.model.dtype, attn=recipe.model.attn_implementation,
@@ -120,8 +130,9 @@ def _setup_from_recipe(recipe, gpus, gpu_memory_bytes, nodes, cpu_memory_bytes, 
         offload_optimizer=_device(zero.get("offload_optimizer")) if stage >= 1 else "none",
         offload_param=_device(zero.get("offload_param")) if stage == 3 else "none",
         gpus_per_node=gpus, nodes=nodes,
-        micro_batch=recipe.training.micro_batch_size * rows_per_example(recipe.objective), seq_len=seq_len,
+        micro_batch=micro_batch, seq_len=seq_len,
         packing=recipe.data.packing, padding_free=recipe.data.padding_free,
+        full_rows=full_rows,
         # The collator pads a batch to its longest row (finetune/data/tokenize.py); packed rows are max_length.
         shapes_vary=not recipe.data.packing,
         expandable_segments=expandable_in_training(os.environ),

@@ -18,7 +18,7 @@ from finetune.plan.result import PlanResult
 from finetune.plan.setup import Setup, Term, overflow_as_plan_error
 from finetune.plan.vision import vision_notes, vision_terms
 from finetune.plan.states import (
-    buffer_terms, gradient_and_optimizer_terms, trainable_weight_bytes, weight_terms,
+    backward_gradient_partition, buffer_terms, gradient_and_optimizer_terms, trainable_weight_bytes, weight_terms,
 )
 
 
@@ -35,7 +35,8 @@ def plan(setup: Setup) -> PlanResult:
     notes: list[str] = [*weights.notes, *states.notes]
     complete = setup.arch is not None
     if complete:
-        activations, offloaded = offload_activations(setup, tile_mlp(setup, activation_terms(setup)))
+        late = backward_gradient_partition(setup, trainable)
+        activations, offloaded = offload_activations(setup, tile_mlp(setup, activation_terms(setup, late)))
         terms += activations + parallel_terms(setup) + vision_terms(setup)
         terms += backward_end_terms(setup, terms)
         cpu += offloaded
@@ -80,14 +81,14 @@ def _overhead(setup: Setup, groups: list[ParamGroup], terms: list[Term]) -> list
                "2 MiB / 20 MiB segments, large ones rounded to 2 MiB")
         out.append(Term("overhead", "allocator rounding", rounding, counter="reserved",
                         note=f"weight tensors: {how} (CUDACachingAllocator.cpp; finetune/plan/allocator.py)"))
-    kept = [t for t in terms if t.field == "gradients" and t.phase == "step" and not setup.deepspeed]
+    kept = [t for t in terms if t.remade]
     cached = sum(t.bytes for t in kept)
     if cached:
-        # zero_grad frees the gradients after each step (not alive at the loss peak: the allocated
-        # counter), but PyTorch's cache keeps their blocks, re-requested at the same sizes by the next
+        # zero_grad (or DeepSpeed's step) frees the gradients after each step (not alive at the loss peak: the
+        # allocated counter), but PyTorch's cache keeps their blocks, re-requested at the same sizes by the next
         # backward: the reserved counter still holds them while the loss buffers are alive.
         out.append(Term("overhead", "cached gradient blocks", cached, phase="backward", counter="reserved",
-                        note="freed by zero_grad, kept by the caching allocator for the next backward"))
+                        note="freed after the step, kept by the caching allocator for the next backward"))
     for phase in ("backward", "step"):
         # Memory allocated and freed within the step: activations, the loss, transient buffers (not torch's
         # gradients: the same sizes every step, their cached blocks are reused as they are).

@@ -93,8 +93,9 @@ class Setup:
     seq_len: int = 2048
     packing: bool = False
     padding_free: bool = False
-    # Every row exactly seq_len tokens with no padding and no packed boundaries (the calibration
-    # measurements in tests/plan/test_planner.py); recipes never set it: their batches are padded or packed.
+    # Every row exactly seq_len tokens with no padding and no packed boundaries: transformers builds no 4D mask
+    # for sdpa. A recipe's when its data's longest examples are cut to max_length, one row per micro batch
+    # (finetune.plan.from_recipe); the calibration measurements in tests/plan/test_planner.py.
     full_rows: bool = False
     gradient_checkpointing: bool = True
     # PYTORCH_CUDA_ALLOC_CONF's expandable_segments (finetune/plan/allocator.py): what `finetune train` sets
@@ -196,6 +197,10 @@ class Term:
     # activations a model without checkpointing saves): the cache serves them again block for block, so the
     # allocator's fragmentation term leaves them out (planner._overhead; docs/plan.md, "The allocator").
     stacked: bool = False
+    # Gradients freed after each step and made again at the same sizes by the next backward (the plain Trainer's,
+    # ZeRO-2's 16-bit partition): not alive at backward's start (the allocated counter), but the caching allocator
+    # keeps their blocks, so the reserved counter still holds them there (planner._overhead).
+    remade: bool = False
 
 
 @dataclass(frozen=True)

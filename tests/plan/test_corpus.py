@@ -103,6 +103,12 @@ def test_acceptance_results_become_cases_only_when_they_measured_training_alone(
     # the planner's allocated figure for these settings is the one `finetune plan` gave the recipe on the H100
     # (the 2026-11-24 tables: 5.61 GiB for this run)
     assert row["predicted_gib"] == pytest.approx(5.61, abs=0.01)
+    # what only the run's plan knew (recorded by the harness as plan_setup) becomes the case's settings
+    planned = {**run, "name": "planned", "plan_setup": {"lora_dropout": 0.0, "full_rows": True, "deepspeed": False,
+                                                        "reduce_bucket_size": 4194304}}
+    _, (case,) = convert.cases_from({**results, "runs": [planned]}, "docs/gpu_acceptance/x.json")
+    assert case["settings"]["lora_dropout"] == 0.0 and case["settings"]["full_rows"] is True
+    assert "reduce_bucket_size" not in case["settings"]  # no DeepSpeed: no bucket
     # a results file outside the repository cannot be cited
     outside = tmp_path / "results.json"
     outside.write_text(json.dumps(results))
@@ -176,10 +182,14 @@ def test_plan_runs_on_every_case(corpus_rows):
 # planner is 17-29% over on all three, and so is `finetune plan --trace` (transformers' own code on fake tensors:
 # 33.75 GiB planned against 28.55 measured for the LoRA row), so the gap is in what the CUDA path keeps, not in an
 # analytic term (docs/plan.md, "Ninth pass": open). No term changed: all 6.0% to 6.2%, held out 7.9% to 8.4%.
+# Ninth pass closed (2026-11-28): the three rows' settings corrected (LoRA dropout 0, the reduce bucket hidden^2,
+# full rows), and three CUDA-path facts read from the sources (no 4D mask for an unpadded row; peft's bitsandbytes
+# LoRA takes the 16-bit input under autocast; ZeRO-2's gradient partition made after the loss buffers): the rows
+# -0.0%, +0.1%, +0.0%; no other case moved. All 6.2% to 5.2%, held out 8.4% to 7.0%.
 REACHED = {
-    "all": {"median_abs_error": 0.0621, "under_10": 21, "under_15": 10},
-    "calibration": {"median_abs_error": 0.047, "under_10": 20, "under_15": 9},
-    "holdout": {"median_abs_error": 0.0844, "under_10": 1, "under_15": 1},
+    "all": {"median_abs_error": 0.0522, "under_10": 21, "under_15": 10},
+    "calibration": {"median_abs_error": 0.046, "under_10": 20, "under_15": 9},
+    "holdout": {"median_abs_error": 0.0704, "under_10": 1, "under_15": 1},
 }
 
 
@@ -301,13 +311,13 @@ def test_the_shipped_share_is_the_fitted_one(corpus_rows):
 # Without the Qwen README the "one shape" class is its 10 other cases (unsloth's 7, PEFT's 2, this project's
 # H100 row), none as far under as the README's 1.8B, ZeRO-3 and multinode rows; unsloth's rows, 12-22% under
 # before they were planned as prepare_model_for_kbit_training leaves the model, had widened it (93.6% then).
-# The H200's three long-context rows (above) moved the median from 5.96% to 6.2%: that target is open again.
+# The H200's three long-context rows (above) moved the median from 5.96% to 6.2%, and their ninth pass to 5.2%.
 MET_TARGETS = [
+    "point estimate median |error| <= 6%",
     "point estimate mean error within +-3%",
     "bound <= 20% above measured at the median (leave-one-source-out)",
 ]
 OPEN_TARGETS = [
-    "point estimate median |error| <= 6%",
     "bound >= measured in >= 95% of cases (leave-one-source-out)",
 ]
 

@@ -48,3 +48,25 @@ def test_the_models_own_tokenizer_counts_when_it_is_here(tmp_path):
                               data_lengths=True)
     assert "characters per token of tiny-llama" in setup.data_note and "on 5 rows" in setup.data_note
     assert setup.seq_len < 512
+
+
+def test_rows_cut_to_max_length_one_per_micro_batch_are_planned_without_a_mask(tmp_path):
+    """One SFT row per micro batch, cut to max_length (a multiple of 8): the collator pads nothing, so transformers
+    builds no 4D mask and sdpa shares the key/value heads (Setup.full_rows). Anything that pads, packs or slides a
+    window keeps the mask."""
+    (tmp_path / "d.jsonl").write_text(json.dumps({"text": "word " * 5000}) + "\n")
+    data = "{path: ./d.jsonl, format: text, max_length: 1024}"
+
+    def full_rows(data=data, training="{micro_batch_size: 1}", model="meta-llama/Meta-Llama-3-8B") -> bool:
+        path = tmp_path / "r.yaml"
+        path.write_text(f"model: {{name_or_path: {model}, attn_implementation: sdpa}}\ndata: {data}\n"
+                        f"training: {training}\nhardware: {{gpus: 1}}\n")
+        return setup_from_recipe(load_recipe(path).recipe, data_lengths=True).full_rows
+
+    assert full_rows()
+    assert not full_rows(training="{micro_batch_size: 2}")  # rows of other lengths beside it: padded
+    assert not full_rows(data="{path: ./d.jsonl, format: text, max_length: 1020}")  # rounded up to 1024: padded
+    assert not full_rows(data="{path: ./d.jsonl, format: text, max_length: 1024, packing: true}")
+    assert not full_rows(data="{path: ./d.jsonl, format: text, max_length: 8192}")  # shorter than max_length
+    assert not full_rows(model="mistralai/Mistral-7B-v0.1", data="{path: ./d.jsonl, format: text, max_length: 4096}")
+    assert full_rows(model="mistralai/Mistral-7B-v0.1")  # within its 4,096-token window

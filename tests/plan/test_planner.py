@@ -340,6 +340,36 @@ def test_activation_and_logit_peak_matches_torch(attn, ckpt, dims):
     assert predicted == pytest.approx(live.peak, rel=0.03)
 
 
+def test_one_row_with_the_collators_all_ones_mask_is_planned_as_no_mask():
+    """What Setup.full_rows stands on: transformers drops an all-ones mask for sdpa (is_causal, key/value heads not
+    repeated), so the collator's mask of one unpadded row costs nothing; one padded position brings the 4D mask,
+    sdpa's copy of it per layer and the repeated heads back, and the plan of a padded batch counts them."""
+    import torch
+
+    cfg = {**TINY, "vocab_size": 128, "num_hidden_layers": 3}
+    s = 64
+
+    def peak(mask):
+        model = tiny_model(cfg, "sdpa", "lora")
+        ids = torch.randint(0, cfg["vocab_size"], (1, s), generator=torch.Generator().manual_seed(1))
+        live = LiveBytes({p.untyped_storage().data_ptr() for p in model.parameters()})
+        with live.mode:
+            model(input_ids=ids, labels=ids, attention_mask=mask).loss.backward()
+        return live.peak
+
+    padded = torch.ones((1, s), dtype=torch.long)
+    padded[0, -1] = 0
+    unmasked, ones, one_pad = peak(None), peak(torch.ones((1, s), dtype=torch.long)), peak(padded)
+    assert ones == unmasked < one_pad
+    arch = arch_from_config({**cfg, "model_type": "llama"}, "tiny")
+    planned = {full: plan(Setup(arch=arch, params=arch.total_params, method="lora", attn="sdpa", lora_r=8,
+                                lora_dropout=0.0, seq_len=s, full_rows=full, gradient_checkpointing=False))
+               for full in (True, False)}
+    # The mask, its per-layer copy and the repeated heads: 52 KiB here; the CPU kernels keep 12 KiB more.
+    assert 0.75 * (one_pad - unmasked) <= planned[False].per_gpu["activations"] - planned[True].per_gpu["activations"] \
+        <= one_pad - unmasked
+
+
 def test_logits_dominate_for_large_vocabularies():
     """Llama-3's 128k vocabulary: the loss buffers of 2 x 1024 tokens are 2.9 GiB, more than the
     checkpointed activations of all 32 layers."""
@@ -530,6 +560,67 @@ def qlora_setup(name, **kw):
     base = dict(arch=arch, params=arch.total_params, method="qlora", lora_r=64, micro_batch=1, seq_len=512)
     base.update(kw)
     return Setup(**base)
+
+
+def test_zero2_gradient_partition_is_made_after_the_loss_buffers():
+    """DeepSpeed allocates ZeRO-2's 16-bit gradient partition at the first gradient and frees it with the step
+    (states.backward_gradient_partition): with one micro batch per step the loss buffers at backward's start never
+    meet it (the allocated counter), its cached block does (the reserved one), and backward's own peak, once the
+    loss buffers are gone, has it. With accumulation it stays alive across the micro batches. The H200's full
+    fine-tune at 8,192 tokens, ZeRO-2 on one GPU, measured 41.31 GiB allocated; planned 41.33 (docs/plan.md)."""
+    arch = BY_NAME["llama-3.2-1b"]
+    base = dict(deepspeed=True, stage=2, seq_len=8192, gradient_checkpointing=False, full_rows=True, attn="sdpa",
+                reduce_bucket_size=arch.hidden ** 2, gpu_type="NVIDIA H200")
+    one, accumulated = (plan(full_setup(arch, gradient_accumulation=n, **base)) for n in (1, 2))
+    partition = {t.name: t for t in one.terms}["16-bit gradient partition 1/1"]
+    assert partition.phase == "step" and partition.remade and partition.bytes == arch.total_params * 2
+    assert {t.name: t for t in accumulated.terms}["16-bit gradient partition 1/1"].phase == "both"
+    assert one.peak_phase == "backward"
+    assert one.memory_views["allocated"] / GiB == pytest.approx(41.31, rel=0.01)
+    cached = {t.name: t for t in one.terms}["cached gradient blocks"]
+    assert cached.bytes == partition.bytes and cached.counter == "reserved" and cached.phase == "backward"
+    # Where the loss is chunked, backward's own peak (the gradients made so far beside a layer's backward) holds
+    # the partition: it is not lost from the backward phase.
+    chunked = plan(full_setup(arch, loss_kernel="chunked", gradient_checkpointing=True,
+                              **{k: v for k, v in base.items() if k != "gradient_checkpointing"}))
+    raised = {t.name: t for t in chunked.terms}["gradient partition at backward's own peak"]
+    assert raised.bytes > 0 and raised.field == "buffers"
+
+
+def test_qlora_adapters_take_the_4bit_layers_own_input_under_autocast():
+    """peft's LoRA over a bitsandbytes 4-bit layer casts its input to the fp32 adapters only outside autocast
+    (lora/bnb.py: `requires_conversion = not torch.is_autocast_enabled()`, which asks about CUDA's autocast): under
+    the Trainer's, lora_A saves the layer's own 16-bit input, not a copy (activations.bnb_uncast). The H200's Q-LoRA
+    row at 8,192 tokens kept 16 KiB per token and layer less than LoRA over bf16 weights (2.0 GiB)."""
+    bnb = pytest.importorskip("bitsandbytes")
+    import torch
+    from unittest import mock
+    from peft import LoraConfig
+    from peft.tuners.lora.bnb import Linear4bit
+
+    base = bnb.nn.Linear4bit(64, 64, bias=False, compute_dtype=torch.bfloat16, quant_type="nf4")
+    base.weight = bnb.nn.Params4bit(torch.randn(64, 64, dtype=torch.bfloat16), requires_grad=False,
+                                    quant_type="nf4").to("cpu")
+    layer = Linear4bit(base, "default", config=LoraConfig(r=4, lora_alpha=8), r=4, lora_alpha=8, lora_dropout=0.0)
+    layer.lora_A.float(), layer.lora_B.float()  # peft's autocast_adapter_dtype
+    x = torch.randn(1, 8, 64, dtype=torch.bfloat16, requires_grad=True)
+
+    def saves_the_input_itself(cuda_autocast: bool) -> bool:
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t), \
+                mock.patch("torch.is_autocast_enabled", return_value=cuda_autocast), \
+                torch.autocast("cpu", dtype=torch.bfloat16):
+            layer(x).sum()
+        return any(t.untyped_storage().data_ptr() == x.untyped_storage().data_ptr() for t in saved)
+
+    assert saves_the_input_itself(True) and not saves_the_input_itself(False)
+    arch = BY_NAME["llama-3.2-1b"]
+    kw = dict(arch=arch, params=arch.total_params, deepspeed=False, lora_dropout=0.0, seq_len=1024, full_rows=True,
+              gradient_checkpointing=False)
+    lora, qlora = layer_activation_bytes(Setup(method="lora", **kw)), layer_activation_bytes(Setup(method="qlora", **kw))
+    # LoRA: a private 16-bit copy per target (q, k, v, o, gate, up, down); Q-LoRA: q/k/v share one input, gate/up
+    # another, o_proj's is sdpa's saved output, down_proj's its own: 3 x hidden + q_dim fewer per token.
+    assert lora - qlora == 1024 * 2 * (3 * arch.hidden + arch.q_dim)
 
 
 def test_puzzle_zero2_saving_on_two_gpus_is_less_than_theory():

@@ -5,6 +5,7 @@ inside functions."""
 
 from __future__ import annotations
 
+from finetune.plan.activations import bnb_uncast
 from finetune.plan.constants import BNB_BLOCKSIZE
 from finetune.plan.setup import Setup
 
@@ -12,14 +13,19 @@ from finetune.plan.setup import Setup
 def four_bit_linears(model, setup: Setup) -> None:
     """bitsandbytes' Linear4bit in place of every decoder-layer nn.Linear (transformers' bnb quantizer
     skips the output head only): a packed uint8 weight of numel / 2 bytes and its quantization state
-    (absmax per 64 values, 8-bit with an fp32 second level under double quant)."""
+    (absmax per 64 values, 8-bit with an fp32 second level under double quant). The peft LoRA layer around one
+    then takes its input as peft's bitsandbytes layer does under CUDA autocast (activations.bnb_uncast): its
+    `_cast_input_dtype` is switched off, since the CPU autocast the trace runs is not what peft asks about."""
     import torch
 
+    uncast = bnb_uncast(setup)
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
             path = f"{name}.{child_name}"
             if type(child) is torch.nn.Linear and ".layers." in f".{path}" and "lora_" not in path:
                 setattr(module, child_name, FourBitLinear.from_linear(child, setup.double_quant))
+                if uncast and child_name == "base_layer":
+                    module.cast_input_dtype_enabled = False  # peft tuners_utils _cast_input_dtype
 
 
 def prepare_for_kbit_training(model) -> None:
