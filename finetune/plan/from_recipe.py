@@ -74,7 +74,8 @@ def _setup_from_recipe(recipe, gpus, gpu_memory_bytes, nodes, cpu_memory_bytes, 
         gpu_memory_bytes = parse_size(hw.gpu_memory)
     if cpu_memory_bytes is None and hw is not None and hw.cpu_memory:
         cpu_memory_bytes = parse_size(hw.cpu_memory)
-    zero = render_deepspeed(recipe, gpus * nodes).get("zero_optimization", {})
+    rendered = render_deepspeed(recipe, gpus * nodes)
+    zero = rendered.get("zero_optimization", {})
     if not isinstance(zero, dict):
         raise PlanError("deepspeed.overrides.zero_optimization must be a mapping")
     # The rendered block leaves out what its stage does not use; --recommend tries other stages, which
@@ -124,7 +125,7 @@ def _setup_from_recipe(recipe, gpus, gpu_memory_bytes, nodes, cpu_memory_bytes, 
         router_logits=router_logits(recipe, arch), moe_leaf=moe_leaf(zero, arch),
         modules_to_save=tuple(lora.modules_to_save or ()),
         double_quant=recipe.quantization.double_quant,
-        optimizer=recipe.training.optimizer,
+        optimizer=recipe.training.optimizer, ds_fused_adam=_ds_fused_adam(rendered),
         deepspeed=deepspeed,
         stage=stage,
         offload_optimizer=_device(zero.get("offload_optimizer")) if stage >= 1 else "none",
@@ -221,6 +222,16 @@ def _device(block: Any) -> str:
         device = block.get("device", "none")
         return device if device in ("none", "cpu", "nvme") else "none"
     return "none"
+
+
+def _ds_fused_adam(config: dict) -> bool:
+    """Whether DeepSpeed steps its own FusedAdam (Setup.ds_fused_adam): an Adam/AdamW block without torch_adam,
+    read as DeepSpeed reads it (engine._configure_basic_optimizer: `if torch_adam:`)."""
+    optimizer = config.get("optimizer")
+    if not isinstance(optimizer, dict) or str(optimizer.get("type", "")).lower() not in ("adam", "adamw"):
+        return False
+    params = optimizer.get("params")
+    return not (isinstance(params, dict) and params.get("torch_adam", False))
 
 
 def _int_value(zero: dict, key: str, default: int) -> int:

@@ -78,6 +78,10 @@ class Setup:
     # default before), which allocates a temporary per moment in the step; torch 2.0's foreach AdamW
     # ("foreach_torch20") allocates two (its `denom = _foreach_add(exp_avg_sq_sqrt, eps)` is not in place).
     optimizer_impl: str = "fused"
+    # ZeRO-0 over 16-bit weights (engine._configure_fp16_optimizer): DeepSpeed's own FusedAdam (an "optimizer" block
+    # of Adam/AdamW without torch_adam) gets FP16_Optimizer, which flattens the fp32 gradients; any other optimizer
+    # (torch's with torch_adam, the Trainer's without a block, Lion) gets FP16_UnfusedOptimizer, which does not.
+    ds_fused_adam: bool = True
     # The dtype the cross-entropy runs in. Today's transformers upcast the logits to fp32 (and so does
     # torch.autocast, whose fp32 list has log_softmax / nll_loss); older remote-code models that compute
     # their own loss without an upcast, run without autocast (DeepSpeed), keep it 16-bit. Corpus cases

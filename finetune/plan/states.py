@@ -205,9 +205,20 @@ def gradient_and_optimizer_terms(setup: Setup, groups: list[ParamGroup], trainab
         # No bf16/fp16: engine._do_optimizer_sanity_check returns no wrapper, the optimizer runs as is.
         return Terms((Term("gradients", "fp32 gradients", trainable * 4),
                       Term("optimizer", opt_name, trainable * states)))
+    if setup.stage == 0 and not setup.ds_fused_adam:
+        # deepspeed/runtime/fp16/unfused_optimizer.py (FP16_UnfusedOptimizer: any optimizer but DeepSpeed's FusedAdam,
+        # engine._configure_fp16_optimizer): a fp32 master copy per trainable tensor; step() gives each its fp32
+        # gradient (`fp16_param.grad.to(fp32)`), steps, and frees them. Nothing is flattened. Measured: an H200,
+        # the Llama-3.2-1B shape's full fine-tune with torch's fused AdamW (torch_adam), 23.08 GiB (docs/plan.md).
+        return Terms((
+            Term("gradients", f"{_width(setup)} gradients", trainable * e),
+            Term("gradients", "fp32 gradients", trainable * 4, phase="step", note="a fp32 copy per tensor for the step"),
+            Term("optimizer", "fp32 master weights", trainable * MASTER_BYTES),
+            Term("optimizer", opt_name, trainable * states),
+        ))
     if setup.stage == 0:
-        # deepspeed/runtime/fp16/fused_optimizer.py (FP16_Optimizer, also for bf16 without ZeRO):
-        # fp32 master copy of all trainable weights; step() turns the 16-bit grads into fp32 copies,
+        # deepspeed/runtime/fp16/fused_optimizer.py (FP16_Optimizer, also for bf16 without ZeRO, over DeepSpeed's
+        # FusedAdam): fp32 master copy of all trainable weights; step() turns the 16-bit grads into fp32 copies,
         # flattens them (a second fp32 copy) and hands the flat buffer to the optimizer as .grad.
         return Terms((
             Term("gradients", f"{_width(setup)} gradients", trainable * e),

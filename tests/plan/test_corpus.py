@@ -71,7 +71,8 @@ def test_own_gpu_runs_cite_their_results_file_and_its_figure(corpus_rows):
     for case in own:
         results = json.loads((REPO / case["file"]).read_text())
         run = next(r for r in results["runs"] if r["name"] == case["row"])
-        assert case["commit"] and case["measured_gib"] == round(run["peak_memory_bytes"] / GiB, 3)
+        peak = run["peak_memory_bytes"]  # one figure, or one per rank (scripts/gpu_speed.py's speed rows)
+        assert case["commit"] and case["measured_gib"] == round((max(peak) if isinstance(peak, list) else peak) / GiB, 3)
 
 
 def test_acceptance_results_become_cases_only_when_they_measured_training_alone(corpus_rows, tmp_path):
@@ -185,11 +186,14 @@ def test_plan_runs_on_every_case(corpus_rows):
 # Ninth pass closed (2026-11-28): the three rows' settings corrected (LoRA dropout 0, the reduce bucket hidden^2,
 # full rows), and three CUDA-path facts read from the sources (no 4D mask for an unpadded row; peft's bitsandbytes
 # LoRA takes the 16-bit input under autocast; ZeRO-2's gradient partition made after the loss buffers): the rows
-# -0.0%, +0.1%, +0.0%; no other case moved. All 6.2% to 5.2%, held out 8.4% to 7.0%.
+# -0.0%, +0.1%, +0.0%; no other case moved. All 6.2% to 5.2%, held out 8.4% to 7.0%. Then the H200's four speed
+# rows of finetune (LoRA and full 1x2k, LoRA 4x2k at ZeRO-0 with torch's AdamW, `auto` at 8 rows): +0.4%, +0.0% (the
+# full row after one more fact: ZeRO-0 over a non-DeepSpeed optimizer flattens nothing), +0.1%, +0.1%. 149 cases:
+# all 4.9%, held out 6.5%.
 REACHED = {
-    "all": {"median_abs_error": 0.0522, "under_10": 21, "under_15": 10},
+    "all": {"median_abs_error": 0.0492, "under_10": 21, "under_15": 10},
     "calibration": {"median_abs_error": 0.046, "under_10": 20, "under_15": 9},
-    "holdout": {"median_abs_error": 0.0704, "under_10": 1, "under_15": 1},
+    "holdout": {"median_abs_error": 0.0648, "under_10": 1, "under_15": 1},
 }
 
 

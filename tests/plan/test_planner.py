@@ -587,6 +587,28 @@ def test_zero2_gradient_partition_is_made_after_the_loss_buffers():
     assert raised.bytes > 0 and raised.field == "buffers"
 
 
+def test_zero0_over_a_non_deepspeed_optimizer_flattens_nothing(tmp_path):
+    """ZeRO-0 over 16-bit weights wraps DeepSpeed's own FusedAdam in FP16_Optimizer (the fp32 gradients flattened: a
+    second fp32 copy in the step) and any other optimizer in FP16_UnfusedOptimizer (one fp32 gradient per tensor).
+    The H200's full fine-tune of the Llama-3.2-1B shape with torch's fused AdamW (torch_adam) at 2,048 tokens measured
+    23.08 GiB; the H100's with FusedAdam 27.68 (both in tests/data/plan_corpus.json)."""
+    arch = BY_NAME["llama-3.2-1b"]
+    kw = dict(deepspeed=True, stage=0, seq_len=2048, full_rows=True, gpu_type="NVIDIA H200")
+    fused, unfused = (plan(full_setup(arch, ds_fused_adam=f, **kw)) for f in (True, False))
+    names = {t.name for t in unfused.terms}
+    assert "fp32 grad copies (flatten)" in {t.name for t in fused.terms} and "fp32 grad copies (flatten)" not in names
+    assert fused.memory_views["allocated"] - unfused.memory_views["allocated"] == arch.total_params * 4
+    assert unfused.memory_views["allocated"] / GiB == pytest.approx(23.08, rel=0.01)
+    # What the recipe says: DeepSpeed's AdamW unless torch_adam (or the Trainer's optimizer, with no block)
+    def setup(extra: str):
+        path = tmp_path / "r.yaml"
+        path.write_text("model: {name_or_path: meta-llama/Llama-3.2-1B}\ndata: {path: x.jsonl}\nmethod: full\n" + extra)
+        return setup_from_recipe(load_recipe(path).recipe)
+    assert setup("deepspeed: {stage: 0}\n").ds_fused_adam
+    assert not setup("deepspeed: {stage: 0, overrides: {optimizer: {params: {torch_adam: true}}}}\n").ds_fused_adam
+    assert not setup("deepspeed: {stage: 0}\ntraining: {optimizer: adamw_bnb_8bit}\n").ds_fused_adam
+
+
 def test_qlora_adapters_take_the_4bit_layers_own_input_under_autocast():
     """peft's LoRA over a bitsandbytes 4-bit layer casts its input to the fp32 adapters only outside autocast
     (lora/bnb.py: `requires_conversion = not torch.is_autocast_enabled()`, which asks about CUDA's autocast): under
