@@ -190,7 +190,7 @@ def run_case(case: Case, machine, harness, out: Path, timeout: float) -> dict[st
     started = time.perf_counter()
     if case.tool == "finetune":
         run_dir = out / "runs" / case.name
-        if case.memory and machine.gpu_memory:
+        if machine.gpu_memory:  # every finetune row on a GPU: the plan beside what it measures, and a corpus case
             prediction = harness.predict(recipe_path, harness.Case("speed", case.recipe["method"], 0, False, False,
                                                                    "sdpa", 1), machine)
             record.update({k: prediction.get(k) for k in ("predicted_bytes", "predicted_allocated_bytes",
@@ -225,7 +225,7 @@ def run_case(case: Case, machine, harness, out: Path, timeout: float) -> dict[st
                   peak_memory_bytes=summary.get("peak_memory_bytes"),
                   max_memory_reserved_bytes=summary.get("peak_memory_reserved_bytes"),
                   profile=summary.get("profile"))
-    if case.memory:  # the fields scripts/acceptance_to_corpus.py reads, as this run resolved them
+    if case.tool == "finetune" and machine.gpu_memory:  # what scripts/acceptance_to_corpus.py reads, as resolved
         auto = summary.get("auto") or {}
         t = case.recipe["training"]
         record.update(model="llama-1b", method=case.recipe["method"], dtype=case.recipe["model"]["dtype"], attn="sdpa",

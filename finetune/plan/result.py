@@ -160,7 +160,7 @@ class PlanResult:
                       "seq_len": s.seq_len, "gradient_checkpointing": s.gradient_checkpointing,
                       "attn_implementation": s.attn, "dtype": s.dtype, "loss_kernel": s.loss_kernel,
                       "reduce_bucket_size": s.reduce_bucket_size, "overlap_comm": s.overlap,
-                      "lora_dropout": s.lora_dropout, "full_rows": s.full_rows},
+                      "lora_dropout": s.lora_dropout, "full_rows": s.full_rows, "ds_fused_adam": s.ds_fused_adam},
             "per_gpu": self.per_gpu,
             "memory": {"allocated_peak": self.memory_views["allocated"],
                        "reserved_peak": self.memory_views["reserved"],
