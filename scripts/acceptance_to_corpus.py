@@ -39,8 +39,9 @@ def model_key(name: str) -> str:
 def planned_settings(setup: Optional[dict[str, Any]]) -> dict[str, Any]:
     """The settings only the run's own plan knows (`finetune plan --format json`'s setup, which the harness records
     as plan_setup): the recipe's LoRA dropout, DeepSpeed's reduce bucket as `auto` became and the optimizer it wraps
-    (its FusedAdam or another), and whether every row was cut to max_length one per micro batch (no mask). Without them the corpus would plan Setup's defaults, as
-    it did for the H200's rows of 2026-11-27 (docs/plan.md, "Ninth pass")."""
+    (its FusedAdam or another), and whether every row was cut to max_length one per micro batch (no mask). Without
+    them the corpus would plan Setup's defaults, as it did for the H200's rows of 2026-11-27 (docs/plan.md, "Ninth
+    pass")."""
     if not setup:
         return {}
     out = {key: setup[key] for key in ("lora_dropout", "full_rows") if key in setup}
