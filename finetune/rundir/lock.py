@@ -119,11 +119,18 @@ def _live_holder(run_dir: Path, name: str) -> Optional[str]:
         os.close(fd)
 
 
-def _read_holder(fd: int) -> str:
-    try:
-        return os.pread(fd, 512, 0).decode("utf-8", "replace").strip()
-    except OSError:
-        return ""
+def _read_holder(fd: int, wait: float = 2.0) -> str:
+    """The holder's line. A holder writes it just after its flock, so an empty file is read again for `wait` s
+    (a run refused in that moment named "another process" rather than the PID to stop)."""
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            text = os.pread(fd, 512, 0).decode("utf-8", "replace").strip()
+        except OSError:
+            return ""
+        if text or time.monotonic() >= deadline:
+            return text
+        time.sleep(0.02)
 
 
 def _locked_message(run_dir: Path, holder_text: str) -> str:

@@ -182,3 +182,27 @@ def test_a_full_fine_tunes_lora_keys_do_not_block_its_resume():
     assert changed_fields(older, resume_fields(full, 2)) == []
     lora = {**full, "method": "lora"}
     assert changed_fields(resume_fields(lora, 2), resume_fields({**lora, "lora": {"r": 16}}, 2)) == ["lora.r: 8 -> 16"]
+
+
+def test_a_run_refused_while_the_holder_writes_its_line_names_the_holders_pid(tmp_path):
+    """The holder writes its PID just after its flock; a run refused in between waits for that line."""
+    import subprocess
+    import sys
+
+    from finetune.rundir.lock import LOCK_FILE, RunDirLocked, acquire
+
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import fcntl, os, platform, sys, time\n"
+        f"fd = os.open({str(tmp_path / LOCK_FILE)!r}, os.O_RDWR | os.O_CREAT)\n"
+        "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+        "print('locked', flush=True)\n"
+        "time.sleep(0.3)\n"
+        "os.pwrite(fd, f'pid {os.getpid()} host {platform.node()}\\n'.encode(), 0)\n"
+        "sys.stdin.read()\n")], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(RunDirLocked, match=f"PID {holder.pid} on "):
+            acquire(tmp_path)
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=10)
