@@ -11,8 +11,8 @@ from finetune.plan.states import kbit_prepared, trainable_weight_bytes
 
 
 def activation_terms(setup: Setup, late_gradients: int = 0) -> list[Term]:
-    """`late_gradients`: gradients made in backward once the loss buffers are freed, alive through the step (ZeRO-2's
-    partition, states.backward_gradient_partition): beside backward's own peak, not beside the loss."""
+    """`late_gradients`: gradients made in backward once the loss buffers are freed, alive through the step (DeepSpeed's
+    ZeRO-0 gradients and ZeRO-2 partition, states.backward_gradients): beside backward's own peak, not the loss."""
     per_layer = layer_activation_bytes(setup)
     tokens = setup.micro_batch * setup.seq_len
     arch = setup.arch
@@ -71,7 +71,7 @@ def activation_terms(setup: Setup, late_gradients: int = 0) -> list[Term]:
         # Backward's own peak comes with the gradients made so far (all of them, on the safe side). A buffer, as
         # ZeRO-3's gradient buffer is, so that model_states stays DeepSpeed's estimators' number.
         raised = max(0, working + late_gradients - logits) - extra
-        terms.append(Term("buffers", "gradient partition at backward's own peak", raised, phase="backward",
+        terms.append(Term("buffers", "gradients at backward's own peak", raised, phase="backward",
                           note="beyond the loss buffers" if raised else "backward's start, with the loss buffers, "
                                                                          "is higher"))
     terms.append(Term("logits", "loss working set", logits, phase="backward", note=logits_note))

@@ -18,7 +18,7 @@ from finetune.plan.result import PlanResult
 from finetune.plan.setup import Setup, Term, overflow_as_plan_error
 from finetune.plan.vision import vision_notes, vision_terms
 from finetune.plan.states import (
-    backward_gradient_partition, buffer_terms, gradient_and_optimizer_terms, trainable_weight_bytes, weight_terms,
+    backward_gradients, buffer_terms, gradient_and_optimizer_terms, trainable_weight_bytes, weight_terms,
 )
 
 
@@ -35,7 +35,7 @@ def plan(setup: Setup) -> PlanResult:
     notes: list[str] = [*weights.notes, *states.notes]
     complete = setup.arch is not None
     if complete:
-        late = backward_gradient_partition(setup, trainable)
+        late = backward_gradients(setup, trainable)
         activations, offloaded = offload_activations(setup, tile_mlp(setup, activation_terms(setup, late)))
         terms += activations + parallel_terms(setup) + vision_terms(setup)
         terms += backward_end_terms(setup, terms)

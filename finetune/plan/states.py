@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 from finetune.plan.constants import (
     BNB_BLOCKSIZE, DS_ALLREDUCE_BUCKET_SIZE, DS_OPTIMIZER_SWAP_BUFFERS, DS_PARAM_SWAP_BUFFERS,
@@ -132,20 +133,40 @@ def foreach_adam_temporaries(setup: Setup) -> int:
     return {"foreach": 1, "foreach_torch20": 2}.get(setup.optimizer_impl, 0)
 
 
-def backward_gradient_partition(setup: Setup, trainable: int) -> int:
-    """Bytes of ZeRO-2's 16-bit gradient partition when it is not alive at backward's start: DeepSpeed allocates it
-    at the first gradient's hook (stage_1_and_2.py copy_grads_in_partition: `torch.empty` when
-    grads_in_partition is None), drops it at backward's end (independent_gradient_partition_epilogue ->
-    _release_ipg_buffers), and step() frees the gradient views into it (free_grad_in_param_list), so with one
-    micro batch per step the loss buffers at backward's start never meet it; it is there once the first gradient
-    has arrived, after them. With accumulation the next micro batches' backward starts with the gradients so far.
-    Measured: an H200, Llama-3.2-1B shape, full fine-tune at 8,192 tokens without checkpointing peaked 2.30 GiB (its
-    partition) under the plan that counted it beside the loss (docs/plan.md, "Ninth pass"). ZeRO-0/1 are not
-    measured and keep their gradients alive throughout."""
-    if not (setup.deepspeed and setup.stage == 2 and setup.offload_optimizer == "none"
-            and setup.gradient_accumulation == 1):
+def backward_gradients(setup: Setup, trainable: int) -> int:
+    """Bytes of DeepSpeed's 16-bit gradients that are not alive at backward's start, made after the loss buffers.
+
+    - ZeRO-2's partition: allocated at the first gradient's hook (stage_1_and_2.py copy_grads_in_partition:
+      `torch.empty` when grads_in_partition is None), dropped at backward's end (independent_gradient_partition_epilogue
+      -> _release_ipg_buffers), and step() frees the gradient views into it (free_grad_in_param_list). Measured: an
+      H200, Llama-3.2-1B shape, full fine-tune at 8,192 tokens without checkpointing peaked 2.30 GiB (its partition)
+      under the plan that counted it beside the loss (docs/plan.md, "Ninth pass").
+    - ZeRO-0: every .grad is made by backward; after the step engine._take_model_step calls the wrapper's
+      zero_grad(set_to_none=True) (FP16_Optimizer, FP16_UnfusedOptimizer; engine.zero_grad without one), which sets
+      each .grad to None. Measured: the same shape's full fine-tune at 4 x 2,048 tokens peaked 2.30 GiB (its 16-bit
+      gradients) under the plan that counted them beside the loss (docs/plan.md, "Tenth pass").
+
+    So with one micro batch per step the loss buffers at backward's start never meet them; they are there once the
+    first gradient has arrived, after them. With accumulation the next micro batches' backward starts with the
+    gradients so far. ZeRO-1 (not measured) and the offloaded stages keep their gradients alive throughout."""
+    if not setup.deepspeed or setup.gradient_accumulation != 1 or setup.offload_optimizer != "none":
         return 0
-    return math.ceil(trainable / setup.world) * trainable_weight_bytes(setup)
+    if setup.stage == 2:
+        return math.ceil(trainable / setup.world) * trainable_weight_bytes(setup)
+    if setup.stage == 0:
+        return trainable * (4 if setup.dtype == "float32" else trainable_weight_bytes(setup))
+    return 0
+
+
+def _late(setup: Setup, term: Term, trainable: int) -> Term:
+    """`term`, the 16-bit gradients, in the step phase where backward makes them after the loss buffers
+    (backward_gradients): the allocated counter does not have them beside the loss, the reserved one has their
+    cached blocks (planner._overhead), and backward's own later peak counts them (activations.activation_terms)."""
+    if not backward_gradients(setup, trainable):
+        return term
+    return replace(term, phase="step", remade=True,
+                   note=(term.note + "; " if term.note else "") + "made by backward's first gradient, after the loss "
+                        "buffers are freed: in backward counted with its later peak")
 
 
 def gradient_and_optimizer_terms(setup: Setup, groups: list[ParamGroup], trainable: int) -> Terms:
@@ -203,7 +224,7 @@ def gradient_and_optimizer_terms(setup: Setup, groups: list[ParamGroup], trainab
         return Terms(tuple(out))
     if setup.stage == 0 and setup.dtype == "float32":
         # No bf16/fp16: engine._do_optimizer_sanity_check returns no wrapper, the optimizer runs as is.
-        return Terms((Term("gradients", "fp32 gradients", trainable * 4),
+        return Terms((_late(setup, Term("gradients", "fp32 gradients", trainable * 4), trainable),
                       Term("optimizer", opt_name, trainable * states)))
     if setup.stage == 0 and not setup.ds_fused_adam:
         # deepspeed/runtime/fp16/unfused_optimizer.py (FP16_UnfusedOptimizer: any optimizer but DeepSpeed's FusedAdam,
@@ -211,7 +232,7 @@ def gradient_and_optimizer_terms(setup: Setup, groups: list[ParamGroup], trainab
         # gradient (`fp16_param.grad.to(fp32)`), steps, and frees them. Nothing is flattened. Measured: an H200,
         # the Llama-3.2-1B shape's full fine-tune with torch's fused AdamW (torch_adam), 23.08 GiB (docs/plan.md).
         return Terms((
-            Term("gradients", f"{_width(setup)} gradients", trainable * e),
+            _late(setup, Term("gradients", f"{_width(setup)} gradients", trainable * e), trainable),
             Term("gradients", "fp32 gradients", trainable * 4, phase="step", note="a fp32 copy per tensor for the step"),
             Term("optimizer", "fp32 master weights", trainable * MASTER_BYTES),
             Term("optimizer", opt_name, trainable * states),
@@ -221,7 +242,7 @@ def gradient_and_optimizer_terms(setup: Setup, groups: list[ParamGroup], trainab
         # FusedAdam): fp32 master copy of all trainable weights; step() turns the 16-bit grads into fp32 copies,
         # flattens them (a second fp32 copy) and hands the flat buffer to the optimizer as .grad.
         return Terms((
-            Term("gradients", f"{_width(setup)} gradients", trainable * e),
+            _late(setup, Term("gradients", f"{_width(setup)} gradients", trainable * e), trainable),
             Term("gradients", "fp32 gradients", trainable * 4, phase="step", note="flat fp32 copy for the step"),
             Term("optimizer", "fp32 master weights", trainable * MASTER_BYTES),
             Term("optimizer", opt_name, trainable * states),
@@ -239,11 +260,7 @@ def gradient_and_optimizer_terms(setup: Setup, groups: list[ParamGroup], trainab
     if setup.stage == 1:
         terms.append(Term("gradients", f"{_width(setup)} gradients", trainable * e, note="stage 1 keeps them whole"))
     elif setup.stage == 2 and not offload:
-        late = backward_gradient_partition(setup, trainable)
-        terms.append(Term("gradients", f"{_width(setup)} gradient partition 1/{n}", part * e,
-                          phase="step" if late else "both", remade=bool(late),
-                          note="made by backward's first gradient, after the loss buffers are freed: in backward "
-                               "counted with its later peak" if late else ""))
+        terms.append(_late(setup, Term("gradients", f"{_width(setup)} gradient partition 1/{n}", part * e), trainable))
     elif setup.stage == 3 and not offload:
         terms.append(Term("buffers", f"contiguous gradient partition 1/{n}", part * e,
                           note="grad_partitions_flat_buffer (not in DeepSpeed's ZeRO-3 estimator)"))

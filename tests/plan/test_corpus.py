@@ -101,9 +101,9 @@ def test_acceptance_results_become_cases_only_when_they_measured_training_alone(
     assert convert.add(mine, models, cases) == []  # once
     (row,) = [r for r in script.evaluate(mine) if r["id"] == cases[0]["id"]]
     assert row["view"] == "allocated" and row["error"] is not None
-    # the planner's allocated figure for these settings is the one `finetune plan` gave the recipe on the H100
-    # (the 2026-11-24 tables: 5.61 GiB for this run)
-    assert row["predicted_gib"] == pytest.approx(5.61, abs=0.01)
+    # the planner's allocated figure for these settings is the one `finetune plan` gives the recipe (the 2026-11-24
+    # tables: 5.61 GiB for this run; 5.59 since ZeRO-0's 16-bit gradients are made after the loss, "Tenth pass")
+    assert row["predicted_gib"] == pytest.approx(5.59, abs=0.01)
     # what only the run's plan knew (recorded by the harness as plan_setup) becomes the case's settings
     planned = {**run, "name": "planned", "plan_setup": {"lora_dropout": 0.0, "full_rows": True, "deepspeed": False,
                                                         "reduce_bucket_size": 4194304}}
@@ -193,7 +193,7 @@ def test_plan_runs_on_every_case(corpus_rows):
 REACHED = {
     "all": {"median_abs_error": 0.0492, "under_10": 21, "under_15": 10},
     "calibration": {"median_abs_error": 0.046, "under_10": 20, "under_15": 9},
-    "holdout": {"median_abs_error": 0.0648, "under_10": 1, "under_15": 1},
+    "holdout": {"median_abs_error": 0.0621, "under_10": 1, "under_15": 1},
 }
 
 
