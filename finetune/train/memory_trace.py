@@ -24,8 +24,16 @@ ENV = "FINETUNE_CUDA_MEMORY_TRACE"
 TRACE_STEPS = 2  # step 1 creates the optimizer's states; step 2 is a step like every later one
 MAX_ENTRIES = 2_000_000  # allocator events kept (a 1B step at 8k tokens makes well under a million)
 TOP = 40  # groups written
-# Frames that say how, not who: the first frame outside these names the allocation's owner.
-PLUMBING = ("/torch/", "/torch_", "<frozen", "/accelerate/", "/contextlib.py", "/functools.py")
+# Frames that say how, not who: the first frame outside these names the allocation's owner. Matched on the path
+# below site-packages (_short): a whole environment may live under a folder named torch (the GPU image's
+# /opt/torch/.venv, where matching the full path called every library plumbing and the 2026-11-28 run's groups
+# named only the Trainer's caller).
+PLUMBING = ("torch/", "torch_", "accelerate/")
+STDLIB_PLUMBING = ("<frozen", "/contextlib.py", "/functools.py")
+
+
+def _plumbing(filename: str) -> bool:
+    return _short(filename).startswith(PLUMBING) or any(part in filename for part in STDLIB_PLUMBING)
 
 
 def owner(frames: Iterable[dict[str, Any]]) -> str:
@@ -33,7 +41,7 @@ def owner(frames: Iterable[dict[str, Any]]) -> str:
     frames = list(frames)
     for frame in frames:
         filename = frame.get("filename", "")
-        if not any(part in filename for part in PLUMBING):
+        if not _plumbing(filename):
             return f"{_short(filename)}:{frame.get('line')} {frame.get('name')}"
     if frames:
         first = frames[0]

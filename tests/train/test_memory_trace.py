@@ -65,3 +65,13 @@ def test_a_recording_that_cannot_start_is_written_down_and_training_goes_on(tmp_
     import json
 
     assert json.loads(path.read_text())["error"].startswith("recording did not start: ")
+
+
+def test_a_library_under_a_folder_named_torch_is_not_plumbing():
+    """The GPU image keeps its environment in /opt/torch/.venv: only torch's own package is skipped."""
+    def under_opt_torch(frame):
+        return {**frame, "filename": frame["filename"].replace("/venv/lib/python3.11", "/opt/torch/.venv/lib/python3.12")}
+    assert owner([under_opt_torch(TORCH), under_opt_torch(MODEL)]) == \
+        "transformers/models/llama/modeling_llama.py:91 forward"
+    stdlib = {"filename": "/usr/lib/python3.12/contextlib.py", "line": 81, "name": "inner"}
+    assert owner([stdlib, under_opt_torch(LOSS)]) == "transformers/loss/loss_utils.py:36 fixed_cross_entropy"
