@@ -81,8 +81,10 @@ def cases_from(results: dict[str, Any], file: str) -> tuple[dict[str, dict], lis
                 "gradient_checkpointing": run.get("gradient_checkpointing", True),
                 "gradient_accumulation": run.get("gradient_accumulation", 1),
                 "loss_kernel": run.get("loss_kernel") or results.get("loss_kernel", "default"),
-                # `finetune train` sets PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True when it is not set
-                "expandable_segments": True,
+                # `finetune train` sets PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True when it is not set (the
+                # harness sets it for one case: gpu_speed's record `env`)
+                "expandable_segments": "expandable_segments:True" in (run.get("env") or {}).get(
+                    "PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True"),
                 **planned_settings(run.get("plan_setup")),
             },
             "holdout": True,

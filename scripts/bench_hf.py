@@ -62,8 +62,6 @@ LLAMA_FACTORY_ZERO = {
                           "overlap_comm": False, "reduce_scatter": True, "reduce_bucket_size": 5e8,
                           "contiguous_gradients": True, "round_robin_gradients": True},
 }
-PROFILE_STEPS = 3  # steady steps under torch.profiler (after the warm-up)
-TOP_KERNELS = 12
 
 
 def llama_factory_config(stage: int) -> dict[str, Any]:
@@ -135,9 +133,10 @@ def launch(args: argparse.Namespace) -> int:
 class StepStamps:
     """A TrainerCallback (built lazily: transformers is imported in the ranks only) that stamps the host clock at
     each optimizer step's end, synchronising the device where the steady window opens and closes, and runs the
-    profiler (when given) over the PROFILE_STEPS steps after the warm-up, synchronised at both ends."""
+    profiler window (finetune.train.profile.Window, when given) over the PROFILE_STEPS steps after the warm-up,
+    stopped before that step's stamp, so that the profiler's own processing stays out of the steady window."""
 
-    def __new__(cls, profiler=None):
+    def __new__(cls, window=None):
         from transformers import TrainerCallback
 
         from finetune.speed import WARMUP_STEPS
@@ -151,15 +150,12 @@ class StepStamps:
 
             def on_step_end(self, args, state, control, **kwargs):
                 step = len(self.stamps)
-                last = state.max_steps and state.global_step >= state.max_steps
-                profiled_to = WARMUP_STEPS + PROFILE_STEPS
-                if step == WARMUP_STEPS or last or (profiler is not None and step == profiled_to):
+                last = bool(state.max_steps and state.global_step >= state.max_steps)
+                if window is not None:
+                    window.at_step_end(step, last)
+                if step == WARMUP_STEPS or last:
                     _synchronize()
                 self.stamps.append(time.perf_counter())
-                if profiler is not None and step == WARMUP_STEPS:
-                    profiler.start()
-                elif profiler is not None and (step == profiled_to or (last and step < profiled_to)):
-                    profiler.stop()
 
         return _Stamps()
 
@@ -245,32 +241,6 @@ def deepspeed_config(args: argparse.Namespace, recipe, on_cpu: bool) -> Optional
     return adapt_deepspeed_config(config, on_cpu)  # on a CPU: torch's Adam for DeepSpeed's, as finetune does
 
 
-def profile_summary(profiler, seconds: float, on_gpu: bool) -> dict[str, Any]:
-    """GPU-busy over wall time of the profiled steps and the kernels (CPU: operators) that took longest."""
-    events = profiler.key_averages()
-    attr = "self_device_time_total" if on_gpu else "self_cpu_time_total"
-    rows = sorted(((e.key, getattr(e, attr, 0) or 0, e.count) for e in events), key=lambda r: -r[1])
-    busy = 0.0
-    if on_gpu:
-        kernels = [e for e in profiler.events() if getattr(e, "device_type", None) is not None
-                   and str(e.device_type).endswith("CUDA")]
-        intervals = sorted((k.time_range.start, k.time_range.end) for k in kernels)
-        end = None
-        for start, stop in intervals:  # the union of kernel intervals: overlapping streams count once
-            if end is None or start > end:
-                busy += stop - start
-                end = stop
-            elif stop > end:
-                busy += stop - end
-                end = stop
-        busy /= 1e6  # microseconds
-    total = sum(r[1] for r in rows) or 1
-    return {"steps": PROFILE_STEPS, "wall_seconds": seconds, "gpu_busy_seconds": busy if on_gpu else None,
-            "gpu_busy_fraction": busy / seconds if on_gpu and seconds > 0 else None,
-            "top": [{"name": name[:120], "seconds": t / 1e6, "share": t / total, "calls": n}
-                    for name, t, n in rows[:TOP_KERNELS]]}
-
-
 def rank_main(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
@@ -285,6 +255,7 @@ def rank_main(args: argparse.Namespace) -> int:
     from finetune.plan.archs import ArchError, arch_from_config
     from finetune.speed import WARMUP_STEPS, peak_bf16_flops, steady
     from finetune.tokenizer import load_tokenizer
+    from finetune.train.profile import PROFILE_STEPS, Window
     from finetune.train.dist import all_gather
 
     recipe, _ = load(args.source, args.set)
@@ -300,20 +271,12 @@ def rank_main(args: argparse.Namespace) -> int:
     transformers.set_seed(recipe.training.seed)  # the adapter's initial weights as finetune's (it seeds before loading)
     model = build_model(recipe, model_path)
     collator = RecordingCollator(tokenizer)
-    profiler = None
-    if args.profile:
-        activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if on_gpu else [])
-        profiler = torch.profiler.profile(activities=activities)
-    stamps = StepStamps(profiler)
+    window = Window(on_gpu, WARMUP_STEPS) if args.profile else None
+    stamps = StepStamps(window)
     trainer = Trainer(model=model, args=training_args, train_dataset=train_set, data_collator=collator,
                       processing_class=tokenizer, callbacks=[stamps])
     trainer.train()
-    profile = None
-    window = stamps.stamps[WARMUP_STEPS:WARMUP_STEPS + PROFILE_STEPS + 1]
-    if profiler is not None and len(window) > 1:
-        profile = profile_summary(profiler, window[-1] - window[0], on_gpu)
-        profile["steps"] = len(window) - 1
-        profile["note"] = f"steps {WARMUP_STEPS + 1}-{WARMUP_STEPS + len(window) - 1}, under the profiler (slower than without)"
+    profile = window.result if window is not None else None
     accumulation = recipe.training.gradient_accumulation_steps
     counts = collator.counts
     per_step = [tuple(map(sum, zip(*counts[i * accumulation:(i + 1) * accumulation])))
@@ -328,7 +291,7 @@ def rank_main(args: argparse.Namespace) -> int:
     gpu = torch.cuda.get_device_name(0) if on_gpu else None
     peak, source = peak_bf16_flops(gpu) if gpu else (None, None)
     # with --profile the steady window starts after the profiled steps (the profiler slows them down)
-    warmup = WARMUP_STEPS + (PROFILE_STEPS if profiler is not None else 0)
+    warmup = WARMUP_STEPS + (PROFILE_STEPS if window is not None else 0)
     result = steady(stamps.stamps, [c[0] for c in summed], [c[1] for c in summed], world, arch, peak, warmup=warmup)
     result.update(gpu=gpu, peak_flops=peak, peak_source=source)
     memory = all_gather(int(torch.cuda.max_memory_allocated()) if on_gpu else None)
@@ -353,6 +316,7 @@ def rank_main(args: argparse.Namespace) -> int:
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    from finetune.train.profile import PROFILE_STEPS  # light: the standard library only
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("source", type=Path, help="a finetune recipe, or a finetune run directory")
     parser.add_argument("--out", type=Path, required=True, help="where summary.json (and profile.json) go")

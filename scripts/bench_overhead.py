@@ -3,6 +3,7 @@ Hugging Face Trainer, with the same DeepSpeed config, model, rows, LoRA, micro b
 
     python scripts/bench_overhead.py                  # tiny Llama, LoRA, ZeRO-2, 2 CPU processes, 2 rounds
     python scripts/bench_overhead.py --steps 80 --rounds 3
+    python scripts/bench_overhead.py --set deepspeed.stage=0 --set launch.procs_per_node=1   # the GPU pairs' shape
 
 Each round trains recipes/tiny/lora_zero2.yaml with `finetune train`, then bench_hf.py on that run directory with
 the run's own deepspeed.json (what DeepSpeed ran, less nothing: the same engine settings and optimizer), the order
@@ -41,10 +42,10 @@ def run(cmd: list[str], env: dict[str, str]) -> None:
         sys.exit(f"bench_overhead: {' '.join(cmd[:4])} ... failed:\n{(result.stdout + result.stderr)[-3000:]}")
 
 
-def finetune(out: Path, steps: int, env: dict[str, str]) -> dict:
-    run([sys.executable, "-m", "finetune.cli", "train", str(RECIPE), "--output-dir", str(out), "--overwrite",
-         "--set", f"training.max_steps={steps}", "--set", "training.logging_steps=10", "--master-port", str(free_port())],
-        env)
+def finetune(out: Path, steps: int, env: dict[str, str], recipe: Path = RECIPE, sets: tuple[str, ...] = ()) -> dict:
+    run([sys.executable, "-m", "finetune.cli", "train", str(recipe), "--output-dir", str(out), "--overwrite",
+         "--set", f"training.max_steps={steps}", "--set", "training.logging_steps=10", "--master-port", str(free_port()),
+         *[arg for value in sets for arg in ("--set", value)]], env)
     return json.loads((out / "summary.json").read_text())["steady"]
 
 
@@ -58,6 +59,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=60, help="optimizer steps per run (the first 5 are warm-up)")
     parser.add_argument("--rounds", type=int, default=2, help="finetune + bench_hf pairs, alternating order")
+    parser.add_argument("--recipe", type=Path, default=RECIPE, help="the recipe both train (default: %(default)s)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a recipe override for finetune train (bench_hf trains the run's recipe.yaml)")
     args = parser.parse_args(argv)
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
            "TQDM_DISABLE": "1", "PYTHONUNBUFFERED": "1"}
@@ -71,7 +75,7 @@ def main(argv=None) -> int:
             for tool in order:
                 if tool == "finetune":
                     last = Path(tmp) / f"run{r}"
-                    results[tool] = finetune(last, args.steps, env)
+                    results[tool] = finetune(last, args.steps, env, args.recipe, tuple(args.set))
                 else:
                     results[tool] = bench_hf(last, Path(tmp) / f"bench{r}", env)
             ours.append(results["finetune"])

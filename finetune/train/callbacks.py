@@ -31,6 +31,9 @@ class TrainClock(TrainerCallback):
         self.step_counts: list[tuple[int, int]] = []  # this rank's (tokens, sum of squared lengths) per step
         self.counter: Optional[list[int]] = None
         self._seen = (0, 0)
+        from finetune.speed import WARMUP_STEPS
+
+        self.warmup = WARMUP_STEPS  # more where a profiler window follows the warm-up (finetune.train.profile)
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.started = time.perf_counter()
@@ -77,7 +80,7 @@ class TrainClock(TrainerCallback):
             counts = [(sum(r[i][0] for r in ranks), sum(r[i][1] for r in ranks)) for i in range(len(counts))]
         squares = [c[1] for c in counts] if self.counter is not None else []
         return steady(self.stamps, [c[0] for c in counts], squares or [0] * len(counts), world,
-                      arch if self.counter is not None else None, peak_flops)
+                      arch if self.counter is not None else None, peak_flops, warmup=self.warmup)
 
     @property
     def seconds(self) -> float:

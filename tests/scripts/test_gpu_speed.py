@@ -37,3 +37,33 @@ def test_only_runs_the_named_cases_in_the_order_named(tmp_path):
     assert names[2:] == [c.name for c in cases if "lora_1x2k" in c.name] + \
         ["lora_8rows_llama_factory_defaults", "lora_8rows_finetune_auto"]
     assert "memory_full_8k" not in names and "full_1x2k_finetune" not in names
+
+
+def test_the_next_runs_selection_leaves_out_what_it_names_with_a_minus(tmp_path):
+    """docs/gpu-acceptance.md's next command: the LoRA pair with its allocator variant, the QLoRA pair, the profiled
+    full 4x2k pair (both sides under the profiler), the auto pair, then a memory row; not the plain profile."""
+    module = gpu_speed()
+    cases = module.gpu_cases("model", tmp_path / "d.jsonl", tmp_path / "long.jsonl", steps=30)
+    chosen = module.selected(cases, "lora_1x2k,full_4x2k,8rows,memory_qlora,-bench_hf_profile")
+    assert [c.name for c in chosen] == [
+        "lora_1x2k_finetune", "lora_1x2k_bench_hf", "lora_1x2k_finetune_default_allocator", "qlora_1x2k_finetune",
+        "qlora_1x2k_bench_hf", "full_4x2k_finetune", "full_4x2k_bench_hf", "lora_8rows_llama_factory_defaults",
+        "lora_8rows_finetune_auto", "memory_qlora_8k"]
+    by_name = {c.name: c for c in chosen}
+    assert by_name["full_4x2k_finetune"].profile and by_name["full_4x2k_bench_hf"].bench_args == ("--profile",)
+    variant = by_name["lora_1x2k_finetune_default_allocator"]
+    assert dict(variant.env) == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}
+    assert variant.baseline == "lora_1x2k_bench_hf" and variant.pair is None
+
+
+def test_a_finetune_case_with_a_baseline_gets_a_ratio_and_pairs_compare_median_steps_too():
+    module = gpu_speed()
+
+    def run(name, tool, pair, tps, p50, baseline=None):
+        return {"name": name, "tool": tool, "pair": pair, "steady_tokens_per_second": tps, "step_seconds_p50": p50,
+                "baseline": baseline}
+
+    ratios = module.ratios([run("a_finetune", "finetune", "a", 900, 0.30), run("a_bench_hf", "bench_hf", "a", 1000, 0.33),
+                            run("a_variant", "finetune", None, 1100, 0.25, baseline="a_bench_hf")])
+    assert ratios["a"]["ratio"] == 0.9 and abs(ratios["a"]["p50_ratio"] - 1.1) < 1e-9
+    assert ratios["a_variant"]["ratio"] == 1.1 and ratios["a_variant"]["target"] == 1.0

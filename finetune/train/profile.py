@@ -1,0 +1,122 @@
+"""A torch.profiler window over a few steady steps of a run: how much of the wall time the GPU was busy, and the
+kernels (on a CPU: the operators) that took the most time (issue 35: "if full fine-tuning at 4 x 2,048 is under
+30% MFU, the profile names the three largest costs and says which are ours").
+
+With FINETUNE_PROFILE=PATH in its environment, rank 0 of a run profiles the PROFILE_STEPS steps after the warm-up
+(finetune.speed.WARMUP_STEPS) and writes PATH: the summary below. The steady window of that run then starts after
+the profiled steps (the profiler slows them down); the harness's full fine-tune at 4 x 2,048 sets it on both sides
+of its pair (scripts/gpu_speed.py), and scripts/bench_hf.py --profile uses the same window and summary.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+ENV = "FINETUNE_PROFILE"
+PROFILE_STEPS = 3  # steady steps under torch.profiler (after the warm-up)
+TOP_KERNELS = 12
+
+
+def wanted() -> Optional[Path]:
+    """PATH from the environment on rank 0, else None."""
+    path = os.environ.get(ENV)
+    if not path or int(os.environ.get("RANK", "0")) != 0:
+        return None
+    return Path(path)
+
+
+def start(on_gpu: bool):
+    """A started torch.profiler over the CPU and, on a GPU, CUDA."""
+    import torch
+
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if on_gpu else [])
+    profiler = torch.profiler.profile(activities=activities)
+    profiler.start()
+    return profiler
+
+
+def summary(profiler, seconds: float, on_gpu: bool, steps: int = PROFILE_STEPS) -> dict[str, Any]:
+    """GPU-busy over wall time of the profiled steps and the kernels (CPU: operators) that took longest."""
+    events = profiler.key_averages()
+    attr = "self_device_time_total" if on_gpu else "self_cpu_time_total"
+    rows = sorted(((e.key, getattr(e, attr, 0) or 0, e.count) for e in events), key=lambda r: -r[1])
+    busy = 0.0
+    if on_gpu:
+        kernels = [e for e in profiler.events() if getattr(e, "device_type", None) is not None
+                   and str(e.device_type).endswith("CUDA")]
+        intervals = sorted((k.time_range.start, k.time_range.end) for k in kernels)
+        end = None
+        for first, last in intervals:  # the union of kernel intervals: overlapping streams count once
+            if end is None or first > end:
+                busy += last - first
+                end = last
+            elif last > end:
+                busy += last - end
+                end = last
+        busy /= 1e6  # microseconds
+    total = sum(r[1] for r in rows) or 1
+    return {"steps": steps, "wall_seconds": seconds, "gpu_busy_seconds": busy if on_gpu else None,
+            "gpu_busy_fraction": busy / seconds if on_gpu and seconds > 0 else None,
+            "top": [{"name": name[:120], "seconds": t / 1e6, "share": t / total, "calls": n}
+                    for name, t, n in rows[:TOP_KERNELS]]}
+
+
+def synchronize() -> None:
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+class Window:
+    """The profiler over steps WARMUP_STEPS + 1 .. WARMUP_STEPS + PROFILE_STEPS of this start, driven by the step
+    count; `at_step_end(n)` is called at the end of step n, before the step's clock stamp (so that stopping the
+    profiler, which processes its events, falls inside the last profiled step and not in the steady window)."""
+
+    def __init__(self, on_gpu: bool, warmup: int):
+        self.on_gpu = on_gpu
+        self.warmup = warmup
+        self.profiler = None
+        self.opened: Optional[float] = None
+        self.result: Optional[dict[str, Any]] = None
+
+    def at_step_end(self, step: int, last: bool) -> None:
+        if step == self.warmup and not last:
+            synchronize()
+            self.opened = time.perf_counter()
+            self.profiler = start(self.on_gpu)
+        elif self.profiler is not None and (step == self.warmup + PROFILE_STEPS or last):
+            synchronize()
+            seconds = time.perf_counter() - self.opened
+            self.profiler.stop()
+            self.result = summary(self.profiler, seconds, self.on_gpu, step - self.warmup)
+            self.result["note"] = (f"steps {self.warmup + 1}-{step}, under the profiler (slower than without); the "
+                                   "steady window starts after them")
+            self.profiler = None
+
+
+def callback(path: Path):
+    """A TrainerCallback that runs a Window and writes its summary to `path`. Put it before the run's clock."""
+    import torch
+    from transformers import TrainerCallback
+
+    from finetune.speed import WARMUP_STEPS
+
+    class ProfileWindow(TrainerCallback):
+        def __init__(self):
+            self.window = Window(torch.cuda.is_available(), WARMUP_STEPS)
+            self.steps = 0
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.steps += 1
+            self.window.at_step_end(self.steps, bool(state.max_steps and state.global_step >= state.max_steps))
+            if self.window.result is not None:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(json.dumps(self.window.result, indent=1) + "\n", encoding="utf-8")
+                self.window.result = None
+
+    return ProfileWindow()
