@@ -47,13 +47,17 @@ def test_the_next_runs_selection_leaves_out_what_it_names_with_a_minus(tmp_path)
     chosen = module.selected(cases, "lora_1x2k,full_4x2k,8rows,memory_qlora,-bench_hf_profile")
     assert [c.name for c in chosen] == [
         "lora_1x2k_finetune", "lora_1x2k_bench_hf", "lora_1x2k_finetune_default_allocator", "qlora_1x2k_finetune",
-        "qlora_1x2k_bench_hf", "full_4x2k_finetune", "full_4x2k_bench_hf", "lora_8rows_llama_factory_defaults",
+        "qlora_1x2k_bench_hf", "full_4x2k_finetune", "full_4x2k_bench_hf", "full_4x2k_finetune_auto",
+        "lora_8rows_llama_factory_defaults",
         "lora_8rows_finetune_auto", "memory_qlora_8k"]
     by_name = {c.name: c for c in chosen}
     assert by_name["full_4x2k_finetune"].profile and by_name["full_4x2k_bench_hf"].bench_args == ("--profile",)
     variant = by_name["lora_1x2k_finetune_default_allocator"]
     assert dict(variant.env) == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}
     assert variant.baseline == "lora_1x2k_bench_hf" and variant.pair is None
+    auto = by_name["full_4x2k_finetune_auto"]
+    assert auto.profile and auto.baseline == "full_4x2k_bench_hf" and auto.recipe["method"] == "full"
+    assert "micro_batch_size" not in auto.recipe["training"] and auto.recipe["training"]["max_steps"] == 14
 
 
 def test_a_finetune_case_with_a_baseline_gets_a_ratio_and_pairs_compare_median_steps_too():
