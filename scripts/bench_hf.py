@@ -140,6 +140,7 @@ class StepStamps:
         from transformers import TrainerCallback
 
         from finetune.speed import WARMUP_STEPS
+        from finetune.train.profile import synchronize
 
         class _Stamps(TrainerCallback):
             def __init__(self):
@@ -154,17 +155,10 @@ class StepStamps:
                 if window is not None:
                     window.at_step_end(step, last)
                 if step == WARMUP_STEPS or last:
-                    _synchronize()
+                    synchronize()
                 self.stamps.append(time.perf_counter())
 
         return _Stamps()
-
-
-def _synchronize() -> None:
-    import torch
-
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
 
 
 class RecordingCollator:

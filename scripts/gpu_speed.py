@@ -13,8 +13,8 @@ weights and synthetic text (scripts/gpu_acceptance.py), then runs, in this order
 1. pairs at identical settings, `finetune train` against scripts/bench_hf.py (DeepSpeed ZeRO-0 both: finetune's
    rendered config with torch's fused AdamW, bench_hf LLaMA-Factory's ds_z0_config.json whose client optimizer is the
    Trainer's torch fused AdamW; checkpointing on, the default loss, 2,048 tokens, 30 steps at micro batch 1, else
-   LONG_STEP_STEPS): LoRA 1x2k (and finetune
-   with torch's default allocator against the same baseline), full 1x2k, LoRA 4x2k, QLoRA 1x2k, full 4x2k (both
+   LONG_STEP_STEPS): LoRA 1x2k (and finetune with torch's default allocator, and finetune without DeepSpeed, against
+   the same baseline), full 1x2k, LoRA 4x2k, QLoRA 1x2k, full 4x2k (both
    sides under the profiler, finetune.train.profile: the largest kernels where MFU is judged; then finetune with
    the speed keys auto at 4 rows per step, profiled, against the same baseline); each pair's ratio of steady
    tokens/s and of median step times;
@@ -164,6 +164,11 @@ def gpu_cases(model: str, data: Path, long_data: Path, steps: int) -> list[Case]
             # of the wall, 2026-11-28) the same recipe with the default allocator says what that choice costs.
             cases.append(Case(f"{label}_finetune_default_allocator", "finetune", {**recipe, "name": f"{label}_cached"},
                               env=(("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False"),),
+                              baseline=f"{label}_bench_hf"))
+            # `auto` trains LoRA on one GPU without DeepSpeed (the plain Trainer, fewer host syncs per step), a choice
+            # the issue asks to measure: the same recipe on that path, against the same baseline.
+            cases.append(Case(f"{label}_finetune_no_deepspeed", "finetune",
+                              fixed({**base, "name": f"{label}_plain"}, method, micro, engine={"enabled": False}),
                               baseline=f"{label}_bench_hf"))
     # What a user gets at the MFU anchor's shape: the full fine-tune of 4 rows per step with every speed key auto
     # (on an H200 the fixed pair above used 28.6 of 139 GiB with checkpointing on, whose recompute MFU does not

@@ -9,6 +9,7 @@ from typing import Any, Optional
 from transformers import TrainerCallback
 
 from finetune.rundir.names import DEEPSPEED_EFFECTIVE_FILE, PLOT_FILE
+from finetune.train.profile import synchronize
 
 
 class TrainClock(TrainerCallback):
@@ -44,7 +45,7 @@ class TrainClock(TrainerCallback):
         from finetune.speed import WARMUP_STEPS
 
         if len(self.stamps) == WARMUP_STEPS or (state.max_steps and state.global_step >= state.max_steps):
-            _synchronize()
+            synchronize()
         now = time.perf_counter()
         if self.first_step is None:
             self.first_step = now
@@ -87,14 +88,6 @@ class TrainClock(TrainerCallback):
         if self.started is None:
             return 0.0
         return (self.ended or time.perf_counter()) - self.started
-
-
-def _synchronize() -> None:
-    """Wait for the GPU's queued work (the steady window's edges); nothing to wait for on a CPU."""
-    import torch
-
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
 
 
 class EffectiveDeepSpeedConfig(TrainerCallback):

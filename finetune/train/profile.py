@@ -66,6 +66,7 @@ def summary(profiler, seconds: float, on_gpu: bool, steps: int = PROFILE_STEPS) 
 
 
 def synchronize() -> None:
+    """Wait for the GPU's queued work (the edges of a timed window); nothing to wait for on a CPU."""
     import torch
 
     if torch.cuda.is_available() and torch.cuda.is_initialized():

@@ -46,7 +46,8 @@ def test_the_next_runs_selection_leaves_out_what_it_names_with_a_minus(tmp_path)
     cases = module.gpu_cases("model", tmp_path / "d.jsonl", tmp_path / "long.jsonl", steps=30)
     chosen = module.selected(cases, "lora_1x2k,full_4x2k,8rows,memory_qlora,-bench_hf_profile")
     assert [c.name for c in chosen] == [
-        "lora_1x2k_finetune", "lora_1x2k_bench_hf", "lora_1x2k_finetune_default_allocator", "qlora_1x2k_finetune",
+        "lora_1x2k_finetune", "lora_1x2k_bench_hf", "lora_1x2k_finetune_default_allocator",
+        "lora_1x2k_finetune_no_deepspeed", "qlora_1x2k_finetune",
         "qlora_1x2k_bench_hf", "full_4x2k_finetune", "full_4x2k_bench_hf", "full_4x2k_finetune_auto",
         "lora_8rows_llama_factory_defaults",
         "lora_8rows_finetune_auto", "memory_qlora_8k"]
@@ -55,6 +56,8 @@ def test_the_next_runs_selection_leaves_out_what_it_names_with_a_minus(tmp_path)
     variant = by_name["lora_1x2k_finetune_default_allocator"]
     assert dict(variant.env) == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}
     assert variant.baseline == "lora_1x2k_bench_hf" and variant.pair is None
+    plain = by_name["lora_1x2k_finetune_no_deepspeed"]
+    assert plain.recipe["deepspeed"] == {"enabled": False} and plain.baseline == "lora_1x2k_bench_hf"
     auto = by_name["full_4x2k_finetune_auto"]
     assert auto.profile and auto.baseline == "full_4x2k_bench_hf" and auto.recipe["method"] == "full"
     assert "micro_batch_size" not in auto.recipe["training"] and auto.recipe["training"]["max_steps"] == 14
