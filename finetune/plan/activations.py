@@ -10,9 +10,11 @@ from finetune.plan.setup import Setup, Term
 from finetune.plan.states import kbit_prepared, trainable_weight_bytes
 
 
-def activation_terms(setup: Setup, late_gradients: int = 0) -> list[Term]:
+def activation_terms(setup: Setup, late_gradients: int = 0, dequantized: int = 0) -> list[Term]:
     """`late_gradients`: gradients made in backward once the loss buffers are freed, alive through the step (DeepSpeed's
-    ZeRO-0 gradients and ZeRO-2 partition, states.backward_gradients): beside backward's own peak, not the loss."""
+    ZeRO-0 gradients and ZeRO-2 partition, states.backward_gradients): beside backward's own peak, not the loss.
+    `dequantized`: bitsandbytes' 16-bit copy of the running 4-bit layer's weight (states.dequantized_weight_bytes),
+    alive at backward's own peak, in a layer, not beside the loss."""
     per_layer = layer_activation_bytes(setup)
     tokens = setup.micro_batch * setup.seq_len
     arch = setup.arch
@@ -67,6 +69,7 @@ def activation_terms(setup: Setup, late_gradients: int = 0) -> list[Term]:
     what = "layer recompute + gradients" if setup.gradient_checkpointing else "backward temporaries"
     terms.append(Term("activations", what, extra, phase="backward",
                       note="beyond the loss buffers" if extra else "smaller than the loss buffers"))
+    raised = 0
     if late_gradients:
         # Backward's own peak comes with the gradients made so far (all of them, on the safe side). A buffer, as
         # ZeRO-3's gradient buffer is, so that model_states stays DeepSpeed's estimators' number.
@@ -74,6 +77,12 @@ def activation_terms(setup: Setup, late_gradients: int = 0) -> list[Term]:
         terms.append(Term("buffers", "gradients at backward's own peak", raised, phase="backward",
                           note="beyond the loss buffers" if raised else "backward's start, with the loss buffers, "
                                                                          "is higher"))
+    if dequantized:
+        beyond = max(0, working + late_gradients + dequantized - logits) - extra - raised
+        terms.append(Term("buffers", "dequantized 4-bit weight", beyond, phase="backward",
+                          note=f"the largest quantized linear in 16 bits ({dequantized / 2**20:,.0f} MiB) while its "
+                               "layer runs: " + ("at backward's own peak, beyond the loss buffers" if beyond else
+                                                 "backward's start, with the loss buffers, is higher")))
     terms.append(Term("logits", "loss working set", logits, phase="backward", note=logits_note))
     return terms
 

@@ -18,7 +18,8 @@ from finetune.plan.result import PlanResult
 from finetune.plan.setup import Setup, Term, overflow_as_plan_error
 from finetune.plan.vision import vision_notes, vision_terms
 from finetune.plan.states import (
-    backward_gradients, buffer_terms, gradient_and_optimizer_terms, trainable_weight_bytes, weight_terms,
+    backward_gradients, buffer_terms, dequantized_weight_bytes, gradient_and_optimizer_terms, trainable_weight_bytes,
+    weight_terms,
 )
 
 
@@ -36,7 +37,8 @@ def plan(setup: Setup) -> PlanResult:
     complete = setup.arch is not None
     if complete:
         late = backward_gradients(setup, trainable)
-        activations, offloaded = offload_activations(setup, tile_mlp(setup, activation_terms(setup, late)))
+        dequantized = dequantized_weight_bytes(setup, groups)
+        activations, offloaded = offload_activations(setup, tile_mlp(setup, activation_terms(setup, late, dequantized)))
         terms += activations + parallel_terms(setup) + vision_terms(setup)
         terms += backward_end_terms(setup, terms)
         cpu += offloaded

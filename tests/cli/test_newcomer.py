@@ -132,10 +132,11 @@ def test_plan_exit_code_says_does_not_fit():
 
 
 def test_recommend_tries_the_chunked_loss_before_a_smaller_batch_or_offload():
-    """8B QLoRA on 2x 9 GiB (decided on the upper bound): the 2.9 GiB of fp32 logits are the cheap fix (chunked
+    """8B QLoRA on 2x 8.5 GiB (decided on the upper bound): the 2.9 GiB of fp32 logits are the cheap fix (chunked
     loss), not micro batch 1 with 16 accumulation steps, nor any offload; the reasons are sentences with no
-    negative saving."""
-    out = run_cli("plan", REPO / "recipes" / "llama3" / "8b_qlora_2x12gb.yaml", "--gpu-memory", "9GiB", "--recommend",
+    negative saving. (At 9 GiB ZeRO-1 at micro batch 1 with the chunked loss fits by 0.01 GiB, and the ranking
+    prefers it to ZeRO-3's communication: a margin too thin to test on.)"""
+    out = run_cli("plan", REPO / "recipes" / "llama3" / "8b_qlora_2x12gb.yaml", "--gpu-memory", "8.5GiB", "--recommend",
                   "--set", "training.loss_kernel=default")  # written (auto would choose the chunked loss itself)
     assert out.returncode == 3
     apply = [line for line in out.stdout.splitlines() if "apply with:" in line][0]

@@ -606,6 +606,32 @@ def test_zero0_gradients_are_made_after_the_loss_buffers():
     assert {t.name: t for t in four.terms}["cached gradient blocks"].bytes == grads.bytes
 
 
+def test_the_dequantized_4bit_weight_is_held_by_a_running_layer_not_beside_the_loss():
+    """bitsandbytes dequantizes a 4-bit weight while its layer runs; no quantized layer runs beside the loss's buffers
+    (the output head is not quantized), so the copy counts at backward's own peak, in a layer. The H200's Q-LoRA
+    rows (Llama-3.2-1B shape, 1 x 2,048 with ZeRO-0 and 8,192 without DeepSpeed) were each 0.03 GiB, its gate_proj,
+    under the plan that counted it beside the loss (docs/plan.md, "Tenth pass")."""
+    from dataclasses import replace
+
+    from finetune.plan.params import param_groups
+    from finetune.plan.states import dequantized_weight_bytes
+
+    arch = BY_NAME["llama-3.2-1b"]
+    setup = Setup(arch=arch, params=arch.total_params, method="qlora", lora_r=16, lora_dropout=0.0, micro_batch=1,
+                  seq_len=2048, deepspeed=True, stage=0, ds_fused_adam=False, full_rows=True, attn="sdpa",
+                  gpu_type="NVIDIA H200")
+    copy = dequantized_weight_bytes(setup, param_groups(setup))
+    assert copy >= arch.hidden * arch.intermediate * 2  # gate_proj, 16-bit (+ its fp32 absmax)
+    default = plan(setup)
+    assert {t.name: t for t in default.terms}["dequantized 4-bit weight"].bytes == 0  # the loss's moment is higher
+    assert default.memory_views["allocated"] / GiB == pytest.approx(4.243, rel=0.005)
+    # With the chunked loss, backward's own peak (a layer's recompute and its gradients) is the higher one: there
+    # the copy adds its bytes.
+    chunked = plan(replace(setup, loss_kernel="chunked", seq_len=8192))
+    terms = {t.name: t for t in chunked.terms}
+    assert terms["layer recompute + gradients"].bytes > 0 and terms["dequantized 4-bit weight"].bytes == copy
+
+
 def test_zero0_over_a_non_deepspeed_optimizer_flattens_nothing(tmp_path):
     """ZeRO-0 over 16-bit weights wraps DeepSpeed's own FusedAdam in FP16_Optimizer (the fp32 gradients flattened: a
     second fp32 copy in the step) and any other optimizer in FP16_UnfusedOptimizer (one fp32 gradient per tensor).
