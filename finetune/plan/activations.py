@@ -5,6 +5,7 @@ from __future__ import annotations
 from finetune import objectives
 from finetune.plan.archs import LAYER_LINEARS
 from finetune.plan.loss import loss_working_set
+from finetune.plan.parallel import tiled_mlp_saving
 from finetune.plan.params import param_groups
 from finetune.plan.setup import Setup, Term
 from finetune.plan.states import kbit_prepared, trainable_weight_bytes
@@ -64,11 +65,13 @@ def activation_terms(setup: Setup, late_gradients: int = 0, dequantized: int = 0
     logits, logits_note = loss_working_set(setup)
     # Backward's own peak comes after the loss buffers are freed (they do not coexist), so only the
     # part above them raises the total.
-    working = backward_working_bytes(setup, per_layer)
+    tiled = tiled_mlp_saving(setup)
+    working = backward_working_bytes(setup, per_layer) - tiled
     extra = max(0, working - logits)
     what = "layer recompute + gradients" if setup.gradient_checkpointing else "backward temporaries"
     terms.append(Term("activations", what, extra, phase="backward",
-                      note="beyond the loss buffers" if extra else "smaller than the loss buffers"))
+                      note=("beyond the loss buffers" if extra else "smaller than the loss buffers")
+                      + (f"; MLP in {setup.tiled_mlp_shards} slices (tiled_mlp)" if tiled else "")))
     raised = 0
     if late_gradients:
         # Backward's own peak comes with the gradients made so far (all of them, on the safe side). A buffer, as

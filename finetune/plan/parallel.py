@@ -91,24 +91,15 @@ def offload_activations(setup: Setup, terms: list[Term]) -> tuple[list[Term], li
     return out, cpu
 
 
-RECOMPUTE = "layer recompute + gradients"  # activations.activation_terms' name for it
-
-
-def tile_mlp(setup: Setup, terms: list[Term]) -> list[Term]:
+def tiled_mlp_saving(setup: Setup) -> int:
     """training.tiled_mlp under gradient checkpointing: the recomputed layer's MLP activations and gradients
     (activations.layer_activation_bytes' 3 x intermediate and backward_working_bytes' (5 x intermediate - 4 x
-    hidden) / 2 elements per token) exist for one slice at a time. Without checkpointing TiledMLP would also drop
-    the saved MLP activations; not modelled (the estimate stays high)."""
-    from finetune.plan.activations import backward_working_bytes, layer_activation_bytes
-    from finetune.plan.loss import loss_working_set
-
+    hidden) / 2 elements per token) exist for one slice at a time: the bytes backward's own peak sheds
+    (activations.activation_terms). Without checkpointing TiledMLP would also drop the saved MLP activations; not
+    modelled (the estimate stays high)."""
     arch = setup.arch
     if setup.tiled_mlp_shards <= 1 or arch is None or not setup.gradient_checkpointing or arch.experts:
-        return terms
+        return 0
     e, tokens = setup.element_bytes, setup.micro_batch * setup.seq_len
     mlp = tokens * e * (3 * arch.intermediate + max(0, (5 * arch.intermediate - 4 * arch.hidden) // 2))
-    saved = mlp - mlp // setup.tiled_mlp_shards
-    per_layer = layer_activation_bytes(setup)
-    extra = max(0, backward_working_bytes(setup, per_layer) - saved - loss_working_set(setup)[0])
-    return [replace(t, bytes=extra, note=f"{t.note}; MLP in {setup.tiled_mlp_shards} slices (tiled_mlp)")
-            if t.field == "activations" and t.name == RECOMPUTE else t for t in terms]
+    return mlp - mlp // setup.tiled_mlp_shards

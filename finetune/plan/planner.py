@@ -10,7 +10,7 @@ from finetune.plan.allocator import resident_waste
 from finetune.plan.constants import (
     CUBLAS_HANDLES, CUBLAS_WORKSPACE, CUDA_CONTEXT, FRAGMENTATION, HISTORY_RECORDS, NCCL_BUFFERS, PROCESS_RSS, MiB,
 )
-from finetune.plan.parallel import offload_activations, parallel_terms, tile_mlp
+from finetune.plan.parallel import offload_activations, parallel_terms
 from finetune.plan.params import ParamGroup, four_bit_bytes, param_groups
 from finetune.plan.grpo import generation_terms
 from finetune.plan.preference import reference_terms
@@ -38,7 +38,7 @@ def plan(setup: Setup) -> PlanResult:
     if complete:
         late = backward_gradients(setup, trainable)
         dequantized = dequantized_weight_bytes(setup, groups)
-        activations, offloaded = offload_activations(setup, tile_mlp(setup, activation_terms(setup, late, dequantized)))
+        activations, offloaded = offload_activations(setup, activation_terms(setup, late, dequantized))
         terms += activations + parallel_terms(setup) + vision_terms(setup)
         terms += backward_end_terms(setup, terms)
         cpu += offloaded

@@ -632,6 +632,32 @@ def test_the_dequantized_4bit_weight_is_held_by_a_running_layer_not_beside_the_l
     assert terms["layer recompute + gradients"].bytes > 0 and terms["dequantized 4-bit weight"].bytes == copy
 
 
+def test_backward_own_peak_sums_its_parts_once_with_a_tiled_mlp():
+    """Backward's own peak beyond the loss buffers is the recomputed layer (less what TiledMLP slices away), the
+    gradients made so far and the running layer's dequantized weight, together: the three terms that carry it add
+    up to that, whatever shrinks one of them."""
+    from finetune.plan.activations import backward_working_bytes, layer_activation_bytes
+    from finetune.plan.loss import loss_working_set
+    from finetune.plan.params import param_groups
+    from finetune.plan.parallel import tiled_mlp_saving
+    from finetune.plan.states import backward_gradients, dequantized_weight_bytes
+
+    arch = BY_NAME["llama-3-8b"]
+    for shards in (1, 16):
+        setup = Setup(arch=arch, params=arch.total_params, method="qlora", micro_batch=1, seq_len=16384,
+                      deepspeed=True, stage=2, loss_kernel="chunked", tiled_mlp_shards=shards)
+        terms = {t.name: t.bytes for t in plan(setup).terms}
+        groups = param_groups(setup)
+        trainable = sum(g.total for g in groups if g.trainable)
+        beyond = max(0, backward_working_bytes(setup, layer_activation_bytes(setup)) - tiled_mlp_saving(setup)
+                     + backward_gradients(setup, trainable) + dequantized_weight_bytes(setup, groups)
+                     - loss_working_set(setup)[0])
+        parts = (terms["layer recompute + gradients"] + terms["gradients at backward's own peak"]
+                 + terms["dequantized 4-bit weight"])
+        assert beyond > 0 and parts == beyond, shards
+        assert (tiled_mlp_saving(setup) > 0) == (shards > 1)
+
+
 def test_zero0_over_a_non_deepspeed_optimizer_flattens_nothing(tmp_path):
     """ZeRO-0 over 16-bit weights wraps DeepSpeed's own FusedAdam in FP16_Optimizer (the fp32 gradients flattened: a
     second fp32 copy in the step) and any other optimizer in FP16_UnfusedOptimizer (one fp32 gradient per tensor).
