@@ -245,7 +245,6 @@ def run_case(case: Case, machine, harness, out: Path, timeout: float) -> dict[st
         # A memory row records what is live at its peak and who made it (finetune.train.memory_trace), outside the
         # run directory that --overwrite replaces.
         from finetune.train.memory_trace import ENV as MEMORY_TRACE
-
         from finetune.train.profile import ENV as PROFILE
 
         trace = out / "memory_at_peak" / f"{case.name}.json"
