@@ -22,8 +22,9 @@ import pickle
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
-from typing import Any, Callable, Union
+from typing import Any, Callable, Optional, Union
 
 from finetune.data.prepare import Prepared, prepare
 from finetune.data.spec import DataSpec
@@ -68,7 +69,6 @@ def _child(parent: int) -> int:
     # A SIGKILLed launcher takes this process along (and its workers: prepare() ties them to it). Without it the
     # child tokenized on at full CPU, published the entry, then wrote into the dead launcher's pipe (issue 34).
     die_with_parent(signal.SIGKILL, parent)
-    args = pickle.loads(sys.stdin.buffer.read())
     out = sys.stdout
     sys.stdout = sys.stderr  # only our JSON lines on stdout
 
@@ -79,6 +79,10 @@ def _child(parent: int) -> int:
         except BrokenPipeError:  # the launcher is gone (where no parent-death signal exists): nobody to tell
             os._exit(1)
 
+    args = _read_arguments()
+    if args is None:
+        say(error="the tokenizing process received no arguments from finetune (its launcher broke off)")
+        return 1
     try:
         done = prepare(args["spec"], args["tokenizer"], Path(args["cache_dir"]), log=lambda line: say(log=line),
                        num_proc=args["num_proc"])
@@ -90,6 +94,17 @@ def _child(parent: int) -> int:
         return 1
     say(done=done.as_dict())
     return 0
+
+
+def _read_arguments() -> Optional[dict[str, Any]]:
+    """The parent's pickle, or None where it broke off. A parent killed while the child starts closes the pipe
+    (the kernel closes a dying process's files) a moment before it sends the parent-death signal, so a short
+    read is usually that: wait for the signal instead of printing an EOFError nobody asked for."""
+    try:
+        return pickle.loads(sys.stdin.buffer.read())
+    except (EOFError, pickle.UnpicklingError):
+        time.sleep(2)  # the parent-death SIGKILL ends this process here when the launcher is gone
+        return None
 
 
 if __name__ == "__main__":

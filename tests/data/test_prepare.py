@@ -225,6 +225,20 @@ def test_a_killed_tokenizer_takes_its_workers_and_its_child_along(tmp_path):
     assert (tmp_path / "child.err").read_text() == ""  # no EOFError / BrokenPipeError traceback
 
 
+def test_a_tokenizing_child_without_its_arguments_says_so_without_a_traceback():
+    """The pipe closes a moment before the parent-death signal arrives (CI caught the EOFError traceback once);
+    with the parent alive, the child reports the broken-off input as its error line."""
+    import json
+    import subprocess
+
+    from finetune.data.prepare_fresh import child_argv
+    from tests.conftest import REPO
+
+    done = subprocess.run(child_argv(), input=b"\x80\x04trunc", capture_output=True, cwd=REPO, timeout=120)
+    assert done.returncode == 1 and b"Traceback" not in done.stderr, done.stderr
+    assert "received no arguments" in json.loads(done.stdout.splitlines()[-1])["error"]
+
+
 # three CLI processes (~25 s on 2 cores), no training: it stays beside the rest of prepare's tests
 def test_prepare_then_train_finds_the_cache(tmp_path, tiny_cache):
     """`finetune prepare` writes the cache, a second one finds it; bad rows stop prepare with file:line,
