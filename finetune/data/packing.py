@@ -92,25 +92,31 @@ def _segment_lengths(positions):
 class Collator:
     """Pads a list of rows to the longest (rounded up to a multiple of 8 for tensor-core shapes).
 
-    Unpacked rows get an attention mask. Packed rows (with position_ids) get none, so the model builds
+    Unpacked rows of different lengths get an attention mask. Rows of one length (micro batch 1, always) are
+    not padded and get none (unless `always_mask`): with a mask, transformers reads it on the host to see that it
+    masks nothing (masking_utils._ignore_causal_mask_sdpa: a host sync every forward, issue 35), and a mask that
+    does pad a single row to the multiple of 8 keeps SDPA off its flash kernel; without one the model is causal
+    through SDPA's is_causal. Packed rows (with position_ids) get none either, so the model builds
     the block-diagonal mask from the position ids (sdpa/eager only: see `make_collator`); padding
     continues the positions of a separate trailing sequence with labels -100. The rows are copied into
     preallocated numpy arrays and handed to torch without a copy: no Python list of tokens is built
     (nested lists through torch.tensor cost ~1 ms a 4 x 2,048 batch on the step's own thread).
     """
 
-    def __init__(self, pad_token_id: int, multiple_of: int = 8, counts: bool = False):
+    def __init__(self, pad_token_id: int, multiple_of: int = 8, counts: bool = False, always_mask: bool = False):
         self.pad_token_id = pad_token_id
         self.multiple_of = multiple_of
         self.counts = counts
+        self.always_mask = always_mask
 
     def __call__(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
         import numpy as np
         import torch
 
         lengths = np.fromiter((len(r["input_ids"]) for r in rows), dtype=np.int64, count=len(rows))
-        width = int(-(-int(lengths.max()) // self.multiple_of) * self.multiple_of)
         packed = "position_ids" in rows[0]
+        unpadded = not packed and not self.always_mask and int(lengths.min()) == int(lengths.max())
+        width = int(lengths.max()) if unpadded else int(-(-int(lengths.max()) // self.multiple_of) * self.multiple_of)
         ids = np.full((len(rows), width), self.pad_token_id, dtype=np.int64)
         labels = np.full((len(rows), width), IGNORE_INDEX, dtype=np.int64)
         positions = np.zeros((len(rows), width), dtype=np.int64) if packed else None
@@ -123,7 +129,7 @@ class Collator:
         batch = {"input_ids": torch.from_numpy(ids), "labels": torch.from_numpy(labels)}
         if packed:
             batch["position_ids"] = torch.from_numpy(positions)
-        else:
+        elif not unpadded:
             batch["attention_mask"] = torch.from_numpy((np.arange(width) < lengths[:, None]).astype(np.int64))
         if self.counts:
             squares = sum(_squares(_segment_lengths(positions[i, :n])) for i, n in enumerate(lengths.tolist())) \

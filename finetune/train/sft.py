@@ -31,7 +31,7 @@ def fixed_batch(dataset, pad_token_id: int, size: int, tokens: int) -> dict[str,
         if len(examples) >= size:
             break
     rows = [{k: v[:tokens] for k, v in e.items()} for e in examples[:size]]
-    return Collator(pad_token_id)(rows)
+    return Collator(pad_token_id, always_mask=True)(rows)
 
 
 class SftSteps:

@@ -47,7 +47,7 @@ class VisionCollator:
     def __init__(self, image_processor, vm: VisionModel, pad_token_id: int):
         self.image_processor = image_processor
         self.vm = vm
-        self.text = Collator(pad_token_id)
+        self.text = Collator(pad_token_id, always_mask=True)  # the processors' rope indices read it
 
     def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
         batch = self.text([{"input_ids": f["input_ids"], "labels": f["labels"]} for f in features])

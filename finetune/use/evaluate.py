@@ -216,7 +216,7 @@ def evaluate(run_dir: Path, data: Optional[Path] = None, device: str = "auto", b
     if not rows:
         raise EvalError(f"{described}: no sequence to score")
     pad = chat.tokenizer.pad_token_id if chat.tokenizer.pad_token_id is not None else chat.tokenizer.eos_token_id
-    collator = Collator(pad)
+    collator = Collator(pad, always_mask=True)
     if chat.vision is not None:  # a VLM's rows: their pixels too, through the run's image processor
         from finetune.train.vlm_collator import VisionCollator
 

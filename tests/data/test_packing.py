@@ -82,6 +82,36 @@ def test_every_example_in_a_batch_has_its_logits_alone(models, tokenizer, attn, 
         torch.testing.assert_close(together, alone, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_rows_of_one_length_go_unpadded_without_a_mask_and_train_the_same(models, tokenizer, attn):  # noqa: F811
+    """Issue 35: a mask over rows that need no padding made transformers read it on the host every forward (a
+    GPU sync) and, padding one row to a multiple of 8, kept SDPA off its flash kernel. Rows of one length now
+    go as they are, without a mask; the loss and the gradients are those of the masked batch."""
+    import torch
+
+    from finetune.data.packing import Collator
+
+    rows = [r for r in micro_batch(tokenizer, "padding_free", 24) if len(r["input_ids"]) % 8][:1]
+    assert rows, "a row whose length is not a multiple of 8"
+    n = len(rows[0]["input_ids"])
+    plain, masked = Collator(tokenizer.pad_token_id)(rows), Collator(tokenizer.pad_token_id, always_mask=True)(rows)
+    assert "attention_mask" not in plain and plain["input_ids"].shape == (1, n)
+    assert masked["input_ids"].shape[1] == -(-n // 8) * 8 and int(masked["attention_mask"].sum()) == n
+    uneven = Collator(tokenizer.pad_token_id)(micro_batch(tokenizer, "padding_free", 3))
+    assert "attention_mask" in uneven and uneven["input_ids"].shape[1] % 8 == 0
+
+    model = models[attn]
+    results = []
+    for batch in (plain, masked):
+        model.zero_grad()
+        loss = model(**batch, use_cache=False).loss
+        loss.backward()
+        results.append((loss.detach(), model.lm_head.weight.grad.clone()))
+    torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(results[0][1], results[1][1], rtol=1e-4, atol=1e-6)
+    model.zero_grad()
+
+
 # ------------------------------------------------------------------------------------------------
 # Flash attention: what reaches the kernel
 
