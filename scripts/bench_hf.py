@@ -24,7 +24,8 @@ from what the collator built, in order.
 Writes DIR/summary.json: `steady` in finetune's shape (finetune.speed.steady: tokens/s, step p50/p90, MFU),
 the peak memory per rank, and with --profile a torch.profiler window over the PROFILE_STEPS steps after the warm-up:
 GPU-busy time over wall time and the kernels (CPU: operators) that took the most time, also in DIR/profile.json
-(the steady window then starts after the profiled steps).
+(the steady window then starts after the profiled steps); with --syncs the host syncs and collectives per step
+over the same steps, by the line that makes them (finetune.train.syncs), also in DIR/syncs.json.
 Runs its processes under torchrun, like `finetune train` (one process without DeepSpeed: in this process).
 Packing and padding-free recipes are not supported.
 
@@ -265,12 +266,14 @@ def rank_main(args: argparse.Namespace) -> int:
     transformers.set_seed(recipe.training.seed)  # the adapter's initial weights as finetune's (it seeds before loading)
     model = build_model(recipe, model_path)
     collator = RecordingCollator(tokenizer)
-    window = Window(on_gpu, WARMUP_STEPS) if args.profile else None
+    window = Window(on_gpu, WARMUP_STEPS, profile=args.profile, census=args.syncs) \
+        if args.profile or args.syncs else None
     stamps = StepStamps(window)
     trainer = Trainer(model=model, args=training_args, train_dataset=train_set, data_collator=collator,
                       processing_class=tokenizer, callbacks=[stamps])
     trainer.train()
     profile = window.result if window is not None else None
+    census = window.syncs if window is not None else None
     accumulation = recipe.training.gradient_accumulation_steps
     counts = collator.counts
     per_step = [tuple(map(sum, zip(*counts[i * accumulation:(i + 1) * accumulation])))
@@ -298,11 +301,14 @@ def rank_main(args: argparse.Namespace) -> int:
                    "gradient_checkpointing": recipe.training.gradient_checkpointing,
                    "optimizer": training_args.optim if ds is None or "optimizer" not in ds else ds["optimizer"],
                    "steady": result, "peak_memory_bytes": memory, "peak_memory_reserved_bytes": reserved,
-                   "loss_history": [e for e in trainer.state.log_history if "loss" in e], "profile": profile}
+                   "loss_history": [e for e in trainer.state.log_history if "loss" in e], "profile": profile,
+                   "syncs": census}
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n", encoding="utf-8")
         if profile is not None:
             (args.out / "profile.json").write_text(json.dumps(profile, indent=2) + "\n", encoding="utf-8")
+        if census is not None:
+            (args.out / "syncs.json").write_text(json.dumps(census, indent=2) + "\n", encoding="utf-8")
         from finetune.speed import steady_text
 
         print(f"[bench_hf] {steady_text(result)}; {args.out / 'summary.json'}", flush=True)
@@ -320,6 +326,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--deepspeed-config", type=Path, default=None,
                         help="a DeepSpeed JSON instead of LLaMA-Factory's template (e.g. a finetune run's deepspeed.json)")
     parser.add_argument("--profile", action="store_true", help=f"torch.profiler over {PROFILE_STEPS} steady steps")
+    parser.add_argument("--syncs", action="store_true", help=f"count host syncs and collectives over {PROFILE_STEPS} "
+                        "steady steps")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="as `finetune train --set`")
     args = parser.parse_args(argv)
     args.out = args.out.resolve()

@@ -14,7 +14,8 @@ weights and synthetic text (scripts/gpu_acceptance.py), then runs, in this order
    rendered config with torch's fused AdamW, bench_hf LLaMA-Factory's ds_z0_config.json whose client optimizer is the
    Trainer's torch fused AdamW; checkpointing on, the default loss, 2,048 tokens, 30 steps at micro batch 1, else
    LONG_STEP_STEPS): LoRA 1x2k (and finetune with torch's default allocator, and finetune without DeepSpeed, against
-   the same baseline), full 1x2k, LoRA 4x2k, QLoRA 1x2k, full 4x2k (both
+   the same baseline; both sides count their host syncs and collectives per step, finetune.train.syncs, as do both
+   sides of QLoRA 1x2k), full 1x2k, LoRA 4x2k, QLoRA 1x2k, full 4x2k (both
    sides under the profiler, finetune.train.profile: the largest kernels where MFU is judged; then finetune with
    the speed keys auto at 4 rows per step, profiled, against the same baseline); each pair's ratio of steady
    tokens/s and of median step times;
@@ -27,9 +28,9 @@ and OUT/results.md hold every figure (steady tokens/s, step p50/p90, MFU on the 
 memory), the ratios (targets: finetune / bench_hf >= 1.00 on every pair, auto / LLaMA-Factory's defaults >= 1.5),
 the card, the library versions and the commit.
 
---cpu: the tiny built-in model on one CPU process, two cases: finetune without DeepSpeed under its profiler window (with
-a checkpoint at its last step, which tests/launches/test_gpu_speed.py then resumes) against bench_hf --no-deepspeed
---profile. Its numbers say nothing about a GPU.
+--cpu: the tiny built-in model on one CPU process, two cases: finetune without DeepSpeed under its profiler window and
+the sync census (with a checkpoint at its last step, which tests/launches/test_gpu_speed.py then resumes) against
+bench_hf --no-deepspeed --profile --syncs. Its numbers say nothing about a GPU; its sync counts are the code's.
 """
 
 from __future__ import annotations
@@ -101,6 +102,7 @@ class Case:
     pair: Optional[str] = None  # cases with the same pair are compared: finetune / bench_hf
     memory: bool = False  # a memory row: finetune plan's prediction beside the measured peaks
     profile: bool = False  # a finetune run under finetune.train.profile's window (bench_hf: its --profile)
+    syncs: bool = False  # host syncs and collectives per step over the same window (finetune.train.syncs; bench_hf: --syncs)
     env: tuple[tuple[str, str], ...] = ()  # added to the run's environment
     baseline: Optional[str] = None  # the bench_hf case a finetune case without one in its pair is compared with
     estimate: float = 90.0  # seconds, until a run of the same tool measured one
@@ -155,9 +157,12 @@ def gpu_cases(model: str, data: Path, long_data: Path, steps: int) -> list[Case]
         # profiler (the steady windows start after the profiled steps), so a low figure comes with its kernels, and
         # which of them are finetune's shows beside the baseline's.
         profiled = label == "full_4x2k"
-        cases.append(Case(f"{label}_finetune", "finetune", recipe, pair=label, profile=profiled))
+        # At the host-bound shape every host sync stalls the queue: both sides count theirs (finetune.train.syncs)
+        # over the steps after the warm-up, left out of the steady window like the profiled ones.
+        counted = label in ("lora_1x2k", "qlora_1x2k")
+        cases.append(Case(f"{label}_finetune", "finetune", recipe, pair=label, profile=profiled, syncs=counted))
         cases.append(Case(f"{label}_bench_hf", "bench_hf", recipe, ("--profile",) if profiled else (), pair=label,
-                          estimate=70.0))
+                          syncs=counted, estimate=70.0))
         if label == "lora_1x2k":
             # finetune launches with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (less cache held; the planner
             # models it), bench_hf with torch's default. At this host-bound shape (the plain Trainer's GPU busy 22%
@@ -204,8 +209,8 @@ def cpu_cases(model: str, data: Path, steps: int) -> list[Case]:
     # a checkpoint at the last step, which tests/launches/test_gpu_speed.py resumes
     base["training"].update(save_steps=steps, resume=True)
     plain = fixed(base, "lora", 4, engine={"enabled": False})
-    return [Case("tiny_lora_plain_finetune", "finetune", plain, pair="tiny_lora_plain", profile=True),
-            Case("tiny_lora_plain_bench_hf_profile", "bench_hf", plain, ("--no-deepspeed", "--profile"),
+    return [Case("tiny_lora_plain_finetune", "finetune", plain, pair="tiny_lora_plain", profile=True, syncs=True),
+            Case("tiny_lora_plain_bench_hf_profile", "bench_hf", plain, ("--no-deepspeed", "--profile"), syncs=True,
                  pair="tiny_lora_plain")]
 
 
@@ -246,20 +251,23 @@ def run_case(case: Case, machine, harness, out: Path, timeout: float) -> dict[st
         # run directory that --overwrite replaces.
         from finetune.train.memory_trace import ENV as MEMORY_TRACE
         from finetune.train.profile import ENV as PROFILE
+        from finetune.train.syncs import ENV as SYNCS
 
         trace = out / "memory_at_peak" / f"{case.name}.json"
         profiled = out / "profile" / f"{case.name}.json"
-        for stale in (trace, profiled):
+        counted = out / "syncs" / f"{case.name}.json"
+        for stale in (trace, profiled, counted):
             stale.unlink(missing_ok=True)
         extra = {**dict(case.env), **({MEMORY_TRACE: str(trace)} if case.memory else {}),
-                 **({PROFILE: str(profiled)} if case.profile else {})}
+                 **({PROFILE: str(profiled)} if case.profile else {}), **({SYNCS: str(counted)} if case.syncs else {})}
         code, smi, _ = harness.train(recipe_path, run_dir, log, timeout, extra)
         record["nvidia_smi_used_bytes"] = smi
         if trace.is_file():
             record["memory_at_peak"] = json.loads(trace.read_text())
     else:
         run_dir = out / "bench" / case.name
-        code = bench(recipe_path, run_dir, log, case.bench_args, timeout, dict(case.env))
+        code = bench(recipe_path, run_dir, log, (*case.bench_args, *(("--syncs",) if case.syncs else ())), timeout,
+                     dict(case.env))
     record.update(exit_code=code, seconds=round(time.perf_counter() - started, 1))
     summary_path = run_dir / "summary.json"
     if code != 0 or not summary_path.is_file():
@@ -274,10 +282,13 @@ def run_case(case: Case, machine, harness, out: Path, timeout: float) -> dict[st
                   step_seconds_p50=steady.get("step_seconds_p50"), mfu=steady.get("mfu"),
                   peak_memory_bytes=summary.get("peak_memory_bytes"),
                   max_memory_reserved_bytes=summary.get("peak_memory_reserved_bytes"),
-                  profile=summary.get("profile"))
+                  profile=summary.get("profile"), syncs=summary.get("syncs"))
     if case.tool == "finetune" and case.profile:
         profiled = out / "profile" / f"{case.name}.json"
         record["profile"] = json.loads(profiled.read_text()) if profiled.is_file() else None
+    if case.tool == "finetune" and case.syncs:
+        counted = out / "syncs" / f"{case.name}.json"
+        record["syncs"] = json.loads(counted.read_text()) if counted.is_file() else None
     if case.tool == "finetune" and machine.gpu_memory:  # what scripts/acceptance_to_corpus.py reads, as resolved
         auto = summary.get("auto") or {}
         t = case.recipe["training"]
@@ -384,6 +395,17 @@ def markdown(results: dict[str, Any]) -> str:
                           f"{'-' if busy is None else f'{100 * busy:.0f}%'} of {profile['wall_seconds']:.3f} s wall.", "",
                       "| kernel / operator | seconds | share |", "|---|---|---|"]
             lines += [f"| {k['name'][:90]} | {k['seconds']:.4f} | {100 * k['share']:.1f}% |" for k in profile["top"]]
+    for r in results["runs"]:
+        counted = r.get("syncs")
+        if counted:
+            lines += ["", f"Host syncs and collectives per step of {r['name']} (finetune.train.syncs, "
+                          f"{counted['steps']} steps):", "", "| per step | call | site |", "|---|---|---|"]
+            for key, label in (("host_syncs", "host syncs"), ("collectives", "collectives"),
+                               ("host_side", "host-side, no device wait")):
+                part = counted.get(key) or {"per_step": 0, "sites": []}
+                lines.append(f"| {part['per_step']:g} | {label}, in all | |")
+                lines += [f"| {x['per_step']:g} | {x['call']} | {x['site'][:110].replace('|', '/')} |"
+                          for x in part["sites"]]
     for r in results["runs"]:
         peak = r.get("memory_at_peak")
         if peak and peak.get("error"):

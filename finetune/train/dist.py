@@ -48,7 +48,9 @@ def start_max(value: int, group) -> tuple[Any, Any]:
     import torch
     import torch.distributed as dist
 
-    flags = torch.tensor([int(value)], dtype=torch.int32)
+    from finetune.train.syncs import host_side
+
+    flags = host_side(torch.tensor([int(value)], dtype=torch.int32))  # a host tensor: no device wait (syncs.py)
     return dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group, async_op=True), flags
 
 

@@ -33,7 +33,7 @@ STDLIB_PLUMBING = ("<frozen", "/contextlib.py", "/functools.py")
 
 
 def _plumbing(filename: str) -> bool:
-    return _short(filename).startswith(PLUMBING) or any(part in filename for part in STDLIB_PLUMBING)
+    return short_path(filename).startswith(PLUMBING) or any(part in filename for part in STDLIB_PLUMBING)
 
 
 def owner(frames: Iterable[dict[str, Any]]) -> str:
@@ -42,14 +42,14 @@ def owner(frames: Iterable[dict[str, Any]]) -> str:
     for frame in frames:
         filename = frame.get("filename", "")
         if not _plumbing(filename):
-            return f"{_short(filename)}:{frame.get('line')} {frame.get('name')}"
+            return f"{short_path(filename)}:{frame.get('line')} {frame.get('name')}"
     if frames:
         first = frames[0]
-        return f"{_short(first.get('filename', ''))}:{first.get('line')} {first.get('name')}"
+        return f"{short_path(first.get('filename', ''))}:{first.get('line')} {first.get('name')}"
     return "(no Python frame: autograd's engine, in backward)"
 
 
-def _short(filename: str) -> str:
+def short_path(filename: str) -> str:
     """site-packages/transformers/models/llama/modeling_llama.py -> transformers/models/llama/modeling_llama.py"""
     for marker in ("site-packages/", "dist-packages/"):
         if marker in filename:

@@ -74,34 +74,52 @@ def synchronize() -> None:
 
 
 class Window:
-    """The profiler over steps WARMUP_STEPS + 1 .. WARMUP_STEPS + PROFILE_STEPS of this start, driven by the step
-    count; `at_step_end(n)` is called at the end of step n, before the step's clock stamp (so that stopping the
-    profiler, which processes its events, falls inside the last profiled step and not in the steady window)."""
+    """The profiler (and, with census=True, finetune.train.syncs' census) over steps WARMUP_STEPS + 1 ..
+    WARMUP_STEPS + PROFILE_STEPS of this start, driven by the step count; `at_step_end(n)` is called at the end of
+    step n, before the step's clock stamp (so that stopping the profiler, which processes its events, falls inside
+    the last profiled step and not in the steady window). Both at once: the census's per-operator Python call
+    slows the host, which the profile's GPU-busy share then shows; the counts are the same either way."""
 
-    def __init__(self, on_gpu: bool, warmup: int):
+    def __init__(self, on_gpu: bool, warmup: int, profile: bool = True, census: bool = False):
         self.on_gpu = on_gpu
         self.warmup = warmup
+        self.profile, self.census = profile, census
         self.profiler = None
+        self.counting = None
         self.opened: Optional[float] = None
-        self.result: Optional[dict[str, Any]] = None
+        self.result: Optional[dict[str, Any]] = None  # the profile's summary
+        self.syncs: Optional[dict[str, Any]] = None  # the census's (finetune.train.syncs.Census.result)
 
     def at_step_end(self, step: int, last: bool) -> None:
         if step == self.warmup and not last:
             synchronize()
             self.opened = time.perf_counter()
-            self.profiler = start(self.on_gpu)
-        elif self.profiler is not None and (step == self.warmup + PROFILE_STEPS or last):
+            if self.census:
+                from finetune.train.syncs import Census
+
+                self.counting = Census().open()
+            if self.profile:
+                self.profiler = start(self.on_gpu)
+        elif self.opened is not None and (step == self.warmup + PROFILE_STEPS or last):
             synchronize()
             seconds = time.perf_counter() - self.opened
-            self.profiler.stop()
-            self.result = summary(self.profiler, seconds, self.on_gpu, step - self.warmup)
-            self.result["note"] = (f"steps {self.warmup + 1}-{step}, under the profiler (slower than without); the "
-                                   "steady window starts after them")
-            self.profiler = None
+            self.opened = None
+            steps = step - self.warmup
+            if self.counting is not None:
+                self.counting.close()
+                self.syncs = self.counting.result(steps)
+                self.counting = None
+            if self.profiler is not None:
+                self.profiler.stop()
+                self.result = summary(self.profiler, seconds, self.on_gpu, steps)
+                self.result["note"] = (f"steps {self.warmup + 1}-{step}, under the profiler (slower than without); "
+                                       "the steady window starts after them")
+                self.profiler = None
 
 
-def callback(path: Path):
-    """A TrainerCallback that runs a Window and writes its summary to `path`. Put it before the run's clock."""
+def callback(path: Optional[Path], syncs_path: Optional[Path] = None):
+    """A TrainerCallback that runs a Window and writes the profile's summary to `path` and the census to
+    `syncs_path` (either may be None). Put it before the run's clock."""
     import torch
     from transformers import TrainerCallback
 
@@ -109,15 +127,17 @@ def callback(path: Path):
 
     class ProfileWindow(TrainerCallback):
         def __init__(self):
-            self.window = Window(torch.cuda.is_available(), WARMUP_STEPS)
+            self.window = Window(torch.cuda.is_available(), WARMUP_STEPS, profile=path is not None,
+                                 census=syncs_path is not None)
             self.steps = 0
 
         def on_step_end(self, args, state, control, **kwargs):
             self.steps += 1
             self.window.at_step_end(self.steps, bool(state.max_steps and state.global_step >= state.max_steps))
-            if self.window.result is not None:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                path.write_text(json.dumps(self.window.result, indent=1) + "\n", encoding="utf-8")
-                self.window.result = None
+            for target, attr in ((path, "result"), (syncs_path, "syncs")):
+                if getattr(self.window, attr) is not None and target is not None:
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    target.write_text(json.dumps(getattr(self.window, attr), indent=1) + "\n", encoding="utf-8")
+                    setattr(self.window, attr, None)
 
     return ProfileWindow()

@@ -286,7 +286,7 @@ def run(run_dir: Path, resume: bool = False) -> None:
     from transformers import TrainingArguments
 
     from finetune.builtin import ensure_builtin_model, is_builtin
-    from finetune.train import memory_trace, profile
+    from finetune.train import memory_trace, profile, syncs
     from finetune.train.callbacks import EffectiveDeepSpeedConfig, LastStepLogged, LossPlot, ProgressLines, TrainClock
     from finetune.train.finite import FiniteGuard
     from finetune.train import parallel
@@ -361,11 +361,11 @@ def run(run_dir: Path, resume: bool = False) -> None:
     # (control.should_save).
     guard = FiniteGuard(run_dir, resilience.checkpoint, node_local=resilience.callback.node_local)
     callbacks = [guard, resilience.callback, clock, EffectiveDeepSpeedConfig(run_dir), LossPlot(run_dir), LastStepLogged()]
-    if os.environ.get(profile.ENV):  # the harness's profiled pair (issue 35): the steady window starts after it
+    if os.environ.get(profile.ENV) or os.environ.get(syncs.ENV):  # issue 35: the steady window starts after it
         clock.warmup += profile.PROFILE_STEPS
-        profile_to = profile.wanted()  # rank 0 profiles, before the clock stamps (finetune.train.profile.Window)
-        if profile_to is not None:
-            callbacks.insert(callbacks.index(clock), profile.callback(profile_to))
+        profile_to, syncs_to = profile.wanted(), syncs.wanted()  # rank 0's, before the clock stamps (profile.Window)
+        if profile_to is not None or syncs_to is not None:
+            callbacks.insert(callbacks.index(clock), profile.callback(profile_to, syncs_to))
     trace_to = memory_trace.wanted()  # the harness's memory rows: what is live at the peak (issue 35)
     if trace_to is not None:
         callbacks.append(memory_trace.callback(trace_to))

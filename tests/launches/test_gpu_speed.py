@@ -33,6 +33,11 @@ def test_cpu_plumbing_pairs_finetune_with_bench_hf_and_a_finished_run_trains_no_
     assert theirs["steady"]["tokens_per_second"] > 0 and theirs["profile"]["top"]
     assert mine["profile"]["top"] and mine["profile"]["steps"] == 3 and mine["profile"]["gpu_busy_fraction"] is None
     assert results["ratios"]["tiny_lora_plain"]["ratio"] > 0 and "| tiny_lora_plain |" in (out / "results.md").read_text()
+    # both sides' host syncs per step, by line (finetune.train.syncs): none of finetune's own
+    assert mine["syncs"]["steps"] == theirs["syncs"]["steps"] == 3
+    assert mine["syncs"]["host_syncs"]["per_step"] < theirs["syncs"]["host_syncs"]["per_step"]
+    assert not [s for s in mine["syncs"]["host_syncs"]["sites"] if s["site"].startswith("finetune/")]
+    assert "Host syncs and collectives per step of tiny_lora_plain_finetune" in (out / "results.md").read_text()
     run = out / "runs" / "tiny_lora_plain_finetune"
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == 10 and summary["train_loss_last"] < summary["train_loss_first"]

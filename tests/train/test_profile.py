@@ -53,3 +53,31 @@ def test_only_rank_0_profiles_and_the_callback_writes_the_summary(monkeypatch, t
         callback.on_step_end(None, state, None)
     written = json.loads(path.read_text())
     assert written["steps"] == 3 and written["top"]
+
+
+def test_the_census_window_counts_only_its_steps_and_the_callback_writes_it(tmp_path):
+    window = profile.Window(on_gpu=False, warmup=2, profile=False, census=True)
+    x = torch.ones(4)
+    for step in range(1, 8):
+        x.sum().item()  # one host read per step, the step's own
+        if step == 3:
+            x.tolist()
+        window.at_step_end(step, last=step == 7)
+    assert window.result is None and window.profiler is None  # the census alone
+    counted = window.syncs
+    assert counted["steps"] == 3 and counted["host_syncs"]["per_step"] == 4 / 3
+    assert {s["call"] for s in counted["host_syncs"]["sites"]} == {"item", "tolist"}
+
+    path = tmp_path / "syncs.json"
+    callback = profile.callback(None, path)
+
+    class State:
+        max_steps, global_step = 20, 0
+
+    state = State()
+    for _ in range(9):
+        state.global_step += 1
+        bool(torch.ones(1))
+        callback.on_step_end(None, state, None)
+    written = json.loads(path.read_text())
+    assert written["steps"] == 3 and written["host_syncs"]["per_step"] == 1
