@@ -8,7 +8,15 @@ stays fast, and importing this module never starts CUDA or picks a DeepSpeed acc
 from __future__ import annotations
 
 import os
-from typing import Any
+import weakref
+from typing import Any, Callable
+
+_HOST_SIDE: dict[int, "weakref.ref[Any]"] = {}  # id -> the tensor, weakly (a WeakSet would compare tensors by `==`)
+
+# The collectives DeepSpeed, accelerate and transformers call (watch_collectives routes them through an observer).
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "reduce", "reduce_scatter",
+               "reduce_scatter_tensor", "broadcast", "broadcast_object_list", "barrier", "all_to_all_single",
+               "gather", "scatter")
 
 
 def process_group():
@@ -43,12 +51,24 @@ def cpu_group(timeout):
     return dist.new_group(backend="gloo", timeout=timeout)
 
 
+def host_side(tensor):
+    """Mark a tensor that lives on the host by design (the stop flag below, on its gloo group): reading it, or a
+    collective over it, makes no device wait, on a GPU run too. finetune.train.syncs counts such calls apart; on a
+    GPU run a CPU tensor needs no mark, on a CPU run the census cannot tell the two apart without it."""
+    key = id(tensor)
+    _HOST_SIDE[key] = weakref.ref(tensor, lambda _, key=key: _HOST_SIDE.pop(key, None))
+    return tensor
+
+
+def marked_host_side(tensor) -> bool:
+    ref = _HOST_SIDE.get(id(tensor))
+    return ref is not None and ref() is tensor
+
+
 def start_max(value: int, group) -> tuple[Any, Any]:
     """Start a non-blocking all-reduce (MAX) of `value` over `group` (cpu_group); finish_max() reads it."""
     import torch
     import torch.distributed as dist
-
-    from finetune.train.syncs import host_side
 
     flags = host_side(torch.tensor([int(value)], dtype=torch.int32))  # a host tensor: no device wait (syncs.py)
     return dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group, async_op=True), flags
@@ -64,6 +84,32 @@ def finish_max(pending: tuple[Any, Any]) -> int:
 def max_now(value: int, group) -> int:
     """The largest `value` over `group`, blocking."""
     return finish_max(start_max(value, group))
+
+
+def watch_collectives(observe: Callable[[str, tuple, dict], None]) -> Callable[[], None]:
+    """Call `observe(name, args, kwargs)` before each of torch.distributed's COLLECTIVES until the returned undo is
+    called (finetune.train.syncs counts them). Callers look the functions up on the module at each call
+    (deepspeed.comm, accelerate and transformers do), so they see the wrappers."""
+    import torch.distributed as dist
+
+    originals: dict[str, Callable] = {}
+    for name in COLLECTIVES:
+        original = getattr(dist, name, None)
+        if original is None:
+            continue
+
+        def watched(*args, __original=original, __name=name, **kwargs):
+            observe(__name, args, kwargs)
+            return __original(*args, **kwargs)
+
+        originals[name] = original
+        setattr(dist, name, watched)
+
+    def undo() -> None:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+
+    return undo
 
 
 def world_size() -> int:

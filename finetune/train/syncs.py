@@ -12,10 +12,10 @@ finetune.train.profile runs one over its steps):
 - host syncs: the calls in ALWAYS on any tensor, and those in OFF_DEVICE (copies to the host) on a tensor that is
   not on the CPU. On a CPU run "would wait on a GPU": the ALWAYS calls on a host-side tensor (a batch before it
   moved) count too, on both sides of a comparison alike.
-- collectives: the torch.distributed calls in COLLECTIVES (what DeepSpeed, accelerate and transformers call),
+- collectives: the torch.distributed calls in finetune.train.dist.COLLECTIVES (what DeepSpeed, accelerate and transformers call),
   counted at world size 1 too, where they cost a launch and nothing else.
 - apart, as host_side: both kinds on a tensor that lives on the host by design (a CPU tensor on a GPU run; on a CPU
-  run one marked with `host_side`, as finetune's stop flag is): they make no device wait.
+  run one marked with finetune.train.dist.host_side, as finetune's stop flag is): they make no device wait.
 Not seen: syncs inside C++ (an operator that waits internally) and Python hooks that autograd runs on its own
 threads (a GPU's backward: DeepSpeed's gradient hooks under ZeRO); the profile's GPU-busy share shows their cost.
 """
@@ -25,36 +25,24 @@ from __future__ import annotations
 import os
 import sys
 import threading
-import weakref
 from collections import Counter
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from finetune.train import dist
+from finetune.train.dist import marked_host_side, watch_collectives
 from finetune.train.memory_trace import STDLIB_PLUMBING, short_path
 
 ALWAYS = frozenset({"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero", "masked_select",
                     "unique", "unique_consecutive", "_local_scalar_dense", "equal", "allclose"})
 OFF_DEVICE = frozenset({"cpu", "numpy", "to"})
-COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "reduce", "reduce_scatter",
-               "reduce_scatter_tensor", "broadcast", "broadcast_object_list", "barrier", "all_to_all_single",
-               "gather", "scatter")
 TOP = 12
 ENV = "FINETUNE_SYNCS"  # =PATH: rank 0 counts over the profiler's window of steps and writes Census.result there
-_HOST_SIDE: dict[int, "weakref.ref[Any]"] = {}  # id -> the tensor, weakly (no tensor comparison: a WeakSet's is `==`)
 
 
-def host_side(tensor):
-    """Mark a tensor that lives on the host by design (finetune.train.dist's stop flag on its gloo group): reading
-    it, or a collective over it, makes no device wait, on a GPU run too. On a GPU run a CPU tensor needs no mark;
-    on a CPU run the census cannot tell the two apart without it. Returns the tensor."""
-    key = id(tensor)
-    _HOST_SIDE[key] = weakref.ref(tensor, lambda _, key=key: _HOST_SIDE.pop(key, None))
-    return tensor
-
-
-def _marked(tensor) -> bool:
-    ref = _HOST_SIDE.get(id(tensor))
-    return ref is not None and ref() is tensor
+def _watching(code) -> bool:
+    """The frame of finetune.train.dist.watch_collectives' wrapper, between a collective and its caller."""
+    return code.co_name == "watched" and code.co_filename == dist.__file__
 
 
 def _is_host_side(tensor, device_run: bool) -> bool:
@@ -63,7 +51,7 @@ def _is_host_side(tensor, device_run: bool) -> bool:
     if device_run and tensor.device.type == "cpu":
         return True
     base = getattr(tensor, "_base", None)
-    return _marked(tensor) or (base is not None and _marked(base))
+    return marked_host_side(tensor) or (base is not None and marked_host_side(base))
 
 
 def _first_tensor(args: tuple, kwargs: dict[str, Any]):
@@ -87,7 +75,7 @@ class Census:
         self._torch = os.path.dirname(torch.__file__) + os.sep
         self._device_run = torch.cuda.is_available()
         self._mode = None
-        self._patched: dict[str, Callable] = {}
+        self._unwatch: Optional[Callable[[], None]] = None
         self._thread = threading.get_ident()
 
     # -- opening and closing -------------------------------------------------------------------------------
@@ -108,18 +96,16 @@ class Census:
 
         self._mode = _Mode()
         self._mode.__enter__()
-        self._patch_collectives()
+        self._unwatch = watch_collectives(self._collective)
         return self
 
     def close(self) -> None:
         if self._mode is not None:
             self._mode.__exit__(None, None, None)
             self._mode = None
-        import torch.distributed as dist
-
-        for name, original in self._patched.items():
-            setattr(dist, name, original)
-        self._patched = {}
+        if self._unwatch is not None:
+            self._unwatch()
+            self._unwatch = None
 
     def __enter__(self) -> "Census":
         return self.open()
@@ -128,29 +114,17 @@ class Census:
         self.close()
 
     # -- counting ------------------------------------------------------------------------------------------
-    def _patch_collectives(self) -> None:
-        import torch.distributed as dist
-
-        for name in COLLECTIVES:
-            original = getattr(dist, name, None)
-            if original is None:
-                continue
-
-            def counted(*args, __original=original, __name=name, **kwargs):
-                if threading.get_ident() == self._thread:
-                    host = _is_host_side(_first_tensor(args, kwargs), self._device_run)
-                    (self.host_side if host else self.collectives)[(self._site(), __name)] += 1
-                return __original(*args, **kwargs)
-
-            self._patched[name] = original
-            setattr(dist, name, counted)
+    def _collective(self, name: str, args: tuple, kwargs: dict[str, Any]) -> None:
+        if threading.get_ident() == self._thread:
+            host = _is_host_side(_first_tensor(args, kwargs), self._device_run)
+            (self.host_side if host else self.collectives)[(self._site(), name)] += 1
 
     def _site(self) -> str:
         """`file:line function` of the innermost frame outside torch, this module and the standard library's
         plumbing, and after "via" torch's own innermost frame where the call came from inside torch (its
         optimizers, say: torch.optim.Adam's for-loop step reads each step count with `.item()`)."""
         frame = sys._getframe(1)
-        while frame is not None and frame.f_code.co_filename == __file__:
+        while frame is not None and (frame.f_code.co_filename == __file__ or _watching(frame.f_code)):
             frame = frame.f_back
         inner = frame
         while frame is not None and self._plumbing(frame.f_code.co_filename):

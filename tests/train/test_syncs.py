@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from finetune.train.syncs import Census, _leaves_the_device, host_side, summary_lines
+from finetune.train.dist import host_side
+from finetune.train.syncs import Census, _leaves_the_device, summary_lines
 
 
 def test_the_census_counts_host_reads_by_the_line_that_makes_them():
@@ -63,6 +64,7 @@ def test_collectives_are_counted_and_torch_distributed_is_restored(tmp_path):
         dist.destroy_process_group()
     result = census.result(1)
     assert sorted(s["call"] for s in result["collectives"]["sites"]) == ["all_reduce", "barrier"]
+    assert all(s["site"].startswith("tests/train/test_syncs.py:") for s in result["collectives"]["sites"])
     assert result["host_syncs"]["per_step"] == 0
     assert sorted(s["call"] for s in result["host_side"]["sites"]) == ["all_reduce", "item"]
 
