@@ -12,8 +12,8 @@ finetune.train.profile runs one over its steps):
 - host syncs: the calls in ALWAYS on any tensor, and those in OFF_DEVICE (copies to the host) on a tensor that is
   not on the CPU. On a CPU run "would wait on a GPU": the ALWAYS calls on a host-side tensor (a batch before it
   moved) count too, on both sides of a comparison alike.
-- collectives: the torch.distributed calls in finetune.train.dist.COLLECTIVES (what DeepSpeed, accelerate and transformers call),
-  counted at world size 1 too, where they cost a launch and nothing else.
+- collectives: the torch.distributed calls in finetune.train.dist.COLLECTIVES (what DeepSpeed, accelerate and
+  transformers call), counted at world size 1 too, where they cost a launch and nothing else.
 - apart, as host_side: both kinds on a tensor that lives on the host by design (a CPU tensor on a GPU run; on a CPU
   run one marked with finetune.train.dist.host_side, as finetune's stop flag is): they make no device wait.
 Not seen: syncs inside C++ (an operator that waits internally) and Python hooks that autograd runs on its own
