@@ -42,9 +42,7 @@ class TrainClock(TrainerCallback):
         self.tokens_at_start = int(state.num_input_tokens_seen or 0)
 
     def on_step_end(self, args, state, control, **kwargs):
-        from finetune.speed import WARMUP_STEPS
-
-        if len(self.stamps) == WARMUP_STEPS or (state.max_steps and state.global_step >= state.max_steps):
+        if len(self.stamps) == self.warmup or (state.max_steps and state.global_step >= state.max_steps):
             synchronize()
         now = time.perf_counter()
         if self.first_step is None:

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import os
 import weakref
-from typing import Any, Callable
+from pathlib import Path
+from typing import Any, Callable, Optional
 
 _HOST_SIDE: dict[int, "weakref.ref[Any]"] = {}  # id -> the tensor, weakly (a WeakSet would compare tensors by `==`)
 
@@ -120,6 +121,13 @@ def world_size() -> int:
 def rank() -> int:
     # From the launcher's environment: valid before the process group exists, and in signal handlers.
     return int(os.environ.get("RANK", "0"))
+
+
+def rank0_path(env: str) -> Optional[Path]:
+    """The path in environment variable `env` on rank 0, else None (the harness's profile, census and memory
+    trace each write one file, from rank 0)."""
+    path = os.environ.get(env)
+    return Path(path) if path and rank() == 0 else None
 
 
 def local_rank() -> int:

@@ -16,9 +16,10 @@ Recording costs host time on every allocation (the stacks), so only the harness'
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any, Iterable, Optional
+
+from finetune.train.dist import rank0_path
 
 ENV = "FINETUNE_CUDA_MEMORY_TRACE"
 TRACE_STEPS = 2  # step 1 creates the optimizer's states; step 2 is a step like every later one
@@ -98,12 +99,12 @@ def peak_summary(events: list[dict[str, Any]], baseline_bytes: int = 0, top: int
 
 def wanted() -> Optional[Path]:
     """Where to write the summary, when this rank should record one (rank 0 of a CUDA run with ENV set)."""
-    path = os.environ.get(ENV)
-    if not path or os.environ.get("RANK", "0") != "0":
+    path = rank0_path(ENV)
+    if path is None:
         return None
     import torch
 
-    return Path(path) if torch.cuda.is_available() else None
+    return path if torch.cuda.is_available() else None
 
 
 def callback(path: Path):

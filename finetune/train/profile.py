@@ -11,10 +11,11 @@ of its pair (scripts/gpu_speed.py), and scripts/bench_hf.py --profile uses the s
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 from typing import Any, Optional
+
+from finetune.train.dist import rank0_path
 
 ENV = "FINETUNE_PROFILE"
 PROFILE_STEPS = 3  # steady steps under torch.profiler (after the warm-up)
@@ -23,10 +24,7 @@ TOP_KERNELS = 12
 
 def wanted() -> Optional[Path]:
     """PATH from the environment on rank 0, else None."""
-    path = os.environ.get(ENV)
-    if not path or int(os.environ.get("RANK", "0")) != 0:
-        return None
-    return Path(path)
+    return rank0_path(ENV)
 
 
 def start(on_gpu: bool):

@@ -177,10 +177,7 @@ def _boolean_mask(args: tuple) -> bool:
 
 def wanted() -> Optional[Path]:
     """PATH from the environment on rank 0, else None."""
-    path = os.environ.get(ENV)
-    if not path or int(os.environ.get("RANK", "0")) != 0:
-        return None
-    return Path(path)
+    return dist.rank0_path(ENV)
 
 
 def summary_lines(census: Optional[dict[str, Any]], top: int = 5) -> list[str]:
