@@ -339,8 +339,18 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
     if "LOCAL_RANK" not in os.environ:
         return launch(args)
-    return rank_main(args)
+    code = rank_main(args)
+    from finetune.train.shutdown import close_process_group
+
+    close_process_group()
+    return code
 
 
 if __name__ == "__main__":
+    if "LOCAL_RANK" in os.environ:
+        from finetune.train.shutdown import run_as_rank
+
+        # a rank ends as finetune's do: an orderly shutdown, then os._exit, skipping the interpreter's finalization
+        # in which a gloo thread can abort the process (finetune/train/shutdown.py)
+        run_as_rank(main)
     sys.exit(main())
