@@ -1,8 +1,8 @@
 """finetune's own cost per step, measured on CPU: its steady step time against scripts/bench_hf.py's, the plain
 Hugging Face Trainer, with the same DeepSpeed config, model, rows, LoRA, micro batch and processes (issue 35).
 
-    python scripts/bench_overhead.py                  # tiny Llama, LoRA, ZeRO-2, 2 CPU processes, 2 rounds
-    python scripts/bench_overhead.py --steps 80 --rounds 3
+    python scripts/bench_overhead.py                  # tiny Llama, LoRA, ZeRO-2, 2 CPU processes, 4 rounds of 250 steps
+    python scripts/bench_overhead.py --steps 80 --rounds 2
     python scripts/bench_overhead.py --set deepspeed.stage=0 --set launch.procs_per_node=1   # the GPU pairs' shape
     python scripts/bench_overhead.py --syncs --rounds 1 --set launch.procs_per_node=1 --set deepspeed.enabled=false
 
@@ -68,8 +68,8 @@ def bench_hf(run_dir: Path, out: Path, env: dict[str, str], census: bool = False
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=60, help="optimizer steps per run (the first 5 are warm-up)")
-    parser.add_argument("--rounds", type=int, default=2, help="finetune + bench_hf pairs, alternating order")
+    parser.add_argument("--steps", type=int, default=250, help="optimizer steps per run (the first 5 are warm-up)")
+    parser.add_argument("--rounds", type=int, default=4, help="finetune + bench_hf pairs, alternating order")
     parser.add_argument("--recipe", type=Path, default=RECIPE, help="the recipe both train (default: %(default)s)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="a recipe override for finetune train (bench_hf trains the run's recipe.yaml)")

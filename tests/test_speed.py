@@ -211,8 +211,9 @@ def test_the_launcher_calls_a_run_finished_when_the_ranks_wrote_it_after_a_signa
     assert outcome.ok and "after the last step" in outcome.message
 
 
-def _flag_rank(rank: int, port: int, out: Path) -> None:  # pragma: no cover - runs in the forked children
-    """One of two gloo ranks: rank 1 is signalled during step 3; both must stop at step 4, the step after."""
+def _flag_rank(rank: int, port: int, out: Path, signal_step: int, seconds: tuple) -> None:  # pragma: no cover
+    """One of two gloo ranks (forked children): rank 1 is signalled before the end of `signal_step`; each rank's
+    steps take seconds[rank] by the clock its StopAgreement reads. Writes [stopped at, signal name, exchanges]."""
     from datetime import timedelta
 
     import torch.distributed as dist
@@ -226,28 +227,38 @@ def _flag_rank(rank: int, port: int, out: Path) -> None:  # pragma: no cover - r
     callback = PreemptionCallback(out, keep=2, dtype_bytes=4, full=False, group=cpu_group(timedelta(seconds=60)))
     callback.first_estimate = 1
     state, control = TrainerState(), TrainerControl()
-    state.max_steps = 10
-    for step in range(1, 8):
+    state.max_steps = 40
+    callback.agreement.clock = lambda: state.global_step * seconds[rank]
+    for step in range(1, state.max_steps):
         state.global_step = step
-        if step == 3 and rank == 1:
+        if step == signal_step and rank == 1:
             callback.signal_at, callback.signal_name = 1.0, "SIGTERM"
         callback.on_step_end(None, state, control)
         if control.should_training_stop:
             break
-    (out / f"rank{rank}").write_text(json.dumps([callback.stopped_at, callback.signal_name]))
+    (out / f"rank{rank}").write_text(json.dumps([callback.stopped_at, callback.signal_name,
+                                                 callback.agreement.exchanges]))
     dist.destroy_process_group()
 
 
-def test_the_ranks_agree_on_the_stop_one_step_later_without_a_collective_that_waits(tmp_path):
+@pytest.mark.parametrize("signal_step, seconds, stop, exchanges", [
+    (3, (0.1, 0.1), 4, 3),  # in the warm-up (5 steps): every step, the stop one step after the signal
+    # then every 0.5 s: 5 steps of 0.1 s; exchanges at steps 1-6, 11, 16 (the one that carries the signal)
+    (12, (0.1, 0.1), 17, 8),
+    (12, (0.1, 0.25), 13, 9),  # the smallest gap any rank proposes: 2 steps of 0.25 s; 1-6, 8, 10, 12
+])
+def test_the_ranks_agree_on_the_stop_without_a_collective_every_step(tmp_path, signal_step, seconds, stop,
+                                                                      exchanges):
     from transformers import TrainerState  # noqa: F401 - imported before the fork, for the children
     import torch.multiprocessing as mp
 
     from finetune.run.launch.commands import free_port
 
     # forked: the children have torch and transformers imported already (spawn would import them again, ~20 s)
-    mp.start_processes(_flag_rank, args=(free_port(), tmp_path), nprocs=2, start_method="fork")
-    assert json.loads((tmp_path / "rank0").read_text()) == [4, "a signal to another rank"]
-    assert json.loads((tmp_path / "rank1").read_text()) == [4, "SIGTERM"]
+    mp.start_processes(_flag_rank, args=(free_port(), tmp_path, signal_step, seconds), nprocs=2,
+                       start_method="fork")
+    assert json.loads((tmp_path / "rank0").read_text()) == [stop, "a signal to another rank", exchanges]
+    assert json.loads((tmp_path / "rank1").read_text()) == [stop, "SIGTERM", exchanges]
 
 
 def test_convert_says_a_checkpoint_without_deepspeed_needs_no_convert(tmp_path):

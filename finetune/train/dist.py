@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import weakref
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 _HOST_SIDE: dict[int, "weakref.ref[Any]"] = {}  # id -> the tensor, weakly (a WeakSet would compare tensors by `==`)
 
@@ -66,25 +66,26 @@ def marked_host_side(tensor) -> bool:
     return ref is not None and ref() is tensor
 
 
-def start_max(value: int, group) -> tuple[Any, Any]:
-    """Start a non-blocking all-reduce (MAX) of `value` over `group` (cpu_group); finish_max() reads it."""
+def start_max(values: Sequence[int], group) -> tuple[Any, Any]:
+    """Start a non-blocking all-reduce (MAX, element-wise) of `values` over `group` (cpu_group); finish_max() reads
+    it."""
     import torch
     import torch.distributed as dist
 
-    flags = host_side(torch.tensor([int(value)], dtype=torch.int32))  # a host tensor: no device wait (syncs.py)
+    flags = host_side(torch.tensor([int(v) for v in values], dtype=torch.int64))  # a host tensor: no device wait
     return dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group, async_op=True), flags
 
 
-def finish_max(pending: tuple[Any, Any]) -> int:
+def finish_max(pending: tuple[Any, Any]) -> list[int]:
     """The result of start_max: waits for it (a CPU tensor: no device synchronisation)."""
     work, flags = pending
     work.wait()
-    return int(flags[0].item())
+    return flags.tolist()
 
 
 def max_now(value: int, group) -> int:
     """The largest `value` over `group`, blocking."""
-    return finish_max(start_max(value, group))
+    return finish_max(start_max([value], group))[0]
 
 
 def watch_collectives(observe: Callable[[str, tuple, dict], None]) -> Callable[[], None]:

@@ -8,10 +8,14 @@
 What happens on SIGTERM or SIGINT (sent by `finetune train`, torchrun, DeepSpeed's launcher,
 SLURM or systemd, to one rank or to all):
 1. the rank's handler only sets a flag; the step in progress finishes;
-2. at every step end each rank starts a non-blocking all-reduce (MAX) of its flag on a gloo group (a CPU
-   tensor: no device tensor, no synchronisation on the training path, issue 35) and reads the one it started
-   a step earlier, which its peers started at the same step and has long completed: every rank makes the
-   same decision at the same step, one step after the signal, even when only one rank was signalled;
+2. at agreed step ends the ranks start a non-blocking all-reduce (MAX) of their flags on a gloo group (a CPU
+   tensor: no device tensor, no synchronisation on the training path, issue 35); each reads it at the next step
+   end, when its peers, which started it at the same step, have long completed it: every rank makes the same
+   decision at the same step, even when only one rank was signalled (StopAgreement). The exchange is every
+   step for the first WARMUP_STEPS steps of a process, then about every EXCHANGE_SECONDS, in steps the ranks
+   agreed from their measured step times: a stop comes at most that much and one step after the signal
+   (preemption notices give 30 s and more), and a fast step (a small model, processes sharing cores) does not
+   pay for a collective every time;
 3. the Trainer saves `checkpoint-<step>` (control.should_save) and stops (should_training_stop); a
    decision that falls on the last step is no stop: training ends there anyway, the final outputs are
    written and the run has finished (a checkpoint at the last step would be resumed into one step more:
@@ -47,7 +51,7 @@ import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from transformers import TrainerCallback
 
@@ -58,9 +62,12 @@ from finetune.recipe import Recipe
 from finetune.train.dist import (
     all_gather, barrier, cpu_group, finish_max, local_rank, max_now, process_group, rank, start_max,
 )
+from finetune.speed import WARMUP_STEPS
 from finetune.units import human_size
 
 DUPLICATE_WINDOW = ckpt.SECOND_SIGNAL_WINDOW  # the same rule as `finetune train`'s (finetune.run.launch)
+EXCHANGE_SECONDS = 0.5  # the ranks' stop flags are exchanged about this often after the warm-up (StopAgreement)
+EXCHANGE_MAX_GAP = 100  # ... and at least every this many steps
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -215,7 +222,7 @@ class PreemptionCallback(TrainerCallback):
         self.finishing = False  # training has ended: a signal now waits for the outputs (the runner's last stage)
         self._previous: dict[int, Any] = {}
         self._group = group  # flag_group(): None with one process, whose own flag decides at once
-        self._exchange: Optional[tuple[Any, Any]] = None  # (work, tensor) of the all-reduce started a step ago
+        self.agreement = StopAgreement(group) if group is not None else None
 
     # -- signals
 
@@ -259,7 +266,8 @@ class PreemptionCallback(TrainerCallback):
             raise AlreadyTrained(f"step {state.global_step} of {state.max_steps}")
 
     def on_step_end(self, args, state, control, **kwargs):
-        stop = self._agreed_stop(self.signal_at is not None)
+        requested = self.signal_at is not None
+        stop = self.agreement.at_step_end(state.global_step, requested) if self.agreement else requested
         if stop and state.max_steps and state.global_step >= state.max_steps:
             stop = False  # the last step: training ends here anyway, with its final outputs (issue 34)
         if stop or control.should_save:
@@ -294,7 +302,8 @@ class PreemptionCallback(TrainerCallback):
         return control
 
     def on_train_end(self, args, state, control, **kwargs):
-        self._finish_exchange()
+        if self.agreement is not None:
+            self.agreement.drain()
         if self.stopped_at is None:
             # Training has finished: the handlers stay until the runner has written the outputs (finished()).
             self.finishing = True
@@ -311,22 +320,6 @@ class PreemptionCallback(TrainerCallback):
         self.uninstall()
 
     # -- helpers
-
-    def _agreed_stop(self, requested: bool) -> bool:
-        """Whether the ranks stop at this step: the flags of the exchange started at the previous step end (this
-        rank's own flag with one process). Starts this step's exchange; waits only for one that every peer has
-        started a step ago, so it has completed already."""
-        if self._group is None:
-            return requested
-        stop = self._finish_exchange()
-        self._exchange = start_max(int(requested), self._group)
-        return stop
-
-    def _finish_exchange(self) -> bool:
-        if self._exchange is None:
-            return False
-        pending, self._exchange = self._exchange, None
-        return bool(finish_max(pending))
 
     def _agree_now(self, short: bool) -> bool:
         """Whether any rank is short of space for the checkpoint about to be written (a blocking all-reduce on the
@@ -347,6 +340,57 @@ class PreemptionCallback(TrainerCallback):
         trainable = sum(numel(p) for p in params if p.requires_grad)
         total = sum(numel(p) for p in params)
         return ckpt.model_checkpoint_bytes(total if self.full else trainable, trainable, self.dtype_bytes)
+
+
+class StopAgreement:
+    """When the ranks exchange their stop flags, and what they agreed (module docstring, step 2).
+
+    An exchange is one non-blocking all-reduce (MAX) of [flag, -gap] started at a step end and read at the next:
+    its flag says whether every rank stops at that next step, its gap (the smallest any rank proposed) how many
+    steps after its own start the next one starts. Every rank reads the same result at the same step, so the
+    exchanges pair on every rank whatever its timing. A rank proposes a gap of 1 for its first `warmup` steps
+    (their times hold one-time costs), later as many steps as its host clock says take `interval` seconds since
+    the exchange before (a checkpoint saved in that time only shortens the gap)."""
+
+    def __init__(self, group, interval: float = EXCHANGE_SECONDS, warmup: int = WARMUP_STEPS,
+                 clock: Callable[[], float] = time.monotonic):
+        self.group, self.interval, self.warmup, self.clock = group, interval, warmup, clock
+        self.exchanges = 0  # started by this process
+        self._seen = 0  # step ends this process has seen
+        self._started: Optional[tuple[int, float]] = None  # (_seen, clock) at the last start
+        self._next: Optional[int] = None  # the step whose end starts the next exchange (None: this one)
+        self._pending: Optional[tuple[int, Any]] = None  # (the step it started at, start_max's handle)
+
+    def at_step_end(self, step: int, requested: bool) -> bool:
+        """Whether every rank stops at `step` (called at each step end, by every rank)."""
+        self._seen += 1
+        if self._pending is not None:
+            started, handle = self._pending
+            self._pending = None
+            flag, negative_gap = finish_max(handle)
+            if flag:
+                return True
+            self._next = started + max(1, -negative_gap)
+        if self._next is None or step >= self._next:
+            self._start(step, requested)
+        return False
+
+    def drain(self) -> None:
+        """Wait for the exchange in flight at the end of training (started by every rank at the same step)."""
+        if self._pending is not None:
+            finish_max(self._pending[1])
+            self._pending = None
+
+    def _start(self, step: int, requested: bool) -> None:
+        now = self.clock()
+        gap = 1
+        if self._seen > self.warmup and self._started is not None:
+            steps, seconds = self._seen - self._started[0], now - self._started[1]
+            gap = EXCHANGE_MAX_GAP if seconds <= 0 else round(self.interval * steps / seconds)
+            gap = min(EXCHANGE_MAX_GAP, max(1, gap))
+        self._started = (self._seen, now)
+        self._pending = (step, start_max([int(requested), -gap], self.group))
+        self.exchanges += 1
 
 
 def discard_incomplete_if_owned(run_dir: Path) -> None:
