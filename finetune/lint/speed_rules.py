@@ -94,4 +94,4 @@ def auto_without_choice(loaded: LoadedRecipe) -> Iterator[RawFinding]:
             value = getattr(r.training, name)
             yield RawFinding("R153", "info", ("training", name),
                              f"training.{name}: auto is {value!r} with {why} on any GPU (only sft recipes are sized "
-                             "by the plan)", f"write the value you want, or remove the key")
+                             "by the plan)", "write the value you want, or remove the key")
