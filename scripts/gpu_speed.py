@@ -393,8 +393,13 @@ def markdown(results: dict[str, Any]) -> str:
             busy = profile.get("gpu_busy_fraction")
             lines += ["", f"Profile of {r['name']} ({profile.get('note')}): GPU busy "
                           f"{'-' if busy is None else f'{100 * busy:.0f}%'} of {profile['wall_seconds']:.3f} s wall.", "",
-                      "| kernel / operator | seconds | share |", "|---|---|---|"]
-            lines += [f"| {k['name'][:90]} | {k['seconds']:.4f} | {100 * k['share']:.1f}% |" for k in profile["top"]]
+                      f"Shares of {profile.get('shares_of', 'the table total (operators and kernels both)')}."]
+            for title, rows in (("operator (its own kernels)" if profile.get("kernels") else "operator", "top"),
+                                ("kernel", "kernels")):
+                if profile.get(rows):
+                    lines += ["", f"| {title} | seconds | share | calls |", "|---|---|---|---|"]
+                    lines += [f"| {k['name'][:90]} | {k['seconds']:.4f} | {100 * k['share']:.1f}% | {k['calls']} |"
+                              for k in profile[rows]]
     for r in results["runs"]:
         counted = r.get("syncs")
         if counted:

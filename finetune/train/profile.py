@@ -37,16 +37,27 @@ def start(on_gpu: bool):
     return profiler
 
 
+def _on_device(event) -> bool:
+    return str(getattr(event, "device_type", "")).endswith("CUDA")
+
+
+def _rows(events, attr: str, total: float) -> list[dict[str, Any]]:
+    ranked = sorted(((e.key, getattr(e, attr, 0) or 0, e.count) for e in events), key=lambda r: -r[1])
+    return [{"name": name[:120], "seconds": t / 1e6, "share": t / (total or 1), "calls": n}
+            for name, t, n in ranked[:TOP_KERNELS] if t > 0]
+
+
 def summary(profiler, seconds: float, on_gpu: bool, steps: int = PROFILE_STEPS) -> dict[str, Any]:
-    """GPU-busy over wall time of the profiled steps and the kernels (CPU: operators) that took longest."""
+    """GPU-busy over wall time of the profiled steps, the operators that took longest and, on a GPU, the kernels.
+
+    Each time is counted once. On a GPU an operator's time is that of the kernels it launched itself (torch's
+    self device time: aten::linear's matmul counts under aten::mm); `top` ranks the operators and `kernels` the
+    kernels, each as a share of all kernel time. On a CPU `top` ranks the operators by their own CPU time."""
     events = profiler.key_averages()
-    attr = "self_device_time_total" if on_gpu else "self_cpu_time_total"
-    rows = sorted(((e.key, getattr(e, attr, 0) or 0, e.count) for e in events), key=lambda r: -r[1])
     busy = 0.0
+    result: dict[str, Any] = {"steps": steps, "wall_seconds": seconds}
     if on_gpu:
-        kernels = [e for e in profiler.events() if getattr(e, "device_type", None) is not None
-                   and str(e.device_type).endswith("CUDA")]
-        intervals = sorted((k.time_range.start, k.time_range.end) for k in kernels)
+        intervals = sorted((k.time_range.start, k.time_range.end) for k in profiler.events() if _on_device(k))
         end = None
         for first, last in intervals:  # the union of kernel intervals: overlapping streams count once
             if end is None or first > end:
@@ -56,11 +67,17 @@ def summary(profiler, seconds: float, on_gpu: bool, steps: int = PROFILE_STEPS) 
                 busy += last - end
                 end = last
         busy /= 1e6  # microseconds
-    total = sum(r[1] for r in rows) or 1
-    return {"steps": steps, "wall_seconds": seconds, "gpu_busy_seconds": busy if on_gpu else None,
-            "gpu_busy_fraction": busy / seconds if on_gpu and seconds > 0 else None,
-            "top": [{"name": name[:120], "seconds": t / 1e6, "share": t / total, "calls": n}
-                    for name, t, n in rows[:TOP_KERNELS]]}
+        kernels = [e for e in events if _on_device(e)]
+        total = sum(e.self_device_time_total for e in kernels)
+        result.update(gpu_busy_seconds=busy, gpu_busy_fraction=busy / seconds if seconds > 0 else None,
+                      shares_of="kernel time", kernel_seconds=total / 1e6,
+                      top=_rows([e for e in events if not _on_device(e)], "self_device_time_total", total),
+                      kernels=_rows(kernels, "self_device_time_total", total))
+    else:
+        total = sum(e.self_cpu_time_total for e in events)
+        result.update(gpu_busy_seconds=None, gpu_busy_fraction=None, shares_of="operator CPU time",
+                      top=_rows(events, "self_cpu_time_total", total))
+    return result
 
 
 def synchronize() -> None:

@@ -81,3 +81,27 @@ def test_the_census_window_counts_only_its_steps_and_the_callback_writes_it(tmp_
         callback.on_step_end(None, state, None)
     written = json.loads(path.read_text())
     assert written["steps"] == 3 and written["host_syncs"]["per_step"] == 1
+
+
+def test_on_a_gpu_each_kernel_counts_once_under_its_operator_and_in_the_kernel_table():
+    from types import SimpleNamespace as Event
+
+    def avg(key, device, self_device, count=1):
+        return Event(key=key, device_type=f"DeviceType.{device}", self_device_time_total=self_device, count=count)
+
+    def kernel(start, end):
+        return Event(device_type="DeviceType.CUDA", time_range=Event(start=start, end=end))
+
+    class Profiler:  # torch.profiler's averages for aten::linear -> aten::mm -> one GEMM kernel, and one copy
+        def key_averages(self):
+            return [avg("aten::linear", "CPU", 0), avg("aten::mm", "CPU", 300_000, 4), avg("aten::copy_", "CPU", 100_000),
+                    avg("nvjet_gemm", "CUDA", 300_000, 4), avg("copy_kernel", "CUDA", 100_000)]
+
+        def events(self):  # two streams overlapping for 0.05 s: busy 0.35 s of the 0.5 s wall
+            return [kernel(0, 300_000), kernel(250_000, 350_000), Event(device_type="DeviceType.CPU")]
+
+    result = profile.summary(Profiler(), seconds=0.5, on_gpu=True)
+    assert [(r["name"], r["share"]) for r in result["top"]] == [("aten::mm", 0.75), ("aten::copy_", 0.25)]
+    assert [(r["name"], r["share"]) for r in result["kernels"]] == [("nvjet_gemm", 0.75), ("copy_kernel", 0.25)]
+    assert result["kernel_seconds"] == 0.4 and result["shares_of"] == "kernel time"
+    assert abs(result["gpu_busy_fraction"] - 0.7) < 1e-9
