@@ -81,6 +81,26 @@ def recipe(method: str = "lora", **training) -> Recipe:
     return Recipe.model_validate(data)
 
 
+def test_total_flos_is_transformers_count_with_the_parameters_counted_once(tmp_path):
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+
+    from finetune.train.counting import CountingTrainer
+
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=128)
+    model = get_peft_model(LlamaForCausalLM(config), LoraConfig(r=4, target_modules="all-linear"))
+    trainer = CountingTrainer(model=model, args=TrainingArguments(str(tmp_path), report_to=[], use_cpu=True))
+    walks = []
+    count = model.num_parameters
+    model.num_parameters = lambda **kwargs: walks.append(kwargs) or count(**kwargs)
+    batches = [{"input_ids": torch.zeros(n, 16, dtype=torch.long)} for n in (1, 3, 2)]
+    assert [trainer.floating_point_ops(b) for b in batches] == [Trainer.floating_point_ops(trainer, b) for b in batches]
+    assert len(walks) == 1 + 3  # ours once, the Trainer's on every call
+    assert trainer.floating_point_ops({"labels": torch.zeros(1, 4)}) == 0  # no input ids: nothing, as transformers
+
+
 def test_auto_without_a_machine_is_the_memory_safe_default():
     r = recipe()
     assert r.auto_keys == {"training.gradient_checkpointing", "training.loss_kernel", "training.micro_batch_size",
