@@ -9,10 +9,11 @@ Hugging Face Trainer, with the same DeepSpeed config, model, rows, LoRA, micro b
 Each round trains recipes/tiny/lora_zero2.yaml with `finetune train`, then bench_hf.py on that run directory with
 the run's own deepspeed.json (what DeepSpeed ran, less nothing: the same engine settings and optimizer), the order
 alternating between rounds; both report finetune.speed's steady figures (the steps after the warm-up). Prints
-each round and the ratio of the medians, finetune / bench_hf (the target: at most 1.02). What finetune adds around
-the step is what differs: its callbacks (the step clock, the stop flag, the last step's log), its collator with
-the host-side token count, the summary; bench_hf's collator is transformers' DataCollatorForSeq2Seq. On a machine
-shared with other jobs, single rounds swing: compare the medians of one invocation, never numbers across runs.
+each round, the ratio of the medians, finetune / bench_hf (the target: at most 1.02), and each round's own
+ratio (its two runs follow each other). What finetune adds around the step is what differs: its callbacks (the
+step clock, the stop flag, the last step's log), its collator with the host-side token count, the summary;
+bench_hf's collator is transformers' DataCollatorForSeq2Seq. On a machine shared with other jobs, single rounds
+swing: compare the medians of one invocation, never numbers across runs.
 
 --syncs also counts, over 3 steps after the warm-up of each run, the host syncs and collectives per step and the
 lines that make them (finetune.train.syncs: FINETUNE_SYNCS for finetune, --syncs for bench_hf), and prints both
@@ -108,6 +109,10 @@ def main(argv=None) -> int:
           f"finetune / bench_hf = {step_ours / step_theirs:.3f} (target <= 1.02)")
     print(f"median steady tokens/s: finetune {tps_ours:,.0f}, bench_hf {tps_theirs:,.0f}: "
           f"finetune / bench_hf = {tps_ours / tps_theirs:.3f}")
+    # each round's two runs follow each other: their ratio is the least touched by the machine's load drifting
+    paired = [a["step_seconds_p50"] / b["step_seconds_p50"] for a, b in zip(ours, theirs)]
+    print(f"step time ratio of each round: {', '.join(f'{r:.3f}' for r in paired)}; median "
+          f"{statistics.median(paired):.3f}")
     return 0
 
 
