@@ -9,6 +9,7 @@ from typing import Any, Optional
 from transformers import TrainerCallback
 
 from finetune.rundir.names import DEEPSPEED_EFFECTIVE_FILE, PLOT_FILE
+from finetune.speed import WARMUP_STEPS
 from finetune.train.profile import synchronize
 
 
@@ -32,8 +33,6 @@ class TrainClock(TrainerCallback):
         self.step_counts: list[tuple[int, int]] = []  # this rank's (tokens, sum of squared lengths) per step
         self.counter: Optional[list[int]] = None
         self._seen = (0, 0)
-        from finetune.speed import WARMUP_STEPS
-
         self.warmup = WARMUP_STEPS  # more where a profiler window follows the warm-up (finetune.train.profile)
 
     def on_train_begin(self, args, state, control, **kwargs):

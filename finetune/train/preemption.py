@@ -221,7 +221,7 @@ class PreemptionCallback(TrainerCallback):
         self.first_estimate = 0
         self.finishing = False  # training has ended: a signal now waits for the outputs (the runner's last stage)
         self._previous: dict[int, Any] = {}
-        self._group = group  # flag_group(): None with one process, whose own flag decides at once
+        # flag_group(): None with one process, whose own flag decides at once
         self.agreement = StopAgreement(group) if group is not None else None
 
     # -- signals
@@ -324,9 +324,9 @@ class PreemptionCallback(TrainerCallback):
     def _agree_now(self, short: bool) -> bool:
         """Whether any rank is short of space for the checkpoint about to be written (a blocking all-reduce on the
         flag group: every rank writes it, so every rank is here)."""
-        if self._group is None:
+        if self.agreement is None:
             return short
-        return bool(max_now(int(short), self._group))
+        return bool(max_now(int(short), self.agreement.group))
 
     def _estimate(self) -> int:
         latest = ckpt.latest_complete(self.run_dir)
