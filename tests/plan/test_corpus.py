@@ -190,10 +190,14 @@ def test_plan_runs_on_every_case(corpus_rows):
 # rows of finetune (LoRA and full 1x2k, LoRA 4x2k at ZeRO-0 with torch's AdamW, `auto` at 8 rows): +0.4%, +0.0% (the
 # full row after one more fact: ZeRO-0 over a non-DeepSpeed optimizer flattens nothing), +0.1%, +0.1%. 149 cases:
 # all 4.9%, held out 6.5%.
+# The H200's third speed run (2026-11-28, docs/gpu_acceptance/2026-11-28_h200_speed_third*.json): two new settings
+# held out, LoRA 1x2k without DeepSpeed (+0.0%) and the full 4x2k with every speed key auto (ZeRO-2, FusedAdam, no
+# checkpointing: +0.1%); its repeated rows measured the same bytes and were left out. No term changed: 153 cases,
+# all 4.6%, held out 5.3%.
 REACHED = {
-    "all": {"median_abs_error": 0.0463, "under_10": 21, "under_15": 10},
+    "all": {"median_abs_error": 0.0461, "under_10": 21, "under_15": 10},
     "calibration": {"median_abs_error": 0.0425, "under_10": 20, "under_15": 9},
-    "holdout": {"median_abs_error": 0.0616, "under_10": 1, "under_15": 1},
+    "holdout": {"median_abs_error": 0.0527, "under_10": 1, "under_15": 1},
 }
 
 
