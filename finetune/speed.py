@@ -79,6 +79,9 @@ def _quantile(values: Sequence[float], q: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
+PER_STEP_KEPT = 200  # steps of the steady window summary.json lists one by one
+
+
 def steady(stamps: Sequence[float], tokens: Sequence[int], squares: Sequence[int], world: int = 1,
            arch=None, peak_flops: Optional[float] = None, warmup: int = WARMUP_STEPS) -> dict[str, Any]:
     """summary.json's `steady`: the steps after `warmup`, from the step-end stamps (stamps[0] is the start of
@@ -98,7 +101,10 @@ def steady(stamps: Sequence[float], tokens: Sequence[int], squares: Sequence[int
     trained = sum(tokens[warmup:])
     out.update(step_seconds_p50=_quantile(intervals, 0.5), step_seconds_p90=_quantile(intervals, 0.9),
                tokens_per_second=trained / seconds if seconds > 0 and trained else None, seconds=seconds,
-               tokens=trained)
+               tokens=trained,
+               # the window's first steps one by one: which steps were slow, and how long their rows were
+               per_step={"seconds": [round(x, 5) for x in intervals[:PER_STEP_KEPT]],
+                         "tokens": list(tokens[warmup:warmup + PER_STEP_KEPT])})
     if arch is not None and trained and seconds > 0:
         flops = step_flops(arch, trained, sum(squares[warmup:]))
         out["flops_per_token"] = flops / trained
