@@ -114,6 +114,7 @@ TRL_IGNORED: dict[tuple[str, str], str] = {
     ("data", "packing"): "TRL's trainers keep each example apart in its own padded rows",
     ("data", "padding_free"): "TRL's trainers keep each example apart in its own padded rows",
     ("data", "mask_prompt"): "these losses score only the answers",
+    ("data", "pad_to_multiple_of"): "TRL's collators pad their own rows",
     ("training", "loss_kernel"): "TRL's trainers compute their own log-probabilities",
     ("training", "loss_chunk_tokens"): "TRL's trainers compute their own log-probabilities",
 }

@@ -31,6 +31,7 @@ def test_steady_leaves_out_the_warm_up_steps():
     assert out["step_seconds_p50"] == pytest.approx(1.0) and out["step_seconds_p90"] == pytest.approx(1.0)
     assert out["mfu"] is None and out["reason"] is None  # no architecture: no FLOPs
     assert "steady 1,000 tokens/s over steps 6-11" in steady_text(out)
+    assert out["per_step"] == {"seconds": [1.0] * 6, "tokens": [1000] * 6}  # the window's steps, one by one
     short = steady(stamps[:WARMUP_STEPS + 2], tokens, squares)
     assert short["tokens_per_second"] is None and "needs 7" in short["reason"] and "n/a" in steady_text(short)
     assert steady([], [], [])["steps"] == 0  # a start that trained nothing (resumed at its last step)
@@ -104,11 +105,36 @@ def test_total_flos_is_transformers_count_with_the_parameters_counted_once(tmp_p
 def test_auto_without_a_machine_is_the_memory_safe_default():
     r = recipe()
     assert r.auto_keys == {"training.gradient_checkpointing", "training.loss_kernel", "training.micro_batch_size",
-                           "deepspeed.enabled"}
+                           "deepspeed.enabled", "data.pad_to_multiple_of"}
     t = r.training
     assert (t.gradient_checkpointing, t.loss_kernel, t.micro_batch_size, r.deepspeed.enabled) == (True, "default", 1, True)
+    assert r.data.pad_to_multiple_of == 1  # each micro batch as long as its longest row, as before the key
     written = recipe(gradient_checkpointing=False, micro_batch_size=4)
-    assert written.auto_keys == {"training.loss_kernel", "deepspeed.enabled"}
+    assert written.auto_keys == {"training.loss_kernel", "deepspeed.enabled", "data.pad_to_multiple_of"}
+
+
+def test_auto_pads_micro_batches_to_few_lengths_on_a_gpu_only():
+    """data.pad_to_multiple_of: auto is 64 on a GPU for sft (cuDNN's attention plans each new length once), 1 on a
+    CPU, for the objectives TRL collates and for padding_free; a written value wins."""
+    from finetune.data.packing import GPU_PAD_MULTIPLE
+    from finetune.plan.auto import Machine, resolve
+
+    gpu = Machine(gpus_per_node=1, gpu_memory=24 * 2**30)
+    decision = resolve(recipe(), gpu)
+    assert decision.recipe.data.pad_to_multiple_of == GPU_PAD_MULTIPLE == 64
+    line = next(x for x in decision.lines() if x.startswith("data.pad_to_multiple_of"))
+    assert "at most 32 lengths up to max_length 2048" in line and "cuDNN" in line
+    assert resolve(recipe(), Machine(on_gpu=False)).recipe.data.pad_to_multiple_of == 1
+    dpo = Recipe.model_validate({"model": {"name_or_path": "qwen2.5-0.5b"}, "objective": "dpo",
+                                 "data": {"path": "org/d"}})
+    assert resolve(dpo, gpu).recipe.data.pad_to_multiple_of == 1
+    flat = Recipe.model_validate({"model": {"name_or_path": "qwen2.5-0.5b"}, "data": {"path": "org/d", "padding_free": True}})
+    assert resolve(flat, gpu).recipe.data.pad_to_multiple_of == 1
+    written = Recipe.model_validate({"model": {"name_or_path": "qwen2.5-0.5b"},
+                                     "data": {"path": "org/d", "pad_to_multiple_of": 8}})
+    assert "data.pad_to_multiple_of" not in written.auto_keys and resolve(written, gpu).recipe.data.pad_to_multiple_of == 8
+    with pytest.raises(ValueError, match="a number of tokens from 1 to 4,096"):
+        Recipe.model_validate({"model": {"name_or_path": "qwen2.5-0.5b"}, "data": {"path": "org/d", "pad_to_multiple_of": 0}})
 
 
 def test_auto_on_one_gpu_trains_faster_within_the_bound_and_keeps_the_rows_per_step():
@@ -156,11 +182,13 @@ def test_the_run_directory_keeps_auto_in_the_recipe_and_the_decisions_beside_it(
     run = write_run_dir(loaded, tmp_path / "run", world_size=1, auto=decision)
     text = (run / "recipe.yaml").read_text()
     assert "micro_batch_size: auto" in text and "gradient_checkpointing: auto" in text and "enabled: auto" in text
+    assert "pad_to_multiple_of: auto" in text
     args = json.loads((run / "training_args.json").read_text())
     assert args["per_device_train_batch_size"] == decision.recipe.training.micro_batch_size > 1
     assert args["optim"] == "adamw_torch_fused"  # the plain Trainer's optimizer
     again, _, _ = read_run_dir(run)  # what the runner trains: the decisions, not the machine-less defaults
     assert again.training == decision.recipe.training and again.deepspeed.enabled is False
+    assert again.data.pad_to_multiple_of == 64
     # the record lints clean and decides the same on the same GPU (a recorded recipe reproduces the run)
     from finetune.lint import lint_paths
 

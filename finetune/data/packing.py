@@ -89,6 +89,42 @@ def _segment_lengths(positions):
     return np.diff(np.append(starts, len(positions)))
 
 
+# What `data.pad_to_multiple_of: auto` is on a GPU (finetune.plan.auto.pad_choice): the widths a micro batch can take are the multiples of it, so
+# that the attention kernel sees few shapes. torch's SDPA on Hopper runs cuDNN's attention, whose plan cache
+# (aten/src/ATen/native/cudnn/MHA.cpp) is keyed on the exact sizes: every new sequence length builds a forward
+# and a backward plan on the host (reported at hundreds of ms each: pytorch/pytorch#155958 and its opt-in
+# TORCH_CUDNN_SDPA_AVOID_RECOMPILE; sgl-project/sglang#4650). With rows of every length from 1 to 2,048 that is a
+# build on nearly every step; in multiples of 64 at most 32 shapes a micro batch size, each built once, for at
+# most 63 padded tokens a row (3% of 2,048).
+GPU_PAD_MULTIPLE = 64
+
+
+def gpu_pad_multiple(recipe: Any) -> tuple[int, str]:
+    """(data.pad_to_multiple_of, why) that `auto` is for `recipe` on a GPU (finetune.plan.auto.pad_choice decides the
+    key; `finetune plan` sizes the activations with it, finetune.plan.data_lengths)."""
+    from finetune import objectives
+
+    data = recipe.data
+    if objectives.get(recipe.objective).uses_trl:
+        return 1, f"objective {recipe.objective}: TRL's collator pads its rows"
+    if data.padding_free:
+        return 1, "padding_free: one row of the micro batch's examples end to end, not padded"
+    widths = -(-data.max_length // GPU_PAD_MULTIPLE)
+    return GPU_PAD_MULTIPLE, (f"a GPU: each micro batch padded at its end to a multiple of {GPU_PAD_MULTIPLE} tokens, so "
+                              f"the attention kernel sees at most {widths} length{'s' if widths != 1 else ''} up to max_length "
+                              f"{data.max_length}; "
+                              "cuDNN's attention (torch's SDPA on H100/H200) builds a plan on the host for every new "
+                              f"length. At most {GPU_PAD_MULTIPLE - 1} padded tokens a row, without an attention mask "
+                              "where the rows are of one length (not yet measured on a GPU: scripts/gpu_speed.py)")
+
+
+def padded_width(longest: int, multiple: int, limit: int) -> int:
+    """The width a micro batch whose longest row has `longest` tokens is padded to: a multiple of `multiple`,
+    but never past `limit` (data.max_length rounded up to 8, the widest batch the rows can make without
+    rounding), nor below the row itself."""
+    return max(longest, min(-(-longest // multiple) * multiple, limit))
+
+
 class Collator:
     """Pads a list of rows to the longest (rounded up to a multiple of 8 for tensor-core shapes).
 
@@ -101,13 +137,23 @@ class Collator:
     continues the positions of a separate trailing sequence with labels -100. The rows are copied into
     preallocated numpy arrays and handed to torch without a copy: no Python list of tokens is built
     (nested lists through torch.tensor cost ~1 ms a 4 x 2,048 batch on the step's own thread).
+
+    `bucket` (data.pad_to_multiple_of, as finetune.plan.auto decided it): every batch's width is a multiple of it, up to
+    `limit` (padded_width). Rows of one length padded that way get no mask either: their padding comes after
+    every real token, where a causal model's tokens never look, and its labels are -100; a mixture of experts'
+    router would still see it (its load-balancing loss counts every token it is not told to skip), so with
+    `mask_padding` such a batch gets a mask.
     """
 
-    def __init__(self, pad_token_id: int, multiple_of: int = 8, counts: bool = False, always_mask: bool = False):
+    def __init__(self, pad_token_id: int, multiple_of: int = 8, counts: bool = False, always_mask: bool = False,
+                 bucket: int = 1, limit: int = 2**31, mask_padding: bool = False):
         self.pad_token_id = pad_token_id
         self.multiple_of = multiple_of
         self.counts = counts
         self.always_mask = always_mask
+        self.bucket = bucket
+        self.limit = limit
+        self.mask_padding = mask_padding
 
     def __call__(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
         import numpy as np
@@ -115,8 +161,10 @@ class Collator:
 
         lengths = np.fromiter((len(r["input_ids"]) for r in rows), dtype=np.int64, count=len(rows))
         packed = "position_ids" in rows[0]
-        unpadded = not packed and not self.always_mask and int(lengths.min()) == int(lengths.max())
-        width = int(lengths.max()) if unpadded else int(-(-int(lengths.max()) // self.multiple_of) * self.multiple_of)
+        longest = int(lengths.max())
+        even = not packed and not self.always_mask and int(lengths.min()) == longest
+        width = padded_width(longest, self.bucket if even else max(self.multiple_of, self.bucket), self.limit)
+        unpadded = even and (width == longest or not self.mask_padding)  # no mask
         ids = np.full((len(rows), width), self.pad_token_id, dtype=np.int64)
         labels = np.full((len(rows), width), IGNORE_INDEX, dtype=np.int64)
         positions = np.zeros((len(rows), width), dtype=np.int64) if packed else None
@@ -173,7 +221,7 @@ class FlatteningCollator:
 
 
 def make_collator(pad_token_id: int, attn_implementation: str, packing: bool, padding_free: bool,
-                  counts: bool = False):
+                  counts: bool = False, bucket: int = 1, limit: int = 2**31, mask_padding: bool = False):
     """The collator that keeps every example to itself on `attn_implementation`.
 
     - padding_free (any kernel), or packing with flash attention: one flattened row per micro batch.
@@ -184,10 +232,11 @@ def make_collator(pad_token_id: int, attn_implementation: str, packing: bool, pa
     - packing with sdpa/eager: the packed rows, padded; masking_utils.find_packed_sequence_indices
       turns the restarting position ids of each row into a (rows, 1, seq, seq) block-diagonal mask,
       which is smaller than one flattened row's (1, 1, rows x seq, rows x seq).
-    - otherwise: padded rows with an attention mask.
+    - otherwise: padded rows with an attention mask (rows of one length: none; see `Collator`).
     `counts`: each batch carries its host-side counts under COUNTS_KEY (training batches; see above).
+    `bucket`, `limit`, `mask_padding`: the padded rows' widths (`Collator`).
     """
     flash = attn_implementation.startswith("flash_attention")
     if padding_free or (packing and flash):
         return FlatteningCollator(flash_kwargs=flash, counts=counts)
-    return Collator(pad_token_id, counts=counts)
+    return Collator(pad_token_id, counts=counts, bucket=bucket, limit=limit, mask_padding=mask_padding)

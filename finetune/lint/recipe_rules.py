@@ -40,7 +40,7 @@ RULES: dict[str, str] = {
     "R116": "A data key the source's format ignores (roles on alpaca/text, an unknown `columns` name, think or chat_template without a chat source).",
     "R117": "The same data source listed twice (its examples would count double in the mixture).",
     "R118": "Objective settings the objective does not read (a `preference` or `grpo` key, a loss of another objective, a reference that cannot exist).",
-    "R119": "Data or training keys that TRL's objectives do not use (format, packing, mask_prompt, loss_kernel).",
+    "R119": "Data or training keys that TRL's objectives do not use (format, packing, mask_prompt, pad_to_multiple_of, loss_kernel).",
     "R120": "`model.adapter` that cannot be continued from (objective sft, full fine-tune, missing adapter, a `lora` section it overrides, rows in another prompt format than the SFT run's).",
     "R121": "GRPO rewards and batch that cannot work: no reward, a malformed `module:function`, weights, a built-in without its setting, a batch that does not hold whole groups.",
     "R122": "Unknown `builtin:` model (a misspelled name).",

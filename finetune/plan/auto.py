@@ -36,6 +36,7 @@ from finetune.plan.setup import PlanError
 ENGINE, CHECKPOINTING, KERNEL, MICRO = ("deepspeed.enabled", "training.gradient_checkpointing",
                                        "training.loss_kernel", "training.micro_batch_size")
 ACCUMULATION = "training.gradient_accumulation_steps"
+PAD = "data.pad_to_multiple_of"
 PLAIN_OPTIMIZERS = ("adamw",)  # what the plain Trainer runs as the recipe's optimizer (torch's fused AdamW)
 
 
@@ -122,6 +123,15 @@ def engine_choice(recipe, machine: Machine) -> tuple[bool, str]:
                    "engine would partition nothing on one process and its bf16 optimizer wrapper syncs with the host for "
                    "every trainable tensor (overflow check) and copies every gradient to fp32 and back, each step "
                    "(fewer per-step syncs; not yet measured against it on a GPU: scripts/gpu_speed.py)")
+
+
+def pad_choice(recipe, machine: Machine) -> tuple[int, str]:
+    """(data.pad_to_multiple_of, why) for a recipe that leaves it auto (finetune.data.packing.gpu_pad_multiple)."""
+    from finetune.data.packing import gpu_pad_multiple
+
+    if not machine.on_gpu:
+        return 1, "no GPU: each micro batch as long as its longest row (no kernel here keeps a plan per length)"
+    return gpu_pad_multiple(recipe)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -265,6 +275,10 @@ def resolve(recipe, machine: Machine) -> Resolution:
         enabled, why = engine_choice(out, machine)
         out.deepspeed.enabled = enabled
         choices.append(Choice(ENGINE, enabled, why))
+    if PAD in keys:
+        multiple, why = pad_choice(out, machine)
+        out.data.pad_to_multiple_of = multiple
+        choices.append(Choice(PAD, multiple, why))
     memory_keys = keys & {CHECKPOINTING, KERNEL, MICRO}
     if not memory_keys:
         return Resolution(out, choices)

@@ -13,6 +13,7 @@ AUTO_WITHOUT_MACHINE: dict[str, Any] = {
     "training.loss_kernel": "default",
     "training.micro_batch_size": 1,
     "deepspeed.enabled": True,
+    "data.pad_to_multiple_of": 1,
 }
 
 
@@ -54,3 +55,13 @@ def auto_or(kind: type, value: Any, expected: str) -> Any:
         return TypeAdapter(kind).validate_python(value)
     except ValidationError:
         raise ValueError(f"expected {expected}") from None
+
+
+def auto_in_range(value: Any, most: int, what: str) -> Any:
+    """`auto`, or a whole number from 1 to `most` (auto_or's lax rules), else one message: 'expected `auto` or <what>
+    from 1 to <most>'."""
+    expected = f"`auto` or {what} from 1 to {most:,}"
+    value = auto_or(int, value, expected)
+    if isinstance(value, int) and not 1 <= value <= most:
+        raise ValueError(f"expected {expected}")
+    return value

@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator,
 
 from finetune import objectives
 from finetune.objectives import DPO_LOSSES, GRPO_LOSSES, KTO_LOSSES
-from finetune.recipe.auto import AUTO_WITHOUT_MACHINE, auto_or
+from finetune.recipe.auto import AUTO_WITHOUT_MACHINE, auto_in_range, auto_or
 from finetune.suggest import closest
 
 Dtype = Literal["bfloat16", "float16", "float32"]
@@ -169,6 +169,8 @@ class DataSection(_Section):
     max_length: int = Field(2048, ge=8, le=1_048_576, description="Sequences are truncated to this many tokens.")
     packing: bool = Field(False, description="Concatenate examples into max_length blocks (no padding waste); examples never attend to each other, with every model.attn_implementation.")
     padding_free: bool = Field(False, description="No padding: each micro batch becomes one row of its examples end to end (up to micro_batch_size x max_length tokens), kept apart like packed ones. The throughput mode for flash attention.")
+    pad_to_multiple_of: Union[Literal["auto"], int] = Field(
+        "auto", description="Each micro batch is padded at the end to a multiple of this many tokens (never past max_length rounded up to 8; not with padding_free), so that the GPU's attention kernel sees few shapes: cuDNN's attention (torch's SDPA on H100/H200) builds a plan on the host for every new length. Rows of one length need no attention mask for it (a causal model never attends to later tokens; a mixture of experts gets one). auto: 64 on a GPU for sft, else 1. Rows of different lengths are padded to at least a multiple of 8 and masked. sft only (TRL's collators pad the other objectives).")
     validation_split: float = Field(0.0, ge=0, lt=1, description="Fraction of examples held out for evaluation (0 = no eval).")
     mask_prompt: bool = Field(True, description="Exclude prompt tokens from the loss (train on responses only).")
     num_proc: Union[Literal["auto"], int] = Field(
@@ -183,6 +185,9 @@ class DataSection(_Section):
         if isinstance(value, int) and not 1 <= value <= 4096:
             raise ValueError("num_proc must be `auto` or a number of processes from 1 to 4096")
         return value
+
+    _pad_multiple = field_validator("pad_to_multiple_of", mode="before")(
+        lambda value: auto_in_range(value, 4096, "a number of tokens"))
 
     @model_validator(mode="after")
     def _one_way_to_name_the_data(self) -> "DataSection":
@@ -305,13 +310,8 @@ class TrainingSection(_Section):
     dataloader_num_workers: int = Field(0, ge=0, le=MAX_PROCS, description="Data loader worker processes per rank.")
 
 
-    @field_validator("micro_batch_size", mode="before")
-    @classmethod
-    def _micro_batch_in_range(cls, value: Any) -> Any:
-        value = auto_or(int, value, f"`auto` or a number of sequences from 1 to {MAX_BATCH:,}")
-        if isinstance(value, int) and not 1 <= value <= MAX_BATCH:
-            raise ValueError(f"expected `auto` or a number of sequences from 1 to {MAX_BATCH:,}")
-        return value
+    _micro_batch_in_range = field_validator("micro_batch_size", mode="before")(
+        lambda value: auto_in_range(value, MAX_BATCH, "a number of sequences"))
 
     _auto_bools = field_validator("gradient_checkpointing", mode="before")(
         lambda value: auto_or(bool, value, "true, false or `auto`"))

@@ -61,6 +61,7 @@ class SftSteps:
         from finetune.data.tokenize import split_eval
         from finetune.rundir.names import DATA_MIX_FILE
         from finetune.train import parallel
+        from finetune.train.moe import moe_identity
         from finetune.train.vlm_model import vision_collator
 
         recipe = self.recipe
@@ -73,7 +74,10 @@ class SftSteps:
             write_atomic(self.run_dir / DATA_MIX_FILE, json.dumps(report, indent=2) + "\n")
         train_set, eval_set = split_eval(dataset, recipe.data.validation_split, recipe.training.seed)
         collator = make_collator(tokenizer.pad_token_id, recipe.model.attn_implementation, recipe.data.packing,
-                                 recipe.data.padding_free, counts=self.host_counts)
+                                 recipe.data.padding_free, counts=self.host_counts,
+                                 bucket=recipe.data.pad_to_multiple_of,
+                                 limit=-(-recipe.data.max_length // 8) * 8,
+                                 mask_padding=moe_identity(model_path) is not None)
         collator = parallel.wrap_collator(collator, args_kwargs, tokenizer.pad_token_id, recipe, on_cpu)
         self.images, self.image_processor = vision_collator(recipe, model_path, tokenizer)  # a VLM: pixels too (issue 38)
         self.collator = self.images or collator

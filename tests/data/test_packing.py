@@ -112,6 +112,43 @@ def test_rows_of_one_length_go_unpadded_without_a_mask_and_train_the_same(models
     model.zero_grad()
 
 
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_rows_padded_to_a_multiple_for_the_gpu_train_the_same_without_a_mask(models, tokenizer, attn):  # noqa: F811
+    """data.pad_to_multiple_of (auto: 64 on a GPU, finetune.plan.auto.pad_choice): a row of one length padded at its end to the multiple gets no
+    mask, since no real token of a causal model attends to a later position, and its padding's labels are -100:
+    the loss and the gradients are the unpadded row's. Rows of different lengths are padded to the multiple too,
+    masked; the width never passes data.max_length rounded up to 8; a mixture of experts' padded row is masked."""
+    import torch
+
+    from finetune.data.packing import Collator
+
+    rows = [r for r in micro_batch(tokenizer, "padding_free", 24) if len(r["input_ids"]) % 16][:1]
+    n = len(rows[0]["input_ids"])
+    width = -(-n // 16) * 16
+    plain = Collator(tokenizer.pad_token_id)(rows)
+    bucketed = Collator(tokenizer.pad_token_id, bucket=16)(rows)
+    assert "attention_mask" not in bucketed and bucketed["input_ids"].shape == (1, width) > plain["input_ids"].shape
+    assert (bucketed["labels"][0, n:] == IGNORE_INDEX).all() and (bucketed["input_ids"][0, n:] == tokenizer.pad_token_id).all()
+    capped = Collator(tokenizer.pad_token_id, bucket=4096, limit=width)(rows)
+    assert capped["input_ids"].shape[1] == width
+    moe = Collator(tokenizer.pad_token_id, bucket=16, mask_padding=True)(rows)
+    assert int(moe["attention_mask"].sum()) == n and moe["input_ids"].shape[1] == width
+    uneven = Collator(tokenizer.pad_token_id, bucket=16)(micro_batch(tokenizer, "padding_free", 3))
+    assert "attention_mask" in uneven and uneven["input_ids"].shape[1] % 16 == 0
+
+    model = models[attn]
+    results = []
+    for batch in (plain, bucketed):
+        model.zero_grad()
+        loss = model(**batch, use_cache=False).loss
+        loss.backward()
+        results.append((loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]))
+    torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-5, atol=1e-6)
+    for a, b in zip(results[0][1], results[1][1]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    model.zero_grad()
+
+
 # ------------------------------------------------------------------------------------------------
 # Flash attention: what reaches the kernel
 

@@ -96,8 +96,8 @@ def test_the_spec_holds_the_schemas_values_and_no_defaults_of_its_own():
         assert not defaults, f"{spec_class.__name__}: defaults are the schema's (finetune.recipe.schema)"
     assert {f.name for f in dataclasses.fields(SourceSpec)} == set(SourceSection.model_fields)
     # A new key of the data section is either read by tokenizing (a field here, and in the key) or named here.
-    assert set(DataSection.model_fields) - {f.name for f in dataclasses.fields(DataSpec)} == {"padding_free",
-                                                                                              "validation_split"}
+    assert set(DataSection.model_fields) - {f.name for f in dataclasses.fields(DataSpec)} == {
+        "padding_free", "pad_to_multiple_of", "validation_split"}  # batching, not tokenizing
     spec = DataSpec.from_section({"path": "org/rows"})
     assert (spec.format, spec.max_length, spec.mask_prompt, spec.think, spec.seed) == (
         DataSection.model_fields["format"].default, DataSection.model_fields["max_length"].default,

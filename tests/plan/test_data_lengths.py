@@ -22,8 +22,15 @@ def test_the_longest_example_sets_the_tokens_per_sequence(tmp_path):
     (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     r = recipe(tmp_path, "{path: ./d.jsonl, max_length: 4096}")
     setup = setup_from_recipe(r, data_lengths=True)
-    assert setup.seq_len == math.ceil(800 / CHARS_PER_TOKEN) + TEMPLATE_TOKENS
-    assert "characters/4, no tokenizer here" in setup.data_note and "not max_length 4096" in setup.data_note
+    longest = math.ceil(800 / CHARS_PER_TOKEN) + TEMPLATE_TOKENS  # 232 tokens
+    # the collator's width on a GPU: data.pad_to_multiple_of (auto: 64)
+    assert setup.seq_len == 256 and f"longest example ~{longest} tokens" in setup.data_note
+    assert "characters/4, no tokenizer here" in setup.data_note and "padded to 256" in setup.data_note
+    assert "not max_length 4096" in setup.data_note
+    exact = recipe(tmp_path, "{path: ./d.jsonl, max_length: 4096, pad_to_multiple_of: 1}")
+    assert setup_from_recipe(exact, data_lengths=True).seq_len == longest
+    near = recipe(tmp_path, "{path: ./d.jsonl, max_length: 236}")  # never padded past max_length rounded up to 8
+    assert setup_from_recipe(near, data_lengths=True).seq_len == 240
     assert setup_from_recipe(r).seq_len == 4096  # lint and the run report do not read the data
     short = recipe(tmp_path, "{path: ./d.jsonl, max_length: 64}")
     assert setup_from_recipe(short, data_lengths=True).seq_len == 64

@@ -71,10 +71,11 @@ def test_preference_keys_the_objective_does_not_read_are_errors(write_recipe):
 
 
 def test_sft_data_keys_are_errors_under_a_preference_objective(write_recipe):
-    text = DPO.replace("  path: org/some-dataset\n", "  path: org/some-dataset\n  format: messages\n  packing: true\n")
+    text = DPO.replace("  path: org/some-dataset\n", "  path: org/some-dataset\n  format: messages\n  packing: true\n"
+                                                   "  pad_to_multiple_of: 64\n")
     found = rules_of(write_recipe(text + "training: {loss_kernel: chunked}\n"))
     assert {("R119", "error", "data.format"), ("R119", "error", "data.packing"),
-            ("R119", "error", "training.loss_kernel")} <= set(found)
+            ("R119", "error", "data.pad_to_multiple_of"), ("R119", "error", "training.loss_kernel")} <= set(found)
     # inherited from an SFT recipe it extends: that data section is the parent's business
     write_recipe(MINIMAL.replace("  path: org/some-dataset\n", "  path: org/some-dataset\n  format: alpaca\n"),
                  name="sft.yaml")
