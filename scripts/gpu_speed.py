@@ -10,11 +10,14 @@ background while the model and data are built; the first timed run waits for
 it: on 2026-11-27 an H200 ran the first pair while it compiled, and that pair's finetune side, launch-bound at micro
 batch 1, measured 0.55 of its baseline with p90 steps 4x its p50), builds a Llama-3.2-1B-shaped model with random
 weights and synthetic text (scripts/gpu_acceptance.py), then runs, in this order:
-1. pairs at identical settings, `finetune train` against scripts/bench_hf.py (DeepSpeed ZeRO-0 both: finetune's
+0. rows of every length at micro batch 1 without DeepSpeed (write_varied_data): finetune with
+   data.pad_to_multiple_of auto (64 on a GPU) and with 1, against bench_hf (a multiple of 8 and a mask): what cuDNN's
+   attention costs when every new length builds its plans again;
+1. pairs at identical settings (data.pad_to_multiple_of 1: each micro batch as long as its longest row), `finetune train` against scripts/bench_hf.py (DeepSpeed ZeRO-0 both: finetune's
    rendered config with torch's fused AdamW, bench_hf LLaMA-Factory's ds_z0_config.json whose client optimizer is the
    Trainer's torch fused AdamW; checkpointing on, the default loss, 2,048 tokens, 30 steps at micro batch 1, else
    LONG_STEP_STEPS): LoRA 1x2k (and finetune with torch's default allocator, and finetune without DeepSpeed, against
-   the same baseline; both sides count their host syncs and collectives per step, finetune.train.syncs, as do both
+   the same baseline, and bench_hf with finetune's expandable segments against finetune; both sides count their host syncs and collectives per step, finetune.train.syncs, as do both
    sides of QLoRA 1x2k), full 1x2k, LoRA 4x2k, QLoRA 1x2k, full 4x2k (both
    sides under the profiler, finetune.train.profile: the largest kernels where MFU is judged; then finetune with
    the speed keys auto at 4 rows per step, profiled, against the same baseline); each pair's ratio of steady
@@ -104,7 +107,7 @@ class Case:
     profile: bool = False  # a finetune run under finetune.train.profile's window (bench_hf: its --profile)
     syncs: bool = False  # host syncs and collectives per step over the same window (finetune.train.syncs; bench_hf: --syncs)
     env: tuple[tuple[str, str], ...] = ()  # added to the run's environment
-    baseline: Optional[str] = None  # the bench_hf case a finetune case without one in its pair is compared with
+    baseline: Optional[str] = None  # finetune case: the bench_hf case it is compared with (none in its pair); bench_hf case: the finetune case compared with it
     estimate: float = 90.0  # seconds, until a run of the same tool measured one
 
 
@@ -129,6 +132,9 @@ def fixed(recipe: dict[str, Any], method: str = "lora", micro: int = 1, accumula
     out["method"] = method
     out["training"].update(micro_batch_size=micro, gradient_accumulation_steps=accumulation,
                            gradient_checkpointing=True, loss_kernel="default")
+    # each micro batch as long as its longest row, as the pairs before data.pad_to_multiple_of ran (bench_hf pads
+    # to a multiple of 8 with a mask, DataCollatorForSeq2Seq as LLaMA-Factory sets it)
+    out["data"].setdefault("pad_to_multiple_of", 1)
     out["deepspeed"] = engine if engine is not None else {
         # ZeRO-0 with torch's fused AdamW built by DeepSpeed: the optimizer LLaMA-Factory's template gets (the Trainer's)
         "enabled": True, "stage": 0, "overrides": {"optimizer": {"params": {"torch_adam": True, "fused": True}}}}
@@ -145,9 +151,42 @@ def fixed(recipe: dict[str, Any], method: str = "lora", micro: int = 1, accumula
 LONG_STEP_STEPS = 14
 
 
-def gpu_cases(model: str, data: Path, long_data: Path, steps: int) -> list[Case]:
+def write_varied_data(out: Path, rows: int, max_length: int) -> Path:
+    """Text rows of every length up to max_length tokens (about 1.3 tokens a word here), as SFT data has them: each
+    micro batch of one row is a new sequence length, where harness.write_text_data's rows are cut to max_length."""
+    import random
+
+    from finetune.builtin import demo_examples
+
+    path = out / "data" / f"varied_{max_length}.jsonl"
+    if path.is_file():
+        return path
+    words = " ".join(e["instruction"] + " " + e["output"] for e in demo_examples()).split()
+    rng = random.Random(1)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", encoding="utf-8") as f:
+        for _ in range(rows):
+            count = rng.randint(max_length // 16, max_length * 3 // 4)
+            f.write(json.dumps({"text": " ".join(rng.choice(words) for _ in range(count))}) + "\n")
+    return path
+
+
+def gpu_cases(model: str, data: Path, long_data: Path, steps: int, varied: Optional[Path] = None) -> list[Case]:
     base = base_recipe("speed", model, data, 2048, steps, cpu=False)
     cases = []
+    if varied is not None:
+        # Rows of every length at micro batch 1, the plain Trainer's path on both sides: each new length makes
+        # cuDNN's attention build its plans again on the host (finetune.data.packing.GPU_PAD_MULTIPLE). finetune with
+        # data.pad_to_multiple_of auto (64: at most 32 lengths) and with 1 (each row as long as it is), against
+        # bench_hf (DataCollatorForSeq2Seq: a multiple of 8, with a mask).
+        exact = fixed({**base, "name": "varied_exact", "data": {**base["data"], "path": str(varied)}}, "lora", 1,
+                      engine={"enabled": False})
+        padded = json.loads(json.dumps({**exact, "name": "varied_padded"}))
+        padded["data"]["pad_to_multiple_of"] = "auto"
+        cases.append(Case("varied_lora_1x_finetune", "finetune", padded, pair="varied_lora_1x"))
+        cases.append(Case("varied_lora_1x_bench_hf", "bench_hf", exact, ("--no-deepspeed",), pair="varied_lora_1x",
+                          estimate=70.0))
+        cases.append(Case("varied_lora_1x_finetune_exact", "finetune", exact, baseline="varied_lora_1x_bench_hf"))
     for label, method, micro in (("lora_1x2k", "lora", 1), ("full_1x2k", "full", 1), ("lora_4x2k", "lora", 4),
                                  ("qlora_1x2k", "qlora", 1), ("full_4x2k", "full", 4)):
         recipe = fixed({**base, "name": label}, method, micro)
@@ -170,6 +209,10 @@ def gpu_cases(model: str, data: Path, long_data: Path, steps: int) -> list[Case]
             cases.append(Case(f"{label}_finetune_default_allocator", "finetune", {**recipe, "name": f"{label}_cached"},
                               env=(("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False"),),
                               baseline=f"{label}_bench_hf"))
+            # and the baseline with finetune's setting: the H200's third run (2026-11-28) had finetune's median step
+            # 0.331 s with expandable segments and 0.257 s without, against bench_hf's 0.238 s (one run each)
+            cases.append(Case(f"{label}_bench_hf_expandable", "bench_hf", recipe, baseline=f"{label}_finetune",
+                              env=(("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True"),), estimate=70.0))
             # `auto` trains LoRA on one GPU without DeepSpeed (the plain Trainer, fewer host syncs per step), a choice
             # the issue asks to measure: the same recipe on that path, against the same baseline.
             cases.append(Case(f"{label}_finetune_no_deepspeed", "finetune",
@@ -344,6 +387,8 @@ def ratios(records: list[dict[str, Any]]) -> dict[str, Any]:
     for r in ok:
         if r["tool"] == "finetune" and r.get("baseline") in by_name:
             compared.append((r["name"], r, by_name[r["baseline"]]))
+        elif r["tool"] == "bench_hf" and r.get("baseline") in by_name:  # a baseline variant: that finetune case against it
+            compared.append((r["name"], by_name[r["baseline"]], r))
     for name, mine, theirs in compared:
         p50 = (theirs["step_seconds_p50"] / mine["step_seconds_p50"]
                if mine.get("step_seconds_p50") and theirs.get("step_seconds_p50") and mine.get("pair") != "auto" else None)
@@ -491,7 +536,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         model = str(harness.build_model("llama-1b", out))
         data = harness.write_text_data(out, steps * 8 * 2 + 64, 2048)
         long_data = harness.write_text_data(out, 64, 8192)
-        cases = gpu_cases(model, data, long_data, steps)
+        cases = gpu_cases(model, data, long_data, steps, write_varied_data(out, steps * 4 + 64, 2048))
     if args.only:
         cases = selected(cases, args.only)
     ops_seconds = None

@@ -4,6 +4,7 @@ appear in results.md. The harness end to end on CPU: tests/launches/test_gpu_spe
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 
 from tests.train_fixtures import REPO
@@ -40,14 +41,14 @@ def test_only_runs_the_named_cases_in_the_order_named(tmp_path):
 
 
 def test_the_next_runs_selection_leaves_out_what_it_names_with_a_minus(tmp_path):
-    """docs/gpu-acceptance.md's next command: the LoRA pair with its allocator variant, the QLoRA pair, the profiled
+    """The third H200 run's command (2026-11-28): the LoRA pair with its allocator variant, the QLoRA pair, the profiled
     full 4x2k pair (both sides under the profiler), the auto pair, then a memory row; not the plain profile."""
     module = gpu_speed()
     cases = module.gpu_cases("model", tmp_path / "d.jsonl", tmp_path / "long.jsonl", steps=30)
     chosen = module.selected(cases, "lora_1x2k,full_4x2k,8rows,memory_qlora,-bench_hf_profile")
     assert [c.name for c in chosen] == [
         "lora_1x2k_finetune", "lora_1x2k_bench_hf", "lora_1x2k_finetune_default_allocator",
-        "lora_1x2k_finetune_no_deepspeed", "qlora_1x2k_finetune",
+        "lora_1x2k_bench_hf_expandable", "lora_1x2k_finetune_no_deepspeed", "qlora_1x2k_finetune",
         "qlora_1x2k_bench_hf", "full_4x2k_finetune", "full_4x2k_bench_hf", "full_4x2k_finetune_auto",
         "lora_8rows_llama_factory_defaults",
         "lora_8rows_finetune_auto", "memory_qlora_8k"]
@@ -61,6 +62,37 @@ def test_the_next_runs_selection_leaves_out_what_it_names_with_a_minus(tmp_path)
     auto = by_name["full_4x2k_finetune_auto"]
     assert auto.profile and auto.baseline == "full_4x2k_bench_hf" and auto.recipe["method"] == "full"
     assert "micro_batch_size" not in auto.recipe["training"] and auto.recipe["training"]["max_steps"] == 14
+
+
+def test_the_next_run_measures_padding_rows_of_every_length_and_the_allocator_on_the_baseline(tmp_path):
+    """docs/gpu-acceptance.md's next command after the third H200 run: rows of every length (finetune padded to 64 by
+    auto, and exact, against bench_hf), the QLoRA pair, the LoRA pair with the allocator on either side, a memory
+    row. The fixed pairs keep each micro batch as long as its longest row, as they ran before."""
+    module = gpu_speed()
+    varied = module.write_varied_data(tmp_path, 200, 2048)
+    lengths = [len(json.loads(line)["text"].split()) for line in varied.read_text().splitlines()]
+    assert len(set(lengths)) > 150 and min(lengths) >= 2048 // 16 and max(lengths) <= 2048 * 3 // 4
+    cases = module.gpu_cases("model", tmp_path / "d.jsonl", tmp_path / "long.jsonl", steps=30, varied=varied)
+    chosen = module.selected(cases, "varied,qlora_1x2k,lora_1x2k,memory_qlora,-no_deepspeed,-profile")
+    assert [c.name for c in chosen] == [
+        "varied_lora_1x_finetune", "varied_lora_1x_bench_hf", "varied_lora_1x_finetune_exact",
+        "qlora_1x2k_finetune", "qlora_1x2k_bench_hf",
+        "lora_1x2k_finetune", "lora_1x2k_bench_hf", "lora_1x2k_finetune_default_allocator",
+        "lora_1x2k_bench_hf_expandable", "memory_qlora_8k"]
+    by_name = {c.name: c for c in chosen}
+    assert by_name["varied_lora_1x_finetune"].recipe["data"]["pad_to_multiple_of"] == "auto"
+    assert by_name["varied_lora_1x_finetune_exact"].recipe["data"]["pad_to_multiple_of"] == 1
+    assert by_name["varied_lora_1x_bench_hf"].bench_args == ("--no-deepspeed",)
+    assert by_name["lora_1x2k_finetune"].recipe["data"]["pad_to_multiple_of"] == 1
+    expandable = by_name["lora_1x2k_bench_hf_expandable"]
+    assert dict(expandable.env) == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    assert expandable.baseline == "lora_1x2k_finetune"
+    ratios = module.ratios([
+        {"name": "lora_1x2k_finetune", "tool": "finetune", "pair": "lora_1x2k", "steady_tokens_per_second": 1000,
+         "step_seconds_p50": 0.3},
+        {"name": "lora_1x2k_bench_hf_expandable", "tool": "bench_hf", "pair": None, "steady_tokens_per_second": 800,
+         "step_seconds_p50": 0.36, "baseline": "lora_1x2k_finetune"}])
+    assert ratios["lora_1x2k_bench_hf_expandable"]["ratio"] == 1.25
 
 
 def test_a_finetune_case_with_a_baseline_gets_a_ratio_and_pairs_compare_median_steps_too():
