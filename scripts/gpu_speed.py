@@ -519,6 +519,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     use_site()
     harness = acceptance()
     machine = harness.detect(args.cpu)
+    log(f"machine: {machine.gpus} x {machine.gpu_name} ({time.perf_counter() - begun:.0f} s from the start)")
     if not args.cpu and machine.cpu:
         log("no CUDA GPU visible (use --cpu to test the plumbing on CPU)")
         return 2
@@ -537,6 +538,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         data = harness.write_text_data(out, steps * 8 * 2 + 64, 2048)
         long_data = harness.write_text_data(out, 64, 8192)
         cases = gpu_cases(model, data, long_data, steps, write_varied_data(out, steps * 4 + 64, 2048))
+        log(f"model and data built ({time.perf_counter() - begun:.0f} s from the start)")  # the set-up's parts, timed
     if args.only:
         cases = selected(cases, args.only)
     ops_seconds = None
