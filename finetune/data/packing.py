@@ -89,8 +89,8 @@ def _segment_lengths(positions):
     return np.diff(np.append(starts, len(positions)))
 
 
-# What `data.pad_to_multiple_of: auto` is on a GPU (finetune.plan.auto.pad_choice): the widths a micro batch can take are the multiples of it, so
-# that the attention kernel sees few shapes. torch's SDPA on Hopper runs cuDNN's attention, whose plan cache
+# What `data.pad_to_multiple_of: auto` is on a GPU (finetune.plan.auto.pad_choice): the widths a micro batch can
+# take are the multiples of it, so that the attention kernel sees few shapes. torch's SDPA on Hopper runs cuDNN's attention, whose plan cache
 # (aten/src/ATen/native/cudnn/MHA.cpp) is keyed on the exact sizes: every new sequence length builds a forward
 # and a backward plan on the host (reported at hundreds of ms each: pytorch/pytorch#155958 and its opt-in
 # TORCH_CUDNN_SDPA_AVOID_RECOMPILE; sgl-project/sglang#4650). With rows of every length from 1 to 2,048 that is a
@@ -118,10 +118,15 @@ def gpu_pad_multiple(recipe: Any) -> tuple[int, str]:
                               "where the rows are of one length (not yet measured on a GPU: scripts/gpu_speed.py)")
 
 
+def width_limit(max_length: int) -> int:
+    """The widest a micro batch is padded to: data.max_length rounded up to 8, as wide as rows cut to max_length
+    made it before data.pad_to_multiple_of (what the plan sizes a step for)."""
+    return -(-max_length // 8) * 8
+
+
 def padded_width(longest: int, multiple: int, limit: int) -> int:
     """The width a micro batch whose longest row has `longest` tokens is padded to: a multiple of `multiple`,
-    but never past `limit` (data.max_length rounded up to 8, the widest batch the rows can make without
-    rounding), nor below the row itself."""
+    but never past `limit` (width_limit), nor below the row itself."""
     return max(longest, min(-(-longest // multiple) * multiple, limit))
 
 
@@ -164,7 +169,7 @@ class Collator:
         longest = int(lengths.max())
         even = not packed and not self.always_mask and int(lengths.min()) == longest
         width = padded_width(longest, self.bucket if even else max(self.multiple_of, self.bucket), self.limit)
-        unpadded = even and (width == longest or not self.mask_padding)  # no mask
+        maskless = even and (width == longest or not self.mask_padding)
         ids = np.full((len(rows), width), self.pad_token_id, dtype=np.int64)
         labels = np.full((len(rows), width), IGNORE_INDEX, dtype=np.int64)
         positions = np.zeros((len(rows), width), dtype=np.int64) if packed else None
@@ -177,7 +182,7 @@ class Collator:
         batch = {"input_ids": torch.from_numpy(ids), "labels": torch.from_numpy(labels)}
         if packed:
             batch["position_ids"] = torch.from_numpy(positions)
-        elif not unpadded:
+        elif not maskless:
             batch["attention_mask"] = torch.from_numpy((np.arange(width) < lengths[:, None]).astype(np.int64))
         if self.counts:
             squares = sum(_squares(_segment_lengths(positions[i, :n])) for i, n in enumerate(lengths.tolist())) \

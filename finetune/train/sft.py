@@ -55,7 +55,7 @@ class SftSteps:
         """(train, eval or None): tokenized by the launcher before this process started (finetune.run.start):
         memory-mapped, never made here."""
         from finetune.data.cache_root import tokenized_root
-        from finetune.data.packing import make_collator
+        from finetune.data.packing import make_collator, width_limit
         from finetune.data.prepare import load_prepared, mix_report
         from finetune.data.spec import DataSpec
         from finetune.data.tokenize import split_eval
@@ -76,7 +76,7 @@ class SftSteps:
         collator = make_collator(tokenizer.pad_token_id, recipe.model.attn_implementation, recipe.data.packing,
                                  recipe.data.padding_free, counts=self.host_counts,
                                  bucket=recipe.data.pad_to_multiple_of,
-                                 limit=-(-recipe.data.max_length // 8) * 8,
+                                 limit=width_limit(recipe.data.max_length),
                                  mask_padding=moe_identity(model_path) is not None)
         collator = parallel.wrap_collator(collator, args_kwargs, tokenizer.pad_token_id, recipe, on_cpu)
         self.images, self.image_processor = vision_collator(recipe, model_path, tokenizer)  # a VLM: pixels too (issue 38)
