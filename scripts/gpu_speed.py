@@ -10,10 +10,11 @@ background while the model and data are built; the first timed run waits for
 it: on 2026-11-27 an H200 ran the first pair while it compiled, and that pair's finetune side, launch-bound at micro
 batch 1, measured 0.55 of its baseline with p90 steps 4x its p50), builds a Llama-3.2-1B-shaped model with random
 weights and synthetic text (scripts/gpu_acceptance.py), then runs, in this order:
-0. rows of every length at micro batch 1 without DeepSpeed (write_varied_data): finetune with
+0. rows of every length at micro batch 1 without DeepSpeed (write_varied_data, VARIED_STEPS): finetune with
    data.pad_to_multiple_of auto (64 on a GPU) and with 1, against bench_hf (a multiple of 8 and a mask): what cuDNN's
    attention costs when every new length builds its plans again;
-1. pairs at identical settings (data.pad_to_multiple_of 1: each micro batch as long as its longest row), `finetune train` against scripts/bench_hf.py (DeepSpeed ZeRO-0 both: finetune's
+1. pairs at identical settings (data.pad_to_multiple_of 1: each micro batch as long as its longest row), `finetune
+   train` against scripts/bench_hf.py (DeepSpeed ZeRO-0 both: finetune's
    rendered config with torch's fused AdamW, bench_hf LLaMA-Factory's ds_z0_config.json whose client optimizer is the
    Trainer's torch fused AdamW; checkpointing on, the default loss, 2,048 tokens, 30 steps at micro batch 1, else
    LONG_STEP_STEPS): LoRA 1x2k (and finetune with torch's default allocator, and finetune without DeepSpeed, against
@@ -151,9 +152,16 @@ def fixed(recipe: dict[str, Any], method: str = "lora", micro: int = 1, accumula
 LONG_STEP_STEPS = 14
 
 
+# Steps of the rows-of-every-length cases: their lengths fall in 16 multiples of 64 (VARIED_TOKENS), so that past the
+# first ~16 steps a padded run meets lengths it has planned, while an exact one meets a new length nearly every step.
+VARIED_STEPS = 60
+VARIED_TOKENS = (1024, 2048)
+TOKENS_PER_WORD = 1.3  # the harness's tokenizer on these words: 2,902,796 tokens from 544 rows of 4,096 (2026-11-28)
+
+
 def write_varied_data(out: Path, rows: int, max_length: int) -> Path:
-    """Text rows of every length up to max_length tokens (about 1.3 tokens a word here), as SFT data has them: each
-    micro batch of one row is a new sequence length, where harness.write_text_data's rows are cut to max_length."""
+    """Text rows of lengths spread evenly over VARIED_TOKENS (scaled to max_length), as SFT data has them: each micro
+    batch of one row has a length of its own, where harness.write_text_data's rows are mostly cut to max_length."""
     import random
 
     from finetune.builtin import demo_examples
@@ -166,7 +174,8 @@ def write_varied_data(out: Path, rows: int, max_length: int) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", encoding="utf-8") as f:
         for _ in range(rows):
-            count = rng.randint(max_length // 16, max_length * 3 // 4)
+            tokens = rng.randint(max_length * VARIED_TOKENS[0] // VARIED_TOKENS[1], max_length - 16)
+            count = int(tokens / TOKENS_PER_WORD)
             f.write(json.dumps({"text": " ".join(rng.choice(words) for _ in range(count))}) + "\n")
     return path
 
@@ -177,10 +186,11 @@ def gpu_cases(model: str, data: Path, long_data: Path, steps: int, varied: Optio
     if varied is not None:
         # Rows of every length at micro batch 1, the plain Trainer's path on both sides: each new length makes
         # cuDNN's attention build its plans again on the host (finetune.data.packing.GPU_PAD_MULTIPLE). finetune with
-        # data.pad_to_multiple_of auto (64: at most 32 lengths) and with 1 (each row as long as it is), against
-        # bench_hf (DataCollatorForSeq2Seq: a multiple of 8, with a mask).
+        # data.pad_to_multiple_of auto (64: 16 lengths in VARIED_TOKENS) and with 1 (each row as long as it is),
+        # against bench_hf (DataCollatorForSeq2Seq: a multiple of 8, with a mask).
         exact = fixed({**base, "name": "varied_exact", "data": {**base["data"], "path": str(varied)}}, "lora", 1,
                       engine={"enabled": False})
+        exact["training"]["max_steps"] = VARIED_STEPS
         padded = json.loads(json.dumps({**exact, "name": "varied_padded"}))
         padded["data"]["pad_to_multiple_of"] = "auto"
         cases.append(Case("varied_lora_1x_finetune", "finetune", padded, pair="varied_lora_1x"))
@@ -537,7 +547,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         model = str(harness.build_model("llama-1b", out))
         data = harness.write_text_data(out, steps * 8 * 2 + 64, 2048)
         long_data = harness.write_text_data(out, 64, 8192)
-        cases = gpu_cases(model, data, long_data, steps, write_varied_data(out, steps * 4 + 64, 2048))
+        cases = gpu_cases(model, data, long_data, steps, write_varied_data(out, VARIED_STEPS * 2 + 64, 2048))
         log(f"model and data built ({time.perf_counter() - begun:.0f} s from the start)")  # the set-up's parts, timed
     if args.only:
         cases = selected(cases, args.only)

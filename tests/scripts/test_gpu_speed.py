@@ -70,8 +70,10 @@ def test_the_next_run_measures_padding_rows_of_every_length_and_the_allocator_on
     row. The fixed pairs keep each micro batch as long as its longest row, as they ran before."""
     module = gpu_speed()
     varied = module.write_varied_data(tmp_path, 200, 2048)
-    lengths = [len(json.loads(line)["text"].split()) for line in varied.read_text().splitlines()]
-    assert len(set(lengths)) > 150 and min(lengths) >= 2048 // 16 and max(lengths) <= 2048 * 3 // 4
+    words = [len(json.loads(line)["text"].split()) for line in varied.read_text().splitlines()]
+    tokens = [n * module.TOKENS_PER_WORD for n in words]  # within a token or two of each row's length
+    assert len(set(words)) > 150 and min(tokens) >= 1024 - 2 and max(tokens) <= 2048 - 16
+    assert len({int(t) // 64 for t in tokens}) == 16  # the lengths a padded run meets
     cases = module.gpu_cases("model", tmp_path / "d.jsonl", tmp_path / "long.jsonl", steps=30, varied=varied)
     chosen = module.selected(cases, "varied,qlora_1x2k,lora_1x2k,memory_qlora,-no_deepspeed,-profile")
     assert [c.name for c in chosen] == [
@@ -83,6 +85,7 @@ def test_the_next_run_measures_padding_rows_of_every_length_and_the_allocator_on
     assert by_name["varied_lora_1x_finetune"].recipe["data"]["pad_to_multiple_of"] == "auto"
     assert by_name["varied_lora_1x_finetune_exact"].recipe["data"]["pad_to_multiple_of"] == 1
     assert by_name["varied_lora_1x_bench_hf"].bench_args == ("--no-deepspeed",)
+    assert {c.recipe["training"]["max_steps"] for c in chosen if c.name.startswith("varied")} == {module.VARIED_STEPS}
     assert by_name["lora_1x2k_finetune"].recipe["data"]["pad_to_multiple_of"] == 1
     expandable = by_name["lora_1x2k_bench_hf_expandable"]
     assert dict(expandable.env) == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
