@@ -13,7 +13,7 @@ weights and synthetic text (scripts/gpu_acceptance.py), then runs, in this order
 0. rows of every length at micro batch 1 without DeepSpeed (write_varied_data, VARIED_STEPS): finetune with
    data.pad_to_multiple_of auto (64 on a GPU) and with 1, against bench_hf (a multiple of 8 and a mask): what cuDNN's
    attention costs when every new length builds its plans again;
-1. pairs at identical settings (data.pad_to_multiple_of 1: each micro batch as long as its longest row), `finetune
+1. pairs at identical settings (data.pad_to_multiple_of 8: the widths of bench_hf's batches), `finetune
    train` against scripts/bench_hf.py (DeepSpeed ZeRO-0 both: finetune's
    rendered config with torch's fused AdamW, bench_hf LLaMA-Factory's ds_z0_config.json whose client optimizer is the
    Trainer's torch fused AdamW; checkpointing on, the default loss, 2,048 tokens, 30 steps at micro batch 1, else
@@ -133,9 +133,10 @@ def fixed(recipe: dict[str, Any], method: str = "lora", micro: int = 1, accumula
     out["method"] = method
     out["training"].update(micro_batch_size=micro, gradient_accumulation_steps=accumulation,
                            gradient_checkpointing=True, loss_kernel="default")
-    # each micro batch as long as its longest row, as the pairs before data.pad_to_multiple_of ran (bench_hf pads
-    # to a multiple of 8 with a mask, DataCollatorForSeq2Seq as LLaMA-Factory sets it)
-    out["data"].setdefault("pad_to_multiple_of", 1)
+    # the widths bench_hf's batches have (DataCollatorForSeq2Seq with pad_to_multiple_of=8, as LLaMA-Factory sets
+    # it): the same shapes on both sides. Before data.pad_to_multiple_of (runs up to 2026-11-28) finetune's row of
+    # one length was as long as it is, one of 8 tokens less on average.
+    out["data"].setdefault("pad_to_multiple_of", 8)
     out["deepspeed"] = engine if engine is not None else {
         # ZeRO-0 with torch's fused AdamW built by DeepSpeed: the optimizer LLaMA-Factory's template gets (the Trainer's)
         "enabled": True, "stage": 0, "overrides": {"optimizer": {"params": {"torch_adam": True, "fused": True}}}}
@@ -188,7 +189,8 @@ def gpu_cases(model: str, data: Path, long_data: Path, steps: int, varied: Optio
         # cuDNN's attention build its plans again on the host (finetune.data.packing.GPU_PAD_MULTIPLE). finetune with
         # data.pad_to_multiple_of auto (64: 16 lengths in VARIED_TOKENS) and with 1 (each row as long as it is),
         # against bench_hf (DataCollatorForSeq2Seq: a multiple of 8, with a mask).
-        exact = fixed({**base, "name": "varied_exact", "data": {**base["data"], "path": str(varied)}}, "lora", 1,
+        exact = fixed({**base, "name": "varied_exact", "data": {**base["data"], "path": str(varied),
+                                                                 "pad_to_multiple_of": 1}}, "lora", 1,
                       engine={"enabled": False})
         exact["training"]["max_steps"] = VARIED_STEPS
         padded = json.loads(json.dumps({**exact, "name": "varied_padded"}))

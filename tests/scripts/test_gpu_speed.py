@@ -67,7 +67,7 @@ def test_the_next_runs_selection_leaves_out_what_it_names_with_a_minus(tmp_path)
 def test_the_next_run_measures_padding_rows_of_every_length_and_the_allocator_on_the_baseline(tmp_path):
     """docs/gpu-acceptance.md's next command after the third H200 run: rows of every length (finetune padded to 64 by
     auto, and exact, against bench_hf), the QLoRA pair, the LoRA pair with the allocator on either side, a memory
-    row. The fixed pairs keep each micro batch as long as its longest row, as they ran before."""
+    row. The fixed pairs pad to a multiple of 8, as bench_hf's collator does."""
     module = gpu_speed()
     varied = module.write_varied_data(tmp_path, 200, 2048)
     words = [len(json.loads(line)["text"].split()) for line in varied.read_text().splitlines()]
@@ -86,7 +86,7 @@ def test_the_next_run_measures_padding_rows_of_every_length_and_the_allocator_on
     assert by_name["varied_lora_1x_finetune_exact"].recipe["data"]["pad_to_multiple_of"] == 1
     assert by_name["varied_lora_1x_bench_hf"].bench_args == ("--no-deepspeed",)
     assert {c.recipe["training"]["max_steps"] for c in chosen if c.name.startswith("varied")} == {module.VARIED_STEPS}
-    assert by_name["lora_1x2k_finetune"].recipe["data"]["pad_to_multiple_of"] == 1
+    assert by_name["lora_1x2k_finetune"].recipe["data"]["pad_to_multiple_of"] == 8  # bench_hf's widths
     expandable = by_name["lora_1x2k_bench_hf_expandable"]
     assert dict(expandable.env) == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
     assert expandable.baseline == "lora_1x2k_finetune"
