@@ -70,6 +70,10 @@ def test_collators_count_trained_tokens_and_squared_lengths_on_the_host():
     packed = [{"input_ids": [1] * 7, "labels": [1] * 7, "position_ids": [0, 1, 2, 0, 1, 2, 3]}]
     assert Collator(0, counts=True)(packed)[COUNTS_KEY] == (7, 3 * 3 + 4 * 4)
     assert FlatteningCollator(False, counts=True)(packed)[COUNTS_KEY] == (7, 3 * 3 + 4 * 4)
+    # padded to a multiple for the GPU (data.pad_to_multiple_of): the counts are still the rows' own tokens
+    bucketed = Collator(0, counts=True, bucket=64)
+    assert bucketed(rows)[COUNTS_KEY] == (13, 3 * 3 + 10 * 10) and bucketed(rows)["input_ids"].shape == (2, 64)
+    assert bucketed(packed)[COUNTS_KEY] == (7, 3 * 3 + 4 * 4) and bucketed(rows[1:])["input_ids"].shape == (1, 64)
 
 
 # ------------------------------------------------------------------------------------------------
