@@ -188,18 +188,22 @@ def build_model(name: str, out: Path) -> Path:
 def write_text_data(out: Path, rows: int, max_length: int) -> Path:
     """Synthetic `text` rows long enough to fill max_length tokens each (packing on or off then trains
     on the same number of tokens per sequence)."""
+    return write_words(out / "data" / f"text_{max_length}.jsonl", rows, lambda rng: max_length * 2, seed=0)
+
+
+def write_words(path: Path, rows: int, words_in_row, seed: int) -> Path:
+    """`rows` text rows of the demo's words drawn at random, `words_in_row(rng)` words each (kept if already there)."""
     from finetune.builtin import demo_examples
 
-    path = out / "data" / f"text_{max_length}.jsonl"
     if path.is_file():
         return path
     words = " ".join(e["instruction"] + " " + e["output"] for e in demo_examples()).split()
-    rng = random.Random(0)
+    rng = random.Random(seed)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
     with tmp.open("w", encoding="utf-8") as f:
         for _ in range(rows):
-            f.write(json.dumps({"text": " ".join(rng.choice(words) for _ in range(max_length * 2))}) + "\n")
+            f.write(json.dumps({"text": " ".join(rng.choice(words) for _ in range(words_in_row(rng)))}) + "\n")
     os.replace(tmp, path)
     return path
 

@@ -163,22 +163,9 @@ TOKENS_PER_WORD = 1.3  # the harness's tokenizer on these words: 2,902,796 token
 def write_varied_data(out: Path, rows: int, max_length: int) -> Path:
     """Text rows of lengths spread evenly over VARIED_TOKENS (scaled to max_length), as SFT data has them: each micro
     batch of one row has a length of its own, where harness.write_text_data's rows are mostly cut to max_length."""
-    import random
-
-    from finetune.builtin import demo_examples
-
-    path = out / "data" / f"varied_{max_length}.jsonl"
-    if path.is_file():
-        return path
-    words = " ".join(e["instruction"] + " " + e["output"] for e in demo_examples()).split()
-    rng = random.Random(1)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", encoding="utf-8") as f:
-        for _ in range(rows):
-            tokens = rng.randint(max_length * VARIED_TOKENS[0] // VARIED_TOKENS[1], max_length - 16)
-            count = int(tokens / TOKENS_PER_WORD)
-            f.write(json.dumps({"text": " ".join(rng.choice(words) for _ in range(count))}) + "\n")
-    return path
+    low = max_length * VARIED_TOKENS[0] // VARIED_TOKENS[1]
+    return acceptance().write_words(out / "data" / f"varied_{max_length}.jsonl", rows,
+                                    lambda rng: int(rng.randint(low, max_length - 16) / TOKENS_PER_WORD), seed=1)
 
 
 def gpu_cases(model: str, data: Path, long_data: Path, steps: int, varied: Optional[Path] = None) -> list[Case]:

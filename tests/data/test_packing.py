@@ -87,8 +87,6 @@ def test_rows_of_one_length_go_unpadded_without_a_mask_and_train_the_same(models
     """Issue 35: a mask over rows that need no padding made transformers read it on the host every forward (a
     GPU sync) and, padding one row to a multiple of 8, kept SDPA off its flash kernel. Rows of one length now
     go as they are, without a mask; the loss and the gradients are those of the masked batch."""
-    import torch
-
     from finetune.data.packing import Collator
 
     rows = [r for r in micro_batch(tokenizer, "padding_free", 24) if len(r["input_ids"]) % 8][:1]
@@ -100,26 +98,33 @@ def test_rows_of_one_length_go_unpadded_without_a_mask_and_train_the_same(models
     uneven = Collator(tokenizer.pad_token_id)(micro_batch(tokenizer, "padding_free", 3))
     assert "attention_mask" in uneven and uneven["input_ids"].shape[1] % 8 == 0
 
-    model = models[attn]
+    trains_the_same(models[attn], plain, masked)
+
+
+def trains_the_same(model, one: dict, other: dict) -> None:
+    """The two batches give the model the same loss and the same gradient on every parameter."""
+    import torch
+
     results = []
-    for batch in (plain, masked):
+    for batch in (one, other):
         model.zero_grad()
         loss = model(**batch, use_cache=False).loss
         loss.backward()
-        results.append((loss.detach(), model.lm_head.weight.grad.clone()))
-    torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(results[0][1], results[1][1], rtol=1e-4, atol=1e-6)
+        results.append((loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]))
     model.zero_grad()
+    torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-5, atol=1e-6)
+    assert len(results[0][1]) == len(results[1][1])
+    for a, b in zip(results[0][1], results[1][1]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 def test_rows_padded_to_a_multiple_for_the_gpu_train_the_same_without_a_mask(models, tokenizer, attn):  # noqa: F811
-    """data.pad_to_multiple_of (auto: 64 on a GPU, finetune.plan.auto.pad_choice): a row of one length padded at its end to the multiple gets no
-    mask, since no real token of a causal model attends to a later position, and its padding's labels are -100:
-    the loss and the gradients are the unpadded row's. Rows of different lengths are padded to the multiple too,
-    masked; the width never passes data.max_length rounded up to 8; a mixture of experts' padded row is masked."""
-    import torch
-
+    """data.pad_to_multiple_of (auto: 64 on a GPU, finetune.plan.auto.pad_choice): a row of one length padded at
+    its end to the multiple gets no mask, since no real token of a causal model attends to a later position, and
+    its padding's labels are -100: the loss and the gradients are the unpadded row's. Rows of different lengths are
+    padded to the multiple too, masked; the width never passes data.max_length rounded up to 8; a mixture of
+    experts' padded row is masked."""
     from finetune.data.packing import Collator
 
     rows = [r for r in micro_batch(tokenizer, "padding_free", 24) if len(r["input_ids"]) % 16][:1]
@@ -136,17 +141,7 @@ def test_rows_padded_to_a_multiple_for_the_gpu_train_the_same_without_a_mask(mod
     uneven = Collator(tokenizer.pad_token_id, bucket=16)(micro_batch(tokenizer, "padding_free", 3))
     assert "attention_mask" in uneven and uneven["input_ids"].shape[1] % 16 == 0
 
-    model = models[attn]
-    results = []
-    for batch in (plain, bucketed):
-        model.zero_grad()
-        loss = model(**batch, use_cache=False).loss
-        loss.backward()
-        results.append((loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]))
-    torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-5, atol=1e-6)
-    for a, b in zip(results[0][1], results[1][1]):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
-    model.zero_grad()
+    trains_the_same(models[attn], plain, bucketed)
 
 
 # ------------------------------------------------------------------------------------------------
