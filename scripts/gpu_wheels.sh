@@ -21,7 +21,8 @@ platforms=(--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --p
     bitsandbytes==0.50.2 \
     pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 \
     ruamel.yaml==0.19.1 ruamel.yaml.clib==0.2.15 hjson==3.1.0 orjson==3.13.0 \
-    trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19
+    trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 \
+    liger-kernel==0.8.5
 # DeepSpeed is published as an sdist only: a pure-Python wheel of it (its ops are compiled on the GPU machine).
 DS_BUILD_OPS=0 "$PYTHON" -m pip wheel -q --no-deps --no-build-isolation -w "$OUT" deepspeed==0.19.8
 # The commit the working tree is sent from (the GPU machine's .git is the last landed commit's); "+changes" when the

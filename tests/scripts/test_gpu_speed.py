@@ -90,6 +90,11 @@ def test_the_next_run_measures_padding_rows_of_every_length_and_the_allocator_on
     expandable = by_name["lora_1x2k_bench_hf_expandable"]
     assert dict(expandable.env) == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
     assert expandable.baseline == "lora_1x2k_finetune"
+    second = module.selected(cases, "liger,full_4x2k_bench_hf,memory_qlora")  # the second command, warm machine
+    assert [c.name for c in second] == ["liger_4x2k_full_finetune", "full_4x2k_bench_hf", "memory_qlora_8k"]
+    liger = second[0]
+    assert liger.recipe["training"]["loss_kernel"] == "liger" and liger.profile
+    assert liger.baseline == "full_4x2k_bench_hf" and liger.recipe["training"]["micro_batch_size"] == 4
     ratios = module.ratios([
         {"name": "lora_1x2k_finetune", "tool": "finetune", "pair": "lora_1x2k", "steady_tokens_per_second": 1000,
          "step_seconds_p50": 0.3},
