@@ -134,6 +134,8 @@ def test_auto_pads_micro_batches_to_few_lengths_on_a_gpu_only():
     assert resolve(dpo, gpu).recipe.data.pad_to_multiple_of == 1
     flat = Recipe.model_validate({"model": {"name_or_path": "qwen2.5-0.5b"}, "data": {"path": "org/d", "padding_free": True}})
     assert resolve(flat, gpu).recipe.data.pad_to_multiple_of == 1
+    vlm = Recipe.model_validate({"model": {"name_or_path": "Qwen/Qwen2.5-VL-7B-Instruct"}, "data": {"path": "org/d"}})
+    assert resolve(vlm, gpu).recipe.data.pad_to_multiple_of == 1  # the vision collator pads its own batches
     written = Recipe.model_validate({"model": {"name_or_path": "qwen2.5-0.5b"},
                                      "data": {"path": "org/d", "pad_to_multiple_of": 8}})
     assert "data.pad_to_multiple_of" not in written.auto_keys and resolve(written, gpu).recipe.data.pad_to_multiple_of == 8

@@ -109,6 +109,10 @@ def gpu_pad_multiple(recipe: Any) -> tuple[int, str]:
         return 1, f"objective {recipe.objective}: TRL's collator pads its rows"
     if data.padding_free:
         return 1, "padding_free: one row of the micro batch's examples end to end, not padded"
+    from finetune.vision_models import recipe_vision
+
+    if recipe_vision(recipe) is not None:
+        return 1, "a vision-language model: its collator pads each batch with its images (finetune.train.vlm_collator)"
     widths = -(-data.max_length // GPU_PAD_MULTIPLE)
     return GPU_PAD_MULTIPLE, (f"a GPU: each micro batch padded at its end to a multiple of {GPU_PAD_MULTIPLE} tokens, so "
                               f"the attention kernel sees at most {widths} length{'s' if widths != 1 else ''} up to max_length "
