@@ -49,7 +49,8 @@ def test_the_next_runs_selection_leaves_out_what_it_names_with_a_minus(tmp_path)
     assert [c.name for c in chosen] == [
         "lora_1x2k_finetune", "lora_1x2k_bench_hf", "lora_1x2k_finetune_default_allocator",
         "lora_1x2k_bench_hf_expandable", "lora_1x2k_finetune_no_deepspeed", "qlora_1x2k_finetune",
-        "qlora_1x2k_bench_hf", "full_4x2k_finetune", "full_4x2k_bench_hf", "full_4x2k_finetune_auto",
+        "qlora_1x2k_bench_hf", "qlora_1x2k_finetune_default_allocator", "qlora_1x2k_bench_hf_expandable",
+        "qlora_1x2k_finetune_no_deepspeed", "full_4x2k_finetune", "full_4x2k_bench_hf", "full_4x2k_finetune_auto",
         "lora_8rows_llama_factory_defaults",
         "lora_8rows_finetune_auto", "memory_qlora_8k"]
     by_name = {c.name: c for c in chosen}
@@ -66,8 +67,8 @@ def test_the_next_runs_selection_leaves_out_what_it_names_with_a_minus(tmp_path)
 
 def test_the_next_run_measures_padding_rows_of_every_length_and_the_allocator_on_the_baseline(tmp_path):
     """docs/gpu-acceptance.md's next command after the third H200 run: rows of every length (finetune padded to 64 by
-    auto, and exact, against bench_hf), the QLoRA pair, the LoRA pair with the allocator on either side, a memory
-    row. The fixed pairs pad to a multiple of 8, as bench_hf's collator does."""
+    auto, and exact, against bench_hf), the QLoRA pair with the allocator on either side and without DeepSpeed, a
+    memory row. The fixed pairs pad to a multiple of 8, as bench_hf's collator does."""
     module = gpu_speed()
     varied = module.write_varied_data(tmp_path, 200, 2048)
     words = [len(json.loads(line)["text"].split()) for line in varied.read_text().splitlines()]
@@ -75,13 +76,16 @@ def test_the_next_run_measures_padding_rows_of_every_length_and_the_allocator_on
     assert len(set(words)) > 150 and min(tokens) >= 1024 - 2 and max(tokens) <= 2048 - 16
     assert len({int(t) // 64 for t in tokens}) == 16  # the lengths a padded run meets
     cases = module.gpu_cases("model", tmp_path / "d.jsonl", tmp_path / "long.jsonl", steps=30, varied=varied)
-    chosen = module.selected(cases, "varied,qlora_1x2k,lora_1x2k,memory_qlora,-no_deepspeed,-profile")
+    chosen = module.selected(cases, "varied,qlora_1x2k,memory_qlora,-profile")
     assert [c.name for c in chosen] == [
         "varied_lora_1x_finetune", "varied_lora_1x_bench_hf", "varied_lora_1x_finetune_exact",
-        "qlora_1x2k_finetune", "qlora_1x2k_bench_hf",
-        "lora_1x2k_finetune", "lora_1x2k_bench_hf", "lora_1x2k_finetune_default_allocator",
-        "lora_1x2k_bench_hf_expandable", "memory_qlora_8k"]
+        "qlora_1x2k_finetune", "qlora_1x2k_bench_hf", "qlora_1x2k_finetune_default_allocator",
+        "qlora_1x2k_bench_hf_expandable", "qlora_1x2k_finetune_no_deepspeed", "memory_qlora_8k"]
     by_name = {c.name: c for c in chosen}
+    assert by_name["qlora_1x2k_finetune_no_deepspeed"].recipe["method"] == "qlora"
+    assert by_name["qlora_1x2k_finetune_no_deepspeed"].recipe["deepspeed"] == {"enabled": False}
+    by_name["lora_1x2k_finetune"] = next(c for c in cases if c.name == "lora_1x2k_finetune")
+    by_name["lora_1x2k_bench_hf_expandable"] = next(c for c in cases if c.name == "lora_1x2k_bench_hf_expandable")
     assert by_name["varied_lora_1x_finetune"].recipe["data"]["pad_to_multiple_of"] == "auto"
     assert by_name["varied_lora_1x_finetune_exact"].recipe["data"]["pad_to_multiple_of"] == 1
     assert by_name["varied_lora_1x_bench_hf"].bench_args == ("--no-deepspeed",)
