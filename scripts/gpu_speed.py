@@ -13,15 +13,15 @@ weights and synthetic text (scripts/gpu_acceptance.py), then runs, in this order
 0. rows of every length at micro batch 1 without DeepSpeed (write_varied_data, VARIED_STEPS): finetune with
    data.pad_to_multiple_of auto (64 on a GPU) and with 1, against bench_hf (a multiple of 8 and a mask): what cuDNN's
    attention costs when every new length builds its plans again;
-1. pairs at identical settings (data.pad_to_multiple_of 8: the widths of bench_hf's batches), `finetune
-   train` against scripts/bench_hf.py (DeepSpeed ZeRO-0 both: finetune's
-   rendered config with torch's fused AdamW, bench_hf LLaMA-Factory's ds_z0_config.json whose client optimizer is the
-   Trainer's torch fused AdamW; checkpointing on, the default loss, 2,048 tokens, 30 steps at micro batch 1, else
-   LONG_STEP_STEPS): LoRA 1x2k (and finetune with torch's default allocator, and finetune without DeepSpeed, against
-   the same baseline, and bench_hf with finetune's expandable segments against finetune; both sides count their host syncs and collectives per step, finetune.train.syncs, as do both
-   sides of QLoRA 1x2k), full 1x2k, LoRA 4x2k, QLoRA 1x2k, full 4x2k (both
-   sides under the profiler, finetune.train.profile: the largest kernels where MFU is judged; then finetune with
-   the speed keys auto at 4 rows per step, profiled, against the same baseline); each pair's ratio of steady
+1. pairs at identical settings (data.pad_to_multiple_of 8: the widths of bench_hf's batches), `finetune train`
+   against scripts/bench_hf.py (DeepSpeed ZeRO-0 both: finetune's rendered config with torch's fused AdamW, bench_hf
+   LLaMA-Factory's ds_z0_config.json whose client optimizer is the Trainer's torch fused AdamW; checkpointing on,
+   the default loss, 2,048 tokens, 30 steps at micro batch 1, else LONG_STEP_STEPS): LoRA 1x2k and QLoRA 1x2k (each
+   also: finetune with torch's default allocator, and finetune without DeepSpeed, against the same baseline, and
+   bench_hf with finetune's expandable segments against finetune; both sides count their host syncs and collectives
+   per step, finetune.train.syncs), full 1x2k, LoRA 4x2k, full 4x2k (both sides under the profiler,
+   finetune.train.profile: the largest kernels where MFU is judged; then finetune with Liger-Kernel, and with the
+   speed keys auto at 4 rows per step, both profiled, against the same baseline); each pair's ratio of steady
    tokens/s and of median step times;
 2. bench_hf --no-deepspeed --profile (LoRA 1x2k): the plain Trainer's GPU-busy share and its largest kernels;
 3. finetune with every speed key auto against the same recipe with LLaMA-Factory's defaults (bench_hf without
@@ -108,7 +108,9 @@ class Case:
     profile: bool = False  # a finetune run under finetune.train.profile's window (bench_hf: its --profile)
     syncs: bool = False  # host syncs and collectives per step over the same window (finetune.train.syncs; bench_hf: --syncs)
     env: tuple[tuple[str, str], ...] = ()  # added to the run's environment
-    baseline: Optional[str] = None  # finetune case: the bench_hf case it is compared with (none in its pair); bench_hf case: the finetune case compared with it
+    # finetune case: the bench_hf case it is compared with (none in its pair); bench_hf case: the finetune case
+    # compared with it (a baseline variant)
+    baseline: Optional[str] = None
     estimate: float = 90.0  # seconds, until a run of the same tool measured one
 
 
@@ -393,7 +395,7 @@ def ratios(records: list[dict[str, Any]]) -> dict[str, Any]:
     for r in ok:
         if r["tool"] == "finetune" and r.get("baseline") in by_name:
             compared.append((r["name"], r, by_name[r["baseline"]]))
-        elif r["tool"] == "bench_hf" and r.get("baseline") in by_name:  # a baseline variant: that finetune case against it
+        elif r["tool"] == "bench_hf" and r.get("baseline") in by_name:  # a baseline variant: that finetune case
             compared.append((r["name"], by_name[r["baseline"]], r))
     for name, mine, theirs in compared:
         p50 = (theirs["step_seconds_p50"] / mine["step_seconds_p50"]

@@ -132,15 +132,18 @@ def test_auto_pads_micro_batches_to_few_lengths_on_a_gpu_only():
     dpo = Recipe.model_validate({"model": {"name_or_path": "qwen2.5-0.5b"}, "objective": "dpo",
                                  "data": {"path": "org/d"}})
     assert resolve(dpo, gpu).recipe.data.pad_to_multiple_of == 1
-    flat = Recipe.model_validate({"model": {"name_or_path": "qwen2.5-0.5b"}, "data": {"path": "org/d", "padding_free": True}})
+    flat = Recipe.model_validate({"model": {"name_or_path": "qwen2.5-0.5b"},
+                                  "data": {"path": "org/d", "padding_free": True}})
     assert resolve(flat, gpu).recipe.data.pad_to_multiple_of == 1
     vlm = Recipe.model_validate({"model": {"name_or_path": "Qwen/Qwen2.5-VL-7B-Instruct"}, "data": {"path": "org/d"}})
     assert resolve(vlm, gpu).recipe.data.pad_to_multiple_of == 1  # the vision collator pads its own batches
     written = Recipe.model_validate({"model": {"name_or_path": "qwen2.5-0.5b"},
                                      "data": {"path": "org/d", "pad_to_multiple_of": 8}})
-    assert "data.pad_to_multiple_of" not in written.auto_keys and resolve(written, gpu).recipe.data.pad_to_multiple_of == 8
+    assert "data.pad_to_multiple_of" not in written.auto_keys
+    assert resolve(written, gpu).recipe.data.pad_to_multiple_of == 8
     with pytest.raises(ValueError, match="a number of tokens from 1 to 4,096"):
-        Recipe.model_validate({"model": {"name_or_path": "qwen2.5-0.5b"}, "data": {"path": "org/d", "pad_to_multiple_of": 0}})
+        Recipe.model_validate({"model": {"name_or_path": "qwen2.5-0.5b"},
+                               "data": {"path": "org/d", "pad_to_multiple_of": 0}})
 
 
 def test_auto_on_one_gpu_trains_faster_within_the_bound_and_keeps_the_rows_per_step():

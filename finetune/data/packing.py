@@ -90,8 +90,8 @@ def _segment_lengths(positions):
 
 
 # What `data.pad_to_multiple_of: auto` is on a GPU (finetune.plan.auto.pad_choice): the widths a micro batch can
-# take are the multiples of it, so that the attention kernel sees few shapes. torch's SDPA on Hopper runs cuDNN's attention, whose plan cache
-# (aten/src/ATen/native/cudnn/MHA.cpp) is keyed on the exact sizes: every new sequence length builds a forward
+# take are the multiples of it, so that the attention kernel sees few shapes. torch's SDPA on Hopper runs cuDNN's
+# attention, whose plan cache (aten/src/ATen/native/cudnn/MHA.cpp) is keyed on the exact sizes: every new sequence length builds a forward
 # and a backward plan on the host (reported at hundreds of ms each: pytorch/pytorch#155958 and its opt-in
 # TORCH_CUDNN_SDPA_AVOID_RECOMPILE; sgl-project/sglang#4650). With rows of every length from 1 to 2,048 that is a
 # build on nearly every step; in multiples of 64 at most 32 shapes a micro batch size, each built once, for at
@@ -114,9 +114,9 @@ def gpu_pad_multiple(recipe: Any) -> tuple[int, str]:
     if recipe_vision(recipe) is not None:
         return 1, "a vision-language model: its collator pads each batch with its images (finetune.train.vlm_collator)"
     widths = -(-data.max_length // GPU_PAD_MULTIPLE)
-    return GPU_PAD_MULTIPLE, (f"a GPU: each micro batch padded at its end to a multiple of {GPU_PAD_MULTIPLE} tokens, so "
-                              f"the attention kernel sees at most {widths} length{'s' if widths != 1 else ''} up to max_length "
-                              f"{data.max_length}; "
+    lengths = f"{widths} length{'s' if widths != 1 else ''}"
+    return GPU_PAD_MULTIPLE, (f"a GPU: each micro batch padded at its end to a multiple of {GPU_PAD_MULTIPLE} tokens, "
+                              f"so the attention kernel sees at most {lengths} up to max_length {data.max_length}; "
                               "cuDNN's attention (torch's SDPA on H100/H200) builds a plan on the host for every new "
                               f"length. At most {GPU_PAD_MULTIPLE - 1} padded tokens a row, without an attention mask "
                               "where the rows are of one length (not yet measured on a GPU: scripts/gpu_speed.py)")

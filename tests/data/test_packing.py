@@ -133,7 +133,8 @@ def test_rows_padded_to_a_multiple_for_the_gpu_train_the_same_without_a_mask(mod
     plain = Collator(tokenizer.pad_token_id)(rows)
     bucketed = Collator(tokenizer.pad_token_id, bucket=16)(rows)
     assert "attention_mask" not in bucketed and bucketed["input_ids"].shape == (1, width) > plain["input_ids"].shape
-    assert (bucketed["labels"][0, n:] == IGNORE_INDEX).all() and (bucketed["input_ids"][0, n:] == tokenizer.pad_token_id).all()
+    assert (bucketed["labels"][0, n:] == IGNORE_INDEX).all()
+    assert (bucketed["input_ids"][0, n:] == tokenizer.pad_token_id).all()
     capped = Collator(tokenizer.pad_token_id, bucket=4096, limit=width)(rows)
     assert capped["input_ids"].shape[1] == width
     moe = Collator(tokenizer.pad_token_id, bucket=16, mask_padding=True)(rows)
