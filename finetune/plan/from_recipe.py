@@ -112,11 +112,25 @@ def _setup_from_recipe(recipe, gpus, gpu_memory_bytes, nodes, cpu_memory_bytes, 
     # the longest batch has no padding, so transformers builds no 4D mask for it (masking_utils.
     # _ignore_causal_mask_sdpa on an all-ones mask) and sdpa runs is_causal, sharing the key/value heads
     # (sdpa_attention.use_gqa_in_sdpa); not where a sliding window reaches that far. docs/plan.md, "Ninth pass".
-    full_rows = (cut and micro_batch == 1 and seq_len % 8 == 0 and vision is None and recipe.parallel.sequence == 1
+    # data.pad_to_multiple_of (as a GPU decides `auto`) pads such a row at its end to max_length rounded up to 8,
+    # without a mask but for a mixture of experts (finetune.data.packing.Collator)
+    if cut and micro_batch == 1 and vision is None and objectives.get(recipe.objective).pretokenized:
+        from finetune.data.packing import gpu_pad_multiple, padded_width, width_limit
+
+        multiple = gpu_pad_multiple(recipe)[0] if "data.pad_to_multiple_of" in recipe.auto_keys \
+            else recipe.data.pad_to_multiple_of
+        padded = padded_width(seq_len, multiple, width_limit(seq_len))
+        masked = padded > seq_len and arch is not None and arch.experts > 0
+        seq_len, widened = padded, padded > seq_len
+    else:
+        masked = widened = False
+    full_rows = (cut and not masked and micro_batch == 1 and seq_len % 8 == 0 and vision is None
+                 and recipe.parallel.sequence == 1
                  and objectives.get(recipe.objective).pretokenized
                  and not (arch is not None and arch.sliding_window and seq_len >= arch.sliding_window))
     if full_rows:
-        data_note += "; one row per micro batch: no padding, no attention mask"
+        data_note += (f"; one row per micro batch, padded at its end to {seq_len}: no attention mask" if widened else
+                      "; one row per micro batch: no padding, no attention mask")
     return Setup(
         arch=arch, params=params, model_label=label,
         method=recipe.method, dtype=recipe.model.dtype, attn=recipe.model.attn_implementation,

@@ -72,7 +72,16 @@ def test_rows_cut_to_max_length_one_per_micro_batch_are_planned_without_a_mask(t
 
     assert full_rows()
     assert not full_rows(training="{micro_batch_size: 2}")  # rows of other lengths beside it: padded
-    assert not full_rows(data="{path: ./d.jsonl, format: text, max_length: 1020}")  # rounded up to 1024: padded
+    # rounded up to 1024 on a GPU (data.pad_to_multiple_of auto), at its end, where the causal model needs no mask
+    assert full_rows(data="{path: ./d.jsonl, format: text, max_length: 1020}")
+    path = tmp_path / "r.yaml"
+    path.write_text("model: {name_or_path: meta-llama/Meta-Llama-3-8B, attn_implementation: sdpa}\n"
+                    "data: {path: ./d.jsonl, format: text, max_length: 1020}\nhardware: {gpus: 1}\n")
+    setup = setup_from_recipe(load_recipe(path).recipe, data_lengths=True)
+    assert setup.seq_len == 1024 and "padded at its end to 1024: no attention mask" in setup.data_note
+    # a mixture of experts' padded row gets a mask (its router would count the padding)
+    assert not full_rows(model="qwen1.5-moe-a2.7b", data="{path: ./d.jsonl, format: text, max_length: 1020}")
+    assert not full_rows(data="{path: ./d.jsonl, format: text, max_length: 1020, pad_to_multiple_of: 1}")
     assert not full_rows(data="{path: ./d.jsonl, format: text, max_length: 1024, packing: true}")
     assert not full_rows(data="{path: ./d.jsonl, format: text, max_length: 8192}")  # shorter than max_length
     assert not full_rows(model="mistralai/Mistral-7B-v0.1", data="{path: ./d.jsonl, format: text, max_length: 4096}")
