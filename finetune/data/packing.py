@@ -91,11 +91,11 @@ def _segment_lengths(positions):
 
 # What `data.pad_to_multiple_of: auto` is on a GPU (finetune.plan.auto.pad_choice): the widths a micro batch can
 # take are the multiples of it, so that the attention kernel sees few shapes. torch's SDPA on Hopper runs cuDNN's
-# attention, whose plan cache (aten/src/ATen/native/cudnn/MHA.cpp) is keyed on the exact sizes: every new sequence length builds a forward
-# and a backward plan on the host (reported at hundreds of ms each: pytorch/pytorch#155958 and its opt-in
-# TORCH_CUDNN_SDPA_AVOID_RECOMPILE; sgl-project/sglang#4650). With rows of every length from 1 to 2,048 that is a
-# build on nearly every step; in multiples of 64 at most 32 shapes a micro batch size, each built once, for at
-# most 63 padded tokens a row (3% of 2,048).
+# attention, whose plan cache (aten/src/ATen/native/cudnn/MHA.cpp) is keyed on the exact sizes: every new sequence
+# length builds a forward and a backward plan on the host (reported at hundreds of ms each: pytorch/pytorch#155958
+# and its opt-in TORCH_CUDNN_SDPA_AVOID_RECOMPILE; sgl-project/sglang#4650). With rows of every length from 1 to
+# 2,048 that is a build on nearly every step; in multiples of 64 at most 32 shapes a micro batch size, each built
+# once, for at most 63 padded tokens a row (3% of 2,048).
 GPU_PAD_MULTIPLE = 64
 
 
@@ -147,8 +147,8 @@ class Collator:
     preallocated numpy arrays and handed to torch without a copy: no Python list of tokens is built
     (nested lists through torch.tensor cost ~1 ms a 4 x 2,048 batch on the step's own thread).
 
-    `bucket` (data.pad_to_multiple_of, as finetune.plan.auto decided it): every batch's width is a multiple of it, up to
-    `limit` (padded_width). Rows of one length padded that way get no mask either: their padding comes after
+    `bucket` (data.pad_to_multiple_of, as finetune.plan.auto decided it): every batch's width is a multiple of it,
+    up to `limit` (padded_width). Rows of one length padded that way get no mask either: their padding comes after
     every real token, where a causal model's tokens never look, and its labels are -100; a mixture of experts'
     router would still see it (its load-balancing loss counts every token it is not told to skip), so with
     `mask_padding` such a batch gets a mask.
