@@ -122,6 +122,18 @@ def gpu_pad_multiple(recipe: Any) -> tuple[int, str]:
                               "where the rows are of one length (not yet measured on a GPU: scripts/gpu_speed.py)")
 
 
+def planned_pad_multiple(recipe: Any) -> int:
+    """data.pad_to_multiple_of as the plan sizes a GPU's batches with it: as written, else as a GPU decides `auto`;
+    1 for the objectives TRL collates (their collators pad)."""
+    from finetune import objectives
+
+    if objectives.get(recipe.objective).uses_trl:
+        return 1
+    if "data.pad_to_multiple_of" in recipe.auto_keys:
+        return gpu_pad_multiple(recipe)[0]
+    return recipe.data.pad_to_multiple_of
+
+
 def width_limit(max_length: int) -> int:
     """The widest a micro batch is padded to: data.max_length rounded up to 8, as wide as rows cut to max_length
     made it before data.pad_to_multiple_of (what the plan sizes a step for)."""

@@ -19,7 +19,6 @@ from array import array
 from pathlib import Path
 from typing import Any, NamedTuple, Optional
 
-from finetune import objectives
 from finetune.units import gib_text
 
 CHARS_PER_TOKEN = 4
@@ -71,11 +70,10 @@ def data_seq_len(recipe: Any) -> DataLengths:
     measured = f"longest example ~{longest} tokens, p95 ~{p95} ({how}, {stats['rows']} rows)"
     if longest >= data.max_length:
         return DataLengths(data.max_length, f"{measured}: sized for max_length {data.max_length}", cut=True)
-    from finetune.data.packing import gpu_pad_multiple, padded_width, width_limit
+    from finetune.data.packing import padded_width, planned_pad_multiple, width_limit
 
-    # the collator's widest micro batch, with data.pad_to_multiple_of as written, else as a GPU decides it
-    multiple = gpu_pad_multiple(recipe)[0] if "data.pad_to_multiple_of" in recipe.auto_keys else data.pad_to_multiple_of
-    if multiple > 1 and not objectives.get(recipe.objective).uses_trl:
+    multiple = planned_pad_multiple(recipe)  # the collator's widest micro batch on a GPU
+    if multiple > 1:
         widest = padded_width(longest, multiple, width_limit(data.max_length))
         if widest > longest:
             measured += f", padded to {widest}"

@@ -115,11 +115,9 @@ def _setup_from_recipe(recipe, gpus, gpu_memory_bytes, nodes, cpu_memory_bytes, 
     # data.pad_to_multiple_of (as a GPU decides `auto`) pads such a row at its end to max_length rounded up to 8,
     # without a mask but for a mixture of experts (finetune.data.packing.Collator)
     if cut and micro_batch == 1 and vision is None and objectives.get(recipe.objective).pretokenized:
-        from finetune.data.packing import gpu_pad_multiple, padded_width, width_limit
+        from finetune.data.packing import padded_width, planned_pad_multiple, width_limit
 
-        multiple = gpu_pad_multiple(recipe)[0] if "data.pad_to_multiple_of" in recipe.auto_keys \
-            else recipe.data.pad_to_multiple_of
-        padded = padded_width(seq_len, multiple, width_limit(seq_len))
+        padded = padded_width(seq_len, planned_pad_multiple(recipe), width_limit(seq_len))
         masked = padded > seq_len and arch is not None and arch.experts > 0
         seq_len, widened = padded, padded > seq_len
     else:
