@@ -379,10 +379,52 @@ def bench(recipe_path: Path, out: Path, log: Path, extra: tuple[str, ...], timeo
 # Results
 
 
+def same_steps(mine: dict[str, Any], theirs: dict[str, Any]) -> Optional[dict[str, Any]]:
+    """The two runs over the optimizer steps both steady windows hold (finetune.speed's `per_step`): both sides
+    train the same rows in the same order, so step k is the same work on each, but a case whose first steps ran
+    under the census or the profiler starts its window 3 steps later (the 1 x 2k cases of the third H200 run:
+    steps 9-30 against 6-30). `ratio`: finetune / baseline tokens/s over those steps; `median_step_ratio`: the
+    median over those steps of baseline / finetune seconds (a slow step on one side, say a new row length's
+    set-up, moves one term); `rows_match`: every step trained as many tokens on each side. None where a side
+    has no per-step record (runs before 2026-11-28) or the windows share fewer steps than a steady window needs
+    (finetune.speed.MIN_STEADY_STEPS)."""
+    from finetune.speed import MIN_STEADY_STEPS
+
+    windows = []
+    for record in (mine, theirs):
+        steady = record.get("steady") or {}
+        per_step = steady.get("per_step") or {}
+        if not per_step.get("seconds") or steady.get("warmup_steps") is None:
+            return None
+        first = steady["warmup_steps"] + 1  # per_step lists steps first, first + 1, ...
+        windows.append((first, per_step["seconds"], per_step["tokens"]))
+    start = max(w[0] for w in windows)
+    end = min(w[0] + len(w[1]) for w in windows)  # exclusive
+    if end - start < MIN_STEADY_STEPS:
+        return None
+    cut = [(seconds[start - first:end - first], tokens[start - first:end - first])
+           for first, seconds, tokens in windows]
+    (s_mine, t_mine), (s_theirs, t_theirs) = cut
+    if not sum(s_mine) or not sum(s_theirs):
+        return None
+    speed = (sum(t_mine) / sum(s_mine)) / (sum(t_theirs) / sum(s_theirs))
+    per = sorted(b / a for a, b in zip(s_mine, s_theirs) if a > 0)
+    return {"steps": [start, end - 1], "ratio": speed, "median_step_ratio": _median(per),
+            "rows_match": t_mine == t_theirs}
+
+
+def _median(values: list[float]) -> Optional[float]:
+    if not values:
+        return None
+    mid = len(values) // 2
+    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+
+
 def ratios(records: list[dict[str, Any]]) -> dict[str, Any]:
     """finetune / bench_hf steady tokens/s per pair (auto: finetune auto / LLaMA-Factory's defaults), and the same
     for a finetune case compared with another case's baseline (Case.baseline). `p50_ratio` compares the median step
-    times (baseline / finetune at the same tokens per step): at a host-bound shape a few slow steps move the mean."""
+    times (baseline / finetune at the same tokens per step): at a host-bound shape a few slow steps move the mean.
+    `same_steps`: both over the steps both windows hold (same_steps above)."""
     out = {}
     ok = [r for r in records if r.get("steady_tokens_per_second")]
     by_name = {r["name"]: r for r in ok}
@@ -402,7 +444,7 @@ def ratios(records: list[dict[str, Any]]) -> dict[str, Any]:
                if mine.get("step_seconds_p50") and theirs.get("step_seconds_p50") and mine.get("pair") != "auto" else None)
         out[name] = {"finetune": mine["steady_tokens_per_second"], "bench_hf": theirs["steady_tokens_per_second"],
                      "ratio": mine["steady_tokens_per_second"] / theirs["steady_tokens_per_second"], "p50_ratio": p50,
-                     "target": 1.5 if name == "auto" else 1.0}
+                     "same_steps": same_steps(mine, theirs), "target": 1.5 if name == "auto" else 1.0}
     return out
 
 
@@ -434,18 +476,28 @@ def markdown(results: dict[str, Any]) -> str:
             (f"{startup:.1f} | " if startup else "- | ") + \
             f"{gib(r.get('peak_memory_bytes'))} | {gib(r.get('predicted_allocated_bytes'))} | {r.get('seconds', '-')} | " + \
             (r.get("reason") or "").replace("|", "/")[:100] + " |"
-    lines += ["", "| pair | finetune tokens/s | baseline tokens/s | ratio | step p50 ratio | target |",
-              "|---|---|---|---|---|---|"]
+    lines += ["", "| pair | finetune tokens/s | baseline tokens/s | ratio | step p50 ratio | same steps: ratio | "
+                  "same steps: median step ratio | target |",
+              "|---|---|---|---|---|---|---|---|"]
     for pair, r in results["ratios"].items():
         p50 = "-" if r.get("p50_ratio") is None else f"{r['p50_ratio']:.3f}"
-        lines.append(f"| {pair} | {r['finetune']:,.0f} | {r['bench_hf']:,.0f} | {r['ratio']:.3f} | {p50} | "
+        same = r.get("same_steps")
+        paired = "- | -" if not same else (
+            f"{same['ratio']:.3f} (steps {same['steps'][0]}-{same['steps'][1]}"
+            f"{'' if same['rows_match'] else ', rows differ'}) | "
+            + ("-" if same["median_step_ratio"] is None else f"{same['median_step_ratio']:.3f}"))
+        lines.append(f"| {pair} | {r['finetune']:,.0f} | {r['bench_hf']:,.0f} | {r['ratio']:.3f} | {p50} | {paired} | "
                      f">= {r['target']:.2f} |")
     for r in results["runs"]:
         profile = r.get("profile")
         if profile:
             busy = profile.get("gpu_busy_fraction")
+            calls, kernels = profile.get("operator_calls_per_step"), profile.get("kernels_per_step")
+            per_step = "".join([f"; {calls:,.0f} operator calls" if calls else "",
+                                f", {kernels:,.0f} kernels" if kernels else "", " a step" if calls or kernels else ""])
             lines += ["", f"Profile of {r['name']} ({profile.get('note')}): GPU busy "
-                          f"{'-' if busy is None else f'{100 * busy:.0f}%'} of {profile['wall_seconds']:.3f} s wall.", "",
+                          f"{'-' if busy is None else f'{100 * busy:.0f}%'} of {profile['wall_seconds']:.3f} s wall"
+                          f"{per_step}.", "",
                       f"Shares of {profile.get('shares_of', 'the table total (operators and kernels both)')}."]
             for title, rows in (("operator (its own kernels)" if profile.get("kernels") else "operator", "top"),
                                 ("kernel", "kernels")):
@@ -582,8 +634,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         log(f"[{i}/{len(cases)}] {case.name}: {record['status']}" + (f", steady {steady:,.0f} tokens/s" if steady else "")
             + (f" ({record.get('reason', '')[:200]})" if record["status"] != "ok" else ""))
     for pair, r in results["ratios"].items():
+        same = r.get("same_steps")
         log(f"{pair}: finetune {r['finetune']:,.0f} / baseline {r['bench_hf']:,.0f} tokens/s = {r['ratio']:.3f} "
-            f"(target >= {r['target']:.2f})")
+            + (f"(steps {same['steps'][0]}-{same['steps'][1]} on both sides: {same['ratio']:.3f}) " if same else "")
+            + f"(target >= {r['target']:.2f})")
     if args.results:
         pack_logs(out, args.results)
     log(f"{out / 'results.md'} ({time.perf_counter() - begun:.0f} s)")

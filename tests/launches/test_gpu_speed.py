@@ -33,6 +33,9 @@ def test_cpu_plumbing_pairs_finetune_with_bench_hf_and_a_finished_run_trains_no_
     assert theirs["steady"]["tokens_per_second"] > 0 and theirs["profile"]["top"]
     assert mine["profile"]["top"] and mine["profile"]["steps"] == 3 and mine["profile"]["gpu_busy_fraction"] is None
     assert results["ratios"]["tiny_lora_plain"]["ratio"] > 0 and "| tiny_lora_plain |" in (out / "results.md").read_text()
+    same = results["ratios"]["tiny_lora_plain"]["same_steps"]  # the same rows, step by step, on both sides
+    assert same["steps"] == [9, 10] and same["rows_match"] and same["ratio"] > 0
+    assert mine["profile"]["operator_calls_per_step"] > 100 and "operator calls a step" in (out / "results.md").read_text()
     # both sides' host syncs per step, by line (finetune.train.syncs): none of finetune's own
     assert mine["syncs"]["steps"] == theirs["syncs"]["steps"] == 3
     assert mine["syncs"]["host_syncs"]["per_step"] < theirs["syncs"]["host_syncs"]["per_step"]

@@ -118,3 +118,30 @@ def test_a_finetune_case_with_a_baseline_gets_a_ratio_and_pairs_compare_median_s
                             run("a_variant", "finetune", None, 1100, 0.25, baseline="a_bench_hf")])
     assert ratios["a"]["ratio"] == 0.9 and abs(ratios["a"]["p50_ratio"] - 1.1) < 1e-9
     assert ratios["a_variant"]["ratio"] == 1.1 and ratios["a_variant"]["target"] == 1.0
+
+
+def test_pairs_are_also_compared_over_the_steps_both_windows_hold():
+    """A case whose first steady steps ran under the census starts its window later: the same-steps ratio compares
+    step k with step k (the same rows on both sides), and says so when the rows differ."""
+    module = gpu_speed()
+
+    def run(name, tool, pair, warmup, seconds, tokens, baseline=None):
+        steady = {"warmup_steps": warmup, "per_step": {"seconds": seconds, "tokens": tokens}}
+        return {"name": name, "tool": tool, "pair": pair, "baseline": baseline, "steady": steady,
+                "steady_tokens_per_second": sum(tokens) / sum(seconds), "step_seconds_p50": sorted(seconds)[len(seconds) // 2]}
+
+    # bench_hf's window: steps 6-12; finetune's (census first): steps 9-12. Step 9 was slow on bench_hf's side only.
+    theirs = run("a_bench_hf", "bench_hf", "a", 5, [0.2, 0.2, 0.2, 0.9, 0.2, 0.2, 0.2], [100, 50, 100, 100, 100, 100, 100])
+    mine = run("a_finetune", "finetune", "a", 8, [0.25, 0.25, 0.25, 0.25], [100, 100, 100, 100])
+    odd = run("a_other", "finetune", None, 5, [0.2] * 7, [100] * 7, baseline="a_bench_hf")
+    result = module.ratios([mine, theirs, odd])
+    same = result["a"]["same_steps"]
+    assert same["steps"] == [9, 12] and same["rows_match"]
+    assert abs(same["ratio"] - (400 / 1.0) / (400 / 1.5)) < 1e-9  # 1.5: bench_hf's steps 9-12
+    assert abs(same["median_step_ratio"] - 0.8) < 1e-9  # 0.2 / 0.25 on three of the four steps
+    assert result["a_other"]["same_steps"]["rows_match"] is False  # step 7: 100 tokens against 50
+    assert "steps 9-12" in module.markdown({"machine": {"cpu": True, "versions": {}}, "created": "now", "budget": 1,
+                                            "elapsed": 1, "runs": [], "ratios": result})
+    # runs before per_step (2026-11-28) have no same-steps figure
+    old = {k: v for k, v in mine.items() if k != "steady"}
+    assert module.ratios([old, theirs])["a"]["same_steps"] is None

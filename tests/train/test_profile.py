@@ -24,6 +24,8 @@ def test_the_window_profiles_the_steps_after_the_warm_up_and_names_the_largest_o
     assert "aten::mm" in names and "aten::tanh" in names
     assert result["gpu_busy_fraction"] is None and result["wall_seconds"] > 0
     assert result["note"].startswith("steps 3-5")
+    # 3 x (aten::matmul, its aten::mm, aten::tanh) a step, nested calls counted, and what torch adds around them
+    assert 9 <= result["operator_calls_per_step"] <= 30
 
 
 def test_a_run_that_ends_inside_the_window_closes_it_at_its_last_step():
@@ -105,3 +107,4 @@ def test_on_a_gpu_each_kernel_counts_once_under_its_operator_and_in_the_kernel_t
     assert [(r["name"], r["share"]) for r in result["kernels"]] == [("nvjet_gemm", 0.75), ("copy_kernel", 0.25)]
     assert result["kernel_seconds"] == 0.4 and result["shares_of"] == "kernel time"
     assert abs(result["gpu_busy_fraction"] - 0.7) < 1e-9
+    assert result["operator_calls_per_step"] == 6 / 3 and result["kernels_per_step"] == 5 / 3  # of PROFILE_STEPS
