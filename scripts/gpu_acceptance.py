@@ -191,8 +191,9 @@ def write_text_data(out: Path, rows: int, max_length: int) -> Path:
     return write_words(out / "data" / f"text_{max_length}.jsonl", rows, lambda rng: max_length * 2, seed=0)
 
 
-def write_words(path: Path, rows: int, words_in_row, seed: int) -> Path:
-    """`rows` text rows of the demo's words drawn at random, `words_in_row(rng)` words each (kept if already there)."""
+def write_words(path: Path, rows: int, words_in_row, seed: int, as_row=lambda text: {"text": text}) -> Path:
+    """`rows` rows of the demo's words drawn at random, `words_in_row(rng)` words each, as `as_row(words)` makes a
+    row of them (a `text` row unless told; kept if already there)."""
     from finetune.builtin import demo_examples
 
     if path.is_file():
@@ -203,7 +204,7 @@ def write_words(path: Path, rows: int, words_in_row, seed: int) -> Path:
     tmp = path.with_name(f".{path.name}.tmp")
     with tmp.open("w", encoding="utf-8") as f:
         for _ in range(rows):
-            f.write(json.dumps({"text": " ".join(rng.choice(words) for _ in range(words_in_row(rng)))}) + "\n")
+            f.write(json.dumps(as_row(" ".join(rng.choice(words) for _ in range(words_in_row(rng))))) + "\n")
     os.replace(tmp, path)
     return path
 

@@ -114,14 +114,16 @@ class Case:
     estimate: float = 90.0  # seconds, until a run of the same tool measured one
 
 
-def base_recipe(name: str, model: str, data: Path, max_length: int, steps: int, cpu: bool) -> dict[str, Any]:
-    """What every case shares: a model, text rows that fill max_length, a constant schedule, nothing to report."""
+def base_recipe(name: str, model: str, data: Path, max_length: int, steps: int, cpu: bool,
+                fmt: str = "alpaca") -> dict[str, Any]:
+    """What every case shares: a model, rows that fill max_length (every token trained), a constant schedule,
+    nothing to report."""
     return {
         "name": name,
         "model": {"name_or_path": model, "dtype": "float32" if cpu else "bfloat16", "attn_implementation": "sdpa"},
         "method": "lora",
         "lora": {"r": 16, "alpha": 32, "dropout": 0.0},
-        "data": {"path": str(data), "format": "text", "max_length": max_length, "mask_prompt": False},
+        "data": {"path": str(data), "format": fmt, "max_length": max_length, "mask_prompt": False},
         "training": {"max_steps": steps, "learning_rate": 1e-4, "lr_scheduler": "constant", "warmup_steps": 0,
                      "logging_steps": 10, "report_to": ["none"], "resume": False},
         "launch": {"procs_per_node": 1},
@@ -162,9 +164,22 @@ VARIED_TOKENS = (1024, 2048)
 TOKENS_PER_WORD = 1.3  # the harness's tokenizer on these words: 2,902,796 tokens from 544 rows of 4,096 (2026-11-28)
 
 
+def write_full_rows(out: Path, rows: int, max_length: int) -> Path:
+    """Alpaca rows whose output runs past max_length tokens, so that every row is cut to max_length exactly: each
+    step of the pairs has one shape, on both sides (no padding, no mask). The runs up to 2026-11-28 trained text
+    rows of about 2.6 x max_length tokens, which the text format splits into max_length pieces and a shorter rest:
+    at micro batch 1 a third of their steps had a length of its own, padded to a multiple of 8 with a mask on
+    bench_hf's side (another attention kernel) and exact on finetune's, and those steps set the spread of the
+    1 x 2,048 pairs (p90 up to 4 x p50). Rows of every length are the varied cases' question."""
+    return acceptance().write_words(out / "data" / f"full_{max_length}.jsonl", rows,
+                                    lambda rng: int(1.5 * max_length / TOKENS_PER_WORD), seed=0,
+                                    as_row=lambda words: {"instruction": "Continue the text.", "input": "",
+                                                          "output": words})
+
+
 def write_varied_data(out: Path, rows: int, max_length: int) -> Path:
     """Text rows of lengths spread evenly over VARIED_TOKENS (scaled to max_length), as SFT data has them: each micro
-    batch of one row has a length of its own, where harness.write_text_data's rows are mostly cut to max_length."""
+    batch of one row has a length of its own, where write_full_rows' are all cut to max_length."""
     low = max_length * VARIED_TOKENS[0] // VARIED_TOKENS[1]
     return acceptance().write_words(out / "data" / f"varied_{max_length}.jsonl", rows,
                                     lambda rng: int(rng.randint(low, max_length - 16) / TOKENS_PER_WORD), seed=1)
@@ -178,7 +193,7 @@ def gpu_cases(model: str, data: Path, long_data: Path, steps: int, varied: Optio
         # cuDNN's attention build its plans again on the host (finetune.data.packing.GPU_PAD_MULTIPLE). finetune with
         # data.pad_to_multiple_of auto (64: 16 lengths in VARIED_TOKENS) and with 1 (each row as long as it is),
         # against bench_hf (DataCollatorForSeq2Seq: a multiple of 8, with a mask).
-        exact = fixed({**base, "name": "varied_exact", "data": {**base["data"], "path": str(varied),
+        exact = fixed({**base, "name": "varied_exact", "data": {**base["data"], "path": str(varied), "format": "text",
                                                                  "pad_to_multiple_of": 1}}, "lora", 1,
                       engine={"enabled": False})
         exact["training"]["max_steps"] = VARIED_STEPS
@@ -245,7 +260,7 @@ def gpu_cases(model: str, data: Path, long_data: Path, steps: int, varied: Optio
     for method in ("lora", "qlora", "full"):
         recipe = json.loads(json.dumps({**base, "name": f"memory_{method}_8k"}))
         recipe["method"] = method
-        recipe["data"] = {**recipe["data"], "path": str(long_data), "max_length": 8192}
+        recipe["data"] = {**recipe["data"], "path": str(long_data), "format": "text", "max_length": 8192}
         recipe["training"]["max_steps"] = 3
         if method == "qlora":
             recipe["quantization"] = {"compute_dtype": "bfloat16", "storage_dtype": "bfloat16"}
@@ -591,11 +606,9 @@ def main(argv: Optional[list[str]] = None) -> int:
 
         model = f"{BUILTIN_PREFIX}tiny-llama"
         cases = cpu_cases(model, REPO / "recipes" / "data" / "demo_instructions.jsonl", steps)
-        cases = [dataclasses.replace(c, recipe={**c.recipe, "data": {**c.recipe["data"], "format": "alpaca"}})
-                 for c in cases]
     else:
         model = str(harness.build_model("llama-1b", out))
-        data = harness.write_text_data(out, steps * 8 * 2 + 64, 2048)
+        data = write_full_rows(out, steps * 8 * 2 + 64, 2048)
         long_data = harness.write_text_data(out, 64, 8192)
         cases = gpu_cases(model, data, long_data, steps, write_varied_data(out, VARIED_STEPS * 2 + 64, 2048))
         log(f"model and data built ({time.perf_counter() - begun:.0f} s from the start)")  # the set-up's parts, timed

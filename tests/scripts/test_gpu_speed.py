@@ -145,3 +145,33 @@ def test_pairs_are_also_compared_over_the_steps_both_windows_hold():
     # runs before per_step (2026-11-28) have no same-steps figure
     old = {k: v for k, v in mine.items() if k != "steady"}
     assert module.ratios([old, theirs])["a"]["same_steps"] is None
+
+
+def test_the_pairs_rows_all_fill_max_length_and_the_varied_rows_do_not(tmp_path):
+    """Each step of a fixed pair has one shape (every row cut to max_length, every token trained); the varied cases
+    keep text rows of every length; the memory rows stay text (their earlier corpus rows were)."""
+    from transformers import PreTrainedTokenizerFast
+
+    from finetune.builtin import build_tokenizer
+    from finetune.data.formats import RowSpec
+    from finetune.data.tokenize import encode_rows
+
+    module = gpu_speed()
+    build_tokenizer(tmp_path / "tokenizer", vocab_size=4096)  # the harness's tokenizer (gpu_acceptance.build_model)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(tmp_path / "tokenizer"))
+    full = module.write_full_rows(tmp_path, 6, 512)
+    rows = [json.loads(line) for line in full.read_text().splitlines()]
+    pieces = [p for row in encode_rows(rows, RowSpec("alpaca"), tokenizer, 512, mask_prompt=False) for p in row]
+    assert [len(p["input_ids"]) for p in pieces] == [512] * 6
+    assert all(-100 not in p["labels"] for p in pieces)
+    varied = module.write_varied_data(tmp_path, 40, 512)
+    rows = [json.loads(line) for line in varied.read_text().splitlines()]
+    lengths = {len(p["input_ids"]) for row in encode_rows(rows, RowSpec("text"), tokenizer, 512, mask_prompt=False)
+               for p in row}
+    assert len(lengths) > 20 and max(lengths) <= 512
+
+    cases = {c.name: c for c in module.gpu_cases("model", full, tmp_path / "long.jsonl", 30, varied)}
+    assert cases["qlora_1x2k_finetune"].recipe["data"]["format"] == "alpaca"
+    assert cases["qlora_1x2k_finetune"].recipe["data"]["path"] == str(full)
+    assert cases["varied_lora_1x_finetune"].recipe["data"]["format"] == "text"
+    assert cases["memory_lora_8k"].recipe["data"]["format"] == "text"
