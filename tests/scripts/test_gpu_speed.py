@@ -175,3 +175,25 @@ def test_the_pairs_rows_all_fill_max_length_and_the_varied_rows_do_not(tmp_path)
     assert cases["qlora_1x2k_finetune"].recipe["data"]["path"] == str(full)
     assert cases["varied_lora_1x_finetune"].recipe["data"]["format"] == "text"
     assert cases["memory_lora_8k"].recipe["data"]["format"] == "text"
+
+
+def test_every_gpu_case_lints_clean(tmp_path):
+    """A recipe the GPU check would find wrong costs minutes of a 15-minute loan: every case's recipe, written as
+    the harness writes it, against a config of the 1B shape, has no lint finding."""
+    from finetune.lint import LintOptions, lint_paths
+
+    module = gpu_speed()
+    model = tmp_path / "llama-1b"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"],
+                                                   **module.acceptance().MODELS["llama-1b"]}))
+    full, varied = module.write_full_rows(tmp_path, 4, 2048), module.write_varied_data(tmp_path, 4, 2048)
+    long = module.acceptance().write_text_data(tmp_path, 2, 8192)
+    paths = []
+    for case in module.gpu_cases(str(model), full, long, 30, varied):
+        path = tmp_path / f"{case.name}.yaml"
+        path.write_text(json.dumps(case.recipe) + "\n")
+        paths.append(path)
+    result = lint_paths(paths, LintOptions())
+    assert len(paths) > 20 and not result.errors and not result.warnings, [
+        (f.rule, f.path, f.key, f.message) for f in result.errors + result.warnings]
