@@ -181,3 +181,31 @@ def test_the_default_attention_is_one_the_family_runs(tmp_path, name_or_path, at
     options = LintOptions(overrides=["model.attn_implementation=sdpa"])
     errors = [f.rule for f in lint_paths([path], options).findings if f.severity == "error"]
     assert errors == ([] if attn == "sdpa" else ["R168"])
+
+
+@pytest.mark.parametrize("name", sorted(ZOO))
+def test_a_row_padded_to_the_gpus_multiple_trains_the_same_in_every_family(name, zoo_root):
+    """data.pad_to_multiple_of (auto: 64 on a GPU): a row padded at its end, unmasked for a dense model (no real
+    token of a causal model attends to a later one, sliding windows and attention sinks included) and masked for
+    a mixture of experts (the router's load-balancing loss counts the tokens it is given: unmasked, the four
+    mixtures' losses differ), gives the family's model the loss and the gradients of the row as it is."""
+    from transformers import AutoModelForCausalLM
+
+    from finetune.builtin import ensure_builtin_model
+    from finetune.data.packing import Collator
+    from finetune.train.moe import moe_identity
+    from tests.data.test_packing import trains_the_same
+
+    model_dir = str(ensure_builtin_model(f"builtin:{name}", zoo_root))
+    moe = moe_identity(model_dir) is not None
+    extra = {"output_router_logits": True, "router_aux_loss_coef": 0.5} if moe else {}  # the router loss counted too
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **extra,
+                                                 attn_implementation="eager" if ZOO[name]["model_type"] in NO_SDPA
+                                                 else "sdpa").train()
+    torch.manual_seed(0)
+    ids = torch.randint(7, 700, (37,)).tolist()  # 37 tokens: past the zoo's 16-token sliding windows
+    rows = [{"input_ids": ids, "labels": ids}]
+    exact = Collator(0)(rows)
+    padded = Collator(0, bucket=16, mask_padding=moe)(rows)
+    assert padded["input_ids"].shape == (1, 48) and ("attention_mask" in padded) == moe
+    trains_the_same(model, exact, padded)
