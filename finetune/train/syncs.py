@@ -4,7 +4,7 @@ A step on a GPU is fast while the host queues kernels ahead of the device; every
 on the host (`.item()`, `bool(tensor)`, `.tolist()`, a copy to the CPU, a boolean mask...) makes the host wait
 for everything queued before it, and a collective adds the other ranks' wait. Which of these a step makes is a
 property of the code, not of the card: the census counts them at the Python calls, so a CPU run shows the same
-sites a GPU run has, and finetune's step can be held to the plain Trainer's (tests/launches/test_syncs.py,
+sites a GPU run has, and finetune's step can be held to the plain Trainer's (tests/launches/test_gpu_speed.py,
 scripts/bench_overhead.py --syncs).
 
 What it counts: inside `Census` (a torch function mode, this thread; the profiler window of
