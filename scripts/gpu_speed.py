@@ -116,8 +116,8 @@ class Case:
 
 def base_recipe(name: str, model: str, data: Path, max_length: int, steps: int, cpu: bool,
                 fmt: str = "alpaca") -> dict[str, Any]:
-    """What every case shares: a model, rows that fill max_length (every token trained), a constant schedule,
-    nothing to report."""
+    """What every case shares: a model, its rows (`fmt`, every token trained), a constant schedule, nothing to
+    report."""
     return {
         "name": name,
         "model": {"name_or_path": model, "dtype": "float32" if cpu else "bfloat16", "attn_implementation": "sdpa"},
