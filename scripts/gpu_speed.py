@@ -45,6 +45,7 @@ import importlib.util
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -425,16 +426,9 @@ def same_steps(mine: dict[str, Any], theirs: dict[str, Any]) -> Optional[dict[st
     if not sum(s_mine) or not sum(s_theirs):
         return None
     speed = (sum(t_mine) / sum(s_mine)) / (sum(t_theirs) / sum(s_theirs))
-    per = sorted(b / a for a, b in zip(s_mine, s_theirs) if a > 0)
-    return {"steps": [start, end - 1], "ratio": speed, "median_step_ratio": _median(per),
+    per = [b / a for a, b in zip(s_mine, s_theirs) if a > 0]
+    return {"steps": [start, end - 1], "ratio": speed, "median_step_ratio": statistics.median(per) if per else None,
             "rows_match": t_mine == t_theirs}
-
-
-def _median(values: list[float]) -> Optional[float]:
-    if not values:
-        return None
-    mid = len(values) // 2
-    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
 
 
 def ratios(records: list[dict[str, Any]]) -> dict[str, Any]:
@@ -509,9 +503,9 @@ def markdown(results: dict[str, Any]) -> str:
         profile = r.get("profile")
         if profile:
             busy = profile.get("gpu_busy_fraction")
-            calls, kernels = profile.get("operator_calls_per_step"), profile.get("kernels_per_step")
-            per_step = "".join([f"; {calls:,.0f} operator calls" if calls else "",
-                                f", {kernels:,.0f} kernels" if kernels else "", " a step" if calls or kernels else ""])
+            counts = [f"{profile[key]:,.0f} {what}" for key, what in (("operator_calls_per_step", "operator calls"),
+                                                                       ("kernels_per_step", "kernels")) if profile.get(key)]
+            per_step = f"; {', '.join(counts)} a step" if counts else ""
             lines += ["", f"Profile of {r['name']} ({profile.get('note')}): GPU busy "
                           f"{'-' if busy is None else f'{100 * busy:.0f}%'} of {profile['wall_seconds']:.3f} s wall"
                           f"{per_step}.", "",

@@ -168,3 +168,20 @@ def assert_run_report(run_dir: Path, steps: int) -> None:
     assert f"finetune chat {run_dir}" in text and '"zero_optimization"' in text
     history = json.loads((run_dir / "summary.json").read_text())["loss_history"]
     assert [e["step"] for e in history] == list(range(1, steps + 1))
+
+
+def trains_the_same(model, one: dict, other: dict) -> None:
+    """The two batches give the model the same loss and the same gradient on every parameter."""
+    import torch
+
+    results = []
+    for batch in (one, other):
+        model.zero_grad()
+        loss = model(**batch, use_cache=False).loss
+        loss.backward()
+        results.append((loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]))
+    model.zero_grad()
+    torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-5, atol=1e-6)
+    assert len(results[0][1]) == len(results[1][1])
+    for a, b in zip(results[0][1], results[1][1]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)

@@ -57,9 +57,9 @@ def summary(profiler, seconds: float, on_gpu: bool, steps: int = PROFILE_STEPS) 
     busy = 0.0
     # the host's work per step: every operator call (nested ones too: aten::linear and its aten::mm), and on a GPU
     # every kernel launched; at a host-bound shape (micro batch 1 on an H200) fewer calls is a shorter step
-    host_calls = sum(e.count for e in events if not _on_device(e))
+    host = [e for e in events if not _on_device(e)]
     result: dict[str, Any] = {"steps": steps, "wall_seconds": seconds,
-                              "operator_calls_per_step": host_calls / steps if steps else None}
+                              "operator_calls_per_step": sum(e.count for e in host) / steps if steps else None}
     if on_gpu:
         intervals = sorted((k.time_range.start, k.time_range.end) for k in profiler.events() if _on_device(k))
         end = None
@@ -76,7 +76,7 @@ def summary(profiler, seconds: float, on_gpu: bool, steps: int = PROFILE_STEPS) 
         result.update(gpu_busy_seconds=busy, gpu_busy_fraction=busy / seconds if seconds > 0 else None,
                       shares_of="kernel time", kernel_seconds=total / 1e6,
                       kernels_per_step=sum(e.count for e in kernels) / steps if steps else None,
-                      top=_rows([e for e in events if not _on_device(e)], "self_device_time_total", total),
+                      top=_rows(host, "self_device_time_total", total),
                       kernels=_rows(kernels, "self_device_time_total", total))
     else:
         total = sum(e.self_cpu_time_total for e in events)

@@ -17,6 +17,7 @@ from finetune.data.spec import DataSpec
 from finetune.data.packing import FlatteningCollator, make_collator, pack, split_packed
 from finetune.data.tokenize import IGNORE_INDEX, tokenize_examples
 from tests.data.test_training_rows import DEMO, _section, tokenizer  # noqa: F401  (a session fixture)
+from tests.train_fixtures import trains_the_same
 
 LAYOUTS = {"packing": dict(packing=True, padding_free=False), "padding_free": dict(packing=False, padding_free=True)}
 
@@ -99,23 +100,6 @@ def test_rows_of_one_length_go_unpadded_without_a_mask_and_train_the_same(models
     assert "attention_mask" in uneven and uneven["input_ids"].shape[1] % 8 == 0
 
     trains_the_same(models[attn], plain, masked)
-
-
-def trains_the_same(model, one: dict, other: dict) -> None:
-    """The two batches give the model the same loss and the same gradient on every parameter."""
-    import torch
-
-    results = []
-    for batch in (one, other):
-        model.zero_grad()
-        loss = model(**batch, use_cache=False).loss
-        loss.backward()
-        results.append((loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]))
-    model.zero_grad()
-    torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-5, atol=1e-6)
-    assert len(results[0][1]) == len(results[1][1])
-    for a, b in zip(results[0][1], results[1][1]):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])

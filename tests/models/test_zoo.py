@@ -194,7 +194,7 @@ def test_a_row_padded_to_the_gpus_multiple_trains_the_same_in_every_family(name,
     from finetune.builtin import ensure_builtin_model
     from finetune.data.packing import Collator
     from finetune.train.moe import moe_identity
-    from tests.data.test_packing import trains_the_same
+    from tests.train_fixtures import trains_the_same
 
     model_dir = str(ensure_builtin_model(f"builtin:{name}", zoo_root))
     moe = moe_identity(model_dir) is not None
