@@ -26,6 +26,7 @@ from typing import Any, Optional
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from finetune.plan.allocator import expandable_in_training  # noqa: E402
 from finetune.units import GiB  # noqa: E402
 
 CORPUS = REPO / "tests" / "data" / "plan_corpus.json"
@@ -81,10 +82,9 @@ def cases_from(results: dict[str, Any], file: str) -> tuple[dict[str, dict], lis
                 "gradient_checkpointing": run.get("gradient_checkpointing", True),
                 "gradient_accumulation": run.get("gradient_accumulation", 1),
                 "loss_kernel": run.get("loss_kernel") or results.get("loss_kernel", "default"),
-                # `finetune train` sets PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True when it is not set (the
-                # harness sets it for one case: gpu_speed's record `env`)
-                "expandable_segments": "expandable_segments:True" in (run.get("env") or {}).get(
-                    "PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True"),
+                # `finetune train` sets PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True unless the allocator is
+                # configured (the harness does for one case: gpu_speed's record `env`)
+                "expandable_segments": expandable_in_training(run.get("env") or {}),
                 **planned_settings(run.get("plan_setup")),
             },
             "holdout": True,

@@ -12,7 +12,7 @@ is split only when more than 1 MiB would remain (`should_split`, large pool); no
 CUDA until a cudaMalloc fails (then every unsplit cached block is freed and the malloc retried:
 `release_cached_blocks`) or `empty_cache` is called.
 
-With `expandable_segments:True` (what `finetune train` sets unless PYTORCH_CUDA_ALLOC_CONF is set:
+With `expandable_segments:True` (what `finetune train` sets unless the user configured the allocator:
 constants.TRAINING_ALLOC_CONF) each pool has one segment per stream that grows by mapping pages, 2 MiB
 for the small pool and 20 MiB for the large one (the file's Note [Expandable Segments]), and any block
 is split when 512 bytes or more remain (`should_split`): tensors tile the segment with no 2 MiB rounding,
@@ -37,6 +37,7 @@ import bisect
 import re
 from typing import Iterable, Mapping, Optional
 
+from finetune.plan.constants import ALLOC_CONF_NAMES
 from finetune.units import MiB
 
 K_MIN_BLOCK_SIZE = 512  # kMinBlockSize: every request rounded to a multiple of it
@@ -91,14 +92,26 @@ def resident_waste(tensors: list[tuple[int, int]], expandable: bool) -> int:
     return resident_reserved(tensors, expandable) - sum(count * size for count, size in tensors)
 
 
+def user_alloc_conf(environ: Mapping[str, str]) -> tuple[str, str] | None:
+    """The allocator setting a user made in `environ`, as (variable, value), or None. torch reads two names:
+    PYTORCH_ALLOC_CONF (its documented name since 2.9) and PYTORCH_CUDA_ALLOC_CONF (the older one); where
+    both are set, the older wins in torch 2.13's CUDA allocator (c10/cuda/CUDAAllocatorConfig.h: the
+    variables in ALLOC_CONF_NAMES' order), while torch 2.9's header read the newer first."""
+    for name in ALLOC_CONF_NAMES:
+        if name in environ:
+            return name, environ[name]
+    return None
+
+
 def expandable_in_training(environ: Mapping[str, str]) -> bool:
     """Whether `finetune train` started from this environment runs with expandable segments: it sets
-    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True unless the variable is set (run/launch/commands.py),
-    and a user's value has them only if it says so (the last `expandable_segments:` option wins)."""
-    conf = environ.get("PYTORCH_CUDA_ALLOC_CONF")
-    if conf is None:
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True unless the user set either variable
+    (run/launch/commands.py), and a user's value has them only if it says so (the last
+    `expandable_segments:` option wins)."""
+    mine = user_alloc_conf(environ)
+    if mine is None:
         return True
-    values = re.findall(r"expandable_segments\s*:\s*(\w+)", conf)
+    values = re.findall(r"expandable_segments\s*:\s*(\w+)", mine[1])
     return bool(values) and values[-1].lower() == "true"
 
 

@@ -42,12 +42,15 @@ DS_PARAM_SWAP_BUFFER_SIZE = 100_000_000  # offload_param.buffer_size (elements)
 #   and lazy module loading, pytorch/pytorch issue 109888; over 1 GB before CUDA 11.7; the sources
 #   show the CUDA version, not the GPU generation, deciding it) and NCCL's buffers (below).
 CUDA_CONTEXT = 426 * MiB
-# What `finetune train` sets PYTORCH_CUDA_ALLOC_CONF to on GPUs unless the user set it (run/launch/
-# commands.py): expandable segments map freed pages back into one growing segment per stream instead of
+# What `finetune train` sets PYTORCH_CUDA_ALLOC_CONF to on GPUs unless the user configured the allocator
+# (ALLOC_CONF_NAMES; run/launch/commands.py): expandable segments map freed pages back into one growing segment per stream instead of
 # caching fixed 2 MiB / 20 MiB+ blocks, so a freed block of one size serves a request of another (PyTorch's
 # CUDA semantics notes, "Optimizing memory usage with PYTORCH_CUDA_ALLOC_CONF"); finetune.plan.allocator
 # models what the allocator reserves with and without it.
 TRAINING_ALLOC_CONF = "expandable_segments:True"
+# The variables torch's CUDA allocator reads its settings from, in the order torch 2.13 reads them
+# (c10/cuda/CUDAAllocatorConfig.h); a user who set either has configured the allocator.
+ALLOC_CONF_NAMES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 CUBLAS_WORKSPACE = {"hopper": 32 * MiB, "other": 8 * MiB + 128 * 1024}
 CUBLAS_HANDLES = 2  # forward thread + autograd's backward thread
 FRAGMENTATION = 0.30

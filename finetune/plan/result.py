@@ -225,7 +225,7 @@ class PlanResult:
                      f"{BOUND_QUANTILE:.0%} of {cases} published measurements of '{klass}' setups were at or "
                      "below it (docs/plan.md); `fits` uses this one")
         alloc_conf = (f"expandable_segments on (training sets PYTORCH_CUDA_ALLOC_CONF={TRAINING_ALLOC_CONF} unless "
-                      "it is set)" if s.expandable_segments else "expandable_segments off")
+                      "it or PYTORCH_ALLOC_CONF is set)" if s.expandable_segments else "expandable_segments off")
         shapes = "a new shape per batch" if s.shapes_vary else "one shape per batch"
         history = "" if s.expandable_segments or not s.shapes_vary else \
             ": the cache keeps segments of earlier, shorter batches (allocator history above)"

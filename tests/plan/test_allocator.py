@@ -72,6 +72,11 @@ def test_training_runs_with_expandable_segments_unless_the_user_said_otherwise()
     assert expandable_in_training({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}) is True
     assert expandable_in_training({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True,expandable_segments:False"}) \
         is False
+    # torch's newer name counts as the user's setting too; where both are set, torch 2.13 reads the older one
+    assert expandable_in_training({"PYTORCH_ALLOC_CONF": "expandable_segments:False"}) is False
+    assert expandable_in_training({"PYTORCH_ALLOC_CONF": ""}) is False
+    assert expandable_in_training({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+                                   "PYTORCH_ALLOC_CONF": "expandable_segments:False"}) is True
 
 
 def test_plan_reports_the_allocator_setting():

@@ -646,7 +646,7 @@ def test_training_sets_expandable_segments_unless_the_user_did():
     """What the plan text says training does with PyTorch's allocator (finetune/run/launch/commands.py), and
     the launch line (the run log) shows it."""
     from finetune.plan.constants import TRAINING_ALLOC_CONF
-    from finetune.run.launch.commands import plan_launch
+    from finetune.run.launch.commands import deepspeed_env_text, plan_launch
     from tests.run.test_launch import RUN, recipe
 
     gpu = plan_launch(recipe(), RUN, gpu_count=2, python="python", environ={})
@@ -655,9 +655,17 @@ def test_training_sets_expandable_segments_unless_the_user_did():
     mine = plan_launch(recipe(), RUN, gpu_count=2, python="python",
                        environ={"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"})
     assert "PYTORCH_CUDA_ALLOC_CONF" not in mine.env
+    # torch's newer name (PYTORCH_ALLOC_CONF) is the user's setting too: ours would otherwise win over it in torch
+    # 2.13, which reads PYTORCH_CUDA_ALLOC_CONF first; other nodes of a hostfile launch get it as well
+    newer = plan_launch(recipe(), RUN, gpu_count=2, python="python",
+                        environ={"PYTORCH_ALLOC_CONF": "expandable_segments:False"})
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in newer.env
+    assert deepspeed_env_text({"PYTORCH_ALLOC_CONF": "expandable_segments:False"}) == \
+        "PYTORCH_ALLOC_CONF=expandable_segments:False\n"
     assert "PYTORCH_CUDA_ALLOC_CONF" not in plan_launch(recipe(), RUN, gpu_count=0, python="python", environ={}).env
     out = run_cli("plan", "--model", "llama-3-8b", "--method", "qlora")
-    assert f"training sets PYTORCH_CUDA_ALLOC_CONF={TRAINING_ALLOC_CONF}" in out.stdout
+    assert f"training sets PYTORCH_CUDA_ALLOC_CONF={TRAINING_ALLOC_CONF} unless it or PYTORCH_ALLOC_CONF is set" \
+        in out.stdout
 
 
 def test_history_diagnostic_and_record_orders(corpus_rows, capsys):

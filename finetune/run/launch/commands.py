@@ -32,7 +32,8 @@ from pathlib import Path
 from typing import Optional
 
 from finetune.errors import FinetuneError
-from finetune.plan.constants import TRAINING_ALLOC_CONF
+from finetune.plan.allocator import user_alloc_conf
+from finetune.plan.constants import ALLOC_CONF_NAMES, TRAINING_ALLOC_CONF
 from finetune.recipe import Recipe
 from finetune.recipe.schema import LOOPBACK
 from finetune.rundir.names import LOGS_DIR
@@ -48,7 +49,7 @@ HOSTFILE_LIMIT = 2**20  # `host slots=N` lines: a megabyte is ten thousand machi
 # Never tokens: the file sits in the run directory, readable by the team; put HF_TOKEN in ~/.deepspeed_env.
 PROPAGATED_ENV = ("TQDM_DISABLE", "DS_ACCELERATOR", "FINETUNE_CACHE", "HF_HOME", "HF_HUB_CACHE", "HF_HUB_OFFLINE",
                   "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE", "TOKENIZERS_PARALLELISM", "OMP_NUM_THREADS",
-                  "CUDA_DEVICE_ORDER", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "PYTORCH_CUDA_ALLOC_CONF")
+                  "CUDA_DEVICE_ORDER", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", *ALLOC_CONF_NAMES)
 
 
 class HostfileError(FinetuneError):
@@ -148,8 +149,9 @@ def plan_launch(recipe: Recipe, run_dir: Path, gpu_count: int, module: str = RUN
 
         env["TORCH_EXTENSIONS_DIR"] = str(launch_extensions_root(python, environ))  # DeepSpeed's JIT ops, this venv's
     device = "cuda" if gpu_count > 0 else "cpu"
-    if device == "cuda" and "PYTORCH_CUDA_ALLOC_CONF" not in environ:
-        # Less cache held beyond what is allocated (finetune/plan/allocator.py); a user's setting wins.
+    if device == "cuda" and user_alloc_conf(environ) is None:
+        # Less cache held beyond what is allocated (finetune/plan/allocator.py); a user's setting, under either
+        # of torch's names, wins.
         env["PYTORCH_CUDA_ALLOC_CONF"] = TRAINING_ALLOC_CONF
     if device == "cuda":
         from finetune.run.deepspeed_ops import jit_arch_list
