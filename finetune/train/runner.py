@@ -278,7 +278,7 @@ def run(run_dir: Path, resume: bool = False) -> None:
     recipe, ds_config, args_kwargs = read_run_dir(run_dir)
     started = time.perf_counter()
     from finetune.train.startup import Startup
-    startup = Startup(run_dir)  # before the heavy imports: `launch` ends here, `process_group` begins
+    startup = Startup(run_dir)  # before the heavy imports: `launch` ends here, `imports` begins
     _quiet_libraries()
 
     import deepspeed
@@ -295,6 +295,7 @@ def run(run_dir: Path, resume: bool = False) -> None:
     from finetune.train.vlm_model import install_guard
     from finetune.tokenizer import load_tokenizer
 
+    startup.mark("imports")
     on_cpu = is_cpu_accelerator()
     # The objective's steps, picked once: finetune.train.sft, preference (dpo, orpo, kto, simpo), grpo or reward.
     steps = steps_of(recipe, run_dir)

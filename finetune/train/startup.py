@@ -3,8 +3,9 @@
 - tokenize: the launcher's step before any rank started (finetune.run.start, RUN/prepare.json): seconds,
   and whether the cache was found instead of made.
 - launch: from the launcher starting torchrun to this rank entering the runner (process start, imports).
-- process_group (the libraries imported, the process group joined), data (the prepared rows memory-mapped),
-  model (loaded, adapter added), trainer (the Trainer built): the runner's stages.
+- imports (deepspeed, transformers and finetune's training modules), process_group (joined), data (the prepared
+  rows memory-mapped), model (loaded, adapter added), trainer (the Trainer built): the runner's stages. Run
+  directories written before `imports` was split off count the imports in process_group.
 - deepspeed_init: from trainer.train() to the first callback (the engine, the optimizer, ZeRO partitioning,
   and the first-use build of DeepSpeed's ops).
 - first_step: the first optimizer step.
@@ -19,7 +20,7 @@ from typing import Any, Optional
 
 from finetune.rundir.names import PREPARE_FILE
 
-STAGES = ("launch", "process_group", "data", "model", "trainer", "deepspeed_init", "first_step")
+STAGES = ("launch", "imports", "process_group", "data", "model", "trainer", "deepspeed_init", "first_step")
 
 
 class Startup:

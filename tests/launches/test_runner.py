@@ -59,7 +59,7 @@ def test_two_process_run_learns_and_saves_what_it_trained(name, tiny_run, tiny_c
         assert tokenize["seconds"] >= 0 and (tokenize["cached"] or tokenize["rows"] > 0), startup
     else:
         assert tokenize is None, startup
-    assert all(startup[k] > 0 for k in ("process_group", "model", "deepspeed_init", "first_step")), startup
+    assert all(startup[k] > 0 for k in ("imports", "process_group", "model", "deepspeed_init", "first_step")), startup
     assert summary["world_size"] == 2
     assert summary["peak_memory_scope"] == "training"  # read before the verification forward
     assert summary["loss_kernel"] == recipe.training.loss_kernel
