@@ -165,15 +165,21 @@ def launch_extensions_root(python: str = sys.executable, environ: Optional[dict[
 
 
 def ranks_path(python: str = sys.executable, environ: Optional[dict[str, str]] = None) -> Optional[str]:
-    """PATH for the ranks when theirs would miss `ninja`: torch's extension builder runs it from PATH
-    (torch.utils.cpp_extension.is_ninja_available), pip installs it beside the interpreter (DeepSpeed requires
-    the `ninja` package), and a venv used without activation is not on PATH. None when nothing needs adding."""
+    """PATH for the ranks and for `finetune doctor --build-ops`, with the `ninja` beside the interpreter first.
+    torch's extension builder runs `ninja` from PATH (torch.utils.cpp_extension.is_ninja_available), and pip
+    installs it beside the interpreter (DeepSpeed requires the `ninja` package), where a venv used without
+    activation leaves it off PATH. Another ninja found first would build too, but ninjas of other versions
+    do not read each other's build logs (1.11 and 1.13 log other hashes for the same command), so the op
+    built by one is compiled again by the other: DeepSpeed's CPU communication op took 20 s here each time
+    the venv's ninja 1.13 and the system's 1.11 took turns, FusedAdam takes minutes. None where PATH's first
+    ninja is already that one, or the interpreter has none beside it."""
     import shutil
 
     environ = os.environ if environ is None else environ
     path = environ.get("PATH", os.defpath)
     here = os.path.dirname(python)
-    if shutil.which("ninja", path=path) or not shutil.which("ninja", path=here):
+    mine, found = shutil.which("ninja", path=here), shutil.which("ninja", path=path)
+    if mine is None or (found is not None and os.path.samefile(mine, found)):
         return None
     return here + os.pathsep + path
 
@@ -413,12 +419,15 @@ def build_ahead(device: str, recipe: Optional["Recipe"], log: Callable[[str], No
     """Compile now, with DeepSpeed's own builders, the ops a launch of `recipe` (None: the defaults) on
     `device` would compile in its ranks on first use, into the folder `finetune train` gives them: for a
     machine image, or before the paid hours start. Ops already built are left as they are. Returns the ops
-    compiled; a failed compile raises FinetuneError. Sets DS_ACCELERATOR (cpu), TORCH_EXTENSIONS_DIR and
-    TORCH_CUDA_ARCH_LIST (jit_arch_list) in this process as the launch sets them for its ranks
+    compiled; a failed compile raises FinetuneError. Sets DS_ACCELERATOR (cpu), TORCH_EXTENSIONS_DIR, PATH
+    (ranks_path) and TORCH_CUDA_ARCH_LIST (jit_arch_list) in this process as the launch sets them for its ranks
     (finetune.run.launch.commands.plan_launch)."""
     environ = os.environ
     root = launch_extensions_root()
     environ["TORCH_EXTENSIONS_DIR"] = str(root)  # torch's builder reads it when it loads
+    path = ranks_path(sys.executable, environ)
+    if path is not None:  # the ninja the ranks will run: another one would build the op again
+        environ["PATH"] = path
     if device == "cpu":
         environ.setdefault("DS_ACCELERATOR", "cpu")
     else:

@@ -166,6 +166,7 @@ def _fake_accelerator(monkeypatch, builders: dict):
     accelerator = SimpleNamespace(create_op_builder=builders.get, device_name=lambda: "cpu")
     monkeypatch.setattr(deepspeed.accelerator, "get_accelerator", lambda: accelerator)
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")  # build_ahead sets it: restored after the test
+    monkeypatch.setenv("PATH", os.environ.get("PATH", os.defpath))  # build_ahead may put ninja's folder first
 
 
 def test_build_ahead_compiles_what_a_launch_would_and_only_once(cache, monkeypatch):
@@ -186,19 +187,25 @@ def test_build_ahead_compiles_what_a_launch_would_and_only_once(cache, monkeypat
     assert [b.loads for b in builders.values()] == [1, 1]
 
 
-def test_build_ahead_on_a_gpu_gives_the_builder_the_arch_list_the_ranks_get(cache, monkeypatch):
+def test_build_ahead_on_a_gpu_gives_the_builder_the_arch_list_and_path_the_ranks_get(cache, monkeypatch, tmp_path):
     from finetune.run.deepspeed_ops import FUSED_ADAM_OP, build_ahead
+    from finetune.run.launch.commands import plan_launch
+    from tests.conftest import hub_recipe
 
     seen = []
 
     class Fused(_Builder):
         def load(self, verbose=True):
-            seen.append(os.environ["TORCH_CUDA_ARCH_LIST"])
+            seen.append((os.environ["TORCH_CUDA_ARCH_LIST"], os.environ["PATH"]))
             super().load(verbose)
 
     _fake_accelerator(monkeypatch, {"FusedAdamBuilder": Fused(FUSED_ADAM_OP)})
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.0;9.0a")  # a Hopper image's; DeepSpeed's JIT cannot read 9.0a
-    assert build_ahead("cuda", None, lambda line: None) == [FUSED_ADAM_OP] and seen == ["8.0;9.0"]
+    _ninja(tmp_path / "usr-bin")  # another ninja first on PATH: both must run the same one (ranks_path)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'usr-bin'}{os.pathsep}{os.environ['PATH']}")
+    ranks = plan_launch(hub_recipe(), tmp_path / "run", 1, python=sys.executable, environ=dict(os.environ)).env
+    assert build_ahead("cuda", None, lambda line: None) == [FUSED_ADAM_OP]
+    assert seen == [("8.0;9.0", ranks.get("PATH", os.environ["PATH"]))]
 
 
 @pytest.mark.parametrize("device, optimizer, offload, nvme_params, expected", [
@@ -321,14 +328,29 @@ def test_missing_build_tools_fail_doctor_and_preflight_with_what_to_install(cach
     assert build_tool_checks(facts) == []
 
 
-def test_the_ranks_find_ninja_beside_the_interpreter_of_a_venv_used_without_activating(tmp_path):
+def _ninja(folder: Path) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "ninja").write_text("#!/bin/sh\n")
+    (folder / "ninja").chmod(0o755)
+
+
+def test_the_ranks_run_the_ninja_beside_the_interpreter(tmp_path):
+    """A venv used without activation leaves its ninja off PATH; where PATH finds another first (the system's
+    1.11 beside the venv's 1.13), each took turns rebuilding the op the other had built (20 s each time here)."""
     from finetune.run.deepspeed_ops import ranks_path
 
     venv_bin, elsewhere = tmp_path / "venv" / "bin", tmp_path / "usr-bin"
-    venv_bin.mkdir(parents=True)
+    _ninja(venv_bin)
     elsewhere.mkdir()
-    ninja = venv_bin / "ninja"
-    ninja.write_text("#!/bin/sh\n")
-    ninja.chmod(0o755)
-    assert ranks_path(str(venv_bin / "python"), {"PATH": str(elsewhere)}) == f"{venv_bin}{os.pathsep}{elsewhere}"
-    assert ranks_path(str(venv_bin / "python"), {"PATH": f"{venv_bin}"}) is None  # on PATH already
+    python = str(venv_bin / "python")
+    assert ranks_path(python, {"PATH": str(elsewhere)}) == f"{venv_bin}{os.pathsep}{elsewhere}"
+    assert ranks_path(python, {"PATH": f"{venv_bin}"}) is None  # on PATH already
+    _ninja(elsewhere)  # another ninja found first: the interpreter's goes ahead of it
+    assert ranks_path(python, {"PATH": str(elsewhere)}) == f"{venv_bin}{os.pathsep}{elsewhere}"
+    assert ranks_path(python, {"PATH": f"{venv_bin}{os.pathsep}{elsewhere}"}) is None
+    link = tmp_path / "link-bin"  # the same file under another name is the same ninja
+    link.mkdir()
+    (link / "ninja").symlink_to(venv_bin / "ninja")
+    assert ranks_path(python, {"PATH": str(link)}) is None
+    assert ranks_path(str(elsewhere / "python"), {"PATH": str(elsewhere)}) is None
+    assert ranks_path(str(tmp_path / "bare" / "python"), {"PATH": str(elsewhere)}) is None  # none beside it

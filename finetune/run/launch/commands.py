@@ -164,7 +164,7 @@ def plan_launch(recipe: Recipe, run_dir: Path, gpu_count: int, module: str = RUN
     from finetune.run.deepspeed_ops import ranks_path
 
     path = ranks_path(python, environ)
-    if path is not None:  # `ninja` for DeepSpeed's JIT ops, beside the interpreter of a venv used without activating
+    if path is not None:  # the `ninja` beside the interpreter for DeepSpeed's JIT ops, as `doctor --build-ops` runs it
         env["PATH"] = path
     hosts = None
     if choose_launcher(recipe) == "deepspeed":
