@@ -17,19 +17,24 @@ REPO = Path(__file__).resolve().parent.parent
 FINETUNE = [sys.executable, "-m", "finetune.cli"]
 
 
-def _one_extensions_folder() -> None:
-    """Every DeepSpeed process of the session builds its JIT ops in one folder: the one `finetune train`
-    gives its ranks (finetune.run.deepspeed_ops.launch_extensions_root). The tests that start torchrun or a
-    probe themselves would otherwise use torch's default folder, and a fresh CI machine compiled the CPU
-    communication op twice (about 37 CPU seconds each). A TORCH_EXTENSIONS_DIR already set is kept."""
+def _one_extensions_build() -> None:
+    """Every DeepSpeed process of the session builds its JIT ops in one folder with one ninja: the folder and
+    PATH `finetune train` gives its ranks (finetune.run.deepspeed_ops.launch_extensions_root, ranks_path).
+    The tests that start torchrun or a probe themselves would otherwise use torch's default folder, and a
+    fresh CI machine compiled the CPU communication op twice (about 37 CPU seconds each); a system ninja
+    first on PATH would compile it again after each launch's ninja did. A TORCH_EXTENSIONS_DIR already set
+    is kept."""
     import os
 
-    from finetune.run.deepspeed_ops import launch_extensions_root
+    from finetune.run.deepspeed_ops import launch_extensions_root, ranks_path
 
     os.environ["TORCH_EXTENSIONS_DIR"] = str(launch_extensions_root())
+    path = ranks_path()
+    if path is not None:
+        os.environ["PATH"] = path
 
 
-_one_extensions_folder()
+_one_extensions_build()
 
 
 def _no_hub_requests() -> None:

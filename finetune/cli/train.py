@@ -50,8 +50,8 @@ def train(
         ...
         launching 2 processes (cpu): DS_ACCELERATOR=cpu … -m torch.distributed.run --nnodes 1 --nproc-per-node 2 …
         ...
-        [finetune] done: 117 steps, loss 7.148 -> 2.319, 713 tokens/s; adapter/ in …/runs/demo
-        [finetune] speed: steady 725 tokens/s over steps 6-117, step p50 0.287 s / p90 0.426 s; start-up 27.0 s (…)
+        [finetune] done: 117 steps, loss 7.148 -> 2.319, 1635 tokens/s; adapter/ in …/runs/demo
+        [finetune] speed: steady 1,678 tokens/s over steps 6-117, step p50 0.128 s / p90 0.148 s; start-up 8.7 s (…)
         finished: …/runs/demo (adapter in …/runs/demo/adapter)
     """
     from finetune.rundir.checkpoint import EXIT_PREEMPTED
