@@ -290,6 +290,36 @@ def test_a_rebuild_of_a_built_op_is_announced_with_its_last_build_time(cache, tm
     assert done.startswith(f"compiled {CPU_COMM_OP} (")
 
 
+def test_the_launcher_watches_built_ops_for_a_rebuild(cache, tmp_path):
+    """The launcher's wait loop polled its BuildWatch only while an op was missing at launch, so the rebuild of a
+    built op (ninja's command changed: another ninja, torch or flags) went unsaid: 20 s of the CPU op in the
+    process group stage here, when the venv's ninja and the system's took turns."""
+    import io
+    import shutil
+    from types import SimpleNamespace
+
+    from finetune.run.launch.supervision import wait
+
+    _built(cache / CPU_COMM_OP, seconds_log=20)
+    watch = BuildWatch(cache, [CPU_COMM_OP], every=0.0)
+    assert watch.notes() == [] and not watch.pending
+    compiler = tmp_path / "cc1plus"
+    shutil.copy(shutil.which("sleep"), compiler)
+    rebuild = subprocess.Popen([str(compiler), "1"], cwd=cache / CPU_COMM_OP)
+    launcher = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(2)"])  # the ranks' launcher
+    console = io.BytesIO()
+    plan = SimpleNamespace(run_dir=tmp_path, launcher="deepspeed", node_rank=1)  # no rank-0 log to follow
+    try:
+        wait(plan, launcher, console, builds=watch)
+    finally:
+        rebuild.kill()
+        rebuild.wait()
+    lines = console.getvalue().decode().splitlines()
+    assert lines[0] == (f"[finetune] compiling DeepSpeed op {CPU_COMM_OP} again (about 20 s, as its last build "
+                        f"here): ninja rebuilds it in {cache / CPU_COMM_OP}")
+    assert lines[1].startswith(f"[finetune] compiled {CPU_COMM_OP} (") and len(lines) == 2
+
+
 def test_missing_build_tools_fail_doctor_and_preflight_with_what_to_install(cache, tmp_path, monkeypatch):
     """Issue 34: without a compiler the demo died after a 190-line traceback ending "ninja: build stopped", and
     `finetune doctor` said "all checks passed". Checked only while an op still has to be compiled."""

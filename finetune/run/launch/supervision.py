@@ -210,7 +210,7 @@ class ProcessTree:
 def wait(plan: LaunchPlan, proc: subprocess.Popen, console: IO[bytes], tracker: Optional[ProcessTree] = None,
          builds: Optional["BuildWatch"] = None) -> None:
     """Until the launcher exits: follow rank 0's log for the deepspeed launcher, link the rank logs, say
-    when a first-run compile is done (or a stale build lock was cleared)."""
+    when a first-run compile is done, when ninja compiles a built op again (or a stale build lock was cleared)."""
     logs = plan.run_dir / LOGS_DIR
     rank0 = Follower(logs, "*_rank0.log", console) if plan.launcher == "deepspeed" and plan.node_rank == 0 else None
     linked = False
@@ -222,7 +222,7 @@ def wait(plan: LaunchPlan, proc: subprocess.Popen, console: IO[bytes], tracker: 
             rank0.poll()
         if not linked:
             linked = link_rank_logs(plan)  # as soon as torchrun made the folders: tail -f works during the run
-        if builds is not None and builds.pending and builds.due():
+        if builds is not None and builds.due():  # built ops too: ninja may compile one again (BuildWatch._rebuilds)
             for note in builds.poll():
                 Relay._write(console, f"[finetune] {note}\n".encode())
     if rank0:
