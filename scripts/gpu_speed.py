@@ -70,18 +70,28 @@ def acceptance():
 
 
 def install_wheels(wheels: Path, log) -> Optional[subprocess.Popen]:
-    """pip-install the carried wheels into SITE (no index, no dependencies: the image has the rest), then start
-    compiling DeepSpeed's ops in the background. Returns the compile process. All of them first: `finetune doctor`
-    imports deepspeed, which imports pydantic (a carried wheel); the 2026-11-28 run started it after deepspeed's
-    wheel alone and it failed on a fresh machine (the whole install takes about 2 s)."""
+    """pip-install the carried wheels into SITE (no index, no dependencies: the image has the rest; not again where
+    SITE holds the same ones), then start compiling DeepSpeed's ops in the background. Returns the compile
+    process. All of them first: `finetune doctor` imports deepspeed, which imports pydantic (a carried wheel); the
+    2026-11-28 run started it after deepspeed's wheel alone and it failed on a fresh machine (the whole install
+    takes about 2 s)."""
     started = time.perf_counter()
     found = sorted(wheels.glob("*.whl"))
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
-                    "--no-cache-dir", "--upgrade", "--target", str(SITE), *map(str, found)], check=True)
+    carried = "".join(f"{wheel.name} {wheel.stat().st_size}\n" for wheel in found)
+    marker = SITE / ".carried"
+    if marker.is_file() and marker.read_text(encoding="utf-8") == carried:
+        # The same wheels on a warm machine: installed again, DeepSpeed's sources would be newer than the ops the
+        # first command built, and its ops would compile again (finetune.run.deepspeed_ops.is_built).
+        how = "already installed"
+    else:
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                        "--no-cache-dir", "--upgrade", "--target", str(SITE), *map(str, found)], check=True)
+        marker.write_text(carried, encoding="utf-8")
+        how = "installed"
     use_site()
     build = subprocess.Popen([sys.executable, "-m", "finetune.cli", "doctor", "--build-ops"], cwd=REPO,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    log(f"installed {len(found)} wheels into {SITE} in {time.perf_counter() - started:.0f} s; DeepSpeed's ops compiling")
+    log(f"{how} {len(found)} wheels in {SITE} ({time.perf_counter() - started:.0f} s); DeepSpeed's ops compiling")
     return build
 
 

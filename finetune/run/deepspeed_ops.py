@@ -257,16 +257,42 @@ def prebuilt_ops(device: str) -> set[str]:
 
 
 def is_built(build_dir: Path) -> bool:
-    """Built for this torch: the library is there and its build file names this torch's headers (a
-    build from another environment's torch is rebuilt by ninja, since its command lines differ)."""
+    """Built for this torch and these sources: the library is there, its build file names this torch's headers
+    (a build from another environment's torch is rebuilt by ninja, since its command lines differ), and no
+    source file it compiles is newer than the library (ninja compiles those again: a DeepSpeed installed anew,
+    even the same version, since pip writes every file with the time of the install)."""
     import torch
 
     library = build_dir / f"{build_dir.name}.so"
     try:
         ninja = (build_dir / "build.ninja").read_text(encoding="utf-8", errors="replace")
+        built = library.stat().st_mtime_ns
     except OSError:
         return False
-    return library.is_file() and str(Path(torch.__file__).parent / "include") in ninja
+    if str(Path(torch.__file__).parent / "include") not in ninja:
+        return False
+    for source in build_sources(ninja):
+        try:
+            if source.stat().st_mtime_ns > built:
+                return False
+        except OSError:
+            return False  # gone: ninja cannot build the op as it was
+    return True
+
+
+def build_sources(ninja: str) -> list[Path]:
+    """The source files a build.ninja compiles: the absolute inputs of its `build OUT: RULE IN...` lines
+    (torch.utils.cpp_extension writes one such line per source file, then one that links the objects)."""
+    import re
+
+    sources = []
+    for line in ninja.splitlines():
+        if not line.startswith("build "):
+            continue
+        parts = re.split(r"(?<!\$):", line, maxsplit=1)  # ninja escapes a path's own colons and spaces with $
+        words = re.split(r"(?<!\$) +", parts[-1].strip())[1:] if len(parts) == 2 else []
+        sources += [Path(re.sub(r"\$(.)", r"\1", word)) for word in words if word.startswith("/")]
+    return sources
 
 
 def compiling_pids(build_dir: Path) -> list[int]:
@@ -374,7 +400,9 @@ class BuildWatch:
                 out.append(note)
             if not is_built(build_dir):
                 self.pending.add(op)
-                out.append(f"{COMPILE_NOTE}{op} (first run in this environment; {compile_estimate(build_dir)}; "
+                why = ("its build is older than DeepSpeed's sources or from another torch"
+                       if (build_dir / f"{op}.so").is_file() else "first run in this environment")
+                out.append(f"{COMPILE_NOTE}{op} ({why}; {compile_estimate(build_dir)}; "
                            f"`finetune doctor --build-ops` compiles it ahead) into {build_dir}")
         return out
 

@@ -290,6 +290,35 @@ def test_a_rebuild_of_a_built_op_is_announced_with_its_last_build_time(cache, tm
     assert done.startswith(f"compiled {CPU_COMM_OP} (")
 
 
+def test_an_op_older_than_deepspeeds_sources_is_not_built(cache, tmp_path):
+    """pip writes every file of a package it installs with the time of the install, the same version too: the
+    GPU check installs its wheels again on a warm machine, `doctor --build-ops` found FusedAdam built, and ninja
+    compiled it again inside the run's DeepSpeed start-up (35.6 s against 0.8-1.1 s, 2026-11-28)."""
+    import torch
+
+    build_dir = cache / CPU_COMM_OP
+    sources = tmp_path / "deep speed" / "csrc"  # a path with a space: ninja writes it as `deep$ speed`
+    sources.mkdir(parents=True)
+    for name in ("shm.cpp", "shm_interface.cpp"):
+        (sources / name).write_text("// source\n")
+    escaped = str(sources).replace(" ", "$ ")
+    (build_dir / "build.ninja").write_text(
+        f"cflags = -isystem {Path(torch.__file__).parent / 'include'}\n"
+        f"build shm.o: compile {escaped}/shm.cpp\nbuild shm_interface.o: compile {escaped}/shm_interface.cpp\n"
+        f"build {CPU_COMM_OP}.so: link shm.o shm_interface.o\n")
+    library = build_dir / f"{CPU_COMM_OP}.so"
+    library.write_bytes(b"")
+    os.utime(library, ns=(time.time_ns() + 10**9,) * 2)  # built after its sources were written
+    assert is_built(build_dir) and BuildWatch(cache, [CPU_COMM_OP]).notes() == []
+    os.utime(sources / "shm.cpp", ns=(time.time_ns() + 2 * 10**9,) * 2)  # DeepSpeed installed again
+    assert not is_built(build_dir)
+    [note] = BuildWatch(cache, [CPU_COMM_OP]).notes()
+    assert note.startswith(f"compiling {CPU_COMM_OP} (its build is older than DeepSpeed's sources or from another "
+                           "torch; ")
+    (sources / "shm.cpp").unlink()  # DeepSpeed gone: nothing ninja can rebuild the op from
+    assert not is_built(build_dir)
+
+
 def test_the_launcher_watches_built_ops_for_a_rebuild(cache, tmp_path):
     """The launcher's wait loop polled its BuildWatch only while an op was missing at launch, so the rebuild of a
     built op (ninja's command changed: another ninja, torch or flags) went unsaid: 20 s of the CPU op in the

@@ -197,3 +197,26 @@ def test_every_gpu_case_lints_clean(tmp_path):
     result = lint_paths(paths, LintOptions())
     assert len(paths) > 20 and not result.errors and not result.warnings, [
         (f.rule, f.path, f.key, f.message) for f in result.errors + result.warnings]
+
+
+def test_the_same_wheels_are_not_installed_again_on_a_warm_machine(tmp_path, monkeypatch):
+    """Installed again, DeepSpeed's sources are newer than the ops the first command built, and FusedAdam compiled
+    again inside a timed run's start-up (finetune.run.deepspeed_ops.is_built)."""
+    module = gpu_speed()
+    monkeypatch.setattr(module, "SITE", tmp_path / "site")
+    (tmp_path / "site").mkdir()
+    installs, started = [], []
+    monkeypatch.setattr(module.subprocess, "run", lambda argv, check: installs.append(argv))
+    monkeypatch.setattr(module.subprocess, "Popen", lambda argv, **kwargs: started.append(argv))
+    monkeypatch.setattr(module, "use_site", lambda: None)
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    (wheels / "deepspeed-0.19.8-py3-none-any.whl").write_bytes(b"x" * 10)
+    lines: list[str] = []
+    for _ in range(2):
+        module.install_wheels(wheels, lines.append)
+    assert len(installs) == 1 and len(started) == 2  # the ops are checked (and built if needed) each time
+    assert lines[0].startswith("installed 1 wheels") and lines[1].startswith("already installed 1 wheels")
+    (wheels / "trl-1.16.0-py3-none-any.whl").write_bytes(b"y")  # another set: installed
+    module.install_wheels(wheels, lines.append)
+    assert len(installs) == 2 and lines[2].startswith("installed 2 wheels")
