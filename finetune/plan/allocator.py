@@ -96,7 +96,7 @@ def user_alloc_conf(environ: Mapping[str, str]) -> tuple[str, str] | None:
     """The allocator setting a user made in `environ`, as (variable, value), or None. torch reads two names:
     PYTORCH_ALLOC_CONF (its documented name since 2.9) and PYTORCH_CUDA_ALLOC_CONF (the older one); where
     both are set, the older wins in torch 2.13's CUDA allocator (c10/cuda/CUDAAllocatorConfig.h: the
-    variables in ALLOC_CONF_NAMES' order), while torch 2.9's header read the newer first."""
+    variables in ALLOC_CONF_NAMES' order), while other versions of that header read the newer first."""
     for name in ALLOC_CONF_NAMES:
         if name in environ:
             return name, environ[name]
