@@ -44,9 +44,9 @@ DS_PARAM_SWAP_BUFFER_SIZE = 100_000_000  # offload_param.buffer_size (elements)
 CUDA_CONTEXT = 426 * MiB
 # What `finetune train` sets PYTORCH_CUDA_ALLOC_CONF to on GPUs unless the user configured the allocator
 # (ALLOC_CONF_NAMES; run/launch/commands.py): expandable segments map freed pages back into one growing
-# segment per stream instead of caching fixed 2 MiB / 20 MiB+ blocks, so a freed block of one size serves a request of another (PyTorch's
-# CUDA semantics notes, "Optimizing memory usage with PYTORCH_CUDA_ALLOC_CONF"); finetune.plan.allocator
-# models what the allocator reserves with and without it.
+# segment per stream instead of caching fixed 2 MiB / 20 MiB+ blocks, so a freed block of one size serves a
+# request of another (PyTorch's CUDA semantics notes, "Optimizing memory usage with PYTORCH_CUDA_ALLOC_CONF");
+# finetune.plan.allocator models what the allocator reserves with and without it.
 TRAINING_ALLOC_CONF = "expandable_segments:True"
 # The variables torch's CUDA allocator reads its settings from, in the order torch 2.13 reads them
 # (c10/cuda/CUDAAllocatorConfig.h); a user who set either has configured the allocator.
