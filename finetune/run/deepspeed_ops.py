@@ -165,21 +165,21 @@ def launch_extensions_root(python: str = sys.executable, environ: Optional[dict[
 
 
 def ranks_path(python: str = sys.executable, environ: Optional[dict[str, str]] = None) -> Optional[str]:
-    """PATH for the ranks and for `finetune doctor --build-ops`, with the `ninja` beside the interpreter first.
-    torch's extension builder runs `ninja` from PATH (torch.utils.cpp_extension.is_ninja_available), and pip
-    installs it beside the interpreter (DeepSpeed requires the `ninja` package), where a venv used without
-    activation leaves it off PATH. Another ninja found first would build too, but ninjas of other versions
-    do not read each other's build logs (1.11 and 1.13 log other hashes for the same command), so the op
-    built by one is compiled again by the other: DeepSpeed's CPU communication op took 20 s here each time
-    the venv's ninja 1.13 and the system's 1.11 took turns, FusedAdam takes minutes. None where PATH's first
-    ninja is already that one, or the interpreter has none beside it."""
+    """PATH for the ranks and for `finetune doctor --build-ops`: the interpreter's folder first where it holds a
+    `ninja` and is not on PATH (a venv used without activation). torch's extension builder runs `ninja` from
+    PATH (torch.utils.cpp_extension.is_ninja_available), and pip installs it beside a venv's interpreter
+    (DeepSpeed requires the `ninja` package). Where PATH found another ninja instead, the op built by one was
+    compiled again by the other, since ninjas of other versions do not read each other's build logs (1.11 and
+    1.13 log other hashes for the same command): DeepSpeed's CPU communication op took 20 s here each time a
+    run from the activated venv (its ninja 1.13) and one without (the system's 1.11) took turns; FusedAdam
+    takes minutes. None where the folder is on PATH already (its order is the user's) or holds no ninja."""
     import shutil
 
     environ = os.environ if environ is None else environ
     path = environ.get("PATH", os.defpath)
     here = os.path.dirname(python)
-    mine, found = shutil.which("ninja", path=here), shutil.which("ninja", path=path)
-    if mine is None or (found is not None and os.path.samefile(mine, found)):
+    listed = {os.path.realpath(entry) for entry in path.split(os.pathsep) if entry}
+    if os.path.realpath(here) in listed or shutil.which("ninja", path=here) is None:
         return None
     return here + os.pathsep + path
 

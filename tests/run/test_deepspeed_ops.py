@@ -404,12 +404,11 @@ def test_the_ranks_run_the_ninja_beside_the_interpreter(tmp_path):
     python = str(venv_bin / "python")
     assert ranks_path(python, {"PATH": str(elsewhere)}) == f"{venv_bin}{os.pathsep}{elsewhere}"
     assert ranks_path(python, {"PATH": f"{venv_bin}"}) is None  # on PATH already
-    _ninja(elsewhere)  # another ninja found first: the interpreter's goes ahead of it
+    _ninja(elsewhere)  # another ninja found first: the interpreter's goes ahead of it, as activating the venv does
     assert ranks_path(python, {"PATH": str(elsewhere)}) == f"{venv_bin}{os.pathsep}{elsewhere}"
-    assert ranks_path(python, {"PATH": f"{venv_bin}{os.pathsep}{elsewhere}"}) is None
-    link = tmp_path / "link-bin"  # the same file under another name is the same ninja
-    link.mkdir()
-    (link / "ninja").symlink_to(venv_bin / "ninja")
-    assert ranks_path(python, {"PATH": str(link)}) is None
-    assert ranks_path(str(elsewhere / "python"), {"PATH": str(elsewhere)}) is None
+    assert ranks_path(python, {"PATH": f"{venv_bin}{os.pathsep}{elsewhere}"}) is None  # activated
+    assert ranks_path(python, {"PATH": f"{elsewhere}{os.pathsep}{venv_bin}"}) is None  # on PATH: the user's order
+    link = tmp_path / "link-bin"  # the same folder under another name
+    link.symlink_to(venv_bin, target_is_directory=True)
+    assert ranks_path(python, {"PATH": f"{link}{os.pathsep}{elsewhere}"}) is None
     assert ranks_path(str(tmp_path / "bare" / "python"), {"PATH": str(elsewhere)}) is None  # none beside it
