@@ -526,6 +526,19 @@ def markdown(results: dict[str, Any]) -> str:
                     lines += ["", f"| {title} | seconds | share | calls |", "|---|---|---|---|"]
                     lines += [f"| {k['name'][:90]} | {k['seconds']:.4f} | {100 * k['share']:.1f}% | {k['calls']} |"
                               for k in profile[rows]]
+    split = [r for r in results["runs"] if r.get("startup")]
+    if split:  # finetune's runs: where the seconds before the first step went (finetune.train.startup)
+        from finetune.train.startup import STAGES
+
+        lines += ["", "Start-up of the finetune runs, seconds (summary.json's `startup`; tokenize: the launcher's, "
+                      "before the ranks):", "", "| case | tokenize | " + " | ".join(s.replace("_", " ") for s in STAGES)
+                  + " |", "|---|---|" + "---|" * len(STAGES)]
+        for r in split:
+            stages = r["startup"]
+            tokenize = (stages.get("tokenize") or {}).get("seconds")
+            cells = [stages.get(stage) for stage in STAGES]
+            lines.append(f"| {r['name']} | " + " | ".join("-" if v is None else f"{v:.1f}" for v in [tokenize, *cells])
+                         + " |")
     for r in results["runs"]:
         counted = r.get("syncs")
         if counted:

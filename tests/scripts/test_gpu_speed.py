@@ -220,3 +220,19 @@ def test_the_same_wheels_are_not_installed_again_on_a_warm_machine(tmp_path, mon
     (wheels / "trl-1.16.0-py3-none-any.whl").write_bytes(b"y")  # another set: installed
     module.install_wheels(wheels, lines.append)
     assert len(installs) == 2 and lines[2].startswith("installed 2 wheels")
+
+
+def test_the_start_up_split_of_each_finetune_run_is_in_the_report():
+    """Where the seconds before the first step went on the GPU machine (its process-group stage, imports included
+    until they were split off, took 10-16 s on the H200)."""
+    startup = {"tokenize": {"seconds": 0.01, "cached": True}, "launch": 7.1, "imports": 9.2, "process_group": 1.4,
+               "data": 0.9, "model": 0.1, "trainer": 0.0, "deepspeed_init": 0.8, "first_step": None}
+    results = {"machine": {"cpu": False, "gpus": 1, "gpu_name": "H200", "versions": {}}, "created": "today",
+               "commit": "abc", "budget": 500, "elapsed": 100, "ratios": {},
+               "runs": [{"name": "lora_1x2k_finetune", "status": "ok", "startup": startup},
+                        {"name": "lora_1x2k_bench_hf", "status": "ok"}]}
+    text = gpu_speed().markdown(results)
+    assert ("| case | tokenize | launch | imports | process group | data | model | trainer | deepspeed init | "
+            "first step |") in text
+    assert "| lora_1x2k_finetune | 0.0 | 7.1 | 9.2 | 1.4 | 0.9 | 0.1 | 0.0 | 0.8 | - |" in text
+    assert "| lora_1x2k_bench_hf |" not in text.split("Start-up of the finetune runs")[1]
