@@ -92,15 +92,12 @@ def resident_waste(tensors: list[tuple[int, int]], expandable: bool) -> int:
     return resident_reserved(tensors, expandable) - sum(count * size for count, size in tensors)
 
 
-def user_alloc_conf(environ: Mapping[str, str]) -> tuple[str, str] | None:
-    """The allocator setting a user made in `environ`, as (variable, value), or None. torch reads two names:
+def user_alloc_conf(environ: Mapping[str, str]) -> str | None:
+    """The allocator setting a user made in `environ`, or None. torch reads two names:
     PYTORCH_ALLOC_CONF (its documented name since 2.9) and PYTORCH_CUDA_ALLOC_CONF (the older one); where
     both are set, the older wins in torch 2.13's CUDA allocator (c10/cuda/CUDAAllocatorConfig.h: the
     variables in ALLOC_CONF_NAMES' order), while other versions of that header read the newer first."""
-    for name in ALLOC_CONF_NAMES:
-        if name in environ:
-            return name, environ[name]
-    return None
+    return next((environ[name] for name in ALLOC_CONF_NAMES if name in environ), None)
 
 
 def expandable_in_training(environ: Mapping[str, str]) -> bool:
@@ -108,10 +105,10 @@ def expandable_in_training(environ: Mapping[str, str]) -> bool:
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True unless the user set either variable
     (run/launch/commands.py), and a user's value has them only if it says so (the last
     `expandable_segments:` option wins)."""
-    mine = user_alloc_conf(environ)
-    if mine is None:
+    conf = user_alloc_conf(environ)
+    if conf is None:
         return True
-    values = re.findall(r"expandable_segments\s*:\s*(\w+)", mine[1])
+    values = re.findall(r"expandable_segments\s*:\s*(\w+)", conf)
     return bool(values) and values[-1].lower() == "true"
 
 

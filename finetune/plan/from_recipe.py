@@ -114,17 +114,15 @@ def _setup_from_recipe(recipe, gpus, gpu_memory_bytes, nodes, cpu_memory_bytes, 
     # (sdpa_attention.use_gqa_in_sdpa); not where a sliding window reaches that far. docs/plan.md, "Ninth pass".
     # data.pad_to_multiple_of (as a GPU decides `auto`) pads such a row at its end to max_length rounded up to 8,
     # without a mask but for a mixture of experts (finetune.data.packing.Collator)
-    if cut and micro_batch == 1 and vision is None and objectives.get(recipe.objective).pretokenized:
+    one_row = cut and micro_batch == 1 and vision is None and objectives.get(recipe.objective).pretokenized
+    widened = False
+    if one_row:
         from finetune.data.packing import padded_width, planned_pad_multiple, width_limit
 
         padded = padded_width(seq_len, planned_pad_multiple(recipe), width_limit(seq_len))
-        masked = padded > seq_len and arch is not None and arch.experts > 0
         seq_len, widened = padded, padded > seq_len
-    else:
-        masked = widened = False
-    full_rows = (cut and not masked and micro_batch == 1 and seq_len % 8 == 0 and vision is None
-                 and recipe.parallel.sequence == 1
-                 and objectives.get(recipe.objective).pretokenized
+    masked = widened and arch is not None and arch.experts > 0
+    full_rows = (one_row and not masked and seq_len % 8 == 0 and recipe.parallel.sequence == 1
                  and not (arch is not None and arch.sliding_window and seq_len >= arch.sliding_window))
     if full_rows:
         data_note += (f"; one row per micro batch, padded at its end to {seq_len}: no attention mask" if widened else
