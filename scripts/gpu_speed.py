@@ -4,6 +4,7 @@ in at most 8 minutes of wall time, results written after every run.
     bash scripts/gpu_wheels.sh                                     # here (PyPI): the wheels the GPU image lacks
     python3 scripts/gpu_speed.py --out $OUT/speed --wheels .whl    # there: one command (docs/gpu-acceptance.md)
     python scripts/gpu_speed.py --cpu --out /tmp/speed             # the same plumbing on the tiny model (CI)
+    python scripts/gpu_speed.py --list --only varied,-profile       # here: the cases that command would run, in order
 
 On the GPU machine it first installs the carried wheels into /tmp/site (then DeepSpeed's FusedAdam compiled in the
 background while the model and data are built; the first timed run waits for
@@ -291,6 +292,13 @@ def cpu_cases(model: str, data: Path, steps: int) -> list[Case]:
     return [Case("tiny_lora_plain_finetune", "finetune", plain, pair="tiny_lora_plain", profile=True, syncs=True),
             Case("tiny_lora_plain_bench_hf_profile", "bench_hf", plain, ("--no-deepspeed", "--profile"), syncs=True,
                  pair="tiny_lora_plain")]
+
+
+def every_case(cpu: bool, steps: int) -> list[Case]:
+    """The cases with placeholders for the model and the data: their names and settings, before anything is built
+    (what --list prints and --only is checked against on this machine, not on the GPU's clock)."""
+    nowhere = Path("-")
+    return cpu_cases("-", nowhere, steps) if cpu else gpu_cases("-", nowhere, nowhere, steps, nowhere)
 
 
 def selected(cases: list[Case], only: str) -> list[Case]:
@@ -591,7 +599,7 @@ def pack_logs(out: Path, results: Path) -> None:
 
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, required=True, help="models, runs, logs and results")
+    parser.add_argument("--out", type=Path, default=None, help="models, runs, logs and results (required but with --list)")
     parser.add_argument("--cpu", action="store_true", help="the tiny model on one CPU process (CI)")
     parser.add_argument("--wheels", type=Path, default=None, help="carried wheels to install first (scripts/gpu_wheels.sh)")
     parser.add_argument("--budget", type=float, default=None, help="seconds for everything (default 450; --cpu 600)")
@@ -600,9 +608,26 @@ def main(argv: Optional[list[str]] = None) -> int:
                         "texts, in their order; -TEXT leaves out the cases whose name contains TEXT")
     parser.add_argument("--results", type=Path, default=None,
                         help="also write results.json, results.md (after each run) and logs.tar.gz (at the end) here")
+    parser.add_argument("--list", action="store_true",
+                        help="print the cases that would run (after --only), in their order, and exit: builds nothing")
     args = parser.parse_args(argv)
     begun = time.perf_counter()
     budget = args.budget or (600.0 if args.cpu else 450.0)
+    # 30 on a GPU: at micro batch 1 x 2,048 a step is host-bound (~0.3 s), and the 9 steady steps of 14 let one slow
+    # step move the mean by half (2026-11-28: p90 1.47 s against p50 0.34 s)
+    steps = args.steps or (10 if args.cpu else 30)
+    every = every_case(args.cpu, steps)
+    chosen = selected(every, args.only) if args.only else every
+    if args.list:
+        for case in chosen:
+            print(f"{case.name}\t{case.tool}" + (f"\t{' '.join(case.bench_args)}" if case.bench_args else ""))
+        return 0
+    if not chosen:  # a GPU loan is short: say so before installing, building or timing anything
+        print(f"gpu_speed: --only {args.only!r} selects none of the {'--cpu ' if args.cpu else ''}cases: "
+              f"{', '.join(c.name for c in every)}", file=sys.stderr)
+        return 2
+    if args.out is None:
+        parser.error("the following arguments are required: --out")
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
 
@@ -617,9 +642,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     if not args.cpu and machine.cpu:
         log("no CUDA GPU visible (use --cpu to test the plumbing on CPU)")
         return 2
-    # 30 on a GPU: at micro batch 1 x 2,048 a step is host-bound (~0.3 s), and the 9 steady steps of 14 let one slow
-    # step move the mean by half (2026-11-28: p90 1.47 s against p50 0.34 s)
-    steps = args.steps or (10 if args.cpu else 30)
     if machine.cpu:
         from finetune.builtin import BUILTIN_PREFIX
 

@@ -236,3 +236,19 @@ def test_the_start_up_split_of_each_finetune_run_is_in_the_report():
             "first step |") in text
     assert "| lora_1x2k_finetune | 0.0 | 7.1 | 9.2 | 1.4 | 0.9 | 0.1 | 0.0 | 0.8 | - |" in text
     assert "| lora_1x2k_bench_hf |" not in text.split("Start-up of the finetune runs")[1]
+
+
+def test_list_prints_a_commands_cases_and_a_selection_of_none_stops_before_anything_is_built(tmp_path, capsys):
+    """The prepared commands are checked here, not on the GPU's clock: --list prints what `--only` runs, and an
+    `--only` that selects nothing (a name the --cpu cases do not have) exits 2 naming the cases, before the wheels,
+    the model or the output folder."""
+    module = gpu_speed()
+    assert module.main(["--list", "--only", "liger,full_4x2k_bench_hf,memory_qlora"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == ["liger_4x2k_full_finetune\tfinetune", "full_4x2k_bench_hf\tbench_hf\t--profile",
+                     "memory_qlora_8k\tfinetune"]
+    out = tmp_path / "speed"
+    assert module.main(["--cpu", "--out", str(out), "--only", "varied,qlora"]) == 2
+    err = capsys.readouterr().err
+    assert "selects none of the --cpu cases: tiny_lora_plain_finetune, tiny_lora_plain_bench_hf_profile" in err
+    assert not out.exists()
