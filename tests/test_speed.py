@@ -326,3 +326,102 @@ def test_convert_says_a_checkpoint_without_deepspeed_needs_no_convert(tmp_path):
     (checkpoint / "adapter_model.safetensors").write_bytes(b"")
     with pytest.raises(ConvertError, match="checkpoint of a run without DeepSpeed: .* already holds the adapter"):
         find_checkpoint(checkpoint)
+
+
+OOM = ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1.96 GiB. GPU 0 has a total capacity of 23.53 GiB "
+       "of which 1.02 GiB is free. Of the allocated memory 20.11 GiB is allocated by PyTorch")
+
+
+def test_out_of_gpu_memory_names_what_auto_chose_and_a_command_that_resumes_with_the_memory_safe_values(tmp_path):
+    """An `auto` choice bets on the plan's bound; when a rank runs out of GPU memory anyway, `finetune train` says what
+    auto chose and the flags that run the same command with the memory-safe values. The flags are checked against
+    the run directory's own rules: --overwrite with no checkpoint, --force-resume where the micro batch changes."""
+    from finetune.plan.auto import Machine, memory_safe_values, resolve
+    from finetune.recipe import load_recipe
+    from finetune.rundir import checkpoint as ckpt
+    from finetune.rundir.layout import resolved_recipe, write_run_dir
+    from finetune.run.launch.outcome import Outcome, RankFailure, out_of_memory_advice
+
+    path = tmp_path / "r.yaml"
+    path.write_text("model: {name_or_path: qwen2.5-0.5b}\ndata: {path: org/d, max_length: 2048}\n"
+                    "training: {gradient_accumulation_steps: 8}\n")
+    loaded = load_recipe(path)
+    decision = resolve(loaded.recipe, Machine(gpus_per_node=1, gpu_memory=24 * 2**30))
+    t = decision.recipe.training
+    assert (t.gradient_checkpointing, t.micro_batch_size > 1, t.loss_kernel) == (False, True, "chunked")
+    # every memory key auto decided is pinned: left auto, the micro batch would grow again with checkpointing on
+    assert memory_safe_values(decision) == {"training.gradient_checkpointing": True, "training.loss_kernel": "chunked",
+                                            "training.micro_batch_size": 1}
+    sets = ["training.gradient_checkpointing=true", "training.loss_kernel=chunked", "training.micro_batch_size=1"]
+    loaded.recipe = decision.recipe
+    run = write_run_dir(loaded, tmp_path / "run", world_size=1, auto=decision)
+    failed = Outcome(1, failures=[RankFailure(0, 0, 1, message=OOM)], message=f"rank 0 (local rank 0) exited with code 1: {OOM}")
+    first, command, plan = out_of_memory_advice(failed, run, decision)
+    assert f"`auto` chose training.gradient_checkpointing = false, training.micro_batch_size = {t.micro_batch_size}" in first
+    assert command == (f"the same command with --overwrite --set {sets[0]} --set {sets[1]} --set {sets[2]} runs with "
+                       "the memory-safe values; it starts again (no checkpoint was saved)")
+    assert plan.startswith(f"`finetune plan {run / 'recipe.yaml'} --gpu-memory 23.53GiB --recommend`")
+    assert out_of_memory_advice(Outcome(1, message="rank 0 exited with code 1: ValueError: bad row"), run, decision) == []
+
+    # A checkpoint was saved: the rows per step stay 8 with micro batch 1, and only --force-resume accepts the change.
+    saved = run / "checkpoint-4"
+    saved.mkdir()
+    (saved / "trainer_state.json").write_text(json.dumps({"global_step": 4}))
+    ckpt.publish(saved, 4)
+    [_, command, _] = out_of_memory_advice(failed, run, decision)
+    assert command.startswith("the same command with --force-resume --set training.gradient_checkpointing=true")
+    assert command.endswith("it resumes from checkpoint-4, the rows per optimizer step unchanged")
+
+    def preflight(overrides: list[str]):  # what `finetune train RUN/recipe.yaml --set ...` decides and checks
+        again = resolve(load_recipe(run / "recipe.yaml", overrides).recipe, Machine(gpus_per_node=1, gpu_memory=24 * 2**30))
+        return again.recipe.training, lambda force: ckpt.plan_resume(run, resolved_recipe(again.recipe, run), 1, 1,
+                                                                     resume=True, force=force)
+
+    safe, resume = preflight(sets)
+    assert (safe.gradient_checkpointing, safe.micro_batch_size, safe.gradient_accumulation_steps) == (True, 1, 8)
+    assert "--force-resume" in resume(False).error
+    assert resume(True).error is None and resume(True).checkpoint.step == 4
+    # where auto's micro batch was 1 already, the same flags resume without --force-resume (checkpointing and the
+    # loss kernel are not in the resume key)
+    one = resolve(load_recipe(run / "recipe.yaml", ["training.micro_batch_size=1"]).recipe,
+                  Machine(gpus_per_node=1, gpu_memory=24 * 2**30))
+    [_, command, _] = out_of_memory_advice(failed, run, one)
+    assert command.startswith("the same command with --set ") and command.endswith("it resumes from checkpoint-4")
+    # the memory-safe values everywhere already: the planner's search, nothing to pin
+    safe = resolve(load_recipe(run / "recipe.yaml", sets).recipe, Machine(gpus_per_node=1, gpu_memory=24 * 2**30))
+    assert memory_safe_values(safe) == {}
+    [only] = out_of_memory_advice(failed, run, safe)
+    assert only.startswith("a rank ran out of GPU memory with memory settings `auto` did not choose for speed; "
+                           "`finetune plan")
+
+
+def test_train_prints_the_advice_after_a_rank_ran_out_of_gpu_memory(tmp_path, monkeypatch, tiny_cache):
+    """`finetune train` end to end but the launch: auto decided on a (faked) 24 GiB GPU, a rank's OOM as torchrun
+    reports it, and the notes before the error."""
+    from typer.testing import CliRunner
+
+    import finetune.run.start as start
+    from finetune.cli import app
+    from finetune.plan.auto import Machine
+    from finetune.run.launch.outcome import Outcome, RankFailure
+
+    monkeypatch.setenv("FINETUNE_CACHE", str(tiny_cache))
+    monkeypatch.setattr(start, "machine_from_facts", lambda *a: Machine(gpus_per_node=1, gpu_memory=24 * 2**30))
+
+    def out_of_memory(prepared, **_):
+        prepared.release()
+        return Outcome(1, failures=[RankFailure(0, 0, 1, message=OOM)], message=f"rank 0 (local rank 0) exited with code 1: {OOM}")
+
+    monkeypatch.setattr(start, "start_run", out_of_memory)
+    data = Path(__file__).resolve().parent.parent / "recipes" / "data" / "demo_instructions.jsonl"
+    (tmp_path / "r.yaml").write_text(f"model: {{name_or_path: 'builtin:tiny-llama', dtype: float32}}\n"
+                                     f"data: {{path: '{data}', max_length: 64}}\n"
+                                     "training: {gradient_accumulation_steps: 8, max_steps: 2}\nlaunch: {procs_per_node: 1}\n")
+    result = CliRunner().invoke(app, ["train", str(tmp_path / "r.yaml"), "--output-dir", str(tmp_path / "run")])
+    assert result.exit_code == 1, result.output
+    lines = result.stderr.splitlines()
+    notes = [line for line in lines if line.startswith("note: a rank ran out of GPU memory") or
+             line.startswith("note: the same command with")]
+    assert len(notes) == 2 and "training.gradient_checkpointing = false" in notes[0], result.stderr
+    assert "--overwrite --set training.gradient_checkpointing=true" in notes[1]
+    assert lines[-1].startswith("error: training failed: rank 0 (local rank 0) exited with code 1: torch.OutOfMemoryError")

@@ -56,7 +56,7 @@ def train(
     """
     from finetune.rundir.checkpoint import EXIT_PREEMPTED
     from finetune.run.launch.commands import commands_per_node
-    from finetune.run.launch.outcome import tail_of
+    from finetune.run.launch.outcome import out_of_memory_advice, tail_of
     from finetune.run.start import prepare, start_run
 
     usable_path("--output-dir", output_dir)
@@ -136,6 +136,8 @@ def train(
             break  # local rank 0's output is already on the console
         typer.echo(f"--- last lines of {log} ---", err=True)
         typer.echo(tail_of(log), err=True)
+    for line in out_of_memory_advice(outcome, prepared.run_dir, prepared.auto):
+        typer.echo(f"note: {line}", err=True)
     raise fail(f"training failed: {outcome.message} (run directory: {prepared.run_dir})", outcome.returncode)
 
 

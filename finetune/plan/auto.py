@@ -153,6 +153,11 @@ class _Candidate:
         return out
 
 
+def _sized_by_plan(recipe) -> bool:
+    """Whether the plan sizes the micro batch and the loss kernel (finetune's own SFT loss, one row per sequence)."""
+    return objectives.get(recipe.objective).sized_by_plan and recipe.parallel.sequence == 1
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -163,7 +168,7 @@ def memory_choices(recipe, machine: Machine, keys: frozenset) -> tuple[Any, list
     from finetune.plan.planner import plan
 
     t = recipe.training
-    sized = objectives.get(recipe.objective).sized_by_plan and recipe.parallel.sequence == 1
+    sized = _sized_by_plan(recipe)
     micro_auto = MICRO in keys and sized
     kernel_auto = KERNEL in keys and sized
     rows = t.gradient_accumulation_steps * (1 if MICRO in keys else t.micro_batch_size)
@@ -295,6 +300,20 @@ def resolve(recipe, machine: Machine) -> Resolution:
         decided = [Choice(k, _get(out, k), f"the plan cannot size this model ({exc}): the memory-safe value")
                    for k in (CHECKPOINTING, KERNEL, MICRO) if k in memory_keys]
     return Resolution(out, choices + decided)
+
+
+def memory_safe_values(resolution: Resolution) -> dict[str, Any]:
+    """{key: memory-safe value} for every memory-bound key `resolution` decided, when one of them was decided for
+    speed (else {}): what a run that ran out of GPU memory under the plan's bound runs again with. Every such key is
+    pinned, not only the ones that moved: left auto, the micro batch would grow again once checkpointing is on.
+    Keys the recipe wrote are the user's and keep their values."""
+    safe: dict[str, Any] = {CHECKPOINTING: True}
+    if _sized_by_plan(resolution.recipe):
+        safe.update({MICRO: 1, KERNEL: "chunked"})  # micro batch 1: the recipe's accumulation is the rows per step again
+    decided = {c.key: c.value for c in resolution.choices if c.auto and c.key in safe}
+    if all(value == safe[key] for key, value in decided.items()):
+        return {}
+    return {key: safe[key] for key in decided}
 
 
 def machine_from_facts(world_per_node: int, nodes: int, gpus) -> Machine:

@@ -8,6 +8,7 @@ traceback do.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -17,7 +18,7 @@ from pathlib import Path
 from typing import Optional
 
 from finetune.run.launch.commands import LaunchPlan
-from finetune.rundir.names import LAUNCHER_ERROR_FILE, LOGS_DIR
+from finetune.rundir.names import AUTO_FILE, LAUNCHER_ERROR_FILE, LOGS_DIR
 
 
 
@@ -141,6 +142,57 @@ def judge(plan: LaunchPlan, returncode: int, output: str, forwarded: Optional[in
                    message=f"{plan.launcher} exited with code {returncode} (see {plan.run_dir / 'logs' / 'launcher.log'})")
 
 
+# torch's caching allocator (torch.OutOfMemoryError: "CUDA out of memory. Tried to allocate ..."), and cuBLAS when
+# it cannot get its workspace
+_OUT_OF_MEMORY_RE = re.compile(r"OutOfMemoryError|CUDA out of memory|CUBLAS_STATUS_ALLOC_FAILED")
+_CAPACITY_RE = re.compile(r"total capacity of (\d+(?:\.\d+)?) GiB")
+
+
+def out_of_gpu_memory(outcome: Outcome) -> Optional[str]:
+    """The line saying a failed rank ran out of GPU memory (its message, else its log's last lines), or None."""
+    for text in [outcome.message] + [_read_tail(log, 40) for log in outcome.logs]:
+        for line in text.splitlines():
+            if _OUT_OF_MEMORY_RE.search(line):
+                return line.strip()
+    return None
+
+
+def out_of_memory_advice(outcome: Outcome, run_dir: Path, resolution) -> list[str]:
+    """What to run after a rank ran out of GPU memory ([] for any other failure): the memory-safe values of what
+    `auto` decided for speed (finetune.plan.auto.memory_safe_values), with the flag the run directory then needs
+    (--overwrite where no checkpoint was saved; --force-resume where one was and the micro batch changes, the rows
+    per step staying the same), and the planner's search for what fits."""
+    from finetune.plan.auto import MICRO, memory_safe_values
+    from finetune.rundir.checkpoint import latest_complete
+    from finetune.rundir.names import RECIPE_FILE
+
+    line = out_of_gpu_memory(outcome)
+    if line is None:
+        return []
+    capacity = _CAPACITY_RE.search(line)
+    plan = (f"`finetune plan {Path(run_dir) / RECIPE_FILE} --gpu-memory {capacity.group(1) + 'GiB' if capacity else 'SIZE'} "
+            "--recommend`")
+    safe = memory_safe_values(resolution) if resolution is not None else {}
+    if not safe:
+        return [f"a rank ran out of GPU memory with memory settings `auto` did not choose for speed; {plan} lists "
+                "setups that fit: ZeRO stage, offload, micro batch, checkpointing"]
+    decided = {c.key: c.value for c in resolution.choices if c.auto}
+    chose = ", ".join(f"{key} = {json.dumps(decided[key])}" for key in safe if decided[key] != safe[key])
+    latest = latest_complete(run_dir)
+    if latest is None:
+        flags, then = ["--overwrite"], "it starts again (no checkpoint was saved)"
+    elif decided.get(MICRO, 1) != 1:
+        flags, then = ["--force-resume"], f"it resumes from {latest.name}, the rows per optimizer step unchanged"
+    else:
+        flags, then = [], f"it resumes from {latest.name}"
+    command = " ".join(flags + [f"--set {key}={json.dumps(value) if isinstance(value, bool) else value}"
+                                for key, value in safe.items()])
+    return [f"a rank ran out of GPU memory where `auto` chose {chose} for speed under the plan's bound (the "
+            f"reasons: {Path(run_dir) / AUTO_FILE})",
+            f"the same command with {command} runs with the memory-safe values; {then}",
+            f"{plan} shows what each setting needs"]
+
+
 def finished_since(run_dir: Path, started_at: Optional[float]) -> bool:
     """Whether the ranks wrote the run's summary.json (their last output but the report) since `started_at`."""
     from finetune.rundir.names import SUMMARY_FILE
@@ -168,8 +220,6 @@ def port_in_use(text: str, default: int) -> Optional[int]:
 
 def read_error_file(path: Path) -> Optional[str]:
     """The last line of the exception in a torchrun error file (written by torch's @record), or None."""
-    import json
-
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -183,8 +233,6 @@ def read_error_file(path: Path) -> Optional[str]:
 
 def _error_file_time(path: Path) -> float:
     """When the rank raised (error.json's timestamp, else the file's mtime): the first one is the root cause."""
-    import json
-
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
         return float(data["message"]["extraInfo"]["timestamp"])
