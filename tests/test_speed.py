@@ -395,9 +395,10 @@ def test_out_of_gpu_memory_names_what_auto_chose_and_a_command_that_resumes_with
                            "`finetune plan")
 
 
-def test_train_prints_the_advice_after_a_rank_ran_out_of_gpu_memory(tmp_path, monkeypatch, tiny_cache):
-    """`finetune train` end to end but the launch: auto decided on a (faked) 24 GiB GPU, a rank's OOM as torchrun
-    reports it, and the notes before the error."""
+def test_a_rerun_that_runs_out_of_gpu_memory_too_ends_with_the_planners_search(tmp_path, monkeypatch, tiny_cache):
+    """`finetune train` end to end but the launches (both runs out of GPU memory): auto decided on a (faked) 24 GiB
+    GPU, the run again with the memory-safe values (tests/launches/test_launch.py trains it for real), and once that
+    fails too, no third run: the error, and the planner's search for a setup that fits."""
     from typer.testing import CliRunner
 
     import finetune.run.start as start
@@ -407,8 +408,10 @@ def test_train_prints_the_advice_after_a_rank_ran_out_of_gpu_memory(tmp_path, mo
 
     monkeypatch.setenv("FINETUNE_CACHE", str(tiny_cache))
     monkeypatch.setattr(start, "machine_from_facts", lambda *a: Machine(gpus_per_node=1, gpu_memory=24 * 2**30))
+    launched = []
 
     def out_of_memory(prepared, **_):
+        launched.append(prepared.loaded.recipe.training)
         prepared.release()
         return Outcome(1, failures=[RankFailure(0, 0, 1, message=OOM)], message=f"rank 0 (local rank 0) exited with code 1: {OOM}")
 
@@ -419,9 +422,13 @@ def test_train_prints_the_advice_after_a_rank_ran_out_of_gpu_memory(tmp_path, mo
                                      "training: {gradient_accumulation_steps: 8, max_steps: 2}\nlaunch: {procs_per_node: 1}\n")
     result = CliRunner().invoke(app, ["train", str(tmp_path / "r.yaml"), "--output-dir", str(tmp_path / "run")])
     assert result.exit_code == 1, result.output
+    assert [(t.gradient_checkpointing, t.micro_batch_size, t.loss_kernel) for t in launched] == \
+        [(False, 8, "default"), (True, 1, "chunked")]
     lines = result.stderr.splitlines()
-    notes = [line for line in lines if line.startswith("note: a rank ran out of GPU memory") or
-             line.startswith("note: the same command with")]
-    assert len(notes) == 2 and "training.gradient_checkpointing = false" in notes[0], result.stderr
-    assert "--overwrite --set training.gradient_checkpointing=true" in notes[1]
+    assert "note: training again with the memory-safe values, as the same command with --overwrite --set " \
+           "training.gradient_checkpointing=true --set training.loss_kernel=chunked --set training.micro_batch_size=1 " \
+           "would; it starts again (no checkpoint was saved)" in lines
+    assert lines[-2].startswith("note: a rank ran out of GPU memory with memory settings `auto` did not choose for speed; "
+                                "`finetune plan ") and lines[-2].endswith("--gpu-memory 23.53GiB --recommend` lists setups "
+                                                                          "that fit: ZeRO stage, offload, micro batch, checkpointing")
     assert lines[-1].startswith("error: training failed: rank 0 (local rank 0) exited with code 1: torch.OutOfMemoryError")

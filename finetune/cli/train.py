@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from pathlib import Path
 from typing import List, Optional
 
@@ -56,7 +57,7 @@ def train(
     """
     from finetune.rundir.checkpoint import EXIT_PREEMPTED
     from finetune.run.launch.commands import commands_per_node
-    from finetune.run.launch.outcome import out_of_memory_advice, tail_of
+    from finetune.run.launch.outcome import memory_safe_rerun, out_of_memory_advice, tail_of
     from finetune.run.start import prepare, start_run
 
     usable_path("--output-dir", output_dir)
@@ -64,26 +65,7 @@ def train(
     overrides = list(overrides or []) + [f"launch.{key}={json.dumps(value)}" for key, value in launch_flags.items() if value is not None]
     loaded = load_or_exit(recipe, overrides)
     prepared = prepare(loaded, output_dir, overwrite, resume=resume, force_resume=force_resume, dry_run=dry_run)
-    report = prepared.preflight
-    if report.lint_report:
-        typer.echo(report.lint_report, err=True, nl=False)
-    from finetune.run.deepspeed_ops import COMPILE_NOTE
-
-    launching = report.ok and not dry_run  # nothing compiles otherwise: no note that it will (issue 24)
-    for note in report.notes + (prepared.plan.notes if prepared.plan else []):
-        if launching or not note.startswith(COMPILE_NOTE):
-            typer.echo(f"note: {note}", err=True)
-    for warning in report.warnings:
-        typer.echo(f"warning: {warning}", err=True)
-    # A dry run writes nothing, so a refused output directory does not stop it from showing the launch.
-    show_anyway = dry_run and prepared.plan is not None and not report.errors and not report.lint_errors
-    if not report.ok:
-        prepared.release()
-        for error in report.errors + ([] if show_anyway else report.run_dir_errors):
-            typer.echo(f"error: {error}", err=True)
-        if not show_anyway:
-            count = report.problem_count
-            raise fail(f"preflight failed ({count} problem{'s' if count != 1 else ''}); nothing was started or written")
+    _say_preflight(prepared, dry_run)
     plan = prepared.plan
     if dry_run:
         from finetune.render import dumps, render_deepspeed
@@ -97,19 +79,23 @@ def train(
         typer.echo(f"# a real run would {_what_a_run_would_do(prepared)}")
         typer.echo("# deepspeed.json")
         typer.echo(dumps(render_deepspeed(loaded.recipe, plan.world_size)), nl=False)
-        if report.run_dir_errors:
-            raise fail(f"a real run would stop here: {report.run_dir_errors[0]}")
+        if prepared.preflight.run_dir_errors:
+            raise fail(f"a real run would stop here: {prepared.preflight.run_dir_errors[0]}")
         return
-    typer.echo(f"launching {plan.world_size} process{'es' if plan.world_size != 1 else ''} ({plan.device}): {plan.display()}", err=True)
-    try:
-        outcome = _run_with_display(prepared, start_run)
-    except FileExistsError as exc:
-        raise fail(str(exc)) from None
-    except OSError as exc:
-        from finetune.rundir.checkpoint import disk_error_message
-
-        raise fail(disk_error_message(exc, prepared.run_dir)
-                   or f"cannot write the run directory {prepared.run_dir}: {exc.strerror or exc}") from None
+    outcome = _launch(prepared, start_run)
+    # `auto` bet on the plan's bound and a rank ran out of GPU memory: the same run once more with the memory-safe
+    # values, on this node alone (the nodes of a multi-node run would each have to decide the same at once).
+    rerun = memory_safe_rerun(outcome, prepared.run_dir, prepared.auto) if plan.nodes == 1 else None
+    if rerun is not None:
+        for line in out_of_memory_advice(outcome, prepared.run_dir, prepared.auto, rerun, ran=True):
+            typer.echo(f"note: {line}", err=True)
+        loaded = load_or_exit(recipe, overrides + rerun.sets)
+        with _first_attempt_logs(prepared.run_dir, keep=rerun.overwrite):
+            prepared = prepare(loaded, prepared.run_dir, rerun.overwrite, resume=True,
+                               force_resume=rerun.force_resume or force_resume)
+            _say_preflight(prepared, False)
+            plan = prepared.plan
+            outcome = _launch(prepared, start_run)
     if outcome.ok:
         run = RunDir(prepared.run_dir)
         saved = [folder.name for folder in (run.adapter_path, run.model_path) if folder.is_dir()]
@@ -139,6 +125,71 @@ def train(
     for line in out_of_memory_advice(outcome, prepared.run_dir, prepared.auto):
         typer.echo(f"note: {line}", err=True)
     raise fail(f"training failed: {outcome.message} (run directory: {prepared.run_dir})", outcome.returncode)
+
+
+def _say_preflight(prepared, dry_run: bool) -> None:
+    """The preflight's lint report, notes and warnings; its errors end the command (a dry run still shows the launch
+    when only the run directory is refused)."""
+    from finetune.run.deepspeed_ops import COMPILE_NOTE
+
+    report = prepared.preflight
+    if report.lint_report:
+        typer.echo(report.lint_report, err=True, nl=False)
+    launching = report.ok and not dry_run  # nothing compiles otherwise: no note that it will (issue 24)
+    for note in report.notes + (prepared.plan.notes if prepared.plan else []):
+        if launching or not note.startswith(COMPILE_NOTE):
+            typer.echo(f"note: {note}", err=True)
+    for warning in report.warnings:
+        typer.echo(f"warning: {warning}", err=True)
+    # A dry run writes nothing, so a refused output directory does not stop it from showing the launch.
+    show_anyway = dry_run and prepared.plan is not None and not report.errors and not report.lint_errors
+    if not report.ok:
+        prepared.release()
+        for error in report.errors + ([] if show_anyway else report.run_dir_errors):
+            typer.echo(f"error: {error}", err=True)
+        if not show_anyway:
+            count = report.problem_count
+            raise fail(f"preflight failed ({count} problem{'s' if count != 1 else ''}); nothing was started or written")
+
+
+def _launch(prepared, start_run):
+    """Start the run and wait for it: its Outcome (a run directory that cannot be written ends the command)."""
+    plan = prepared.plan
+    typer.echo(f"launching {plan.world_size} process{'es' if plan.world_size != 1 else ''} ({plan.device}): {plan.display()}", err=True)
+    try:
+        return _run_with_display(prepared, start_run)
+    except FileExistsError as exc:
+        raise fail(str(exc)) from None
+    except OSError as exc:
+        from finetune.rundir.checkpoint import disk_error_message
+
+        raise fail(disk_error_message(exc, prepared.run_dir)
+                   or f"cannot write the run directory {prepared.run_dir}: {exc.strerror or exc}") from None
+
+
+@contextmanager
+def _first_attempt_logs(run_dir: Path, keep: bool):
+    """`keep` (a rerun that replaces the run directory): the failed attempt's logs end in RUN/logs/first-attempt/ of
+    the directory that replaced it, whatever that run comes to."""
+    import os
+    import shutil
+    import tempfile
+
+    from finetune.rundir.names import FIRST_ATTEMPT_LOGS, LOGS_DIR
+
+    logs = Path(run_dir) / LOGS_DIR
+    if not keep or not logs.is_dir():
+        yield
+        return
+    before = os.stat(run_dir).st_ino
+    with tempfile.TemporaryDirectory(prefix="finetune-first-attempt-") as held:
+        shutil.copytree(logs, Path(held) / LOGS_DIR, symlinks=True)
+        try:
+            yield
+        finally:
+            replaced = run_dir.is_dir() and os.stat(run_dir).st_ino != before  # not where the rerun never started
+            if replaced and logs.is_dir():
+                shutil.copytree(Path(held) / LOGS_DIR, logs / FIRST_ATTEMPT_LOGS, symlinks=True, dirs_exist_ok=True)
 
 
 def _what_a_run_would_do(prepared) -> str:

@@ -8,7 +8,8 @@
     RUN/resume_key.json      what a resumed run must share with this one (finetune.rundir.resume_key)
     RUN/format.json          the run directory's format version (finetune.rundir.format)
     RUN/auto.json            the recipe's `auto` keys as decided for this machine, and why (finetune.plan.auto)
-    RUN/logs/                launcher output, per-rank logs
+    RUN/logs/                launcher output, per-rank logs (logs/first-attempt/: an attempt that ran out of GPU
+                             memory under `auto`, run again with the memory-safe values: finetune.cli.train)
 
 The runner adds env.json, adapter/ or model/, tokenizer/ and summary.json.
 """

@@ -13,6 +13,9 @@ AUTO_FILE = "auto.json"  # the recipe's `auto` keys as `finetune train` decided 
 PREPARE_FILE = "prepare.json"  # the launcher's tokenizing and launch time (finetune.run.start), read into summary.json
 ENV_FILE = "env.json"
 LOGS_DIR = "logs"
+# RUN/logs/first-attempt/: the logs of an attempt that ran out of GPU memory where `finetune train` ran the same run
+# again from scratch with the memory-safe values (finetune.cli.train)
+FIRST_ATTEMPT_LOGS = "first-attempt"
 ADAPTER_DIR = "adapter"
 MODEL_DIR = "model"
 TOKENIZER_DIR = "tokenizer"

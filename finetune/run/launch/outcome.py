@@ -157,13 +157,48 @@ def out_of_gpu_memory(outcome: Outcome) -> Optional[str]:
     return None
 
 
-def out_of_memory_advice(outcome: Outcome, run_dir: Path, resolution) -> list[str]:
-    """What to run after a rank ran out of GPU memory ([] for any other failure): the memory-safe values of what
-    `auto` decided for speed (finetune.plan.auto.memory_safe_values), with the flag the run directory then needs
-    (--overwrite where no checkpoint was saved; --force-resume where one was and the micro batch changes, the rows
-    per step staying the same), and the planner's search for what fits."""
+@dataclass
+class MemorySafeRerun:
+    """The same run again with the memory-safe values of what `auto` decided for speed, after a rank ran out of GPU
+    memory (finetune.plan.auto.memory_safe_values)."""
+
+    chose: str  # what auto had decided for speed: "training.gradient_checkpointing = false, ..."
+    sets: list[str]  # --set values: every memory key auto decided, pinned to its memory-safe value
+    overwrite: bool  # no checkpoint was saved: the run directory this run wrote is replaced
+    force_resume: bool  # a checkpoint was saved and the micro batch changes (the rows per step stay the same)
+    then: str  # what the run directory does then
+
+    @property
+    def flags(self) -> str:
+        return " ".join((["--overwrite"] if self.overwrite else []) + (["--force-resume"] if self.force_resume else [])
+                        + [f"--set {value}" for value in self.sets])
+
+
+def memory_safe_rerun(outcome: Outcome, run_dir: Path, resolution) -> Optional[MemorySafeRerun]:
+    """The rerun after a rank ran out of GPU memory where `auto` bet on the plan's bound; None for any other failure,
+    and where the memory keys were the recipe's or already memory-safe."""
     from finetune.plan.auto import MICRO, memory_safe_values
     from finetune.rundir.checkpoint import latest_complete
+
+    safe = memory_safe_values(resolution) if resolution is not None and out_of_gpu_memory(outcome) else {}
+    if not safe:
+        return None
+    decided = {c.key: c.value for c in resolution.choices if c.auto}
+    chose = ", ".join(f"{key} = {json.dumps(decided[key])}" for key in safe if decided[key] != safe[key])
+    sets = [f"{key}={json.dumps(value) if isinstance(value, bool) else value}" for key, value in safe.items()]
+    latest = latest_complete(run_dir)
+    if latest is None:
+        return MemorySafeRerun(chose, sets, True, False, "it starts again (no checkpoint was saved)")
+    if decided.get(MICRO, 1) != 1:
+        return MemorySafeRerun(chose, sets, False, True,
+                               f"it resumes from {latest.name}, the rows per optimizer step unchanged")
+    return MemorySafeRerun(chose, sets, False, False, f"it resumes from {latest.name}")
+
+
+def out_of_memory_advice(outcome: Outcome, run_dir: Path, resolution, rerun: Optional[MemorySafeRerun] = None,
+                         ran: bool = False) -> list[str]:
+    """What to say after a rank ran out of GPU memory ([] for any other failure): what `auto` chose for speed and the
+    rerun with the memory-safe values (`ran`: `finetune train` runs it now), and the planner's search for what fits."""
     from finetune.rundir.names import RECIPE_FILE
 
     line = out_of_gpu_memory(outcome)
@@ -172,24 +207,16 @@ def out_of_memory_advice(outcome: Outcome, run_dir: Path, resolution) -> list[st
     capacity = _CAPACITY_RE.search(line)
     plan = (f"`finetune plan {Path(run_dir) / RECIPE_FILE} --gpu-memory {capacity.group(1) + 'GiB' if capacity else 'SIZE'} "
             "--recommend`")
-    safe = memory_safe_values(resolution) if resolution is not None else {}
-    if not safe:
+    rerun = rerun or memory_safe_rerun(outcome, run_dir, resolution)
+    if rerun is None:
         return [f"a rank ran out of GPU memory with memory settings `auto` did not choose for speed; {plan} lists "
                 "setups that fit: ZeRO stage, offload, micro batch, checkpointing"]
-    decided = {c.key: c.value for c in resolution.choices if c.auto}
-    chose = ", ".join(f"{key} = {json.dumps(decided[key])}" for key in safe if decided[key] != safe[key])
-    latest = latest_complete(run_dir)
-    if latest is None:
-        flags, then = ["--overwrite"], "it starts again (no checkpoint was saved)"
-    elif decided.get(MICRO, 1) != 1:
-        flags, then = ["--force-resume"], f"it resumes from {latest.name}, the rows per optimizer step unchanged"
-    else:
-        flags, then = [], f"it resumes from {latest.name}"
-    command = " ".join(flags + [f"--set {key}={json.dumps(value) if isinstance(value, bool) else value}"
-                                for key, value in safe.items()])
-    return [f"a rank ran out of GPU memory where `auto` chose {chose} for speed under the plan's bound (the "
-            f"reasons: {Path(run_dir) / AUTO_FILE})",
-            f"the same command with {command} runs with the memory-safe values; {then}",
+    first = (f"a rank ran out of GPU memory where `auto` chose {rerun.chose} for speed under the plan's bound (the "
+             f"reasons: {Path(run_dir) / AUTO_FILE})")
+    if ran:
+        return [first, f"training again with the memory-safe values, as the same command with {rerun.flags} would; "
+                       f"{rerun.then}"]
+    return [first, f"the same command with {rerun.flags} runs with the memory-safe values; {rerun.then}",
             f"{plan} shows what each setting needs"]
 
 
