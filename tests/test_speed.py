@@ -432,3 +432,19 @@ def test_a_rerun_that_runs_out_of_gpu_memory_too_ends_with_the_planners_search(t
                                 "`finetune plan ") and lines[-2].endswith("--gpu-memory 23.53GiB --recommend` lists setups "
                                                                           "that fit: ZeRO stage, offload, micro batch, checkpointing")
     assert lines[-1].startswith("error: training failed: rank 0 (local rank 0) exited with code 1: torch.OutOfMemoryError")
+
+
+@pytest.mark.parametrize("line, gpu", [
+    (OOM, True),
+    ("RuntimeError: CUDA error: out of memory", True),
+    ("RuntimeError: CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`", True),
+    ("ValueError: out of memory budget for tokenizing", False),
+    ("rank 1 was killed by SIGKILL", False),  # the host's OOM killer: not the GPU's memory
+])
+def test_what_counts_as_out_of_gpu_memory(line, gpu, tmp_path):
+    from finetune.run.launch.outcome import Outcome, out_of_gpu_memory
+
+    assert (out_of_gpu_memory(Outcome(1, message=line)) is not None) is gpu
+    log = tmp_path / "stderr.log"  # the DeepSpeed launcher's failures come with the rank's log only
+    log.write_text("Traceback (most recent call last):\n  ...\n" + line + "\n")
+    assert (out_of_gpu_memory(Outcome(1, message="rank 1 failed", logs=[log])) is not None) is gpu

@@ -142,9 +142,9 @@ def judge(plan: LaunchPlan, returncode: int, output: str, forwarded: Optional[in
                    message=f"{plan.launcher} exited with code {returncode} (see {plan.run_dir / 'logs' / 'launcher.log'})")
 
 
-# torch's caching allocator (torch.OutOfMemoryError: "CUDA out of memory. Tried to allocate ..."), and cuBLAS when
-# it cannot get its workspace
-_OUT_OF_MEMORY_RE = re.compile(r"OutOfMemoryError|CUDA out of memory|CUBLAS_STATUS_ALLOC_FAILED")
+# torch's caching allocator (torch.OutOfMemoryError: "CUDA out of memory. Tried to allocate ..."), a CUDA call that
+# allocates outside it ("CUDA error: out of memory"), and cuBLAS when it cannot get its workspace
+_OUT_OF_MEMORY_RE = re.compile(r"OutOfMemoryError|CUDA out of memory|CUDA error: out of memory|CUBLAS_STATUS_ALLOC_FAILED")
 _CAPACITY_RE = re.compile(r"total capacity of (\d+(?:\.\d+)?) GiB")
 
 
