@@ -33,6 +33,8 @@ def train(
     its step and the command exits 75 (run it again to resume); a second signal stops at once.
     A run directory with a complete checkpoint is resumed (same step, LR schedule, RNG, data order);
     it is refused when the recipe changed in a way that breaks resuming (--force-resume).
+    A rank out of GPU memory where `auto` chose for speed: the run trains again once with the
+    memory-safe values, and says which (one machine; several get the flags to pass).
 
     Exit codes: 0 finished, 1 failed, 2 usage, 75 stopped by a signal with a checkpoint saved.
 
