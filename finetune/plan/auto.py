@@ -310,7 +310,7 @@ def memory_safe_values(resolution: Resolution) -> dict[str, Any]:
     safe: dict[str, Any] = {CHECKPOINTING: True}
     if _sized_by_plan(resolution.recipe):
         safe.update({MICRO: 1, KERNEL: "chunked"})  # micro batch 1: the recipe's accumulation is the rows per step again
-    decided = {c.key: c.value for c in resolution.choices if c.auto and c.key in safe}
+    decided = {key: value for key, value in resolution.values().items() if key in safe}
     if all(value == safe[key] for key, value in decided.items()):
         return {}
     return {key: safe[key] for key in decided}

@@ -183,7 +183,7 @@ def memory_safe_rerun(outcome: Outcome, run_dir: Path, resolution) -> Optional[M
     safe = memory_safe_values(resolution) if resolution is not None and out_of_gpu_memory(outcome) else {}
     if not safe:
         return None
-    decided = {c.key: c.value for c in resolution.choices if c.auto}
+    decided = resolution.values()
     chose = ", ".join(f"{key} = {json.dumps(decided[key])}" for key in safe if decided[key] != safe[key])
     sets = [f"{key}={json.dumps(value) if isinstance(value, bool) else value}" for key, value in safe.items()]
     latest = latest_complete(run_dir)
