@@ -5,6 +5,7 @@ in at most 8 minutes of wall time, results written after every run.
     python3 scripts/gpu_speed.py --out $OUT/speed --wheels .whl    # there: one command (docs/gpu-acceptance.md)
     python scripts/gpu_speed.py --cpu --out /tmp/speed             # the same plumbing on the tiny model (CI)
     python scripts/gpu_speed.py --list --only varied,-profile       # here: the cases that command would run, in order
+    python scripts/gpu_speed.py --rehearse --out /tmp/r --only varied,-profile   # here: those cases run, on the CPU
 
 On the GPU machine it first installs the carried wheels into /tmp/site (then DeepSpeed's FusedAdam compiled in the
 background while the model and data are built; the first timed run waits for
@@ -36,6 +37,11 @@ the card, the library versions and the commit.
 --cpu: the tiny built-in model on one CPU process, two cases: finetune without DeepSpeed under its profiler window and
 the sync census (with a checkpoint at its last step, which tests/launches/test_gpu_speed.py then resumes) against
 bench_hf --no-deepspeed --profile --syncs. Its numbers say nothing about a GPU; its sync counts are the code's.
+
+--rehearse: the GPU cases themselves on this machine's CPU, each with its settings (the DeepSpeed and allocator
+variants, the QLoRA quantization, the profiler and the sync census, the memory rows), on the tiny model in float32 at
+REHEARSAL_LENGTHS (64 and 256 tokens); Liger-Kernel needs CUDA and is left out. It answers one question before a GPU
+is rented: does every case of a prepared command train to its end and get its figures. None of its figures is a GPU's.
 """
 
 from __future__ import annotations
@@ -172,6 +178,9 @@ LONG_STEP_STEPS = 14
 # Steps of the rows-of-every-length cases: their lengths fall in 16 multiples of 64 (VARIED_TOKENS), so that past the
 # first ~16 steps a padded run meets lengths it has planned, while an exact one meets a new length nearly every step.
 VARIED_STEPS = 60
+
+# --rehearse: the pairs' and the memory rows' lengths on the tiny model (2,048 and 8,192 on the GPU)
+REHEARSAL_LENGTHS = (64, 256)
 VARIED_TOKENS = (1024, 2048)
 TOKENS_PER_WORD = 1.3  # the harness's tokenizer on these words: 2,902,796 tokens from 544 rows of 4,096 (2026-11-28)
 
@@ -197,8 +206,12 @@ def write_varied_data(out: Path, rows: int, max_length: int) -> Path:
                                     lambda rng: int(rng.randint(low, max_length - 16) / TOKENS_PER_WORD), seed=1)
 
 
-def gpu_cases(model: str, data: Path, long_data: Path, steps: int, varied: Optional[Path] = None) -> list[Case]:
-    base = base_recipe("speed", model, data, 2048, steps, cpu=False)
+def gpu_cases(model: str, data: Path, long_data: Path, steps: int, varied: Optional[Path] = None,
+              lengths: tuple[int, int] = (2048, 8192), cpu: bool = False) -> list[Case]:
+    """The GPU check's cases. `lengths` (the pairs', the memory rows') and `cpu` (float32) shrink them onto the tiny
+    model for --rehearse; Liger-Kernel needs CUDA, so a rehearsal leaves its case out."""
+    length, long_length = lengths
+    base = base_recipe("speed", model, data, length, steps, cpu=cpu)
     cases = []
     if varied is not None:
         # Rows of every length at micro batch 1, the plain Trainer's path on both sides: each new length makes
@@ -250,9 +263,10 @@ def gpu_cases(model: str, data: Path, long_data: Path, steps: int, varied: Optio
     # Trainer's use_liger_kernel) on the fixed full 4 x 2,048 recipe: fewer elementwise kernels (aten::mul and copy_
     # were 23% of the kernel time there) and fewer launches, where the GPU idled 40-50% of the wall. Profiled, against
     # the same baseline (which must run in the same command for the ratio). Never run on a GPU before.
-    liger = fixed({**base, "name": "liger_4x2k_full"}, "full", 4)
-    liger["training"].update(loss_kernel="liger", max_steps=min(steps, LONG_STEP_STEPS))
-    cases.append(Case("liger_4x2k_full_finetune", "finetune", liger, profile=True, baseline="full_4x2k_bench_hf"))
+    if not cpu:
+        liger = fixed({**base, "name": "liger_4x2k_full"}, "full", 4)
+        liger["training"].update(loss_kernel="liger", max_steps=min(steps, LONG_STEP_STEPS))
+        cases.append(Case("liger_4x2k_full_finetune", "finetune", liger, profile=True, baseline="full_4x2k_bench_hf"))
     # What a user gets at the MFU anchor's shape: the full fine-tune of 4 rows per step with every speed key auto
     # (on an H200 the fixed pair above used 28.6 of 139 GiB with checkpointing on, whose recompute MFU does not
     # count), profiled, against the same baseline.
@@ -272,10 +286,11 @@ def gpu_cases(model: str, data: Path, long_data: Path, steps: int, varied: Optio
     for method in ("lora", "qlora", "full"):
         recipe = json.loads(json.dumps({**base, "name": f"memory_{method}_8k"}))
         recipe["method"] = method
-        recipe["data"] = {**recipe["data"], "path": str(long_data), "format": "text", "max_length": 8192}
+        recipe["data"] = {**recipe["data"], "path": str(long_data), "format": "text", "max_length": long_length}
         recipe["training"]["max_steps"] = 3
         if method == "qlora":
-            recipe["quantization"] = {"compute_dtype": "bfloat16", "storage_dtype": "bfloat16"}
+            dtype = recipe["model"]["dtype"]
+            recipe["quantization"] = {"compute_dtype": dtype, "storage_dtype": dtype}
         if method == "full":
             recipe.pop("lora")
         cases.append(Case(f"memory_{method}_8k", "finetune", recipe, memory=True))
@@ -294,11 +309,13 @@ def cpu_cases(model: str, data: Path, steps: int) -> list[Case]:
                  pair="tiny_lora_plain")]
 
 
-def every_case(cpu: bool, steps: int) -> list[Case]:
+def every_case(cpu: bool, steps: int, rehearse: bool = False) -> list[Case]:
     """The cases with placeholders for the model and the data: their names and settings, before anything is built
     (what --list prints and --only is checked against on this machine, not on the GPU's clock)."""
     nowhere = Path("-")
-    return cpu_cases("-", nowhere, steps) if cpu else gpu_cases("-", nowhere, nowhere, steps, nowhere)
+    if cpu:
+        return cpu_cases("-", nowhere, steps)
+    return gpu_cases("-", nowhere, nowhere, steps, nowhere, REHEARSAL_LENGTHS if rehearse else (2048, 8192), rehearse)
 
 
 def selected(cases: list[Case], only: str) -> list[Case]:
@@ -485,7 +502,9 @@ def gib(value) -> str:
 
 def markdown(results: dict[str, Any]) -> str:
     m = results["machine"]
-    where = "CPU (--cpu: the plumbing only)" if m["cpu"] else f"{m['gpus']} x {m['gpu_name']}"
+    where = ("CPU (--rehearse: the GPU cases on the tiny model, that they run; no figure here is a GPU's)"
+             if results.get("rehearsal") else "CPU (--cpu: the plumbing only)" if m["cpu"] else
+             f"{m['gpus']} x {m['gpu_name']}")
     v = m["versions"]
     lines = [f"# GPU speed check: {where}", "",
              f"{results['created']}; commit {results.get('commit')}; torch {v.get('torch')}, transformers "
@@ -610,20 +629,26 @@ def main(argv: Optional[list[str]] = None) -> int:
                         help="also write results.json, results.md (after each run) and logs.tar.gz (at the end) here")
     parser.add_argument("--list", action="store_true",
                         help="print the cases that would run (after --only), in their order, and exit: builds nothing")
+    parser.add_argument("--rehearse", action="store_true",
+                        help="the GPU cases (after --only) on this machine's CPU, shrunk onto the tiny model: that a "
+                        "prepared command's cases run, before a GPU is rented (no figure of it means anything)")
     args = parser.parse_args(argv)
+    if args.rehearse and args.cpu:
+        parser.error("--rehearse runs the GPU cases on the CPU; --cpu runs the CI cases: give one")
     begun = time.perf_counter()
-    budget = args.budget or (600.0 if args.cpu else 450.0)
+    budget = args.budget or (1800.0 if args.rehearse else 600.0 if args.cpu else 450.0)
     # 30 on a GPU: at micro batch 1 x 2,048 a step is host-bound (~0.3 s), and the 9 steady steps of 14 let one slow
     # step move the mean by half (2026-11-28: p90 1.47 s against p50 0.34 s)
-    steps = args.steps or (10 if args.cpu else 30)
-    every = every_case(args.cpu, steps)
+    steps = args.steps or (10 if args.cpu or args.rehearse else 30)
+    every = every_case(args.cpu, steps, args.rehearse)
     chosen = selected(every, args.only) if args.only else every
-    if args.list:
+    if args.list and chosen:
         for case in chosen:
             print(f"{case.name}\t{case.tool}" + (f"\t{' '.join(case.bench_args)}" if case.bench_args else ""))
         return 0
     if not chosen:  # a GPU loan is short: say so before installing, building or timing anything
-        print(f"gpu_speed: --only {args.only!r} selects none of the {'--cpu ' if args.cpu else ''}cases: "
+        kind = "--cpu " if args.cpu else "--rehearse " if args.rehearse else ""
+        print(f"gpu_speed: --only {args.only!r} selects none of the {kind}cases: "
               f"{', '.join(c.name for c in every)}", file=sys.stderr)
         return 2
     if args.out is None:
@@ -637,12 +662,19 @@ def main(argv: Optional[list[str]] = None) -> int:
     build = install_wheels(args.wheels.resolve(), log) if args.wheels else None
     use_site()
     harness = acceptance()
-    machine = harness.detect(args.cpu)
+    machine = harness.detect(args.cpu or args.rehearse)
     log(f"machine: {machine.gpus} x {machine.gpu_name} ({time.perf_counter() - begun:.0f} s from the start)")
-    if not args.cpu and machine.cpu:
-        log("no CUDA GPU visible (use --cpu to test the plumbing on CPU)")
+    if not args.cpu and not args.rehearse and machine.cpu:
+        log("no CUDA GPU visible (--cpu tests the plumbing on CPU, --rehearse the GPU cases)")
         return 2
-    if machine.cpu:
+    if args.rehearse:
+        from finetune.builtin import BUILTIN_PREFIX
+
+        length, long_length = REHEARSAL_LENGTHS
+        cases = gpu_cases(f"{BUILTIN_PREFIX}tiny-llama", write_full_rows(out, steps * 8 * 2 + 64, length),
+                          harness.write_text_data(out, 64, long_length), steps,
+                          write_varied_data(out, VARIED_STEPS * 2 + 64, length), REHEARSAL_LENGTHS, cpu=True)
+    elif machine.cpu:
         from finetune.builtin import BUILTIN_PREFIX
 
         model = f"{BUILTIN_PREFIX}tiny-llama"
@@ -665,7 +697,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             f"{((output or '').strip().splitlines() or [''])[-1]}")
     results: dict[str, Any] = {"created": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
                                "commit": harness.git_commit(), "machine": dataclasses.asdict(machine), "steps": steps,
-                               "budget": budget, "elapsed": 0.0, "runs": [], "ratios": {},
+                               "budget": budget, "elapsed": 0.0, "runs": [], "ratios": {}, "rehearsal": args.rehearse,
                                "ops_compiled_before_timing_s": ops_seconds,
                                # the shapes the memory rows trained, for scripts/acceptance_to_corpus.py
                                "models": {} if machine.cpu else {"llama-1b": {"model_type": "llama",

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -82,3 +83,38 @@ def test_a_finished_run_resumed_at_its_last_step_trains_no_more(cpu_check):
     assert "checkpoint-10 is the training's last step (step 10 of 10): nothing is left to train" in again.stdout
     resumed = json.loads((run / "summary.json").read_text())
     assert resumed["steps"] == 10 and resumed["loss_history"] == summary["loss_history"]
+
+
+def next_commands() -> list[str]:
+    """The `--only` selections of docs/gpu-acceptance.md's prepared commands ("The next GPU run")."""
+    import re
+
+    text = (REPO / "docs" / "gpu-acceptance.md").read_text(encoding="utf-8")
+    section = text.split("## The next GPU run", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"run\(command=\"[^\"]*gpu_speed\.py[^\"]*--only (\S+)", section)
+
+
+@pytest.mark.full  # 2-3 minutes: run it before a GPU command (docs/gpu-acceptance.md)
+def test_the_next_gpu_commands_cases_run_on_the_cpu(tmp_path_factory):
+    """--rehearse: every case of the prepared GPU commands, shrunk onto the tiny model, trains to its end on this CPU
+    and gets its figures (Liger-Kernel needs CUDA and is left out), so that a GPU loan is not spent on a case that
+    cannot start."""
+    selections = next_commands()
+    assert len(selections) == 2, selections
+    env = runner_env(cache_dir(tmp_path_factory))
+    for i, only in enumerate(selections):
+        out = tmp_path_factory.mktemp("rehearsal") / str(i)
+        listed = subprocess.run([sys.executable, str(SCRIPT), "--list", "--only", only], cwd=REPO, env=env,
+                                capture_output=True, text=True, timeout=60)
+        on_gpu = [line.split("\t")[0] for line in listed.stdout.splitlines()]
+        result = subprocess.run([sys.executable, str(SCRIPT), "--rehearse", "--out", str(out), "--only", only],
+                                cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        results = json.loads((out / "results.json").read_text())
+        assert results["rehearsal"] and "--rehearse" in (out / "results.md").read_text()
+        assert [r["name"] for r in results["runs"]] == [name for name in on_gpu if "liger" not in name]
+        for run in results["runs"]:
+            recipe = json.loads(Path(run["recipe"]).read_text())
+            assert run["status"] == "ok" and run["steps"] == recipe["training"]["max_steps"], run
+            # the speed cases' steady window (after 5 steps); the memory rows train 3 steps
+            assert run["steady_tokens_per_second"] or run["name"].startswith("memory_"), run

@@ -252,3 +252,28 @@ def test_list_prints_a_commands_cases_and_a_selection_of_none_stops_before_anyth
     err = capsys.readouterr().err
     assert "selects none of the --cpu cases: tiny_lora_plain_finetune, tiny_lora_plain_bench_hf_profile" in err
     assert not out.exists()
+
+
+def test_a_rehearsal_runs_the_gpu_cases_shrunk_onto_the_cpu(tmp_path, capsys):
+    """--rehearse: the GPU cases with their settings (pairs, allocator and DeepSpeed variants, memory rows), the
+    lengths shrunk and the weights in float32 for the tiny model on a CPU; only Liger-Kernel (CUDA) is left out.
+    (The prepared commands rehearsed for real: tests/launches/test_gpu_speed.py, the full tier.)"""
+    module = gpu_speed()
+    on_gpu = {c.name: c for c in module.every_case(cpu=False, steps=10)}
+    rehearsed = {c.name: c for c in module.every_case(cpu=False, steps=10, rehearse=True)}
+    assert set(on_gpu) - set(rehearsed) == {"liger_4x2k_full_finetune"} and set(rehearsed) <= set(on_gpu)
+    length, long_length = module.REHEARSAL_LENGTHS
+    for name, case in rehearsed.items():
+        gpu = on_gpu[name]
+        assert (case.tool, case.bench_args, case.env, case.pair, case.baseline) == \
+            (gpu.tool, gpu.bench_args, gpu.env, gpu.pair, gpu.baseline)
+        assert case.recipe["model"]["dtype"] == "float32" and gpu.recipe["model"]["dtype"] == "bfloat16"
+        assert case.recipe["data"]["max_length"] == (long_length if name.startswith("memory_") else length)
+        assert case.recipe["training"] == gpu.recipe["training"]
+        if case.recipe["method"] == "qlora":
+            assert case.recipe["quantization"] == {"compute_dtype": "float32", "storage_dtype": "float32"}
+    assert module.main(["--list", "--rehearse", "--only", "liger,full_4x2k_bench_hf,memory_qlora"]) == 0
+    assert capsys.readouterr().out.splitlines() == ["full_4x2k_bench_hf\tbench_hf\t--profile",
+                                                    "memory_qlora_8k\tfinetune"]
+    assert module.main(["--list", "--rehearse", "--only", "liger"]) == 2
+    assert "selects none of the --rehearse cases" in capsys.readouterr().err
