@@ -94,7 +94,7 @@ def next_commands() -> list[str]:
     return re.findall(r"run\(command=\"[^\"]*gpu_speed\.py[^\"]*--only (\S+)", section)
 
 
-@pytest.mark.full  # 2-3 minutes: run it before a GPU command (docs/gpu-acceptance.md)
+@pytest.mark.full  # about 3 minutes: run it before a GPU command (docs/gpu-acceptance.md)
 def test_the_next_gpu_commands_cases_run_on_the_cpu(tmp_path_factory):
     """--rehearse: every case of the prepared GPU commands, shrunk onto the tiny model, trains to its end on this CPU
     and gets its figures (Liger-Kernel needs CUDA and is left out), so that a GPU loan is not spent on a case that

@@ -50,7 +50,8 @@ def test_the_next_runs_selection_leaves_out_what_it_names_with_a_minus(tmp_path)
         "lora_1x2k_finetune", "lora_1x2k_bench_hf", "lora_1x2k_finetune_default_allocator",
         "lora_1x2k_bench_hf_expandable", "lora_1x2k_finetune_no_deepspeed", "qlora_1x2k_finetune",
         "qlora_1x2k_bench_hf", "qlora_1x2k_finetune_default_allocator", "qlora_1x2k_bench_hf_expandable",
-        "qlora_1x2k_finetune_no_deepspeed", "full_4x2k_finetune", "full_4x2k_bench_hf", "full_4x2k_finetune_auto",
+        "qlora_1x2k_finetune_no_deepspeed", "qlora_1x2k_profile_finetune", "qlora_1x2k_profile_bench_hf",
+        "full_4x2k_finetune", "full_4x2k_bench_hf", "full_4x2k_finetune_auto",
         "lora_8rows_llama_factory_defaults",
         "lora_8rows_finetune_auto", "memory_qlora_8k"]
     by_name = {c.name: c for c in chosen}
@@ -94,9 +95,17 @@ def test_the_next_run_measures_padding_rows_of_every_length_and_the_allocator_on
     expandable = by_name["lora_1x2k_bench_hf_expandable"]
     assert dict(expandable.env) == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
     assert expandable.baseline == "lora_1x2k_finetune"
-    second = module.selected(cases, "liger,full_4x2k_bench_hf,memory_qlora")  # the second command, warm machine
-    assert [c.name for c in second] == ["liger_4x2k_full_finetune", "full_4x2k_bench_hf", "memory_qlora_8k"]
-    liger = second[0]
+    # the second command, on the warm machine: the QLoRA pair both under the profiler, a pair of its own
+    second = module.selected(cases, "qlora_1x2k_profile,liger,full_4x2k_bench_hf,memory_qlora")
+    assert [c.name for c in second] == ["qlora_1x2k_profile_finetune", "qlora_1x2k_profile_bench_hf",
+                                        "liger_4x2k_full_finetune", "full_4x2k_bench_hf", "memory_qlora_8k"]
+    profiled = {c.name: c for c in second[:2]}
+    assert profiled["qlora_1x2k_profile_finetune"].profile and not profiled["qlora_1x2k_profile_finetune"].syncs
+    assert profiled["qlora_1x2k_profile_bench_hf"].bench_args == ("--profile",)
+    assert {c.pair for c in second[:2]} == {"qlora_1x2k_profile"}
+    assert second[0].recipe["training"] == by_name["qlora_1x2k_finetune"].recipe["training"]
+    assert second[0].recipe["deepspeed"] == by_name["qlora_1x2k_finetune"].recipe["deepspeed"]
+    liger = second[2]
     assert liger.recipe["training"]["loss_kernel"] == "liger" and liger.profile
     assert liger.baseline == "full_4x2k_bench_hf" and liger.recipe["training"]["micro_batch_size"] == 4
     ratios = module.ratios([
