@@ -50,7 +50,10 @@ def doctor(
 
 
 def _build_ops(facts, recipe) -> None:
-    """The JIT ops of a launch here (finetune.run.deepspeed_ops.ops_needed), compiled now; messages on stderr."""
+    """The JIT ops of a launch here (finetune.run.deepspeed_ops.ops_needed), compiled now; messages on stderr. A
+    recipe's are those of the run `finetune train` would start here (its auto keys decided for this machine)."""
     from finetune.run.deepspeed_ops import build_ahead
+    from finetune.run.doctor import decided_here
 
+    recipe = decided_here(recipe, facts) if recipe is not None else None
     build_ahead("cuda" if facts.gpus else "cpu", recipe, log=lambda line: typer.echo(line, err=True))

@@ -131,9 +131,15 @@ def ops_needed(device: str, optimizer: str = "adamw", offload_optimizer: str = "
 def recipe_ops(device: str, recipe: Optional["Recipe"]) -> list[str]:
     """ops_needed for the DeepSpeed config `recipe` renders (None: the defaults, AdamW without offload), so
     that deepspeed.overrides count (an optimizer's `torch_adam: true` compiles nothing), less the ops this
-    DeepSpeed was installed with (prebuilt_ops): those are loaded, not compiled."""
+    DeepSpeed was installed with (prebuilt_ops): those are loaded, not compiled. A recipe that trains without
+    DeepSpeed's engine (deepspeed.enabled false, as written or as `auto` decided it: finetune.plan.auto) builds no
+    optimizer op; its ranks still join the process group through deepspeed.init_distributed, whose CPU backend
+    loads the shared-memory op (deepspeed/comm/torch.py build_shm_op). `enabled: auto` not yet decided counts as
+    the engine."""
     if recipe is None:
         ops = ops_needed(device)
+    elif recipe.deepspeed.enabled is False:
+        ops = ops_needed(device, optimizer="")
     else:
         from finetune.lint.deepspeed.values import as_bool
         from finetune.render import render_deepspeed

@@ -416,17 +416,27 @@ def render_text(facts: Facts, checks: list[Check]) -> str:
 
 
 def run_doctor(facts: Optional[Facts] = None, recipe: Optional["Recipe"] = None) -> tuple[Facts, list[Check]]:
-    """The machine's checks, plus the recipe's when one is given."""
+    """The machine's checks, plus the recipe's when one is given: the recipe `finetune train` would run here, its
+    auto keys decided for this machine (decided_here), as train's preflight checks it."""
     if facts is None:
         facts = collect_facts(("bitsandbytes",) if package_version("bitsandbytes") else ())
     checks = machine_checks(facts)
     if recipe is not None:
         # A recipe's verdict replaces the machine-wide one of the same name (warn -> fail for QLoRA + ZeRO-3).
         by_name = {c.name: c for c in checks}
-        for check in checks_for_recipe(recipe, facts):
+        for check in checks_for_recipe(decided_here(recipe, facts), facts):
             by_name[check.name] = check
         checks = list(by_name.values())
     return facts, checks
+
+
+def decided_here(recipe: "Recipe", facts: Facts) -> "Recipe":
+    """`recipe` with its auto keys decided for the machine `facts` describe, as `finetune train` decides them
+    there: on one GPU a LoRA recipe left `deepspeed.enabled: auto` trains without DeepSpeed, and needs none of its
+    compiled ops (nor the CUDA toolkit that builds them)."""
+    from finetune.run.start import resolve_on
+
+    return resolve_on(recipe, facts).recipe
 
 
 if __name__ == "__main__":  # python -m finetune.run.doctor

@@ -20,7 +20,7 @@ from typing import IO, Optional
 
 from finetune import objectives
 from finetune.run.doctor import recipe_imports
-from finetune.run.machine import collect_facts
+from finetune.run.machine import Facts, collect_facts
 from finetune.render import resolved_output_dir
 from finetune.run.deepspeed_ops import BuildWatch, extensions_root, recipe_ops
 from finetune.fsutil import write_atomic
@@ -117,9 +117,14 @@ def prepare(loaded: LoadedRecipe, output_dir: Optional[Path] = None, overwrite: 
 def resolve_auto(recipe: Recipe, procs_per_node: Optional[int] = None) -> Resolution:
     """The recipe's auto keys decided on the GPUs this process sees, as `finetune train` decides them
     (scripts/bench_hf.py trains a recipe this way). Imports torch (finetune.run.machine)."""
+    return resolve_on(recipe, collect_facts(()), procs_per_node)
+
+
+def resolve_on(recipe: Recipe, facts: Facts, procs_per_node: Optional[int] = None) -> Resolution:
+    """The recipe's auto keys decided for the machine `facts` describe, with the processes a launch there starts
+    (`finetune doctor --recipe` checks and builds for the recipe `finetune train` would run)."""
     from finetune.run.launch.commands import procs_per_node as launch_procs
 
-    facts = collect_facts(())
     gpus = facts.gpus if facts.cuda_available else []
     procs = procs_per_node or launch_procs(recipe, len(gpus))
     return resolve(recipe, machine_from_facts(procs, recipe.launch.nodes, gpus))

@@ -225,6 +225,42 @@ def test_a_gpu_box_without_nvcc_is_refused_before_deepspeed_compiles_fusedadam(t
     assert "deepspeed.nvcc" not in by_name(checks_for_recipe(recipe(method="lora"), bare))
 
 
+def test_a_lora_recipe_on_one_gpu_needs_no_nvcc_where_auto_trains_it_without_deepspeed(tmp_path, monkeypatch):
+    """`deepspeed.enabled: auto` trains LoRA on one GPU with transformers' Trainer alone (finetune.plan.auto), which
+    compiles no DeepSpeed op: an image without the CUDA toolkit may train it. `finetune doctor --recipe` judges the
+    recipe train would run there (its auto keys decided for the machine), as train's preflight does; the same
+    recipe through DeepSpeed's engine (two GPUs, or enabled: true) still needs FusedAdam, so nvcc."""
+    import dataclasses
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # nothing built
+    one = dataclasses.replace(facts(gpus=(RTX_4070,)), nvcc=None)
+    two = dataclasses.replace(facts(), nvcc=None)
+    lora = recipe(method="lora")
+    assert "deepspeed.enabled" in lora.auto_keys
+    assert "deepspeed.nvcc" not in by_name(run_doctor(one, lora)[1])
+    assert by_name(run_doctor(two, lora)[1])["deepspeed.nvcc"].status == "fail"
+    assert by_name(run_doctor(one, recipe(method="lora", deepspeed={"enabled": True}))[1])["deepspeed.nvcc"].status \
+        == "fail"
+    # `finetune train`'s preflight on that box (a dry run): no refusal for the toolkit either
+    from finetune.recipe import load_recipe
+    from finetune.run.start import prepare
+    from tests.conftest import write_local_inputs
+
+    write_local_inputs(tmp_path)
+    (tmp_path / "r.yaml").write_text("model: {name_or_path: ./model}\ndata: {path: data.jsonl}\nmethod: lora\n")
+    prepared = prepare(load_recipe(tmp_path / "r.yaml", []), tmp_path / "run", facts=one, dry_run=True)
+    try:
+        assert prepared.loaded.recipe.deepspeed.enabled is False and prepared.builds is None
+        assert not [e for e in prepared.preflight.errors if "nvcc" in e], prepared.preflight.errors
+    finally:
+        prepared.release()
+    from finetune.run.deepspeed_ops import CPU_COMM_OP, recipe_ops
+
+    plain = recipe(method="lora", deepspeed={"enabled": False})
+    # the ranks still join the process group through deepspeed.init_distributed: on a CPU, its shared-memory op
+    assert recipe_ops("cuda", plain) == [] and recipe_ops("cpu", plain) == [CPU_COMM_OP]
+
+
 def test_cli_doctor_json():
     done = CliRunner().invoke(app, ["doctor", "--format", "json"])  # in-process: torch is imported once per session
     data = json.loads(done.stdout)
