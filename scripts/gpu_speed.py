@@ -77,12 +77,11 @@ def acceptance():
 # Setting up the machine
 
 
-def install_wheels(wheels: Path, log) -> Optional[subprocess.Popen]:
+def install_wheels(wheels: Path, log) -> None:
     """pip-install the carried wheels into SITE (no index, no dependencies: the image has the rest; not again where
-    SITE holds the same ones), then start compiling DeepSpeed's ops in the background. Returns the compile
-    process. All of them first: `finetune doctor` imports deepspeed, which imports pydantic (a carried wheel); the
-    2026-11-28 run started it after deepspeed's wheel alone and it failed on a fresh machine (the whole install
-    takes about 2 s)."""
+    SITE holds the same ones). All of them before anything imports them: `finetune doctor` imports deepspeed, which
+    imports pydantic (a carried wheel); the 2026-11-28 run started it after deepspeed's wheel alone and it failed on a
+    fresh machine (the whole install takes about 2 s)."""
     started = time.perf_counter()
     found = sorted(wheels.glob("*.whl"))
     carried = "".join(f"{wheel.name} {wheel.stat().st_size}\n" for wheel in found)
@@ -97,10 +96,38 @@ def install_wheels(wheels: Path, log) -> Optional[subprocess.Popen]:
         marker.write_text(carried, encoding="utf-8")
         how = "installed"
     use_site()
-    build = subprocess.Popen([sys.executable, "-m", "finetune.cli", "doctor", "--build-ops"], cwd=REPO,
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    log(f"{how} {len(found)} wheels in {SITE} ({time.perf_counter() - started:.0f} s); DeepSpeed's ops compiling")
-    return build
+    log(f"{how} {len(found)} wheels in {SITE} ({time.perf_counter() - started:.0f} s)")
+
+
+def ops_to_build(cases: list[Case]) -> list[str]:
+    """The DeepSpeed ops the finetune cases' ranks would compile on a GPU (finetune.run.deepspeed_ops.recipe_ops),
+    each recipe with its auto keys decided as on one GPU (deepspeed.enabled, the one that matters here, does not
+    depend on its memory): the pairs train with torch's fused AdamW and `auto` LoRA without DeepSpeed, which compile
+    nothing; the full fine-tunes left auto compile FusedAdam. Where none is needed the timed runs do not wait for a
+    compile (71-78 s from the start on the H200, in each command)."""
+    import tempfile
+
+    from finetune.plan.auto import Machine, resolve
+    from finetune.recipe import load_recipe
+    from finetune.run.deepspeed_ops import recipe_ops
+
+    ops: list[str] = []
+    with tempfile.TemporaryDirectory() as folder:
+        for case in cases:
+            if case.tool != "finetune":
+                continue  # bench_hf: the Trainer's AdamW as DeepSpeed's client optimizer, or no DeepSpeed
+            path = Path(folder) / f"{case.name}.yaml"
+            path.write_text(json.dumps(case.recipe), encoding="utf-8")  # JSON is YAML
+            decided = resolve(load_recipe(path, []).recipe, Machine(gpus_per_node=1, nodes=1, on_gpu=True)).recipe
+            ops += [op for op in recipe_ops("cuda", decided) if op not in ops]
+    return ops
+
+
+def start_build(ops: list[str], log) -> subprocess.Popen:
+    """`finetune doctor --build-ops` in the background (FusedAdam, the one op `ops_to_build` finds)."""
+    log(f"DeepSpeed's ops compiling for the selected cases: {', '.join(ops)}")
+    return subprocess.Popen([sys.executable, "-m", "finetune.cli", "doctor", "--build-ops"], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 def use_site() -> None:
@@ -668,7 +695,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     def log(message: str) -> None:
         print(f"gpu_speed: {message}", flush=True)
 
-    build = install_wheels(args.wheels.resolve(), log) if args.wheels else None
+    build = None
+    if args.wheels:
+        install_wheels(args.wheels.resolve(), log)
+        needed = ops_to_build(chosen)
+        if needed:
+            build = start_build(needed, log)
+        else:
+            log("no DeepSpeed op to compile: none of the selected cases builds one (ops_to_build)")
     use_site()
     harness = acceptance()
     machine = harness.detect(args.cpu or args.rehearse)
