@@ -40,8 +40,14 @@ class BadRelease:
         return f"{install}, or {self.avoid}" if self.avoid else install
 
 
+def _zero(recipe: "Recipe", stage: int) -> bool:
+    """The recipe trains through DeepSpeed's engine at ZeRO `stage`. A recipe without the engine (deepspeed.enabled
+    false, or `auto` decided so: finetune.plan.auto) keeps its stage unused, and no DeepSpeed release breaks it."""
+    return recipe.deepspeed.enabled is not False and recipe.deepspeed.stage == stage
+
+
 def _zero3(recipe: "Recipe") -> bool:
-    return recipe.deepspeed.stage == 3
+    return _zero(recipe, 3)
 
 
 BAD_DEEPSPEED: tuple[BadRelease, ...] = (
@@ -55,7 +61,7 @@ BAD_DEEPSPEED: tuple[BadRelease, ...] = (
                lambda r: _zero3(r) and r.method != "full" and bool(r.lora.modules_to_save), None, severity="warn",
                avoid="train modules_to_save under deepspeed.stage 2, or drop lora.modules_to_save"),
     BadRelease(">=0.17.6,<0.18.3", "deepspeedai/DeepSpeed#7718, #7749", "computes wrong gradients (grad norm 2-3x too low)",
-               "ZeRO-2", lambda r: r.deepspeed.stage == 2, ">=0.18.3", avoid="set deepspeed.stage: 1 or 3"),
+               "ZeRO-2", lambda r: _zero(r, 2), ">=0.18.3", avoid="set deepspeed.stage: 1 or 3"),
 )
 
 

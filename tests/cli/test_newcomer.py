@@ -194,6 +194,14 @@ def test_a_recipe_on_a_broken_release_is_refused_with_the_issue_named():
     saves = hub_recipe(deepspeed={"stage": 3}, lora={"modules_to_save": ["lm_head"]})
     assert [c.status for c in deepspeed_release_checks(_facts("0.19.8"), saves)] == ["warn"]
     assert deepspeed_release_checks(_facts("0.19.8"), zero3) == []
+    # a recipe that trains without DeepSpeed's engine uses no ZeRO stage: as written, or as `auto` decides on one
+    # GPU for LoRA (the recipe train's preflight checks is the decided one)
+    plain = hub_recipe(deepspeed={"stage": 2, "enabled": False})
+    assert deepspeed_release_checks(_facts("0.17.6"), plain) == []
+    from finetune.plan.auto import Machine, resolve
+
+    decided = resolve(hub_recipe(deepspeed={"stage": 2}), Machine(gpus_per_node=1, nodes=1, on_gpu=True)).recipe
+    assert decided.deepspeed.enabled is False and deepspeed_release_checks(_facts("0.17.6"), decided) == []
 
 
 def test_the_installed_deepspeed_against_the_table():
