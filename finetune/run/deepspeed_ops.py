@@ -469,7 +469,13 @@ def build_ahead(device: str, recipe: Optional["Recipe"], log: Callable[[str], No
         if arch_list is not None:
             environ["TORCH_CUDA_ARCH_LIST"] = arch_list
     compiled = []
-    for op in recipe_ops(device, recipe):
+    ops = recipe_ops(device, recipe)
+    if not ops:
+        log("no DeepSpeed op to compile: " + (
+            "the recipe trains without DeepSpeed's engine here (deepspeed.enabled)"
+            if recipe is not None and recipe.deepspeed.enabled is False else
+            "its optimizer is built by torch (torch_adam, or the Trainer's own), or installed with DeepSpeed"))
+    for op in ops:
         build_dir = root / op
         note = lock_note(build_dir)
         if note:

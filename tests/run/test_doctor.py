@@ -259,6 +259,15 @@ def test_a_lora_recipe_on_one_gpu_needs_no_nvcc_where_auto_trains_it_without_dee
     plain = recipe(method="lora", deepspeed={"enabled": False})
     # the ranks still join the process group through deepspeed.init_distributed: on a CPU, its shared-memory op
     assert recipe_ops("cuda", plain) == [] and recipe_ops("cpu", plain) == [CPU_COMM_OP]
+    from finetune.run.deepspeed_ops import build_ahead
+
+    said: list[str] = []
+    import os
+
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0")  # build_ahead sets these as the launch would: put back after
+    monkeypatch.setenv("PATH", os.environ["PATH"])
+    assert build_ahead("cuda", plain, said.append) == []  # `doctor --build-ops --recipe` on that box
+    assert said == ["no DeepSpeed op to compile: the recipe trains without DeepSpeed's engine here (deepspeed.enabled)"]
 
 
 def test_cli_doctor_json():
