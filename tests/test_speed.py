@@ -401,13 +401,14 @@ def test_a_rerun_that_runs_out_of_gpu_memory_too_ends_with_the_planners_search(t
     fails too, no third run: the error, and the planner's search for a setup that fits."""
     from typer.testing import CliRunner
 
+    import finetune.run.decide as decide
     import finetune.run.start as start
     from finetune.cli import app
     from finetune.plan.auto import Machine
     from finetune.run.launch.outcome import Outcome, RankFailure
 
     monkeypatch.setenv("FINETUNE_CACHE", str(tiny_cache))
-    monkeypatch.setattr(start, "machine_from_facts", lambda *a: Machine(gpus_per_node=1, gpu_memory=24 * 2**30))
+    monkeypatch.setattr(decide, "machine_from_facts", lambda *a: Machine(gpus_per_node=1, gpu_memory=24 * 2**30))
     launched = []
 
     def out_of_memory(prepared, **_):

@@ -131,11 +131,9 @@ def ops_needed(device: str, optimizer: str = "adamw", offload_optimizer: str = "
 def recipe_ops(device: str, recipe: Optional["Recipe"]) -> list[str]:
     """ops_needed for the DeepSpeed config `recipe` renders (None: the defaults, AdamW without offload), so
     that deepspeed.overrides count (an optimizer's `torch_adam: true` compiles nothing), less the ops this
-    DeepSpeed was installed with (prebuilt_ops): those are loaded, not compiled. A recipe that trains without
-    DeepSpeed's engine (deepspeed.enabled false, as written or as `auto` decided it: finetune.plan.auto) builds no
-    optimizer op; its ranks still join the process group through deepspeed.init_distributed, whose CPU backend
-    loads the shared-memory op (deepspeed/comm/torch.py build_shm_op). `enabled: auto` not yet decided counts as
-    the engine."""
+    DeepSpeed was installed with (prebuilt_ops): those are loaded, not compiled. Without DeepSpeed's engine
+    (deepspeed.enabled false, as written or decided: `auto` undecided counts as the engine) no optimizer op; the
+    ranks still join through deepspeed.init_distributed, whose CPU backend loads the shared-memory op."""
     if recipe is None:
         ops = ops_needed(device)
     elif recipe.deepspeed.enabled is False:
@@ -471,10 +469,8 @@ def build_ahead(device: str, recipe: Optional["Recipe"], log: Callable[[str], No
     compiled = []
     ops = recipe_ops(device, recipe)
     if not ops:
-        log("no DeepSpeed op to compile: " + (
-            "the recipe trains without DeepSpeed's engine here (deepspeed.enabled)"
-            if recipe is not None and recipe.deepspeed.enabled is False else
-            "its optimizer is built by torch (torch_adam, or the Trainer's own), or installed with DeepSpeed"))
+        log("no DeepSpeed op to compile: " + ("the recipe trains without DeepSpeed's engine here (deepspeed.enabled)"
+            if recipe is not None and recipe.deepspeed.enabled is False else "torch's optimizer, or prebuilt ops"))
     for op in ops:
         build_dir = root / op
         note = lock_note(build_dir)

@@ -434,7 +434,7 @@ def decided_here(recipe: "Recipe", facts: Facts) -> "Recipe":
     """`recipe` with its auto keys decided for the machine `facts` describe, as `finetune train` decides them
     there: on one GPU a LoRA recipe left `deepspeed.enabled: auto` trains without DeepSpeed, and needs none of its
     compiled ops (nor the CUDA toolkit that builds them)."""
-    from finetune.run.start import resolve_on
+    from finetune.run.decide import resolve_on
 
     return resolve_on(recipe, facts).recipe
 

@@ -20,7 +20,7 @@ from typing import IO, Optional
 
 from finetune import objectives
 from finetune.run.doctor import recipe_imports
-from finetune.run.machine import Facts, collect_facts
+from finetune.run.machine import collect_facts
 from finetune.render import resolved_output_dir
 from finetune.run.deepspeed_ops import BuildWatch, extensions_root, recipe_ops
 from finetune.fsutil import write_atomic
@@ -29,7 +29,8 @@ from finetune.run.launch.commands import (
 )
 from finetune.run.launch.outcome import Outcome
 from finetune.run.launch.supervision import LaunchError, supervise
-from finetune.plan.auto import Resolution, machine_from_facts, resolve
+from finetune.plan.auto import Resolution
+from finetune.run.decide import resolve_on
 from finetune.run.preflight import Preflight, run_preflight
 from finetune.recipe import LoadedRecipe, Recipe
 from finetune.rundir.layout import write_run_dir
@@ -96,8 +97,7 @@ def prepare(loaded: LoadedRecipe, output_dir: Optional[Path] = None, overwrite: 
         pass  # preflight reports it
     # The auto keys, decided for these GPUs and processes; everything after reads the decided recipe (the run
     # directory keeps the recipe as written, with auto.json beside it).
-    auto = resolve(recipe, machine_from_facts(plan.procs_per_node if plan else 1, recipe.launch.nodes,
-                                              facts.gpus if facts.cuda_available else []))
+    auto = resolve_on(recipe, facts, plan.procs_per_node if plan else 1)
     loaded.recipe = recipe = auto.recipe
     builds = watch_builds(plan, recipe, dry_run) if plan is not None else None
     lock, in_use, created = claim(run_dir, dry_run, recipe)
@@ -118,16 +118,6 @@ def resolve_auto(recipe: Recipe, procs_per_node: Optional[int] = None) -> Resolu
     """The recipe's auto keys decided on the GPUs this process sees, as `finetune train` decides them
     (scripts/bench_hf.py trains a recipe this way). Imports torch (finetune.run.machine)."""
     return resolve_on(recipe, collect_facts(()), procs_per_node)
-
-
-def resolve_on(recipe: Recipe, facts: Facts, procs_per_node: Optional[int] = None) -> Resolution:
-    """The recipe's auto keys decided for the machine `facts` describe, with the processes a launch there starts
-    (`finetune doctor --recipe` checks and builds for the recipe `finetune train` would run)."""
-    from finetune.run.launch.commands import procs_per_node as launch_procs
-
-    gpus = facts.gpus if facts.cuda_available else []
-    procs = procs_per_node or launch_procs(recipe, len(gpus))
-    return resolve(recipe, machine_from_facts(procs, recipe.launch.nodes, gpus))
 
 
 def watch_builds(plan: LaunchPlan, recipe: Recipe, dry_run: bool) -> Optional[BuildWatch]:

@@ -78,6 +78,7 @@ def test_a_run_out_of_gpu_memory_under_auto_runs_again_with_the_memory_safe_valu
     attempt's logs stay in RUN/logs/first-attempt/."""
     from typer.testing import CliRunner
 
+    import finetune.run.decide as decide
     import finetune.run.start as start
     from finetune.cli import app
     from finetune.plan.auto import Machine
@@ -88,7 +89,7 @@ def test_a_run_out_of_gpu_memory_under_auto_runs_again_with_the_memory_safe_valu
     (tmp_path / "fakes").mkdir()
     (tmp_path / "fakes" / "oom_runner.py").write_text(OOM_RUNNER)
     monkeypatch.setenv("PYTHONPATH", str(tmp_path / "fakes"))
-    monkeypatch.setattr(start, "machine_from_facts", lambda *a: Machine(gpus_per_node=1, gpu_memory=24 * 2**30))
+    monkeypatch.setattr(decide, "machine_from_facts", lambda *a: Machine(gpus_per_node=1, gpu_memory=24 * 2**30))
     real_prepare, calls = start.prepare, []
 
     def prepare(*args, **kwargs):  # the first launch runs the fake rank, the second the real runner
