@@ -7,6 +7,8 @@ import importlib.util
 import json
 import sys
 
+import pytest
+
 from tests.train_fixtures import REPO
 
 
@@ -242,6 +244,31 @@ def test_a_command_whose_cases_compile_no_deepspeed_op_does_not_wait_for_one():
     for only in ("varied,qlora_1x2k,memory_qlora,-profile", "qlora_1x2k_profile,liger,full_4x2k_bench_hf,memory_qlora",
                  "lora_1x2k,8rows_finetune_auto,memory_lora"):
         assert module.ops_to_build(module.selected(every, only)) == [], only
+
+
+def test_the_command_starts_the_compile_only_for_cases_that_need_it(tmp_path, monkeypatch, capsys):
+    """main's order on the GPU machine: the wheels, then the compile where a selected case needs it, before the
+    harness (stopped here where it would detect the GPU)."""
+    module = gpu_speed()
+    events = []
+
+    class Stop(Exception):
+        pass
+
+    def harness():
+        raise Stop
+
+    monkeypatch.setattr(module, "install_wheels", lambda wheels, log: events.append("install"))
+    monkeypatch.setattr(module, "start_build", lambda ops, log: events.append(("build", tuple(ops))))
+    monkeypatch.setattr(module, "use_site", lambda: None)
+    monkeypatch.setattr(module, "acceptance", harness)
+    for only, expected in (("memory_full", ["install", ("build", ("fused_adam",))]),
+                           ("varied,qlora_1x2k,memory_qlora,-profile", ["install"])):
+        events.clear()
+        with pytest.raises(Stop):
+            module.main(["--out", str(tmp_path / "out"), "--wheels", str(tmp_path), "--only", only])
+        assert events == expected, only
+    assert "no DeepSpeed op to compile" in capsys.readouterr().out
 
 
 def test_the_start_up_split_of_each_finetune_run_is_in_the_report():
