@@ -671,6 +671,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parser.parse_args(argv)
     if args.rehearse and args.cpu:
         parser.error("--rehearse runs the GPU cases on the CPU; --cpu runs the CI cases: give one")
+    if args.rehearse and args.wheels:
+        parser.error("--rehearse runs on this machine's own packages: leave out --wheels (the GPU machine's)")
     begun = time.perf_counter()
     budget = args.budget or (1800.0 if args.rehearse else 600.0 if args.cpu else 450.0)
     # 30 on a GPU: at micro batch 1 x 2,048 a step is host-bound (~0.3 s), and the 9 steady steps of 14 let one slow
