@@ -9,8 +9,9 @@ in at most 8 minutes of wall time, results written after every run.
 
 On the GPU machine it first installs the carried wheels into /tmp/site (then, where a selected case compiles it
 (ops_to_build: the full fine-tunes left auto), DeepSpeed's FusedAdam compiled in the background while the model and
-data are built; the first timed run waits for it: on 2026-11-27 an H200 ran the first pair while it compiled, and that pair's finetune side, launch-bound at micro
-batch 1, measured 0.55 of its baseline with p90 steps 4x its p50), builds a Llama-3.2-1B-shaped model with random
+data are built; the first timed run waits for it: on 2026-11-27 an H200 ran the first pair while it compiled, and
+that pair's finetune side, launch-bound at micro batch 1, measured 0.55 of its baseline with p90 steps 4x its p50),
+builds a Llama-3.2-1B-shaped model with random
 weights and synthetic text (scripts/gpu_acceptance.py), then runs, in this order:
 0. rows of every length at micro batch 1 without DeepSpeed (write_varied_data, VARIED_STEPS): finetune with
    data.pad_to_multiple_of auto (64 on a GPU) and with 1, against bench_hf (a multiple of 8 and a mask): what cuDNN's
