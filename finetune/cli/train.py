@@ -59,7 +59,7 @@ def train(
     """
     from finetune.rundir.checkpoint import EXIT_PREEMPTED
     from finetune.run.launch.commands import commands_per_node
-    from finetune.run.launch.outcome import memory_safe_rerun, out_of_memory_advice, tail_of
+    from finetune.run.launch.outcome import memory_safe_rerun, out_of_memory_advice, rerun_notes, tail_of
     from finetune.run.start import prepare, start_run
 
     usable_path("--output-dir", output_dir)
@@ -89,7 +89,7 @@ def train(
     # values, on this node alone (the nodes of a multi-node run would each have to decide the same at once).
     rerun = memory_safe_rerun(outcome, prepared.run_dir, prepared.auto) if plan.nodes == 1 else None
     if rerun is not None:
-        for line in out_of_memory_advice(outcome, prepared.run_dir, prepared.auto, rerun, ran=True):
+        for line in rerun_notes(rerun, prepared.run_dir):
             typer.echo(f"note: {line}", err=True)
         loaded = load_or_exit(recipe, overrides + rerun.sets)
         with _first_attempt_logs(prepared.run_dir, keep=rerun.overwrite):

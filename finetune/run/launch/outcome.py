@@ -177,10 +177,15 @@ class MemorySafeRerun:
 def memory_safe_rerun(outcome: Outcome, run_dir: Path, resolution) -> Optional[MemorySafeRerun]:
     """The rerun after a rank ran out of GPU memory where `auto` bet on the plan's bound; None for any other failure,
     and where the memory keys were the recipe's or already memory-safe."""
+    return _rerun(run_dir, resolution) if out_of_gpu_memory(outcome) else None
+
+
+def _rerun(run_dir: Path, resolution) -> Optional[MemorySafeRerun]:
+    """memory_safe_rerun once the failure is known to be out of GPU memory."""
     from finetune.plan.auto import MICRO, memory_safe_values
     from finetune.rundir.checkpoint import latest_complete
 
-    safe = memory_safe_values(resolution) if resolution is not None and out_of_gpu_memory(outcome) else {}
+    safe = memory_safe_values(resolution) if resolution is not None else {}
     if not safe:
         return None
     decided = resolution.values()
@@ -195,10 +200,16 @@ def memory_safe_rerun(outcome: Outcome, run_dir: Path, resolution) -> Optional[M
     return MemorySafeRerun(chose, sets, False, False, f"it resumes from {latest.name}")
 
 
-def out_of_memory_advice(outcome: Outcome, run_dir: Path, resolution, rerun: Optional[MemorySafeRerun] = None,
-                         ran: bool = False) -> list[str]:
+def rerun_notes(rerun: MemorySafeRerun, run_dir: Path) -> list[str]:
+    """What `finetune train` says as it runs `rerun` itself: what `auto` chose for speed, and the values it trains
+    with now."""
+    return [_what_auto_chose(rerun, run_dir), f"training again with the memory-safe values, as the same command with "
+                                              f"{rerun.flags} would; {rerun.then}"]
+
+
+def out_of_memory_advice(outcome: Outcome, run_dir: Path, resolution) -> list[str]:
     """What to say after a rank ran out of GPU memory ([] for any other failure): what `auto` chose for speed and the
-    rerun with the memory-safe values (`ran`: `finetune train` runs it now), and the planner's search for what fits."""
+    command that reruns with the memory-safe values, and the planner's search for what fits."""
     from finetune.rundir.names import RECIPE_FILE
 
     line = out_of_gpu_memory(outcome)
@@ -207,17 +218,18 @@ def out_of_memory_advice(outcome: Outcome, run_dir: Path, resolution, rerun: Opt
     capacity = _CAPACITY_RE.search(line)
     plan = (f"`finetune plan {Path(run_dir) / RECIPE_FILE} --gpu-memory {capacity.group(1) + 'GiB' if capacity else 'SIZE'} "
             "--recommend`")
-    rerun = rerun or memory_safe_rerun(outcome, run_dir, resolution)
+    rerun = _rerun(run_dir, resolution)
     if rerun is None:
         return [f"a rank ran out of GPU memory with memory settings `auto` did not choose for speed; {plan} lists "
                 "setups that fit: ZeRO stage, offload, micro batch, checkpointing"]
-    first = (f"a rank ran out of GPU memory where `auto` chose {rerun.chose} for speed under the plan's bound (the "
-             f"reasons: {Path(run_dir) / AUTO_FILE})")
-    if ran:
-        return [first, f"training again with the memory-safe values, as the same command with {rerun.flags} would; "
-                       f"{rerun.then}"]
-    return [first, f"the same command with {rerun.flags} runs with the memory-safe values; {rerun.then}",
+    return [_what_auto_chose(rerun, run_dir),
+            f"the same command with {rerun.flags} runs with the memory-safe values; {rerun.then}",
             f"{plan} shows what each setting needs"]
+
+
+def _what_auto_chose(rerun: MemorySafeRerun, run_dir: Path) -> str:
+    return (f"a rank ran out of GPU memory where `auto` chose {rerun.chose} for speed under the plan's bound (the "
+            f"reasons: {Path(run_dir) / AUTO_FILE})")
 
 
 def finished_since(run_dir: Path, started_at: Optional[float]) -> bool:
