@@ -56,7 +56,36 @@ def render_deepspeed(recipe: Recipe, world_size: Optional[int] = None) -> dict[s
         config["zero_force_ds_cpu_optimizer"] = False
     config["steps_per_print"] = STEPS_PER_PRINT
     config["wall_clock_breakdown"] = False
-    return deep_merge(config, ds.overrides)
+    return with_torch_adam(deep_merge(config, ds.overrides), ds.overrides)
+
+
+def with_torch_adam(config: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """DeepSpeed's Adam/AdamW stepped on the GPU by torch's fused AdamW (`torch_adam` + `fused`), not by DeepSpeed's
+    FusedAdam, unless the overrides write `torch_adam` themselves.
+
+    The same update (decoupled weight decay, bias correction; engine.get_optimizer_configuration), one fused kernel
+    over the fp32 master partition either way, and what DeepSpeed gets from the Trainer in LLaMA-Factory's and axolotl's
+    configs (no optimizer block: the Trainer's torch fused AdamW; finetune's full fine-tune with it matched theirs,
+    1.007, docs/gpu_acceptance/2026-11-28_h200_speed_third.md). FusedAdam is JIT-compiled with nvcc on a run's first
+    use: 71-78 s on the H200 before a step, no run at all on an image with only the CUDA runtime, and the build that
+    failed every DeepSpeed launch of the first GPU run (docs/gpu-acceptance.md). Offloaded, the step is
+    DeepSpeedCPUAdam's (a host op; DeepSpeed refuses torch's optimizer there), so the block stays as it is."""
+    block = config.get("optimizer")
+    params = block.get("params") if isinstance(block, dict) else None
+    if not isinstance(params, dict) or str(block.get("type", "")).lower() not in ("adam", "adamw"):
+        return config
+    zero = config.get("zero_optimization") if isinstance(config.get("zero_optimization"), dict) else {}
+    offload = zero.get("offload_optimizer")
+    if isinstance(offload, dict) and offload.get("device", "none") not in ("none", None):
+        return config
+    written = overrides.get("optimizer")
+    written = written.get("params") if isinstance(written, dict) else None
+    if isinstance(written, dict) and "torch_adam" in written:
+        return config  # the recipe chose: `torch_adam: false` is DeepSpeed's FusedAdam
+    params["torch_adam"] = True
+    params.setdefault("fused", True)
+    block["params"] = dict(sorted(params.items()))
+    return config
 
 
 def _train_batch_size(recipe: Recipe, world: Optional[int]) -> Any:

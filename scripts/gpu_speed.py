@@ -8,7 +8,7 @@ in at most 8 minutes of wall time, results written after every run.
     python scripts/gpu_speed.py --rehearse --out /tmp/r --only varied,-profile   # here: those cases run, on the CPU
 
 On the GPU machine it first installs the carried wheels into /tmp/site (then, where a selected case compiles it
-(ops_to_build: the full fine-tunes left auto), DeepSpeed's FusedAdam compiled in the background while the model and
+(ops_to_build: only the case written with `torch_adam: false`), DeepSpeed's FusedAdam compiled in the background while the model and
 data are built; the first timed run waits for it: on 2026-11-27 an H200 ran the first pair while it compiled, and
 that pair's finetune side, launch-bound at micro batch 1, measured 0.55 of its baseline with p90 steps 4x its p50),
 builds a Llama-3.2-1B-shaped model with random
@@ -25,7 +25,8 @@ weights and synthetic text (scripts/gpu_acceptance.py), then runs, in this order
    per step, finetune.train.syncs; QLoRA's pair again with both sides under the profiler), full 1x2k, LoRA 4x2k,
    full 4x2k (both sides under the profiler,
    finetune.train.profile: the largest kernels where MFU is judged; then finetune with Liger-Kernel, and with the
-   speed keys auto at 4 rows per step, both profiled, against the same baseline); each pair's ratio of steady
+   speed keys auto at 4 rows per step, that again with DeepSpeed's FusedAdam for torch's fused AdamW, all profiled,
+   against the same baseline); each pair's ratio of steady
    tokens/s and of median step times;
 2. bench_hf --no-deepspeed --profile (LoRA 1x2k): the plain Trainer's GPU-busy share and its largest kernels;
 3. finetune with every speed key auto against the same recipe with LLaMA-Factory's defaults (bench_hf without
@@ -103,9 +104,9 @@ def install_wheels(wheels: Path, log) -> None:
 def ops_to_build(cases: list[Case]) -> list[str]:
     """The DeepSpeed ops the finetune cases' ranks would compile on a GPU (finetune.run.deepspeed_ops.recipe_ops),
     each recipe with its auto keys decided as on one GPU (deepspeed.enabled, the one that matters here, does not
-    depend on its memory): the pairs train with torch's fused AdamW and `auto` LoRA without DeepSpeed, which compile
-    nothing; the full fine-tunes left auto compile FusedAdam. Where none is needed the timed runs do not wait for a
-    compile (71-78 s from the start on the H200, in each command)."""
+    depend on its memory): every case steps torch's fused AdamW (finetune.render.with_torch_adam) or trains without
+    DeepSpeed, and compiles nothing, but full_4x2k_finetune_auto_fused_adam (DeepSpeed's FusedAdam). Where none is
+    needed the timed runs do not wait for a compile (71-78 s from the start on the H200, in each command)."""
     import tempfile
 
     from finetune.plan.auto import Machine, resolve
@@ -125,7 +126,7 @@ def ops_to_build(cases: list[Case]) -> list[str]:
 
 
 def start_build(ops: list[str], log) -> subprocess.Popen:
-    """`finetune doctor --build-ops` in the background (FusedAdam, the one op `ops_to_build` finds)."""
+    """`finetune doctor --build-ops` in the background (FusedAdam, the one op `ops_to_build` can find)."""
     log(f"DeepSpeed's ops compiling for the selected cases: {', '.join(ops)}")
     return subprocess.Popen([sys.executable, "-m", "finetune.cli", "doctor", "--build-ops"], cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -311,6 +312,13 @@ def gpu_cases(model: str, data: Path, long_data: Path, steps: int, varied: Optio
     full_auto.pop("lora")
     full_auto["training"].update(gradient_accumulation_steps=4, max_steps=min(steps, LONG_STEP_STEPS))
     cases.append(Case("full_4x2k_finetune_auto", "finetune", full_auto, profile=True, baseline="full_4x2k_bench_hf"))
+    # The same with DeepSpeed's FusedAdam (`torch_adam: false`), finetune's default up to 2026-11-28 and the one
+    # case that compiles an op: `auto` trains a full fine-tune through ZeRO-2 on one GPU, where both step one fp32
+    # partition with one fused kernel (finetune.render.with_torch_adam); against the same baseline.
+    fused_adam = json.loads(json.dumps({**full_auto, "name": "full_4x2k_auto_fused_adam"}))
+    fused_adam["deepspeed"] = {"overrides": {"optimizer": {"params": {"torch_adam": False}}}}
+    cases.append(Case("full_4x2k_finetune_auto_fused_adam", "finetune", fused_adam, profile=True,
+                      baseline="full_4x2k_bench_hf"))
     plain = fixed({**base, "name": "lora_1x2k_plain"}, "lora", 1, engine={"enabled": False})
     cases.append(Case("lora_1x2k_bench_hf_profile", "bench_hf", plain, ("--no-deepspeed", "--profile"), estimate=70.0))
     defaults = fixed({**base, "name": "lora_1x2k_llama_factory"}, "lora", 1, 8, engine={"enabled": False})

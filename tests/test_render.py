@@ -108,3 +108,42 @@ def test_rendered_config_passes_the_real_hf_fill(path, monkeypatch):
     mismatches = [m for m in hf.mismatches if "bf16" not in m and "fp16" not in m]
     assert mismatches == []
     assert config["bf16"]["enabled"] == (recipe.model.dtype == "bfloat16")
+
+
+def test_adam_steps_torch_fused_adamw_unless_offloaded_or_the_overrides_say(write_recipe):
+    """DeepSpeed's Adam/AdamW as torch's fused AdamW (nothing to JIT-compile, the Trainer's optimizer in LLaMA-Factory's
+    and axolotl's configs); DeepSpeedCPUAdam where the optimizer is offloaded; `torch_adam` in the overrides wins."""
+    def block(**sections):
+        text = MINIMAL + "".join(f"{key}: {json.dumps(value)}\n" for key, value in sections.items())
+        return render_deepspeed(load_recipe(write_recipe(text)).recipe)["optimizer"]
+
+    for stage in (0, 1, 2, 3):
+        assert {"torch_adam": True, "fused": True}.items() <= block(deepspeed={"stage": stage})["params"].items()
+    assert block(training={"optimizer": "adam"})["params"]["torch_adam"] is True
+    offloaded = block(deepspeed={"stage": 3, "offload_optimizer": "cpu"})["params"]
+    assert "torch_adam" not in offloaded and "fused" not in offloaded
+    written = block(deepspeed={"overrides": {"optimizer": {"params": {"torch_adam": False}}}})["params"]
+    assert written["torch_adam"] is False and "fused" not in written  # FusedAdam takes no `fused`
+    assert "torch_adam" not in block(training={"optimizer": "lion"})["params"]
+    lion = block(deepspeed={"overrides": {"optimizer": {"type": "Lion"}}})["params"]  # the type the overrides write
+    assert "torch_adam" not in lion and "fused" not in lion
+
+
+def test_a_resumed_run_keeps_the_adam_its_deepspeed_json_records(tmp_path):
+    """finetune.rundir.layout.with_recorded_optimizer: the recorded implementation wins where both blocks are Adam or
+    AdamW; another optimizer, or no record, leaves the new config as it is."""
+    from finetune.render import dumps
+    from finetune.rundir.layout import with_recorded_optimizer
+
+    def config(kind="AdamW", **params):
+        return {"optimizer": {"type": kind, "params": {"lr": 1e-4, **params}}, "zero_optimization": {"stage": 2}}
+
+    torch_adam = dumps(config(fused=True, torch_adam=True))
+    assert with_recorded_optimizer(torch_adam, tmp_path) == torch_adam  # nothing recorded
+    (tmp_path / "deepspeed.json").write_text(dumps(config(lr=3e-4)))  # FusedAdam, as written before 2026-11-28
+    kept = json.loads(with_recorded_optimizer(torch_adam, tmp_path))
+    assert kept == config()  # the new lr stays: only the implementation is the record's
+    (tmp_path / "deepspeed.json").write_text(torch_adam)
+    assert json.loads(with_recorded_optimizer(dumps(config(torch_adam=False)), tmp_path)) == json.loads(torch_adam)
+    (tmp_path / "deepspeed.json").write_text(dumps(config("Lion")))
+    assert with_recorded_optimizer(torch_adam, tmp_path) == torch_adam

@@ -2,7 +2,7 @@
 
 DeepSpeed compiles some ops on first use into torch's extensions cache (TORCH_EXTENSIONS_DIR, else
 ~/.cache/torch_extensions/py<XY>_<cpu|cuNNN>/<op>/): the CPU communication op `deepspeed_shm_comm` on
-DeepSpeed's CPU accelerator, `fused_adam` on a GPU, `cpu_adam` with optimizer offload (ops_needed). That
+DeepSpeed's CPU accelerator, `fused_adam` on a GPU where asked for, `cpu_adam` with optimizer offload (ops_needed). That
 takes 35-90 s with nothing on screen, so `finetune train` says so before launch and when it is done, and
 `finetune doctor --build-ops` compiles them ahead (build_ahead).
 
@@ -108,7 +108,8 @@ def ops_needed(device: str, optimizer: str = "adamw", offload_optimizer: str = "
                offload_param: str = "none") -> list[str]:
     """The ops the ranks of a launch on `device` ("cpu" or "cuda") JIT-compile, as DeepSpeed 0.19 picks them
     (runtime/engine.py _configure_basic_optimizer) for the recipe's training.optimizer and offload:
-    Adam/AdamW are FusedAdam on a GPU and DeepSpeedCPUAdam when offloaded, but on the CPU accelerator the
+    Adam/AdamW are FusedAdam on a GPU (a block without torch_adam, which finetune renders only when the overrides
+    ask: finetune.render.with_torch_adam) and DeepSpeedCPUAdam when offloaded, but on the CPU accelerator the
     runner makes them torch.optim (finetune.train.runner.adapt_deepspeed_config); Lion is FusedLion or
     DeepSpeedCPULion; Lamb is FusedLamb; Adagrad offloaded is DeepSpeedCPUAdagrad (torch's otherwise); the
     Trainer's own optimizers (sgd, adamw_bnb_8bit; `optimizer` "") and `torch_adam` build nothing. NVMe
@@ -129,13 +130,13 @@ def ops_needed(device: str, optimizer: str = "adamw", offload_optimizer: str = "
 
 
 def recipe_ops(device: str, recipe: Optional["Recipe"]) -> list[str]:
-    """ops_needed for the DeepSpeed config `recipe` renders (None: the defaults, AdamW without offload), so
-    that deepspeed.overrides count (an optimizer's `torch_adam: true` compiles nothing), less the ops this
+    """ops_needed for the DeepSpeed config `recipe` renders (None: the defaults, AdamW without offload: torch's fused
+    AdamW), so that deepspeed.overrides count (`torch_adam: false` is DeepSpeed's FusedAdam), less the ops this
     DeepSpeed was installed with (prebuilt_ops): those are loaded, not compiled. Without DeepSpeed's engine
     (deepspeed.enabled false, as written or decided: `auto` undecided counts as the engine) no optimizer op; the
     ranks still join through deepspeed.init_distributed, whose CPU backend loads the shared-memory op."""
-    if recipe is None:
-        ops = ops_needed(device)
+    if recipe is None:  # finetune.render.with_torch_adam
+        ops = ops_needed(device, "torch_adam")
     elif recipe.deepspeed.enabled is False:
         ops = ops_needed(device, optimizer="")
     else:

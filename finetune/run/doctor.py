@@ -260,7 +260,8 @@ def nvcc_checks(recipe: "Recipe", facts: Facts) -> list[Check]:
         return []
     fix = f"install the CUDA toolkit (nvcc) of torch's CUDA {facts.torch_cuda} and set CUDA_HOME"
     if FUSED_ADAM_OP in ops:
-        fix += ", or set deepspeed.overrides: {optimizer: {params: {torch_adam: true}}} (torch's fused AdamW: nothing to compile)"
+        fix += (", or leave `torch_adam: false` out of deepspeed.overrides (finetune's default for Adam/AdamW, torch's "
+                "fused AdamW, compiles nothing)")
     return [Check("deepspeed.nvcc", "fail", f"DeepSpeed compiles {', '.join(ops)} on the first run with the CUDA "
                   "toolkit's nvcc, and there is none where torch looks (CUDA_HOME, PATH, /usr/local/cuda)", fix)]
 

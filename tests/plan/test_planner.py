@@ -670,12 +670,14 @@ def test_zero0_over_a_non_deepspeed_optimizer_flattens_nothing(tmp_path):
     assert "fp32 grad copies (flatten)" in {t.name for t in fused.terms} and "fp32 grad copies (flatten)" not in names
     assert fused.memory_views["allocated"] - unfused.memory_views["allocated"] == arch.total_params * 4
     assert unfused.memory_views["allocated"] / GiB == pytest.approx(23.08, rel=0.01)
-    # What the recipe says: DeepSpeed's AdamW unless torch_adam (or the Trainer's optimizer, with no block)
+    # What the recipe says: torch's fused AdamW (finetune.render.with_torch_adam) unless the overrides write
+    # `torch_adam: false` (or the Trainer's optimizer, with no block)
     def setup(extra: str):
         path = tmp_path / "r.yaml"
         path.write_text("model: {name_or_path: meta-llama/Llama-3.2-1B}\ndata: {path: x.jsonl}\nmethod: full\n" + extra)
         return setup_from_recipe(load_recipe(path).recipe)
-    assert setup("deepspeed: {stage: 0}\n").ds_fused_adam
+    assert not setup("deepspeed: {stage: 0}\n").ds_fused_adam
+    assert setup("deepspeed: {stage: 0, overrides: {optimizer: {params: {torch_adam: false}}}}\n").ds_fused_adam
     assert not setup("deepspeed: {stage: 0, overrides: {optimizer: {params: {torch_adam: true}}}}\n").ds_fused_adam
     assert not setup("deepspeed: {stage: 0}\ntraining: {optimizer: adamw_bnb_8bit}\n").ds_fused_adam
 

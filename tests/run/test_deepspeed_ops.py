@@ -204,7 +204,8 @@ def test_build_ahead_on_a_gpu_gives_the_builder_the_arch_list_and_path_the_ranks
     _ninja(tmp_path / "usr-bin")  # another ninja first on PATH: both must run the same one (ranks_path)
     monkeypatch.setenv("PATH", f"{tmp_path / 'usr-bin'}{os.pathsep}{os.environ['PATH']}")
     ranks = plan_launch(hub_recipe(), tmp_path / "run", 1, python=sys.executable, environ=dict(os.environ)).env
-    assert build_ahead("cuda", None, lambda line: None) == [FUSED_ADAM_OP]
+    fused_adam = hub_recipe(deepspeed={"overrides": {"optimizer": {"params": {"torch_adam": False}}}})
+    assert build_ahead("cuda", fused_adam, lambda line: None) == [FUSED_ADAM_OP]
     assert seen == [("8.0;9.0", ranks.get("PATH", os.environ["PATH"]))]
 
 
@@ -241,9 +242,10 @@ def test_ops_deepspeed_was_installed_with_are_not_compiled(tmp_path, monkeypatch
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: SimpleNamespace(
         submodule_search_locations=[str(tmp_path)]) if name == "deepspeed" else real(name, *a))
     assert deepspeed_ops.prebuilt_ops("cuda") == {"fused_adam"} and deepspeed_ops.prebuilt_ops("cpu") == set()
-    assert deepspeed_ops.recipe_ops("cuda", None) == []
     from tests.conftest import hub_recipe
 
+    fused_adam = hub_recipe(deepspeed={"overrides": {"optimizer": {"params": {"torch_adam": False}}}})
+    assert deepspeed_ops.recipe_ops("cuda", fused_adam) == []
     assert deepspeed_ops.recipe_ops("cuda", hub_recipe(deepspeed={"stage": 2, "offload_optimizer": "cpu"})) == ["cpu_adam"]
 
 

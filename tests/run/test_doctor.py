@@ -203,44 +203,52 @@ def test_report_shape():
 
 
 def test_a_gpu_box_without_nvcc_is_refused_before_deepspeed_compiles_fusedadam(tmp_path, monkeypatch):
-    """An image with the CUDA runtime and no toolkit: DeepSpeed's JIT build of FusedAdam fails on the first
-    run, after the model loaded. torch's AdamW (torch_adam), CPU Adam (offload) or a built op need no nvcc."""
+    """An image with the CUDA runtime and no toolkit: DeepSpeed's JIT build of FusedAdam (`torch_adam: false`
+    written) or FusedLion fails on the first run, after the model loaded. The default AdamW (torch's fused AdamW),
+    CPU Adam (offload) or a built op need no nvcc."""
     import dataclasses
 
     import torch
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     bare = dataclasses.replace(facts(), nvcc=None)
-    [check] = [c for c in checks_for_recipe(recipe(method="lora"), bare) if c.name == "deepspeed.nvcc"]
-    assert check.status == "fail" and "fused_adam" in check.message and "torch_adam: true" in check.fix
+    fused_adam = recipe(method="lora", deepspeed={"overrides": {"optimizer": {"params": {"torch_adam": False}}}})
+    [check] = [c for c in checks_for_recipe(fused_adam, bare) if c.name == "deepspeed.nvcc"]
+    assert check.status == "fail" and "fused_adam" in check.message and "torch_adam: false" in check.fix
+    [check] = [c for c in checks_for_recipe(recipe(method="lora", training={"optimizer": "lion"}), bare)
+               if c.name == "deepspeed.nvcc"]
+    assert check.status == "fail" and "fused_lion" in check.message and "torch_adam" not in check.fix
     torch_adam = recipe(method="lora", deepspeed={"overrides": {"optimizer": {"params": {"torch_adam": True}}}})
     offload = recipe(method="lora", deepspeed={"stage": 2, "offload_optimizer": "cpu"})
-    for fine in (torch_adam, offload):
+    for fine in (recipe(method="lora"), recipe(method="full", deepspeed={"stage": 3}), torch_adam, offload):
         assert "deepspeed.nvcc" not in by_name(checks_for_recipe(fine, bare))
-    assert "deepspeed.nvcc" not in by_name(checks_for_recipe(recipe(method="lora"), facts()))  # nvcc found
+    assert "deepspeed.nvcc" not in by_name(checks_for_recipe(fused_adam, facts()))  # nvcc found
     built = tmp_path / "fused_adam"  # compiled before (finetune doctor --build-ops on a box with the toolkit)
     built.mkdir()
     (built / "fused_adam.so").write_bytes(b"")
     (built / "build.ninja").write_text(f"cflags = -isystem {Path(torch.__file__).parent / 'include'}\n")
-    assert "deepspeed.nvcc" not in by_name(checks_for_recipe(recipe(method="lora"), bare))
+    assert "deepspeed.nvcc" not in by_name(checks_for_recipe(fused_adam, bare))
 
 
 def test_a_lora_recipe_on_one_gpu_needs_no_nvcc_where_auto_trains_it_without_deepspeed(tmp_path, monkeypatch):
     """`deepspeed.enabled: auto` trains LoRA on one GPU with transformers' Trainer alone (finetune.plan.auto), which
     compiles no DeepSpeed op: an image without the CUDA toolkit may train it. `finetune doctor --recipe` judges the
     recipe train would run there (its auto keys decided for the machine), as train's preflight does; the same
-    recipe through DeepSpeed's engine (two GPUs, or enabled: true) still needs FusedAdam, so nvcc."""
+    recipe through DeepSpeed's engine (two GPUs, or enabled: true) with DeepSpeed's FusedAdam (`torch_adam: false`)
+    still needs nvcc."""
     import dataclasses
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # nothing built
     one = dataclasses.replace(facts(gpus=(RTX_4070,)), nvcc=None)
     two = dataclasses.replace(facts(), nvcc=None)
     lora = recipe(method="lora")
+    fused_adam = {"overrides": {"optimizer": {"params": {"torch_adam": False}}}}
     assert "deepspeed.enabled" in lora.auto_keys
     assert "deepspeed.nvcc" not in by_name(run_doctor(one, lora)[1])
-    assert by_name(run_doctor(two, lora)[1])["deepspeed.nvcc"].status == "fail"
-    assert by_name(run_doctor(one, recipe(method="lora", deepspeed={"enabled": True}))[1])["deepspeed.nvcc"].status \
-        == "fail"
+    assert "deepspeed.nvcc" not in by_name(run_doctor(two, lora)[1])  # ZeRO-2 with torch's fused AdamW
+    assert by_name(run_doctor(two, recipe(method="lora", deepspeed=fused_adam))[1])["deepspeed.nvcc"].status == "fail"
+    assert by_name(run_doctor(one, recipe(method="lora", deepspeed={"enabled": True, **fused_adam}))[1])[
+        "deepspeed.nvcc"].status == "fail"
     # `finetune train`'s preflight on that box (a dry run): no refusal for the toolkit either
     from finetune.recipe import load_recipe
     from finetune.run.start import prepare

@@ -124,6 +124,24 @@ def test_an_old_run_directory_resumes_with_its_own_recipe(old_run):
                for w in moved.warnings), moved.warnings
 
 
+def test_an_old_run_directory_resumes_with_the_optimizer_that_wrote_its_checkpoints(old_run):
+    """The run files `finetune train` writes in place before resuming keep the recorded Adam implementation
+    (DeepSpeed's FusedAdam up to 2026-11-28, a block without torch_adam), where a fresh run of the same recipe steps
+    torch's fused AdamW (finetune.render.with_torch_adam)."""
+    from finetune.recipe import load_recipe
+    from finetune.render import render_deepspeed
+    from finetune.rundir.layout import write_run_dir
+
+    recorded = json.loads((old_run / "deepspeed.json").read_text())
+    assert "torch_adam" not in recorded["optimizer"]["params"]
+    loaded = load_recipe(old_run / "recipe.yaml", [])
+    assert render_deepspeed(loaded.recipe, 2)["optimizer"]["params"]["torch_adam"] is True
+    write_run_dir(loaded, old_run, 2, in_place=True)
+    again = json.loads((old_run / "deepspeed.json").read_text())
+    assert again["optimizer"] == recorded["optimizer"]
+    assert (old_run / "checkpoint-4").is_dir()  # in place: the checkpoints stay
+
+
 # ------------------------------------------------------------------------------------------------
 # The format version and the migrations table
 

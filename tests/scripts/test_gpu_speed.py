@@ -53,7 +53,7 @@ def test_the_next_runs_selection_leaves_out_what_it_names_with_a_minus(tmp_path)
         "lora_1x2k_bench_hf_expandable", "lora_1x2k_finetune_no_deepspeed", "qlora_1x2k_finetune",
         "qlora_1x2k_bench_hf", "qlora_1x2k_finetune_default_allocator", "qlora_1x2k_bench_hf_expandable",
         "qlora_1x2k_finetune_no_deepspeed", "qlora_1x2k_profile_finetune", "qlora_1x2k_profile_bench_hf",
-        "full_4x2k_finetune", "full_4x2k_bench_hf", "full_4x2k_finetune_auto",
+        "full_4x2k_finetune", "full_4x2k_bench_hf", "full_4x2k_finetune_auto", "full_4x2k_finetune_auto_fused_adam",
         "lora_8rows_llama_factory_defaults",
         "lora_8rows_finetune_auto", "memory_qlora_8k"]
     by_name = {c.name: c for c in chosen}
@@ -66,6 +66,10 @@ def test_the_next_runs_selection_leaves_out_what_it_names_with_a_minus(tmp_path)
     auto = by_name["full_4x2k_finetune_auto"]
     assert auto.profile and auto.baseline == "full_4x2k_bench_hf" and auto.recipe["method"] == "full"
     assert "micro_batch_size" not in auto.recipe["training"] and auto.recipe["training"]["max_steps"] == 14
+    fused_adam = by_name["full_4x2k_finetune_auto_fused_adam"]  # the same recipe with DeepSpeed's FusedAdam
+    assert fused_adam.recipe["deepspeed"] == {"overrides": {"optimizer": {"params": {"torch_adam": False}}}}
+    assert {**fused_adam.recipe, "deepspeed": None, "name": None} == {**auto.recipe, "deepspeed": None, "name": None}
+    assert fused_adam.profile and fused_adam.baseline == auto.baseline
 
 
 def test_the_next_run_measures_padding_rows_of_every_length_and_the_allocator_on_the_baseline(tmp_path):
@@ -233,16 +237,17 @@ def test_the_same_wheels_are_not_installed_again_on_a_warm_machine(tmp_path, mon
 
 
 def test_a_command_whose_cases_compile_no_deepspeed_op_does_not_wait_for_one():
-    """The pairs train with torch's fused AdamW, `auto` LoRA / QLoRA without DeepSpeed: only the full fine-tunes left
-    auto (ZeRO-2 with FusedAdam on one GPU) compile an op. The H200's commands waited 71-78 s for FusedAdam's compile
-    before their first timed run; the next two need none."""
+    """Every case steps torch's fused AdamW (the pairs, and the default since finetune.render.with_torch_adam) or
+    trains without DeepSpeed (`auto` LoRA / QLoRA on one GPU): only the case written with DeepSpeed's FusedAdam
+    compiles an op. The H200's commands waited 71-78 s for FusedAdam's compile before their first timed run; the next
+    two need none."""
     module = gpu_speed()
     every = module.every_case(cpu=False, steps=30)
     assert module.ops_to_build(every) == ["fused_adam"]
     assert module.ops_to_build(module.selected(every, "full_4x2k_finetune_auto")) == ["fused_adam"]
-    assert module.ops_to_build(module.selected(every, "memory_full")) == ["fused_adam"]
+    assert module.ops_to_build(module.selected(every, "full_4x2k_finetune_auto,-fused_adam")) == []
     for only in ("varied,qlora_1x2k,memory_qlora,-profile", "qlora_1x2k_profile,liger,full_4x2k_bench_hf,memory_qlora",
-                 "lora_1x2k,8rows_finetune_auto,memory_lora"):
+                 "lora_1x2k,8rows_finetune_auto,memory_lora", "memory_full"):
         assert module.ops_to_build(module.selected(every, only)) == [], only
 
 
@@ -262,7 +267,7 @@ def test_the_command_starts_the_compile_only_for_cases_that_need_it(tmp_path, mo
     monkeypatch.setattr(module, "start_build", lambda ops, log: events.append(("build", tuple(ops))))
     monkeypatch.setattr(module, "use_site", lambda: None)
     monkeypatch.setattr(module, "acceptance", harness)
-    for only, expected in (("memory_full", ["install", ("build", ("fused_adam",))]),
+    for only, expected in (("fused_adam", ["install", ("build", ("fused_adam",))]),
                            ("varied,qlora_1x2k,memory_qlora,-profile", ["install"])):
         events.clear()
         with pytest.raises(Stop):
