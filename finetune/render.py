@@ -60,8 +60,8 @@ def render_deepspeed(recipe: Recipe, world_size: Optional[int] = None) -> dict[s
 
 
 def with_torch_adam(config: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
-    """DeepSpeed's Adam/AdamW stepped on the GPU by torch's fused AdamW (`torch_adam` + `fused`), not by DeepSpeed's
-    FusedAdam, unless the overrides write `torch_adam` themselves.
+    """DeepSpeed's Adam/AdamW stepped by torch's fused AdamW (`torch_adam` + `fused`), not by DeepSpeed's FusedAdam,
+    unless the overrides write `torch_adam` themselves.
 
     The same update (decoupled weight decay, bias correction; engine.get_optimizer_configuration), one fused kernel
     over the fp32 master partition either way, and what DeepSpeed gets from the Trainer in LLaMA-Factory's and axolotl's
