@@ -222,10 +222,15 @@ def gradient_and_optimizer_terms(setup: Setup, groups: list[ParamGroup], trainab
                                      "at backward's end (lm_head's + the embedding's, before their sum)"
                                      + (", beyond the foreach temporaries" if temporaries else "")))
         return Terms(tuple(out))
+    if setup.optimizer in ("adam", "adamw"):  # who steps them on the GPU (finetune.render.with_torch_adam)
+        stepper = ("DeepSpeed's FusedAdam (compiled with nvcc on a machine's first run)" if setup.ds_fused_adam
+                   else "torch's fused AdamW (torch_adam: nothing to compile)")
+    else:
+        stepper = ""
     if setup.stage == 0 and setup.dtype == "float32":
         # No bf16/fp16: engine._do_optimizer_sanity_check returns no wrapper, the optimizer runs as is.
         return Terms((_late(setup, Term("gradients", "fp32 gradients", trainable * 4), trainable),
-                      Term("optimizer", opt_name, trainable * states)))
+                      Term("optimizer", opt_name, trainable * states, note=stepper)))
     if setup.stage == 0 and not setup.ds_fused_adam:
         # deepspeed/runtime/fp16/unfused_optimizer.py (FP16_UnfusedOptimizer: any optimizer but DeepSpeed's FusedAdam,
         # engine._configure_fp16_optimizer): a fp32 master copy per trainable tensor; step() gives each its fp32
@@ -235,7 +240,7 @@ def gradient_and_optimizer_terms(setup: Setup, groups: list[ParamGroup], trainab
             _late(setup, Term("gradients", f"{_width(setup)} gradients", trainable * e), trainable),
             Term("gradients", "fp32 gradients", trainable * 4, phase="step", note="a fp32 copy per tensor for the step"),
             Term("optimizer", "fp32 master weights", trainable * MASTER_BYTES),
-            Term("optimizer", opt_name, trainable * states),
+            Term("optimizer", opt_name, trainable * states, note=stepper),
         ))
     if setup.stage == 0:
         # deepspeed/runtime/fp16/fused_optimizer.py (FP16_Optimizer, also for bf16 without ZeRO, over DeepSpeed's
@@ -245,7 +250,7 @@ def gradient_and_optimizer_terms(setup: Setup, groups: list[ParamGroup], trainab
             _late(setup, Term("gradients", f"{_width(setup)} gradients", trainable * e), trainable),
             Term("gradients", "fp32 gradients", trainable * 4, phase="step", note="flat fp32 copy for the step"),
             Term("optimizer", "fp32 master weights", trainable * MASTER_BYTES),
-            Term("optimizer", opt_name, trainable * states),
+            Term("optimizer", opt_name, trainable * states, note=stepper),
             Term("buffers", "fp32 grad copies (flatten)", trainable * 4, phase="step",
                  note="FP16_Optimizer.step: per-param .to(fp32) before flattening"),
         ))
@@ -294,7 +299,7 @@ def gradient_and_optimizer_terms(setup: Setup, groups: list[ParamGroup], trainab
              note="not in the ZeRO paper's 2+2+12 bytes"
                   + (f"; {gib(at_once)} GiB at once (one sub_group_size)" if at_once else ""), live=at_once),
         Term("optimizer", f"fp32 master weights 1/{n}", part * MASTER_BYTES),
-        Term("optimizer", f"{opt_name} 1/{n}", part * states),
+        Term("optimizer", f"{opt_name} 1/{n}", part * states, note=stepper),
     ]
     if setup.stage == 3 and e < 4:
         # stage3.py _prepare_fp32_grad_for_sub_group: self.flatten(averaged_gradients).to(fp32) copies

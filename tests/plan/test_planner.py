@@ -682,6 +682,21 @@ def test_zero0_over_a_non_deepspeed_optimizer_flattens_nothing(tmp_path):
     assert not setup("deepspeed: {stage: 0}\ntraining: {optimizer: adamw_bnb_8bit}\n").ds_fused_adam
 
 
+def test_the_plan_names_who_steps_the_adam_states(tmp_path):
+    """Before renting: whether DeepSpeed will compile FusedAdam (nvcc on the box) or torch's fused AdamW steps."""
+    def note(extra: str) -> str:
+        path = tmp_path / "r.yaml"
+        path.write_text("model: {name_or_path: meta-llama/Llama-3.2-1B}\ndata: {path: x.jsonl}\nmethod: full\n" + extra)
+        terms = plan(setup_from_recipe(load_recipe(path).recipe)).terms
+        [term] = [t for t in terms if t.name.startswith("adamw states")]
+        return term.note
+
+    fused_adam = "overrides: {optimizer: {params: {torch_adam: false}}}"
+    for stage in (0, 2, 3):
+        assert "torch's fused AdamW" in note(f"deepspeed: {{stage: {stage}}}\n")
+        assert "FusedAdam" in note(f"deepspeed: {{stage: {stage}, {fused_adam}}}\n")
+
+
 def test_qlora_adapters_take_the_4bit_layers_own_input_under_autocast():
     """peft's LoRA over a bitsandbytes 4-bit layer casts its input to the fp32 adapters only outside autocast
     (lora/bnb.py: `requires_conversion = not torch.is_autocast_enabled()`, which asks about CUDA's autocast): under
