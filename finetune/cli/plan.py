@@ -52,12 +52,12 @@ def plan(
             --set training.loss_kernel=default
         model    llama-3-8b (8.03B params, hidden 4096, 32 layers, 32/8 heads, vocab 128256)
         ...
-          total (peak, backward)                11.98  of 12.00: does NOT fit: the upper bound 14.03 GiB is 2.03 GiB over …
+          total (peak, backward)                11.98  of 12.00: does NOT fit: the upper bound 14.01 GiB is 2.01 GiB over …
         $ echo $?
         3
         $ finetune plan --model llama-3-8b --method qlora --lora-r 64 --zero 2 --gpus 2 --gpu-memory 12GiB
         ...
-          training.loss_kernel = "chunked": the logits (2.94 GiB with the default loss, 0.73 chunked) stand between this GPU and micro batch 1: upper bound 10.90 of 12.00 GiB
+          training.loss_kernel = "chunked": the logits (2.94 GiB with the default loss, 0.73 chunked) stand between this GPU and micro batch 1: upper bound 10.89 of 12.00 GiB
         $ finetune plan recipes/llama3/8b_qlora_2x12gb.yaml --recommend
     """
     from finetune import plan as planner

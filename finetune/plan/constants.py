@@ -70,13 +70,13 @@ HISTORY_RECORDS = (1 / 2, 3 / 4, 7 / 8, 15 / 16)
 BOUND_QUANTILE = 0.95
 BOUND_MIN_CASES = 10
 BOUND_WIDTHS: dict[str, tuple[float, int]] = {
-    'all': (0.194, 153),
-    'one shape': (0.1931, 102),
+    'all': (0.1938, 155),
+    'one shape': (0.1925, 104),
     'one shape / full': (0.1792, 14),
     'one shape / lora': (0.1976, 54),
     'one shape / lora / no DeepSpeed': (0.1292, 39),
-    'one shape / qlora': (0.164, 34),
-    'one shape / qlora / ZeRO-0/1/2': (0.18, 25),
+    'one shape / qlora': (0.1604, 36),
+    'one shape / qlora / ZeRO-0/1/2': (0.1782, 26),
     'shapes vary': (0.1508, 51),
     'shapes vary / lora': (0.133, 36),
     'shapes vary / lora / no DeepSpeed': (0.133, 36),

@@ -194,10 +194,13 @@ def test_plan_runs_on_every_case(corpus_rows):
 # held out, LoRA 1x2k without DeepSpeed (+0.0%) and the full 4x2k with every speed key auto (ZeRO-2, FusedAdam, no
 # checkpointing: +0.1%); its repeated rows measured the same bytes and were left out. No term changed: 153 cases,
 # all 4.6%, held out 5.3%.
+# The H200's fourth speed run (2026-11-28, docs/gpu_acceptance/2026-11-28_h200_speed_fourth*.json): two new settings
+# held out, Q-LoRA 1x2k with torch's default allocator (-0.0%) and Q-LoRA 1x2k without DeepSpeed (+0.0%); the
+# repeated rows left out. No term changed: 155 cases, all 4.6%, held out 4.6%.
 REACHED = {
-    "all": {"median_abs_error": 0.0461, "under_10": 21, "under_15": 10},
+    "all": {"median_abs_error": 0.0460, "under_10": 21, "under_15": 10},
     "calibration": {"median_abs_error": 0.0425, "under_10": 20, "under_15": 9},
-    "holdout": {"median_abs_error": 0.0527, "under_10": 1, "under_15": 1},
+    "holdout": {"median_abs_error": 0.0462, "under_10": 1, "under_15": 1},
 }
 
 
