@@ -122,8 +122,9 @@ def engine_choice(recipe, machine: Machine) -> tuple[bool, str]:
     return False, (f"one GPU, nothing to offload: transformers' Trainer with torch's fused AdamW; DeepSpeed's ZeRO-{ds.stage} "
                    "engine would partition nothing on one process and its bf16 optimizer wrapper syncs with the host for "
                    "every trainable tensor (overflow check) and copies every gradient to fp32 and back, each step "
-                   "(fewer per-step syncs; on an H200, LoRA on a 1B model at 1 x 2,048 tokens: 6,693 tokens/s against "
-                   "5,290 through ZeRO-0, one run each, docs/gpu_acceptance/2026-11-28_h200_speed_third.md)")
+                   "(fewer per-step syncs; on an H200, a 1B model at 1 x 2,048 tokens: LoRA 6,693 tokens/s against "
+                   "5,290 through ZeRO-0, Q-LoRA 10,020 against 6,367, one run each, "
+                   "docs/gpu_acceptance/2026-11-28_h200_speed_third.md and _fourth_profile.md)")
 
 
 def pad_choice(recipe, machine: Machine) -> tuple[int, str]:
