@@ -59,6 +59,43 @@ def render_deepspeed(recipe: Recipe, world_size: Optional[int] = None) -> dict[s
     return with_torch_adam(deep_merge(config, ds.overrides), ds.overrides)
 
 
+# Reading a DeepSpeed config as its engine reads it (lint, the plan and the ops a launch compiles read it here).
+
+def offload_device(config: Any, block: str) -> Optional[str]:
+    """The device DeepSpeed offloads to by zero_optimization.<block> (offload_optimizer, offload_param): none, cpu or
+    nvme; None for a value it refuses. No block, and accelerate's "auto", are none."""
+    zero = config.get("zero_optimization") if isinstance(config, dict) else None
+    node = zero.get(block) if isinstance(zero, dict) else None
+    if node is None or not isinstance(node, dict):
+        return "none" if node is None else None
+    device = node.get("device", "none")
+    if device == "auto":
+        return "none"  # accelerate's default, and raw DeepSpeed's after dropping "auto"
+    return device if device in ("none", "cpu", "nvme") else None
+
+
+def optimizer_class(config: Any) -> Optional[str]:
+    """The class DeepSpeed's engine builds for the config's optimizer block (0.19, engine._configure_basic_optimizer):
+    Adam/AdamW are torch.optim.AdamW where `torch_adam` is true as Python reads it (the engine pops it and tests `if
+    torch_adam:`, so the string "false" is true there), else DeepSpeedCPUAdam with the optimizer offloaded and
+    FusedAdam without; Lion FusedLion or DeepSpeedCPULion; Adagrad DeepSpeedCPUAdagrad offloaded, else torch's;
+    Lamb FusedLamb. None: no block (the client's optimizer: the Trainer's), a torch.optim class named exactly, or
+    a type this does not know."""
+    block = config.get("optimizer") if isinstance(config, dict) else None
+    name = block.get("type") if isinstance(block, dict) else None
+    if not isinstance(name, str):
+        return None
+    kind, params = name.lower(), block.get("params")
+    offloaded = offload_device(config, "offload_optimizer") in ("cpu", "nvme")
+    if kind in ("adam", "adamw"):
+        if isinstance(params, dict) and params.get("torch_adam", False):
+            return "torch.optim.AdamW"
+        return "DeepSpeedCPUAdam" if offloaded else "FusedAdam"
+    return {"lion": "DeepSpeedCPULion" if offloaded else "FusedLion",
+            "adagrad": "DeepSpeedCPUAdagrad" if offloaded else "torch.optim.Adagrad",
+            "lamb": "FusedLamb"}.get(kind)
+
+
 def with_torch_adam(config: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
     """DeepSpeed's Adam/AdamW stepped by torch's fused AdamW (`torch_adam` + `fused`), not by DeepSpeed's FusedAdam,
     unless the overrides write `torch_adam` themselves.
@@ -74,9 +111,7 @@ def with_torch_adam(config: dict[str, Any], overrides: dict[str, Any]) -> dict[s
     params = block.get("params") if isinstance(block, dict) else None
     if not isinstance(params, dict) or str(block.get("type", "")).lower() not in ("adam", "adamw"):
         return config
-    zero = config.get("zero_optimization") if isinstance(config.get("zero_optimization"), dict) else {}
-    offload = zero.get("offload_optimizer")
-    if isinstance(offload, dict) and offload.get("device", "none") not in ("none", None):
+    if offload_device(config, "offload_optimizer") != "none":
         return config
     written = overrides.get("optimizer")
     written = written.get("params") if isinstance(written, dict) else None

@@ -138,12 +138,37 @@ def test_a_resumed_run_keeps_the_adam_its_deepspeed_json_records(tmp_path):
     def config(kind="AdamW", **params):
         return {"optimizer": {"type": kind, "params": {"lr": 1e-4, **params}}, "zero_optimization": {"stage": 2}}
 
-    torch_adam = dumps(config(fused=True, torch_adam=True))
-    assert with_recorded_optimizer(torch_adam, tmp_path) == torch_adam  # nothing recorded
+    torch_adam = config(fused=True, torch_adam=True)
+    assert with_recorded_optimizer(torch_adam, tmp_path) is torch_adam  # nothing recorded
     (tmp_path / "deepspeed.json").write_text(dumps(config(lr=3e-4)))  # FusedAdam, as written before 2026-11-28
-    kept = json.loads(with_recorded_optimizer(torch_adam, tmp_path))
+    kept = with_recorded_optimizer(torch_adam, tmp_path)
     assert kept == config()  # the new lr stays: only the implementation is the record's
-    (tmp_path / "deepspeed.json").write_text(torch_adam)
-    assert json.loads(with_recorded_optimizer(dumps(config(torch_adam=False)), tmp_path)) == json.loads(torch_adam)
+    assert torch_adam == config(fused=True, torch_adam=True)  # the config given is left as it was
+    (tmp_path / "deepspeed.json").write_text(dumps(torch_adam))
+    assert with_recorded_optimizer(config(torch_adam=False), tmp_path) == torch_adam
     (tmp_path / "deepspeed.json").write_text(dumps(config("Lion")))
-    assert with_recorded_optimizer(torch_adam, tmp_path) == torch_adam
+    assert with_recorded_optimizer(torch_adam, tmp_path) is torch_adam
+
+
+def test_optimizer_class_reads_the_block_as_deepspeeds_engine_does():
+    """finetune.render.optimizer_class: what engine._configure_basic_optimizer builds, by type (any case), torch_adam
+    as Python's truth (the string "false" is true), and the optimizer's offload device."""
+    from finetune.render import offload_device, optimizer_class
+
+    def config(kind, offload=None, **params):
+        zero = {"stage": 2, **({"offload_optimizer": {"device": offload}} if offload else {})}
+        return {"optimizer": {"type": kind, "params": params}, "zero_optimization": zero}
+
+    assert optimizer_class(config("AdamW")) == optimizer_class(config("adam", torch_adam=0)) == "FusedAdam"
+    assert optimizer_class(config("AdamW", torch_adam=True)) == optimizer_class(config("Adam", torch_adam="false")) \
+        == "torch.optim.AdamW"
+    assert optimizer_class(config("AdamW", "cpu")) == optimizer_class(config("adamw", "nvme")) == "DeepSpeedCPUAdam"
+    assert optimizer_class(config("AdamW", "auto")) == "FusedAdam"  # accelerate's "auto" offloads nothing
+    assert (optimizer_class(config("Lion")), optimizer_class(config("Lion", "cpu"))) == ("FusedLion", "DeepSpeedCPULion")
+    assert (optimizer_class(config("Adagrad")), optimizer_class(config("Adagrad", "cpu"))) == \
+        ("torch.optim.Adagrad", "DeepSpeedCPUAdagrad")
+    assert optimizer_class(config("Lamb")) == "FusedLamb"
+    assert optimizer_class({"zero_optimization": {"stage": 2}}) is None  # the Trainer's optimizer
+    assert optimizer_class(config("SGD")) is None and optimizer_class(config("MuAdam")) is None
+    assert offload_device(config("AdamW", "disk"), "offload_optimizer") is None  # refused by DeepSpeed
+    assert offload_device({}, "offload_param") == "none"

@@ -53,7 +53,7 @@ def setup_from_recipe(recipe, gpus: Optional[int] = None, gpu_memory_bytes: Opti
 
 
 def _setup_from_recipe(recipe, gpus, gpu_memory_bytes, nodes, cpu_memory_bytes, deepspeed, data_lengths) -> Setup:
-    from finetune.render import render_deepspeed
+    from finetune.render import offload_device, optimizer_class, render_deepspeed
     from finetune.recipe import parse_size
 
     arch, params, label = resolve_model(recipe.model.name_or_path)
@@ -135,11 +135,11 @@ def _setup_from_recipe(recipe, gpus, gpu_memory_bytes, nodes, cpu_memory_bytes, 
         router_logits=router_logits(recipe, arch), moe_leaf=moe_leaf(zero, arch),
         modules_to_save=tuple(lora.modules_to_save or ()),
         double_quant=recipe.quantization.double_quant,
-        optimizer=recipe.training.optimizer, ds_fused_adam=_ds_fused_adam(rendered),
+        optimizer=recipe.training.optimizer, ds_fused_adam=optimizer_class(rendered) == "FusedAdam",
         deepspeed=deepspeed,
         stage=stage,
-        offload_optimizer=_device(zero.get("offload_optimizer")) if stage >= 1 else "none",
-        offload_param=_device(zero.get("offload_param")) if stage == 3 else "none",
+        offload_optimizer=(offload_device(rendered, "offload_optimizer") or "none") if stage >= 1 else "none",
+        offload_param=(offload_device(rendered, "offload_param") or "none") if stage == 3 else "none",
         gpus_per_node=gpus, nodes=nodes,
         micro_batch=micro_batch, seq_len=seq_len,
         packing=recipe.data.packing, padding_free=recipe.data.padding_free,
@@ -225,23 +225,6 @@ def _vision(recipe, seq_len: int, data_lengths: bool):
 
         tokens = data_image_tokens(recipe)
     return vision_setup(recipe, vm, seq_len, tokens)
-
-
-def _device(block: Any) -> str:
-    if isinstance(block, dict):
-        device = block.get("device", "none")
-        return device if device in ("none", "cpu", "nvme") else "none"
-    return "none"
-
-
-def _ds_fused_adam(config: dict) -> bool:
-    """Whether DeepSpeed steps its own FusedAdam (Setup.ds_fused_adam): an Adam/AdamW block without torch_adam,
-    read as DeepSpeed reads it (engine._configure_basic_optimizer: `if torch_adam:`)."""
-    optimizer = config.get("optimizer")
-    if not isinstance(optimizer, dict) or str(optimizer.get("type", "")).lower() not in ("adam", "adamw"):
-        return False
-    params = optimizer.get("params")
-    return not (isinstance(params, dict) and params.get("torch_adam", False))
 
 
 def _int_value(zero: dict, key: str, default: int) -> int:

@@ -112,7 +112,7 @@ def ops_needed(device: str, optimizer: str = "adamw", offload_optimizer: str = "
     ask: finetune.render.with_torch_adam) and DeepSpeedCPUAdam when offloaded, but on the CPU accelerator the
     runner makes them torch.optim (finetune.train.runner.adapt_deepspeed_config); Lion is FusedLion or
     DeepSpeedCPULion; Lamb is FusedLamb; Adagrad offloaded is DeepSpeedCPUAdagrad (torch's otherwise); the
-    Trainer's own optimizers (sgd, adamw_bnb_8bit; `optimizer` "") and `torch_adam` build nothing. NVMe
+    Trainer's own optimizers (sgd, adamw_bnb_8bit) and torch's (torch_adam) build nothing: `optimizer` "". NVMe
     offload reads and writes through async_io."""
     ops = [CPU_COMM_OP] if device == "cpu" else []
     offloaded = offload_optimizer in ("cpu", "nvme")
@@ -129,33 +129,26 @@ def ops_needed(device: str, optimizer: str = "adamw", offload_optimizer: str = "
     return ops
 
 
-def recipe_ops(device: str, recipe: Optional["Recipe"]) -> list[str]:
+def recipe_ops(device: str, recipe: Optional["Recipe"], run_dir: Optional[Path] = None) -> list[str]:
     """ops_needed for the DeepSpeed config `recipe` renders (None: the defaults, AdamW without offload: torch's fused
     AdamW), so that deepspeed.overrides count (`torch_adam: false` is DeepSpeed's FusedAdam), less the ops this
-    DeepSpeed was installed with (prebuilt_ops): those are loaded, not compiled. Without DeepSpeed's engine
-    (deepspeed.enabled false, as written or decided: `auto` undecided counts as the engine) no optimizer op; the
-    ranks still join through deepspeed.init_distributed, whose CPU backend loads the shared-memory op."""
-    if recipe is None:  # finetune.render.with_torch_adam
-        ops = ops_needed(device, "torch_adam")
-    elif recipe.deepspeed.enabled is False:
-        ops = ops_needed(device, optimizer="")
-    else:
-        from finetune.lint.deepspeed.values import as_bool
-        from finetune.render import render_deepspeed
+    DeepSpeed was installed with (prebuilt_ops): those are loaded, not compiled. `run_dir`: a run directory the
+    launch writes into in place (a resume), whose recorded Adam implementation the run keeps
+    (finetune.rundir.layout.with_recorded_optimizer). Without DeepSpeed's engine (deepspeed.enabled false, as
+    written or decided: `auto` undecided counts as the engine) no optimizer op; the ranks still join through
+    deepspeed.init_distributed, whose CPU backend loads the shared-memory op."""
+    name, offloads = "", ("none", "none")  # "": the Trainer's or torch's optimizer, nothing to build
+    if recipe is not None and recipe.deepspeed.enabled is not False:
+        from finetune.render import offload_device, optimizer_class, render_deepspeed
+        from finetune.rundir.layout import with_recorded_optimizer
 
         config = render_deepspeed(recipe)
-        block = config.get("optimizer") if isinstance(config.get("optimizer"), dict) else {}
-        name = str(block.get("type", "")).lower()  # "": no block, the Trainer's optimizer
-        params = block.get("params") if isinstance(block.get("params"), dict) else {}
-        if name in ("adam", "adamw") and as_bool(params.get("torch_adam", False)) is True:  # as lint reads it
-            name = "torch_adam"
-        zero = config.get("zero_optimization") if isinstance(config.get("zero_optimization"), dict) else {}
-
-        def offload(key: str) -> str:
-            value = zero.get(key)
-            return str(value.get("device", "none")) if isinstance(value, dict) else "none"
-
-        ops = ops_needed(device, name, offload("offload_optimizer"), offload("offload_param"))
+        config = with_recorded_optimizer(config, run_dir) if run_dir is not None else config
+        stepper = optimizer_class(config)
+        if stepper is not None and not stepper.startswith("torch.optim."):
+            name = str(config["optimizer"]["type"]).lower()
+        offloads = tuple(offload_device(config, block) or "none" for block in ("offload_optimizer", "offload_param"))
+    ops = ops_needed(device, name, *offloads)
     prebuilt = prebuilt_ops(device)
     return [op for op in ops if op not in prebuilt]
 

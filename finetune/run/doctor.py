@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
 from finetune import objectives
@@ -198,8 +199,9 @@ def recipe_imports(recipe: "Recipe") -> tuple[str, ...]:
         (("tensorboard",) if "tensorboard" in recipe.training.report_to else ())
 
 
-def checks_for_recipe(recipe: "Recipe", facts: Optional[Facts] = None) -> list[Check]:
-    """The environment checks that concern `recipe`; status `fail` stops `finetune train`."""
+def checks_for_recipe(recipe: "Recipe", facts: Optional[Facts] = None, run_dir: Optional[Path] = None) -> list[Check]:
+    """The environment checks that concern `recipe`; status `fail` stops `finetune train`. `run_dir`: the run
+    directory a resume writes into in place, whose recorded optimizer the run keeps (deepspeed_ops.recipe_ops)."""
     if facts is None:
         facts = collect_facts(recipe_imports(recipe))
     checks = torch_install_checks(facts)
@@ -219,8 +221,8 @@ def checks_for_recipe(recipe: "Recipe", facts: Optional[Facts] = None) -> list[C
             checks.append(Check("liger-kernel.zero3", "warn", "training.loss_kernel: liger reads the output head's "
                                 "weight directly, which ZeRO-3 keeps partitioned outside the head's own forward",
                                 "use training.loss_kernel: chunked with ZeRO-3"))
-    checks += nvcc_checks(recipe, facts)
-    checks += build_tool_checks(facts, recipe)
+    checks += nvcc_checks(recipe, facts, run_dir)
+    checks += build_tool_checks(facts, recipe, run_dir)
     checks += vllm_checks(recipe.grpo.vllm, facts) if objectives.get(recipe.objective).generates \
         and recipe.grpo.vllm != "off" else []
     checks += parallel_checks(recipe, facts)
@@ -229,7 +231,7 @@ def checks_for_recipe(recipe: "Recipe", facts: Optional[Facts] = None) -> list[C
     return checks + deepspeed_release_checks(facts, recipe)
 
 
-def build_tool_checks(facts: Facts, recipe: Optional["Recipe"] = None) -> list[Check]:
+def build_tool_checks(facts: Facts, recipe: Optional["Recipe"] = None, run_dir: Optional[Path] = None) -> list[Check]:
     """The C++ compiler, ninja and Python's headers, when a launch of `recipe` (None: the defaults) here would
     JIT-compile a DeepSpeed op that is not built yet (finetune.run.deepspeed_ops.missing_build_tools)."""
     if facts.version("torch") is None or facts.version("deepspeed") is None or "torch" in facts.import_errors:
@@ -238,7 +240,7 @@ def build_tool_checks(facts: Facts, recipe: Optional["Recipe"] = None) -> list[C
 
     device = "cuda" if facts.cuda_available and facts.gpus else "cpu"
     root = launch_extensions_root()
-    ops = [op for op in recipe_ops(device, recipe) if not is_built(root / op)]
+    ops = [op for op in recipe_ops(device, recipe, run_dir) if not is_built(root / op)]
     missing = missing_build_tools() if ops else []
     if not missing:
         return []
@@ -247,7 +249,7 @@ def build_tool_checks(facts: Facts, recipe: Optional["Recipe"] = None) -> list[C
                   "; ".join(dict.fromkeys(fix for _, fix in missing)))]
 
 
-def nvcc_checks(recipe: "Recipe", facts: Facts) -> list[Check]:
+def nvcc_checks(recipe: "Recipe", facts: Facts, run_dir: Optional[Path] = None) -> list[Check]:
     """DeepSpeed compiles FusedAdam (FusedLion, FusedLamb) on the first run on a GPU, with the CUDA toolkit's
     nvcc; an image with the CUDA runtime alone fails there, after the model has loaded. Not run on a GPU here."""
     if not (facts.cuda_available and facts.gpus) or facts.nvcc is not None:
@@ -255,7 +257,7 @@ def nvcc_checks(recipe: "Recipe", facts: Facts) -> list[Check]:
     from finetune.run.deepspeed_ops import CUDA_OPS, FUSED_ADAM_OP, is_built, launch_extensions_root, recipe_ops
 
     root = launch_extensions_root()
-    ops = [op for op in recipe_ops("cuda", recipe) if op in CUDA_OPS and not is_built(root / op)]
+    ops = [op for op in recipe_ops("cuda", recipe, run_dir) if op in CUDA_OPS and not is_built(root / op)]
     if not ops:
         return []
     fix = f"install the CUDA toolkit (nvcc) of torch's CUDA {facts.torch_cuda} and set CUDA_HOME"

@@ -78,7 +78,8 @@ def run_preflight(loaded: LoadedRecipe, run_dir: Path, overwrite: bool = False, 
     result = Preflight()
     recipe = loaded.recipe
     readable = lint_step(loaded, result, world_size)
-    for check in checks_for_recipe(recipe, facts):
+    # A run directory written in place (a resume; --overwrite replaces it) keeps its recorded optimizer.
+    for check in checks_for_recipe(recipe, facts, None if overwrite else run_dir):
         fix = f" (fix: {check.fix})" if check.fix else ""
         if check.status == "fail":
             result.errors.append(f"environment: {check.message}{fix}")

@@ -99,7 +99,7 @@ def prepare(loaded: LoadedRecipe, output_dir: Optional[Path] = None, overwrite: 
     # directory keeps the recipe as written, with auto.json beside it).
     auto = resolve_on(recipe, facts, plan.procs_per_node if plan else 1)
     loaded.recipe = recipe = auto.recipe
-    builds = watch_builds(plan, recipe, dry_run) if plan is not None else None
+    builds = watch_builds(plan, recipe, dry_run, None if overwrite else run_dir) if plan is not None else None
     lock, in_use, created = claim(run_dir, dry_run, recipe)
     prepared = Prepared(loaded, run_dir, None, plan, overwrite, lock, builds, created, auto)  # type: ignore[arg-type]
     try:
@@ -120,10 +120,11 @@ def resolve_auto(recipe: Recipe, procs_per_node: Optional[int] = None) -> Resolu
     return resolve_on(recipe, collect_facts(()), procs_per_node)
 
 
-def watch_builds(plan: LaunchPlan, recipe: Recipe, dry_run: bool) -> Optional[BuildWatch]:
+def watch_builds(plan: LaunchPlan, recipe: Recipe, dry_run: bool, run_dir: Optional[Path] = None) -> Optional[BuildWatch]:
     """Say which DeepSpeed ops the ranks will compile first, and clear a stale build lock that would make
-    them wait forever (a dry run only says how). Single-node runs: other nodes have their own caches."""
-    ops = recipe_ops(plan.device, recipe)
+    them wait forever (a dry run only says how). Single-node runs: other nodes have their own caches. `run_dir`:
+    written in place, its recorded optimizer counts (deepspeed_ops.recipe_ops)."""
+    ops = recipe_ops(plan.device, recipe, run_dir)
     if not ops or plan.nodes > 1:
         return None
     try:

@@ -190,7 +190,12 @@ def write_run_dir(loaded: LoadedRecipe, run_dir: Path, world_size: int, overwrit
     run_dir = Path(run_dir).absolute()
     files = run_files(loaded, run_dir, world_size, auto)
     if in_place and not overwrite:
-        files[DEEPSPEED_FILE] = with_recorded_optimizer(files[DEEPSPEED_FILE], run_dir)
+        from finetune.render import dumps
+
+        config = json.loads(files[DEEPSPEED_FILE])
+        kept = with_recorded_optimizer(config, run_dir)
+        if kept is not config:
+            files[DEEPSPEED_FILE] = dumps(kept)
         run_dir.mkdir(parents=True, exist_ok=True)  # the other nodes may be creating it at the same time
     # An empty directory (made by hand, a mount point, or by `finetune train` to hold its lock) is filled in place.
     if run_dir.is_dir() and (in_place and not overwrite or all(is_lock_file(p.name) for p in run_dir.iterdir())):
@@ -204,32 +209,29 @@ def write_run_dir(loaded: LoadedRecipe, run_dir: Path, world_size: int, overwrit
     return run_dir
 
 
-def with_recorded_optimizer(text: str, run_dir: Path) -> str:
-    """The DeepSpeed config `text` with the Adam implementation the run directory's deepspeed.json records, where both
-    name the same optimizer: a resumed run steps the optimizer that wrote its checkpoints.
+def with_recorded_optimizer(config: dict, run_dir: Path) -> dict:
+    """The DeepSpeed config with the Adam implementation the run directory's deepspeed.json records, where both name
+    the same optimizer: a resumed run steps the optimizer that wrote its checkpoints, and compiles what it needs
+    (finetune.run.deepspeed_ops.recipe_ops). `config` is left as it is; a changed copy is returned.
 
     Up to 2026-11-28 finetune rendered Adam/AdamW as DeepSpeed's FusedAdam (finetune.render.with_torch_adam). Its
     saved param groups replace torch's on loading, so a run resumed with torch's AdamW loses `fused` and steps the
     slower foreach path (seen on the CPU, ZeRO-2); the other way FusedAdam fails on the first step (KeyError
     'bias_correction'); and at ZeRO-0 the two have other DeepSpeed wrappers, with other state dicts."""
-    from finetune.render import dumps
-
     try:
         recorded = json.loads(RunDir(run_dir).file(DEEPSPEED_FILE).read_text(encoding="utf-8"))
     except (OSError, ValueError):
-        return text  # a run directory without one (an empty folder filled in place): nothing recorded
-    config = json.loads(text)
+        return config  # a run directory without one (an empty folder filled in place): nothing recorded
     old, new = recorded.get("optimizer") if isinstance(recorded, dict) else None, config.get("optimizer")
     if not (isinstance(old, dict) and isinstance(new, dict) and isinstance(new.get("params"), dict)) \
             or str(old.get("type", "")).lower() != str(new.get("type", "")).lower():
-        return text
+        return config
     kept = old.get("params") if isinstance(old.get("params"), dict) else {}
     params = {key: value for key, value in new["params"].items() if key not in ("torch_adam", "fused")}
     params.update({key: kept[key] for key in ("torch_adam", "fused") if key in kept})
     if params == new["params"]:
-        return text
-    new["params"] = dict(sorted(params.items()))
-    return dumps(config)
+        return config
+    return {**config, "optimizer": {**new, "params": dict(sorted(params.items()))}}
 
 
 def _write_into(directory: Path, files: dict[str, str]) -> None:

@@ -544,6 +544,8 @@ CASES = [
      HF, ("fp16", "loss_scale")),
     ("DS155", "warning", zero(offload_optimizer={"device": "cpu"}), HF, ("zero_optimization", "offload_optimizer")),
     ("DS156", "error", zero(cpu_offload=True), HF, ("zero_optimization", "cpu_offload")),
+    ("DS157", "warning", base(optimizer={"type": "AdamW", "params": {"torch_adam": "false"}}), HF,
+     ("optimizer", "params", "torch_adam")),
     ("DS160", "error", base(scheduler={"type": "cosine", "params": {}}), HF, ("scheduler", "type")),
     ("DS161", "error", base(scheduler={"type": "WarmupDecayLR", "params": {"warmup_num_steps": "auto"}}), HF, ("scheduler", "params")),
     ("DS170", "error", base(steps_per_print=10, dump_state="auto"), HF, ("dump_state",)),

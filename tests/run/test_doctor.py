@@ -230,6 +230,27 @@ def test_a_gpu_box_without_nvcc_is_refused_before_deepspeed_compiles_fusedadam(t
     assert "deepspeed.nvcc" not in by_name(checks_for_recipe(fused_adam, bare))
 
 
+def test_a_resumed_run_that_recorded_fusedadam_is_refused_without_nvcc(tmp_path, monkeypatch):
+    """A run started before 2026-11-28 recorded DeepSpeed's FusedAdam, and its resume keeps it
+    (finetune.rundir.layout.with_recorded_optimizer): the ops a launch into that run directory compiles, and so the
+    nvcc check, read the record. Replacing the directory (--overwrite: no run_dir) renders torch's fused AdamW."""
+    import dataclasses
+    import shutil
+
+    from finetune.run.deepspeed_ops import FUSED_ADAM_OP, recipe_ops
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ops"))  # nothing built
+    run_dir = tmp_path / "run"
+    shutil.copytree(Path(__file__).parents[1] / "fixtures" / "rundirs" / "2026-11-27", run_dir)
+    bare = dataclasses.replace(facts(), nvcc=None)
+    lora = recipe(method="lora", deepspeed={"enabled": True})
+    assert recipe_ops("cuda", lora) == [] and recipe_ops("cuda", lora, run_dir) == [FUSED_ADAM_OP]
+    assert "deepspeed.nvcc" not in by_name(checks_for_recipe(lora, bare))
+    check = by_name(checks_for_recipe(lora, bare, run_dir))["deepspeed.nvcc"]
+    assert check.status == "fail" and FUSED_ADAM_OP in check.message
+    assert recipe_ops("cuda", lora, tmp_path / "empty") == []  # nothing recorded there
+
+
 def test_a_lora_recipe_on_one_gpu_needs_no_nvcc_where_auto_trains_it_without_deepspeed(tmp_path, monkeypatch):
     """`deepspeed.enabled: auto` trains LoRA on one GPU with transformers' Trainer alone (finetune.plan.auto), which
     compiles no DeepSpeed op: an image without the CUDA toolkit may train it. `finetune doctor --recipe` judges the

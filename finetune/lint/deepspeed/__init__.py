@@ -77,6 +77,7 @@ RULES: dict[str, str] = {
     "DS154": "LAMB with a static fp16 loss scale.",
     "DS155": "Optimizer offload with the Trainer's optimizer: accelerate swaps in DeepSpeedCPUAdam.",
     "DS156": "Deprecated `cpu_offload` with the Trainer's optimizer: accelerate does not swap it, DeepSpeed refuses it.",
+    "DS157": "`torch_adam` that DeepSpeed reads the other way (the string \"false\" is true to `if torch_adam:`).",
     "DS160": "Unknown scheduler type.",
     "DS161": "Scheduler parameters the scheduler refuses (unknown or missing parameter, bad warmup).",
     "DS170": "\"auto\" where neither HF nor accelerate fills it in (accelerate stops with `not found in kwargs`).",

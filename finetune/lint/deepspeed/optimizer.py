@@ -13,6 +13,7 @@ from finetune.lint.deepspeed.schema import (
     ZERO_TESTED_TYPES)
 from finetune.lint.deepspeed.values import MISSING, as_bool, show, suggest
 from finetune.lint.deepspeed.view import ConfigView, Seen, rule
+from finetune.render import optimizer_class
 
 
 # What a block with no `type` gets: rule, message, the note added under HF, the fix under HF, the fix without.
@@ -27,7 +28,7 @@ _NO_TYPE = {
 
 
 # ------------------------------------------------------------------------------------------
-# Optimizer (DS150-DS154)
+# Optimizer (DS150-DS157)
 
 def block_type(v: ConfigView, block_name: str) -> Generator[RawFinding, None, Optional[str]]:
     """The `type` of the optimizer or scheduler block, or None when nothing more is to be checked: no block,
@@ -71,6 +72,12 @@ def optimizer(v: ConfigView, seen: Seen) -> Iterator[RawFinding]:
             yield RawFinding(
                 "DS152", "error", ("optimizer", "params", "max_grad_norm"), "`max_grad_norm` is not an "
                 "optimizer parameter for DeepSpeed: it refuses it", 'delete it and set "gradient_clipping"')
+        flag = params.get("torch_adam")
+        if kind in ("adam", "adamw") and not isinstance(flag, bool) and as_bool(flag) not in (None, bool(flag)):
+            yield RawFinding(
+                "DS157", "warning", ("optimizer", "params", "torch_adam"), f"`torch_adam` is {show(flag)}, which "
+                f"DeepSpeed reads as Python does (`if torch_adam:`): {bool(flag)}, so it steps "
+                f"{optimizer_class(v.config)}", f"write {str(as_bool(flag)).lower()} (a JSON/YAML boolean)")
         yield from optimizer_params(v, kind, params)
     if v.stage and kind not in ZERO_TESTED_TYPES and \
             as_bool(v.config.get("zero_allow_untested_optimizer", False)) is not True:
@@ -85,23 +92,13 @@ def optimizer(v: ConfigView, seen: Seen) -> Iterator[RawFinding]:
 
 
 def optimizer_params(v: ConfigView, kind: str, params: dict) -> Iterator[RawFinding]:
+    cls = optimizer_class(v.config)
+    if cls not in OPTIMIZER_PARAMS:
+        return  # torch.optim classes and mu* optimizers: their signatures are not tracked here
     offload = v.device("offload_optimizer") in ("cpu", "nvme")
     popped: set = set()
     if kind in ("adam", "adamw"):
-        popped = ADAM_POPPED
-        if as_bool(params.get("torch_adam", False)) is True:
-            cls = "torch.optim.AdamW"
-            popped = popped | {"foreach"}
-        else:
-            cls = "DeepSpeedCPUAdam" if offload else "FusedAdam"
-    elif kind == "lion":
-        cls = "DeepSpeedCPULion" if offload else "FusedLion"
-    elif kind == "adagrad":
-        cls = "DeepSpeedCPUAdagrad" if offload else "torch.optim.Adagrad"
-    elif kind == "lamb":
-        cls = "FusedLamb"
-    else:
-        return  # torch.optim classes and mu* optimizers: their signatures are not tracked here
+        popped = ADAM_POPPED | ({"foreach"} if cls == "torch.optim.AdamW" else set())
     allowed = OPTIMIZER_PARAMS[cls] | popped
     for key in params:
         if key in allowed or key == "max_grad_norm":

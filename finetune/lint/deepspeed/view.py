@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Optional
 
 from finetune.lint.deepspeed.context import DSContext, RawFinding
-from finetune.lint.deepspeed.schema import OFFLOAD_DEVICES
 from finetune.lint.deepspeed.values import MISSING, UNKNOWN, as_bool, as_int, hf_warmup_steps, with_ta_defaults
+from finetune.render import offload_device
 
 # structure.py: duplicates, structure; setup.py: trainer .. zero, misc; optimizer.py: optimizer, scheduler;
 # auto.py: auto (last: it reports only the "auto" values nothing before has judged).
@@ -50,13 +50,7 @@ class ConfigView:
 
     def device(self, block: str) -> Optional[str]:
         """Effective offload device of zero_optimization.<block>: none, cpu, nvme, or None if invalid."""
-        node = self.zero().get(block)
-        if node is None or (not isinstance(node, dict)):
-            return "none" if node is None else None
-        device = node.get("device", "none")
-        if device == "auto":
-            return "none"  # accelerate's default, and raw DeepSpeed's after dropping "auto"
-        return device if device in OFFLOAD_DEVICES else None
+        return offload_device(self.config, block)
 
     def enabled(self, section: str) -> Any:
         """Whether fp16/bf16 ends up enabled: True, False or UNKNOWN."""
