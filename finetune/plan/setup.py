@@ -81,7 +81,9 @@ class Setup:
     # ZeRO-0 over 16-bit weights (engine._configure_fp16_optimizer): DeepSpeed's own FusedAdam (an "optimizer" block
     # of Adam/AdamW without torch_adam) gets FP16_Optimizer, which flattens the fp32 gradients; any other optimizer
     # (torch's with torch_adam, the Trainer's without a block, Lion) gets FP16_UnfusedOptimizer, which does not.
-    ds_fused_adam: bool = True
+    # False unless said: finetune renders torch's fused AdamW (finetune.render.with_torch_adam), and the configs of
+    # LLaMA-Factory and axolotl have no optimizer block (the Trainer's).
+    ds_fused_adam: bool = False
     # The dtype the cross-entropy runs in. Today's transformers upcast the logits to fp32 (and so does
     # torch.autocast, whose fp32 list has log_softmax / nll_loss); older remote-code models that compute
     # their own loss without an upcast, run without autocast (DeepSpeed), keep it 16-bit. Corpus cases
