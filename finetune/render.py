@@ -109,9 +109,7 @@ def with_torch_adam(config: dict[str, Any], overrides: dict[str, Any]) -> dict[s
     DeepSpeedCPUAdam's (a host op; DeepSpeed refuses torch's optimizer there), so the block stays as it is."""
     block = config.get("optimizer")
     params = block.get("params") if isinstance(block, dict) else None
-    if not isinstance(params, dict) or str(block.get("type", "")).lower() not in ("adam", "adamw"):
-        return config
-    if offload_device(config, "offload_optimizer") != "none":
+    if not isinstance(params, dict) or optimizer_class(config) != "FusedAdam":  # offloaded: DeepSpeedCPUAdam
         return config
     written = overrides.get("optimizer")
     written = written.get("params") if isinstance(written, dict) else None
